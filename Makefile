@@ -1,0 +1,34 @@
+# specdec: `make run` starts the three services and streams a demo answer; `make test` runs the tests.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROTOS := $(wildcard protos/specdec/v1/*.proto)
+STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
+
+.PHONY: setup stubs run test test-all clean
+
+setup: $(STAMP) stubs
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+stubs: $(STUBS)
+
+specdec/%_pb2.py: protos/specdec/%.proto $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $<
+
+run: setup
+	$(PY) -m coordinator.launch --demo
+
+test: setup
+	$(PY) -m pytest -q
+
+test-all: setup
+	$(PY) -m pytest -q -m ''
+
+clean:
+	rm -rf specdec .cache build *.egg-info

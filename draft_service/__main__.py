@@ -1,0 +1,38 @@
+"""Run the draft service.
+
+    python -m draft_service --model DIR --port 50052
+
+Every flag can also be set from the environment (SPECDEC_DRAFT_<FLAG>); see --help.
+"""
+
+from __future__ import annotations
+
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from speculative.engines import DraftEngine
+from speculative.serving import EnvArgumentParser, ModelThread, add_common_flags, add_model_flags, run_model_service
+
+from .servicer import SERVICE_NAME, DraftServicer
+
+DEFAULT_PORT = 50052
+
+
+def parse_args(argv=None):
+    parser = EnvArgumentParser("SPECDEC_DRAFT", prog="python -m draft_service", description=__doc__)
+    add_common_flags(parser, DEFAULT_PORT)
+    add_model_flags(parser, default_model=None)
+    parser.add_argument("--max-support", type=int, default=64,
+                        help="tokens in each shipped draft distribution q (the draft samples from exactly these)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    servicer = DraftServicer(ModelThread())
+    run_model_service(
+        "draft", args, servicer, pb_grpc.add_DraftServicer_to_server, SERVICE_NAME,
+        lambda runner: DraftEngine(runner, args.max_support, args.max_tokens_per_call),
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""Errors the engines raise; servicers translate them into gRPC status codes."""
+
+
+class InvalidRequest(ValueError):
+    """The request is malformed or out of range (INVALID_ARGUMENT)."""
+
+
+class SessionNotFound(KeyError):
+    """No session with that id (NOT_FOUND)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; we want the message
+        return str(self.args[0]) if self.args else "session not found"
+
+
+class SessionExists(ValueError):
+    """A session with that id already exists (ALREADY_EXISTS)."""
+
+
+class CapacityExceeded(RuntimeError):
+    """The service holds as many sessions as it may (RESOURCE_EXHAUSTED)."""

@@ -1,0 +1,155 @@
+"""Loads a local Hugging Face causal LM and runs it over per-session KV caches.
+
+Shared by the draft and the target services. Any transformers causal LM that
+works with `DynamicCache` (Llama, Qwen2, Mistral families...) is accepted; it is
+loaded from a local directory only (nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from .errors import InvalidRequest
+from .sessions import Session, SessionTable
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of the id <-> token mapping (added and special tokens included)."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+
+
+class ModelRunner:
+    """One model, its tokenizer and the sessions it serves."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: str | None = None,
+        dtype: str = "float32",
+        max_sessions: int = 256,
+        idle_timeout: float = 600.0,
+        max_context: int | None = None,
+    ):
+        path = Path(model_dir)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
+        if dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
+        self.name = path.resolve().name
+        self.device = torch.device(device or default_device())
+        self.dtype = DTYPES[dtype]
+        self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, local_files_only=True)
+        self.model.to(self.device).eval()
+        config = self.model.config
+        self.logits_size = self.model.get_output_embeddings().weight.shape[0]
+        # ids a tokenizer can produce and the model can score
+        self.vocab_size = min(len(self.tokenizer), self.logits_size)
+        model_context = getattr(config, "max_position_embeddings", None) or 2048
+        self.max_context = min(max_context or model_context, model_context)
+        self.eos_token_ids = self._eos_ids()
+        self.fingerprint = tokenizer_fingerprint(self.tokenizer)
+        self.num_parameters = sum(p.numel() for p in self.model.parameters())
+        self.sessions = SessionTable(max_sessions, idle_timeout)
+        self._tokenizer_files: list[tuple[str, bytes]] | None = None
+        self.lock = threading.Lock()  # one forward at a time; sessions are touched under it
+
+    def _eos_ids(self) -> list[int]:
+        ids: set[int] = set()
+        for source in (self.model.generation_config, self.model.config):
+            eos = getattr(source, "eos_token_id", None)
+            if eos is not None:
+                ids.update([eos] if isinstance(eos, int) else eos)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return sorted(ids)
+
+    def info(self) -> dict:
+        return {
+            "model_name": self.name,
+            "vocab_size": self.vocab_size,
+            "tokenizer_fingerprint": self.fingerprint,
+            "max_context": self.max_context,
+            "eos_token_ids": self.eos_token_ids,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "num_parameters": self.num_parameters,
+            "logits_size": self.logits_size,
+        }
+
+    def tokenizer_files(self) -> list[tuple[str, bytes]]:
+        """The tokenizer as save_pretrained writes it, so a peer can load the same one."""
+        if self._tokenizer_files is None:
+            with tempfile.TemporaryDirectory() as tmp:
+                self.tokenizer.save_pretrained(tmp)
+                self._tokenizer_files = [(f.name, f.read_bytes()) for f in sorted(Path(tmp).iterdir()) if f.is_file()]
+        return self._tokenizer_files
+
+    # ------------------------------------------------------------ sessions
+
+    def start_session(self, session_id: str, seed: int) -> Session:
+        if not session_id:
+            raise InvalidRequest("session_id is empty")
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed % (1 << 63))
+        return self.sessions.create(session_id, generator)
+
+    def check_tokens(self, tokens: list[int], what: str) -> None:
+        bad = [t for t in tokens if not 0 <= t < self.logits_size]
+        if bad:
+            raise InvalidRequest(f"{what} token id {bad[0]} is outside the vocabulary [0, {self.logits_size})")
+
+    def check_context(self, session_id: str, length: int) -> None:
+        """Refuse a call that would grow a session past the context."""
+        if length > self.max_context:
+            raise InvalidRequest(
+                f"session {session_id!r} would hold {length} tokens, beyond the context of {self.max_context}"
+            )
+
+    @torch.inference_mode()
+    def forward(self, session: Session, num_logits: int = 1) -> torch.Tensor:
+        """Feed the session's uncached tokens; return the last `num_logits` rows of logits.
+
+        -> [num_logits, logits_size] float32. The session's tokens are all cached after.
+        """
+        short = num_logits - (len(session.tokens) - session.cached)
+        if short > 0:  # rows to score are already cached: step the cache back and re-feed them
+            if short > session.cached:
+                raise InvalidRequest(f"cannot score {num_logits} positions of a {len(session.tokens)}-token session")
+            session.cache.crop(-short)
+            session.cached -= short
+        new = session.tokens[session.cached :]
+        input_ids = torch.tensor([new], dtype=torch.long, device=self.device)  # [1, S]
+        out = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True, logits_to_keep=num_logits)
+        session.cached = len(session.tokens)
+        return out.logits[0].float()  # [num_logits, V]
+
+
+class Timer:
+    """Milliseconds since construction: the `service_ms` a service reports."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    @property
+    def ms(self) -> float:
+        return (time.perf_counter() - self.start) * 1e3

@@ -1,0 +1,173 @@
+"""The speculative round — propose -> verify -> accept / roll back — over two peers.
+
+`speculative_round` is the one place the algorithm lives. Its peers are
+interfaces: in one process they wrap the engines directly (`local.py`); across
+processes they are gRPC stubs (coordinator/peers.py). Either way they receive
+deltas only:
+
+  draft   holds committed[:draft_seen] + its `unconfirmed` last proposals;
+          each call rolls back the rejected ones and appends what is new.
+  target  holds every committed token (the last one, which it sampled itself,
+          not yet in its KV cache); each call appends what is new (normally
+          nothing) plus the K draft tokens, scored in one forward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .sampling import SamplingParams
+
+
+@dataclass
+class Proposal:
+    """K draft tokens and the sparse q each was sampled from (wire layout, see specdec.proto)."""
+
+    tokens: list[int] = field(default_factory=list)
+    support_sizes: list[int] = field(default_factory=list)
+    support_ids: bytes = b""
+    support_probs: bytes = b""
+
+
+@dataclass
+class Verdict:
+    accepted: int  # draft tokens accepted, a prefix of the proposal
+    token: int     # recovered (accepted < K) or bonus (accepted == K) token
+
+
+class DraftPeer(Protocol):
+    async def propose(
+        self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams
+    ) -> tuple[Proposal, float]:
+        """-> (proposal, milliseconds spent inside the draft service)"""
+
+    async def release(self, session_id: str) -> None: ...
+
+
+class TargetPeer(Protocol):
+    async def verify(
+        self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams
+    ) -> tuple[Verdict, float]:
+        """-> (verdict, milliseconds spent inside the target service)"""
+
+    async def release(self, session_id: str) -> None: ...
+
+
+@dataclass
+class Sequence:
+    """The coordinator's view of one generation: what each peer already holds."""
+
+    session_id: str
+    tokens: list[int]            # committed: prompt + generated
+    draft_seen: int = 0          # committed tokens in the draft session
+    draft_unconfirmed: int = 0   # proposals the draft session holds beyond them
+    target_seen: int = 0         # committed tokens in the target session
+
+
+@dataclass
+class Round:
+    tokens: list[int]  # newly committed: accepted draft tokens + the recovered/bonus token
+    proposed: int
+    accepted: int
+    draft_ms: float = 0.0
+    target_ms: float = 0.0
+
+
+async def speculative_round(
+    draft: DraftPeer, target: TargetPeer, seq: Sequence, k: int, params: SamplingParams
+) -> Round:
+    """One round: the draft proposes k tokens, the target verifies them in one pass."""
+    proposal, draft_ms = Proposal(), 0.0
+    if k > 0:
+        proposal, draft_ms = await draft.propose(
+            seq.session_id, seq.draft_seen == 0, seq.draft_unconfirmed, seq.tokens[seq.draft_seen :], k, params
+        )
+    verdict, target_ms = await target.verify(
+        seq.session_id, seq.target_seen == 0, seq.tokens[seq.target_seen :], proposal, params
+    )
+    accepted = proposal.tokens[: verdict.accepted]
+    if k > 0:
+        # the draft keeps the accepted proposals; the rest are rolled back next call
+        seq.draft_seen = len(seq.tokens) + verdict.accepted
+        seq.draft_unconfirmed = len(proposal.tokens) - verdict.accepted
+    seq.tokens.extend(accepted)
+    seq.tokens.append(verdict.token)
+    seq.target_seen = len(seq.tokens)
+    return Round(accepted + [verdict.token], len(proposal.tokens), verdict.accepted, draft_ms, target_ms)
+
+
+@dataclass
+class Stats:
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_ms: float = 0.0
+    target_ms: float = 0.0
+    generated_tokens: int = 0
+
+    def add(self, r: Round) -> None:
+        self.rounds += 1
+        self.draft_tokens += r.proposed
+        self.accepted_tokens += r.accepted
+        if len(self.accepted_per_position) < r.proposed:
+            self.accepted_per_position += [0] * (r.proposed - len(self.accepted_per_position))
+        for i in range(r.accepted):
+            self.accepted_per_position[i] += 1
+        self.draft_ms += r.draft_ms
+        self.target_ms += r.target_ms
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        return self.accepted_tokens / self.rounds if self.rounds else 0.0
+
+
+async def generate(
+    draft: DraftPeer,
+    target: TargetPeer,
+    prompt: list[int],
+    *,
+    max_new_tokens: int,
+    k: int,
+    params: SamplingParams,
+    eos_token_ids: frozenset[int] | set[int] = frozenset(),
+    max_context: int,
+    stats: Stats | None = None,
+    session_id: str | None = None,
+) -> AsyncIterator[list[int]]:
+    """Yield each round's new tokens until max_new_tokens, the context or an EOS.
+
+    Tokens past an EOS or past max_new_tokens are dropped. Both sessions are
+    released when the generator ends or is closed early.
+    """
+    stats = stats if stats is not None else Stats()
+    seq = Sequence(session_id or uuid.uuid4().hex, list(prompt))
+    limit = min(max_new_tokens, max_context - len(prompt))
+    try:
+        while stats.generated_tokens < limit:
+            remaining = limit - stats.generated_tokens
+            r = await speculative_round(draft, target, seq, max(0, min(k, remaining - 1)), params)
+            stats.add(r)
+            new = r.tokens[:remaining]
+            for i, t in enumerate(new):
+                if t in eos_token_ids:
+                    new = new[: i + 1]
+                    break
+            stats.generated_tokens += len(new)
+            yield new
+            if new[-1] in eos_token_ids:
+                return
+    finally:
+        with contextlib.suppress(Exception):
+            await target.release(seq.session_id)
+        if seq.draft_seen:
+            with contextlib.suppress(Exception):
+                await draft.release(seq.session_id)

@@ -1,0 +1,158 @@
+"""Sampling maths: target/draft distributions, sparse draft supports, rejection sampling.
+
+Terms, used the same way everywhere in specdec:
+  p            the target's distribution at a position, after the request's
+               temperature / top-k / top-p (temperature 0: one-hot at the argmax).
+  q            the distribution the draft sampled its token from at a position;
+               it is the draft's p truncated to its `support` (the draft's
+               top-`max_support` tokens) and renormalised: exactly what it sampled
+               from, so it can be shipped sparsely without breaking exactness.
+  accepted     draft tokens that pass the test u < p(x) / q(x).
+  recovered    the token sampled from norm(max(0, p - q)) at the first rejection.
+  bonus        the token sampled from p after all K draft tokens are accepted.
+
+Rejection sampling (Leviathan et al. 2022, Chen et al. 2023) makes every emitted
+token distributed exactly as p, whatever q is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0            # 0 = off
+    top_p: float = 1.0        # 1 = off
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """p after temperature, then top-k, then top-p (the order transformers uses).
+
+    logits: [..., V] -> probs: [..., V] float32, rows summing to 1.
+    """
+    logits = logits.float()
+    if params.greedy:
+        # temperature -> 0: all mass on the argmax
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        outside = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from a [V] distribution."""
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def draft_support(probs: torch.Tensor, max_support: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: the draft's p restricted to its top-`max_support` tokens, renormalised.
+
+    probs: [V] -> (ids [S], q [S]) with S <= max_support, q > 0, sorted by q descending.
+    """
+    values, ids = torch.topk(probs, min(max_support, probs.shape[-1]))
+    keep = values > 0
+    values, ids = values[keep], ids[keep]
+    return ids, values / values.sum()
+
+
+def rejection_sample(
+    p: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    q_ids: list[torch.Tensor],
+    q_probs: list[torch.Tensor],
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """Verify K draft tokens against the target.
+
+    p: [K+1, V] target distributions; row i is at draft position i, row K is the
+       bonus position.
+    draft_tokens: [K]; q_ids[i], q_probs[i]: [S_i], the support of q at position i.
+    Returns (accepted, token): the number of accepted draft tokens and the
+    recovered token (accepted < K) or the bonus token (accepted == K).
+    """
+    k = draft_tokens.shape[0]
+    if k:
+        p_x = p[torch.arange(k, device=p.device), draft_tokens]  # p_i(x_i): [K]
+        q_x = torch.stack([qp[qi == x].sum() for qi, qp, x in zip(q_ids, q_probs, draft_tokens)])
+        u = torch.rand(k, generator=generator, device=p.device)
+        # accept x with probability min(1, p(x) / q(x)), i.e. when u * q(x) < p(x):
+        # q(x) <= p(x) always accepts, p(x) = 0 never does
+        rejected = (u * q_x >= p_x).nonzero()
+        if rejected.numel():
+            i = int(rejected[0, 0])
+            # recovered token ~ norm(max(0, p - q))
+            residual = p[i].clone()
+            residual.index_put_((q_ids[i],), -q_probs[i], accumulate=True)
+            residual.clamp_(min=0.0)
+            if residual.sum() <= 0:  # p == q up to rounding: rejection was a rounding event
+                residual = p[i]
+            return i, sample(residual / residual.sum(), generator)
+    # every draft token accepted: bonus token ~ p at position K
+    return k, sample(p[k], generator)
+
+
+# ------------------------------------------------------------- wire encoding
+
+_IDS = np.dtype("<i4")
+_PROBS = np.dtype("<f4")
+
+
+def encode_supports(q_ids: list[torch.Tensor], q_probs: list[torch.Tensor]) -> tuple[list[int], bytes, bytes]:
+    """Sparse q for the wire: (support_sizes, support_ids bytes, support_probs bytes)."""
+    if not q_ids:
+        return [], b"", b""
+    ids = torch.cat(q_ids).cpu().numpy().astype(_IDS)
+    probs = torch.cat(q_probs).float().cpu().numpy().astype(_PROBS)
+    return [int(t.shape[0]) for t in q_ids], ids.tobytes(), probs.tobytes()
+
+
+def decode_supports(
+    num_tokens: int, sizes: list[int], ids: bytes, probs: bytes, vocab: int, device: torch.device | str = "cpu"
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Inverse of encode_supports, checking everything a peer could get wrong."""
+    if len(sizes) != num_tokens:
+        raise InvalidRequest(f"proposal has {num_tokens} tokens but {len(sizes)} support sizes")
+    if len(ids) % 4 or len(probs) % 4:
+        raise InvalidRequest("support_ids and support_probs must be whole int32 / float32 arrays")
+    ids_np = np.frombuffer(ids, dtype=_IDS)
+    probs_np = np.frombuffer(probs, dtype=_PROBS)
+    total = sum(sizes)
+    if any(s <= 0 for s in sizes) or ids_np.size != total or probs_np.size != total:
+        raise InvalidRequest(
+            f"support sizes {sizes} do not match {ids_np.size} support ids and {probs_np.size} probabilities"
+        )
+    if total and (ids_np.min() < 0 or ids_np.max() >= vocab):
+        raise InvalidRequest(f"support ids must lie in [0, {vocab})")
+    if not np.all(np.isfinite(probs_np)) or (total and probs_np.min() < 0):
+        raise InvalidRequest("draft probabilities must be finite and non-negative")
+    bounds = np.cumsum([0, *sizes])
+    for i in range(num_tokens):
+        mass = float(probs_np[bounds[i] : bounds[i + 1]].sum(dtype=np.float64))
+        if abs(mass - 1.0) > 1e-3:
+            raise InvalidRequest(f"draft probabilities at position {i} sum to {mass:.6f}, not 1")
+    ids_t = torch.from_numpy(ids_np.astype(np.int64)).to(device)
+    probs_t = torch.from_numpy(probs_np.copy()).to(device)
+    splits = [int(s) for s in sizes]
+    return list(torch.split(ids_t, splits)), list(torch.split(probs_t, splits))

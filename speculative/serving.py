@@ -1,0 +1,288 @@
+"""What the three gRPC servers share: flags from the environment, health, reflection,
+error translation, the model thread, and a graceful stop on SIGTERM / SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .errors import CapacityExceeded, InvalidRequest, SessionExists, SessionNotFound
+
+log = logging.getLogger("specdec")
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+CHANNEL_OPTIONS = SERVER_OPTIONS + [("grpc.enable_retries", 0)]
+
+STATUS_OF = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    SessionNotFound: grpc.StatusCode.NOT_FOUND,
+    SessionExists: grpc.StatusCode.ALREADY_EXISTS,
+    CapacityExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+class EnvArgumentParser(argparse.ArgumentParser):
+    """argparse whose every flag may also come from an environment variable PREFIX_FLAG."""
+
+    def __init__(self, env_prefix: str, **kwargs: Any):
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        self.env_prefix = env_prefix
+        super().__init__(**kwargs)
+
+    def add_argument(self, *names: str, **kwargs: Any):  # type: ignore[override]
+        flag = next((n for n in names if n.startswith("--")), None)
+        if flag is not None and flag != "--help":
+            env = f"{self.env_prefix}_{flag[2:].replace('-', '_').upper()}"
+            if env in os.environ:
+                value = os.environ[env]
+                if kwargs.get("action") == "store_true":
+                    value = value.lower() in ("1", "true", "yes", "on")
+                kwargs["default"] = value
+                kwargs["required"] = False
+            default = kwargs.get("default")
+            shown = "" if default is None or kwargs.get("action") == "store_true" else f" (default: {default})"
+            kwargs["help"] = f"{kwargs.get('help', '')}{shown} [env {env}]".strip()
+        return super().add_argument(*names, **kwargs)
+
+
+def add_common_flags(parser: EnvArgumentParser, port: int) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
+    parser.add_argument("--port", type=int, default=port, help="port to serve on (0: pick a free one)")
+    parser.add_argument("--log-level", default="INFO", help="logging level")
+
+
+def add_model_flags(parser: EnvArgumentParser, default_model: str | None) -> None:
+    parser.add_argument("--model", default=default_model, required=default_model is None,
+                        help="local Hugging Face model directory (nothing is downloaded)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when present)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                        help="weights and activations dtype")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads for this process (0: torch's default)")
+    parser.add_argument("--max-sessions", type=int, default=256, help="sessions held at once")
+    parser.add_argument("--session-idle-timeout", type=float, default=600.0,
+                        help="seconds after which an idle (abandoned) session is evicted")
+    parser.add_argument("--max-context", type=int, default=0,
+                        help="cap on tokens per session (0: the model's max_position_embeddings)")
+    parser.add_argument("--max-tokens-per-call", type=int, default=16, help="most draft tokens per round (K)")
+
+
+def set_threads(threads: int) -> None:
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set in this process
+        pass
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """Translate an engine error into a gRPC status (INTERNAL if unexpected)."""
+    for kind, code in STATUS_OF.items():
+        if isinstance(exc, kind):
+            await context.abort(code, str(exc))
+    log.exception("internal error", exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+class ModelThread:
+    """The one thread a model service runs its model on, so the event loop never blocks."""
+
+    def __init__(self) -> None:
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+
+class Health:
+    """grpc.health.v1 for the whole server and each named service."""
+
+    def __init__(self, services: Iterable[str]):
+        self.servicer = health.aio.HealthServicer()
+        self.services = ["", *services]
+
+    async def set(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self.services:
+            await self.servicer.set(name, status)
+
+
+async def serve(
+    name: str,
+    host: str,
+    port: int,
+    add_servicers: Callable[[grpc.aio.Server], list[str]],
+    load: Callable[[], Awaitable[None]],
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+    grace: float = 5.0,
+) -> None:
+    """Start the server NOT_SERVING, run `load`, turn SERVING, and stop cleanly on a signal.
+
+    add_servicers registers the servicers and returns their full service names.
+    """
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    service_names = add_servicers(server)
+    checks = Health(service_names)
+    health_pb2_grpc.add_HealthServicer_to_server(checks.servicer, server)
+    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await checks.set(False)
+    await server.start()
+    log.info("%s listening on %s:%d (NOT_SERVING until ready)", name, host, bound)
+    print(f"{name} listening on {host}:{bound}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loader = asyncio.ensure_future(load())
+    stopper = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait({loader, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if loader in done and loader.exception() is None:
+        await checks.set(True)
+        log.info("%s SERVING", name)
+        print(f"{name} ready", flush=True)
+        await stopper
+    elif loader in done:
+        log.error("%s failed to start: %s", name, loader.exception())
+        stopper.cancel()
+        await server.stop(0)
+        raise SystemExit(f"{name} failed to start: {loader.exception()}")
+    else:
+        loader.cancel()
+    log.info("%s stopping", name)
+    await checks.set(False)
+    await server.stop(grace)
+    if on_stop is not None:
+        await on_stop()
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+# ------------------------------------------------------- model services
+
+def params_from_proto(msg) -> "SamplingParams":
+    from .sampling import SamplingParams
+
+    return SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed)
+
+
+def model_info_proto(runner) -> Any:
+    from specdec.v1 import specdec_pb2 as pb
+
+    return pb.ModelInfo(**runner.info())
+
+
+class ModelServicer:
+    """GetModelInfo, GetTokenizer and Release: the RPCs both model services share.
+
+    `engine` (a DraftEngine or TargetEngine) is None until the weights are
+    loaded; calls before that get UNAVAILABLE.
+    """
+
+    def __init__(self, thread: ModelThread):
+        self.thread = thread
+        self.engine = None
+
+    async def ready(self, context: grpc.aio.ServicerContext):
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "weights are still loading; retry when SERVING")
+        return self.engine
+
+    @property
+    def runner(self):
+        return self.engine.runner
+
+    async def call(self, context: grpc.aio.ServicerContext, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run fn on the model thread; engine errors become gRPC statuses."""
+        try:
+            return await self.thread.run(fn, *args)
+        except Exception as exc:  # translated, never raised into grpc
+            await abort_with(context, exc)
+
+    async def GetModelInfo(self, request, context):
+        return model_info_proto((await self.ready(context)).runner)
+
+    async def GetTokenizer(self, request, context):
+        from specdec.v1 import specdec_pb2 as pb
+
+        runner = (await self.ready(context)).runner
+        chunk = 1 << 20
+        for name, data in runner.tokenizer_files():
+            for offset in range(0, max(len(data), 1), chunk):
+                yield pb.TokenizerFile(name=name, data=data[offset : offset + chunk])
+
+    async def Release(self, request, context):
+        from specdec.v1 import specdec_pb2 as pb
+
+        runner = (await self.ready(context)).runner
+
+        def release() -> bool:
+            with runner.lock:
+                return runner.sessions.release(request.session_id)
+
+        return pb.ReleaseResponse(released=await self.thread.run(release))
+
+
+async def sweep_idle_sessions(runner, every: float = 30.0) -> None:
+    """Evict abandoned sessions in the background."""
+    while True:
+        await asyncio.sleep(every)
+        with runner.lock:
+            evicted = runner.sessions.evict_idle()
+        if evicted:
+            log.info("evicted %d idle sessions", evicted)
+
+
+def run_model_service(name: str, args: argparse.Namespace, servicer: ModelServicer, add_to_server, service_name: str,
+                      make_engine: Callable[[Any], Any]) -> None:
+    """Main body of a model service: load the model off the event loop, then serve."""
+    from .model_runner import ModelRunner
+
+    setup_logging(args.log_level)
+    set_threads(args.threads)
+
+    async def main() -> None:
+        sweeper: asyncio.Task | None = None
+
+        async def load() -> None:
+            nonlocal sweeper
+            runner = await servicer.thread.run(
+                lambda: ModelRunner(args.model, args.device, args.dtype, args.max_sessions,
+                                    args.session_idle_timeout, args.max_context or None)
+            )
+            servicer.engine = make_engine(runner)
+            log.info("%s loaded %s (%d parameters) on %s", name, runner.name, runner.num_parameters, runner.device)
+            sweeper = asyncio.ensure_future(sweep_idle_sessions(runner, min(30.0, args.session_idle_timeout)))
+
+        def add(server: grpc.aio.Server) -> list[str]:
+            add_to_server(servicer, server)
+            return [service_name]
+
+        async def on_stop() -> None:
+            if sweeper is not None:
+                sweeper.cancel()
+
+        await serve(name, args.host, args.port, add, load, on_stop)
+
+    asyncio.run(main())

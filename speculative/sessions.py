@@ -1,0 +1,83 @@
+"""Per-session state of a model service: the sequence, its KV cache, its generator.
+
+A session's `tokens` is the sequence the service holds; `tokens[:cached]` are in
+the KV cache, the rest (at most a couple of tokens) are fed on the next forward.
+Rollback crops the cache in O(1) and never re-runs the prefix.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from .errors import CapacityExceeded, SessionExists, SessionNotFound
+
+
+@dataclass
+class Session:
+    id: str
+    cache: DynamicCache
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    cached: int = 0
+    proposed: int = 0  # draft only: tokens of the last proposal, which a rollback may drop
+    last_used: float = field(default_factory=time.monotonic)
+
+    def truncate(self, length: int) -> None:
+        """Roll the session back to its first `length` tokens."""
+        del self.tokens[length:]
+        if self.cached > length:
+            self.cache.crop(length - self.cached)  # crop(-n) drops the last n positions
+            self.cached = length
+
+
+class SessionTable:
+    """Sessions by id, with a cap; sessions idle past `idle_timeout` are evicted.
+
+    Not thread-safe: a service touches it from its one model thread only.
+    """
+
+    def __init__(self, max_sessions: int, idle_timeout: float):
+        self.max_sessions = max_sessions
+        self.idle_timeout = idle_timeout
+        self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    def create(self, session_id: str, generator: torch.Generator) -> Session:
+        if session_id in self._sessions:
+            raise SessionExists(f"session {session_id!r} already exists")
+        if len(self._sessions) >= self.max_sessions:
+            self.evict_idle()
+        if len(self._sessions) >= self.max_sessions:
+            raise CapacityExceeded(f"all {self.max_sessions} sessions are in use; retry later")
+        session = Session(session_id, DynamicCache(), generator)
+        self._sessions[session_id] = session
+        return session
+
+    def get(self, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionNotFound(f"unknown session {session_id!r} (never started, released or evicted)")
+        session.last_used = time.monotonic()
+        self._sessions.move_to_end(session_id)
+        return session
+
+    def release(self, session_id: str) -> bool:
+        return self._sessions.pop(session_id, None) is not None
+
+    def evict_idle(self, now: float | None = None) -> int:
+        """Drop sessions idle longer than idle_timeout (abandoned by a dead client)."""
+        now = time.monotonic() if now is None else now
+        stale = [sid for sid, s in self._sessions.items() if now - s.last_used > self.idle_timeout]
+        for sid in stale:
+            del self._sessions[sid]
+        return len(stale)
