@@ -1,0 +1,70 @@
+"""Run the coordinator: the public Generation API in front of a draft and a target service.
+
+    python -m coordinator --draft 127.0.0.1:50052 --target 127.0.0.1:50051 --port 50050
+
+At start-up it waits for both services to be SERVING, refuses a pair whose
+tokenizers or vocabularies differ, and loads the target's tokenizer from the
+target service itself. Every flag can also be set from the environment
+(SPECDEC_COORDINATOR_<FLAG>); see --help.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from speculative.serving import EnvArgumentParser, add_common_flags, serve, setup_logging
+
+from .peers import GrpcDraft, GrpcTarget
+from .server import SERVICE_NAME, GenerationServicer, Limits
+
+log = logging.getLogger("specdec.coordinator")
+DEFAULT_PORT = 50050
+
+
+def parse_args(argv=None):
+    parser = EnvArgumentParser("SPECDEC_COORDINATOR", prog="python -m coordinator", description=__doc__)
+    add_common_flags(parser, DEFAULT_PORT)
+    parser.add_argument("--draft", default="127.0.0.1:50052", help="draft service address HOST:PORT")
+    parser.add_argument("--target", default="127.0.0.1:50051", help="target service address HOST:PORT")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4,
+                        help="K, draft tokens per round, when a request does not say")
+    parser.add_argument("--max-speculative-tokens", type=int, default=16, help="largest K a request may ask for")
+    parser.add_argument("--max-new-tokens", type=int, default=256,
+                        help="new tokens per request when a request does not say")
+    parser.add_argument("--peer-timeout", type=float, default=300.0,
+                        help="seconds to wait at start-up for the model services to be SERVING")
+    parser.add_argument("--call-timeout", type=float, default=60.0, help="deadline of each call to a model service")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    setup_logging(args.log_level)
+
+    async def run() -> None:
+        draft = GrpcDraft(args.draft, args.call_timeout)
+        target = GrpcTarget(args.target, args.call_timeout)
+        limits = Limits(args.max_new_tokens, args.num_speculative_tokens, args.max_speculative_tokens)
+        servicer = GenerationServicer(draft, target, limits)
+
+        async def load() -> None:
+            await servicer.connect(args.peer_timeout)
+            log.info("draft %s at %s, target %s at %s", draft.info.model_name, args.draft,
+                     target.info.model_name, args.target)
+
+        def add(server) -> list[str]:
+            pb_grpc.add_GenerationServicer_to_server(servicer, server)
+            return [SERVICE_NAME]
+
+        async def on_stop() -> None:
+            await asyncio.gather(draft.close(), target.close())
+
+        await serve("coordinator", args.host, args.port, add, load, on_stop)
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

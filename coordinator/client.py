@@ -1,0 +1,99 @@
+"""Command-line client for the coordinator.
+
+    python -m coordinator.client --addr 127.0.0.1:50050 --stream "def fibonacci(n):"
+
+Prints the text (as it arrives with --stream), or with --json one JSON object
+with text, token_ids, finish_reason and stats. --stats adds the acceptance
+statistics on stderr. Exits 1 with the gRPC status on an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+
+def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(prompt=args.prompt, stop=args.stop or [])
+    for field in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "num_speculative_tokens"):
+        value = getattr(args, field)
+        if value is not None:
+            setattr(request, field, value)
+    return request
+
+
+def format_stats(stats: pb.GenerationStats) -> str:
+    tok_s = stats.generated_tokens / (stats.wall_ms / 1e3) if stats.wall_ms else 0.0
+    return (
+        f"[{stats.generated_tokens} tokens in {stats.wall_ms:.0f} ms ({tok_s:.1f} tok/s); K={stats.num_speculative_tokens}, "
+        f"{stats.rounds} rounds, acceptance {stats.acceptance_rate:.2f} ({stats.accepted_tokens}/{stats.draft_tokens}), "
+        f"{stats.mean_accepted:.2f} accepted per round, per position {list(stats.accepted_per_position)}; "
+        f"draft {stats.draft_ms:.0f} ms, target {stats.target_ms:.0f} ms; seed {stats.seed}]"
+    )
+
+
+def finish_name(reason: int) -> str:
+    return pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m coordinator.client", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("prompt", help="prompt text")
+    parser.add_argument("--addr", default="127.0.0.1:50050", help="coordinator address HOST:PORT")
+    parser.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    parser.add_argument("--stats", action="store_true", help="print acceptance statistics to stderr")
+    parser.add_argument("--max-new-tokens", type=int)
+    parser.add_argument("--temperature", type=float, help="0 = greedy (server default 1.0)")
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--stop", action="append", help="stop string (repeatable)")
+    parser.add_argument("--num-speculative-tokens", "-k", type=int, help="K, draft tokens per round")
+    parser.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
+    args = parser.parse_args(argv)
+
+    request = build_request(args)
+    with grpc.insecure_channel(args.addr) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        try:
+            if args.stream and not args.json:
+                stats = None
+                for chunk in stub.GenerateStream(request, timeout=args.timeout):
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                    if chunk.HasField("stats"):
+                        stats, finish = chunk.stats, chunk.finish_reason
+                sys.stdout.write("\n")
+                if args.stats and stats is not None:
+                    print(f"[finish: {finish_name(finish)}] {format_stats(stats)}", file=sys.stderr)
+                return 0
+            response = stub.Generate(request, timeout=args.timeout)
+        except grpc.RpcError as e:
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps({
+            "text": response.text,
+            "token_ids": list(response.token_ids),
+            "finish_reason": finish_name(response.finish_reason),
+            "stats": MessageToDict(response.stats, preserving_proto_field_name=True,
+                                   always_print_fields_with_no_presence=True),
+        }))
+    else:
+        print(response.text)
+        if args.stats:
+            print(f"[finish: {finish_name(response.finish_reason)}] {format_stats(response.stats)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Start the draft service, the target service and the coordinator locally.
+
+    python -m coordinator.launch                      # serve until Ctrl-C
+    python -m coordinator.launch --demo               # stream one answer, then stop (`make run`)
+    python -m coordinator.launch --draft-model D --target-model T --port 50050
+
+Without --draft-model / --target-model it uses the default pair: the trained pair
+in models/ when present, else a tiny random-weight pair it makes in .cache/.
+The three processes are stopped with SIGTERM when it exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAINED = ROOT / "models"
+TINY = ROOT / ".cache" / "models" / "tiny"
+DEMO_PROMPT = "def fibonacci(n):"
+
+
+def default_models() -> tuple[Path, Path]:
+    """(draft, target): the shipped pair, or a tiny random pair made on first use."""
+    if (TRAINED / "draft" / "config.json").is_file() and (TRAINED / "target" / "config.json").is_file():
+        return TRAINED / "draft", TRAINED / "target"
+    if not (TINY / "target" / "config.json").is_file():
+        from speculative.tiny import make_pair
+
+        print(f"no trained pair in {TRAINED}; making a tiny random-weight pair in {TINY}", flush=True)
+        make_pair(TINY)
+    return TINY / "draft", TINY / "target"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, timeout: float, procs: dict[str, subprocess.Popen], logs: dict[str, Path]) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            for name, proc in procs.items():
+                if proc.poll() is not None:
+                    tail = logs[name].read_text()[-2000:]
+                    raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} not SERVING after {timeout:.0f} s")
+            time.sleep(0.2)
+
+
+class LocalStack:
+    """draft + target + coordinator as three local processes on free loopback ports."""
+
+    def __init__(self, draft_model: str | Path, target_model: str | Path, *, port: int = 0,
+                 draft_args: list[str] = (), target_args: list[str] = (), coordinator_args: list[str] = (),
+                 threads: int = 1, log_dir: str | Path | None = None):
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="specdec-logs-"))
+        self.draft_addr = f"127.0.0.1:{free_port()}"
+        self.target_addr = f"127.0.0.1:{free_port()}"
+        self.addr = f"127.0.0.1:{port or free_port()}"
+        py = sys.executable
+        self.commands = {
+            "target": [py, "-m", "target_service", "--model", str(target_model), "--port", self.target_addr.split(":")[1],
+                       "--threads", str(threads), *target_args],
+            "draft": [py, "-m", "draft_service", "--model", str(draft_model), "--port", self.draft_addr.split(":")[1],
+                      "--threads", str(threads), *draft_args],
+            "coordinator": [py, "-m", "coordinator", "--draft", self.draft_addr, "--target", self.target_addr,
+                            "--port", self.addr.split(":")[1], *coordinator_args],
+        }
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs = {name: self.log_dir / f"{name}.log" for name in self.commands}
+
+    def start(self, timeout: float = 180.0) -> "LocalStack":
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        for name, cmd in self.commands.items():
+            self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.logs[name].open("w"),
+                                                stderr=subprocess.STDOUT)
+        try:
+            wait_serving(self.addr, timeout, self.procs, self.logs)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, timeout: float = 15.0) -> dict[str, int]:
+        """SIGTERM every process (coordinator first), then wait; SIGKILL what lingers."""
+        for name in ("coordinator", "draft", "target"):
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        codes = {}
+        for name, proc in self.procs.items():
+            try:
+                codes[name] = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                codes[name] = proc.wait()
+        return codes
+
+    def __enter__(self) -> "LocalStack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m coordinator.launch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--draft-model", help="draft model directory (default: the default pair)")
+    parser.add_argument("--target-model", help="target model directory (default: the default pair)")
+    parser.add_argument("--port", type=int, default=50050, help="coordinator port")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per model service")
+    parser.add_argument("--demo", action="store_true", help="stream one answer with its stats, then stop")
+    parser.add_argument("--prompt", default=DEMO_PROMPT, help="the demo prompt")
+    args = parser.parse_args(argv)
+
+    draft, target = default_models()
+    draft, target = args.draft_model or draft, args.target_model or target
+    stack = LocalStack(draft, target, port=args.port, threads=args.threads)
+    print(f"starting target ({target}) on {stack.target_addr}, draft ({draft}) on {stack.draft_addr}, "
+          f"coordinator on {stack.addr}; logs in {stack.log_dir}", flush=True)
+    with stack:
+        print("all three services SERVING", flush=True)
+        if not args.demo:
+            try:
+                signal.sigwait({signal.SIGINT, signal.SIGTERM})
+            except KeyboardInterrupt:
+                pass
+            return 0
+        cmd = [sys.executable, "-m", "coordinator.client", "--addr", stack.addr, "--stream", "--stats",
+               "--temperature", "0", "--max-new-tokens", "96", args.prompt]
+        print(f"$ python -m coordinator.client --addr {stack.addr} --stream --stats --temperature 0 "
+              f"--max-new-tokens 96 {args.prompt!r}", flush=True)
+        print(args.prompt, end="", flush=True)
+        code = subprocess.call(cmd, cwd=ROOT)
+    print(f"services stopped (exit codes {stack.stop()})", flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""The draft and target services as DraftPeer / TargetPeer, over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from speculative.round import Proposal, Verdict
+from speculative.sampling import SamplingParams
+from speculative.serving import CHANNEL_OPTIONS
+
+
+class PeerError(Exception):
+    """A call to a model service failed; carries the status to give the client."""
+
+    def __init__(self, peer: "Peer", code: grpc.StatusCode, details: str):
+        self.code = code
+        if code == grpc.StatusCode.UNAVAILABLE:
+            message = f"{peer.name} service at {peer.address} is unavailable: {details}"
+        else:
+            message = f"{peer.name} service at {peer.address}: {details}"
+        super().__init__(message)
+
+
+def sampling_proto(params: SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed
+    )
+
+
+class Peer:
+    """A channel to one model service, with the calls both kinds share."""
+
+    stub_class: type
+
+    def __init__(self, name: str, address: str, timeout: float = 60.0):
+        self.name = name
+        self.address = address
+        self.timeout = timeout  # per call
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = self.stub_class(self.channel)
+        self.info: pb.ModelInfo | None = None
+
+    async def call(self, method, request, timeout: float | None = None):
+        try:
+            return await method(request, timeout=timeout or self.timeout)
+        except grpc.aio.AioRpcError as e:
+            raise PeerError(self, e.code(), e.details() or "") from None
+
+    async def wait_ready(self, timeout: float) -> pb.ModelInfo:
+        """Wait until the service reports SERVING, then fetch its ModelInfo."""
+        health = health_pb2_grpc.HealthStub(self.channel)
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while True:
+            try:
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+                last = "NOT_SERVING (loading weights)"
+            except grpc.aio.AioRpcError as e:
+                last = f"{e.code().name}: {e.details()}"
+            if time.monotonic() > deadline:
+                raise PeerError(self, grpc.StatusCode.UNAVAILABLE, f"not ready after {timeout:.0f} s ({last})")
+            await asyncio.sleep(0.25)
+        self.info = await self.call(self.stub.GetModelInfo, pb.ModelInfoRequest())
+        return self.info
+
+    async def fetch_tokenizer(self, directory: str | Path | None = None) -> Path:
+        """Copy the service's tokenizer files into a local directory (AutoTokenizer-loadable)."""
+        out = Path(directory or tempfile.mkdtemp(prefix=f"specdec-{self.name}-tokenizer-"))
+        files: dict[str, bytearray] = {}
+        try:
+            async for piece in self.stub.GetTokenizer(pb.TokenizerRequest(), timeout=self.timeout):
+                files.setdefault(piece.name, bytearray()).extend(piece.data)
+        except grpc.aio.AioRpcError as e:
+            raise PeerError(self, e.code(), e.details() or "") from None
+        for name, data in files.items():
+            (out / Path(name).name).write_bytes(bytes(data))
+        return out
+
+    async def release(self, session_id: str) -> None:
+        await self.call(self.stub.Release, pb.ReleaseRequest(session_id=session_id), timeout=10.0)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class GrpcDraft(Peer):
+    stub_class = pb_grpc.DraftStub
+
+    def __init__(self, address: str, timeout: float = 60.0):
+        super().__init__("draft", address, timeout)
+
+    async def propose(
+        self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams
+    ) -> tuple[Proposal, float]:
+        reply = await self.call(
+            self.stub.Propose,
+            pb.ProposeRequest(session_id=session_id, start=start, rollback=rollback, append=append,
+                              num_tokens=k, sampling=sampling_proto(params)),
+        )
+        p = reply.proposal
+        return Proposal(list(p.tokens), list(p.support_sizes), p.support_ids, p.support_probs), reply.service_ms
+
+
+class GrpcTarget(Peer):
+    stub_class = pb_grpc.TargetStub
+
+    def __init__(self, address: str, timeout: float = 60.0):
+        super().__init__("target", address, timeout)
+
+    async def verify(
+        self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams
+    ) -> tuple[Verdict, float]:
+        reply = await self.call(
+            self.stub.Verify,
+            pb.VerifyRequest(
+                session_id=session_id, start=start, append=append,
+                proposal=pb.DraftProposal(tokens=proposal.tokens, support_sizes=proposal.support_sizes,
+                                          support_ids=proposal.support_ids, support_probs=proposal.support_probs),
+                sampling=sampling_proto(params),
+            ),
+        )
+        return Verdict(reply.accepted, reply.token), reply.service_ms
+
+
+def check_compatible(draft: pb.ModelInfo, target: pb.ModelInfo) -> None:
+    """Refuse a pair whose tokenizers or vocabularies differ: draft token ids would mean other tokens."""
+    problems = []
+    if draft.vocab_size != target.vocab_size:
+        problems.append(f"vocabulary sizes differ ({draft.vocab_size} vs {target.vocab_size})")
+    if draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
+        problems.append(
+            f"tokenizers differ (fingerprints {draft.tokenizer_fingerprint[:12]} vs {target.tokenizer_fingerprint[:12]})"
+        )
+    if problems:
+        raise ValueError(
+            f"draft model {draft.model_name!r} and target model {target.model_name!r} cannot be paired: "
+            + "; ".join(problems)
+        )

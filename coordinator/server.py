@@ -1,0 +1,198 @@
+"""specdec.v1.Generation: validate a request, run speculative rounds, stream the text."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from transformers import AutoTokenizer
+
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from speculative.round import Stats, generate
+from speculative.sampling import SamplingParams
+
+from .peers import GrpcDraft, GrpcTarget, PeerError, check_compatible
+from .text import TextStream
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+MAX_STOP_STRINGS = 16
+
+
+@dataclass
+class Limits:
+    default_max_new_tokens: int = 256
+    default_speculative_tokens: int = 4
+    max_speculative_tokens: int = 16
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def stats_proto(stats: Stats, k: int, seed: int, prompt_tokens: int, wall_ms: float) -> pb.GenerationStats:
+    return pb.GenerationStats(
+        rounds=stats.rounds,
+        draft_tokens=stats.draft_tokens,
+        accepted_tokens=stats.accepted_tokens,
+        acceptance_rate=stats.acceptance_rate,
+        mean_accepted=stats.mean_accepted,
+        accepted_per_position=stats.accepted_per_position,
+        wall_ms=wall_ms,
+        draft_ms=stats.draft_ms,
+        target_ms=stats.target_ms,
+        prompt_tokens=prompt_tokens,
+        generated_tokens=stats.generated_tokens,
+        num_speculative_tokens=k,
+        seed=seed,
+    )
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    """Serves once `connect` has found both model services ready and compatible."""
+
+    def __init__(self, draft: GrpcDraft, target: GrpcTarget, limits: Limits):
+        self.draft = draft
+        self.target = target
+        self.limits = limits
+        self.tokenizer = None
+
+    async def connect(self, timeout: float) -> None:
+        """Wait for both services, refuse an incompatible pair, load the target's tokenizer."""
+        draft_info, target_info = await asyncio.gather(self.draft.wait_ready(timeout), self.target.wait_ready(timeout))
+        check_compatible(draft_info, target_info)
+        tokenizer_dir = await self.target.fetch_tokenizer()
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, tokenizer_dir, local_files_only=True)
+        self.max_context = min(draft_info.max_context, target_info.max_context)
+        self.vocab_size = target_info.vocab_size
+        self.eos_token_ids = frozenset(target_info.eos_token_ids)
+        self.tokenizer = tokenizer
+
+    async def _ready(self, context) -> None:
+        if self.tokenizer is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the coordinator is still connecting to its model services")
+
+    # ----------------------------------------------------------- validation
+
+    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        if request.prompt and request.prompt_token_ids:
+            raise BadRequest("give either prompt or prompt_token_ids, not both")
+        if request.prompt_token_ids:
+            ids = list(request.prompt_token_ids)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise BadRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            return ids
+        if not request.prompt:
+            raise BadRequest("the prompt is empty: give prompt text or prompt_token_ids")
+        ids = self.tokenizer(request.prompt)["input_ids"]
+        if not ids:
+            raise BadRequest("the prompt encodes to no tokens")
+        return ids
+
+    def _resolve(self, request: pb.GenerateRequest):
+        prompt = self._prompt_ids(request)
+        room = self.max_context - len(prompt)
+        if room <= 0:
+            raise BadRequest(
+                f"the prompt has {len(prompt)} tokens; the context holds {self.max_context}, leaving no room to generate"
+            )
+        max_new = request.max_new_tokens if request.HasField("max_new_tokens") else min(
+            self.limits.default_max_new_tokens, room)
+        if max_new <= 0:
+            raise BadRequest(f"max_new_tokens must be > 0, not {max_new}")
+        if max_new > room:
+            raise BadRequest(
+                f"max_new_tokens={max_new} goes beyond the context: the prompt has {len(prompt)} tokens "
+                f"and the context holds {self.max_context}, so at most {room} new tokens"
+            )
+        temperature = request.temperature if request.HasField("temperature") else 1.0
+        if not math.isfinite(temperature) or temperature < 0:
+            raise BadRequest(f"temperature must be a finite number >= 0, not {temperature}")
+        top_p = request.top_p if request.HasField("top_p") else 1.0
+        if not 0.0 < top_p <= 1.0:
+            raise BadRequest(f"top_p must lie in (0, 1], not {top_p}")
+        top_k = request.top_k if request.HasField("top_k") else 0
+        if top_k < 0:
+            raise BadRequest(f"top_k must be >= 0, not {top_k}")
+        k = (request.num_speculative_tokens if request.HasField("num_speculative_tokens")
+             else self.limits.default_speculative_tokens)
+        if not 0 <= k <= self.limits.max_speculative_tokens:
+            raise BadRequest(f"num_speculative_tokens must lie in [0, {self.limits.max_speculative_tokens}], not {k}")
+        if len(request.stop) > MAX_STOP_STRINGS:
+            raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}")
+        seed = request.seed if request.HasField("seed") else random.getrandbits(63)
+        return prompt, max_new, SamplingParams(temperature, top_k, top_p, seed), k, list(request.stop)
+
+    # ----------------------------------------------------------- generation
+
+    async def _chunks(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateChunk]:
+        start = time.perf_counter()
+        await self._ready(context)
+        try:
+            prompt, max_new, params, k, stop = self._resolve(request)
+        except BadRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        stats = Stats()
+        text = TextStream(self.tokenizer, stop)
+        finish = pb.FINISH_REASON_LENGTH
+        rounds = generate(
+            self.draft, self.target, prompt, max_new_tokens=max_new, k=k, params=params,
+            eos_token_ids=self.eos_token_ids, max_context=self.max_context, stats=stats,
+            session_id=uuid.uuid4().hex,
+        )
+        try:
+            async with contextlib.aclosing(rounds):
+                async for new in rounds:
+                    ids = []
+                    for token in new:
+                        ids.append(token)
+                        text.add(token)
+                        if text.stopped:
+                            finish = pb.FINISH_REASON_STOP
+                            break
+                    else:
+                        if new and new[-1] in self.eos_token_ids:
+                            finish = pb.FINISH_REASON_EOS
+                    yield pb.GenerateChunk(text=text.take(), token_ids=ids)
+                    if finish == pb.FINISH_REASON_STOP:
+                        break
+        except PeerError as e:
+            await context.abort(e.code, str(e))
+        wall_ms = (time.perf_counter() - start) * 1e3
+        yield pb.GenerateChunk(
+            text=text.take(final=True), finish_reason=finish,
+            stats=stats_proto(stats, k, params.seed, len(prompt), wall_ms),
+        )
+
+    async def GenerateStream(self, request: pb.GenerateRequest, context):
+        async for chunk in self._chunks(request, context):
+            yield chunk
+
+    async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
+        response = pb.GenerateResponse()
+        pieces = []
+        async for chunk in self._chunks(request, context):
+            pieces.append(chunk.text)
+            response.token_ids.extend(chunk.token_ids)
+            if chunk.HasField("stats"):
+                response.finish_reason = chunk.finish_reason
+                response.stats.CopyFrom(chunk.stats)
+        response.text = "".join(pieces)
+        return response
+
+    async def GetInfo(self, request, context) -> pb.ServerInfo:
+        await self._ready(context)
+        return pb.ServerInfo(
+            draft=self.draft.info, target=self.target.info, max_context=self.max_context,
+            default_max_new_tokens=self.limits.default_max_new_tokens,
+            max_speculative_tokens=self.limits.max_speculative_tokens,
+            default_speculative_tokens=self.limits.default_speculative_tokens,
+        )

@@ -1,0 +1,63 @@
+"""Incremental detokenization with stop strings, for streaming.
+
+Text is released as soon as it is final: not while a multi-byte character is
+still incomplete, and not while its tail could be the start of a stop string.
+"""
+
+from __future__ import annotations
+
+
+class TextStream:
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0          # characters of text already released
+        self.stopped = False   # a stop string was produced; text ends before it
+        self._prefix = 0       # ids[_prefix:_read] decode to the text's tail
+        self._read = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token: int) -> None:
+        """Append one generated token; sets `stopped` if it completes a stop string."""
+        self.ids.append(token)
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):  # \ufffd: a character still incomplete
+            old = len(self.text)
+            self.text += after[len(before) :]
+            self._prefix, self._read = self._read, len(self.ids)
+            if self.stop:
+                longest = max(map(len, self.stop))
+                start = max(0, old - longest + 1)
+                hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+                if hits:
+                    self.text = self.text[: min(hits)]
+                    self.stopped = True
+
+    def take(self, final: bool = False) -> str:
+        """Text not yet released that is final (all of it when `final` or stopped)."""
+        if final and not self.stopped:  # release a trailing incomplete character as decoded
+            before = self._decode(self.ids[self._prefix : self._read])
+            after = self._decode(self.ids[self._prefix :])
+            self.text += after[len(before) :]
+            self._prefix = self._read = len(self.ids)
+        end = len(self.text)
+        if not (final or self.stopped):
+            end -= self._held_back()
+        out = self.text[self.sent : end]
+        self.sent = max(self.sent, end)
+        return out
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of text that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
