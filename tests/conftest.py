@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny random-weight models made at test time, and local stacks
+(target + draft + coordinator as three processes on free loopback ports)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from coordinator.launch import LocalStack
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from speculative.tiny import make_model, make_pair, make_tokenizer
+
+
+@pytest.fixture(scope="session")
+def pair(tmp_path_factory):
+    """(draft_dir, target_dir): byte-level BPE, a draft that mostly disagrees with its target."""
+    return make_pair(tmp_path_factory.mktemp("bpe"))
+
+
+@pytest.fixture(scope="session")
+def small_vocab_pair(tmp_path_factory):
+    """(draft_dir, target_dir) over a 12-token vocabulary, with peaked random distributions."""
+    return make_pair(tmp_path_factory.mktemp("chars"), vocab="chars", init_std=0.3)
+
+
+@pytest.fixture(scope="session")
+def other_tokenizer_model(tmp_path_factory):
+    """A model whose tokenizer differs from `pair`'s: the coordinator must refuse the pairing."""
+    out = tmp_path_factory.mktemp("other")
+    return make_model(out / "model", make_tokenizer(out / "tok", "chars"), hidden=32, layers=1, heads=2, kv_heads=1)
+
+
+def _stack(draft, target, request, **kwargs):
+    stack = LocalStack(draft, target, **kwargs).start()
+    request.addfinalizer(stack.stop)
+    return stack
+
+
+@pytest.fixture(scope="session")
+def stack(pair, request):
+    draft, target = pair
+    return _stack(draft, target, request)
+
+
+@pytest.fixture(scope="session")
+def self_stack(pair, request):
+    """The target drafting for itself: every draft token is accepted."""
+    _, target = pair
+    return _stack(target, target, request)
+
+
+@pytest.fixture(scope="session")
+def small_vocab_stack(small_vocab_pair, request):
+    draft, target = small_vocab_pair
+    return _stack(draft, target, request)
+
+
+@pytest.fixture(scope="session")
+def client(stack):
+    channel = grpc.insecure_channel(stack.addr)
+    yield pb_grpc.GenerationStub(channel)
+    channel.close()

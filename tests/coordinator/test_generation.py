@@ -1,0 +1,128 @@
+"""End to end over real gRPC: three processes on 127.0.0.1, greedy exactness, streaming,
+stop strings, seeds, token-id prompts."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+PROMPTS = [
+    "def speculative_round(draft, target):",
+    "for i in range(10):\n    print(",
+    "The draft proposes tokens; the target",
+    "x",
+]
+
+
+@pytest.fixture(scope="module")
+def reference(pair):
+    """Greedy continuations by transformers `generate` on the target alone."""
+    _, target_dir = pair
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+
+    def greedy(prompt: str, n: int) -> list[int]:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=n, do_sample=False)
+        return out[0, ids.shape[1] :].tolist()
+
+    return greedy
+
+
+def stub_for(stack) -> pb_grpc.GenerationStub:
+    return pb_grpc.GenerationStub(grpc.insecure_channel(stack.addr))
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 5, 8])
+def test_greedy_equals_target_alone(client, reference, k):
+    for prompt in PROMPTS:
+        reply = client.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=48, temperature=0.0,
+                                                   num_speculative_tokens=k))
+        assert list(reply.token_ids) == reference(prompt, 48), (prompt, k)
+        assert reply.stats.num_speculative_tokens == k
+        assert reply.stats.generated_tokens == len(reply.token_ids)
+        assert reply.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_EOS)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 8])
+def test_draft_equal_to_target_accepts_everything(self_stack, reference, k):
+    client = stub_for(self_stack)
+    for prompt in PROMPTS[:2]:
+        reply = client.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=40, temperature=0.0,
+                                                   num_speculative_tokens=k))
+        assert list(reply.token_ids) == reference(prompt, 40)
+        s = reply.stats
+        assert s.acceptance_rate == 1.0 and s.accepted_tokens == s.draft_tokens
+        # every round but the last emits K + 1 tokens
+        n = len(reply.token_ids)
+        assert s.rounds == -(-n // (k + 1)), (n, s.rounds)
+        assert n == s.accepted_tokens + s.rounds or reply.finish_reason == pb.FINISH_REASON_EOS
+        per_position = list(s.accepted_per_position)
+        assert len(per_position) == k and sum(per_position) == s.accepted_tokens
+        assert per_position[0] >= s.rounds - 1 and per_position == sorted(per_position, reverse=True)
+
+
+def test_a_disagreeing_draft_is_mostly_rejected_but_exact(client, reference):
+    reply = client.Generate(pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=48, temperature=0.0,
+                                               num_speculative_tokens=4))
+    assert reply.stats.acceptance_rate < 0.5  # different random weights
+    assert list(reply.token_ids) == reference(PROMPTS[0], 48)
+
+
+def test_stream_carries_each_round_and_matches_unary(client):
+    request = pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=30, temperature=0.0, num_speculative_tokens=3)
+    chunks = list(client.GenerateStream(request))
+    unary = client.Generate(request)
+    assert [t for c in chunks for t in c.token_ids] == list(unary.token_ids)
+    assert "".join(c.text for c in chunks) == unary.text
+    assert chunks[-1].HasField("stats") and not any(c.HasField("stats") for c in chunks[:-1])
+    assert len(chunks) == chunks[-1].stats.rounds + 1  # one per round, then the summary
+    assert chunks[-1].finish_reason == unary.finish_reason
+
+
+def test_seeded_sampling_is_reproducible(client):
+    def run(seed):
+        return client.Generate(pb.GenerateRequest(prompt=PROMPTS[2], max_new_tokens=32, temperature=1.0, top_k=50,
+                                                  top_p=0.95, seed=seed, num_speculative_tokens=3))
+
+    a, b, c = run(11), run(11), run(12)
+    assert list(a.token_ids) == list(b.token_ids) and a.text == b.text
+    assert list(a.token_ids) != list(c.token_ids)
+    assert a.stats.seed == 11
+    unseeded = client.Generate(pb.GenerateRequest(prompt=PROMPTS[2], max_new_tokens=8))
+    replay = client.Generate(pb.GenerateRequest(prompt=PROMPTS[2], max_new_tokens=8, seed=unseeded.stats.seed))
+    assert list(unseeded.token_ids) == list(replay.token_ids)  # the reported seed reproduces it
+
+
+def test_stop_strings(client):
+    full = client.Generate(pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=48, temperature=0.0))
+    text = full.text
+    assert len(text) > 6
+    stop = text[3:6]
+    cut = text.index(stop)
+    reply = client.Generate(pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=48, temperature=0.0, stop=[stop]))
+    assert reply.finish_reason == pb.FINISH_REASON_STOP
+    assert reply.text == text[:cut]
+    assert list(reply.token_ids) == list(full.token_ids[: len(reply.token_ids)])
+    assert len(reply.token_ids) < len(full.token_ids) or full.finish_reason != pb.FINISH_REASON_LENGTH
+    streamed = "".join(c.text for c in client.GenerateStream(
+        pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=48, temperature=0.0, stop=[stop, "never-appears"])))
+    assert streamed == text[:cut]
+
+
+def test_token_id_prompt_and_info(client, pair):
+    info = client.GetInfo(pb.GetInfoRequest())
+    assert info.target.vocab_size == info.draft.vocab_size and info.max_context == 512
+    assert info.target.tokenizer_fingerprint == info.draft.tokenizer_fingerprint
+    tokenizer = AutoTokenizer.from_pretrained(pair[1])
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    by_ids = client.Generate(pb.GenerateRequest(prompt_token_ids=ids, max_new_tokens=16, temperature=0.0))
+    by_text = client.Generate(pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=16, temperature=0.0))
+    assert list(by_ids.token_ids) == list(by_text.token_ids)
+    assert by_ids.stats.prompt_tokens == len(ids)

@@ -1,0 +1,125 @@
+"""Engines in one process: KV-cache rollback, sessions, and what they refuse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speculative.engines import DraftEngine, TargetEngine
+from speculative.errors import CapacityExceeded, InvalidRequest, SessionExists, SessionNotFound
+from speculative.model_runner import ModelRunner
+from speculative.round import Proposal
+from speculative.sampling import SamplingParams, encode_supports
+
+GREEDY = SamplingParams(0.0)
+
+
+@pytest.fixture(scope="module")
+def runners(pair):
+    draft, target = pair
+    return ModelRunner(draft), ModelRunner(target)
+
+
+def fresh_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
+    """Next-token logits after a fresh prefill of `tokens` (no cache reuse)."""
+    with torch.inference_mode():
+        return runner.model(input_ids=torch.tensor([tokens])).logits[0, -1].float()
+
+
+def session_logits(runner: ModelRunner, session_id: str) -> torch.Tensor:
+    session = runner.sessions.get(session_id)
+    return runner.forward(session)[-1]
+
+
+def one_hot_proposal(tokens: list[int]) -> Proposal:
+    sizes, ids, probs = encode_supports([torch.tensor([t]) for t in tokens], [torch.ones(1) for _ in tokens])
+    return Proposal(tokens, sizes, ids, probs)
+
+
+def test_target_rollback_matches_fresh_prefill(runners):
+    _, runner = runners
+    target = TargetEngine(runner)
+    prompt = [5, 17, 42, 9, 100]
+    target.verify("rb", True, prompt, Proposal(), GREEDY)
+    rejected = 0
+    for round_ in range(6):
+        # propose tokens the greedy target will mostly reject
+        verdict, _ = target.verify("rb", False, [], one_hot_proposal([(7 * round_ + i) % 300 for i in range(4)]),
+                                   GREEDY)
+        rejected += 4 - verdict.accepted
+    assert rejected > 0
+    session = runner.sessions.get("rb")
+    assert session.cached == len(session.tokens) - 1  # the sampled token waits outside the cache
+    assert session.cache.get_seq_length() == session.cached
+    tokens = list(session.tokens)
+    assert torch.allclose(session_logits(runner, "rb"), fresh_logits(runner, tokens), atol=1e-4)
+    runner.sessions.release("rb")
+
+
+def test_draft_rollback_matches_fresh_prefill(runners):
+    runner, _ = runners
+    draft = DraftEngine(runner)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    proposal, _ = draft.propose("d", True, 0, prompt, 5, SamplingParams(1.0, seed=3))
+    assert len(proposal.tokens) == 5
+    # keep two proposals, reject three, append a correction
+    proposal2, _ = draft.propose("d", False, 3, [77], 4, SamplingParams(1.0, seed=3))
+    session = runner.sessions.get("d")
+    expected = prompt + proposal.tokens[:2] + [77] + proposal2.tokens
+    assert session.tokens == expected
+    draft.propose("d", False, 4, [11], 0, GREEDY)  # roll back everything proposed, append, no proposal
+    tokens = prompt + proposal.tokens[:2] + [77, 11]
+    assert session.tokens == tokens
+    assert torch.allclose(session_logits(runner, "d"), fresh_logits(runner, tokens), atol=1e-4)
+    runner.sessions.release("d")
+
+
+def test_sessions_cap_and_idle_eviction(pair):
+    _, target_dir = pair
+    runner = ModelRunner(target_dir, max_sessions=2, idle_timeout=60.0)
+    target = TargetEngine(runner)
+    target.verify("a", True, [1, 2], Proposal(), GREEDY)
+    target.verify("b", True, [1, 2], Proposal(), GREEDY)
+    with pytest.raises(CapacityExceeded):
+        target.verify("c", True, [1, 2], Proposal(), GREEDY)
+    with pytest.raises(SessionExists):
+        target.verify("a", True, [1, 2], Proposal(), GREEDY)
+    runner.sessions.get("a").last_used -= 120  # abandoned two minutes ago
+    target.verify("c", True, [1, 2], Proposal(), GREEDY)  # evicts "a"
+    with pytest.raises(SessionNotFound):
+        target.verify("a", False, [], Proposal(), GREEDY)
+    assert len(runner.sessions) == 2
+
+
+def test_engines_refuse_bad_input_and_leave_no_trace(runners):
+    draft_runner, runner = runners
+    target, draft = TargetEngine(runner), DraftEngine(draft_runner)
+    target.verify("ok", True, [1, 2, 3], Proposal(), GREEDY)
+    before = list(runner.sessions.get("ok").tokens)
+    good = one_hot_proposal([4, 5])
+    cases = [
+        (InvalidRequest, dict(start=True, append=[])),                                       # empty prompt
+        (SessionNotFound, dict(session_id="nope")),
+        (InvalidRequest, dict(append=[runner.logits_size])),                                 # id out of vocab
+        (InvalidRequest, dict(proposal=one_hot_proposal([-1]))),                             # draft id out of vocab
+        (InvalidRequest, dict(proposal=Proposal([4, 5], [1], good.support_ids[:4], good.support_probs[:4]))),
+        (InvalidRequest, dict(proposal=Proposal([4, 6], good.support_sizes, good.support_ids, good.support_probs))),
+        (InvalidRequest, dict(params=SamplingParams(float("nan")))),
+        (InvalidRequest, dict(params=SamplingParams(-1.0))),
+        (InvalidRequest, dict(params=SamplingParams(1.0, top_p=0.0))),
+        (InvalidRequest, dict(params=SamplingParams(1.0, top_p=1.5))),
+        (InvalidRequest, dict(params=SamplingParams(1.0, top_k=-1))),
+        (InvalidRequest, dict(append=[1] * (runner.max_context + 1))),                      # beyond the context
+    ]
+    for error, change in cases:
+        call = dict(session_id="ok", start=False, append=[], proposal=good, params=GREEDY) | change
+        with pytest.raises(error):
+            target.verify(**call)
+        assert runner.sessions.get("ok").tokens == before, change
+    with pytest.raises(InvalidRequest):
+        draft.propose("x", True, 0, [1], 17, GREEDY)  # K beyond the limit
+    with pytest.raises(InvalidRequest):
+        draft.propose("x", True, 1, [1], 2, GREEDY)  # rollback on a new session
+    draft.propose("x", True, 0, [1, 2], 2, GREEDY)
+    with pytest.raises(InvalidRequest):
+        draft.propose("x", False, 3, [], 2, GREEDY)  # more than was proposed

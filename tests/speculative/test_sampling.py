@@ -1,0 +1,160 @@
+"""The sampling maths: filters, sparse supports, and rejection sampling's exactness."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from speculative.errors import InvalidRequest
+from speculative.sampling import (
+    SamplingParams,
+    decode_supports,
+    draft_support,
+    encode_supports,
+    logits_to_probs,
+    rejection_sample,
+)
+
+V = 8
+
+
+def test_logits_to_probs_greedy_is_one_hot_at_argmax():
+    logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 2.9]])
+    p = logits_to_probs(logits, SamplingParams(temperature=0.0))
+    assert torch.equal(p, torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))
+
+
+def test_temperature_top_k_top_p():
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1]))
+    assert torch.allclose(logits_to_probs(logits, SamplingParams(1.0)), torch.tensor([0.5, 0.25, 0.15, 0.1]))
+    # top-k 2 keeps the two largest, renormalised
+    assert torch.allclose(logits_to_probs(logits, SamplingParams(1.0, top_k=2)), torch.tensor([2 / 3, 1 / 3, 0, 0]))
+    # top-p 0.7: 0.5 < 0.7, 0.75 >= 0.7 -> keep two
+    assert torch.allclose(logits_to_probs(logits, SamplingParams(1.0, top_p=0.7)), torch.tensor([2 / 3, 1 / 3, 0, 0]))
+    # top-p 0.5 keeps just the first (its mass reaches 0.5)
+    assert torch.allclose(logits_to_probs(logits, SamplingParams(1.0, top_p=0.5)), torch.tensor([1.0, 0, 0, 0]))
+    # temperature 2 flattens: p ∝ sqrt(p)
+    flat = torch.sqrt(torch.tensor([0.5, 0.25, 0.15, 0.1]))
+    assert torch.allclose(logits_to_probs(logits, SamplingParams(2.0)), flat / flat.sum())
+
+
+def test_draft_support_truncates_and_renormalises():
+    probs = torch.tensor([0.05, 0.4, 0.3, 0.0, 0.25])
+    ids, q = draft_support(probs, 2)
+    assert ids.tolist() == [1, 2] and torch.allclose(q, torch.tensor([4 / 7, 3 / 7]))
+    ids, q = draft_support(probs, 64)  # zero-probability tokens are not part of the support
+    assert sorted(ids.tolist()) == [0, 1, 2, 4] and math.isclose(float(q.sum()), 1.0, rel_tol=1e-6)
+
+
+def test_supports_round_trip_and_validation():
+    q_ids = [torch.tensor([3, 1]), torch.tensor([0])]
+    q_probs = [torch.tensor([0.75, 0.25]), torch.tensor([1.0])]
+    sizes, ids, probs = encode_supports(q_ids, q_probs)
+    assert sizes == [2, 1] and len(ids) == 12 and len(probs) == 12
+    back_ids, back_probs = decode_supports(2, sizes, ids, probs, vocab=V)
+    assert [t.tolist() for t in back_ids] == [[3, 1], [0]]
+    assert [t.tolist() for t in back_probs] == [[0.75, 0.25], [1.0]]
+    bad = [
+        (3, sizes, ids, probs, V),                      # tokens vs sizes
+        (2, [2, 2], ids, probs, V),                     # sizes vs arrays
+        (2, sizes, ids[:-1], probs, V),                 # ragged bytes
+        (2, sizes, ids, probs, 2),                      # id out of vocabulary
+        (2, [2, 1], ids, encode_supports(q_ids, [torch.tensor([0.5, 0.25]), torch.tensor([1.0])])[2], V),  # sum != 1
+        (2, [2, 1], ids, encode_supports(q_ids, [torch.tensor([1.5, -0.5]), torch.tensor([1.0])])[2], V),  # negative
+        (2, [2, 1], ids, encode_supports(q_ids, [torch.tensor([float("nan"), 1.0]), torch.tensor([1.0])])[2], V),
+    ]
+    for args in bad:
+        with pytest.raises(InvalidRequest):
+            decode_supports(*args)
+
+
+def test_rejection_sample_greedy():
+    p = torch.nn.functional.one_hot(torch.tensor([2, 5, 1]), V).float()  # target argmaxes 2, 5, then bonus 1
+    one = lambda x: ([torch.tensor([x])], [torch.tensor([1.0])])  # noqa: E731
+    ids0, pr0 = one(2)
+    ids1, pr1 = one(4)
+    g = torch.Generator().manual_seed(0)
+    assert rejection_sample(p, torch.tensor([2, 4]), ids0 + ids1, pr0 + pr1, g) == (1, 5)  # reject 4, recover 5
+    ids1, pr1 = one(5)
+    assert rejection_sample(p, torch.tensor([2, 5]), ids0 + ids1, pr0 + pr1, g) == (2, 1)  # all accepted, bonus 1
+    assert rejection_sample(p[:1], torch.tensor([], dtype=torch.long), [], [], g) == (0, 2)  # no draft: plain step
+
+
+def _random_dist(g: torch.Generator, support: int | None = None) -> torch.Tensor:
+    logits = torch.randn(V, generator=g) * 1.5
+    if support is not None:
+        keep = torch.randperm(V, generator=g)[:support]
+        logits = torch.full((V,), float("-inf")).index_copy(0, keep, logits[keep])
+    return torch.softmax(logits, -1)
+
+
+def _emitted_histograms(p: torch.Tensor, q: torch.Tensor, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run n rounds with fixed per-position p [K+1, V] and q [K, V]; count the token emitted at
+    each position j over the rounds that emitted one. -> (counts [K+1, V], rounds reaching j [K+1])."""
+    k = q.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(k + 1, V)
+    reached = torch.zeros(k + 1)
+    supports = [draft_support(q[i], V) for i in range(k)]
+    for _ in range(n):
+        draft = torch.stack([ids[torch.multinomial(pr, 1, generator=g)][0] for ids, pr in supports]) if k else \
+            torch.zeros(0, dtype=torch.long)
+        accepted, token = rejection_sample(p, draft, [s[0] for s in supports], [s[1] for s in supports], g)
+        emitted = draft[:accepted].tolist() + [token]
+        for j, t in enumerate(emitted):
+            counts[j, t] += 1
+            reached[j] += 1
+    return counts, reached
+
+
+def chi2_critical(df: int, z: float = 3.719) -> float:
+    """Upper quantile of chi-squared(df) by the Wilson-Hilferty approximation (z = 3.719: alpha = 1e-4)."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def chi2_stat(counts: torch.Tensor, p: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic of counts against p, pooling cells expected below 5. -> (stat, df)"""
+    n = float(counts.sum())
+    assert float(counts[p == 0].sum()) == 0, "emitted a token the target gives probability 0"
+    expected = p * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum().view(1)]) if (~big).any() else counts[big]
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)]) if (~big).any() else expected[big]
+    keep = exp > 0
+    return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("filters", ["none", "target_filtered", "draft_filtered", "both_filtered"])
+def test_rejection_sampling_emits_the_target_distribution(k, filters):
+    """Every emitted position is distributed as p, however different q is.
+
+    4000 rounds over V = 8 tokens; a chi-squared test per position at
+    alpha = 1e-4 (all positions of all 16 cases: < 0.01 false alarms in all).
+    test_the_statistical_check_can_fail shows the same check rejects q.
+    """
+    g = torch.Generator().manual_seed(100 * k + len(filters))
+    target_support = 3 if filters in ("target_filtered", "both_filtered") else None
+    draft_support_size = 2 if filters in ("draft_filtered", "both_filtered") else None
+    p = torch.stack([_random_dist(g, target_support) for _ in range(k + 1)])
+    q = torch.stack([_random_dist(g, draft_support_size) for _ in range(k)])
+    counts, reached = _emitted_histograms(p, q, 4000, seed=k)
+    assert reached[0] == 4000
+    for j in range(k + 1):
+        if reached[j] < 50:
+            continue  # too few rounds got this far to test
+        stat, df = chi2_stat(counts[j], p[j])
+        if df > 0:
+            assert stat < chi2_critical(df), f"position {j}: chi2 {stat:.1f} on {df} df"
+
+
+def test_the_statistical_check_can_fail():
+    """Emitting the draft's tokens uncorrected must fail the same check."""
+    g = torch.Generator().manual_seed(7)
+    p, q = _random_dist(g), _random_dist(g)
+    samples = torch.multinomial(q, 4000, replacement=True, generator=g)
+    stat, df = chi2_stat(torch.bincount(samples, minlength=V).float(), p)
+    assert stat > 10 * chi2_critical(df)
