@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from speculative.errors import InvalidRequest
+from tests.stats import chi2_critical, chi2_stat
 from speculative.sampling import (
     SamplingParams,
     decode_supports,
@@ -107,24 +108,6 @@ def _emitted_histograms(p: torch.Tensor, q: torch.Tensor, n: int, seed: int) -> 
             counts[j, t] += 1
             reached[j] += 1
     return counts, reached
-
-
-def chi2_critical(df: int, z: float = 3.719) -> float:
-    """Upper quantile of chi-squared(df) by the Wilson-Hilferty approximation (z = 3.719: alpha = 1e-4)."""
-    a = 2.0 / (9.0 * df)
-    return df * (1.0 - a + z * math.sqrt(a)) ** 3
-
-
-def chi2_stat(counts: torch.Tensor, p: torch.Tensor) -> tuple[float, int]:
-    """Pearson's statistic of counts against p, pooling cells expected below 5. -> (stat, df)"""
-    n = float(counts.sum())
-    assert float(counts[p == 0].sum()) == 0, "emitted a token the target gives probability 0"
-    expected = p * n
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum().view(1)]) if (~big).any() else counts[big]
-    exp = torch.cat([expected[big], expected[~big].sum().view(1)]) if (~big).any() else expected[big]
-    keep = exp > 0
-    return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
