@@ -133,8 +133,10 @@ async def serve(
     load: Callable[[], Awaitable[None]],
     on_stop: Callable[[], Awaitable[None]] | None = None,
     grace: float = 5.0,
+    stop: asyncio.Event | None = None,
 ) -> None:
-    """Start the server NOT_SERVING, run `load`, turn SERVING, and stop cleanly on a signal.
+    """Start the server NOT_SERVING, run `load`, turn SERVING, and stop cleanly on SIGTERM /
+    SIGINT (or when `stop` is set, if given).
 
     add_servicers registers the servicers and returns their full service names.
     """
@@ -149,10 +151,11 @@ async def serve(
     log.info("%s listening on %s:%d (NOT_SERVING until ready)", name, host, bound)
     print(f"{name} listening on {host}:{bound}", flush=True)
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
     loader = asyncio.ensure_future(load())
     stopper = asyncio.ensure_future(stop.wait())
     done, _ = await asyncio.wait({loader, stopper}, return_when=asyncio.FIRST_COMPLETED)

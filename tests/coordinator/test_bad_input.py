@@ -1,0 +1,133 @@
+"""Every bad input gets a clear status and message, and harms no other request."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from coordinator.launch import LocalStack
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+NAN = float("nan")
+
+BAD_REQUESTS = {
+    "empty prompt": dict(),
+    "prompt and ids": dict(prompt="a", prompt_token_ids=[1]),
+    "prompt beyond context": dict(prompt_token_ids=[5] * 600),
+    "prompt fills context": dict(prompt_token_ids=[5] * 512),
+    "max_new_tokens zero": dict(prompt="a", max_new_tokens=0),
+    "max_new_tokens negative": dict(prompt="a", max_new_tokens=-3),
+    "max_new_tokens beyond context": dict(prompt_token_ids=[5] * 10, max_new_tokens=503),
+    "temperature negative": dict(prompt="a", temperature=-0.5),
+    "temperature nan": dict(prompt="a", temperature=NAN),
+    "temperature inf": dict(prompt="a", temperature=float("inf")),
+    "top_p zero": dict(prompt="a", top_p=0.0),
+    "top_p above one": dict(prompt="a", top_p=1.5),
+    "top_p nan": dict(prompt="a", top_p=NAN),
+    "top_k negative": dict(prompt="a", top_k=-1),
+    "token id outside vocabulary": dict(prompt_token_ids=[1, 10**6]),
+    "negative token id": dict(prompt_token_ids=[-1]),
+    "K too large": dict(prompt="a", num_speculative_tokens=17),
+    "K negative": dict(prompt="a", num_speculative_tokens=-1),
+    "too many stop strings": dict(prompt="a", stop=["x"] * 17),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_REQUESTS))
+def test_bad_request_is_invalid_argument(client, name):
+    request = pb.GenerateRequest(**BAD_REQUESTS[name])
+    for call in (client.Generate, lambda r: list(client.GenerateStream(r))):
+        with pytest.raises(grpc.RpcError) as err:
+            call(request)
+        assert err.value.code() == INVALID, (name, err.value.details())
+        assert err.value.details()
+    # the server is unharmed
+    ok = client.Generate(pb.GenerateRequest(prompt="a", max_new_tokens=4, temperature=0.0))
+    assert len(ok.token_ids) >= 1
+
+
+def test_max_new_tokens_up_to_the_context_is_fine(client):
+    reply = client.Generate(pb.GenerateRequest(prompt_token_ids=[5] * 500, max_new_tokens=12, temperature=0.0,
+                                               num_speculative_tokens=8))
+    assert 1 <= len(reply.token_ids) <= 12
+
+
+def peer_stubs(stack):
+    return (pb_grpc.DraftStub(grpc.insecure_channel(stack.draft_addr)),
+            pb_grpc.TargetStub(grpc.insecure_channel(stack.target_addr)))
+
+
+def proposal(tokens, sizes=None, ids=None, probs=None):
+    import numpy as np
+
+    sizes = [1] * len(tokens) if sizes is None else sizes
+    ids = np.array(tokens if ids is None else ids, "<i4").tobytes()
+    probs = np.array([1.0] * len(tokens) if probs is None else probs, "<f4").tobytes()
+    return pb.DraftProposal(tokens=tokens, support_sizes=sizes, support_ids=ids, support_probs=probs)
+
+
+def test_model_services_refuse_bad_messages(stack):
+    draft, target = peer_stubs(stack)
+    greedy = pb.SamplingParams(temperature=0.0, top_p=1.0)
+    target.Verify(pb.VerifyRequest(session_id="bad-input", start=True, append=[1, 2, 3], sampling=greedy))
+    cases = {
+        grpc.StatusCode.NOT_FOUND: [pb.VerifyRequest(session_id="no-such-session", sampling=greedy)],
+        grpc.StatusCode.ALREADY_EXISTS: [pb.VerifyRequest(session_id="bad-input", start=True, append=[1],
+                                                          sampling=greedy)],
+        INVALID: [
+            pb.VerifyRequest(session_id="bad-input", proposal=proposal([10**6]), sampling=greedy),
+            pb.VerifyRequest(session_id="bad-input", proposal=proposal([4], probs=[-1.0]), sampling=greedy),
+            pb.VerifyRequest(session_id="bad-input", proposal=proposal([4], probs=[NAN]), sampling=greedy),
+            pb.VerifyRequest(session_id="bad-input", proposal=proposal([4, 5], ids=[4, 5], probs=[0.5, 0.2],
+                                                                       sizes=[2, 0]), sampling=greedy),
+            pb.VerifyRequest(session_id="bad-input", proposal=proposal([4], sizes=[1], ids=[4], probs=[0.6]),
+                             sampling=greedy),
+            pb.VerifyRequest(session_id="bad-input", proposal=proposal([4, 5], sizes=[1]), sampling=greedy),
+            pb.VerifyRequest(session_id="bad-input", proposal=proposal([4], ids=[4, 5], probs=[0.5, 0.5], sizes=[1]),
+                             sampling=greedy),
+            pb.VerifyRequest(session_id="bad-input", sampling=pb.SamplingParams(temperature=NAN, top_p=1.0)),
+            pb.VerifyRequest(session_id="bad-input", sampling=pb.SamplingParams(temperature=1.0, top_p=0.0)),
+            pb.VerifyRequest(session_id="new", start=True, append=[], sampling=greedy),
+        ],
+    }
+    for code, requests in cases.items():
+        for request in requests:
+            with pytest.raises(grpc.RpcError) as err:
+                target.Verify(request)
+            assert err.value.code() == code, (request, err.value.details())
+    with pytest.raises(grpc.RpcError) as err:
+        draft.Propose(pb.ProposeRequest(session_id="no-such-session", num_tokens=2, sampling=greedy))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as err:
+        draft.Propose(pb.ProposeRequest(session_id="d", start=True, append=[1, 10**6], num_tokens=2, sampling=greedy))
+    assert err.value.code() == INVALID and "vocabulary" in err.value.details()
+    # the session survived all of it
+    reply = target.Verify(pb.VerifyRequest(session_id="bad-input", proposal=proposal([4]), sampling=greedy))
+    assert reply.accepted in (0, 1)
+    assert target.Release(pb.ReleaseRequest(session_id="bad-input")).released
+    assert not target.Release(pb.ReleaseRequest(session_id="bad-input")).released
+
+
+def test_unreachable_peer_is_unavailable_naming_its_address(pair):
+    draft, target = pair
+    with LocalStack(draft, target) as stack:
+        stub = pb_grpc.GenerationStub(grpc.insecure_channel(stack.addr))
+        assert stub.Generate(pb.GenerateRequest(prompt="a", max_new_tokens=4)).token_ids
+        stack.procs["target"].kill()
+        stack.procs["target"].wait()
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(pb.GenerateRequest(prompt="a", max_new_tokens=4), timeout=30)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert stack.target_addr in err.value.details() and "target" in err.value.details()
+
+
+def test_coordinator_refuses_a_mismatched_pair(pair, other_tokenizer_model):
+    _, target = pair
+    stack = LocalStack(other_tokenizer_model, target)
+    with pytest.raises(RuntimeError) as err:
+        stack.start(timeout=120)
+    message = str(err.value)
+    assert "cannot be paired" in message and "'model'" in message and "'target'" in message
+    assert "tokenizers differ" in message

@@ -1,0 +1,109 @@
+"""What every server offers generic gRPC tools: health checking and reflection; the CLIs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from coordinator.launch import ROOT, free_port
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from speculative.engines import TargetEngine
+from speculative.model_runner import ModelRunner
+from speculative.serving import ModelThread, serve
+from target_service.servicer import SERVICE_NAME, TargetServicer
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_not_serving_until_the_weights_are_loaded(pair):
+    """A target service in this process whose load waits on a gate we open."""
+    port = free_port()
+    gate = threading.Event()
+    servicer = TargetServicer(ModelThread())
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+
+    async def load():
+        await asyncio.to_thread(gate.wait)
+        servicer.engine = TargetEngine(ModelRunner(pair[1]))
+
+    def add(server):
+        pb_grpc.add_TargetServicer_to_server(servicer, server)
+        return [SERVICE_NAME]
+
+    thread = threading.Thread(target=lambda: loop.run_until_complete(
+        serve("target", "127.0.0.1", port, add, load, stop=stop)), daemon=True)
+    thread.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    grpc.channel_ready_future(channel).result(timeout=30)
+    health = health_pb2_grpc.HealthStub(channel)
+    target = pb_grpc.TargetStub(channel)
+    assert health.Check(health_pb2.HealthCheckRequest()).status == NOT_SERVING
+    assert health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME)).status == NOT_SERVING
+    with pytest.raises(grpc.RpcError) as err:
+        target.GetModelInfo(pb.ModelInfoRequest())
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    gate.set()
+    for _ in range(200):
+        if health.Check(health_pb2.HealthCheckRequest()).status == SERVING:
+            break
+        threading.Event().wait(0.05)
+    assert health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME)).status == SERVING
+    assert target.GetModelInfo(pb.ModelInfoRequest()).vocab_size > 0
+    loop.call_soon_threadsafe(stop.set)
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    channel.close()
+
+
+@pytest.mark.parametrize("which", ["addr", "draft_addr", "target_addr"])
+def test_health_and_reflection(stack, which):
+    channel = grpc.insecure_channel(getattr(stack, which))
+    assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status == SERVING
+    services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    expected = {"addr": "specdec.v1.Generation", "draft_addr": "specdec.v1.Draft",
+                "target_addr": "specdec.v1.Target"}[which]
+    assert {expected, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= services
+    channel.close()
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_client_cli(stack):
+    out = run_cli("-m", "coordinator.client", "--addr", stack.addr, "--json", "--temperature", "0",
+                  "--max-new-tokens", "12", "-k", "3", "def f(x):")
+    assert out.returncode == 0, out.stderr
+    reply = json.loads(out.stdout)
+    assert set(reply) == {"text", "token_ids", "finish_reason", "stats"}
+    assert 1 <= len(reply["token_ids"]) <= 12 and reply["finish_reason"] in ("length", "eos")
+    assert reply["stats"]["num_speculative_tokens"] == 3 and "acceptance_rate" in reply["stats"]
+
+    streamed = run_cli("-m", "coordinator.client", "--addr", stack.addr, "--stream", "--stats", "--temperature", "0",
+                       "--max-new-tokens", "12", "-k", "3", "def f(x):")
+    assert streamed.returncode == 0 and streamed.stdout.rstrip("\n") == reply["text"]
+    assert "acceptance" in streamed.stderr
+
+    bad = run_cli("-m", "coordinator.client", "--addr", stack.addr, "--top-p", "2", "x")
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "top_p" in bad.stderr
+
+
+def test_every_flag_is_documented_with_its_environment_variable():
+    for module, prefix in [("draft_service", "SPECDEC_DRAFT"), ("target_service", "SPECDEC_TARGET"),
+                           ("coordinator", "SPECDEC_COORDINATOR")]:
+        out = run_cli("-m", module, "--help")
+        assert out.returncode == 0, out.stderr
+        for flag in ("--host", "--port"):
+            assert flag in out.stdout
+        assert f"{prefix}_PORT" in out.stdout.replace("\n", " ")
