@@ -94,6 +94,8 @@ class ModelRunner:
             "dtype": str(self.dtype).removeprefix("torch."),
             "num_parameters": self.num_parameters,
             "logits_size": self.logits_size,
+            "active_sessions": len(self.sessions),
+            "max_sessions": self.sessions.max_sessions,
         }
 
     def tokenizer_files(self) -> list[tuple[str, bytes]]:

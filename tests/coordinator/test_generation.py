@@ -126,3 +126,22 @@ def test_token_id_prompt_and_info(client, pair):
     by_text = client.Generate(pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=16, temperature=0.0))
     assert list(by_ids.token_ids) == list(by_text.token_ids)
     assert by_ids.stats.prompt_tokens == len(ids)
+
+
+def test_cancelled_stream_releases_its_sessions(stack):
+    import time
+
+    stub = stub_for(stack)
+    draft = pb_grpc.DraftStub(grpc.insecure_channel(stack.draft_addr))
+    target = pb_grpc.TargetStub(grpc.insecure_channel(stack.target_addr))
+    call = stub.GenerateStream(pb.GenerateRequest(prompt_token_ids=[5] * 8, max_new_tokens=400, temperature=1.0,
+                                                  seed=3, num_speculative_tokens=1))
+    next(call)  # the first round arrived: both sessions exist
+    call.cancel()
+    for _ in range(100):
+        if (target.GetModelInfo(pb.ModelInfoRequest()).active_sessions == 0
+                and draft.GetModelInfo(pb.ModelInfoRequest()).active_sessions == 0):
+            break
+        time.sleep(0.05)
+    assert target.GetModelInfo(pb.ModelInfoRequest()).active_sessions == 0
+    assert draft.GetModelInfo(pb.ModelInfoRequest()).active_sessions == 0

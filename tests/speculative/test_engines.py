@@ -123,3 +123,49 @@ def test_engines_refuse_bad_input_and_leave_no_trace(runners):
     draft.propose("x", True, 0, [1, 2], 2, GREEDY)
     with pytest.raises(InvalidRequest):
         draft.propose("x", False, 3, [], 2, GREEDY)  # more than was proposed
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_other_model_families_decode_exactly(tmp_path, arch):
+    import asyncio
+
+    from speculative.local import LocalDraft, LocalTarget
+    from speculative.round import generate
+    from speculative.tiny import make_pair
+
+    draft_dir, target_dir = make_pair(tmp_path, arch=arch)
+    draft, target = ModelRunner(draft_dir), ModelRunner(target_dir)
+    prompt = target.tokenizer("def f(x): return")["input_ids"]
+    with torch.inference_mode():
+        expected = target.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):]
+
+    async def run() -> list[int]:
+        out = []
+        async for new in generate(LocalDraft(DraftEngine(draft)), LocalTarget(TargetEngine(target)), prompt,
+                                  max_new_tokens=24, k=3, params=GREEDY, eos_token_ids=set(target.eos_token_ids),
+                                  max_context=target.max_context):
+            out += new
+        return out
+
+    assert asyncio.run(run()) == expected.tolist()
+    assert len(target.sessions) == 0 and len(draft.sessions) == 0  # released at the end
+
+
+def test_generation_closed_early_releases_both_sessions(runners):
+    import asyncio
+
+    from speculative.local import LocalDraft, LocalTarget
+    from speculative.round import generate
+
+    draft, target = runners
+
+    async def first_round_then_close() -> int:
+        rounds = generate(LocalDraft(DraftEngine(draft)), LocalTarget(TargetEngine(target)), [1, 2, 3],
+                          max_new_tokens=200, k=3, params=SamplingParams(1.0, seed=1), max_context=512)
+        await rounds.__anext__()
+        held = len(target.sessions) + len(draft.sessions)
+        await rounds.aclose()
+        return held
+
+    assert asyncio.run(first_round_then_close()) == 2
+    assert len(target.sessions) == 0 and len(draft.sessions) == 0
