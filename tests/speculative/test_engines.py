@@ -158,14 +158,15 @@ def test_generation_closed_early_releases_both_sessions(runners):
     from speculative.round import generate
 
     draft, target = runners
+    before = len(target.sessions), len(draft.sessions)
 
     async def first_round_then_close() -> int:
         rounds = generate(LocalDraft(DraftEngine(draft)), LocalTarget(TargetEngine(target)), [1, 2, 3],
                           max_new_tokens=200, k=3, params=SamplingParams(1.0, seed=1), max_context=512)
         await rounds.__anext__()
-        held = len(target.sessions) + len(draft.sessions)
+        held = len(target.sessions), len(draft.sessions)
         await rounds.aclose()
         return held
 
-    assert asyncio.run(first_round_then_close()) == 2
-    assert len(target.sessions) == 0 and len(draft.sessions) == 0
+    assert asyncio.run(first_round_then_close()) == (before[0] + 1, before[1] + 1)
+    assert (len(target.sessions), len(draft.sessions)) == before
