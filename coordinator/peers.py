@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from speculative.round import Proposal, Verdict
+from speculative.round import Cost, Proposal, Verdict
 from speculative.sampling import SamplingParams
 from speculative.serving import CHANNEL_OPTIONS
 
@@ -101,14 +101,13 @@ class GrpcDraft(Peer):
 
     async def propose(
         self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams
-    ) -> tuple[Proposal, float]:
-        reply = await self.call(
-            self.stub.Propose,
-            pb.ProposeRequest(session_id=session_id, start=start, rollback=rollback, append=append,
-                              num_tokens=k, sampling=sampling_proto(params)),
-        )
+    ) -> tuple[Proposal, Cost]:
+        request = pb.ProposeRequest(session_id=session_id, start=start, rollback=rollback, append=append,
+                                    num_tokens=k, sampling=sampling_proto(params))
+        reply = await self.call(self.stub.Propose, request)
         p = reply.proposal
-        return Proposal(list(p.tokens), list(p.support_sizes), p.support_ids, p.support_probs), reply.service_ms
+        proposal = Proposal(list(p.tokens), list(p.support_sizes), p.support_ids, p.support_probs)
+        return proposal, Cost(reply.service_ms, request.ByteSize() + reply.ByteSize())
 
 
 class GrpcTarget(Peer):
@@ -119,17 +118,15 @@ class GrpcTarget(Peer):
 
     async def verify(
         self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams
-    ) -> tuple[Verdict, float]:
-        reply = await self.call(
-            self.stub.Verify,
-            pb.VerifyRequest(
-                session_id=session_id, start=start, append=append,
-                proposal=pb.DraftProposal(tokens=proposal.tokens, support_sizes=proposal.support_sizes,
-                                          support_ids=proposal.support_ids, support_probs=proposal.support_probs),
-                sampling=sampling_proto(params),
-            ),
+    ) -> tuple[Verdict, Cost]:
+        request = pb.VerifyRequest(
+            session_id=session_id, start=start, append=append,
+            proposal=pb.DraftProposal(tokens=proposal.tokens, support_sizes=proposal.support_sizes,
+                                      support_ids=proposal.support_ids, support_probs=proposal.support_probs),
+            sampling=sampling_proto(params),
         )
-        return Verdict(reply.accepted, reply.token), reply.service_ms
+        reply = await self.call(self.stub.Verify, request)
+        return Verdict(reply.accepted, reply.token), Cost(reply.service_ms, request.ByteSize() + reply.ByteSize())
 
 
 def check_compatible(draft: pb.ModelInfo, target: pb.ModelInfo) -> None:

@@ -52,6 +52,8 @@ def stats_proto(stats: Stats, k: int, seed: int, prompt_tokens: int, wall_ms: fl
         generated_tokens=stats.generated_tokens,
         num_speculative_tokens=k,
         seed=seed,
+        draft_calls=stats.draft_calls,
+        wire_bytes=stats.wire_bytes,
     )
 
 

@@ -7,7 +7,7 @@ in one process.
 from __future__ import annotations
 
 from .engines import DraftEngine, TargetEngine
-from .round import Proposal, Verdict
+from .round import Cost, Proposal, Verdict
 from .sampling import SamplingParams
 
 
@@ -17,8 +17,9 @@ class LocalDraft:
 
     async def propose(
         self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams
-    ) -> tuple[Proposal, float]:
-        return self.engine.propose(session_id, start, rollback, append, k, params)
+    ) -> tuple[Proposal, Cost]:
+        proposal, ms = self.engine.propose(session_id, start, rollback, append, k, params)
+        return proposal, Cost(ms)
 
     async def release(self, session_id: str) -> None:
         self.engine.runner.sessions.release(session_id)
@@ -30,8 +31,9 @@ class LocalTarget:
 
     async def verify(
         self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams
-    ) -> tuple[Verdict, float]:
-        return self.engine.verify(session_id, start, append, proposal, params)
+    ) -> tuple[Verdict, Cost]:
+        verdict, ms = self.engine.verify(session_id, start, append, proposal, params)
+        return verdict, Cost(ms)
 
     async def release(self, session_id: str) -> None:
         self.engine.runner.sessions.release(session_id)

@@ -34,6 +34,14 @@ class Proposal:
 
 
 @dataclass
+class Cost:
+    """What one peer call cost: time inside the service, and bytes on the wire (0 in one process)."""
+
+    service_ms: float = 0.0
+    wire_bytes: int = 0
+
+
+@dataclass
 class Verdict:
     accepted: int  # draft tokens accepted, a prefix of the proposal
     token: int     # recovered (accepted < K) or bonus (accepted == K) token
@@ -42,8 +50,7 @@ class Verdict:
 class DraftPeer(Protocol):
     async def propose(
         self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams
-    ) -> tuple[Proposal, float]:
-        """-> (proposal, milliseconds spent inside the draft service)"""
+    ) -> tuple[Proposal, Cost]: ...
 
     async def release(self, session_id: str) -> None: ...
 
@@ -51,8 +58,7 @@ class DraftPeer(Protocol):
 class TargetPeer(Protocol):
     async def verify(
         self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams
-    ) -> tuple[Verdict, float]:
-        """-> (verdict, milliseconds spent inside the target service)"""
+    ) -> tuple[Verdict, Cost]: ...
 
     async def release(self, session_id: str) -> None: ...
 
@@ -73,20 +79,20 @@ class Round:
     tokens: list[int]  # newly committed: accepted draft tokens + the recovered/bonus token
     proposed: int
     accepted: int
-    draft_ms: float = 0.0
-    target_ms: float = 0.0
+    draft: Cost = field(default_factory=Cost)
+    target: Cost = field(default_factory=Cost)
 
 
 async def speculative_round(
     draft: DraftPeer, target: TargetPeer, seq: Sequence, k: int, params: SamplingParams
 ) -> Round:
     """One round: the draft proposes k tokens, the target verifies them in one pass."""
-    proposal, draft_ms = Proposal(), 0.0
+    proposal, draft_cost = Proposal(), Cost()
     if k > 0:
-        proposal, draft_ms = await draft.propose(
+        proposal, draft_cost = await draft.propose(
             seq.session_id, seq.draft_seen == 0, seq.draft_unconfirmed, seq.tokens[seq.draft_seen :], k, params
         )
-    verdict, target_ms = await target.verify(
+    verdict, target_cost = await target.verify(
         seq.session_id, seq.target_seen == 0, seq.tokens[seq.target_seen :], proposal, params
     )
     accepted = proposal.tokens[: verdict.accepted]
@@ -97,7 +103,7 @@ async def speculative_round(
     seq.tokens.extend(accepted)
     seq.tokens.append(verdict.token)
     seq.target_seen = len(seq.tokens)
-    return Round(accepted + [verdict.token], len(proposal.tokens), verdict.accepted, draft_ms, target_ms)
+    return Round(accepted + [verdict.token], len(proposal.tokens), verdict.accepted, draft_cost, target_cost)
 
 
 @dataclass
@@ -106,8 +112,10 @@ class Stats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    draft_calls: int = 0
     draft_ms: float = 0.0
     target_ms: float = 0.0
+    wire_bytes: int = 0
     generated_tokens: int = 0
 
     def add(self, r: Round) -> None:
@@ -118,8 +126,10 @@ class Stats:
             self.accepted_per_position += [0] * (r.proposed - len(self.accepted_per_position))
         for i in range(r.accepted):
             self.accepted_per_position[i] += 1
-        self.draft_ms += r.draft_ms
-        self.target_ms += r.target_ms
+        self.draft_calls += r.proposed > 0
+        self.draft_ms += r.draft.service_ms
+        self.target_ms += r.target.service_ms
+        self.wire_bytes += r.draft.wire_bytes + r.target.wire_bytes
 
     @property
     def acceptance_rate(self) -> float:
