@@ -7,8 +7,11 @@ Every flag can also be set from the environment (SPECDEC_DRAFT_<FLAG>); see --he
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from speculative.engines import DraftEngine
+from speculative.engines import DraftEngine, OracleDraftEngine
 from speculative.serving import EnvArgumentParser, ModelThread, add_common_flags, add_model_flags, run_model_service
 
 from .servicer import SERVICE_NAME, DraftServicer
@@ -22,6 +25,8 @@ def parse_args(argv=None):
     add_model_flags(parser, default_model=None)
     parser.add_argument("--max-support", type=int, default=64,
                         help="tokens in each shipped draft distribution q (the draft samples from exactly these)")
+    parser.add_argument("--oracle", default=None,
+                        help="benchmark only: JSON list of token sequences to replay instead of drafting")
     return parser.parse_args(argv)
 
 
@@ -30,8 +35,15 @@ def main(argv=None) -> None:
     servicer = DraftServicer(ModelThread())
     run_model_service(
         "draft", args, servicer, pb_grpc.add_DraftServicer_to_server, SERVICE_NAME,
-        lambda runner: DraftEngine(runner, args.max_support, args.max_tokens_per_call),
+        lambda runner: make_engine(runner, args),
     )
+
+
+def make_engine(runner, args) -> DraftEngine:
+    if args.oracle:
+        references = json.loads(Path(args.oracle).read_text())
+        return OracleDraftEngine(runner, references, args.max_tokens_per_call)
+    return DraftEngine(runner, args.max_support, args.max_tokens_per_call)
 
 
 if __name__ == "__main__":

@@ -170,3 +170,28 @@ def test_generation_closed_early_releases_both_sessions(runners):
 
     assert asyncio.run(first_round_then_close()) == (before[0] + 1, before[1] + 1)
     assert (len(target.sessions), len(draft.sessions)) == before
+
+
+def test_oracle_draft_replays_the_reference(runners):
+    import asyncio
+
+    from speculative.engines import OracleDraftEngine
+    from speculative.local import LocalDraft, LocalTarget
+    from speculative.round import Stats, generate
+
+    draft_runner, target = runners
+    prompt = [4, 8, 15, 16, 23, 42]
+    with torch.inference_mode():
+        reference = target.model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False)[0].tolist()
+    oracle = OracleDraftEngine(draft_runner, [[1, 2, 3], reference])
+    stats = Stats()
+
+    async def run() -> list[int]:
+        out = []
+        async for new in generate(LocalDraft(oracle), LocalTarget(TargetEngine(target)), prompt, max_new_tokens=30,
+                                  k=4, params=GREEDY, max_context=512, stats=stats):
+            out += new
+        return out
+
+    assert asyncio.run(run()) == reference[len(prompt):]
+    assert stats.acceptance_rate == 1.0 and stats.rounds == 6  # 30 tokens, 5 per round
