@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: setup stubs run test test-all clean
+.PHONY: setup stubs run test test-all bench clean
 
 setup: $(STAMP) stubs
 
@@ -29,6 +29,10 @@ test: setup
 
 test-all: setup
 	$(PY) -m pytest -q -m ''
+
+bench: setup
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	$(PY) -m bench
 
 clean:
 	rm -rf specdec .cache build *.egg-info

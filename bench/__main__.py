@@ -1,0 +1,301 @@
+"""`make bench`: specdec against the target alone and HF assisted generation, side by side.
+
+    python -m bench [--draft-model D --target-model T] [--prompts 16] [--new-tokens 128]
+
+One run, same machine, same threads, same held-out prompts, for greedy and for sampling
+(temperature 0.8), sweeping K:
+  a  target alone: transformers `generate` — the baseline
+  b  transformers assisted generation (`assistant_model=` the draft)
+  c  specdec's speculative round in one process (no gRPC)
+  d  specdec as three processes over gRPC on loopback (coordinator + draft + target)
+  e  d with an oracle draft replaying the target's own greedy continuation (acceptance 1.0):
+     the ceiling of the machinery (greedy only)
+Writes a table to stdout, bench/results/latest.json and bench/results/speedup.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from coordinator.launch import LocalStack, default_models  # noqa: E402
+from speculative.engines import DraftEngine, TargetEngine  # noqa: E402
+from speculative.local import LocalDraft, LocalTarget  # noqa: E402
+from speculative.model_runner import ModelRunner  # noqa: E402
+from speculative.round import Stats, generate  # noqa: E402
+from speculative.sampling import SamplingParams  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODES = {"greedy": 0.0, "sampling": 0.8}
+
+
+# ----------------------------------------------------------------- prompts
+
+def heldout_prompts(tokenizer, n: int, lines: int = 12) -> list[list[int]]:
+    """n prompts of `lines` source lines each, from the middle of held-out stdlib files."""
+    from training.data import build_corpus, read_split
+
+    corpus = Path(__file__).resolve().parent.parent / ".cache" / "training" / "corpus"
+    if not (corpus / "heldout.txt").is_file():
+        corpus = Path(tempfile.mkdtemp(prefix="specdec-corpus-"))
+        build_corpus(corpus)
+    prompts = []
+    for text in read_split(corpus, "heldout"):
+        rows = text.splitlines(keepends=True)
+        if len(rows) < 3 * lines:
+            continue
+        start = len(rows) // 3
+        prompts.append(tokenizer("".join(rows[start : start + lines]))["input_ids"][-256:])
+        if len(prompts) == n:
+            break
+    if len(prompts) < n:
+        raise SystemExit(f"only {len(prompts)} held-out files are long enough for {n} prompts")
+    return prompts
+
+
+# ----------------------------------------------------------------- runners
+
+def hf_generate(target, prompts, temperature: float, new_tokens: int, assistant=None, k: int = 0):
+    """(generated token lists, seconds) for transformers generate, optionally assisted."""
+    outputs, start = [], time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        torch.manual_seed(i)
+        kwargs = dict(max_new_tokens=new_tokens, do_sample=temperature > 0, pad_token_id=target.config.eos_token_id)
+        if temperature > 0:
+            kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+        if assistant is not None:
+            assistant.generation_config.num_assistant_tokens = k
+            assistant.generation_config.num_assistant_tokens_schedule = "constant"
+            assistant.generation_config.assistant_confidence_threshold = 0.0
+            kwargs["assistant_model"] = assistant
+        with torch.inference_mode():
+            out = target.generate(torch.tensor([prompt]), **kwargs)
+        outputs.append(out[0, len(prompt):].tolist())
+    return outputs, time.perf_counter() - start
+
+
+def engine_run(draft_dir, target_dir, prompts, temperature: float, new_tokens: int, k: int, eos: set[int]):
+    """specdec's round in one process. -> (Stats, seconds)"""
+    draft, target = LocalDraft(DraftEngine(ModelRunner(draft_dir))), LocalTarget(TargetEngine(ModelRunner(target_dir)))
+    stats = Stats()
+
+    async def run() -> float:
+        start = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(temperature, 0, 1.0, seed=i)
+            async for _ in generate(draft, target, prompt, max_new_tokens=new_tokens, k=k, params=params,
+                                    eos_token_ids=eos, max_context=1 << 30, stats=stats):
+                pass
+        return time.perf_counter() - start
+
+    return stats, asyncio.run(run())
+
+
+def grpc_run(stack: LocalStack, prompts, temperature: float, new_tokens: int, k: int):
+    """The full system over gRPC. -> (Stats summed over requests, seconds)"""
+    import grpc
+
+    from specdec.v1 import specdec_pb2 as pb
+    from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+    stats = Stats()
+    with grpc.insecure_channel(stack.addr) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        stub.Generate(pb.GenerateRequest(prompt_token_ids=prompts[0], max_new_tokens=4))  # warm up
+        start = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            s = stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=new_tokens,
+                                                 temperature=temperature, seed=i, num_speculative_tokens=k)).stats
+            stats.rounds += s.rounds
+            stats.draft_tokens += s.draft_tokens
+            stats.accepted_tokens += s.accepted_tokens
+            stats.draft_calls += s.draft_calls
+            stats.draft_ms += s.draft_ms
+            stats.target_ms += s.target_ms
+            stats.wire_bytes += s.wire_bytes
+            stats.generated_tokens += s.generated_tokens
+            per = list(s.accepted_per_position)
+            stats.accepted_per_position += [0] * (len(per) - len(stats.accepted_per_position))
+            for j, n in enumerate(per):
+                stats.accepted_per_position[j] += n
+        seconds = time.perf_counter() - start
+    return stats, seconds
+
+
+# ----------------------------------------------------------------- maths
+
+def ideal_speedup(alpha: float, c: float, k: int) -> float:
+    """Leviathan et al.: expected speedup S = (1 - a^(K+1)) / ((1 - a)(K c + 1))."""
+    if alpha >= 1.0:
+        return (k + 1) / (k * c + 1)
+    return (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1))
+
+
+def row_from_stats(name, mode, k, stats: Stats, seconds, base_tps, wall_ms=None):
+    tps = stats.generated_tokens / seconds
+    rounds = max(stats.rounds, 1)
+    draft_per_token = stats.draft_ms / stats.draft_tokens if stats.draft_tokens else 0.0
+    target_per_call = stats.target_ms / rounds
+    c = draft_per_token / target_per_call if target_per_call else 0.0
+    alpha = stats.acceptance_rate
+    ideal = ideal_speedup(alpha, c, k)
+    round_ms = seconds * 1e3 / rounds
+    overhead_ms = round_ms - (stats.draft_ms + stats.target_ms) / rounds
+    return {
+        "name": name, "mode": mode, "k": k, "tokens": stats.generated_tokens, "tokens_per_s": tps,
+        "speedup": tps / base_tps, "acceptance_rate": alpha, "mean_accepted": stats.mean_accepted,
+        "acceptance_per_position": [n / rounds for n in stats.accepted_per_position],
+        "draft_ms_per_call": stats.draft_ms / max(stats.draft_calls, 1), "target_ms_per_call": target_per_call,
+        "c": c, "round_ms": round_ms, "overhead_ms_per_round": overhead_ms,
+        "overhead_fraction": overhead_ms / round_ms if round_ms else 0.0,
+        "wire_bytes_per_round": stats.wire_bytes / rounds, "ideal_speedup": ideal,
+        "efficiency": (tps / base_tps) / ideal if ideal else 0.0,
+    }
+
+
+# ----------------------------------------------------------------- output
+
+def print_table(rows: list[dict]) -> None:
+    head = (f"{'row':<28}{'mode':<9}{'K':>3}{'tok/s':>8}{'speedup':>8}{'accept':>7}{'acc/rnd':>8}{'draft ms':>9}"
+            f"{'target ms':>10}{'ovh ms':>7}{'ovh %':>6}{'B/rnd':>7}{'ideal':>6}{'eff':>6}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        def f(key, fmt):
+            return format(r[key], fmt) if key in r else "-"
+        print(f"{r['name']:<28}{r['mode']:<9}{r['k']:>3}{r['tokens_per_s']:>8.1f}{r['speedup']:>7.2f}x"
+              f"{f('acceptance_rate', '.2f'):>7}{f('mean_accepted', '.2f'):>8}{f('draft_ms_per_call', '.2f'):>9}"
+              f"{f('target_ms_per_call', '.2f'):>10}{f('overhead_ms_per_round', '.2f'):>7}"
+              f"{(format(100 * r['overhead_fraction'], '.0f') if 'overhead_fraction' in r else '-'):>6}"
+              f"{f('wire_bytes_per_round', '.0f'):>7}{f('ideal_speedup', '.2f'):>6}{f('efficiency', '.2f'):>6}")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(MODES), figsize=(6 * len(MODES), 4.5), sharey=True)
+    for ax, mode in zip(axes, MODES):
+        for name in dict.fromkeys(r["name"] for r in rows if r["mode"] == mode and r["k"] > 0):
+            pts = sorted((r["k"], r["speedup"]) for r in rows if r["mode"] == mode and r["name"] == name)
+            ax.plot(*zip(*pts), marker="o", label=name)
+        ideal = sorted((r["k"], r["ideal_speedup"]) for r in rows if r["mode"] == mode and r["name"].startswith("d "))
+        if ideal:
+            ax.plot(*zip(*ideal), "k--", label="ideal (Leviathan, α and c of d)")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_title(f"{mode}")
+        ax.set_xlabel("K (draft tokens per round)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("speedup vs target alone")
+    axes[-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ----------------------------------------------------------------- main
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--draft-model")
+    parser.add_argument("--target-model")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--ks", default="1,2,4,6,8", help="K values to sweep")
+    parser.add_argument("--modes", default="greedy,sampling")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of every process (same for all rows)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    draft_default, target_default = default_models()
+    draft_dir, target_dir = args.draft_model or draft_default, args.target_model or target_default
+    ks = [int(k) for k in args.ks.split(",")]
+    modes = {m: MODES[m] for m in args.modes.split(",")}
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    prompts = heldout_prompts(tokenizer, args.prompts)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    assistant = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    eos = {target.config.eos_token_id}
+
+    runs = len(modes) * (1 + 3 * len(ks)) + len(ks) * ("greedy" in modes)
+    bar = tqdm(total=runs, desc="bench", unit="run")
+    rows: list[dict] = []
+    references = None
+    args.out.mkdir(parents=True, exist_ok=True)
+    stack = LocalStack(draft_dir, target_dir, threads=args.threads).start()
+    try:
+        for mode, temperature in modes.items():
+            bar.set_postfix_str(f"{mode}: a target alone")
+            outputs, seconds = hf_generate(target, prompts, temperature, args.new_tokens)
+            base = sum(map(len, outputs)) / seconds
+            rows.append({"name": "a target alone (HF)", "mode": mode, "k": 0, "tokens": sum(map(len, outputs)),
+                         "tokens_per_s": base, "speedup": 1.0})
+            if mode == "greedy":
+                references = [p + o for p, o in zip(prompts, outputs)]
+            bar.update()
+            for k in ks:
+                bar.set_postfix_str(f"{mode}: b HF assisted K={k}")
+                outputs, seconds = hf_generate(target, prompts, temperature, args.new_tokens, assistant, k)
+                rows.append({"name": "b HF assisted", "mode": mode, "k": k, "tokens": sum(map(len, outputs)),
+                             "tokens_per_s": sum(map(len, outputs)) / seconds,
+                             "speedup": sum(map(len, outputs)) / seconds / base})
+                bar.update()
+                bar.set_postfix_str(f"{mode}: c in-process K={k}")
+                stats, seconds = engine_run(draft_dir, target_dir, prompts, temperature, args.new_tokens, k, eos)
+                rows.append(row_from_stats("c specdec in-process", mode, k, stats, seconds, base))
+                bar.update()
+                bar.set_postfix_str(f"{mode}: d gRPC K={k}")
+                stats, seconds = grpc_run(stack, prompts, temperature, args.new_tokens, k)
+                rows.append(row_from_stats("d specdec gRPC", mode, k, stats, seconds, base))
+                bar.update()
+        if references is not None:
+            stack.stop()
+            oracle = args.out / "oracle.json"
+            oracle.write_text(json.dumps(references))
+            stack = LocalStack(draft_dir, target_dir, threads=args.threads, draft_args=["--oracle", str(oracle)]).start()
+            base = next(r["tokens_per_s"] for r in rows if r["mode"] == "greedy" and r["k"] == 0)
+            for k in ks:
+                bar.set_postfix_str(f"greedy: e oracle K={k}")
+                stats, seconds = grpc_run(stack, prompts, 0.0, args.new_tokens, k)
+                rows.append(row_from_stats("e specdec gRPC, oracle", "greedy", k, stats, seconds, base))
+                bar.update()
+            oracle.unlink()
+    finally:
+        stack.stop()
+        bar.close()
+
+    meta = {"machine": f"{os.cpu_count()} cores, {torch.__version__}", "threads": args.threads,
+            "draft": str(draft_dir), "target": str(target_dir), "prompts": len(prompts),
+            "new_tokens": args.new_tokens, "date": time.strftime("%Y-%m-%d %H:%M")}
+    (args.out / "latest.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    plot(rows, args.out / "speedup.png")
+    print(f"\n{meta}\n")
+    print_table(rows)
+    best = {m: max((r for r in rows if r["mode"] == m and r["name"].startswith("d ")), key=lambda r: r["speedup"],
+                   default=None) for m in modes}
+    for mode, r in best.items():
+        if r:
+            peer = next(x for x in rows if x["mode"] == mode and x["name"].startswith("b ") and x["k"] == r["k"])
+            print(f"best d ({mode}): K={r['k']} {r['speedup']:.2f}x target alone, {r['tokens_per_s'] / peer['tokens_per_s']:.2f}x"
+                  f" HF assisted at that K, gRPC overhead {100 * r['overhead_fraction']:.0f}% of a round")
+    print(f"\nwrote {args.out / 'latest.json'} and {args.out / 'speedup.png'}")
+
+
+if __name__ == "__main__":
+    main()
