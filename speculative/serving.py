@@ -17,7 +17,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specdec.v1 import specdec_pb2 as pb
+
 from .errors import CapacityExceeded, InvalidRequest, SessionExists, SessionNotFound
+from .sampling import SamplingParams
 
 log = logging.getLogger("specdec")
 
@@ -184,16 +187,8 @@ def setup_logging(level: str) -> None:
 
 # ------------------------------------------------------- model services
 
-def params_from_proto(msg) -> "SamplingParams":
-    from .sampling import SamplingParams
-
+def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed)
-
-
-def model_info_proto(runner) -> Any:
-    from specdec.v1 import specdec_pb2 as pb
-
-    return pb.ModelInfo(**runner.info())
 
 
 class ModelServicer:
@@ -212,10 +207,6 @@ class ModelServicer:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "weights are still loading; retry when SERVING")
         return self.engine
 
-    @property
-    def runner(self):
-        return self.engine.runner
-
     async def call(self, context: grpc.aio.ServicerContext, fn: Callable[..., Any], *args: Any) -> Any:
         """Run fn on the model thread; engine errors become gRPC statuses."""
         try:
@@ -224,11 +215,9 @@ class ModelServicer:
             await abort_with(context, exc)
 
     async def GetModelInfo(self, request, context):
-        return model_info_proto((await self.ready(context)).runner)
+        return pb.ModelInfo(**(await self.ready(context)).runner.info())
 
     async def GetTokenizer(self, request, context):
-        from specdec.v1 import specdec_pb2 as pb
-
         runner = (await self.ready(context)).runner
         chunk = 1 << 20
         for name, data in runner.tokenizer_files():
@@ -236,8 +225,6 @@ class ModelServicer:
                 yield pb.TokenizerFile(name=name, data=data[offset : offset + chunk])
 
     async def Release(self, request, context):
-        from specdec.v1 import specdec_pb2 as pb
-
         runner = (await self.ready(context)).runner
 
         def release() -> bool:
@@ -247,12 +234,16 @@ class ModelServicer:
         return pb.ReleaseResponse(released=await self.thread.run(release))
 
 
-async def sweep_idle_sessions(runner, every: float = 30.0) -> None:
-    """Evict abandoned sessions in the background."""
+async def sweep_idle_sessions(runner, thread: ModelThread, every: float = 30.0) -> None:
+    """Evict abandoned sessions in the background (on the model thread, which owns them)."""
+
+    def evict() -> int:
+        with runner.lock:
+            return runner.sessions.evict_idle()
+
     while True:
         await asyncio.sleep(every)
-        with runner.lock:
-            evicted = runner.sessions.evict_idle()
+        evicted = await thread.run(evict)
         if evicted:
             log.info("evicted %d idle sessions", evicted)
 
@@ -276,7 +267,7 @@ def run_model_service(name: str, args: argparse.Namespace, servicer: ModelServic
             )
             servicer.engine = make_engine(runner)
             log.info("%s loaded %s (%d parameters) on %s", name, runner.name, runner.num_parameters, runner.device)
-            sweeper = asyncio.ensure_future(sweep_idle_sessions(runner, min(30.0, args.session_idle_timeout)))
+            sweeper = asyncio.ensure_future(sweep_idle_sessions(runner, servicer.thread, min(30.0, args.session_idle_timeout)))
 
         def add(server: grpc.aio.Server) -> list[str]:
             add_to_server(servicer, server)
