@@ -22,7 +22,7 @@ DEFAULT_PORT = 50052
 def parse_args(argv=None):
     parser = EnvArgumentParser("SPECDEC_DRAFT", prog="python -m draft_service", description=__doc__)
     add_common_flags(parser, DEFAULT_PORT)
-    add_model_flags(parser, default_model=None)
+    add_model_flags(parser, "draft")
     parser.add_argument("--max-support", type=int, default=64,
                         help="tokens in each shipped draft distribution q (the draft samples from exactly these)")
     parser.add_argument("--oracle", default=None,

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 import signal
+from pathlib import Path
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -69,9 +70,16 @@ def add_common_flags(parser: EnvArgumentParser, port: int) -> None:
     parser.add_argument("--log-level", default="INFO", help="logging level")
 
 
-def add_model_flags(parser: EnvArgumentParser, default_model: str | None) -> None:
-    parser.add_argument("--model", default=default_model, required=default_model is None,
-                        help="local Hugging Face model directory (nothing is downloaded)")
+SHIPPED_MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+def add_model_flags(parser: EnvArgumentParser, role: str) -> None:
+    """Model flags; --model defaults to the shipped models/<role> when the checkout has it."""
+    shipped = SHIPPED_MODELS / role
+    default = str(shipped) if (shipped / "config.json").is_file() else None
+    parser.add_argument("--model", default=default, required=default is None,
+                        help="local Hugging Face model directory (nothing is downloaded); "
+                             f"default: the shipped models/{role}")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when present)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                         help="weights and activations dtype")

@@ -19,7 +19,7 @@ DEFAULT_PORT = 50051
 def parse_args(argv=None):
     parser = EnvArgumentParser("SPECDEC_TARGET", prog="python -m target_service", description=__doc__)
     add_common_flags(parser, DEFAULT_PORT)
-    add_model_flags(parser, default_model=None)
+    add_model_flags(parser, "target")
     return parser.parse_args(argv)
 
 
