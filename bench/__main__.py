@@ -42,8 +42,9 @@ MODES = {"greedy": 0.0, "sampling": 0.8}
 
 # ----------------------------------------------------------------- prompts
 
-def heldout_prompts(tokenizer, n: int, lines: int = 12) -> list[list[int]]:
-    """n prompts of `lines` source lines each, from the middle of held-out stdlib files."""
+def heldout_prompts(tokenizer, n: int, lines: int = 12, max_tokens: int = 128) -> list[list[int]]:
+    """n prompts of `lines` source lines (at most max_tokens: with 128 new tokens they stay inside
+    the 256-token windows the default pair was trained on), from the middle of held-out files."""
     from training.data import build_corpus, read_split
 
     corpus = Path(__file__).resolve().parent.parent / ".cache" / "training" / "corpus"
@@ -56,7 +57,7 @@ def heldout_prompts(tokenizer, n: int, lines: int = 12) -> list[list[int]]:
         if len(rows) < 3 * lines:
             continue
         start = len(rows) // 3
-        prompts.append(tokenizer("".join(rows[start : start + lines]))["input_ids"][-256:])
+        prompts.append(tokenizer("".join(rows[start : start + lines]))["input_ids"][-max_tokens:])
         if len(prompts) == n:
             break
     if len(prompts) < n:
