@@ -42,10 +42,16 @@ def default_models() -> tuple[Path, Path]:
     return TINY / "draft", TINY / "target"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(preferred: int = 0) -> int:
+    """`preferred` if it is free on 127.0.0.1, else a free port the OS picks."""
+    for port in (preferred, 0) if preferred else (0,):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free port")
 
 
 def wait_serving(address: str, timeout: float, procs: dict[str, subprocess.Popen], logs: dict[str, Path]) -> None:
@@ -76,7 +82,7 @@ class LocalStack:
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="specdec-logs-"))
         self.draft_addr = f"127.0.0.1:{free_port()}"
         self.target_addr = f"127.0.0.1:{free_port()}"
-        self.addr = f"127.0.0.1:{port or free_port()}"
+        self.addr = f"127.0.0.1:{free_port(port)}"
         py = sys.executable
         self.commands = {
             "target": [py, "-m", "target_service", "--model", str(target_model), "--port", self.target_addr.split(":")[1],
@@ -128,7 +134,7 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--draft-model", help="draft model directory (default: the default pair)")
     parser.add_argument("--target-model", help="target model directory (default: the default pair)")
-    parser.add_argument("--port", type=int, default=50050, help="coordinator port")
+    parser.add_argument("--port", type=int, default=50050, help="coordinator port (another free one if taken)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per model service")
     parser.add_argument("--demo", action="store_true", help="stream one answer with its stats, then stop")
     parser.add_argument("--prompt", default=DEMO_PROMPT, help="the demo prompt")
