@@ -36,6 +36,8 @@ def parse_args(argv=None):
     parser.add_argument("--peer-timeout", type=float, default=300.0,
                         help="seconds to wait at start-up for the model services to be SERVING")
     parser.add_argument("--call-timeout", type=float, default=60.0, help="deadline of each call to a model service")
+    parser.add_argument("--peer-calls", choices=["stream", "unary"], default="stream",
+                        help="per-round calls to the model services: one stream per generation, or unary calls")
     return parser.parse_args(argv)
 
 
@@ -44,8 +46,9 @@ def main(argv=None) -> None:
     setup_logging(args.log_level)
 
     async def run() -> None:
-        draft = GrpcDraft(args.draft, args.call_timeout)
-        target = GrpcTarget(args.target, args.call_timeout)
+        streaming = args.peer_calls == "stream"
+        draft = GrpcDraft(args.draft, args.call_timeout, streaming)
+        target = GrpcTarget(args.target, args.call_timeout, streaming)
         limits = Limits(args.max_new_tokens, args.num_speculative_tokens, args.max_speculative_tokens)
         servicer = GenerationServicer(draft, target, limits)
 

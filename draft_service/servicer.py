@@ -23,3 +23,7 @@ class DraftServicer(ModelServicer, pb_grpc.DraftServicer):
             ),
             service_ms=ms,
         )
+
+    async def ProposeStream(self, requests, context):
+        async for reply in self.stream(requests, context, self.Propose):
+            yield reply

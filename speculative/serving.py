@@ -222,6 +222,24 @@ class ModelServicer:
         except Exception as exc:  # translated, never raised into grpc
             await abort_with(context, exc)
 
+    async def stream(self, requests, context, step: Callable[..., Awaitable[Any]]):
+        """Answer a stream of requests with `step`; release the sessions it touched when it ends."""
+        sessions: set[str] = set()
+        try:
+            async for request in requests:
+                sessions.add(request.session_id)
+                yield await step(request, context)
+        finally:
+            if sessions and self.engine is not None:
+                runner = self.engine.runner
+
+                def release() -> None:
+                    with runner.lock:
+                        for session_id in sessions:
+                            runner.sessions.release(session_id)
+
+                self.thread.executor.submit(release)  # not awaited: this may run under cancellation
+
     async def GetModelInfo(self, request, context):
         return pb.ModelInfo(**(await self.ready(context)).runner.info())
 

@@ -20,3 +20,7 @@ class TargetServicer(ModelServicer, pb_grpc.TargetServicer):
             params_from_proto(request.sampling),
         )
         return pb.VerifyResponse(accepted=verdict.accepted, token=verdict.token, service_ms=ms)
+
+    async def VerifyStream(self, requests, context):
+        async for reply in self.stream(requests, context, self.Verify):
+            yield reply

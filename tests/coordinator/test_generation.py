@@ -145,3 +145,44 @@ def test_cancelled_stream_releases_its_sessions(stack):
         time.sleep(0.05)
     assert target.GetModelInfo(pb.ModelInfoRequest()).active_sessions == 0
     assert draft.GetModelInfo(pb.ModelInfoRequest()).active_sessions == 0
+
+
+def test_unary_peer_calls_give_the_same_output(pair, reference):
+    from coordinator.launch import LocalStack
+
+    draft, target = pair
+    with LocalStack(draft, target, coordinator_args=["--peer-calls", "unary"]) as stack:
+        client = stub_for(stack)
+        for k in (0, 3):
+            reply = client.Generate(pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=32, temperature=0.0,
+                                                       num_speculative_tokens=k))
+            assert list(reply.token_ids) == reference(PROMPTS[0], 32)
+        info = pb_grpc.TargetStub(grpc.insecure_channel(stack.target_addr)).GetModelInfo(pb.ModelInfoRequest())
+        assert info.active_sessions == 0  # released by the Release RPC
+
+
+def test_a_dropped_stream_releases_its_sessions(stack):
+    """If the coordinator dies mid-generation, its streams end and the services free the sessions."""
+    import time
+
+    channel = grpc.insecure_channel(stack.target_addr)
+    target = pb_grpc.TargetStub(channel)
+    before = target.GetModelInfo(pb.ModelInfoRequest()).active_sessions
+    import threading
+
+    hang = threading.Event()
+
+    def requests():
+        yield pb.VerifyRequest(session_id="dropped", start=True, append=[1, 2, 3], sampling=pb.SamplingParams(top_p=1))
+        hang.wait(30)  # keep the stream open, as a live coordinator would
+
+    call = target.VerifyStream(requests())
+    next(call)
+    assert target.GetModelInfo(pb.ModelInfoRequest()).active_sessions == before + 1
+    call.cancel()
+    hang.set()
+    for _ in range(100):
+        if target.GetModelInfo(pb.ModelInfoRequest()).active_sessions == before:
+            break
+        time.sleep(0.05)
+    assert target.GetModelInfo(pb.ModelInfoRequest()).active_sessions == before
