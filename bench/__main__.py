@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -143,7 +142,7 @@ def ideal_speedup(alpha: float, c: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1))
 
 
-def row_from_stats(name, mode, k, stats: Stats, seconds, base_tps, wall_ms=None):
+def row_from_stats(name, mode, k, stats: Stats, seconds, base_tps):
     tps = stats.generated_tokens / seconds
     rounds = max(stats.rounds, 1)
     draft_per_token = stats.draft_ms / stats.draft_tokens if stats.draft_tokens else 0.0
