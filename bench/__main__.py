@@ -5,6 +5,8 @@
 One run, same machine, same threads, same held-out prompts, for greedy and for sampling
 (temperature 0.8), sweeping K:
   a  target alone: transformers `generate` — the baseline
+  a' target alone on specdec's model runner (its lean forward, no draft): how much of c/d's
+     speedup is the forward rather than speculation
   b  transformers assisted generation (`assistant_model=` the draft)
   c  specdec's speculative round in one process (no gRPC)
   d  specdec as three processes over gRPC on loopback (coordinator + draft + target)
@@ -85,6 +87,26 @@ def hf_generate(target, prompts, temperature: float, new_tokens: int, assistant=
     return outputs, time.perf_counter() - start
 
 
+def runner_alone(target_dir, prompts, temperature: float, new_tokens: int, eos: set[int]):
+    """The target decoding alone on specdec's ModelRunner, one token per forward. -> (tokens, seconds)"""
+    from speculative.sampling import logits_to_probs, sample
+
+    runner = ModelRunner(target_dir)
+    generated, start = 0, time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(temperature, 0, 1.0, seed=i)
+        session = runner.start_session(f"alone-{i}", i)
+        session.tokens.extend(prompt)
+        for _ in range(new_tokens):
+            token = sample(logits_to_probs(runner.forward(session)[-1], params), session.generator)
+            session.tokens.append(token)
+            generated += 1
+            if token in eos:
+                break
+        runner.sessions.release(session.id)
+    return generated, time.perf_counter() - start
+
+
 def engine_run(draft_dir, target_dir, prompts, temperature: float, new_tokens: int, k: int, eos: set[int]):
     """specdec's round in one process. -> (Stats, seconds)"""
     draft, target = LocalDraft(DraftEngine(ModelRunner(draft_dir))), LocalTarget(TargetEngine(ModelRunner(target_dir)))
@@ -124,6 +146,7 @@ def grpc_run(stack: LocalStack, prompts, temperature: float, new_tokens: int, k:
             stats.draft_ms += s.draft_ms
             stats.target_ms += s.target_ms
             stats.wire_bytes += s.wire_bytes
+            stats.rejected_rounds += s.rejected_rounds
             stats.generated_tokens += s.generated_tokens
             per = list(s.accepted_per_position)
             stats.accepted_per_position += [0] * (len(per) - len(stats.accepted_per_position))
@@ -148,13 +171,14 @@ def row_from_stats(name, mode, k, stats: Stats, seconds, base_tps):
     draft_per_token = stats.draft_ms / stats.draft_tokens if stats.draft_tokens else 0.0
     target_per_call = stats.target_ms / rounds
     c = draft_per_token / target_per_call if target_per_call else 0.0
-    alpha = stats.acceptance_rate
+    alpha = stats.alpha
     ideal = ideal_speedup(alpha, c, k)
     round_ms = seconds * 1e3 / rounds
     overhead_ms = round_ms - (stats.draft_ms + stats.target_ms) / rounds
     return {
         "name": name, "mode": mode, "k": k, "tokens": stats.generated_tokens, "tokens_per_s": tps,
-        "speedup": tps / base_tps, "acceptance_rate": alpha, "mean_accepted": stats.mean_accepted,
+        "speedup": tps / base_tps, "acceptance_rate": stats.acceptance_rate, "alpha": alpha,
+        "mean_accepted": stats.mean_accepted,
         "acceptance_per_position": [n / rounds for n in stats.accepted_per_position],
         "draft_ms_per_call": stats.draft_ms / max(stats.draft_calls, 1), "target_ms_per_call": target_per_call,
         "c": c, "round_ms": round_ms, "overhead_ms_per_round": overhead_ms,
@@ -167,7 +191,7 @@ def row_from_stats(name, mode, k, stats: Stats, seconds, base_tps):
 # ----------------------------------------------------------------- output
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'row':<28}{'mode':<9}{'K':>3}{'tok/s':>8}{'speedup':>8}{'accept':>7}{'acc/rnd':>8}{'draft ms':>9}"
+    head = (f"{'row':<28}{'mode':<9}{'K':>3}{'tok/s':>8}{'speedup':>8}{'accept':>7}{'alpha':>6}{'acc/rnd':>8}{'draft ms':>9}"
             f"{'target ms':>10}{'ovh ms':>7}{'ovh %':>6}{'B/rnd':>7}{'ideal':>6}{'eff':>6}")
     print(head)
     print("-" * len(head))
@@ -175,7 +199,7 @@ def print_table(rows: list[dict]) -> None:
         def f(key, fmt):
             return format(r[key], fmt) if key in r else "-"
         print(f"{r['name']:<28}{r['mode']:<9}{r['k']:>3}{r['tokens_per_s']:>8.1f}{r['speedup']:>7.2f}x"
-              f"{f('acceptance_rate', '.2f'):>7}{f('mean_accepted', '.2f'):>8}{f('draft_ms_per_call', '.2f'):>9}"
+              f"{f('acceptance_rate', '.2f'):>7}{f('alpha', '.2f'):>6}{f('mean_accepted', '.2f'):>8}{f('draft_ms_per_call', '.2f'):>9}"
               f"{f('target_ms_per_call', '.2f'):>10}{f('overhead_ms_per_round', '.2f'):>7}"
               f"{(format(100 * r['overhead_fraction'], '.0f') if 'overhead_fraction' in r else '-'):>6}"
               f"{f('wire_bytes_per_round', '.0f'):>7}{f('ideal_speedup', '.2f'):>6}{f('efficiency', '.2f'):>6}")
@@ -233,7 +257,7 @@ def main(argv=None) -> None:
     assistant = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
     eos = {target.config.eos_token_id}
 
-    runs = len(modes) * (1 + 3 * len(ks)) + len(ks) * ("greedy" in modes)
+    runs = len(modes) * (2 + 3 * len(ks)) + len(ks) * ("greedy" in modes)
     bar = tqdm(total=runs, desc="bench", unit="run")
     rows: list[dict] = []
     references = None
@@ -248,6 +272,11 @@ def main(argv=None) -> None:
                          "tokens_per_s": base, "speedup": 1.0})
             if mode == "greedy":
                 references = [p + o for p, o in zip(prompts, outputs)]
+            bar.update()
+            bar.set_postfix_str(f"{mode}: a' target alone, specdec runner")
+            tokens, seconds = runner_alone(target_dir, prompts, temperature, args.new_tokens, eos)
+            rows.append({"name": "a' target alone (runner)", "mode": mode, "k": 0, "tokens": tokens,
+                         "tokens_per_s": tokens / seconds, "speedup": tokens / seconds / base})
             bar.update()
             for k in ks:
                 bar.set_postfix_str(f"{mode}: b HF assisted K={k}")

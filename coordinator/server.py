@@ -54,6 +54,8 @@ def stats_proto(stats: Stats, k: int, seed: int, prompt_tokens: int, wall_ms: fl
         seed=seed,
         draft_calls=stats.draft_calls,
         wire_bytes=stats.wire_bytes,
+        rejected_rounds=stats.rejected_rounds,
+        alpha=stats.alpha,
     )
 
 

@@ -117,9 +117,11 @@ class Stats:
     target_ms: float = 0.0
     wire_bytes: int = 0
     generated_tokens: int = 0
+    rejected_rounds: int = 0
 
     def add(self, r: Round) -> None:
         self.rounds += 1
+        self.rejected_rounds += r.accepted < r.proposed
         self.draft_tokens += r.proposed
         self.accepted_tokens += r.accepted
         if len(self.accepted_per_position) < r.proposed:
@@ -134,6 +136,13 @@ class Stats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def alpha(self) -> float:
+        """Leviathan's alpha: the chance a draft token is accepted when those before it were.
+        (acceptance_rate is lower: it counts the tokens after a rejection as lost.)"""
+        tried = self.accepted_tokens + self.rejected_rounds
+        return self.accepted_tokens / tried if tried else 0.0
 
     @property
     def mean_accepted(self) -> float:

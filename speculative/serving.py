@@ -83,6 +83,9 @@ def add_model_flags(parser: EnvArgumentParser, role: str) -> None:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when present)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                         help="weights and activations dtype")
+    parser.add_argument("--forward", default="auto", choices=["auto", "transformers"],
+                        help="auto: the lean forward for Llama/Mistral/Qwen2 models, transformers' own for others;"
+                             " transformers: always transformers' own")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch intra-op threads for this process (0: torch's default)")
     parser.add_argument("--max-sessions", type=int, default=256, help="sessions held at once")
@@ -289,10 +292,11 @@ def run_model_service(name: str, args: argparse.Namespace, servicer: ModelServic
             nonlocal sweeper
             runner = await servicer.thread.run(
                 lambda: ModelRunner(args.model, args.device, args.dtype, args.max_sessions,
-                                    args.session_idle_timeout, args.max_context or None)
+                                    args.session_idle_timeout, args.max_context or None, args.forward)
             )
             servicer.engine = make_engine(runner)
-            log.info("%s loaded %s (%d parameters) on %s", name, runner.name, runner.num_parameters, runner.device)
+            log.info("%s loaded %s (%d parameters) on %s, %s forward", name, runner.name, runner.num_parameters,
+                     runner.device, runner.forward_kind)
             sweeper = asyncio.ensure_future(sweep_idle_sessions(runner, servicer.thread, min(30.0, args.session_idle_timeout)))
 
         def add(server: grpc.aio.Server) -> list[str]:

@@ -20,7 +20,7 @@ from .errors import CapacityExceeded, SessionExists, SessionNotFound
 @dataclass
 class Session:
     id: str
-    cache: DynamicCache
+    cache: DynamicCache  # or fast_forward.KVCache
     generator: torch.Generator
     tokens: list[int] = field(default_factory=list)
     cached: int = 0
@@ -41,7 +41,8 @@ class SessionTable:
     Not thread-safe: a service touches it from its one model thread only.
     """
 
-    def __init__(self, max_sessions: int, idle_timeout: float):
+    def __init__(self, max_sessions: int, idle_timeout: float, new_cache=DynamicCache):
+        self.new_cache = new_cache  # () -> an empty KV cache with crop() and get_seq_length()
         self.max_sessions = max_sessions
         self.idle_timeout = idle_timeout
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
@@ -59,7 +60,7 @@ class SessionTable:
             self.evict_idle()
         if len(self._sessions) >= self.max_sessions:
             raise CapacityExceeded(f"all {self.max_sessions} sessions are in use; retry later")
-        session = Session(session_id, DynamicCache(), generator)
+        session = Session(session_id, self.new_cache(), generator)
         self._sessions[session_id] = session
         return session
 

@@ -1,4 +1,9 @@
-"""python -m training {corpus,tokenizer,target,draft,export,all} [--smoke] [--target-steps N] [--draft-steps N]
+"""python -m training {corpus,tokenizer,target,draft,generations,refine,export,all} [--smoke] [--target-steps N] [--draft-steps N]
+
+The draft is distilled twice: first on corpus windows (`draft`), then on a mix that is
+mostly the target's own continuations (`generations` writes them, `refine` trains on
+them): the draft is used on text the target writes, not on the corpus, and training on
+it (on-policy data, as in DistillSpec) is what raises acceptance.
 
 Each stage skips work already done and the two training stages resume from their last
 checkpoint, so the same command both starts and resumes the run:
@@ -23,13 +28,15 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from . import data, export, loop, models  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-STAGES = ["corpus", "tokenizer", "target", "draft", "export"]
+STAGES = ["corpus", "tokenizer", "target", "draft", "generations", "refine", "export"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,12 @@ class Plan:
     draft: models.Shape
     target_steps: int  # 2100: ~55 min at ~1.6 s/step = 1.3 k tokens/s (fp32, 2 cores, no native bf16)
     draft_steps: int   # 1450: ~25 min at ~1.0 s/step (teacher forward 0.5 s + draft step 0.5 s)
+    generations: int = 2048  # target continuations to refine the draft on (half greedy, half sampled)
+    generation_batch: int = 32
+    generation_temperature: float = 0.8
+    refine_steps: int = 1500
+    refine_lr: float = 1e-3
+    refine_generated_share: float = 0.75  # of each batch; the rest are corpus windows
     target_lr: float = 1e-3
     draft_lr: float = 2e-3
     warmup: int = 100
@@ -80,6 +93,9 @@ SMOKE = replace(
     eval_windows=8,
     eval_every=15,
     checkpoint_minutes=0.05,
+    generations=16,
+    generation_batch=8,
+    refine_steps=20,
     prompts=6,
     prompt_tokens=32,
     new_tokens=32,
@@ -182,18 +198,8 @@ def draft_metrics(teacher, student, window: torch.Tensor) -> dict[str, torch.Ten
     }
 
 
-def stage_draft(plan: Plan) -> None:
-    ckpt_dir = plan.cache / "draft"
-    if result := finished(ckpt_dir, plan.draft_steps):
-        log(f"draft: done ({result['steps']} steps, greedy agreement {result['final']['heldout_agreement']:.3f})")
-        return
-    tokenizer = load_tokenizer(plan)
-    train, heldout = data.load_tokens(plan.cache / "train.u16"), data.load_tokens(plan.cache / "heldout.u16")
-    schedule = loop.Schedule(steps=plan.draft_steps, peak_lr=plan.draft_lr, warmup=plan.warmup)
-    eval_windows = data.heldout_windows(heldout, plan.eval_windows, schedule.length)
-    teacher = trained_target(plan, tokenizer)
-    student = build(plan.draft, tokenizer, plan.seed + 1)
-    log(f"draft: {models.num_parameters(student):,} parameters, {plan.draft_steps} steps, {precision()}")
+def distillation(plan: Plan, teacher, eval_windows: torch.Tensor):
+    """loss_of and evaluate of a draft distilled from `teacher` (forward KL on its soft labels)."""
 
     def loss_of(student, window):  # window: [B, T+1]
         with torch.no_grad():
@@ -208,6 +214,22 @@ def stage_draft(plan: Plan) -> None:
         chunks = [draft_metrics(teacher, student, w) for w in eval_windows.split(8)]
         return {k: torch.stack([c[k] for c in chunks]).mean().item() for k in chunks[0]}
 
+    return loss_of, evaluate
+
+
+def stage_draft(plan: Plan) -> None:
+    ckpt_dir = plan.cache / "draft"
+    if result := finished(ckpt_dir, plan.draft_steps):
+        log(f"draft: done ({result['steps']} steps, greedy agreement {result['final']['heldout_agreement']:.3f})")
+        return
+    tokenizer = load_tokenizer(plan)
+    train, heldout = data.load_tokens(plan.cache / "train.u16"), data.load_tokens(plan.cache / "heldout.u16")
+    schedule = loop.Schedule(steps=plan.draft_steps, peak_lr=plan.draft_lr, warmup=plan.warmup)
+    eval_windows = data.heldout_windows(heldout, plan.eval_windows, schedule.length)
+    teacher = trained_target(plan, tokenizer)
+    student = build(plan.draft, tokenizer, plan.seed + 1)
+    log(f"draft: {models.num_parameters(student):,} parameters, {plan.draft_steps} steps, {precision()}")
+    loss_of, evaluate = distillation(plan, teacher, eval_windows)
     result = loop.train(
         "draft", student, loss_of, evaluate, train, schedule, ckpt_dir,
         seed=plan.seed + 1, precision=precision(), checkpoint_minutes=plan.checkpoint_minutes,
@@ -216,9 +238,93 @@ def stage_draft(plan: Plan) -> None:
     log(f"draft: greedy agreement {result['final']['heldout_agreement']:.3f} after {result['train_wall_s'] / 60:.1f} min")
 
 
+@torch.no_grad()
+def continue_batch(teacher, prompts: torch.Tensor, new_tokens: int, temperature: float,
+                   generator: torch.Generator) -> torch.Tensor:
+    """prompts [B, P] -> [B, P + new_tokens]: the target's own continuations (greedy at temperature 0)."""
+    out = teacher(prompts, use_cache=True)
+    past, logits, pieces = out.past_key_values, out.logits[:, -1].float(), [prompts]
+    for i in range(new_tokens):
+        if temperature > 0:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=generator)
+        else:
+            nxt = logits.argmax(-1, keepdim=True)
+        pieces.append(nxt)
+        if i + 1 < new_tokens:
+            out = teacher(nxt, past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[:, -1].float()
+    return torch.cat(pieces, dim=1)
+
+
+def stage_generations(plan: Plan) -> None:
+    """Continuations by the target of random training windows, 256 + 1 tokens each (the last
+    `new_tokens` generated), alternating greedy and sampled batches; resumable batch by batch."""
+    out, partial = plan.cache / "generations.u16", plan.cache / "generations.partial.u16"
+    length = loop.Schedule(steps=1, peak_lr=0, warmup=0).length + 1
+    if out.exists():
+        log(f"generations: done ({out.stat().st_size // (2 * length)} sequences)")
+        return
+    tokenizer = load_tokenizer(plan)
+    train = data.load_tokens(plan.cache / "train.u16")
+    teacher = trained_target(plan, tokenizer)
+    g = torch.Generator().manual_seed(plan.seed + 2)
+    batches = plan.generations // plan.generation_batch
+    prompts = data.random_windows(train, batches * plan.generation_batch, length - plan.new_tokens - 1, g)
+    done = partial.stat().st_size // (2 * length * plan.generation_batch) if partial.exists() else 0
+    if partial.exists():
+        with open(partial, "r+b") as f:  # drop a batch half-written when the run stopped
+            f.truncate(done * 2 * length * plan.generation_batch)
+    log(f"generations: {batches} batches of {plan.generation_batch} x {plan.new_tokens} tokens, from batch {done}")
+    for b in tqdm(range(done, batches), desc="generations", initial=done, total=batches, mininterval=10):
+        temperature = plan.generation_temperature if b % 2 else 0.0
+        rows = prompts[b * plan.generation_batch : (b + 1) * plan.generation_batch]
+        seqs = continue_batch(teacher, rows, plan.new_tokens, temperature, torch.Generator().manual_seed(plan.seed + b))
+        with open(partial, "ab") as f:
+            f.write(seqs.to(torch.int32).numpy().astype(np.uint16).tobytes())
+    os.replace(partial, out)
+    log(f"generations: {batches * plan.generation_batch} sequences in {out}")
+
+
+def load_generations(plan: Plan) -> torch.Tensor:
+    length = loop.Schedule(steps=1, peak_lr=0, warmup=0).length + 1
+    return torch.from_numpy(np.fromfile(plan.cache / "generations.u16", dtype=np.uint16).astype(np.int64)).view(-1, length)
+
+
+def stage_refine(plan: Plan) -> None:
+    """Continue distilling the draft on batches that are mostly the target's own continuations."""
+    ckpt_dir = plan.cache / "refine"
+    if result := finished(ckpt_dir, plan.refine_steps):
+        log(f"refine: done ({result['steps']} steps, greedy agreement {result['final']['heldout_agreement']:.3f})")
+        return
+    tokenizer = load_tokenizer(plan)
+    train, heldout = data.load_tokens(plan.cache / "train.u16"), data.load_tokens(plan.cache / "heldout.u16")
+    generations = load_generations(plan)
+    schedule = loop.Schedule(steps=plan.refine_steps, peak_lr=plan.refine_lr, warmup=plan.warmup // 2)
+    eval_windows = data.heldout_windows(heldout, plan.eval_windows, schedule.length)
+    teacher = trained_target(plan, tokenizer)
+    student = loop.load_trained(build(plan.draft, tokenizer, plan.seed + 1), plan.cache / "draft")
+    n_generated = round(schedule.batch * plan.refine_generated_share)
+    log(f"refine: {plan.refine_steps} steps from the distilled draft, {n_generated}/{schedule.batch} of each batch"
+        f" from {len(generations)} target continuations")
+
+    def sample(g: torch.Generator) -> torch.Tensor:
+        picked = generations[torch.randint(0, len(generations), (n_generated,), generator=g)]
+        corpus = data.random_windows(train, schedule.batch - n_generated, schedule.length, g)
+        return torch.cat([picked, corpus])
+
+    loss_of, evaluate = distillation(plan, teacher, eval_windows)
+    result = loop.train(
+        "refine", student, loss_of, evaluate, train, schedule, ckpt_dir,
+        seed=plan.seed + 3, precision=precision(), checkpoint_minutes=plan.checkpoint_minutes,
+        eval_every=plan.eval_every, sample=sample,
+    )
+    log(f"refine: greedy agreement {result['final']['heldout_agreement']:.3f} after {result['train_wall_s'] / 60:.1f} min")
+
+
 def stage_export(plan: Plan) -> None:
     metrics_path = plan.models / "metrics.json"
-    results = [plan.cache / "target" / "result.json", plan.cache / "draft" / "result.json"]
+    results = [plan.cache / role / "result.json" for role in ("target", "draft", "refine")]
     if metrics_path.exists() and all(metrics_path.stat().st_mtime > r.stat().st_mtime for r in results):
         log(f"export: done ({metrics_path})")
         return
@@ -230,10 +336,10 @@ def stage_export(plan: Plan) -> None:
         "heldout_file_names": corpus["heldout"], "train_tokens": counts["train"], "heldout_tokens": counts["heldout"]
     }
     target = trained_target(plan, tokenizer)
-    draft = loop.load_trained(build(plan.draft, tokenizer, plan.seed + 1), plan.cache / "draft")
+    draft = loop.load_trained(build(plan.draft, tokenizer, plan.seed + 1), plan.cache / "refine")
     roles = {}
     for role, model, shape in (("target", target, plan.target), ("draft", draft, plan.draft)):
-        result = json.loads((plan.cache / role / "result.json").read_text())
+        result = json.loads((plan.cache / ("refine" if role == "draft" else role) / "result.json").read_text())
         roles[role] = {
             "parameters": models.num_parameters(model),
             "shape": models.shape_dict(shape),
@@ -242,6 +348,12 @@ def stage_export(plan: Plan) -> None:
             "evals": result["evals"],
         }
     roles["draft"]["ce_weight"] = plan.draft_ce_weight
+    first = json.loads((plan.cache / "draft" / "result.json").read_text())
+    roles["draft"]["corpus_phase"] = {k: first[k] for k in ("steps", "tokens_seen", "train_wall_s", "schedule")} | {
+        "final": first["final"]}
+    roles["draft"]["generations"] = {
+        "sequences": len(load_generations(plan)), "new_tokens": plan.new_tokens,
+        "temperatures": [0.0, plan.generation_temperature], "generated_share": plan.refine_generated_share}
     with torch.no_grad():
         roles["target"]["late_position_loss_512"] = export.late_position_loss(target, heldout, 512)
     for role, model in (("target", target), ("draft", draft)):
@@ -272,7 +384,7 @@ def stage_export(plan: Plan) -> None:
 
 
 RUN = {"corpus": stage_corpus, "tokenizer": stage_tokenizer, "target": stage_target, "draft": stage_draft,
-       "export": stage_export}
+       "generations": stage_generations, "refine": stage_refine, "export": stage_export}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -282,6 +394,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="toy scale in /tmp/specdec-smoke")
     parser.add_argument("--target-steps", type=int)
     parser.add_argument("--draft-steps", type=int)
+    parser.add_argument("--refine-steps", type=int)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     plan = SMOKE if args.smoke else FULL
@@ -289,6 +402,8 @@ def main(argv: list[str] | None = None) -> None:
         plan = replace(plan, target_steps=args.target_steps)
     if args.draft_steps:
         plan = replace(plan, draft_steps=args.draft_steps)
+    if args.refine_steps:
+        plan = replace(plan, refine_steps=args.refine_steps)
     torch.set_num_threads(args.threads)
     plan.cache.mkdir(parents=True, exist_ok=True)
     log(f"training {args.stage}: cache {plan.cache}, models {plan.models}, python {sys.version.split()[0]}")

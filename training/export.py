@@ -78,6 +78,7 @@ async def _acceptance(draft_dir: Path, target_dir: Path, prompts, k: int, new_to
         total.draft_tokens += stats.draft_tokens
         total.accepted_tokens += stats.accepted_tokens
         total.rounds += stats.rounds
+        total.rejected_rounds += stats.rejected_rounds
         generated += stats.generated_tokens
     seconds = time.perf_counter() - start
     return {
@@ -85,6 +86,7 @@ async def _acceptance(draft_dir: Path, target_dir: Path, prompts, k: int, new_to
         "acceptance_rate_pooled": total.acceptance_rate,
         "acceptance_rate_min": min(rates),
         "acceptance_rate_max": max(rates),
+        "alpha_pooled": total.alpha,
         "mean_accepted_per_round": total.accepted_tokens / total.rounds,
         "tokens_per_round": generated / total.rounds,
         "generated_tokens": generated,
@@ -161,6 +163,15 @@ def model_card(role: str, m: dict) -> str:
             f" full vocabulary at every position (teacher under no_grad), plus {r['ce_weight']} x next-token"
             " cross-entropy."
         )
+        first, gen = r["corpus_phase"], r["generations"]
+        lines.append(
+            f"- Two phases. (1) {first['steps']:,} steps on random corpus windows ({first['tokens_seen']:,} tokens,"
+            f" {first['train_wall_s'] / 60:.1f} min; greedy agreement {first['final']['heldout_agreement']:.3f})."
+            f" (2) The steps below, continuing from (1), on batches that are {gen['generated_share']:.0%} the"
+            f" target's own continuations: {gen['sequences']:,} random training windows continued by the target"
+            f" for {gen['new_tokens']} tokens, half greedily and half sampled at temperature {gen['temperatures'][1]}"
+            " (on-policy data, as in DistillSpec), and the rest corpus windows."
+        )
     s = r["schedule"]
     lines += [
         f"- {r['steps']:,} steps of {s['batch']} x {s['length']} tokens (random windows, seed {r['seed']}):"
@@ -181,7 +192,9 @@ def model_card(role: str, m: dict) -> str:
         f" {m['draft']['heldout_agreement']:.3f}.",
         f"- Acceptance rate of the pair in specdec's speculative round: {a['acceptance_rate_mean']:.3f}"
         f" (mean over {a['prompts']} held-out prompts of accepted / proposed; pooled {a['acceptance_rate_pooled']:.3f},"
-        f" range {a['acceptance_rate_min']:.2f}-{a['acceptance_rate_max']:.2f}); greedy, K = {a['k']},"
+        f" range {a['acceptance_rate_min']:.2f}-{a['acceptance_rate_max']:.2f};"
+        + (f" per-token alpha {a['alpha_pooled']:.3f};" if "alpha_pooled" in a else "")
+        + f" greedy, K = {a['k']},"
         f" {a['prompt_tokens']}-token prompts, {a['new_tokens']} new tokens;"
         f" {a['tokens_per_round']:.2f} tokens committed per round.",
         "",

@@ -95,8 +95,12 @@ def train(
     precision: str,
     checkpoint_minutes: float = 5.0,
     eval_every: int = 250,
+    sample: Callable[[torch.Generator], torch.Tensor] | None = None,
 ) -> dict:
-    """Train `model` for schedule.steps steps (resuming from ckpt_dir), evaluate, return the result dict."""
+    """Train `model` for schedule.steps steps (resuming from ckpt_dir), evaluate, return the result dict.
+
+    Each step's batch is `sample(generator)` ([B, T+1]); by default, random windows of `tokens`.
+    """
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path, result_path = ckpt_dir / "checkpoint.pt", ckpt_dir / "result.json"
     optimizer = adamw(model, schedule)
@@ -145,7 +149,10 @@ def train(
         lr = schedule.lr(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        window = random_windows(tokens, schedule.batch, schedule.length, windows)  # [B, T+1]
+        if sample is None:
+            window = random_windows(tokens, schedule.batch, schedule.length, windows)  # [B, T+1]
+        else:
+            window = sample(windows)
         with autocast(precision):
             loss = loss_of(model, window)
         loss.backward()

@@ -1,0 +1,88 @@
+"""The lean forward computes what transformers computes, through feeds, rollbacks and cache growth."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from speculative.fast_forward import FastForward, KVCache
+from speculative.model_runner import ModelRunner
+from speculative.tiny import make_model, make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory.mktemp("tok") / "tok")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_matches_transformers_through_feeds_and_rollbacks(tmp_path, tokenizer, arch):
+    """Random feeds of 1..9 tokens, rollbacks of 0..5, past the cache's first capacity (256)."""
+    model_dir = make_model(tmp_path / arch, tokenizer, arch=arch, hidden=64, layers=2, heads=4, kv_heads=2,
+                           max_context=512, init_std=0.1)
+    fast, slow = ModelRunner(model_dir), ModelRunner(model_dir, forward="transformers")
+    assert fast.forward_kind == "fast" and slow.forward_kind == "transformers"
+    rng = random.Random(0)
+    sessions = [r.start_session("s", 0) for r in (fast, slow)]
+    assert isinstance(sessions[0].cache, KVCache)
+    checked = 0
+    while len(sessions[0].tokens) < 300:
+        new = [rng.randrange(fast.vocab_size) for _ in range(rng.randint(1, 9))]
+        num_logits = rng.randint(1, len(new))
+        outs = []
+        for runner, session in zip((fast, slow), sessions):
+            session.tokens.extend(new)
+            outs.append(runner.forward(session, num_logits))
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+        checked += 1
+        back = rng.randint(0, 5)
+        for session in sessions:
+            session.truncate(len(session.tokens) - back)
+        assert sessions[0].cache.get_seq_length() == sessions[1].cache.get_seq_length()
+    assert checked > 40 and sessions[0].cache.data.shape[4] >= 512  # grown once at least
+
+
+def test_refits_rows_already_cached(tmp_path, tokenizer):
+    """Scoring more rows than were fed steps the cache back and re-feeds them, as the target does."""
+    model_dir = make_model(tmp_path / "m", tokenizer, init_std=0.1)
+    fast, slow = ModelRunner(model_dir), ModelRunner(model_dir, forward="transformers")
+    prompt = list(range(5, 40))
+    outs = []
+    for runner in (fast, slow):
+        session = runner.start_session("s", 0)
+        session.tokens.extend(prompt)
+        runner.forward(session, 1)
+        outs.append(runner.forward(session, 3))  # nothing new: the last 3 positions again
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+
+
+def test_falls_back_where_it_would_differ(tmp_path, tokenizer):
+    """A sliding window shorter than the context keeps the transformers forward."""
+    model_dir = make_model(tmp_path / "m", tokenizer, arch="mistral", max_context=512)
+    model = ModelRunner(model_dir).model
+    model.config.sliding_window = 64
+    assert FastForward.build(model, max_context=512) is None
+    assert FastForward.build(model, max_context=64) is not None
+
+
+def test_kv_cache_crop():
+    cache = KVCache(layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, device=torch.device("cpu"), capacity=4)
+    cache.reserve(9)
+    assert cache.data.shape[4] == 16
+    cache.length = 9
+    cache.crop(-4)
+    assert cache.get_seq_length() == 5
+    cache.crop(7)  # keeps at most 7: nothing to drop
+    assert cache.get_seq_length() == 5
+    cache.crop(2)
+    assert cache.get_seq_length() == 2
+    cache.crop(-10)
+    assert cache.get_seq_length() == 0
+
+
+def test_rejects_unknown_forward(tmp_path, tokenizer):
+    model_dir = make_model(tmp_path / "m", tokenizer)
+    with pytest.raises(ValueError, match="--forward"):
+        ModelRunner(model_dir, forward="fastest")
