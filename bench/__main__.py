@@ -116,9 +116,11 @@ def engine_run(draft_dir, target_dir, prompts, temperature: float, new_tokens: i
         start = time.perf_counter()
         for i, prompt in enumerate(prompts):
             params = SamplingParams(temperature, 0, 1.0, seed=i)
+            one = Stats()  # generate() counts toward max_new_tokens in the Stats it is given
             async for _ in generate(draft, target, prompt, max_new_tokens=new_tokens, k=k, params=params,
-                                    eos_token_ids=eos, max_context=1 << 30, stats=stats):
+                                    eos_token_ids=eos, max_context=draft.engine.runner.max_context, stats=one):
                 pass
+            stats.merge(one)
         return time.perf_counter() - start
 
     return stats, asyncio.run(run())
@@ -139,19 +141,7 @@ def grpc_run(stack: LocalStack, prompts, temperature: float, new_tokens: int, k:
         for i, prompt in enumerate(prompts):
             s = stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=new_tokens,
                                                  temperature=temperature, seed=i, num_speculative_tokens=k)).stats
-            stats.rounds += s.rounds
-            stats.draft_tokens += s.draft_tokens
-            stats.accepted_tokens += s.accepted_tokens
-            stats.draft_calls += s.draft_calls
-            stats.draft_ms += s.draft_ms
-            stats.target_ms += s.target_ms
-            stats.wire_bytes += s.wire_bytes
-            stats.rejected_rounds += s.rejected_rounds
-            stats.generated_tokens += s.generated_tokens
-            per = list(s.accepted_per_position)
-            stats.accepted_per_position += [0] * (len(per) - len(stats.accepted_per_position))
-            for j, n in enumerate(per):
-                stats.accepted_per_position[j] += n
+            stats.merge(s)
         seconds = time.perf_counter() - start
     return stats, seconds
 
@@ -240,7 +230,11 @@ def main(argv=None) -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--ks", default="1,2,4,6,8", help="K values to sweep")
     parser.add_argument("--modes", default="greedy,sampling")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of every process (same for all rows)")
+    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
+                        help="torch threads of the bench process (rows a, b, c) and of d's target service")
+    parser.add_argument("--draft-threads", type=int, default=1,
+                        help="torch threads of d's draft service: it runs while the target waits, and with more"
+                             " than one its idle OpenMP workers spin on the cores the target needs next")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
@@ -262,7 +256,7 @@ def main(argv=None) -> None:
     rows: list[dict] = []
     references = None
     args.out.mkdir(parents=True, exist_ok=True)
-    stack = LocalStack(draft_dir, target_dir, threads=args.threads).start()
+    stack = LocalStack(draft_dir, target_dir, threads=args.threads, draft_threads=args.draft_threads).start()
     try:
         for mode, temperature in modes.items():
             bar.set_postfix_str(f"{mode}: a target alone")
@@ -297,7 +291,8 @@ def main(argv=None) -> None:
             stack.stop()
             oracle = args.out / "oracle.json"
             oracle.write_text(json.dumps(references))
-            stack = LocalStack(draft_dir, target_dir, threads=args.threads, draft_args=["--oracle", str(oracle)]).start()
+            stack = LocalStack(draft_dir, target_dir, threads=args.threads, draft_threads=args.draft_threads,
+                               draft_args=["--oracle", str(oracle)]).start()
             base = next(r["tokens_per_s"] for r in rows if r["mode"] == "greedy" and r["k"] == 0)
             for k in ks:
                 bar.set_postfix_str(f"greedy: e oracle K={k}")
@@ -310,6 +305,7 @@ def main(argv=None) -> None:
         bar.close()
 
     meta = {"machine": f"{os.cpu_count()} cores, {torch.__version__}", "threads": args.threads,
+            "draft_threads": args.draft_threads,
             "draft": str(draft_dir), "target": str(target_dir), "prompts": len(prompts),
             "new_tokens": args.new_tokens, "date": time.strftime("%Y-%m-%d %H:%M")}
     (args.out / "latest.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

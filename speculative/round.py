@@ -133,6 +133,16 @@ class Stats:
         self.target_ms += r.target.service_ms
         self.wire_bytes += r.draft.wire_bytes + r.target.wire_bytes
 
+    def merge(self, other: "Stats") -> None:
+        """Add another generation's counts to these (for totals over requests)."""
+        for name in ("rounds", "draft_tokens", "accepted_tokens", "draft_calls", "draft_ms", "target_ms",
+                     "wire_bytes", "generated_tokens", "rejected_rounds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        per = list(other.accepted_per_position)
+        self.accepted_per_position += [0] * (len(per) - len(self.accepted_per_position))
+        for i, n in enumerate(per):
+            self.accepted_per_position[i] += n
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0

@@ -75,10 +75,7 @@ async def _acceptance(draft_dir: Path, target_dir: Path, prompts, k: int, new_to
         ):
             pass
         rates.append(stats.acceptance_rate)
-        total.draft_tokens += stats.draft_tokens
-        total.accepted_tokens += stats.accepted_tokens
-        total.rounds += stats.rounds
-        total.rejected_rounds += stats.rejected_rounds
+        total.merge(stats)
         generated += stats.generated_tokens
     seconds = time.perf_counter() - start
     return {
@@ -192,9 +189,9 @@ def model_card(role: str, m: dict) -> str:
         f" {m['draft']['heldout_agreement']:.3f}.",
         f"- Acceptance rate of the pair in specdec's speculative round: {a['acceptance_rate_mean']:.3f}"
         f" (mean over {a['prompts']} held-out prompts of accepted / proposed; pooled {a['acceptance_rate_pooled']:.3f},"
-        f" range {a['acceptance_rate_min']:.2f}-{a['acceptance_rate_max']:.2f};"
-        + (f" per-token alpha {a['alpha_pooled']:.3f};" if "alpha_pooled" in a else "")
-        + f" greedy, K = {a['k']},"
+        f" range {a['acceptance_rate_min']:.2f}-{a['acceptance_rate_max']:.2f})"
+        + (f"; per-token alpha {a['alpha_pooled']:.3f}" if "alpha_pooled" in a else "")
+        + f"; greedy, K = {a['k']},"
         f" {a['prompt_tokens']}-token prompts, {a['new_tokens']} new tokens;"
         f" {a['tokens_per_round']:.2f} tokens committed per round.",
         "",

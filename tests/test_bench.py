@@ -1,0 +1,43 @@
+"""A tiny `make bench` (one prompt, a few tokens, every row) so the bench cannot rot."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from bench.__main__ import main as bench_main
+
+KEYS = {"name", "mode", "k", "tokens_per_s", "speedup", "acceptance_rate", "mean_accepted", "ideal_speedup",
+        "efficiency", "alpha", "draft_ms_per_call", "target_ms_per_call", "overhead_ms_per_round",
+        "wire_bytes_per_round", "acceptance_per_position"}
+
+
+def test_tiny_bench_writes_every_row(pair, tmp_path, capsys):
+    draft, target = pair
+    bench_main(["--draft-model", str(draft), "--target-model", str(target), "--prompts", "1", "--new-tokens", "12",
+                "--ks", "1,3", "--modes", "greedy,sampling", "--threads", "1", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "latest.json").read_text())
+    rows = results["rows"]
+    assert (tmp_path / "speedup.png").stat().st_size > 1000
+    assert "best d (greedy)" in capsys.readouterr().out
+
+    names = {r["name"][:2].strip() for r in rows}
+    assert names == {"a", "a'", "b", "c", "d", "e"}
+    for row in rows:
+        assert row["tokens_per_s"] > 0 and math.isfinite(row["speedup"])
+        if row["name"][0] in "cde":
+            assert KEYS <= row.keys(), row["name"]
+            assert 0.0 <= row["acceptance_rate"] <= row["alpha"] <= 1.0
+            assert row["ideal_speedup"] > 0
+            assert (row["wire_bytes_per_round"] > 0) == (row["name"][0] in "de")  # c makes no calls
+            assert len(row["acceptance_per_position"]) == row["k"]
+
+    greedy = [r for r in rows if r["mode"] == "greedy"]
+    # greedy output is the target's own whatever the row: same token counts everywhere
+    assert len({r["tokens"] for r in greedy}) == 1, [(r["name"], r["k"], r["tokens"]) for r in greedy]
+    for k in (1, 3):
+        c, d = (next(r for r in greedy if r["name"].startswith(x) and r["k"] == k) for x in ("c", "d"))
+        assert c["acceptance_rate"] == d["acceptance_rate"]  # same rounds in one process and over gRPC
+        e = next(r for r in greedy if r["name"].startswith("e") and r["k"] == k)
+        assert e["acceptance_rate"] == 1.0  # the oracle replays the target's own continuation
+    assert {r["k"] for r in rows if r["mode"] == "sampling" and r["name"].startswith("d")} == {1, 3}
