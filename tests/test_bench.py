@@ -1,4 +1,4 @@
-"""A tiny `make bench` (one prompt, a few tokens, every row) so the bench cannot rot."""
+"""A tiny `make bench` (two prompts, a few tokens, every row) so the bench cannot rot."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ KEYS = {"name", "mode", "k", "tokens_per_s", "speedup", "acceptance_rate", "mean
 
 def test_tiny_bench_writes_every_row(pair, tmp_path, capsys):
     draft, target = pair
-    bench_main(["--draft-model", str(draft), "--target-model", str(target), "--prompts", "1", "--new-tokens", "12",
+    bench_main(["--draft-model", str(draft), "--target-model", str(target), "--prompts", "2", "--new-tokens", "12",
                 "--ks", "1,3", "--modes", "greedy,sampling", "--threads", "1", "--out", str(tmp_path)])
     results = json.loads((tmp_path / "latest.json").read_text())
     rows = results["rows"]
