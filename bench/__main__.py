@@ -4,7 +4,8 @@
 
 One run, same machine, same threads, same held-out prompts, for greedy and for sampling
 (temperature 0.8), sweeping K:
-  a  target alone: transformers `generate` — the baseline
+  a  target alone: transformers `generate` — the baseline, measured at the start of each mode
+     and again after every K; speedups are over the median of those runs
   a' target alone on specdec's model runner (its lean forward, no draft): how much of c/d's
      speedup is the forward rather than speculation
   b  transformers assisted generation (`assistant_model=` the draft)
@@ -21,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -155,7 +157,8 @@ def ideal_speedup(alpha: float, c: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1))
 
 
-def row_from_stats(name, mode, k, stats: Stats, seconds, base_tps):
+def row_from_stats(name, mode, k, stats: Stats, seconds):
+    """A row's measurements; `speedup` and `efficiency` are set by with_speedups once the baseline is known."""
     tps = stats.generated_tokens / seconds
     rounds = max(stats.rounds, 1)
     draft_per_token = stats.draft_ms / stats.draft_tokens if stats.draft_tokens else 0.0
@@ -167,15 +170,28 @@ def row_from_stats(name, mode, k, stats: Stats, seconds, base_tps):
     overhead_ms = round_ms - (stats.draft_ms + stats.target_ms) / rounds
     return {
         "name": name, "mode": mode, "k": k, "tokens": stats.generated_tokens, "tokens_per_s": tps,
-        "speedup": tps / base_tps, "acceptance_rate": stats.acceptance_rate, "alpha": alpha,
+        "acceptance_rate": stats.acceptance_rate, "alpha": alpha,
         "mean_accepted": stats.mean_accepted,
         "acceptance_per_position": [n / rounds for n in stats.accepted_per_position],
         "draft_ms_per_call": stats.draft_ms / max(stats.draft_calls, 1), "target_ms_per_call": target_per_call,
         "c": c, "round_ms": round_ms, "overhead_ms_per_round": overhead_ms,
         "overhead_fraction": overhead_ms / round_ms if round_ms else 0.0,
         "wire_bytes_per_round": stats.wire_bytes / rounds, "ideal_speedup": ideal,
-        "efficiency": (tps / base_tps) / ideal if ideal else 0.0,
     }
+
+
+def with_speedups(rows: list[dict], baselines: dict[str, list[float]]) -> None:
+    """speedup = tokens/s over the median of the mode's baseline runs (row a, measured again after
+    every K so that a slow or busy spell of a shared machine does not bias one side); efficiency =
+    speedup / ideal."""
+    base = {mode: statistics.median(runs) for mode, runs in baselines.items()}
+    for row in rows:
+        if row["name"].startswith("a "):
+            row["tokens_per_s"] = base[row["mode"]]
+            row["tokens_per_s_runs"] = baselines[row["mode"]]
+        row["speedup"] = row["tokens_per_s"] / base[row["mode"]]
+        if "ideal_speedup" in row:
+            row["efficiency"] = row["speedup"] / row["ideal_speedup"] if row["ideal_speedup"] else 0.0
 
 
 # ----------------------------------------------------------------- output
@@ -251,59 +267,66 @@ def main(argv=None) -> None:
     assistant = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
     eos = {target.config.eos_token_id}
 
-    runs = len(modes) * (2 + 3 * len(ks)) + len(ks) * ("greedy" in modes)
+    runs = len(modes) * (2 + 4 * len(ks)) + len(ks) * ("greedy" in modes)
     bar = tqdm(total=runs, desc="bench", unit="run")
     rows: list[dict] = []
+    baselines: dict[str, list[float]] = {}  # row a's tokens/s, per mode: at the start and after every K
     references = None
     args.out.mkdir(parents=True, exist_ok=True)
     stack = LocalStack(draft_dir, target_dir, threads=args.threads, draft_threads=args.draft_threads).start()
     try:
         for mode, temperature in modes.items():
-            bar.set_postfix_str(f"{mode}: a target alone")
-            outputs, seconds = hf_generate(target, prompts, temperature, args.new_tokens)
-            base = sum(map(len, outputs)) / seconds
+            baselines[mode] = []
+
+            def baseline(mode=mode, temperature=temperature):
+                bar.set_postfix_str(f"{mode}: a target alone")
+                outputs, seconds = hf_generate(target, prompts, temperature, args.new_tokens)
+                baselines[mode].append(sum(map(len, outputs)) / seconds)
+                bar.update()
+                return outputs
+
+            outputs = baseline()
             rows.append({"name": "a target alone (HF)", "mode": mode, "k": 0, "tokens": sum(map(len, outputs)),
-                         "tokens_per_s": base, "speedup": 1.0})
+                         "tokens_per_s": baselines[mode][0]})
             if mode == "greedy":
                 references = [p + o for p, o in zip(prompts, outputs)]
-            bar.update()
             bar.set_postfix_str(f"{mode}: a' target alone, specdec runner")
             tokens, seconds = runner_alone(target_dir, prompts, temperature, args.new_tokens, eos)
             rows.append({"name": "a' target alone (runner)", "mode": mode, "k": 0, "tokens": tokens,
-                         "tokens_per_s": tokens / seconds, "speedup": tokens / seconds / base})
+                         "tokens_per_s": tokens / seconds})
             bar.update()
             for k in ks:
                 bar.set_postfix_str(f"{mode}: b HF assisted K={k}")
                 outputs, seconds = hf_generate(target, prompts, temperature, args.new_tokens, assistant, k)
                 rows.append({"name": "b HF assisted", "mode": mode, "k": k, "tokens": sum(map(len, outputs)),
-                             "tokens_per_s": sum(map(len, outputs)) / seconds,
-                             "speedup": sum(map(len, outputs)) / seconds / base})
+                             "tokens_per_s": sum(map(len, outputs)) / seconds})
                 bar.update()
                 bar.set_postfix_str(f"{mode}: c in-process K={k}")
                 stats, seconds = engine_run(draft_dir, target_dir, prompts, temperature, args.new_tokens, k, eos)
-                rows.append(row_from_stats("c specdec in-process", mode, k, stats, seconds, base))
+                rows.append(row_from_stats("c specdec in-process", mode, k, stats, seconds))
                 bar.update()
                 bar.set_postfix_str(f"{mode}: d gRPC K={k}")
                 stats, seconds = grpc_run(stack, prompts, temperature, args.new_tokens, k)
-                rows.append(row_from_stats("d specdec gRPC", mode, k, stats, seconds, base))
+                rows.append(row_from_stats("d specdec gRPC", mode, k, stats, seconds))
                 bar.update()
+                baseline()
         if references is not None:
             stack.stop()
             oracle = args.out / "oracle.json"
             oracle.write_text(json.dumps(references))
             stack = LocalStack(draft_dir, target_dir, threads=args.threads, draft_threads=args.draft_threads,
                                draft_args=["--oracle", str(oracle)]).start()
-            base = next(r["tokens_per_s"] for r in rows if r["mode"] == "greedy" and r["k"] == 0)
             for k in ks:
                 bar.set_postfix_str(f"greedy: e oracle K={k}")
                 stats, seconds = grpc_run(stack, prompts, 0.0, args.new_tokens, k)
-                rows.append(row_from_stats("e specdec gRPC, oracle", "greedy", k, stats, seconds, base))
+                rows.append(row_from_stats("e specdec gRPC, oracle", "greedy", k, stats, seconds))
                 bar.update()
             oracle.unlink()
     finally:
         stack.stop()
         bar.close()
 
+    with_speedups(rows, baselines)
     meta = {"machine": f"{os.cpu_count()} cores, {torch.__version__}", "threads": args.threads,
             "draft_threads": args.draft_threads,
             "draft": str(draft_dir), "target": str(target_dir), "prompts": len(prompts),

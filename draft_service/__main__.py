@@ -7,6 +7,7 @@ Every flag can also be set from the environment (SPECDEC_DRAFT_<FLAG>); see --he
 
 from __future__ import annotations
 
+import speculative.openmp  # noqa: F401  (before torch loads)
 import json
 from pathlib import Path
 

@@ -7,6 +7,7 @@ Every flag can also be set from the environment (SPECDEC_TARGET_<FLAG>); see --h
 
 from __future__ import annotations
 
+import speculative.openmp  # noqa: F401  (before torch loads)
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from speculative.engines import TargetEngine
 from speculative.serving import EnvArgumentParser, ModelThread, add_common_flags, add_model_flags, run_model_service

@@ -23,6 +23,8 @@ def test_tiny_bench_writes_every_row(pair, tmp_path, capsys):
 
     names = {r["name"][:2].strip() for r in rows}
     assert names == {"a", "a'", "b", "c", "d", "e"}
+    a_rows = [r for r in rows if r["name"].startswith("a ")]
+    assert all(len(r["tokens_per_s_runs"]) == 3 and r["speedup"] == 1.0 for r in a_rows)  # start + after each K
     for row in rows:
         assert row["tokens_per_s"] > 0 and math.isfinite(row["speedup"])
         if row["name"][0] in "cde":
