@@ -14,6 +14,7 @@ import asyncio
 import logging
 
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from speculative.metrics import CoordinatorMetrics, add_metrics_flag, start as start_metrics
 from speculative.serving import EnvArgumentParser, add_common_flags, serve, setup_logging
 
 from .peers import GrpcDraft, GrpcTarget
@@ -38,6 +39,7 @@ def parse_args(argv=None):
     parser.add_argument("--call-timeout", type=float, default=60.0, help="deadline of each call to a model service")
     parser.add_argument("--peer-calls", choices=["stream", "unary"], default="stream",
                         help="per-round calls to the model services: one stream per generation, or unary calls")
+    add_metrics_flag(parser)
     return parser.parse_args(argv)
 
 
@@ -50,7 +52,9 @@ def main(argv=None) -> None:
         draft = GrpcDraft(args.draft, args.call_timeout, streaming)
         target = GrpcTarget(args.target, args.call_timeout, streaming)
         limits = Limits(args.max_new_tokens, args.num_speculative_tokens, args.max_speculative_tokens)
-        servicer = GenerationServicer(draft, target, limits)
+        metrics = CoordinatorMetrics()
+        servicer = GenerationServicer(draft, target, limits, metrics)
+        start_metrics(metrics.registry, args.host, args.metrics_port)
 
         async def load() -> None:
             await servicer.connect(args.peer_timeout)

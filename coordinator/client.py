@@ -33,7 +33,8 @@ def format_stats(stats: pb.GenerationStats) -> str:
     tok_s = stats.generated_tokens / (stats.wall_ms / 1e3) if stats.wall_ms else 0.0
     return (
         f"[{stats.generated_tokens} tokens in {stats.wall_ms:.0f} ms ({tok_s:.1f} tok/s); K={stats.num_speculative_tokens}, "
-        f"{stats.rounds} rounds, acceptance {stats.acceptance_rate:.2f} ({stats.accepted_tokens}/{stats.draft_tokens}), alpha {stats.alpha:.2f}, "
+        f"{stats.rounds} rounds, acceptance {stats.acceptance_rate:.2f} ({stats.accepted_tokens}/{stats.draft_tokens}), "
+        f"alpha {stats.alpha:.2f}, "
         f"{stats.mean_accepted:.2f} accepted per round, per position {list(stats.accepted_per_position)}; "
         f"draft {stats.draft_ms:.0f} ms, target {stats.target_ms:.0f} ms; seed {stats.seed}]"
     )

@@ -54,6 +54,7 @@ class Peer:
         self.stub = self.stub_class(self.channel)
         self.info: pb.ModelInfo | None = None
         self.streams: dict[str, grpc.aio.StreamStreamCall] = {}
+        self.latency = None  # a prometheus Histogram of per-round call seconds, when metrics are on
 
     async def call(self, method, request, timeout: float | None = None):
         try:
@@ -63,6 +64,15 @@ class Peer:
 
     async def step(self, unary, streaming, session_id: str, request):
         """One per-round call for a session: on its stream, or unary."""
+        if self.latency is None:
+            return await self._step(unary, streaming, session_id, request)
+        start = time.perf_counter()
+        try:
+            return await self._step(unary, streaming, session_id, request)
+        finally:
+            self.latency.observe(time.perf_counter() - start)
+
+    async def _step(self, unary, streaming, session_id: str, request):
         if not self.streaming:
             return await self.call(unary, request)
         stream = self.streams.get(session_id)

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from speculative.metrics import CoordinatorMetrics, TokenClock
 from speculative.round import Stats, generate
 from speculative.sampling import SamplingParams
 
@@ -62,11 +63,15 @@ def stats_proto(stats: Stats, k: int, seed: int, prompt_tokens: int, wall_ms: fl
 class GenerationServicer(pb_grpc.GenerationServicer):
     """Serves once `connect` has found both model services ready and compatible."""
 
-    def __init__(self, draft: GrpcDraft, target: GrpcTarget, limits: Limits):
+    def __init__(self, draft: GrpcDraft, target: GrpcTarget, limits: Limits,
+                 metrics: CoordinatorMetrics | None = None):
         self.draft = draft
         self.target = target
         self.limits = limits
         self.tokenizer = None
+        self.metrics = metrics
+        if metrics is not None:
+            draft.latency, target.latency = metrics.propose, metrics.verify
 
     async def connect(self, timeout: float) -> None:
         """Wait for both services, refuse an incompatible pair, load the target's tokenizer."""
@@ -137,7 +142,33 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     # ----------------------------------------------------------- generation
 
-    async def _chunks(self, request: pb.GenerateRequest, context) -> AsyncIterator[pb.GenerateChunk]:
+    async def _chunks(self, request: pb.GenerateRequest, context, method: str) -> AsyncIterator[pb.GenerateChunk]:
+        metrics, start = self.metrics, time.perf_counter()
+        if metrics is None:
+            async for chunk in self._generate(request, context, TokenClock(None)):
+                yield chunk
+            return
+        status = grpc.StatusCode.UNKNOWN
+        metrics.active.inc()
+        try:
+            async for chunk in self._generate(request, context, TokenClock(metrics)):
+                if chunk.HasField("stats"):
+                    metrics.add_stats(chunk.stats)
+                    status = grpc.StatusCode.OK
+                yield chunk
+        except asyncio.CancelledError:
+            status = grpc.StatusCode.CANCELLED
+            raise
+        except Exception:
+            status = context.code() or grpc.StatusCode.INTERNAL  # set by context.abort
+            raise
+        finally:
+            metrics.active.dec()
+            metrics.requests.labels(method, status.name).inc()
+            metrics.request_latency.observe(time.perf_counter() - start)
+
+    async def _generate(self, request: pb.GenerateRequest, context,
+                        clock: TokenClock) -> AsyncIterator[pb.GenerateChunk]:
         start = time.perf_counter()
         await self._ready(context)
         try:
@@ -165,6 +196,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     else:
                         if new and new[-1] in self.eos_token_ids:
                             finish = pb.FINISH_REASON_EOS
+                    clock.tokens(len(ids))
                     yield pb.GenerateChunk(text=text.take(), token_ids=ids)
                     if finish == pb.FINISH_REASON_STOP:
                         break
@@ -177,13 +209,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         )
 
     async def GenerateStream(self, request: pb.GenerateRequest, context):
-        async for chunk in self._chunks(request, context):
+        async for chunk in self._chunks(request, context, "GenerateStream"):
             yield chunk
 
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
         response = pb.GenerateResponse()
         pieces = []
-        async for chunk in self._chunks(request, context):
+        async for chunk in self._chunks(request, context, "Generate"):
             pieces.append(chunk.text)
             response.token_ids.extend(chunk.token_ids)
             if chunk.HasField("stats"):

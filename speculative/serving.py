@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from pathlib import Path
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from specdec.v1 import specdec_pb2 as pb
 
 from .errors import CapacityExceeded, InvalidRequest, SessionExists, SessionNotFound
+from .metrics import ModelMetrics, add_metrics_flag, start as start_metrics
 from .sampling import SamplingParams
 
 log = logging.getLogger("specdec")
@@ -94,6 +96,7 @@ def add_model_flags(parser: EnvArgumentParser, role: str) -> None:
     parser.add_argument("--max-context", type=int, default=0,
                         help="cap on tokens per session (0: the model's max_position_embeddings)")
     parser.add_argument("--max-tokens-per-call", type=int, default=16, help="most draft tokens per round (K)")
+    add_metrics_flag(parser)
 
 
 def set_threads(threads: int) -> None:
@@ -107,13 +110,20 @@ def set_threads(threads: int) -> None:
         pass
 
 
-async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    """Translate an engine error into a gRPC status (INTERNAL if unexpected)."""
+def status_of(exc: BaseException) -> grpc.StatusCode:
     for kind, code in STATUS_OF.items():
         if isinstance(exc, kind):
-            await context.abort(code, str(exc))
-    log.exception("internal error", exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """Translate an engine error into a gRPC status (INTERNAL if unexpected)."""
+    code = status_of(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("internal error", exc_info=exc)
+        await context.abort(code, f"{type(exc).__name__}: {exc}")
+    await context.abort(code, str(exc))
 
 
 class ModelThread:
@@ -209,9 +219,10 @@ class ModelServicer:
     loaded; calls before that get UNAVAILABLE.
     """
 
-    def __init__(self, thread: ModelThread):
+    def __init__(self, thread: ModelThread, metrics: ModelMetrics | None = None):
         self.thread = thread
         self.engine = None
+        self.metrics = metrics
 
     async def ready(self, context: grpc.aio.ServicerContext):
         if self.engine is None:
@@ -220,10 +231,26 @@ class ModelServicer:
 
     async def call(self, context: grpc.aio.ServicerContext, fn: Callable[..., Any], *args: Any) -> Any:
         """Run fn on the model thread; engine errors become gRPC statuses."""
+        metrics, status, start = self.metrics, grpc.StatusCode.OK, time.perf_counter()
+        if metrics is not None:
+            metrics.queue.inc()
         try:
-            return await self.thread.run(fn, *args)
+            result = await self.thread.run(fn, *args)
+            if metrics is not None:
+                metrics.batch.observe(1)  # one session per forward until batched verification
+            return result
+        except asyncio.CancelledError:
+            status = grpc.StatusCode.CANCELLED
+            raise
         except Exception as exc:  # translated, never raised into grpc
+            status = status_of(exc)
             await abort_with(context, exc)
+        finally:
+            if metrics is not None:
+                method = getattr(fn, "__name__", "call")
+                metrics.queue.dec()
+                metrics.calls.labels(method, status.name).inc()
+                metrics.latency.labels(method).observe(time.perf_counter() - start)
 
     async def stream(self, requests, context, step: Callable[..., Awaitable[Any]]):
         """Answer a stream of requests with `step`; release the sessions it touched when it ends."""
@@ -295,6 +322,7 @@ def run_model_service(name: str, args: argparse.Namespace, servicer: ModelServic
                                     args.session_idle_timeout, args.max_context or None, args.forward)
             )
             servicer.engine = make_engine(runner)
+            servicer.metrics.watch(runner.sessions)
             log.info("%s loaded %s (%d parameters) on %s, %s forward", name, runner.name, runner.num_parameters,
                      runner.device, runner.forward_kind)
             sweeper = asyncio.ensure_future(sweep_idle_sessions(runner, servicer.thread, min(30.0, args.session_idle_timeout)))
@@ -302,6 +330,10 @@ def run_model_service(name: str, args: argparse.Namespace, servicer: ModelServic
         def add(server: grpc.aio.Server) -> list[str]:
             add_to_server(servicer, server)
             return [service_name]
+
+        if servicer.metrics is None:
+            servicer.metrics = ModelMetrics()
+        start_metrics(servicer.metrics.registry, args.host, args.metrics_port)
 
         async def on_stop() -> None:
             if sweeper is not None:

@@ -1,0 +1,90 @@
+"""Prometheus metrics of the three services agree with what the requests reported."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from coordinator.launch import LocalStack, free_port
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} from http://127.0.0.1:port/metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.fixture(scope="module")
+def metered_stack(pair, request):
+    ports = {role: free_port() for role in ("draft", "target", "coordinator")}
+    stack = LocalStack(*pair, draft_args=["--metrics-port", str(ports["draft"])],
+                       target_args=["--metrics-port", str(ports["target"])],
+                       coordinator_args=["--metrics-port", str(ports["coordinator"])]).start()
+    request.addfinalizer(stack.stop)
+    return stack, ports
+
+
+def test_metrics_count_what_requests_report(metered_stack):
+    stack, ports = metered_stack
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(stack.addr))
+    replies = [stub.Generate(pb.GenerateRequest(prompt_token_ids=[5, 6, 7, 8], max_new_tokens=20, temperature=0.0,
+                                                num_speculative_tokens=k)) for k in (1, 3)]
+    chunks = list(stub.GenerateStream(pb.GenerateRequest(prompt="def f(x):", max_new_tokens=9, temperature=0.8,
+                                                         seed=3, num_speculative_tokens=2)))
+    with pytest.raises(grpc.RpcError) as bad:
+        stub.Generate(pb.GenerateRequest(prompt="x", temperature=-1.0))
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    stats = [r.stats for r in replies] + [chunks[-1].stats]
+
+    c = scrape(ports["coordinator"])
+    assert value(c, "specdec_requests_total", method="Generate", status="OK") == 2
+    assert value(c, "specdec_requests_total", method="GenerateStream", status="OK") == 1
+    assert value(c, "specdec_requests_total", method="Generate", status="INVALID_ARGUMENT") == 1
+    assert value(c, "specdec_draft_tokens_total") == sum(s.draft_tokens for s in stats)
+    assert value(c, "specdec_accepted_tokens_total") == sum(s.accepted_tokens for s in stats)
+    assert value(c, "specdec_generated_tokens_total") == sum(s.generated_tokens for s in stats) == 20 + 20 + 9
+    rounds = sum(s.rounds for s in stats)
+    assert value(c, "specdec_rounds_total") == rounds
+    per_pos = sum(v for (name, _), v in c.items() if name == "specdec_accepted_tokens_per_pos_total")
+    assert per_pos == sum(s.accepted_tokens for s in stats)
+    assert value(c, "specdec_time_to_first_token_seconds_count") == 3
+    assert value(c, "specdec_inter_token_seconds_count") == 20 + 20 + 9 - 3
+    assert value(c, "specdec_verify_seconds_count") == rounds
+    assert value(c, "specdec_request_seconds_count") == 4
+    assert value(c, "specdec_active_requests") == 0
+
+    t = scrape(ports["target"])
+    assert value(t, "specdec_model_calls_total", method="verify", status="OK") == rounds
+    assert value(t, "specdec_model_call_seconds_count", method="verify") == rounds
+    assert value(t, "specdec_batch_size_count") == rounds
+    assert value(t, "specdec_queue_depth") == 0
+    d = scrape(ports["draft"])
+    assert value(d, "specdec_model_calls_total", method="propose", status="OK") == sum(s.draft_calls for s in stats)
+    for samples in (t, d):  # every session was released when its request ended
+        assert value(samples, "specdec_active_sessions") == 0
+        assert value(samples, "specdec_kv_cache_tokens") == 0
+
+
+def test_model_service_counts_refused_calls(metered_stack):
+    stack, ports = metered_stack
+    stub = pb_grpc.TargetStub(grpc.insecure_channel(stack.target_addr))
+    before = value(scrape(ports["target"]), "specdec_model_calls_total", method="verify", status="NOT_FOUND")
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Verify(pb.VerifyRequest(session_id="nobody", append=[1],
+                                    sampling=pb.SamplingParams(temperature=1.0, top_p=1.0)))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    after = value(scrape(ports["target"]), "specdec_model_calls_total", method="verify", status="NOT_FOUND")
+    assert after == before + 1
