@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import grpc
@@ -27,6 +28,20 @@ def value(samples, name: str, **labels) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+def eventually(check, timeout: float = 10.0) -> None:
+    """Retry check() until it passes: a status can reach the client a moment before the
+    service has counted it (an abort is sent as it is raised; a stream's last message
+    before its handler returns)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return check()
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def metered_stack(pair, request):
     ports = {role: free_port() for role in ("draft", "target", "coordinator")}
@@ -49,33 +64,36 @@ def test_metrics_count_what_requests_report(metered_stack):
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     stats = [r.stats for r in replies] + [chunks[-1].stats]
 
-    c = scrape(ports["coordinator"])
-    assert value(c, "specdec_requests_total", method="Generate", status="OK") == 2
-    assert value(c, "specdec_requests_total", method="GenerateStream", status="OK") == 1
-    assert value(c, "specdec_requests_total", method="Generate", status="INVALID_ARGUMENT") == 1
-    assert value(c, "specdec_draft_tokens_total") == sum(s.draft_tokens for s in stats)
-    assert value(c, "specdec_accepted_tokens_total") == sum(s.accepted_tokens for s in stats)
-    assert value(c, "specdec_generated_tokens_total") == sum(s.generated_tokens for s in stats) == 20 + 20 + 9
-    rounds = sum(s.rounds for s in stats)
-    assert value(c, "specdec_rounds_total") == rounds
-    per_pos = sum(v for (name, _), v in c.items() if name == "specdec_accepted_tokens_per_pos_total")
-    assert per_pos == sum(s.accepted_tokens for s in stats)
-    assert value(c, "specdec_time_to_first_token_seconds_count") == 3
-    assert value(c, "specdec_inter_token_seconds_count") == 20 + 20 + 9 - 3
-    assert value(c, "specdec_verify_seconds_count") == rounds
-    assert value(c, "specdec_request_seconds_count") == 4
-    assert value(c, "specdec_active_requests") == 0
+    def check() -> None:
+        c = scrape(ports["coordinator"])
+        assert value(c, "specdec_requests_total", method="Generate", status="OK") == 2
+        assert value(c, "specdec_requests_total", method="GenerateStream", status="OK") == 1
+        assert value(c, "specdec_requests_total", method="Generate", status="INVALID_ARGUMENT") == 1
+        assert value(c, "specdec_draft_tokens_total") == sum(s.draft_tokens for s in stats)
+        assert value(c, "specdec_accepted_tokens_total") == sum(s.accepted_tokens for s in stats)
+        assert value(c, "specdec_generated_tokens_total") == sum(s.generated_tokens for s in stats) == 20 + 20 + 9
+        rounds = sum(s.rounds for s in stats)
+        assert value(c, "specdec_rounds_total") == rounds
+        per_pos = sum(v for (name, _), v in c.items() if name == "specdec_accepted_tokens_per_pos_total")
+        assert per_pos == sum(s.accepted_tokens for s in stats)
+        assert value(c, "specdec_time_to_first_token_seconds_count") == 3
+        assert value(c, "specdec_inter_token_seconds_count") == 20 + 20 + 9 - 3
+        assert value(c, "specdec_verify_seconds_count") == rounds
+        assert value(c, "specdec_request_seconds_count") == 4
+        assert value(c, "specdec_active_requests") == 0
 
-    t = scrape(ports["target"])
-    assert value(t, "specdec_model_calls_total", method="verify", status="OK") == rounds
-    assert value(t, "specdec_model_call_seconds_count", method="verify") == rounds
-    assert value(t, "specdec_batch_size_count") == rounds
-    assert value(t, "specdec_queue_depth") == 0
-    d = scrape(ports["draft"])
-    assert value(d, "specdec_model_calls_total", method="propose", status="OK") == sum(s.draft_calls for s in stats)
-    for samples in (t, d):  # every session was released when its request ended
-        assert value(samples, "specdec_active_sessions") == 0
-        assert value(samples, "specdec_kv_cache_tokens") == 0
+        t = scrape(ports["target"])
+        assert value(t, "specdec_model_calls_total", method="verify", status="OK") == rounds
+        assert value(t, "specdec_model_call_seconds_count", method="verify") == rounds
+        assert value(t, "specdec_batch_size_count") == rounds
+        assert value(t, "specdec_queue_depth") == 0
+        d = scrape(ports["draft"])
+        assert value(d, "specdec_model_calls_total", method="propose", status="OK") == sum(s.draft_calls for s in stats)
+        for samples in (t, d):  # every session was released when its request ended
+            assert value(samples, "specdec_active_sessions") == 0
+            assert value(samples, "specdec_kv_cache_tokens") == 0
+
+    eventually(check)
 
 
 def test_model_service_counts_refused_calls(metered_stack):
@@ -86,5 +104,9 @@ def test_model_service_counts_refused_calls(metered_stack):
         stub.Verify(pb.VerifyRequest(session_id="nobody", append=[1],
                                     sampling=pb.SamplingParams(temperature=1.0, top_p=1.0)))
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
-    after = value(scrape(ports["target"]), "specdec_model_calls_total", method="verify", status="NOT_FOUND")
-    assert after == before + 1
+    eventually(lambda: _assert_equal(
+        value(scrape(ports["target"]), "specdec_model_calls_total", method="verify", status="NOT_FOUND"), before + 1))
+
+
+def _assert_equal(a, b) -> None:
+    assert a == b
