@@ -22,6 +22,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from . import data, export, loop, models  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+SEQUENCE = loop.Schedule.length + 1  # tokens per generated sequence: one training window plus its label
 STAGES = ["corpus", "tokenizer", "target", "draft", "generations", "refine", "export"]
 
 
@@ -198,8 +200,24 @@ def draft_metrics(teacher, student, window: torch.Tensor) -> dict[str, torch.Ten
     }
 
 
-def distillation(plan: Plan, teacher, eval_windows: torch.Tensor):
-    """loss_of and evaluate of a draft distilled from `teacher` (forward KL on its soft labels)."""
+def distil(plan: Plan, name: str, steps: int, peak_lr: float, warmup: int, seed: int,
+           student_of: Callable, sample_of: Callable | None = None) -> None:
+    """Train a draft on the target's soft labels (forward KL), resumable in plan.cache/<name>.
+
+    student_of(tokenizer) -> the model to start from; sample_of(train tokens, schedule) -> the
+    batch sampler for loop.train (default: random corpus windows)."""
+    ckpt_dir = plan.cache / name
+    if result := finished(ckpt_dir, steps):
+        log(f"{name}: done ({result['steps']} steps, greedy agreement {result['final']['heldout_agreement']:.3f})")
+        return
+    tokenizer = load_tokenizer(plan)
+    train, heldout = data.load_tokens(plan.cache / "train.u16"), data.load_tokens(plan.cache / "heldout.u16")
+    schedule = loop.Schedule(steps=steps, peak_lr=peak_lr, warmup=warmup)
+    eval_windows = data.heldout_windows(heldout, plan.eval_windows, schedule.length)
+    teacher = trained_target(plan, tokenizer)
+    student = student_of(tokenizer)
+    log(f"{name}: {models.num_parameters(student):,} parameters, {steps} steps, {precision()}")
+    sample = sample_of(train, schedule) if sample_of else None
 
     def loss_of(student, window):  # window: [B, T+1]
         with torch.no_grad():
@@ -214,28 +232,18 @@ def distillation(plan: Plan, teacher, eval_windows: torch.Tensor):
         chunks = [draft_metrics(teacher, student, w) for w in eval_windows.split(8)]
         return {k: torch.stack([c[k] for c in chunks]).mean().item() for k in chunks[0]}
 
-    return loss_of, evaluate
+    result = loop.train(
+        name, student, loss_of, evaluate, train, schedule, ckpt_dir,
+        seed=seed, precision=precision(), checkpoint_minutes=plan.checkpoint_minutes,
+        eval_every=plan.eval_every, sample=sample,
+    )
+    log(f"{name}: greedy agreement {result['final']['heldout_agreement']:.3f} after {result['train_wall_s'] / 60:.1f} min")
 
 
 def stage_draft(plan: Plan) -> None:
-    ckpt_dir = plan.cache / "draft"
-    if result := finished(ckpt_dir, plan.draft_steps):
-        log(f"draft: done ({result['steps']} steps, greedy agreement {result['final']['heldout_agreement']:.3f})")
-        return
-    tokenizer = load_tokenizer(plan)
-    train, heldout = data.load_tokens(plan.cache / "train.u16"), data.load_tokens(plan.cache / "heldout.u16")
-    schedule = loop.Schedule(steps=plan.draft_steps, peak_lr=plan.draft_lr, warmup=plan.warmup)
-    eval_windows = data.heldout_windows(heldout, plan.eval_windows, schedule.length)
-    teacher = trained_target(plan, tokenizer)
-    student = build(plan.draft, tokenizer, plan.seed + 1)
-    log(f"draft: {models.num_parameters(student):,} parameters, {plan.draft_steps} steps, {precision()}")
-    loss_of, evaluate = distillation(plan, teacher, eval_windows)
-    result = loop.train(
-        "draft", student, loss_of, evaluate, train, schedule, ckpt_dir,
-        seed=plan.seed + 1, precision=precision(), checkpoint_minutes=plan.checkpoint_minutes,
-        eval_every=plan.eval_every,
-    )
-    log(f"draft: greedy agreement {result['final']['heldout_agreement']:.3f} after {result['train_wall_s'] / 60:.1f} min")
+    """Distil a fresh draft on random corpus windows."""
+    distil(plan, "draft", plan.draft_steps, plan.draft_lr, plan.warmup, plan.seed + 1,
+           lambda tokenizer: build(plan.draft, tokenizer, plan.seed + 1))
 
 
 @torch.no_grad()
@@ -261,7 +269,7 @@ def stage_generations(plan: Plan) -> None:
     """Continuations by the target of random training windows, 256 + 1 tokens each (the last
     `new_tokens` generated), alternating greedy and sampled batches; resumable batch by batch."""
     out, partial = plan.cache / "generations.u16", plan.cache / "generations.partial.u16"
-    length = loop.Schedule(steps=1, peak_lr=0, warmup=0).length + 1
+    length = SEQUENCE
     if out.exists():
         log(f"generations: done ({out.stat().st_size // (2 * length)} sequences)")
         return
@@ -287,39 +295,30 @@ def stage_generations(plan: Plan) -> None:
 
 
 def load_generations(plan: Plan) -> torch.Tensor:
-    length = loop.Schedule(steps=1, peak_lr=0, warmup=0).length + 1
-    return torch.from_numpy(np.fromfile(plan.cache / "generations.u16", dtype=np.uint16).astype(np.int64)).view(-1, length)
+    """[N, SEQUENCE] int64: what stage_generations wrote."""
+    tokens = np.fromfile(plan.cache / "generations.u16", dtype=np.uint16).astype(np.int64)
+    return torch.from_numpy(tokens).view(-1, SEQUENCE)
 
 
 def stage_refine(plan: Plan) -> None:
     """Continue distilling the draft on batches that are mostly the target's own continuations."""
-    ckpt_dir = plan.cache / "refine"
-    if result := finished(ckpt_dir, plan.refine_steps):
-        log(f"refine: done ({result['steps']} steps, greedy agreement {result['final']['heldout_agreement']:.3f})")
-        return
-    tokenizer = load_tokenizer(plan)
-    train, heldout = data.load_tokens(plan.cache / "train.u16"), data.load_tokens(plan.cache / "heldout.u16")
-    generations = load_generations(plan)
-    schedule = loop.Schedule(steps=plan.refine_steps, peak_lr=plan.refine_lr, warmup=plan.warmup // 2)
-    eval_windows = data.heldout_windows(heldout, plan.eval_windows, schedule.length)
-    teacher = trained_target(plan, tokenizer)
-    student = loop.load_trained(build(plan.draft, tokenizer, plan.seed + 1), plan.cache / "draft")
-    n_generated = round(schedule.batch * plan.refine_generated_share)
-    log(f"refine: {plan.refine_steps} steps from the distilled draft, {n_generated}/{schedule.batch} of each batch"
-        f" from {len(generations)} target continuations")
 
-    def sample(g: torch.Generator) -> torch.Tensor:
-        picked = generations[torch.randint(0, len(generations), (n_generated,), generator=g)]
-        corpus = data.random_windows(train, schedule.batch - n_generated, schedule.length, g)
-        return torch.cat([picked, corpus])
+    def sample_of(train: torch.Tensor, schedule: loop.Schedule):
+        generations = load_generations(plan)
+        n_generated = round(schedule.batch * plan.refine_generated_share)
+        log(f"refine: from the distilled draft, {n_generated}/{schedule.batch} of each batch"
+            f" from {len(generations)} target continuations")
 
-    loss_of, evaluate = distillation(plan, teacher, eval_windows)
-    result = loop.train(
-        "refine", student, loss_of, evaluate, train, schedule, ckpt_dir,
-        seed=plan.seed + 3, precision=precision(), checkpoint_minutes=plan.checkpoint_minutes,
-        eval_every=plan.eval_every, sample=sample,
-    )
-    log(f"refine: greedy agreement {result['final']['heldout_agreement']:.3f} after {result['train_wall_s'] / 60:.1f} min")
+        def sample(g: torch.Generator) -> torch.Tensor:
+            picked = generations[torch.randint(0, len(generations), (n_generated,), generator=g)]
+            corpus = data.random_windows(train, schedule.batch - n_generated, schedule.length, g)
+            return torch.cat([picked, corpus])
+
+        return sample
+
+    distil(plan, "refine", plan.refine_steps, plan.refine_lr, plan.warmup // 2, plan.seed + 3,
+           lambda tokenizer: loop.load_trained(build(plan.draft, tokenizer, plan.seed + 1), plan.cache / "draft"),
+           sample_of)
 
 
 def stage_export(plan: Plan) -> None:

@@ -58,7 +58,7 @@ async def _acceptance(draft_dir: Path, target_dir: Path, prompts, k: int, new_to
     draft = LocalDraft(DraftEngine(ModelRunner(draft_dir, device="cpu")))
     target_runner = ModelRunner(target_dir, device="cpu")
     target = LocalTarget(TargetEngine(target_runner))
-    rates, total, generated, start = [], Stats(), 0, time.perf_counter()
+    rates, total, start = [], Stats(), time.perf_counter()
     for i, prompt in enumerate(prompts):
         stats = Stats()
         async for _ in generate(
@@ -76,7 +76,6 @@ async def _acceptance(draft_dir: Path, target_dir: Path, prompts, k: int, new_to
             pass
         rates.append(stats.acceptance_rate)
         total.merge(stats)
-        generated += stats.generated_tokens
     seconds = time.perf_counter() - start
     return {
         "acceptance_rate_mean": sum(rates) / len(rates),
@@ -85,9 +84,9 @@ async def _acceptance(draft_dir: Path, target_dir: Path, prompts, k: int, new_to
         "acceptance_rate_max": max(rates),
         "alpha_pooled": total.alpha,
         "mean_accepted_per_round": total.accepted_tokens / total.rounds,
-        "tokens_per_round": generated / total.rounds,
-        "generated_tokens": generated,
-        "tokens_per_s_in_process": generated / seconds,
+        "tokens_per_round": total.generated_tokens / total.rounds,
+        "generated_tokens": total.generated_tokens,
+        "tokens_per_s_in_process": total.generated_tokens / seconds,
         "prompts": len(prompts),
         "prompt_tokens": len(prompts[0]),
         "new_tokens": new_tokens,
