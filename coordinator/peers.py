@@ -143,14 +143,16 @@ class GrpcDraft(Peer):
         super().__init__("draft", address, timeout, streaming)
 
     async def propose(
-        self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams
+        self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams,
+        p_min: float = 0.0,
     ) -> tuple[Proposal, Cost]:
         request = pb.ProposeRequest(session_id=session_id, start=start, rollback=rollback, append=append,
-                                    num_tokens=k, sampling=sampling_proto(params))
+                                    num_tokens=k, sampling=sampling_proto(params), p_min=p_min)
         reply = await self.step(self.stub.Propose, self.stub.ProposeStream, session_id, request)
         p = reply.proposal
         proposal = Proposal(list(p.tokens), list(p.support_sizes), p.support_ids, p.support_probs)
-        return proposal, Cost(reply.service_ms, request.ByteSize() + reply.ByteSize())
+        return proposal, Cost(reply.service_ms, request.ByteSize() + reply.ByteSize(), reply.batch_size,
+                              len(proposal.tokens), reply.pass_ms)
 
 
 class GrpcTarget(Peer):
@@ -169,7 +171,8 @@ class GrpcTarget(Peer):
             sampling=sampling_proto(params),
         )
         reply = await self.step(self.stub.Verify, self.stub.VerifyStream, session_id, request)
-        return Verdict(reply.accepted, reply.token), Cost(reply.service_ms, request.ByteSize() + reply.ByteSize())
+        return Verdict(reply.accepted, reply.token), Cost(reply.service_ms, request.ByteSize() + reply.ByteSize(),
+                                                          reply.batch_size, reply.batch_tokens, reply.pass_ms)
 
 
 def check_compatible(draft: pb.ModelInfo, target: pb.ModelInfo) -> None:

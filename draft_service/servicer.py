@@ -1,27 +1,29 @@
-"""specdec.v1.Draft: protobuf in -> DraftEngine.propose -> protobuf out."""
+"""specdec.v1.Draft: protobuf in -> DraftEngine.propose_many (batched across sessions) -> protobuf out."""
 
 from __future__ import annotations
 
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from speculative.engines import ProposeCall
 from speculative.serving import ModelServicer, params_from_proto
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Draft"].full_name
 
 
 class DraftServicer(ModelServicer, pb_grpc.DraftServicer):
+    run_many_name = "propose_many"
+
     async def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
-        engine = await self.ready(context)
-        proposal, ms = await self.call(
-            context, engine.propose, request.session_id, request.start, request.rollback,
-            list(request.append), request.num_tokens, params_from_proto(request.sampling),
-        )
+        await self.ready(context)
+        call = ProposeCall(request.session_id, request.start, request.rollback, list(request.append),
+                           request.num_tokens, params_from_proto(request.sampling), request.p_min)
+        proposal, cost = await self.call(context, "propose", request.session_id, call)
         return pb.ProposeResponse(
             proposal=pb.DraftProposal(
                 tokens=proposal.tokens, support_sizes=proposal.support_sizes,
                 support_ids=proposal.support_ids, support_probs=proposal.support_probs,
             ),
-            service_ms=ms,
+            service_ms=cost.service_ms, batch_size=cost.batch_size, pass_ms=cost.pass_ms,
         )
 
     async def ProposeStream(self, requests, context):

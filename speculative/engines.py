@@ -7,13 +7,14 @@ their input before touching a session, so a bad request leaves no trace.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from .errors import InvalidRequest
 from .model_runner import ModelRunner, Timer
 from .sessions import Session
-from .round import Proposal, Verdict
+from .round import Cost, Proposal, Verdict
 from .sampling import (
     SamplingParams,
     decode_supports,
@@ -37,8 +38,39 @@ def check_params(params: SamplingParams) -> None:
         raise InvalidRequest(f"top_p must lie in (0, 1], not {params.top_p}")
 
 
+@dataclass
+class ProposeCall:
+    session_id: str
+    start: bool
+    rollback: int
+    append: list[int]
+    k: int
+    params: SamplingParams
+    p_min: float = 0.0  # stop drafting at a token whose top probability is below this
+
+
+@dataclass
+class VerifyCall:
+    session_id: str
+    start: bool
+    append: list[int]
+    proposal: Proposal
+    params: SamplingParams
+
+
+def _one(results: list) -> tuple:
+    """The single result of a *_many call: raise it if it is an error."""
+    if isinstance(results[0], BaseException):
+        raise results[0]
+    return results[0]
+
+
 class DraftEngine:
-    """Proposes K tokens per call, each with the sparse q it was sampled from."""
+    """Proposes K tokens per call, each with the sparse q it was sampled from.
+
+    `propose_many` drafts for several sessions at once: each step is one forward pass
+    over every session still drafting (sessions may ask for different K).
+    """
 
     def __init__(self, runner: ModelRunner, max_support: int = 64, max_tokens: int = 16):
         self.runner = runner
@@ -46,63 +78,99 @@ class DraftEngine:
         self.max_tokens = max_tokens
 
     def propose(
-        self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams
-    ) -> tuple[Proposal, float]:
+        self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams,
+        p_min: float = 0.0,
+    ) -> tuple[Proposal, Cost]:
+        return _one(self.propose_many([ProposeCall(session_id, start, rollback, append, k, params, p_min)]))
+
+    def propose_many(self, calls: list[ProposeCall]) -> list[tuple[Proposal, Cost] | Exception]:
+        """-> per call, (proposal, the pass's cost) or the error that call alone met. Distinct sessions only."""
         with self.runner.lock:
             timer = Timer()
-            session = self._advance(session_id, start, rollback, append, k, params)
-            tokens, q_ids, q_probs = self._draft(session, k, params)
-            session.proposed = len(tokens)
-            sizes, ids_bytes, probs_bytes = encode_supports(q_ids, q_probs)
-            return Proposal(tokens, sizes, ids_bytes, probs_bytes), timer.ms
+            results: list = [None] * len(calls)
+            live: list[tuple[int, ProposeCall, Session]] = []
+            for i, call in enumerate(calls):
+                try:
+                    live.append((i, call, self._advance(call)))
+                except Exception as exc:
+                    results[i] = exc
+            try:
+                drafted = self._draft(live)
+            except Exception as exc:
+                for i, call, _ in live:
+                    self.runner.sessions.release(call.session_id)  # caches may be half-written
+                    results[i] = exc
+                return results
+            for (i, _, session), (tokens, q_ids, q_probs) in zip(live, drafted):
+                session.proposed = len(tokens)
+                sizes, ids_bytes, probs_bytes = encode_supports(q_ids, q_probs)
+                results[i] = Proposal(tokens, sizes, ids_bytes, probs_bytes)
+            ms = timer.ms
+            cost = Cost(ms, batch_size=len(live), batch_tokens=sum(len(t) for t, _, _ in drafted), pass_ms=ms)
+            return [(r, cost) if isinstance(r, Proposal) else r for r in results]
 
-    def _advance(self, session_id: str, start: bool, rollback: int, append: list[int], k: int,
-                 params: SamplingParams) -> Session:
+    def _advance(self, call: ProposeCall) -> Session:
         """Validate a call, then roll back the rejected proposals and append the new tokens."""
-        runner = self.runner
-        check_params(params)
+        runner, k = self.runner, call.k
+        check_params(call.params)
         if not 0 <= k <= self.max_tokens:
             raise InvalidRequest(f"num_tokens must lie in [0, {self.max_tokens}], not {k}")
-        runner.check_tokens(append, "appended")
-        if start:
-            if rollback or not append:
+        if not 0.0 <= call.p_min <= 1.0:  # also rejects NaN
+            raise InvalidRequest(f"p_min must lie in [0, 1], not {call.p_min}")
+        runner.check_tokens(call.append, "appended")
+        if call.start:
+            if call.rollback or not call.append:
                 raise InvalidRequest("a new session needs its prompt in `append` and nothing to roll back")
-            runner.check_context(session_id, len(append) + k)
-            session = runner.start_session(session_id, params.seed ^ DRAFT_SEED_SALT)
+            runner.check_context(call.session_id, len(call.append) + k)
+            session = runner.start_session(call.session_id, call.params.seed ^ DRAFT_SEED_SALT)
         else:
-            session = runner.sessions.get(session_id)
-            if rollback > session.proposed:
-                raise InvalidRequest(f"cannot roll back {rollback} tokens: only {session.proposed} were proposed")
-            runner.check_context(session_id, len(session.tokens) - rollback + len(append) + k)
-        session.truncate(len(session.tokens) - rollback)
-        session.tokens.extend(append)
+            session = runner.sessions.get(call.session_id)
+            if call.rollback > session.proposed:
+                raise InvalidRequest(
+                    f"cannot roll back {call.rollback} tokens: only {session.proposed} were proposed")
+            runner.check_context(call.session_id, len(session.tokens) - call.rollback + len(call.append) + k)
+        session.truncate(len(session.tokens) - call.rollback)
+        session.tokens.extend(call.append)
         session.proposed = 0
         return session
 
-    def _draft(self, session: Session, k: int, params: SamplingParams):
-        """Sample k tokens autoregressively, each from its q. -> (tokens, q_ids, q_probs)"""
+    def _draft(self, live: list[tuple[int, ProposeCall, Session]]) -> list[tuple[list[int], list, list]]:
+        """Sample each session's k tokens autoregressively, each from its q; one forward per step
+        for all sessions still drafting. -> per session (tokens, q_ids, q_probs)."""
         runner = self.runner
-        if k == 0:
-            if len(session.tokens) > session.cached:
-                runner.forward(session)  # prefill only
-            return [], [], []
         vocab = runner.vocab_size  # ids the tokenizer can produce
-        tokens: list[int] = []
-        q_ids: list[torch.Tensor] = []
-        q_probs: list[torch.Tensor] = []
-        for _ in range(k):
-            logits = runner.forward(session)[-1, :vocab]  # [V]
-            if params.greedy:
-                x = int(logits.argmax())
-                ids, q = torch.tensor([x]), torch.ones(1)
-            else:
-                ids, q = draft_support(logits_to_probs(logits, params), self.max_support)
-                x = int(ids[sample(q, session.generator)])
-            tokens.append(x)
-            q_ids.append(ids)
-            q_probs.append(q)
-            session.tokens.append(x)  # the last one is fed on the next call, if accepted
-        return tokens, q_ids, q_probs
+        out = [([], [], []) for _ in live]
+        # sessions asking for no tokens only need their new tokens cached (prefill): first pass
+        drafting = [j for j, (_, call, session) in enumerate(live) if call.k > 0 or len(session.tokens) > session.cached]
+        step = 0
+        while drafting:
+            logits = runner.forward_many([(live[j][2], 1) for j in drafting])
+            still = []
+            for j, row in zip(drafting, logits):
+                _, call, session = live[j]
+                if call.k == 0:
+                    continue
+                tokens, q_ids, q_probs = out[j]
+                row, params = row[-1, :vocab], call.params
+                if params.greedy:
+                    if call.p_min > 0 and float(torch.softmax(row, -1).max()) < call.p_min:
+                        continue
+                    x = int(row.argmax())
+                    ids, q = torch.tensor([x]), torch.ones(1)
+                else:
+                    probs = logits_to_probs(row, params)
+                    if call.p_min > 0 and float(probs.max()) < call.p_min:
+                        continue
+                    ids, q = draft_support(probs, self.max_support)
+                    x = int(ids[sample(q, session.generator)])
+                tokens.append(x)
+                q_ids.append(ids)
+                q_probs.append(q)
+                session.tokens.append(x)  # the last one is fed on the next call, if accepted
+                if len(tokens) < call.k:
+                    still.append(j)
+            drafting, step = still, step + 1
+        return out
 
 
 class OracleDraftEngine(DraftEngine):
@@ -114,7 +182,10 @@ class OracleDraftEngine(DraftEngine):
         super().__init__(runner, max_support=1, max_tokens=max_tokens)
         self.references = [tuple(r) for r in references]
 
-    def _draft(self, session: Session, k: int, params: SamplingParams):
+    def _draft(self, live):
+        return [self._replay(session, call.k) for _, call, session in live]
+
+    def _replay(self, session: Session, k: int):
         n = len(session.tokens)
         prefix = tuple(session.tokens)
         reference = next((r for r in self.references if len(r) > n and r[:n] == prefix), ())
@@ -124,7 +195,8 @@ class OracleDraftEngine(DraftEngine):
 
 
 class TargetEngine:
-    """Verifies a proposal in one forward pass and applies rejection sampling."""
+    """Verifies proposals and applies rejection sampling: `verify_many` scores the proposals of
+    several sessions (any lengths, any K) in one forward pass."""
 
     def __init__(self, runner: ModelRunner, max_tokens: int = 16):
         self.runner = runner
@@ -132,43 +204,73 @@ class TargetEngine:
 
     def verify(
         self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams
-    ) -> tuple[Verdict, float]:
+    ) -> tuple[Verdict, Cost]:
+        return _one(self.verify_many([VerifyCall(session_id, start, append, proposal, params)]))
+
+    def verify_many(self, calls: list[VerifyCall]) -> list[tuple[Verdict, Cost] | Exception]:
+        """-> per call, (verdict, the pass's cost) or the error that call alone met. Distinct sessions only."""
         runner = self.runner
         with runner.lock:
             timer = Timer()
-            check_params(params)
-            k = len(proposal.tokens)
-            if k > self.max_tokens:
-                raise InvalidRequest(f"at most {self.max_tokens} draft tokens per call, got {k}")
-            runner.check_tokens(append, "appended")
-            runner.check_tokens(proposal.tokens, "draft")
-            q_ids, q_probs = decode_supports(
-                k, list(proposal.support_sizes), proposal.support_ids, proposal.support_probs,
-                runner.logits_size, runner.device,
-            )
-            for i, (x, ids, q) in enumerate(zip(proposal.tokens, q_ids, q_probs)):
-                if not bool((q[ids == x] > 0).any()):
-                    raise InvalidRequest(f"draft token {x} at position {i} has no probability in its q")
-            if start:
-                if not append:
-                    raise InvalidRequest("a new session needs its prompt in `append`")
-                runner.check_context(session_id, len(append) + k)
-                session = runner.start_session(session_id, params.seed)
-            else:
-                session = runner.sessions.get(session_id)
-                runner.check_context(session_id, len(session.tokens) + len(append) + k)
-
-            committed = len(session.tokens) + len(append)
-            session.tokens.extend(append)
-            session.tokens.extend(proposal.tokens)
+            results: list = [None] * len(calls)
+            live = []
+            for i, call in enumerate(calls):
+                try:
+                    live.append((i, call, *self._advance(call)))
+                except Exception as exc:
+                    results[i] = exc
             try:
-                logits = runner.forward(session, k + 1)  # [K+1, V]: positions of x_1..x_K and the bonus
-                p = logits_to_probs(logits, params)
-                draft = torch.tensor(proposal.tokens, dtype=torch.long, device=runner.device)
-                accepted, token = rejection_sample(p, draft, q_ids, q_probs, session.generator)
-            except Exception:
-                runner.sessions.release(session_id)  # its cache may be half-written
-                raise
-            session.truncate(committed + accepted)  # roll back the rejected draft tokens
-            session.tokens.append(token)  # sampled here; enters the cache next call
-            return Verdict(accepted, token), timer.ms
+                logits = runner.forward_many([(session, len(call.proposal.tokens) + 1)
+                                              for _, call, session, *_ in live])
+            except Exception as exc:
+                for i, call, *_ in live:
+                    runner.sessions.release(call.session_id)  # its cache may be half-written
+                    results[i] = exc
+                return results
+            for (i, call, session, committed, q_ids, q_probs), rows in zip(live, logits):
+                try:
+                    # rows: positions of x_1..x_K and the bonus
+                    p = logits_to_probs(rows, call.params)
+                    draft = torch.tensor(call.proposal.tokens, dtype=torch.long, device=runner.device)
+                    accepted, token = rejection_sample(p, draft, q_ids, q_probs, session.generator)
+                except Exception as exc:
+                    runner.sessions.release(call.session_id)
+                    results[i] = exc
+                    continue
+                session.truncate(committed + accepted)  # roll back the rejected draft tokens
+                session.tokens.append(token)  # sampled here; enters the cache next call
+                results[i] = Verdict(accepted, token)
+            ms = timer.ms
+            cost = Cost(ms, batch_size=len(live), batch_tokens=sum(len(c.proposal.tokens) + 1 for _, c, *_ in live),
+                        pass_ms=ms)
+            return [(r, cost) if isinstance(r, Verdict) else r for r in results]
+
+    def _advance(self, call: VerifyCall):
+        """Validate a call; append its new tokens and the draft tokens to its session.
+        -> (session, committed length, q_ids, q_probs)"""
+        runner, proposal = self.runner, call.proposal
+        check_params(call.params)
+        k = len(proposal.tokens)
+        if k > self.max_tokens:
+            raise InvalidRequest(f"at most {self.max_tokens} draft tokens per call, got {k}")
+        runner.check_tokens(call.append, "appended")
+        runner.check_tokens(proposal.tokens, "draft")
+        q_ids, q_probs = decode_supports(
+            k, list(proposal.support_sizes), proposal.support_ids, proposal.support_probs,
+            runner.logits_size, runner.device,
+        )
+        for i, (x, ids, q) in enumerate(zip(proposal.tokens, q_ids, q_probs)):
+            if not bool((q[ids == x] > 0).any()):
+                raise InvalidRequest(f"draft token {x} at position {i} has no probability in its q")
+        if call.start:
+            if not call.append:
+                raise InvalidRequest("a new session needs its prompt in `append`")
+            runner.check_context(call.session_id, len(call.append) + k)
+            session = runner.start_session(call.session_id, call.params.seed)
+        else:
+            session = runner.sessions.get(call.session_id)
+            runner.check_context(call.session_id, len(session.tokens) + len(call.append) + k)
+        committed = len(session.tokens) + len(call.append)
+        session.tokens.extend(call.append)
+        session.tokens.extend(proposal.tokens)
+        return session, committed, q_ids, q_probs

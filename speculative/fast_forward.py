@@ -116,45 +116,65 @@ class FastForward:
             "scaling": getattr(attn, "scaling", None),
         }
 
-    @torch.inference_mode()
     def __call__(self, input_ids: list[int], cache: KVCache, num_logits: int) -> torch.Tensor:
         """Append `input_ids` to `cache`; -> logits of the last `num_logits` of them, [num_logits, V]."""
-        n = len(input_ids)
-        start = cache.length
-        end = start + n
-        cache.reserve(end)
+        return self.many([(input_ids, cache, num_logits)])[0]
+
+    @torch.inference_mode()
+    def many(self, feeds: list[tuple[list[int], KVCache, int]]) -> list[torch.Tensor]:
+        """One forward pass over several sequences, each (input_ids, its cache, num_logits).
+
+        The sequences' new tokens are laid end to end ("ragged" batching: no padding), so
+        every matrix multiply runs once for all of them; only attention runs per sequence,
+        each over its own cache with its own positions. -> each feed's [num_logits, V].
+        """
         device = self.embed.device
-        ids = torch.tensor(input_ids, dtype=torch.long, device=device)
-        x = F.embedding(ids, self.embed)[None]  # [1, n, D]
-        positions = torch.arange(start, end, device=device)[None]
-        cos, sin = self.rotary(x, positions)  # [1, n, head_dim]
-        cos, sin = cos[:, None], sin[:, None]
-        mask = None
-        if n > 1:  # query i sits at position start+i and sees keys 0..start+i
-            mask = torch.ones(n, end, dtype=torch.bool, device=device).tril(diagonal=start)
+        spans, positions, masks, ids = [], [], [], []
+        offset = 0
+        for input_ids, cache, _ in feeds:
+            n, start = len(input_ids), cache.length
+            cache.reserve(start + n)
+            spans.append((offset, offset + n, start, start + n))
+            positions.append(torch.arange(start, start + n, device=device))
+            # query i sits at position start+i and sees keys 0..start+i
+            masks.append(torch.ones(n, start + n, dtype=torch.bool, device=device).tril(diagonal=start) if n > 1 else None)
+            ids.extend(input_ids)
+            offset += n
+        total = offset
+        x = F.embedding(torch.tensor(ids, dtype=torch.long, device=device), self.embed)[None]  # [1, T, D]
+        cos, sin = self.rotary(x, (positions[0] if len(feeds) == 1 else torch.cat(positions))[None])
+        cos, sin = cos[:, None], sin[:, None]  # [1, 1, T, head_dim]
         for i, layer in enumerate(self.layers):
             h = self._norm(x, layer["in_norm"])
             qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
             q, k, v = qkv.split(layer["sizes"], dim=-1)
-            q = q.view(1, n, self.heads, self.head_dim).transpose(1, 2)
-            k = k.view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = v.view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
+            q = q.view(1, total, self.heads, self.head_dim).transpose(1, 2)
+            k = k.view(1, total, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = v.view(1, total, self.kv_heads, self.head_dim).transpose(1, 2)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            keys, values = cache.data[i, 0], cache.data[i, 1]
-            keys[:, :, start:end] = k
-            values[:, :, start:end] = v
-            a = F.scaled_dot_product_attention(
-                q, keys[:, :, :end], values[:, :, :end], attn_mask=mask, scale=layer["scaling"],
-                enable_gqa=self.kv_heads != self.heads,
-            )
-            x = x + F.linear(a.transpose(1, 2).reshape(1, n, -1), layer["o"])
+            outs = []
+            for (_, cache, _), (a, b, start, end), mask in zip(feeds, spans, masks):
+                keys, values = cache.data[i, 0], cache.data[i, 1]
+                keys[:, :, start:end] = k[:, :, a:b]
+                values[:, :, start:end] = v[:, :, a:b]
+                outs.append(F.scaled_dot_product_attention(
+                    q[:, :, a:b], keys[:, :, :end], values[:, :, :end], attn_mask=mask, scale=layer["scaling"],
+                    enable_gqa=self.kv_heads != self.heads,
+                ))
+            att = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, H, T, head_dim]
+            x = x + F.linear(att.transpose(1, 2).reshape(1, total, -1), layer["o"])
             h = self._norm(x, layer["post_norm"])
             gate, up = F.linear(h, layer["gate_up"]).split(layer["half"], dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer["down"])
-        cache.length = end
-        h = self._norm(x[0, -num_logits:], self.final_norm.weight)
-        return F.linear(h, self.lm_head)
+        for (_, cache, _), (_, _, _, end) in zip(feeds, spans):
+            cache.length = end
+        if len(feeds) == 1:
+            picked = x[0, total - feeds[0][2] :]
+        else:
+            picked = x[0, torch.cat([torch.arange(b - n, b, device=device) for (_, _, n), (_, b, _, _) in zip(feeds, spans)])]
+        logits = F.linear(self._norm(picked, self.final_norm.weight), self.lm_head)
+        return list(logits.split([n for _, _, n in feeds]))
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm as transformers computes it: in float32, scaled by the weight in the model's dtype."""

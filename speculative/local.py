@@ -7,7 +7,7 @@ in one process.
 from __future__ import annotations
 
 from .engines import DraftEngine, TargetEngine
-from .round import Cost, Proposal, Verdict
+from .round import Cost, Proposal, Verdict  # noqa: F401 (the interface's types)
 from .sampling import SamplingParams
 
 
@@ -16,10 +16,10 @@ class LocalDraft:
         self.engine = engine
 
     async def propose(
-        self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams
+        self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams,
+        p_min: float = 0.0,
     ) -> tuple[Proposal, Cost]:
-        proposal, ms = self.engine.propose(session_id, start, rollback, append, k, params)
-        return proposal, Cost(ms)
+        return self.engine.propose(session_id, start, rollback, append, k, params, p_min)
 
     async def release(self, session_id: str) -> None:
         self.engine.runner.sessions.release(session_id)
@@ -32,8 +32,7 @@ class LocalTarget:
     async def verify(
         self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams
     ) -> tuple[Verdict, Cost]:
-        verdict, ms = self.engine.verify(session_id, start, append, proposal, params)
-        return verdict, Cost(ms)
+        return self.engine.verify(session_id, start, append, proposal, params)
 
     async def release(self, session_id: str) -> None:
         self.engine.runner.sessions.release(session_id)

@@ -136,27 +136,41 @@ class ModelRunner:
                 f"session {session_id!r} would hold {length} tokens, beyond the context of {self.max_context}"
             )
 
-    @torch.inference_mode()
     def forward(self, session: Session, num_logits: int = 1) -> torch.Tensor:
         """Feed the session's uncached tokens; return the last `num_logits` rows of logits.
 
         -> [num_logits, logits_size] float32. The session's tokens are all cached after.
         """
-        short = num_logits - (len(session.tokens) - session.cached)
-        if short > 0:  # rows to score are already cached: step the cache back and re-feed them
-            if short > session.cached:
-                raise InvalidRequest(f"cannot score {num_logits} positions of a {len(session.tokens)}-token session")
-            session.cache.crop(-short)
-            session.cached -= short
-        new = session.tokens[session.cached :]
+        return self.forward_many([(session, num_logits)])[0]
+
+    @torch.inference_mode()
+    def forward_many(self, feeds: list[tuple[Session, int]]) -> list[torch.Tensor]:
+        """`forward` for several sessions (distinct ones) in one pass where the forward allows it.
+
+        The lean forward batches them (one matrix multiply per weight for all their tokens);
+        transformers' forward runs them one after another.
+        """
+        news = []
+        for session, num_logits in feeds:
+            short = num_logits - (len(session.tokens) - session.cached)
+            if short > 0:  # rows to score are already cached: step the cache back and re-feed them
+                if short > session.cached:
+                    raise InvalidRequest(f"cannot score {num_logits} positions of a {len(session.tokens)}-token session")
+                session.cache.crop(-short)
+                session.cached -= short
+            news.append(session.tokens[session.cached :])
         if self.fast is not None:
-            logits = self.fast(new, session.cache, num_logits)
+            logits = self.fast.many([(new, s.cache, n) for new, (s, n) in zip(news, feeds)])
+        else:
+            logits = []
+            for new, (session, num_logits) in zip(news, feeds):
+                input_ids = torch.tensor([new], dtype=torch.long, device=self.device)  # [1, S]
+                out = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True,
+                                 logits_to_keep=num_logits)
+                logits.append(out.logits[0])
+        for session, _ in feeds:
             session.cached = len(session.tokens)
-            return logits.float()
-        input_ids = torch.tensor([new], dtype=torch.long, device=self.device)  # [1, S]
-        out = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True, logits_to_keep=num_logits)
-        session.cached = len(session.tokens)
-        return out.logits[0].float()  # [num_logits, V]
+        return [row.float() for row in logits]
 
 
 class Timer:

@@ -35,10 +35,14 @@ class Proposal:
 
 @dataclass
 class Cost:
-    """What one peer call cost: time inside the service, and bytes on the wire (0 in one process)."""
+    """What one peer call cost: time inside the service, and bytes on the wire (0 in one process);
+    and the model pass it shared with other sessions' calls (batched serving)."""
 
     service_ms: float = 0.0
     wire_bytes: int = 0
+    batch_size: int = 1     # sessions served by that pass
+    batch_tokens: int = 0   # tokens it fed (target: tokens scored)
+    pass_ms: float = 0.0    # its time on the model
 
 
 @dataclass
@@ -49,7 +53,8 @@ class Verdict:
 
 class DraftPeer(Protocol):
     async def propose(
-        self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams
+        self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams,
+        p_min: float = 0.0,
     ) -> tuple[Proposal, Cost]: ...
 
     async def release(self, session_id: str) -> None: ...

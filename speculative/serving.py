@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
 import time
+from collections import deque
 from pathlib import Path
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -96,6 +98,8 @@ def add_model_flags(parser: EnvArgumentParser, role: str) -> None:
     parser.add_argument("--max-context", type=int, default=0,
                         help="cap on tokens per session (0: the model's max_position_embeddings)")
     parser.add_argument("--max-tokens-per-call", type=int, default=16, help="most draft tokens per round (K)")
+    parser.add_argument("--max-batch", type=int, default=32,
+                        help="most sessions per model pass (continuous batching; 1: one session at a time)")
     add_metrics_flag(parser)
 
 
@@ -212,33 +216,106 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed)
 
 
+class Batcher:
+    """Continuous batching over a model service's one model thread.
+
+    Calls wait in a queue. Whenever the model is free, everything waiting (up to
+    `max_batch` calls, one per session: a session's second call waits for the next
+    pass) goes into its next pass, run by `run_many` (an engine's propose_many or
+    verify_many) on the model thread. Nothing waits for a batch to fill: a call that
+    finds the model idle runs at once. A call that fails, fails alone.
+    """
+
+    def __init__(self, thread: ModelThread, run_many: Callable[[list], list], max_batch: int = 32,
+                 on_pass: Callable[[int], None] | None = None):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, not {max_batch}")
+        self.thread = thread
+        self.run_many = run_many
+        self.max_batch = max_batch
+        self.on_pass = on_pass
+        self.waiting: deque[tuple[str, Any, asyncio.Future]] = deque()
+        self.wakeup: asyncio.Event | None = None
+        self.task: asyncio.Task | None = None
+
+    async def submit(self, session_id: str, call: Any) -> Any:
+        if self.task is None or self.task.done():
+            self.wakeup = asyncio.Event()
+            self.task = asyncio.ensure_future(self._run())
+        future = asyncio.get_running_loop().create_future()
+        self.waiting.append((session_id, call, future))
+        self.wakeup.set()
+        return await future
+
+    def _take(self) -> list[tuple[str, Any, asyncio.Future]]:
+        batch, sessions, later = [], set(), []
+        while self.waiting and len(batch) < self.max_batch:
+            item = self.waiting.popleft()
+            if item[2].done():  # its caller gave up before it ran
+                continue
+            if item[0] in sessions:
+                later.append(item)
+            else:
+                sessions.add(item[0])
+                batch.append(item)
+        self.waiting.extendleft(reversed(later))
+        return batch
+
+    async def _run(self) -> None:
+        while True:
+            await self.wakeup.wait()
+            self.wakeup.clear()
+            while batch := self._take():
+                try:
+                    results = await self.thread.run(self.run_many, [call for _, call, _ in batch])
+                except Exception as exc:  # not one call's fault: every call in the pass gets it
+                    results = [exc] * len(batch)
+                if self.on_pass is not None:
+                    self.on_pass(len(batch))
+                for (_, _, future), result in zip(batch, results):
+                    if future.done():
+                        continue
+                    if isinstance(result, BaseException):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
+
+
 class ModelServicer:
-    """GetModelInfo, GetTokenizer and Release: the RPCs both model services share.
+    """GetModelInfo, GetTokenizer and Release: the RPCs both model services share; and the
+    batcher their per-round calls (Propose / Verify) go through.
 
     `engine` (a DraftEngine or TargetEngine) is None until the weights are
     loaded; calls before that get UNAVAILABLE.
     """
 
-    def __init__(self, thread: ModelThread, metrics: ModelMetrics | None = None):
+    run_many_name = ""  # the engine's batched method: propose_many / verify_many
+
+    def __init__(self, thread: ModelThread, metrics: ModelMetrics | None = None, max_batch: int = 32):
         self.thread = thread
         self.engine = None
         self.metrics = metrics
+        self.batcher = Batcher(thread, lambda calls: getattr(self.engine, self.run_many_name)(calls), max_batch,
+                               self._observe_pass)
+
+    def _observe_pass(self, size: int) -> None:
+        if self.metrics is not None:
+            self.metrics.batch.observe(size)
 
     async def ready(self, context: grpc.aio.ServicerContext):
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "weights are still loading; retry when SERVING")
         return self.engine
 
-    async def call(self, context: grpc.aio.ServicerContext, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run fn on the model thread; engine errors become gRPC statuses."""
+    async def call(self, context: grpc.aio.ServicerContext, method: str, session_id: str, call: Any) -> Any:
+        """Queue one per-round call for the model's next pass; engine errors become gRPC statuses.
+        -> (result, Cost) with service_ms counted from now: waiting for the model is time in here."""
         metrics, status, start = self.metrics, grpc.StatusCode.OK, time.perf_counter()
         if metrics is not None:
             metrics.queue.inc()
         try:
-            result = await self.thread.run(fn, *args)
-            if metrics is not None:
-                metrics.batch.observe(1)  # one session per forward until batched verification
-            return result
+            result, cost = await self.batcher.submit(session_id, call)
+            return result, dataclasses.replace(cost, service_ms=(time.perf_counter() - start) * 1e3)
         except asyncio.CancelledError:
             status = grpc.StatusCode.CANCELLED
             raise
@@ -247,7 +324,6 @@ class ModelServicer:
             await abort_with(context, exc)
         finally:
             if metrics is not None:
-                method = getattr(fn, "__name__", "call")
                 metrics.queue.dec()
                 metrics.calls.labels(method, status.name).inc()
                 metrics.latency.labels(method).observe(time.perf_counter() - start)
@@ -311,6 +387,9 @@ def run_model_service(name: str, args: argparse.Namespace, servicer: ModelServic
 
     setup_logging(args.log_level)
     set_threads(args.threads)
+    if args.max_batch < 1:
+        raise SystemExit(f"--max-batch must be >= 1, not {args.max_batch}")
+    servicer.batcher.max_batch = args.max_batch
 
     async def main() -> None:
         sweeper: asyncio.Task | None = None

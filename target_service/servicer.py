@@ -1,9 +1,10 @@
-"""specdec.v1.Target: protobuf in -> TargetEngine.verify -> protobuf out."""
+"""specdec.v1.Target: protobuf in -> TargetEngine.verify_many (batched across sessions) -> protobuf out."""
 
 from __future__ import annotations
 
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from speculative.engines import VerifyCall
 from speculative.round import Proposal
 from speculative.serving import ModelServicer, params_from_proto
 
@@ -11,15 +12,17 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Target"].full_name
 
 
 class TargetServicer(ModelServicer, pb_grpc.TargetServicer):
+    run_many_name = "verify_many"
+
     async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
-        engine = await self.ready(context)
+        await self.ready(context)
         p = request.proposal
-        proposal = Proposal(list(p.tokens), list(p.support_sizes), p.support_ids, p.support_probs)
-        verdict, ms = await self.call(
-            context, engine.verify, request.session_id, request.start, list(request.append), proposal,
-            params_from_proto(request.sampling),
-        )
-        return pb.VerifyResponse(accepted=verdict.accepted, token=verdict.token, service_ms=ms)
+        call = VerifyCall(request.session_id, request.start, list(request.append),
+                          Proposal(list(p.tokens), list(p.support_sizes), p.support_ids, p.support_probs),
+                          params_from_proto(request.sampling))
+        verdict, cost = await self.call(context, "verify", request.session_id, call)
+        return pb.VerifyResponse(accepted=verdict.accepted, token=verdict.token, service_ms=cost.service_ms,
+                                 batch_size=cost.batch_size, batch_tokens=cost.batch_tokens, pass_ms=cost.pass_ms)
 
     async def VerifyStream(self, requests, context):
         async for reply in self.stream(requests, context, self.Verify):

@@ -86,3 +86,31 @@ def test_rejects_unknown_forward(tmp_path, tokenizer):
     model_dir = make_model(tmp_path / "m", tokenizer)
     with pytest.raises(ValueError, match="--forward"):
         ModelRunner(model_dir, forward="fastest")
+
+
+@pytest.mark.parametrize("forward", ["auto", "transformers"])
+def test_batched_forward_matches_one_at_a_time(tmp_path, tokenizer, forward):
+    """Sessions of different lengths fed different numbers of tokens in one pass, with rollbacks
+    between passes, get the logits each gets alone."""
+    model_dir = make_model(tmp_path / "m", tokenizer, hidden=64, layers=2, heads=4, kv_heads=2, init_std=0.1)
+    batched, alone = ModelRunner(model_dir, forward=forward), ModelRunner(model_dir, forward=forward)
+    rng = random.Random(1)
+    ids = [f"s{i}" for i in range(5)]
+    pairs = [(batched.start_session(i, 0), alone.start_session(i, 0)) for i in ids]
+    for step in range(12):
+        feeds, expected = [], []
+        for b, a in rng.sample(pairs, len(pairs) if step == 0 else rng.randint(1, len(pairs))):  # a varying subset
+            new = [rng.randrange(batched.vocab_size) for _ in range(rng.randint(1, 30 if step == 0 else 6))]
+            num_logits = rng.randint(1, len(new))
+            b.tokens.extend(new)
+            a.tokens.extend(new)
+            feeds.append((b, num_logits))
+            expected.append(alone.forward(a, num_logits))
+        got = batched.forward_many(feeds)
+        assert [g.shape for g in got] == [e.shape for e in expected]
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
+        for b, a in pairs:
+            back = rng.randint(0, min(3, len(b.tokens) - 1))
+            b.truncate(len(b.tokens) - back)
+            a.truncate(len(a.tokens) - back)
