@@ -57,6 +57,7 @@ def stats_proto(stats: Stats, k: int, seed: int, prompt_tokens: int, wall_ms: fl
         wire_bytes=stats.wire_bytes,
         rejected_rounds=stats.rejected_rounds,
         alpha=stats.alpha,
+        mean_verify_batch=stats.mean_verify_batch,
     )
 
 

@@ -123,9 +123,11 @@ class Stats:
     wire_bytes: int = 0
     generated_tokens: int = 0
     rejected_rounds: int = 0
+    verify_batch_sessions: int = 0  # summed over rounds: sessions in the target pass each round rode in
 
     def add(self, r: Round) -> None:
         self.rounds += 1
+        self.verify_batch_sessions += r.target.batch_size
         self.rejected_rounds += r.accepted < r.proposed
         self.draft_tokens += r.proposed
         self.accepted_tokens += r.accepted
@@ -141,7 +143,7 @@ class Stats:
     def merge(self, other: "Stats") -> None:
         """Add another generation's counts to these (for totals over requests)."""
         for name in ("rounds", "draft_tokens", "accepted_tokens", "draft_calls", "draft_ms", "target_ms",
-                     "wire_bytes", "generated_tokens", "rejected_rounds"):
+                     "wire_bytes", "generated_tokens", "rejected_rounds", "verify_batch_sessions"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         per = list(other.accepted_per_position)
         self.accepted_per_position += [0] * (len(per) - len(self.accepted_per_position))
@@ -158,6 +160,10 @@ class Stats:
         (acceptance_rate is lower: it counts the tokens after a rejection as lost.)"""
         tried = self.accepted_tokens + self.rejected_rounds
         return self.accepted_tokens / tried if tried else 0.0
+
+    @property
+    def mean_verify_batch(self) -> float:
+        return self.verify_batch_sessions / self.rounds if self.rounds else 0.0
 
     @property
     def mean_accepted(self) -> float:

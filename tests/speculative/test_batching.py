@@ -1,0 +1,101 @@
+"""Batched serving computes what one-at-a-time serving computes: mixed prompt lengths, mixed K,
+greedy and seeded sampling, and an error in one call that leaves the others alone."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from speculative.engines import DraftEngine, ProposeCall, TargetEngine, VerifyCall
+from speculative.errors import InvalidRequest
+from speculative.model_runner import ModelRunner
+from speculative.round import Proposal
+from speculative.sampling import SamplingParams
+from speculative.serving import Batcher, ModelThread
+
+
+def engines(pair):
+    draft_dir, target_dir = pair
+    return DraftEngine(ModelRunner(draft_dir)), TargetEngine(ModelRunner(target_dir))
+
+
+def rounds(draft, target, prompts, ks, params, batched: bool, n_rounds: int = 6):
+    """Drive every session through n_rounds rounds, all sessions per round in one batch (or one
+    call at a time). -> per session, its committed tokens after each round."""
+    state = [{"tokens": list(p), "draft_seen": 0, "unconfirmed": 0, "target_seen": 0} for p in prompts]
+    history = [[] for _ in prompts]
+    for r in range(n_rounds):
+        calls = [ProposeCall(f"s{i}", s["draft_seen"] == 0, s["unconfirmed"], s["tokens"][s["draft_seen"]:],
+                             ks[i][r % len(ks[i])], params[i]) for i, s in enumerate(state)]
+        proposals = draft.propose_many(calls) if batched else [draft.propose_many([c])[0] for c in calls]
+        vcalls = [VerifyCall(f"s{i}", s["target_seen"] == 0, s["tokens"][s["target_seen"]:], p, params[i])
+                  for i, (s, (p, _)) in enumerate(zip(state, proposals))]
+        verdicts = target.verify_many(vcalls) if batched else [target.verify_many([c])[0] for c in vcalls]
+        if batched:
+            assert {cost.batch_size for _, cost in verdicts} == {len(prompts)}
+        for i, (s, (p, _), (v, _)) in enumerate(zip(state, proposals, verdicts)):
+            s["draft_seen"] = len(s["tokens"]) + v.accepted
+            s["unconfirmed"] = len(p.tokens) - v.accepted
+            s["tokens"] += p.tokens[: v.accepted] + [v.token]
+            s["target_seen"] = len(s["tokens"])
+            history[i].append(list(s["tokens"]))
+    return history
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_batched_rounds_equal_one_at_a_time(pair, temperature):
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 300) for _ in range(n)] for n in (1, 7, 30, 64, 12)]
+    ks = [[0, 2], [4], [1, 8, 3], [6], [5, 0, 2]]  # mixed K within a batch and across rounds
+    params = [SamplingParams(temperature, seed=100 + i) for i in range(len(prompts))]
+    one = rounds(*engines(pair), prompts, ks, params, batched=False)
+    many = rounds(*engines(pair), prompts, ks, params, batched=True)
+    assert one == many
+
+
+def test_a_bad_call_fails_alone(pair):
+    draft, target = engines(pair)
+    greedy = SamplingParams(0.0)
+    good = VerifyCall("good", True, [5, 6, 7], Proposal(), greedy)
+    bad = VerifyCall("bad", False, [], Proposal(), greedy)  # no such session
+    out_of_vocab = VerifyCall("oov", True, [10 ** 6], Proposal(), greedy)
+    results = target.verify_many([bad, good, out_of_vocab])
+    assert isinstance(results[0], Exception) and isinstance(results[2], InvalidRequest)
+    verdict, cost = results[1]
+    assert cost.batch_size == 1 and "good" in target.runner.sessions and "oov" not in target.runner.sessions
+    results = draft.propose_many([ProposeCall("d", True, 0, [5, 6], 3, greedy),
+                                  ProposeCall("e", True, 0, [5, 6], 99, greedy)])
+    assert len(results[0][0].tokens) == 3 and isinstance(results[1], InvalidRequest)
+
+
+def test_draft_stops_below_p_min(pair):
+    draft, _ = engines(pair)
+    greedy = SamplingParams(0.0)
+    full, _ = draft.propose("a", True, 0, [5, 6, 7], 8, greedy)
+    none, _ = draft.propose("b", True, 0, [5, 6, 7], 8, greedy, p_min=1.0)  # nothing is that sure
+    assert len(full.tokens) == 8 and none.tokens == []
+    with pytest.raises(InvalidRequest):
+        draft.propose("c", True, 0, [5], 2, greedy, p_min=1.5)
+
+
+def test_batcher_joins_waiting_calls_and_keeps_one_call_per_session():
+    passes: list[list[str]] = []
+
+    def run_many(calls):
+        passes.append(list(calls))
+        return [(c, None) for c in calls]
+
+    async def main():
+        batcher = Batcher(ModelThread(), run_many, max_batch=3)
+        first = asyncio.ensure_future(batcher.submit("a", "a1"))
+        await asyncio.sleep(0.05)  # "a1" runs alone: nothing waits for a batch to fill
+        calls = [batcher.submit(s, f"{s}{n}") for s, n in [("b", 1), ("c", 1), ("b", 2), ("d", 1), ("e", 1)]]
+        return await asyncio.gather(first, *calls)
+
+    results = asyncio.run(main())
+    assert [r for r, _ in results] == ["a1", "b1", "c1", "b2", "d1", "e1"]
+    assert passes[0] == ["a1"]
+    assert passes[1] == ["b1", "c1", "d1"]  # b2 waits: one call per session per pass; at most 3
+    assert passes[2] == ["b2", "e1"]
