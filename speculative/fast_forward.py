@@ -59,15 +59,24 @@ class KVCache:
 
 
 class FastForward:
-    """The forward pass of one loaded HF Llama/Mistral/Qwen2 causal LM."""
+    """The forward pass of one loaded HF Llama/Mistral/Qwen2 causal LM.
+
+    Weights are kept as [in, out] (transposed) and applied as `x @ w`: for the few rows a
+    decode or verify step multiplies, that runs 25-60% faster than `F.linear` on the
+    [out, in] layout on the CPUs measured (the lm_head of the shipped target: 1.0 -> 0.4 ms
+    for one row), and no slower for many rows. The HF modules' weights become views of
+    these tensors, so nothing is stored twice.
+    """
 
     def __init__(self, model):
         config = model.config
         self.model = model
         self.rotary = model.model.rotary_emb
-        self.embed = model.model.embed_tokens.weight
+        embed, head = model.model.embed_tokens, model.get_output_embeddings()
+        self.lm_head = head.weight.data.t().contiguous()  # [D, V]
+        head.weight.data = self.lm_head.t()
+        self.embed = embed.weight  # the same tensor as lm_head when they are tied
         self.final_norm = model.model.norm
-        self.lm_head = model.get_output_embeddings().weight
         self.eps = config.rms_norm_eps
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
@@ -93,26 +102,30 @@ class FastForward:
         return KVCache(len(self.layers), self.kv_heads, self.head_dim, self.embed.dtype, self.embed.device)
 
     @staticmethod
-    def _fuse(layer) -> dict:
-        """Concatenate q/k/v and gate/up; point the HF modules at views of the fused weights."""
+    def _transposed(linears) -> torch.Tensor:
+        """The linears' weights side by side as one [in, sum(out)] tensor; each linear's weight
+        becomes a view of its block."""
+        fused = torch.cat([m.weight.data for m in linears]).t().contiguous()
+        for m, block in zip(linears, fused.split([m.weight.shape[0] for m in linears], dim=1)):
+            m.weight.data = block.t()
+        return fused
+
+    @classmethod
+    def _fuse(cls, layer) -> dict:
+        """Fuse q/k/v and gate/up, transpose every weight (see the class docstring)."""
         attn, mlp = layer.self_attn, layer.mlp
         parts = [attn.q_proj, attn.k_proj, attn.v_proj]
-        qkv = torch.cat([p.weight.data for p in parts])
         sizes = [p.weight.shape[0] for p in parts]
-        for p, view in zip(parts, qkv.split(sizes)):
-            p.weight.data = view
         qkv_bias = None
         if attn.q_proj.bias is not None:
             qkv_bias = torch.cat([p.bias.data for p in parts])
             for p, view in zip(parts, qkv_bias.split(sizes)):
                 p.bias.data = view
-        gate_up = torch.cat([mlp.gate_proj.weight.data, mlp.up_proj.weight.data])
-        half = mlp.gate_proj.weight.shape[0]
-        mlp.gate_proj.weight.data, mlp.up_proj.weight.data = gate_up[:half], gate_up[half:]
         return {
             "in_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
-            "qkv": qkv, "qkv_bias": qkv_bias, "sizes": sizes, "o": attn.o_proj.weight,
-            "gate_up": gate_up, "half": half, "down": mlp.down_proj.weight,
+            "qkv": cls._transposed(parts), "qkv_bias": qkv_bias, "sizes": sizes,
+            "o": cls._transposed([attn.o_proj]), "gate_up": cls._transposed([mlp.gate_proj, mlp.up_proj]),
+            "half": mlp.gate_proj.weight.shape[0], "down": cls._transposed([mlp.down_proj]),
             "scaling": getattr(attn, "scaling", None),
         }
 
@@ -141,12 +154,12 @@ class FastForward:
             ids.extend(input_ids)
             offset += n
         total = offset
-        x = F.embedding(torch.tensor(ids, dtype=torch.long, device=device), self.embed)[None]  # [1, T, D]
-        cos, sin = self.rotary(x, (positions[0] if len(feeds) == 1 else torch.cat(positions))[None])
+        x = F.embedding(torch.tensor(ids, dtype=torch.long, device=device), self.embed)  # [T, D]
+        cos, sin = self.rotary(x[None], (positions[0] if len(feeds) == 1 else torch.cat(positions))[None])
         cos, sin = cos[:, None], sin[:, None]  # [1, 1, T, head_dim]
         for i, layer in enumerate(self.layers):
             h = self._norm(x, layer["in_norm"])
-            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
+            qkv = h @ layer["qkv"] if layer["qkv_bias"] is None else torch.addmm(layer["qkv_bias"], h, layer["qkv"])
             q, k, v = qkv.split(layer["sizes"], dim=-1)
             q = q.view(1, total, self.heads, self.head_dim).transpose(1, 2)
             k = k.view(1, total, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -163,17 +176,17 @@ class FastForward:
                     enable_gqa=self.kv_heads != self.heads,
                 ))
             att = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, H, T, head_dim]
-            x = x + F.linear(att.transpose(1, 2).reshape(1, total, -1), layer["o"])
+            x = x + att[0].transpose(0, 1).reshape(total, -1) @ layer["o"]
             h = self._norm(x, layer["post_norm"])
-            gate, up = F.linear(h, layer["gate_up"]).split(layer["half"], dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer["down"])
+            gate, up = (h @ layer["gate_up"]).split(layer["half"], dim=-1)
+            x = x + (F.silu(gate) * up) @ layer["down"]
         for (_, cache, _), (_, _, _, end) in zip(feeds, spans):
             cache.length = end
         if len(feeds) == 1:
-            picked = x[0, total - feeds[0][2] :]
+            picked = x[total - feeds[0][2] :]
         else:
-            picked = x[0, torch.cat([torch.arange(b - n, b, device=device) for (_, _, n), (_, b, _, _) in zip(feeds, spans)])]
-        logits = F.linear(self._norm(picked, self.final_norm.weight), self.lm_head)
+            picked = x[torch.cat([torch.arange(b - n, b, device=device) for (_, _, n), (_, b, _, _) in zip(feeds, spans)])]
+        logits = self._norm(picked, self.final_norm.weight) @ self.lm_head
         return list(logits.split([n for _, _, n in feeds]))
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import os
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -81,6 +82,37 @@ class ModelRunner:
         self.sessions = SessionTable(max_sessions, idle_timeout, self.fast.new_cache if self.fast else DynamicCache)
         self._tokenizer_files: list[tuple[str, bytes]] | None = None
         self.lock = threading.Lock()  # one forward at a time; sessions are touched under it
+
+    @torch.inference_mode()
+    def calibrate(self, context: int = 64, reps: int = 3) -> PassCost:
+        """Time forward passes over scratch sessions (not in the table) and fit PassCost by least squares.
+
+        Shapes: 1..16 sessions of 1..8 new tokens each, on `context` cached tokens. It takes a
+        fraction of a second on CPU; the coordinator's adaptive K reads the result.
+        """
+        vocab = max(2, self.vocab_size)
+        shapes = [(1, 1), (1, 4), (1, 8), (4, 1), (4, 5), (8, 1), (8, 5), (16, 1), (16, 3), (16, 8)]
+        scratch = [Session(f"calibrate-{i}", self.sessions.new_cache(), torch.Generator()) for i in range(16)]
+        for i, session in enumerate(scratch):
+            session.tokens = [(7 * i + j) % vocab for j in range(context)]
+        self.forward_many([(session, 1) for session in scratch])
+        rows, times = [], []
+        for sessions, tokens in shapes:
+            feeds = scratch[:sessions]
+            samples = []
+            for _ in range(reps):
+                for session in feeds:
+                    session.tokens.extend([1] * tokens)
+                start = time.perf_counter()
+                self.forward_many([(session, tokens) for session in feeds])
+                samples.append((time.perf_counter() - start) * 1e3)
+                for session in feeds:
+                    session.truncate(context)
+            rows.append([1.0, float(sessions * tokens), float(sessions)])
+            times.append(sorted(samples)[len(samples) // 2])
+        fit = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
+                                 torch.tensor(times, dtype=torch.float64)[:, None]).solution[:, 0]
+        return PassCost(*(max(0.0, float(v)) for v in fit))
 
     def _eos_ids(self) -> list[int]:
         ids: set[int] = set()
@@ -171,6 +203,19 @@ class ModelRunner:
         for session, _ in feeds:
             session.cached = len(session.tokens)
         return [row.float() for row in logits]
+
+
+@dataclass(frozen=True)
+class PassCost:
+    """A forward pass's time on this model, as fitted by `ModelRunner.calibrate`:
+    ms = fixed + per_token * tokens + per_session * sessions."""
+
+    fixed: float = 0.0
+    per_token: float = 0.0
+    per_session: float = 0.0
+
+    def __call__(self, tokens: int, sessions: int) -> float:
+        return self.fixed + self.per_token * tokens + self.per_session * sessions
 
 
 class Timer:

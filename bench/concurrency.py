@@ -1,0 +1,209 @@
+"""`make bench-concurrency`: many clients at once through the gRPC system.
+
+    python -m bench.concurrency [--levels 1,2,4,8,16] [--prompts 16] [--new-tokens 128]
+
+For each concurrency level C, C client streams (GenerateStream) share the held-out
+prompts (at least max(prompts, 2C) requests per level, each 128 new tokens) and we
+measure aggregate tokens/s and, per request, time to first token and inter-token
+latency (p50 / p99), for:
+  spec          the system with speculation (the coordinator's K policy: adaptive by default)
+  no spec       the same services decoding with the target alone (K = 0 per request)
+  spec 1-at-a-time   speculation with --max-batch 1 on both model services: every session
+                     gets its own forward pass (what batching buys)
+  HF sequential transformers `generate` on the target, one request after another
+Writes a table to stdout, bench/results/concurrency.json and bench/results/concurrency.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from bench.__main__ import RESULTS, heldout_prompts, hf_generate  # noqa: E402
+from coordinator.launch import LocalStack, default_models  # noqa: E402
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+async def drive(addr: str, prompts: list[list[int]], concurrency: int, requests: int, new_tokens: int,
+                temperature: float, k: int | None) -> dict:
+    """`requests` generations over `concurrency` concurrent streams. -> figures of the level"""
+    import grpc
+
+    from specdec.v1 import specdec_pb2 as pb
+    from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(requests):
+        queue.put_nowait(i)
+    ttft, itl, tokens, batches = [], [], 0, []
+
+    async with grpc.aio.insecure_channel(addr) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        await stub.Generate(pb.GenerateRequest(prompt_token_ids=prompts[0], max_new_tokens=4))  # warm up
+
+        async def worker() -> None:
+            nonlocal tokens
+            while not queue.empty():
+                i = queue.get_nowait()
+                request = pb.GenerateRequest(prompt_token_ids=prompts[i % len(prompts)], max_new_tokens=new_tokens,
+                                             temperature=temperature, seed=i)
+                if k is not None:
+                    request.num_speculative_tokens = k
+                start = last = time.perf_counter()
+                first = True
+                async for chunk in stub.GenerateStream(request, timeout=600):
+                    now, n = time.perf_counter(), len(chunk.token_ids)
+                    if n:
+                        if first:
+                            ttft.append(now - start)
+                            first = False
+                        else:
+                            itl.extend([(now - last) / n] * n)
+                        last = now
+                        tokens += n
+                    if chunk.HasField("stats"):
+                        batches.append(chunk.stats.mean_verify_batch)
+                        ks.append(chunk.stats.draft_tokens / max(1, chunk.stats.rounds))
+
+        ks: list[float] = []
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        seconds = time.perf_counter() - start
+    return {
+        "requests": requests, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+        "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
+        "itl_p50_ms": 1e3 * percentile(itl, 50), "itl_p99_ms": 1e3 * percentile(itl, 99),
+        "mean_verify_batch": statistics.fmean(batches) if batches else 0.0,
+        "mean_k": statistics.fmean(ks) if ks else 0.0,
+    }
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'system':<20}{'C':>4}{'tok/s':>8}{'x C=1':>7}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}"
+          f"{'batch':>7}{'K':>6}")
+    for r in rows:
+        print(f"{r['system']:<20}{r['concurrency']:>4}{r['tokens_per_s']:>8.1f}{r.get('vs_single', float('nan')):>7.2f}"
+              f"{r['ttft_p50_ms']:>10.1f}{r['ttft_p99_ms']:>8.1f}{r['itl_p50_ms']:>9.2f}{r['itl_p99_ms']:>8.2f}"
+              f"{r['mean_verify_batch']:>7.2f}{r['mean_k']:>6.2f}")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for system in dict.fromkeys(r["system"] for r in rows):
+        pts = sorted((r["concurrency"], r["tokens_per_s"], r["itl_p50_ms"]) for r in rows if r["system"] == system)
+        xs = [p[0] for p in pts]
+        left.plot(xs, [p[1] for p in pts], marker="o", label=system)
+        right.plot(xs, [p[2] for p in pts], marker="o", label=system)
+    for ax, label in ((left, "aggregate tokens/s"), (right, "inter-token latency p50 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.concurrency", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--draft-model")
+    parser.add_argument("--target-model")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--levels", default="1,2,4,8,16", help="concurrency levels")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--k", type=int, default=None,
+                        help="fixed K for the speculative rows (default: the coordinator's adaptive K)")
+    parser.add_argument("--systems", default="spec,no spec,spec 1-at-a-time,HF sequential")
+    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
+                        help="torch threads of the target service (and of HF generate)")
+    parser.add_argument("--draft-threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    draft_default, target_default = default_models()
+    draft_dir, target_dir = args.draft_model or draft_default, args.target_model or target_default
+    levels = [int(c) for c in args.levels.split(",")]
+    systems = [s.strip() for s in args.systems.split(",")]
+    prompts = heldout_prompts(AutoTokenizer.from_pretrained(target_dir), args.prompts)
+    rows: list[dict] = []
+    bar = tqdm(total=len(levels) * len([s for s in systems if s != "HF sequential"]) + ("HF sequential" in systems),
+               desc="bench-concurrency", unit="run")
+    stacks = {"batched": [s for s in systems if s in ("spec", "no spec")],
+              "one at a time": [s for s in systems if s == "spec 1-at-a-time"]}
+    for kind, names in stacks.items():
+        if not names:
+            continue
+        extra = ["--max-batch", "1"] if kind == "one at a time" else []
+        with LocalStack(draft_dir, target_dir, threads=args.threads, draft_threads=args.draft_threads,
+                        draft_args=extra, target_args=extra) as stack:
+            for c in levels:
+                for name in names:
+                    bar.set_postfix_str(f"{name} C={c}")
+                    k = 0 if name == "no spec" else args.k
+                    figures = asyncio.run(drive(stack.addr, prompts, c, max(len(prompts), 2 * c), args.new_tokens,
+                                                args.temperature, k))
+                    rows.append({"system": name, "concurrency": c, **figures})
+                    bar.update()
+    if "HF sequential" in systems:
+        bar.set_postfix_str("HF sequential")
+        torch.set_num_threads(args.threads)
+        target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+        outputs, seconds = hf_generate(target, prompts, args.temperature, args.new_tokens)
+        tokens = sum(map(len, outputs))
+        rows.append({"system": "HF sequential", "concurrency": 1, "requests": len(prompts), "tokens": tokens,
+                     "seconds": seconds, "tokens_per_s": tokens / seconds, "ttft_p50_ms": float("nan"),
+                     "ttft_p99_ms": float("nan"), "itl_p50_ms": 1e3 * seconds / tokens,
+                     "itl_p99_ms": float("nan"), "mean_verify_batch": 0.0, "mean_k": 0.0})
+        bar.update()
+    bar.close()
+    for r in rows:
+        single = next((x for x in rows if x["system"] == r["system"] and x["concurrency"] == 1), None)
+        if single:
+            r["vs_single"] = r["tokens_per_s"] / single["tokens_per_s"]
+
+    meta = {"machine": f"{os.cpu_count()} cores, {torch.__version__}", "threads": args.threads,
+            "draft_threads": args.draft_threads, "draft": str(draft_dir), "target": str(target_dir),
+            "prompts": len(prompts), "new_tokens": args.new_tokens, "temperature": args.temperature,
+            "k": args.k if args.k is not None else "adaptive", "date": time.strftime("%Y-%m-%d %H:%M")}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "concurrency.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    plot(rows, args.out / "concurrency.png")
+    print(f"\n{meta}\n")
+    print_table(rows)
+    by = {(r["system"], r["concurrency"]): r for r in rows}
+    if ("spec", 8) in by and ("spec", 1) in by:
+        print(f"\nspec at 8 streams: {by[('spec', 8)]['vs_single']:.2f}x its single-stream tokens/s (bar 3x)")
+    if any(s == "no spec" for s, _ in by):
+        worse = [c for c in levels if ("spec", c) in by and ("no spec", c) in by
+                 and by[("spec", c)]["tokens_per_s"] < by[("no spec", c)]["tokens_per_s"]]
+        print("spec >= no spec at every level" if not worse else f"spec < no spec at C = {worse}")
+    print(f"\nwrote {args.out / 'concurrency.json'} and {args.out / 'concurrency.png'}")
+
+
+if __name__ == "__main__":
+    main()
