@@ -29,8 +29,12 @@ def parse_args(argv=None):
     add_common_flags(parser, DEFAULT_PORT)
     parser.add_argument("--draft", default="127.0.0.1:50052", help="draft service address HOST:PORT")
     parser.add_argument("--target", default="127.0.0.1:50051", help="target service address HOST:PORT")
-    parser.add_argument("--num-speculative-tokens", type=int, default=4,
-                        help="K, draft tokens per round, when a request does not say")
+    parser.add_argument("--num-speculative-tokens", default="auto",
+                        help="K, draft tokens per round, when a request does not say: a number, or auto (chosen"
+                             " per round from acceptance and measured costs, at most --adaptive-max-k)")
+    parser.add_argument("--adaptive-max-k", type=int, default=8, help="the most draft tokens adaptive K uses")
+    parser.add_argument("--draft-p-min", type=float, default=0.0,
+                        help="stop drafting at a token the draft gives less probability than this (0: off)")
     parser.add_argument("--max-speculative-tokens", type=int, default=16, help="largest K a request may ask for")
     parser.add_argument("--max-new-tokens", type=int, default=256,
                         help="new tokens per request when a request does not say")
@@ -40,7 +44,14 @@ def parse_args(argv=None):
     parser.add_argument("--peer-calls", choices=["stream", "unary"], default="stream",
                         help="per-round calls to the model services: one stream per generation, or unary calls")
     add_metrics_flag(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.num_speculative_tokens != "auto" and not args.num_speculative_tokens.isdigit():
+        parser.error(f"--num-speculative-tokens must be a number >= 0 or auto, not {args.num_speculative_tokens!r}")
+    if not 0 <= args.adaptive_max_k <= args.max_speculative_tokens:
+        parser.error(f"--adaptive-max-k must lie in [0, --max-speculative-tokens={args.max_speculative_tokens}]")
+    if not 0.0 <= args.draft_p_min <= 1.0:
+        parser.error(f"--draft-p-min must lie in [0, 1], not {args.draft_p_min}")
+    return args
 
 
 def main(argv=None) -> None:
@@ -51,7 +62,9 @@ def main(argv=None) -> None:
         streaming = args.peer_calls == "stream"
         draft = GrpcDraft(args.draft, args.call_timeout, streaming)
         target = GrpcTarget(args.target, args.call_timeout, streaming)
-        limits = Limits(args.max_new_tokens, args.num_speculative_tokens, args.max_speculative_tokens)
+        adaptive = args.num_speculative_tokens == "auto"
+        k = args.adaptive_max_k if adaptive else int(args.num_speculative_tokens)
+        limits = Limits(args.max_new_tokens, k, args.max_speculative_tokens, adaptive, args.draft_p_min)
         metrics = CoordinatorMetrics()
         servicer = GenerationServicer(draft, target, limits, metrics)
         start_metrics(metrics.registry, args.host, args.metrics_port)

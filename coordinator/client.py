@@ -22,7 +22,7 @@ from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     request = pb.GenerateRequest(prompt=args.prompt, stop=args.stop or [])
-    for field in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "num_speculative_tokens"):
+    for field in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "num_speculative_tokens", "draft_p_min"):
         value = getattr(args, field)
         if value is not None:
             setattr(request, field, value)
@@ -31,8 +31,11 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
 
 def format_stats(stats: pb.GenerationStats) -> str:
     tok_s = stats.generated_tokens / (stats.wall_ms / 1e3) if stats.wall_ms else 0.0
+    k = f"K={stats.num_speculative_tokens}"
+    if stats.adaptive:
+        k = f"adaptive K (at most {stats.num_speculative_tokens}, mean {stats.draft_tokens / max(1, stats.rounds):.1f})"
     return (
-        f"[{stats.generated_tokens} tokens in {stats.wall_ms:.0f} ms ({tok_s:.1f} tok/s); K={stats.num_speculative_tokens}, "
+        f"[{stats.generated_tokens} tokens in {stats.wall_ms:.0f} ms ({tok_s:.1f} tok/s); {k}, "
         f"{stats.rounds} rounds, acceptance {stats.acceptance_rate:.2f} ({stats.accepted_tokens}/{stats.draft_tokens}), "
         f"alpha {stats.alpha:.2f}, "
         f"{stats.mean_accepted:.2f} accepted per round, per position {list(stats.accepted_per_position)}; "
@@ -58,7 +61,9 @@ def main(argv=None) -> int:
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
-    parser.add_argument("--num-speculative-tokens", "-k", type=int, help="K, draft tokens per round")
+    parser.add_argument("--num-speculative-tokens", "-k", type=int,
+                        help="a fixed K, draft tokens per round (default: the server's, adaptive unless set)")
+    parser.add_argument("--draft-p-min", type=float, help="the draft stops at a token it is less sure of than this")
     parser.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
     args = parser.parse_args(argv)
 

@@ -78,7 +78,8 @@ class LocalStack:
 
     def __init__(self, draft_model: str | Path, target_model: str | Path, *, port: int = 0,
                  draft_args: list[str] = (), target_args: list[str] = (), coordinator_args: list[str] = (),
-                 threads: int = 1, draft_threads: int | None = None, log_dir: str | Path | None = None):
+                 threads: int = 1, draft_threads: int | None = None, batched_threads: int = 1,
+                 log_dir: str | Path | None = None):
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="specdec-logs-"))
         self.draft_addr = f"127.0.0.1:{free_port()}"
         self.target_addr = f"127.0.0.1:{free_port()}"
@@ -86,7 +87,7 @@ class LocalStack:
         py = sys.executable
         self.commands = {
             "target": [py, "-m", "target_service", "--model", str(target_model), "--port", self.target_addr.split(":")[1],
-                       "--threads", str(threads), *target_args],
+                       "--threads", str(threads), "--batched-threads", str(batched_threads), *target_args],
             "draft": [py, "-m", "draft_service", "--model", str(draft_model), "--port", self.draft_addr.split(":")[1],
                       "--threads", str(draft_threads or threads), *draft_args],
             "coordinator": [py, "-m", "coordinator", "--draft", self.draft_addr, "--target", self.target_addr,
@@ -137,6 +138,9 @@ def main(argv=None) -> int:
     parser.add_argument("--port", type=int, default=50050, help="coordinator port (another free one if taken)")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
                         help="torch threads of the target service")
+    parser.add_argument("--batched-threads", type=int, default=1,
+                        help="torch threads of the target for passes over several sessions: the three services"
+                             " share this machine's cores, and under load one thread each wastes the least")
     parser.add_argument("--draft-threads", type=int, default=1,
                         help="torch threads of the draft service (its small matrices gain little from more)")
     parser.add_argument("--demo", action="store_true", help="stream one answer with its stats, then stop")
@@ -145,7 +149,8 @@ def main(argv=None) -> int:
 
     draft, target = default_models()
     draft, target = args.draft_model or draft, args.target_model or target
-    stack = LocalStack(draft, target, port=args.port, threads=args.threads, draft_threads=args.draft_threads)
+    stack = LocalStack(draft, target, port=args.port, threads=args.threads, draft_threads=args.draft_threads,
+                       batched_threads=args.batched_threads)
     print(f"starting target ({target}) on {stack.target_addr}, draft ({draft}) on {stack.draft_addr}, "
           f"coordinator on {stack.addr}; logs in {stack.log_dir}", flush=True)
     with stack:

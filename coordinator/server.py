@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from speculative.adaptive import AdaptiveK, CostModel, FixedK, PassCost
 from speculative.metrics import CoordinatorMetrics, TokenClock
 from speculative.round import Stats, generate
 from speculative.sampling import SamplingParams
@@ -30,15 +31,18 @@ MAX_STOP_STRINGS = 16
 @dataclass
 class Limits:
     default_max_new_tokens: int = 256
-    default_speculative_tokens: int = 4
+    default_speculative_tokens: int = 8  # adaptive: the most K may grow to
     max_speculative_tokens: int = 16
+    adaptive: bool = True  # requests without num_speculative_tokens get adaptive K
+    draft_p_min: float = 0.0
 
 
 class BadRequest(ValueError):
     pass
 
 
-def stats_proto(stats: Stats, k: int, seed: int, prompt_tokens: int, wall_ms: float) -> pb.GenerationStats:
+def stats_proto(stats: Stats, k: int, seed: int, prompt_tokens: int, wall_ms: float,
+                adaptive: bool = False) -> pb.GenerationStats:
     return pb.GenerationStats(
         rounds=stats.rounds,
         draft_tokens=stats.draft_tokens,
@@ -58,7 +62,12 @@ def stats_proto(stats: Stats, k: int, seed: int, prompt_tokens: int, wall_ms: fl
         rejected_rounds=stats.rejected_rounds,
         alpha=stats.alpha,
         mean_verify_batch=stats.mean_verify_batch,
+        adaptive=adaptive,
     )
+
+
+def pass_cost(info: pb.ModelInfo) -> PassCost:
+    return PassCost(info.pass_ms_fixed, info.pass_ms_per_token, info.pass_ms_per_session)
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -80,6 +89,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         check_compatible(draft_info, target_info)
         tokenizer_dir = await self.target.fetch_tokenizer()
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, tokenizer_dir, local_files_only=True)
+        self.costs = CostModel(pass_cost(target_info), pass_cost(draft_info))
         self.max_context = min(draft_info.max_context, target_info.max_context)
         self.vocab_size = target_info.vocab_size
         self.eos_token_ids = frozenset(target_info.eos_token_ids)
@@ -132,14 +142,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         top_k = request.top_k if request.HasField("top_k") else 0
         if top_k < 0:
             raise BadRequest(f"top_k must be >= 0, not {top_k}")
+        adaptive = self.limits.adaptive and not request.HasField("num_speculative_tokens")
         k = (request.num_speculative_tokens if request.HasField("num_speculative_tokens")
              else self.limits.default_speculative_tokens)
         if not 0 <= k <= self.limits.max_speculative_tokens:
             raise BadRequest(f"num_speculative_tokens must lie in [0, {self.limits.max_speculative_tokens}], not {k}")
+        p_min = request.draft_p_min if request.HasField("draft_p_min") else self.limits.draft_p_min
+        if not 0.0 <= p_min <= 1.0:  # also NaN
+            raise BadRequest(f"draft_p_min must lie in [0, 1], not {p_min}")
         if len(request.stop) > MAX_STOP_STRINGS:
             raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}")
         seed = request.seed if request.HasField("seed") else random.getrandbits(63)
-        return prompt, max_new, SamplingParams(temperature, top_k, top_p, seed), k, list(request.stop)
+        policy = AdaptiveK(self.costs, k) if adaptive else FixedK(k)
+        return prompt, max_new, SamplingParams(temperature, top_k, top_p, seed), policy, p_min, list(request.stop)
 
     # ----------------------------------------------------------- generation
 
@@ -173,16 +188,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         start = time.perf_counter()
         await self._ready(context)
         try:
-            prompt, max_new, params, k, stop = self._resolve(request)
+            prompt, max_new, params, policy, p_min, stop = self._resolve(request)
         except BadRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         stats = Stats()
         text = TextStream(self.tokenizer, stop)
         finish = pb.FINISH_REASON_LENGTH
         rounds = generate(
-            self.draft, self.target, prompt, max_new_tokens=max_new, k=k, params=params,
+            self.draft, self.target, prompt, max_new_tokens=max_new, k=policy, params=params,
             eos_token_ids=self.eos_token_ids, max_context=self.max_context, stats=stats,
-            session_id=uuid.uuid4().hex,
+            session_id=uuid.uuid4().hex, p_min=p_min,
         )
         try:
             async with contextlib.aclosing(rounds):
@@ -206,7 +221,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         wall_ms = (time.perf_counter() - start) * 1e3
         yield pb.GenerateChunk(
             text=text.take(final=True), finish_reason=finish,
-            stats=stats_proto(stats, k, params.seed, len(prompt), wall_ms),
+            stats=stats_proto(stats, policy.k, params.seed, len(prompt), wall_ms, policy.adaptive),
         )
 
     async def GenerateStream(self, request: pb.GenerateRequest, context):
@@ -232,4 +247,5 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             default_max_new_tokens=self.limits.default_max_new_tokens,
             max_speculative_tokens=self.limits.max_speculative_tokens,
             default_speculative_tokens=self.limits.default_speculative_tokens,
+            adaptive_speculation=self.limits.adaptive,
         )

@@ -15,12 +15,12 @@ import os
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from .adaptive import PassCost
 from .errors import InvalidRequest
 from .fast_forward import FastForward
 from .sessions import Session, SessionTable
@@ -82,6 +82,9 @@ class ModelRunner:
         self.sessions = SessionTable(max_sessions, idle_timeout, self.fast.new_cache if self.fast else DynamicCache)
         self._tokenizer_files: list[tuple[str, bytes]] | None = None
         self.lock = threading.Lock()  # one forward at a time; sessions are touched under it
+        self.threads = torch.get_num_threads()
+        self.batched_threads = 0  # torch threads for passes over several sessions (0: the same as for one)
+        self.pass_cost = PassCost()  # set by calibrate() where a service wants it (adaptive K reads it)
 
     @torch.inference_mode()
     def calibrate(self, context: int = 64, reps: int = 3) -> PassCost:
@@ -103,8 +106,10 @@ class ModelRunner:
             for _ in range(reps):
                 for session in feeds:
                     session.tokens.extend([1] * tokens)
+                self._sync()
                 start = time.perf_counter()
                 self.forward_many([(session, tokens) for session in feeds])
+                self._sync()
                 samples.append((time.perf_counter() - start) * 1e3)
                 for session in feeds:
                     session.truncate(context)
@@ -113,6 +118,10 @@ class ModelRunner:
         fit = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
                                  torch.tensor(times, dtype=torch.float64)[:, None]).solution[:, 0]
         return PassCost(*(max(0.0, float(v)) for v in fit))
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _eos_ids(self) -> list[int]:
         ids: set[int] = set()
@@ -137,6 +146,9 @@ class ModelRunner:
             "logits_size": self.logits_size,
             "active_sessions": len(self.sessions),
             "max_sessions": self.sessions.max_sessions,
+            "pass_ms_fixed": self.pass_cost.fixed,
+            "pass_ms_per_token": self.pass_cost.per_token,
+            "pass_ms_per_session": self.pass_cost.per_session,
         }
 
     def tokenizer_files(self) -> list[tuple[str, bytes]]:
@@ -182,6 +194,8 @@ class ModelRunner:
         The lean forward batches them (one matrix multiply per weight for all their tokens);
         transformers' forward runs them one after another.
         """
+        if self.batched_threads:
+            torch.set_num_threads(self.batched_threads if len(feeds) > 1 else self.threads)
         news = []
         for session, num_logits in feeds:
             short = num_logits - (len(session.tokens) - session.cached)
@@ -203,19 +217,6 @@ class ModelRunner:
         for session, _ in feeds:
             session.cached = len(session.tokens)
         return [row.float() for row in logits]
-
-
-@dataclass(frozen=True)
-class PassCost:
-    """A forward pass's time on this model, as fitted by `ModelRunner.calibrate`:
-    ms = fixed + per_token * tokens + per_session * sessions."""
-
-    fixed: float = 0.0
-    per_token: float = 0.0
-    per_session: float = 0.0
-
-    def __call__(self, tokens: int, sessions: int) -> float:
-        return self.fixed + self.per_token * tokens + self.per_session * sessions
 
 
 class Timer:

@@ -15,6 +15,7 @@ deltas only:
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -49,6 +50,14 @@ class Cost:
 class Verdict:
     accepted: int  # draft tokens accepted, a prefix of the proposal
     token: int     # recovered (accepted < K) or bonus (accepted == K) token
+
+
+class KPolicy(Protocol):
+    """Chooses each round's number of draft tokens (speculative.adaptive)."""
+
+    def choose(self, remaining: int) -> int: ...  # remaining: tokens still to generate (K < remaining)
+
+    def observe(self, r: "Round", wall_ms: float) -> None: ...
 
 
 class DraftPeer(Protocol):
@@ -86,16 +95,18 @@ class Round:
     accepted: int
     draft: Cost = field(default_factory=Cost)
     target: Cost = field(default_factory=Cost)
+    asked: int = 0  # draft tokens asked for (the draft may stop short: p_min)
 
 
 async def speculative_round(
-    draft: DraftPeer, target: TargetPeer, seq: Sequence, k: int, params: SamplingParams
+    draft: DraftPeer, target: TargetPeer, seq: Sequence, k: int, params: SamplingParams, p_min: float = 0.0
 ) -> Round:
-    """One round: the draft proposes k tokens, the target verifies them in one pass."""
+    """One round: the draft proposes up to k tokens, the target verifies them in one pass."""
     proposal, draft_cost = Proposal(), Cost()
     if k > 0:
         proposal, draft_cost = await draft.propose(
-            seq.session_id, seq.draft_seen == 0, seq.draft_unconfirmed, seq.tokens[seq.draft_seen :], k, params
+            seq.session_id, seq.draft_seen == 0, seq.draft_unconfirmed, seq.tokens[seq.draft_seen :], k, params,
+            p_min,
         )
     verdict, target_cost = await target.verify(
         seq.session_id, seq.target_seen == 0, seq.tokens[seq.target_seen :], proposal, params
@@ -108,7 +119,7 @@ async def speculative_round(
     seq.tokens.extend(accepted)
     seq.tokens.append(verdict.token)
     seq.target_seen = len(seq.tokens)
-    return Round(accepted + [verdict.token], len(proposal.tokens), verdict.accepted, draft_cost, target_cost)
+    return Round(accepted + [verdict.token], len(proposal.tokens), verdict.accepted, draft_cost, target_cost, k)
 
 
 @dataclass
@@ -135,7 +146,7 @@ class Stats:
             self.accepted_per_position += [0] * (r.proposed - len(self.accepted_per_position))
         for i in range(r.accepted):
             self.accepted_per_position[i] += 1
-        self.draft_calls += r.proposed > 0
+        self.draft_calls += r.asked > 0
         self.draft_ms += r.draft.service_ms
         self.target_ms += r.target.service_ms
         self.wire_bytes += r.draft.wire_bytes + r.target.wire_bytes
@@ -143,8 +154,11 @@ class Stats:
     def merge(self, other: "Stats") -> None:
         """Add another generation's counts to these (for totals over requests)."""
         for name in ("rounds", "draft_tokens", "accepted_tokens", "draft_calls", "draft_ms", "target_ms",
-                     "wire_bytes", "generated_tokens", "rejected_rounds", "verify_batch_sessions"):
+                     "wire_bytes", "generated_tokens", "rejected_rounds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        # (`other` may be a GenerationStats message, which carries the mean instead)
+        self.verify_batch_sessions += getattr(other, "verify_batch_sessions", None) or round(
+            other.mean_verify_batch * other.rounds)
         per = list(other.accepted_per_position)
         self.accepted_per_position += [0] * (len(per) - len(self.accepted_per_position))
         for i, n in enumerate(per):
@@ -176,25 +190,33 @@ async def generate(
     prompt: list[int],
     *,
     max_new_tokens: int,
-    k: int,
+    k: int | KPolicy,
     params: SamplingParams,
     eos_token_ids: frozenset[int] | set[int] = frozenset(),
     max_context: int,
     stats: Stats | None = None,
     session_id: str | None = None,
+    p_min: float = 0.0,
 ) -> AsyncIterator[list[int]]:
     """Yield each round's new tokens until max_new_tokens, the context or an EOS.
 
-    Tokens past an EOS or past max_new_tokens are dropped. Both sessions are
-    released when the generator ends or is closed early.
+    k is a fixed number of draft tokens per round or a policy choosing it per round
+    (speculative.adaptive). Tokens past an EOS or past max_new_tokens are dropped. Both
+    sessions are released when the generator ends or is closed early.
     """
+    if isinstance(k, int):
+        from .adaptive import FixedK
+
+        k = FixedK(k)
     stats = stats if stats is not None else Stats()
     seq = Sequence(session_id or uuid.uuid4().hex, list(prompt))
     limit = min(max_new_tokens, max_context - len(prompt))
     try:
         while stats.generated_tokens < limit:
             remaining = limit - stats.generated_tokens
-            r = await speculative_round(draft, target, seq, max(0, min(k, remaining - 1)), params)
+            start = time.perf_counter()
+            r = await speculative_round(draft, target, seq, k.choose(remaining), params, p_min)
+            k.observe(r, (time.perf_counter() - start) * 1e3)
             stats.add(r)
             new = r.tokens[:remaining]
             for i, t in enumerate(new):

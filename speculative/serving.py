@@ -98,6 +98,9 @@ def add_model_flags(parser: EnvArgumentParser, role: str) -> None:
     parser.add_argument("--max-context", type=int, default=0,
                         help="cap on tokens per session (0: the model's max_position_embeddings)")
     parser.add_argument("--max-tokens-per-call", type=int, default=16, help="most draft tokens per round (K)")
+    parser.add_argument("--batched-threads", type=int, default=0,
+                        help="torch threads for passes over several sessions (0: --threads). Where the services"
+                             " share a few cores, 1 wastes the least under load: the cores are busy anyway")
     parser.add_argument("--max-batch", type=int, default=32,
                         help="most sessions per model pass (continuous batching; 1: one session at a time)")
     add_metrics_flag(parser)
@@ -400,10 +403,12 @@ def run_model_service(name: str, args: argparse.Namespace, servicer: ModelServic
                 lambda: ModelRunner(args.model, args.device, args.dtype, args.max_sessions,
                                     args.session_idle_timeout, args.max_context or None, args.forward)
             )
+            runner.batched_threads = args.batched_threads
+            runner.pass_cost = await servicer.thread.run(runner.calibrate)
             servicer.engine = make_engine(runner)
             servicer.metrics.watch(runner.sessions)
-            log.info("%s loaded %s (%d parameters) on %s, %s forward", name, runner.name, runner.num_parameters,
-                     runner.device, runner.forward_kind)
+            log.info("%s loaded %s (%d parameters) on %s, %s forward; pass %s", name, runner.name,
+                     runner.num_parameters, runner.device, runner.forward_kind, runner.pass_cost)
             sweeper = asyncio.ensure_future(sweep_idle_sessions(runner, servicer.thread, min(30.0, args.session_idle_timeout)))
 
         def add(server: grpc.aio.Server) -> list[str]:

@@ -32,6 +32,9 @@ BAD_REQUESTS = {
     "K too large": dict(prompt="a", num_speculative_tokens=17),
     "K negative": dict(prompt="a", num_speculative_tokens=-1),
     "too many stop strings": dict(prompt="a", stop=["x"] * 17),
+    "draft_p_min above one": dict(prompt="a", draft_p_min=1.5),
+    "draft_p_min negative": dict(prompt="a", draft_p_min=-0.1),
+    "draft_p_min nan": dict(prompt="a", draft_p_min=NAN),
 }
 
 

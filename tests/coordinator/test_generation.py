@@ -68,6 +68,19 @@ def test_draft_equal_to_target_accepts_everything(self_stack, reference, k):
         assert per_position[0] >= s.rounds - 1 and per_position == sorted(per_position, reverse=True)
 
 
+def test_adaptive_k_and_p_min_are_exact(client, reference):
+    """Without num_speculative_tokens the coordinator picks K per round; p_min stops the draft
+    early (1.0: before any token). Neither changes a token of the greedy output."""
+    for prompt in PROMPTS[:3]:
+        reply = client.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=48, temperature=0.0))
+        assert reply.stats.adaptive and list(reply.token_ids) == reference(prompt, 48)
+        assert reply.stats.num_speculative_tokens == 8  # adaptive K's ceiling (the default)
+    reply = client.Generate(pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=32, temperature=0.0,
+                                               num_speculative_tokens=4, draft_p_min=1.0))
+    assert not reply.stats.adaptive and list(reply.token_ids) == reference(PROMPTS[0], 32)
+    assert reply.stats.draft_tokens == 0 and reply.stats.draft_calls >= reply.stats.rounds - 1  # (the last: K=0)
+
+
 def test_a_disagreeing_draft_is_mostly_rejected_but_exact(client, reference):
     reply = client.Generate(pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=48, temperature=0.0,
                                                num_speculative_tokens=4))

@@ -1,0 +1,147 @@
+"""How many tokens to draft next round: a fixed K, or K chosen per round from costs and acceptance.
+
+`AdaptiveK` picks, before each round of one request, the K that maximises expected tokens
+per unit of cost, the "goodput" of SmartSpec (Liu et al. 2024):
+
+    tokens(K) = (1 - a^(K+1)) / (1 - a)        expected tokens a round commits (Leviathan)
+    cost(K)   = target share + draft share + overhead
+
+with `a` the request's acceptance (its own counts, decayed so it follows the text, pulled
+towards the coordinator-wide figure while they are few), and the costs from `CostModel`:
+each service's pass time fitted at start-up (`ModelRunner.calibrate`: fixed + per token +
+per session), scaled by how its passes run now, and divided among the sessions that share
+a pass. A pass's fixed cost is shared by its batch while its per-token cost is not, so as
+batches grow, extra draft tokens cost relatively more: K backs off, down to 0 (no
+speculation) once verification is compute-bound or the draft is poor. Whatever K is
+chosen, the output is the target's: K only moves cost around.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .round import Round
+
+EMA = 0.1  # weight of a new observation in the running scales
+
+
+@dataclass(frozen=True)
+class PassCost:
+    """A model pass's time: ms = fixed + per_token * tokens + per_session * sessions."""
+
+    fixed: float = 0.0
+    per_token: float = 0.0
+    per_session: float = 0.0
+
+    def __call__(self, tokens: float, sessions: float) -> float:
+        return self.fixed + self.per_token * tokens + self.per_session * sessions
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens a round commits on average: accepted draft tokens plus the target's own."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+class CostModel:
+    """Round costs, shared by all of a coordinator's requests and updated from every round."""
+
+    def __init__(self, target: PassCost, draft: PassCost, alpha: float = 0.6, overhead_ms: float = 0.5):
+        self.target, self.draft = target, draft
+        self.target_scale = 1.0  # measured / calibrated pass time: contention, other hardware states
+        self.draft_scale = 1.0   # the same for the draft (reported; see round_cost)
+        self.overhead_ms = overhead_ms  # per peer call, outside both services (wire, coordinator)
+        self.alpha = alpha  # acceptance over all recent rounds: the prior of a new request
+
+    def observe(self, r: Round, wall_ms: float) -> None:
+        t, d = r.target, r.draft
+        if t.pass_ms > 0 and t.batch_tokens > 0:
+            predicted = self.target(t.batch_tokens, t.batch_size)
+            if predicted > 0:
+                self.target_scale += EMA * (t.pass_ms / predicted - self.target_scale)
+        if r.proposed and d.pass_ms > 0 and d.batch_size > 0:
+            steps = max(1.0, d.batch_tokens / d.batch_size)
+            predicted = steps * self.draft(d.batch_size, d.batch_size)
+            if predicted > 0:
+                self.draft_scale += EMA * (d.pass_ms / predicted - self.draft_scale)
+        calls = 1 + (r.asked > 0)
+        outside = max(0.0, wall_ms - d.service_ms - t.service_ms) / calls
+        self.overhead_ms += EMA * (outside - self.overhead_ms)
+        if r.proposed:
+            tried = r.accepted + (r.accepted < r.proposed)
+            self.alpha += 0.02 * (r.accepted / tried - self.alpha)
+
+    def round_cost(self, k: int, batch: float, draft_batch: float) -> float:
+        """ms of this request's share of one round with k draft tokens.
+
+        The target's share is scaled by how its passes run now; the draft's is not: under
+        load the draft works while the target verifies other sessions, so its slowdown from
+        sharing cores is hidden, and at one stream there is little to slow it."""
+        target = self.target_scale * (self.target.fixed / batch + self.target.per_token * (k + 1)
+                                      + self.target.per_session)
+        draft = 0.0
+        if k:
+            step = self.draft.fixed / draft_batch + self.draft.per_token + self.draft.per_session
+            draft = k * step  # uncontended: under load the draft runs while the target verifies others
+        return target + draft + self.overhead_ms * (1 + (k > 0)) / batch
+
+
+class FixedK:
+    """The same K every round (a request's num_speculative_tokens)."""
+
+    adaptive = False
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def choose(self, remaining: int) -> int:
+        return max(0, min(self.k, remaining - 1))
+
+    def observe(self, r: Round, wall_ms: float) -> None:
+        pass
+
+
+class AdaptiveK:
+    """K per round for one request, from its acceptance and the shared CostModel."""
+
+    adaptive = True
+    PRIOR_WEIGHT = 4.0  # the coordinator-wide alpha counts as this many draft tokens
+    DECAY = 0.9         # per round: old acceptance counts fade
+    PROBE_EVERY = 8     # after this many rounds without drafting, draft one token to re-measure
+
+    def __init__(self, costs: CostModel, k_max: int):
+        self.costs = costs
+        self.k = k_max
+        self.accepted = 0.0
+        self.tried = 0.0
+        self.batch = 1.0
+        self.draft_batch = 1.0
+        self.idle = 0
+
+    @property
+    def alpha(self) -> float:
+        w = self.PRIOR_WEIGHT
+        return (self.accepted + w * self.costs.alpha) / (self.tried + w)
+
+    def choose(self, remaining: int) -> int:
+        top = max(0, min(self.k, remaining - 1))
+        alpha = min(self.alpha, 0.999)
+        best = max(range(top + 1), key=lambda k: expected_tokens(alpha, k)
+                   / self.costs.round_cost(k, self.batch, self.draft_batch))
+        if best == 0 and top > 0:
+            self.idle += 1
+            if self.idle >= self.PROBE_EVERY:
+                self.idle, best = 0, 1
+        else:
+            self.idle = 0
+        return best
+
+    def observe(self, r: Round, wall_ms: float) -> None:
+        self.costs.observe(r, wall_ms)
+        self.batch = max(1.0, r.target.batch_size)
+        if r.asked:
+            self.draft_batch = max(1.0, r.draft.batch_size)
+        if r.proposed:
+            self.accepted = self.DECAY * self.accepted + r.accepted
+            self.tried = self.DECAY * self.tried + r.accepted + (r.accepted < r.proposed)

@@ -1,0 +1,61 @@
+"""Adaptive K: the goodput arithmetic, and that K follows acceptance and load."""
+
+from __future__ import annotations
+
+import pytest
+
+from speculative.adaptive import AdaptiveK, CostModel, FixedK, PassCost, expected_tokens
+from speculative.round import Cost, Round
+
+TARGET = PassCost(fixed=8.0, per_token=0.2, per_session=0.4)  # about the shipped target on 2 CPU cores
+DRAFT = PassCost(fixed=1.2, per_token=0.08, per_session=0.1)
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def rounds_of(policy: AdaptiveK, accepted: int, proposed: int, batch: int, n: int = 20) -> None:
+    for _ in range(n):
+        policy.observe(Round([], proposed, accepted, Cost(), Cost(batch_size=batch), asked=proposed), 10.0)
+
+
+def test_k_follows_acceptance():
+    good = AdaptiveK(CostModel(TARGET, DRAFT), k_max=8)
+    rounds_of(good, accepted=4, proposed=4, batch=1)  # everything accepted
+    bad = AdaptiveK(CostModel(TARGET, DRAFT), k_max=8)
+    rounds_of(bad, accepted=0, proposed=4, batch=1)  # nothing accepted
+    assert good.alpha > 0.9 and bad.alpha < 0.2
+    assert good.choose(100) >= 6
+    assert bad.choose(100) <= 1
+    assert good.choose(3) == 2  # never more than the tokens left, less one
+
+
+def test_k_backs_off_when_verification_is_compute_bound():
+    """With the same acceptance, a big batch of an expensive-per-token target leaves no gain."""
+    costs = CostModel(PassCost(fixed=8.0, per_token=3.0, per_session=0.0), DRAFT, alpha=0.6)
+    policy = AdaptiveK(costs, k_max=8)
+    rounds_of(policy, accepted=2, proposed=4, batch=1)
+    alone = policy.choose(100)
+    rounds_of(policy, accepted=2, proposed=4, batch=64)
+    assert alone >= 2 and policy.choose(100) == 0
+
+
+def test_probes_after_rounds_without_drafting():
+    policy = AdaptiveK(CostModel(TARGET, DRAFT, alpha=0.0), k_max=4)
+    picks = [policy.choose(100) for _ in range(AdaptiveK.PROBE_EVERY)]
+    assert picks[:-1] == [0] * (AdaptiveK.PROBE_EVERY - 1) and picks[-1] == 1
+
+
+def test_cost_model_scales_to_measured_passes():
+    costs = CostModel(TARGET, DRAFT)
+    predicted = TARGET(10, 2)
+    for _ in range(100):
+        costs.observe(Round([], 4, 4, Cost(), Cost(batch_size=2, batch_tokens=10, pass_ms=2 * predicted), asked=4), 0)
+    assert costs.target_scale == pytest.approx(2.0, rel=0.01)
+
+
+def test_fixed_k():
+    assert FixedK(4).choose(100) == 4 and FixedK(4).choose(3) == 2 and FixedK(0).choose(9) == 0
