@@ -33,6 +33,9 @@ def parse_args(argv=None):
                         help="K, draft tokens per round, when a request does not say: a number, or auto (chosen"
                              " per round from acceptance and measured costs, at most --adaptive-max-k)")
     parser.add_argument("--adaptive-max-k", type=int, default=8, help="the most draft tokens adaptive K uses")
+    parser.add_argument("--predraft", action="store_true",
+                        help="while the target verifies a round, let the draft draft the next as if all were"
+                             " accepted (PEARL's post-verify); kept when its guess holds, else rolled back")
     parser.add_argument("--draft-p-min", type=float, default=0.0,
                         help="stop drafting at a token the draft gives less probability than this (0: off)")
     parser.add_argument("--max-speculative-tokens", type=int, default=16, help="largest K a request may ask for")
@@ -64,7 +67,7 @@ def main(argv=None) -> None:
         target = GrpcTarget(args.target, args.call_timeout, streaming)
         adaptive = args.num_speculative_tokens == "auto"
         k = args.adaptive_max_k if adaptive else int(args.num_speculative_tokens)
-        limits = Limits(args.max_new_tokens, k, args.max_speculative_tokens, adaptive, args.draft_p_min)
+        limits = Limits(args.max_new_tokens, k, args.max_speculative_tokens, adaptive, args.draft_p_min, args.predraft)
         metrics = CoordinatorMetrics()
         servicer = GenerationServicer(draft, target, limits, metrics)
         start_metrics(metrics.registry, args.host, args.metrics_port)

@@ -35,6 +35,7 @@ class Limits:
     max_speculative_tokens: int = 16
     adaptive: bool = True  # requests without num_speculative_tokens get adaptive K
     draft_p_min: float = 0.0
+    predraft: bool = False  # draft the next round while the target verifies this one
 
 
 class BadRequest(ValueError):
@@ -63,6 +64,8 @@ def stats_proto(stats: Stats, k: int, seed: int, prompt_tokens: int, wall_ms: fl
         alpha=stats.alpha,
         mean_verify_batch=stats.mean_verify_batch,
         adaptive=adaptive,
+        predrafts=stats.predrafts,
+        predraft_hits=stats.predraft_hits,
     )
 
 
@@ -197,7 +200,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         rounds = generate(
             self.draft, self.target, prompt, max_new_tokens=max_new, k=policy, params=params,
             eos_token_ids=self.eos_token_ids, max_context=self.max_context, stats=stats,
-            session_id=uuid.uuid4().hex, p_min=p_min,
+            session_id=uuid.uuid4().hex, p_min=p_min, predraft=self.limits.predraft,
         )
         try:
             async with contextlib.aclosing(rounds):

@@ -102,7 +102,7 @@ class DraftEngine:
                     results[i] = exc
                 return results
             for (i, _, session), (tokens, q_ids, q_probs) in zip(live, drafted):
-                session.proposed = len(tokens)
+                session.proposed += len(tokens)
                 sizes, ids_bytes, probs_bytes = encode_supports(q_ids, q_probs)
                 results[i] = Proposal(tokens, sizes, ids_bytes, probs_bytes)
             ms = timer.ms
@@ -130,8 +130,10 @@ class DraftEngine:
                     f"cannot roll back {call.rollback} tokens: only {session.proposed} were proposed")
             runner.check_context(call.session_id, len(session.tokens) - call.rollback + len(call.append) + k)
         session.truncate(len(session.tokens) - call.rollback)
+        # proposals not rolled back stay unconfirmed until tokens are appended (a call appending
+        # nothing drafts on from its own last proposal: pre-drafting)
+        session.proposed = 0 if call.append else session.proposed - call.rollback
         session.tokens.extend(call.append)
-        session.proposed = 0
         return session
 
     def _draft(self, live: list[tuple[int, ProposeCall, Session]]) -> list[tuple[list[int], list, list]]:

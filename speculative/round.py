@@ -14,6 +14,7 @@ deltas only:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -32,6 +33,13 @@ class Proposal:
     support_sizes: list[int] = field(default_factory=list)
     support_ids: bytes = b""
     support_probs: bytes = b""
+
+    def slice(self, start: int, stop: int | None = None) -> "Proposal":
+        """Tokens [start:stop] with their q (ids and probabilities are 4 bytes each on the wire)."""
+        stop = len(self.tokens) if stop is None else min(stop, len(self.tokens))
+        a, b = 4 * sum(self.support_sizes[:start]), 4 * sum(self.support_sizes[:stop])
+        return Proposal(self.tokens[start:stop], self.support_sizes[start:stop], self.support_ids[a:b],
+                        self.support_probs[a:b])
 
 
 @dataclass
@@ -86,6 +94,7 @@ class Sequence:
     draft_seen: int = 0          # committed tokens in the draft session
     draft_unconfirmed: int = 0   # proposals the draft session holds beyond them
     target_seen: int = 0         # committed tokens in the target session
+    ready: Proposal | None = None  # pre-drafted, still valid: the first draft_unconfirmed it holds
 
 
 @dataclass
@@ -96,30 +105,63 @@ class Round:
     draft: Cost = field(default_factory=Cost)
     target: Cost = field(default_factory=Cost)
     asked: int = 0  # draft tokens asked for (the draft may stop short: p_min)
+    draft_calls: int = 0  # calls to the draft this round (a pre-draft counts)
+    predrafted: bool = False   # the draft drafted ahead while the target verified
+    predraft_hit: bool = False  # ... and that draft is the next round's proposal
 
 
 async def speculative_round(
-    draft: DraftPeer, target: TargetPeer, seq: Sequence, k: int, params: SamplingParams, p_min: float = 0.0
+    draft: DraftPeer, target: TargetPeer, seq: Sequence, k: int, params: SamplingParams, p_min: float = 0.0,
+    predraft: bool = False,
 ) -> Round:
-    """One round: the draft proposes up to k tokens, the target verifies them in one pass."""
+    """One round: the draft proposes up to k tokens, the target verifies them in one pass.
+
+    predraft (PEARL's post-verify): while the target verifies, the draft goes on drafting
+    k + 1 tokens as if every proposed token were accepted, the first being its guess of the
+    target's bonus token. If all are accepted and the guess is the target's token, the rest
+    is the next round's proposal and the next round skips its draft call; otherwise it is
+    rolled back with the rejected tokens. Exactness is unaffected: each token kept was drawn
+    from the q it is verified against, on the very prefix the target commits.
+    """
     proposal, draft_cost = Proposal(), Cost()
-    if k > 0:
+    ready, seq.ready = seq.ready, None
+    held = 0  # proposals the draft holds past what is committed
+    if k > 0 and ready is not None:
+        proposal, held = ready.slice(0, k), len(ready.tokens)
+    elif k > 0:
         proposal, draft_cost = await draft.propose(
             seq.session_id, seq.draft_seen == 0, seq.draft_unconfirmed, seq.tokens[seq.draft_seen :], k, params,
             p_min,
         )
-    verdict, target_cost = await target.verify(
-        seq.session_id, seq.target_seen == 0, seq.tokens[seq.target_seen :], proposal, params
-    )
+        held = len(proposal.tokens)
+    verify = target.verify(seq.session_id, seq.target_seen == 0, seq.tokens[seq.target_seen :], proposal, params)
+    ahead = None
+    if predraft and proposal.tokens and len(proposal.tokens) == held:
+        (verdict, target_cost), (ahead, ahead_cost) = await asyncio.gather(
+            verify, draft.propose(seq.session_id, False, 0, [], k + 1, params, p_min))
+        draft_cost = Cost(draft_cost.service_ms + ahead_cost.service_ms, draft_cost.wire_bytes + ahead_cost.wire_bytes,
+                          ahead_cost.batch_size, ahead_cost.batch_tokens, ahead_cost.pass_ms)
+    else:
+        verdict, target_cost = await verify
+    before = len(seq.tokens)
     accepted = proposal.tokens[: verdict.accepted]
-    if k > 0:
-        # the draft keeps the accepted proposals; the rest are rolled back next call
-        seq.draft_seen = len(seq.tokens) + verdict.accepted
-        seq.draft_unconfirmed = len(proposal.tokens) - verdict.accepted
     seq.tokens.extend(accepted)
     seq.tokens.append(verdict.token)
     seq.target_seen = len(seq.tokens)
-    return Round(accepted + [verdict.token], len(proposal.tokens), verdict.accepted, draft_cost, target_cost, k)
+    hit = False
+    if k > 0:
+        # the draft keeps the accepted proposals; the rest are rolled back next call
+        seq.draft_seen = before + verdict.accepted
+        seq.draft_unconfirmed = held - verdict.accepted + (len(ahead.tokens) if ahead else 0)
+        hit = (ahead is not None and verdict.accepted == len(proposal.tokens) and bool(ahead.tokens)
+               and ahead.tokens[0] == verdict.token)
+        if hit:  # the draft's guess is the committed token; what it drafted after is the next proposal
+            seq.draft_seen += 1
+            seq.draft_unconfirmed -= 1
+            seq.ready = ahead.slice(1) if len(ahead.tokens) > 1 else None
+    calls = (k > 0 and ready is None) + (ahead is not None)
+    return Round(accepted + [verdict.token], len(proposal.tokens), verdict.accepted, draft_cost, target_cost, k,
+                 calls, ahead is not None, hit)
 
 
 @dataclass
@@ -135,10 +177,14 @@ class Stats:
     generated_tokens: int = 0
     rejected_rounds: int = 0
     verify_batch_sessions: int = 0  # summed over rounds: sessions in the target pass each round rode in
+    predrafts: int = 0      # rounds that drafted ahead during verification
+    predraft_hits: int = 0  # ... whose draft became the next proposal
 
     def add(self, r: Round) -> None:
         self.rounds += 1
         self.verify_batch_sessions += r.target.batch_size
+        self.predrafts += r.predrafted
+        self.predraft_hits += r.predraft_hit
         self.rejected_rounds += r.accepted < r.proposed
         self.draft_tokens += r.proposed
         self.accepted_tokens += r.accepted
@@ -146,7 +192,7 @@ class Stats:
             self.accepted_per_position += [0] * (r.proposed - len(self.accepted_per_position))
         for i in range(r.accepted):
             self.accepted_per_position[i] += 1
-        self.draft_calls += r.asked > 0
+        self.draft_calls += r.draft_calls
         self.draft_ms += r.draft.service_ms
         self.target_ms += r.target.service_ms
         self.wire_bytes += r.draft.wire_bytes + r.target.wire_bytes
@@ -154,7 +200,7 @@ class Stats:
     def merge(self, other: "Stats") -> None:
         """Add another generation's counts to these (for totals over requests)."""
         for name in ("rounds", "draft_tokens", "accepted_tokens", "draft_calls", "draft_ms", "target_ms",
-                     "wire_bytes", "generated_tokens", "rejected_rounds"):
+                     "wire_bytes", "generated_tokens", "rejected_rounds", "predrafts", "predraft_hits"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         # (`other` may be a GenerationStats message, which carries the mean instead)
         self.verify_batch_sessions += getattr(other, "verify_batch_sessions", None) or round(
@@ -197,6 +243,7 @@ async def generate(
     stats: Stats | None = None,
     session_id: str | None = None,
     p_min: float = 0.0,
+    predraft: bool = False,
 ) -> AsyncIterator[list[int]]:
     """Yield each round's new tokens until max_new_tokens, the context or an EOS.
 
@@ -215,7 +262,7 @@ async def generate(
         while stats.generated_tokens < limit:
             remaining = limit - stats.generated_tokens
             start = time.perf_counter()
-            r = await speculative_round(draft, target, seq, k.choose(remaining), params, p_min)
+            r = await speculative_round(draft, target, seq, k.choose(remaining), params, p_min, predraft)
             k.observe(r, (time.perf_counter() - start) * 1e3)
             stats.add(r)
             new = r.tokens[:remaining]
