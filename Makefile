@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: setup stubs run test test-all bench models clean
+.PHONY: setup stubs run test test-all bench bench-concurrency models clean
 
 setup: $(STAMP) stubs
 
@@ -37,6 +37,11 @@ models: setup
 bench: setup
 	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	$(PY) -m bench
+
+# 1..16 concurrent streams through the gRPC system: speculation on/off, pre-drafting, batching off, HF
+bench-concurrency: setup
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	$(PY) -m bench.concurrency
 
 clean:
 	rm -rf specdec .cache build *.egg-info

@@ -8,6 +8,8 @@ measure aggregate tokens/s and, per request, time to first token and inter-token
 latency (p50 / p99), for:
   spec          the system with speculation (the coordinator's K policy: adaptive by default)
   no spec       the same services decoding with the target alone (K = 0 per request)
+  spec predraft the same with pre-drafting (--predraft: the draft drafts the next round while
+                the target verifies this one)
   spec 1-at-a-time   speculation with --max-batch 1 on both model services: every session
                      gets its own forward pass (what batching buys)
   HF sequential transformers `generate` on the target, one request after another
@@ -136,7 +138,7 @@ def main(argv=None) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--k", type=int, default=None,
                         help="fixed K for the speculative rows (default: the coordinator's adaptive K)")
-    parser.add_argument("--systems", default="spec,no spec,spec 1-at-a-time,HF sequential")
+    parser.add_argument("--systems", default="spec,no spec,spec predraft,spec 1-at-a-time,HF sequential")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
                         help="torch threads of the target service (and of HF generate)")
     parser.add_argument("--draft-threads", type=int, default=1)
@@ -154,13 +156,15 @@ def main(argv=None) -> None:
     bar = tqdm(total=len(levels) * len([s for s in systems if s != "HF sequential"]) + ("HF sequential" in systems),
                desc="bench-concurrency", unit="run")
     stacks = {"batched": [s for s in systems if s in ("spec", "no spec")],
+              "predraft": [s for s in systems if s == "spec predraft"],
               "one at a time": [s for s in systems if s == "spec 1-at-a-time"]}
     for kind, names in stacks.items():
         if not names:
             continue
         extra = ["--max-batch", "1"] if kind == "one at a time" else []
         with LocalStack(draft_dir, target_dir, threads=args.threads, draft_threads=args.draft_threads,
-                        draft_args=extra, target_args=extra) as stack:
+                        draft_args=extra, target_args=extra,
+                        coordinator_args=["--predraft"] if kind == "predraft" else []) as stack:
             for c in levels:
                 for name in names:
                     bar.set_postfix_str(f"{name} C={c}")
