@@ -10,7 +10,8 @@ One run, same machine, same threads, same held-out prompts, for greedy and for s
      speedup is the forward rather than speculation
   b  transformers assisted generation (`assistant_model=` the draft)
   c  specdec's speculative round in one process (no gRPC)
-  d  specdec as three processes over gRPC on loopback (coordinator + draft + target)
+  d  specdec as three processes over gRPC on loopback (coordinator + draft + target), for each
+     K and with adaptive K (its K column: the mean K it chose)
   e  d with an oracle draft replaying the target's own greedy continuation (acceptance 1.0):
      the ceiling of the machinery (greedy only)
 Writes a table to stdout, bench/results/latest.json and bench/results/speedup.png.
@@ -128,8 +129,8 @@ def engine_run(draft_dir, target_dir, prompts, temperature: float, new_tokens: i
     return stats, asyncio.run(run())
 
 
-def grpc_run(stack: LocalStack, prompts, temperature: float, new_tokens: int, k: int):
-    """The full system over gRPC. -> (Stats summed over requests, seconds)"""
+def grpc_run(stack: LocalStack, prompts, temperature: float, new_tokens: int, k: int | None):
+    """The full system over gRPC (k None: the coordinator's adaptive K). -> (Stats summed over requests, seconds)"""
     import grpc
 
     from specdec.v1 import specdec_pb2 as pb
@@ -141,8 +142,11 @@ def grpc_run(stack: LocalStack, prompts, temperature: float, new_tokens: int, k:
         stub.Generate(pb.GenerateRequest(prompt_token_ids=prompts[0], max_new_tokens=4))  # warm up
         start = time.perf_counter()
         for i, prompt in enumerate(prompts):
-            s = stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=new_tokens,
-                                                 temperature=temperature, seed=i, num_speculative_tokens=k)).stats
+            request = pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=new_tokens,
+                                         temperature=temperature, seed=i)
+            if k is not None:
+                request.num_speculative_tokens = k
+            s = stub.Generate(request).stats
             stats.merge(s)
         seconds = time.perf_counter() - start
     return stats, seconds
@@ -207,7 +211,7 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['name']:<28}{r['mode']:<9}{r['k']:>3}{r['tokens_per_s']:>8.1f}{r['speedup']:>7.2f}x"
               f"{f('acceptance_rate', '.2f'):>7}{f('alpha', '.2f'):>6}{f('mean_accepted', '.2f'):>8}{f('draft_ms_per_call', '.2f'):>9}"
               f"{f('target_ms_per_call', '.2f'):>10}{f('overhead_ms_per_round', '.2f'):>7}"
-              f"{(format(100 * r['overhead_fraction'], '.0f') if 'overhead_fraction' in r else '-'):>6}"
+              f"{(format(100 * r['overhead_fraction'], '.1f') if 'overhead_fraction' in r else '-'):>6}"
               f"{f('wire_bytes_per_round', '.0f'):>7}{f('ideal_speedup', '.2f'):>6}{f('efficiency', '.2f'):>6}")
 
 
@@ -222,7 +226,7 @@ def plot(rows: list[dict], path: Path) -> None:
         for name in dict.fromkeys(r["name"] for r in rows if r["mode"] == mode and r["k"] > 0):
             pts = sorted((r["k"], r["speedup"]) for r in rows if r["mode"] == mode and r["name"] == name)
             ax.plot(*zip(*pts), marker="o", label=name)
-        ideal = sorted((r["k"], r["ideal_speedup"]) for r in rows if r["mode"] == mode and r["name"].startswith("d "))
+        ideal = sorted((r["k"], r["ideal_speedup"]) for r in rows if r["mode"] == mode and r["name"] == "d specdec gRPC")
         if ideal:
             ax.plot(*zip(*ideal), "k--", label="ideal (Leviathan, α and c of d)")
         ax.axhline(1.0, color="grey", lw=0.8)
@@ -267,7 +271,7 @@ def main(argv=None) -> None:
     assistant = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
     eos = {target.config.eos_token_id}
 
-    runs = len(modes) * (2 + 4 * len(ks)) + len(ks) * ("greedy" in modes)
+    runs = len(modes) * (3 + 4 * len(ks)) + len(ks) * ("greedy" in modes)
     bar = tqdm(total=runs, desc="bench", unit="run")
     rows: list[dict] = []
     baselines: dict[str, list[float]] = {}  # row a's tokens/s, per mode: at the start and after every K
@@ -310,6 +314,12 @@ def main(argv=None) -> None:
                 rows.append(row_from_stats("d specdec gRPC", mode, k, stats, seconds))
                 bar.update()
                 baseline()
+            bar.set_postfix_str(f"{mode}: d gRPC adaptive K")
+            stats, seconds = grpc_run(stack, prompts, temperature, args.new_tokens, None)
+            mean_k = stats.draft_tokens / max(1, stats.rounds)
+            rows.append({**row_from_stats("d specdec gRPC, adaptive K", mode, round(mean_k), stats, seconds),
+                         "adaptive": True, "mean_k": mean_k})
+            bar.update()
         if references is not None:
             stack.stop()
             oracle = args.out / "oracle.json"
@@ -339,9 +349,11 @@ def main(argv=None) -> None:
                    default=None) for m in modes}
     for mode, r in best.items():
         if r:
-            peer = next(x for x in rows if x["mode"] == mode and x["name"].startswith("b ") and x["k"] == r["k"])
-            print(f"best d ({mode}): K={r['k']} {r['speedup']:.2f}x target alone, {r['tokens_per_s'] / peer['tokens_per_s']:.2f}x"
-                  f" HF assisted at that K, gRPC overhead {100 * r['overhead_fraction']:.0f}% of a round")
+            peers = [x for x in rows if x["mode"] == mode and x["name"].startswith("b ")]
+            peer = min(peers, key=lambda x: abs(x["k"] - r["k"]))  # adaptive K's mean may fall between
+            print(f"best d ({mode}): {r['name']} K={r['k']} {r['speedup']:.2f}x target alone, "
+                  f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x HF assisted at that K, "
+                  f"gRPC overhead {100 * r['overhead_fraction']:.1f}% of a round")
     print(f"\nwrote {args.out / 'latest.json'} and {args.out / 'speedup.png'}")
 
 
