@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: setup stubs run test test-all bench bench-concurrency models clean
+.PHONY: setup stubs run cluster test test-all bench bench-concurrency models clean
 
 setup: $(STAMP) stubs
 
@@ -23,6 +23,10 @@ specdec/%_pb2.py: protos/specdec/%.proto $(STAMP)
 
 run: setup
 	$(PY) -m coordinator.launch --demo
+
+# a local pool: 1 coordinator, 2 draft and 2 target replicas on loopback, until Ctrl-C
+cluster: setup
+	$(PY) -m coordinator.launch --draft-replicas 2 --target-replicas 2 --threads 1
 
 test: setup
 	$(PY) -m pytest -q

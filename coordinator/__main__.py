@@ -18,6 +18,7 @@ from speculative.metrics import CoordinatorMetrics, add_metrics_flag, start as s
 from speculative.serving import EnvArgumentParser, add_common_flags, serve, setup_logging
 
 from .peers import GrpcDraft, GrpcTarget
+from .pool import Pool
 from .server import SERVICE_NAME, GenerationServicer, Limits
 
 log = logging.getLogger("specdec.coordinator")
@@ -27,8 +28,12 @@ DEFAULT_PORT = 50050
 def parse_args(argv=None):
     parser = EnvArgumentParser("SPECDEC_COORDINATOR", prog="python -m coordinator", description=__doc__)
     add_common_flags(parser, DEFAULT_PORT)
-    parser.add_argument("--draft", default="127.0.0.1:50052", help="draft service address HOST:PORT")
-    parser.add_argument("--target", default="127.0.0.1:50051", help="target service address HOST:PORT")
+    parser.add_argument("--draft", default="127.0.0.1:50052",
+                        help="draft replicas: HOST:PORT entries, comma-separated; a name resolving to several"
+                             " addresses (a headless Service) gives one replica each; file:PATH lists HOST:PORT lines")
+    parser.add_argument("--target", default="127.0.0.1:50051", help="target replicas, as --draft")
+    parser.add_argument("--resolve-every", type=float, default=10.0,
+                        help="seconds between re-resolving --draft / --target (replicas come and go)")
     parser.add_argument("--num-speculative-tokens", default="auto",
                         help="K, draft tokens per round, when a request does not say: a number, or auto (chosen"
                              " per round from acceptance and measured costs, at most --adaptive-max-k)")
@@ -63,8 +68,9 @@ def main(argv=None) -> None:
 
     async def run() -> None:
         streaming = args.peer_calls == "stream"
-        draft = GrpcDraft(args.draft, args.call_timeout, streaming)
-        target = GrpcTarget(args.target, args.call_timeout, streaming)
+        draft = Pool("draft", args.draft, lambda a: GrpcDraft(a, args.call_timeout, streaming), args.resolve_every)
+        target = Pool("target", args.target, lambda a: GrpcTarget(a, args.call_timeout, streaming),
+                      args.resolve_every)
         adaptive = args.num_speculative_tokens == "auto"
         k = args.adaptive_max_k if adaptive else int(args.num_speculative_tokens)
         limits = Limits(args.max_new_tokens, k, args.max_speculative_tokens, adaptive, args.draft_p_min, args.predraft)
@@ -74,8 +80,8 @@ def main(argv=None) -> None:
 
         async def load() -> None:
             await servicer.connect(args.peer_timeout)
-            log.info("draft %s at %s, target %s at %s", draft.info.model_name, args.draft,
-                     target.info.model_name, args.target)
+            log.info("draft %s at %s, target %s at %s", draft.reference.model_name, ", ".join(draft.replicas),
+                     target.reference.model_name, ", ".join(target.replicas))
 
         def add(server) -> list[str]:
             pb_grpc.add_GenerationServicer_to_server(servicer, server)

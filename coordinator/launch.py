@@ -74,27 +74,76 @@ def wait_serving(address: str, timeout: float, procs: dict[str, subprocess.Popen
 
 
 class LocalStack:
-    """draft + target + coordinator as three local processes on free loopback ports."""
+    """draft + target + coordinator as local processes on free loopback ports: one coordinator in
+    front of `draft_replicas` draft and `target_replicas` target services (one each by default)."""
 
     def __init__(self, draft_model: str | Path, target_model: str | Path, *, port: int = 0,
                  draft_args: list[str] = (), target_args: list[str] = (), coordinator_args: list[str] = (),
                  threads: int = 1, draft_threads: int | None = None, batched_threads: int = 1,
-                 log_dir: str | Path | None = None):
+                 log_dir: str | Path | None = None, draft_replicas: int = 1, target_replicas: int = 1,
+                 discovery_files: bool = False):
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="specdec-logs-"))
-        self.draft_addr = f"127.0.0.1:{free_port()}"
-        self.target_addr = f"127.0.0.1:{free_port()}"
+        self.draft_addrs = [f"127.0.0.1:{free_port()}" for _ in range(draft_replicas)]
+        self.target_addrs = [f"127.0.0.1:{free_port()}" for _ in range(target_replicas)]
+        self.draft_addr, self.target_addr = self.draft_addrs[0], self.target_addrs[0]
         self.addr = f"127.0.0.1:{free_port(port)}"
+        self.draft_model, self.target_model = draft_model, target_model
+        self.threads, self.draft_threads, self.batched_threads = threads, draft_threads, batched_threads
+        self.draft_args, self.target_args = list(draft_args), list(target_args)
         py = sys.executable
-        self.commands = {
-            "target": [py, "-m", "target_service", "--model", str(target_model), "--port", self.target_addr.split(":")[1],
-                       "--threads", str(threads), "--batched-threads", str(batched_threads), *target_args],
-            "draft": [py, "-m", "draft_service", "--model", str(draft_model), "--port", self.draft_addr.split(":")[1],
-                      "--threads", str(draft_threads or threads), *draft_args],
-            "coordinator": [py, "-m", "coordinator", "--draft", self.draft_addr, "--target", self.target_addr,
-                            "--port", self.addr.split(":")[1], *coordinator_args],
-        }
+        self.commands = {}
+        for i, addr in enumerate(self.target_addrs):
+            self.commands["target" if i == 0 else f"target-{i}"] = self.service_command("target", addr)
+        for i, addr in enumerate(self.draft_addrs):
+            self.commands["draft" if i == 0 else f"draft-{i}"] = self.service_command("draft", addr)
+        pools = {"draft": ",".join(self.draft_addrs), "target": ",".join(self.target_addrs)}
+        self.discovery: dict[str, Path] = {}
+        if discovery_files:  # the coordinator re-reads these: replicas can be added and removed at run time
+            for role, addrs in (("draft", self.draft_addrs), ("target", self.target_addrs)):
+                self.discovery[role] = self.log_dir / f"{role}-replicas.txt"
+                self.discovery[role].write_text("\n".join(addrs) + "\n")
+                pools[role] = f"file:{self.discovery[role]}"
+            coordinator_args = ["--resolve-every", "0.5", *coordinator_args]
+        self.commands["coordinator"] = [py, "-m", "coordinator", "--draft", pools["draft"], "--target",
+                                        pools["target"], "--port", self.addr.split(":")[1], *coordinator_args]
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs = {name: self.log_dir / f"{name}.log" for name in self.commands}
+        self.addresses = {**{("target" if i == 0 else f"target-{i}"): a for i, a in enumerate(self.target_addrs)},
+                          **{("draft" if i == 0 else f"draft-{i}"): a for i, a in enumerate(self.draft_addrs)}}
+
+    def add_replica(self, role: str, timeout: float = 120.0, model: str | Path | None = None) -> str:
+        """Start one more draft or target replica (of `model`, default the stack's) and list it in the
+        discovery file. -> its name"""
+        addr = f"127.0.0.1:{free_port()}"
+        name = f"{role}-{sum(n.startswith(role) for n in self.procs)}"
+        self.logs[name] = self.log_dir / f"{name}.log"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        command = self.service_command(role, addr)
+        if model is not None:
+            command[command.index("--model") + 1] = str(model)
+        self.procs[name] = subprocess.Popen(command, cwd=ROOT, env=env,
+                                            stdout=self.logs[name].open("w"), stderr=subprocess.STDOUT)
+        self.addresses[name] = addr
+        wait_serving(addr, timeout, {name: self.procs[name]}, self.logs)
+        with self.discovery[role].open("a") as f:
+            f.write(addr + "\n")
+        return name
+
+    def remove_replica(self, name: str) -> None:
+        """Take a replica out of the discovery file and stop it."""
+        role = name.split("-")[0]
+        path = self.discovery[role]
+        path.write_text("".join(line + "\n" for line in path.read_text().split() if line != self.addresses[name]))
+        self.procs[name].send_signal(signal.SIGTERM)
+        self.procs[name].wait(30)
+
+    def service_command(self, role: str, addr: str) -> list[str]:
+        port = addr.rsplit(":", 1)[1]
+        if role == "target":
+            return [sys.executable, "-m", "target_service", "--model", str(self.target_model), "--port", port,
+                    "--threads", str(self.threads), "--batched-threads", str(self.batched_threads), *self.target_args]
+        return [sys.executable, "-m", "draft_service", "--model", str(self.draft_model), "--port", port,
+                "--threads", str(self.draft_threads or self.threads), *self.draft_args]
 
     def start(self, timeout: float = 180.0) -> "LocalStack":
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -103,6 +152,8 @@ class LocalStack:
                                                 stderr=subprocess.STDOUT)
         try:
             wait_serving(self.addr, timeout, self.procs, self.logs)
+            for name, addr in self.addresses.items():  # every replica, not just the first of each pool
+                wait_serving(addr, timeout, self.procs, self.logs)
         except BaseException:
             self.stop()
             raise
@@ -110,7 +161,7 @@ class LocalStack:
 
     def stop(self, timeout: float = 15.0) -> dict[str, int]:
         """SIGTERM every process (coordinator first), then wait; SIGKILL what lingers."""
-        for name in ("coordinator", "draft", "target"):
+        for name in ["coordinator", *self.procs]:
             proc = self.procs.get(name)
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -143,6 +194,8 @@ def main(argv=None) -> int:
                              " share this machine's cores, and under load one thread each wastes the least")
     parser.add_argument("--draft-threads", type=int, default=1,
                         help="torch threads of the draft service (its small matrices gain little from more)")
+    parser.add_argument("--draft-replicas", type=int, default=1, help="draft services behind the coordinator")
+    parser.add_argument("--target-replicas", type=int, default=1, help="target services behind the coordinator")
     parser.add_argument("--demo", action="store_true", help="stream one answer with its stats, then stop")
     parser.add_argument("--prompt", default=DEMO_PROMPT, help="the demo prompt")
     args = parser.parse_args(argv)
@@ -150,9 +203,11 @@ def main(argv=None) -> int:
     draft, target = default_models()
     draft, target = args.draft_model or draft, args.target_model or target
     stack = LocalStack(draft, target, port=args.port, threads=args.threads, draft_threads=args.draft_threads,
-                       batched_threads=args.batched_threads)
-    print(f"starting target ({target}) on {stack.target_addr}, draft ({draft}) on {stack.draft_addr}, "
-          f"coordinator on {stack.addr}; logs in {stack.log_dir}", flush=True)
+                       batched_threads=args.batched_threads, draft_replicas=args.draft_replicas,
+                       target_replicas=args.target_replicas, discovery_files=True)
+    print(f"starting target ({target}) on {', '.join(stack.target_addrs)}, draft ({draft}) on "
+          f"{', '.join(stack.draft_addrs)}, coordinator on {stack.addr}; logs in {stack.log_dir}; replicas listed in"
+          f" {stack.discovery['draft']} and {stack.discovery['target']} (edit them to add or remove some)", flush=True)
     with stack:
         print("all three services SERVING", flush=True)
         if not args.demo:

@@ -21,7 +21,8 @@ from speculative.metrics import CoordinatorMetrics, TokenClock
 from speculative.round import Stats, generate
 from speculative.sampling import SamplingParams
 
-from .peers import GrpcDraft, GrpcTarget, PeerError, check_compatible
+from .peers import PeerError, check_compatible
+from .pool import Pool
 from .text import TextStream
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -73,11 +74,23 @@ def pass_cost(info: pb.ModelInfo) -> PassCost:
     return PassCost(info.pass_ms_fixed, info.pass_ms_per_token, info.pass_ms_per_session)
 
 
-class GenerationServicer(pb_grpc.GenerationServicer):
-    """Serves once `connect` has found both model services ready and compatible."""
+class NoDraft:
+    """The draft of a request that found no healthy draft replica: it runs target-only rounds
+    (K = 0), so this is never asked for tokens."""
 
-    def __init__(self, draft: GrpcDraft, target: GrpcTarget, limits: Limits,
-                 metrics: CoordinatorMetrics | None = None):
+    name, address = "draft", "none"
+
+    async def propose(self, *args, **kwargs):
+        raise PeerError(self, grpc.StatusCode.UNAVAILABLE, "no draft replica")
+
+    async def release(self, session_id: str) -> None:
+        pass
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    """Serves once `connect` has found a replica of both pools ready and compatible."""
+
+    def __init__(self, draft: Pool, target: Pool, limits: Limits, metrics: CoordinatorMetrics | None = None):
         self.draft = draft
         self.target = target
         self.limits = limits
@@ -87,10 +100,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             draft.latency, target.latency = metrics.propose, metrics.verify
 
     async def connect(self, timeout: float) -> None:
-        """Wait for both services, refuse an incompatible pair, load the target's tokenizer."""
-        draft_info, target_info = await asyncio.gather(self.draft.wait_ready(timeout), self.target.wait_ready(timeout))
+        """Wait for a replica of each pool, refuse an incompatible pair, load the target's tokenizer."""
+        draft_info, target_info = await asyncio.gather(self.draft.start(timeout), self.target.start(timeout))
         check_compatible(draft_info, target_info)
-        tokenizer_dir = await self.target.fetch_tokenizer()
+        tokenizer_dir = await self.target.healthy()[0].peer.fetch_tokenizer()
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, tokenizer_dir, local_files_only=True)
         self.costs = CostModel(pass_cost(target_info), pass_cost(draft_info))
         self.max_context = min(draft_info.max_context, target_info.max_context)
@@ -197,28 +210,34 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         stats = Stats()
         text = TextStream(self.tokenizer, stop)
         finish = pb.FINISH_REASON_LENGTH
-        rounds = generate(
-            self.draft, self.target, prompt, max_new_tokens=max_new, k=policy, params=params,
-            eos_token_ids=self.eos_token_ids, max_context=self.max_context, stats=stats,
-            session_id=uuid.uuid4().hex, p_min=p_min, predraft=self.limits.predraft,
-        )
         try:
-            async with contextlib.aclosing(rounds):
-                async for new in rounds:
-                    ids = []
-                    for token in new:
-                        ids.append(token)
-                        text.add(token)
-                        if text.stopped:
-                            finish = pb.FINISH_REASON_STOP
+            with contextlib.ExitStack() as leases:
+                target = leases.enter_context(self.target.lease()).peer
+                if self.draft.healthy():
+                    draft = leases.enter_context(self.draft.lease()).peer
+                else:  # no draft replica: the target alone, rather than no answer
+                    draft, policy = NoDraft(), FixedK(0)
+                rounds = generate(
+                    draft, target, prompt, max_new_tokens=max_new, k=policy, params=params,
+                    eos_token_ids=self.eos_token_ids, max_context=self.max_context, stats=stats,
+                    session_id=uuid.uuid4().hex, p_min=p_min, predraft=self.limits.predraft,
+                )
+                async with contextlib.aclosing(rounds):
+                    async for new in rounds:
+                        ids = []
+                        for token in new:
+                            ids.append(token)
+                            text.add(token)
+                            if text.stopped:
+                                finish = pb.FINISH_REASON_STOP
+                                break
+                        else:
+                            if new and new[-1] in self.eos_token_ids:
+                                finish = pb.FINISH_REASON_EOS
+                        clock.tokens(len(ids))
+                        yield pb.GenerateChunk(text=text.take(), token_ids=ids)
+                        if finish == pb.FINISH_REASON_STOP:
                             break
-                    else:
-                        if new and new[-1] in self.eos_token_ids:
-                            finish = pb.FINISH_REASON_EOS
-                    clock.tokens(len(ids))
-                    yield pb.GenerateChunk(text=text.take(), token_ids=ids)
-                    if finish == pb.FINISH_REASON_STOP:
-                        break
         except PeerError as e:
             await context.abort(e.code, str(e))
         wall_ms = (time.perf_counter() - start) * 1e3
@@ -246,9 +265,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def GetInfo(self, request, context) -> pb.ServerInfo:
         await self._ready(context)
         return pb.ServerInfo(
-            draft=self.draft.info, target=self.target.info, max_context=self.max_context,
+            draft=self.draft.reference, target=self.target.reference, max_context=self.max_context,
             default_max_new_tokens=self.limits.default_max_new_tokens,
             max_speculative_tokens=self.limits.max_speculative_tokens,
             default_speculative_tokens=self.limits.default_speculative_tokens,
             adaptive_speculation=self.limits.adaptive,
+            replicas=self.draft.describe() + self.target.describe(),
         )

@@ -1,0 +1,218 @@
+"""Pools of draft and target replicas: discovery, health, and pinning by least outstanding work.
+
+A pool is given as `--draft` / `--target`: comma-separated HOST:PORT entries. Each entry is
+resolved (a Kubernetes headless Service name resolves to one address per ready pod), or
+`file:PATH` names a file listing HOST:PORT lines; both are re-read every `resolve_every`
+seconds, so replicas added or removed are picked up without a restart. Every replica is
+health-checked (grpc.health.v1) every `check_every` seconds; one that fails gets no new
+requests. A replica joining must serve the same model as the pool's first one (name,
+parameters, tokenizer fingerprint); one that does not is refused and logged.
+
+Each request leases one draft and one target replica for its whole life (their KV caches
+hold its state): the healthy replica with the fewest requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specdec.v1 import specdec_pb2 as pb
+
+from .peers import Peer, PeerError
+
+log = logging.getLogger("specdec.pool")
+
+
+class Replica:
+    def __init__(self, peer: Peer):
+        self.peer = peer
+        self.healthy = False
+        self.outstanding = 0  # requests leased now
+        self.served = 0       # requests leased ever
+        self.refused = ""     # why it may not serve (another model), if so
+        self.removed = False  # no longer discovered: drains, then closes
+
+    @property
+    def address(self) -> str:
+        return self.peer.address
+
+    @property
+    def state(self) -> str:
+        if self.refused:
+            return "refused"
+        if self.removed:
+            return "draining"
+        return "serving" if self.healthy else "unhealthy"
+
+
+def same_model(a: pb.ModelInfo, b: pb.ModelInfo) -> bool:
+    return (a.model_name, a.num_parameters, a.tokenizer_fingerprint, a.vocab_size) == (
+        b.model_name, b.num_parameters, b.tokenizer_fingerprint, b.vocab_size)
+
+
+class Pool:
+    def __init__(self, name: str, spec: str, make_peer: Callable[[str], Peer], resolve_every: float = 10.0,
+                 check_every: float = 2.0):
+        self.name = name
+        self.entries = [e.strip() for e in spec.split(",") if e.strip()]
+        if not self.entries:
+            raise ValueError(f"no {name} address given")
+        self.make_peer = make_peer
+        self.resolve_every = resolve_every
+        self.check_every = check_every
+        self.replicas: dict[str, Replica] = {}
+        self.reference: pb.ModelInfo | None = None  # the model every replica must serve
+        self.latency = None  # a prometheus Histogram handed to every replica's peer
+        self._turn = itertools.count()
+        self._task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------ discovery
+
+    async def resolve(self) -> set[str]:
+        """The addresses the entries name now."""
+        loop = asyncio.get_running_loop()
+        out: set[str] = set()
+        for entry in self.entries:
+            if entry.startswith("file:"):
+                try:
+                    lines = Path(entry[5:]).read_text().split()
+                except OSError as e:
+                    log.warning("%s pool: cannot read %s: %s", self.name, entry, e)
+                    continue
+                out.update(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+                continue
+            host, _, port = entry.rpartition(":")
+            host = host.strip("[]")
+            try:
+                infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+            except (OSError, ValueError) as e:
+                log.warning("%s pool: cannot resolve %s: %s", self.name, entry, e)
+                continue
+            v4 = [i[4][0] for i in infos if i[0] == socket.AF_INET]
+            v6 = [i[4][0] for i in infos if i[0] == socket.AF_INET6]
+            out.update(f"{ip}:{port}" if ip in v4 else f"[{ip}]:{port}" for ip in (v4 or v6))
+        return out
+
+    async def refresh(self, resolve: bool = True) -> None:
+        """Re-resolve (if asked), then health-check every replica."""
+        if resolve:
+            found = await self.resolve()
+            for address, replica in list(self.replicas.items()):
+                if address not in found and not replica.removed:
+                    log.info("%s replica %s is gone: draining", self.name, address)
+                    replica.removed = True
+            for address in found:
+                replica = self.replicas.get(address)
+                if replica is None:
+                    peer = self.make_peer(address)
+                    peer.latency = self.latency
+                    self.replicas[address] = Replica(peer)
+                    log.info("%s replica %s found", self.name, address)
+                elif replica.removed:
+                    replica.removed = False
+        await asyncio.gather(*(self._check(r) for r in list(self.replicas.values())))
+        for address, replica in list(self.replicas.items()):
+            if replica.removed and replica.outstanding == 0:
+                del self.replicas[address]
+                await replica.peer.close()
+
+    async def _check(self, replica: Replica) -> None:
+        if replica.refused:
+            return
+        was = replica.healthy
+        try:
+            reply = await health_pb2_grpc.HealthStub(replica.peer.channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+            healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
+            if healthy and replica.peer.info is None:
+                info = await replica.peer.call(replica.peer.stub.GetModelInfo, pb.ModelInfoRequest(), timeout=5.0)
+                if self.reference is None:
+                    self.reference = info
+                elif not same_model(info, self.reference):
+                    replica.refused = (f"serves {info.model_name!r} ({info.num_parameters} parameters), not the "
+                                       f"pool's {self.reference.model_name!r} ({self.reference.num_parameters})")
+                    log.error("%s replica %s refused: it %s", self.name, replica.address, replica.refused)
+                    replica.healthy = False
+                    return
+                replica.peer.info = info
+        except (grpc.aio.AioRpcError, PeerError):
+            healthy = False
+        replica.healthy = healthy
+        if healthy != was:
+            log.info("%s replica %s is %s", self.name, replica.address, "healthy" if healthy else "unhealthy")
+
+    async def start(self, timeout: float) -> pb.ModelInfo:
+        """Wait until one replica is healthy (its model becomes the pool's), then keep watching."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            await self.refresh()
+            if any(r.healthy for r in self.replicas.values()):
+                break
+            if loop.time() > deadline:
+                found = ", ".join(self.replicas) or "none found"
+                raise PeerError(_Named(self.name, ",".join(self.entries)), grpc.StatusCode.UNAVAILABLE,
+                                f"no replica SERVING after {timeout:.0f} s (addresses: {found})")
+            await asyncio.sleep(0.25)
+        self._task = asyncio.ensure_future(self._watch())
+        return self.reference
+
+    async def _watch(self) -> None:
+        last = asyncio.get_running_loop().time()
+        while True:
+            await asyncio.sleep(self.check_every)
+            now = asyncio.get_running_loop().time()
+            resolve = now - last >= self.resolve_every
+            if resolve:
+                last = now
+            try:
+                await self.refresh(resolve)
+            except Exception:  # keep watching whatever one round met
+                log.exception("%s pool refresh failed", self.name)
+
+    # ------------------------------------------------------------ leasing
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.healthy and not r.removed and not r.refused]
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[Replica]:
+        """The healthy replica with the least work in flight (ties in turn), for one request."""
+        candidates = self.healthy()
+        if not candidates:
+            raise PeerError(_Named(self.name, ",".join(self.entries)), grpc.StatusCode.UNAVAILABLE,
+                            f"no healthy replica (known: {', '.join(f'{a} {r.state}' for a, r in self.replicas.items()) or 'none'})")
+        turn = next(self._turn)
+        replica = min(candidates, key=lambda r: (r.outstanding, (candidates.index(r) - turn) % len(candidates)))
+        replica.outstanding += 1
+        replica.served += 1
+        try:
+            yield replica
+        finally:
+            replica.outstanding -= 1
+
+    def describe(self) -> list[pb.ReplicaInfo]:
+        return [pb.ReplicaInfo(role=self.name, address=r.address, state=r.state, outstanding=r.outstanding,
+                               served=r.served, model_name=r.peer.info.model_name if r.peer.info else "",
+                               detail=r.refused) for r in self.replicas.values()]
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        await asyncio.gather(*(r.peer.close() for r in self.replicas.values()), return_exceptions=True)
+
+
+class _Named:
+    """What PeerError needs to name a pool rather than one replica."""
+
+    def __init__(self, name: str, address: str):
+        self.name, self.address = f"{name} pool", address
