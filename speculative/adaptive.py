@@ -75,15 +75,17 @@ class CostModel:
     def round_cost(self, k: int, batch: float, draft_batch: float) -> float:
         """ms of this request's share of one round with k draft tokens.
 
-        The target's share is scaled by how its passes run now; the draft's is not: under
-        load the draft works while the target verifies other sessions, so its slowdown from
-        sharing cores is hidden, and at one stream there is little to slow it."""
+        The target's share is scaled by how its passes run now; the draft's only where it runs
+        faster than calibrated: under load the draft works while the target verifies other
+        sessions, so its slowdown from sharing cores is hidden."""
         target = self.target_scale * (self.target.fixed / batch + self.target.per_token * (k + 1)
                                       + self.target.per_session)
         draft = 0.0
         if k:
             step = self.draft.fixed / draft_batch + self.draft.per_token + self.draft.per_session
-            draft = k * step  # uncontended: under load the draft runs while the target verifies others
+            # measured where it runs faster than calibrated; never charged for slowing down under load,
+            # when it drafts while the target verifies others
+            draft = min(self.draft_scale, 1.0) * k * step
         return target + draft + self.overhead_ms * (1 + (k > 0)) / batch
 
 
@@ -106,8 +108,8 @@ class AdaptiveK:
     """K per round for one request, from its acceptance and the shared CostModel."""
 
     adaptive = True
-    PRIOR_WEIGHT = 4.0  # the coordinator-wide alpha counts as this many draft tokens
-    DECAY = 0.9         # per round: old acceptance counts fade
+    PRIOR_WEIGHT = 16.0  # the coordinator-wide alpha counts as this many draft tokens
+    DECAY = 0.98        # per round: old acceptance counts fade (round-to-round acceptance is mostly noise)
     PROBE_EVERY = 8     # after this many rounds without drafting, draft one token to re-measure
 
     def __init__(self, costs: CostModel, k_max: int):

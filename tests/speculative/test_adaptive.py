@@ -59,3 +59,4 @@ def test_cost_model_scales_to_measured_passes():
 
 def test_fixed_k():
     assert FixedK(4).choose(100) == 4 and FixedK(4).choose(3) == 2 and FixedK(0).choose(9) == 0
+
