@@ -184,9 +184,9 @@ class Pool:
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.healthy and not r.removed and not r.refused]
 
-    @contextlib.contextmanager
-    def lease(self) -> Iterator[Replica]:
-        """The healthy replica with the least work in flight (ties in turn), for one request."""
+    def acquire(self) -> Replica:
+        """The healthy replica with the least work in flight (ties in turn), for one request;
+        give it back with `release`."""
         candidates = self.healthy()
         if not candidates:
             raise PeerError(_Named(self.name, ",".join(self.entries)), grpc.StatusCode.UNAVAILABLE,
@@ -195,10 +195,25 @@ class Pool:
         replica = min(candidates, key=lambda r: (r.outstanding, (candidates.index(r) - turn) % len(candidates)))
         replica.outstanding += 1
         replica.served += 1
+        return replica
+
+    def release(self, replica: Replica) -> None:
+        replica.outstanding -= 1
+
+    def failed(self, replica: Replica, error: PeerError) -> None:
+        """A call to `replica` failed: no new requests for it until its health check passes again."""
+        if replica.healthy:
+            log.warning("%s replica %s failed a call (%s): taken out until its health check passes",
+                        self.name, replica.address, error)
+        replica.healthy = False
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[Replica]:
+        replica = self.acquire()
         try:
             yield replica
         finally:
-            replica.outstanding -= 1
+            self.release(replica)
 
     def describe(self) -> list[pb.ReplicaInfo]:
         return [pb.ReplicaInfo(role=self.name, address=r.address, state=r.state, outstanding=r.outstanding,

@@ -21,6 +21,7 @@ from speculative.metrics import CoordinatorMetrics, TokenClock
 from speculative.round import Stats, generate
 from speculative.sampling import SamplingParams
 
+from .failover import FailoverDraft, FailoverTarget
 from .peers import PeerError, check_compatible
 from .pool import Pool
 from .text import TextStream
@@ -72,19 +73,6 @@ def stats_proto(stats: Stats, k: int, seed: int, prompt_tokens: int, wall_ms: fl
 
 def pass_cost(info: pb.ModelInfo) -> PassCost:
     return PassCost(info.pass_ms_fixed, info.pass_ms_per_token, info.pass_ms_per_session)
-
-
-class NoDraft:
-    """The draft of a request that found no healthy draft replica: it runs target-only rounds
-    (K = 0), so this is never asked for tokens."""
-
-    name, address = "draft", "none"
-
-    async def propose(self, *args, **kwargs):
-        raise PeerError(self, grpc.StatusCode.UNAVAILABLE, "no draft replica")
-
-    async def release(self, session_id: str) -> None:
-        pass
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -210,36 +198,35 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         stats = Stats()
         text = TextStream(self.tokenizer, stop)
         finish = pb.FINISH_REASON_LENGTH
+        # one replica of each pool at a time, moving to another if it fails (coordinator/failover.py)
+        draft, target = FailoverDraft(self.draft), FailoverTarget(self.target)
+        rounds = generate(
+            draft, target, prompt, max_new_tokens=max_new, k=policy, params=params,
+            eos_token_ids=self.eos_token_ids, max_context=self.max_context, stats=stats,
+            session_id=uuid.uuid4().hex, p_min=p_min, predraft=self.limits.predraft,
+        )
         try:
-            with contextlib.ExitStack() as leases:
-                target = leases.enter_context(self.target.lease()).peer
-                if self.draft.healthy():
-                    draft = leases.enter_context(self.draft.lease()).peer
-                else:  # no draft replica: the target alone, rather than no answer
-                    draft, policy = NoDraft(), FixedK(0)
-                rounds = generate(
-                    draft, target, prompt, max_new_tokens=max_new, k=policy, params=params,
-                    eos_token_ids=self.eos_token_ids, max_context=self.max_context, stats=stats,
-                    session_id=uuid.uuid4().hex, p_min=p_min, predraft=self.limits.predraft,
-                )
-                async with contextlib.aclosing(rounds):
-                    async for new in rounds:
-                        ids = []
-                        for token in new:
-                            ids.append(token)
-                            text.add(token)
-                            if text.stopped:
-                                finish = pb.FINISH_REASON_STOP
-                                break
-                        else:
-                            if new and new[-1] in self.eos_token_ids:
-                                finish = pb.FINISH_REASON_EOS
-                        clock.tokens(len(ids))
-                        yield pb.GenerateChunk(text=text.take(), token_ids=ids)
-                        if finish == pb.FINISH_REASON_STOP:
+            async with contextlib.aclosing(rounds):
+                async for new in rounds:
+                    ids = []
+                    for token in new:
+                        ids.append(token)
+                        text.add(token)
+                        if text.stopped:
+                            finish = pb.FINISH_REASON_STOP
                             break
+                    else:
+                        if new and new[-1] in self.eos_token_ids:
+                            finish = pb.FINISH_REASON_EOS
+                    clock.tokens(len(ids))
+                    yield pb.GenerateChunk(text=text.take(), token_ids=ids)
+                    if finish == pb.FINISH_REASON_STOP:
+                        break
         except PeerError as e:
             await context.abort(e.code, str(e))
+        finally:
+            draft.close()
+            target.close()
         wall_ms = (time.perf_counter() - start) * 1e3
         yield pb.GenerateChunk(
             text=text.take(final=True), finish_reason=finish,

@@ -1,0 +1,136 @@
+"""A request's draft and target, each one replica of its pool at a time, moving on when it fails.
+
+Both keep the sequence their current replica's session holds, so that when a call fails with
+a status that means the replica (or its copy of the session) is gone, the same call can be
+made to another replica as a new session carrying the whole prefix: nothing is lost and
+nothing repeated, and the speculative round above never notices.
+
+- The draft: with no draft replica left the request goes on without drafts (empty proposals:
+  target-only rounds), and drafts again once a replica is back.
+- The target: with no target replica left the request fails with UNAVAILABLE. A target
+  session started again draws from a generator seeded afresh with the request's seed, so
+  a sampled request stays exactly target-distributed but is no longer token-for-token the
+  run without the fault; greedy output is identical.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from speculative.round import Cost, Proposal, Verdict
+from speculative.sampling import SamplingParams
+
+from .peers import PeerError
+from .pool import Pool, Replica
+
+log = logging.getLogger("specdec.failover")
+
+# the replica or the session on it is gone: start again elsewhere (NOT_FOUND: evicted, same replica will do)
+MOVE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+RESTART = MOVE | {grpc.StatusCode.NOT_FOUND}
+TRIES = 3
+
+
+class _Failover:
+    def __init__(self, pool: Pool):
+        self.pool = pool
+        self.replica: Replica | None = None
+        self.fresh = True        # the next call on the current replica must start the session
+        self.tokens: list[int] = []  # what the current session holds
+        self.moves = 0
+
+    def _take(self) -> Replica | None:
+        if self.replica is None:
+            if not self.pool.healthy():
+                return None
+            self.replica, self.fresh = self.pool.acquire(), True
+        return self.replica
+
+    def _lost(self, error: PeerError) -> None:
+        if error.code in MOVE:
+            self.pool.failed(self.replica, error)
+            self.pool.release(self.replica)
+            self.replica = None
+            self.moves += 1
+        self.fresh = True
+        log.warning("%s call failed (%s); starting the session again %s", self.pool.name, error,
+                    "on another replica" if error.code in MOVE else "on the same replica")
+
+    async def release(self, session_id: str) -> None:
+        if self.replica is not None:
+            replica, self.replica = self.replica, None
+            try:
+                await replica.peer.release(session_id)
+            except PeerError:
+                pass
+            finally:
+                self.pool.release(replica)
+
+    def close(self) -> None:
+        """Give the replica back (after release, or when the request ends without it)."""
+        if self.replica is not None:
+            self.pool.release(self.replica)
+            self.replica = None
+
+
+class FailoverDraft(_Failover):
+    async def propose(self, session_id: str, start: bool, rollback: int, append: list[int], k: int,
+                      params: SamplingParams, p_min: float = 0.0) -> tuple[Proposal, Cost]:
+        held = (list(append) if start else self.tokens[: len(self.tokens) - rollback] + list(append))
+        for _ in range(TRIES):
+            replica = self._take()
+            if replica is None:  # no draft replica: this round runs without drafts
+                self.tokens, self.fresh = held, True
+                return Proposal(), Cost()
+            try:
+                if self.fresh:
+                    proposal, cost = await replica.peer.propose(session_id, True, 0, held, k, params, p_min)
+                else:
+                    proposal, cost = await replica.peer.propose(session_id, False, rollback, list(append), k, params,
+                                                                p_min)
+            except PeerError as e:
+                if e.code not in RESTART:
+                    raise
+                self._lost(e)
+                continue
+            self.fresh = False
+            self.tokens = held + proposal.tokens
+            return proposal, cost
+        self.tokens, self.fresh = held, True
+        return Proposal(), Cost()
+
+
+class FailoverTarget(_Failover):
+    async def verify(self, session_id: str, start: bool, append: list[int], proposal: Proposal,
+                     params: SamplingParams) -> tuple[Verdict, Cost]:
+        committed = list(append) if start else self.tokens + list(append)
+        error: PeerError | None = None
+        for _ in range(TRIES):
+            replica = self._take()
+            if replica is None:
+                break
+            try:
+                if self.fresh:
+                    verdict, cost = await replica.peer.verify(session_id, True, committed, proposal, params)
+                else:
+                    verdict, cost = await replica.peer.verify(session_id, False, list(append), proposal, params)
+            except PeerError as e:
+                if e.code not in RESTART:
+                    raise
+                error = e
+                self._lost(e)
+                continue
+            self.fresh = False
+            self.tokens = committed + proposal.tokens[: verdict.accepted] + [verdict.token]
+            return verdict, cost
+        detail = f" (last error: {error})" if error else ""
+        raise PeerError(_Pool(self.pool), grpc.StatusCode.UNAVAILABLE,
+                        f"no target replica left to continue this request on{detail}")
+
+
+class _Pool:
+    def __init__(self, pool: Pool):
+        self.name, self.address = f"{pool.name} pool", ",".join(pool.entries)
