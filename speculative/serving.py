@@ -101,6 +101,8 @@ def add_model_flags(parser: EnvArgumentParser, role: str) -> None:
     parser.add_argument("--batched-threads", type=int, default=0,
                         help="torch threads for passes over several sessions (0: --threads). Where the services"
                              " share a few cores, 1 wastes the least under load: the cores are busy anyway")
+    parser.add_argument("--max-queue", type=int, default=1024,
+                        help="calls that may wait for the model; beyond, RESOURCE_EXHAUSTED")
     parser.add_argument("--max-batch", type=int, default=32,
                         help="most sessions per model pass (continuous batching; 1: one session at a time)")
     add_metrics_flag(parser)
@@ -230,18 +232,21 @@ class Batcher:
     """
 
     def __init__(self, thread: ModelThread, run_many: Callable[[list], list], max_batch: int = 32,
-                 on_pass: Callable[[int], None] | None = None):
+                 on_pass: Callable[[int], None] | None = None, max_queue: int = 1024):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, not {max_batch}")
         self.thread = thread
         self.run_many = run_many
         self.max_batch = max_batch
         self.on_pass = on_pass
+        self.max_queue = max_queue  # more calls waiting than this: RESOURCE_EXHAUSTED, not an ever longer wait
         self.waiting: deque[tuple[str, Any, asyncio.Future]] = deque()
         self.wakeup: asyncio.Event | None = None
         self.task: asyncio.Task | None = None
 
     async def submit(self, session_id: str, call: Any) -> Any:
+        if len(self.waiting) >= self.max_queue:
+            raise CapacityExceeded(f"{len(self.waiting)} calls already wait for the model (--max-queue); retry later")
         if self.task is None or self.task.done():
             self.wakeup = asyncio.Event()
             self.task = asyncio.ensure_future(self._run())
@@ -393,6 +398,7 @@ def run_model_service(name: str, args: argparse.Namespace, servicer: ModelServic
     if args.max_batch < 1:
         raise SystemExit(f"--max-batch must be >= 1, not {args.max_batch}")
     servicer.batcher.max_batch = args.max_batch
+    servicer.batcher.max_queue = args.max_queue
 
     async def main() -> None:
         sweeper: asyncio.Task | None = None

@@ -99,3 +99,16 @@ def test_batcher_joins_waiting_calls_and_keeps_one_call_per_session():
     assert passes[0] == ["a1"]
     assert passes[1] == ["b1", "c1", "d1"]  # b2 waits: one call per session per pass; at most 3
     assert passes[2] == ["b2", "e1"]
+
+
+def test_batcher_refuses_calls_beyond_its_queue():
+    from speculative.errors import CapacityExceeded
+
+    async def main():
+        batcher = Batcher(ModelThread(), lambda calls: [(c, None) for c in calls], max_batch=1, max_queue=2)
+        calls = [asyncio.ensure_future(batcher.submit(f"s{i}", i)) for i in range(4)]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert [r for r, _ in results[:2]] == [0, 1]
+    assert all(isinstance(r, CapacityExceeded) and "wait" in str(r) for r in results[2:])
