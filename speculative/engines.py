@@ -128,7 +128,8 @@ class DraftEngine:
             if call.rollback > session.proposed:
                 raise InvalidRequest(
                     f"cannot roll back {call.rollback} tokens: only {session.proposed} were proposed")
-            runner.check_context(call.session_id, len(session.tokens) - call.rollback + len(call.append) + k)
+            runner.check_context(call.session_id, len(session.tokens) - call.rollback + len(call.append) + k,
+                                 len(session.tokens))
         session.truncate(len(session.tokens) - call.rollback)
         # proposals not rolled back stay unconfirmed until tokens are appended (a call appending
         # nothing drafts on from its own last proposal: pre-drafting)
@@ -271,7 +272,7 @@ class TargetEngine:
             session = runner.start_session(call.session_id, call.params.seed)
         else:
             session = runner.sessions.get(call.session_id)
-            runner.check_context(call.session_id, len(session.tokens) + len(call.append) + k)
+            runner.check_context(call.session_id, len(session.tokens) + len(call.append) + k, len(session.tokens))
         committed = len(session.tokens) + len(call.append)
         session.tokens.extend(call.append)
         session.tokens.extend(proposal.tokens)

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from .adaptive import PassCost
-from .errors import InvalidRequest
+from .errors import CapacityExceeded, InvalidRequest
 from .fast_forward import FastForward
 from .sessions import Session, SessionTable
 
@@ -82,6 +82,7 @@ class ModelRunner:
         self.sessions = SessionTable(max_sessions, idle_timeout, self.fast.new_cache if self.fast else DynamicCache)
         self._tokenizer_files: list[tuple[str, bytes]] | None = None
         self.lock = threading.Lock()  # one forward at a time; sessions are touched under it
+        self.max_kv_tokens = 0  # cap on tokens held by all sessions together (0: none but max_sessions)
         self.threads = torch.get_num_threads()
         self.batched_threads = 0  # torch threads for passes over several sessions (0: the same as for one)
         self.pass_cost = PassCost()  # set by calibrate() where a service wants it (adaptive K reads it)
@@ -173,12 +174,19 @@ class ModelRunner:
         if bad:
             raise InvalidRequest(f"{what} token id {bad[0]} is outside the vocabulary [0, {self.logits_size})")
 
-    def check_context(self, session_id: str, length: int) -> None:
-        """Refuse a call that would grow a session past the context."""
+    def check_context(self, session_id: str, length: int, held: int = 0) -> None:
+        """Refuse a call that would grow a session (holding `held` tokens now) to `length` tokens
+        past the context, or all sessions past max_kv_tokens."""
         if length > self.max_context:
             raise InvalidRequest(
                 f"session {session_id!r} would hold {length} tokens, beyond the context of {self.max_context}"
             )
+        if self.max_kv_tokens and length > held:
+            total = sum(len(s.tokens) for s in self.sessions._sessions.values()) - held + length
+            if total > self.max_kv_tokens:
+                raise CapacityExceeded(
+                    f"the sessions would hold {total} tokens, beyond this service's cap of {self.max_kv_tokens}"
+                    " (--max-kv-tokens); retry later")
 
     def forward(self, session: Session, num_logits: int = 1) -> torch.Tensor:
         """Feed the session's uncached tokens; return the last `num_logits` rows of logits.

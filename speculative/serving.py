@@ -95,6 +95,9 @@ def add_model_flags(parser: EnvArgumentParser, role: str) -> None:
     parser.add_argument("--max-sessions", type=int, default=256, help="sessions held at once")
     parser.add_argument("--session-idle-timeout", type=float, default=600.0,
                         help="seconds after which an idle (abandoned) session is evicted")
+    parser.add_argument("--max-kv-tokens", type=int, default=0,
+                        help="cap on tokens held by all sessions together, beyond which calls get RESOURCE_EXHAUSTED"
+                             " (0: only --max-sessions x the context)")
     parser.add_argument("--max-context", type=int, default=0,
                         help="cap on tokens per session (0: the model's max_position_embeddings)")
     parser.add_argument("--max-tokens-per-call", type=int, default=16, help="most draft tokens per round (K)")
@@ -410,6 +413,7 @@ def run_model_service(name: str, args: argparse.Namespace, servicer: ModelServic
                                     args.session_idle_timeout, args.max_context or None, args.forward)
             )
             runner.batched_threads = args.batched_threads
+            runner.max_kv_tokens = args.max_kv_tokens
             runner.pass_cost = await servicer.thread.run(runner.calibrate)
             servicer.engine = make_engine(runner)
             servicer.metrics.watch(runner.sessions)

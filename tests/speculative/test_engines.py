@@ -195,3 +195,17 @@ def test_oracle_draft_replays_the_reference(runners):
 
     assert asyncio.run(run()) == reference[len(prompt):]
     assert stats.acceptance_rate == 1.0 and stats.rounds == 6  # 30 tokens, 5 per round
+
+
+def test_kv_token_cap_refuses_growth_and_leaves_sessions_alone(pair):
+    target = TargetEngine(ModelRunner(pair[1]))
+    target.runner.max_kv_tokens = 50
+    target.verify("a", True, list(range(1, 31)), Proposal(), GREEDY)  # 30 tokens, then the sampled one
+    with pytest.raises(CapacityExceeded, match="--max-kv-tokens"):
+        target.verify("b", True, list(range(1, 31)), Proposal(), GREEDY)
+    assert "b" not in target.runner.sessions
+    held = list(target.runner.sessions.get("a").tokens)
+    with pytest.raises(CapacityExceeded):
+        target.verify("a", False, list(range(1, 21)), Proposal(), GREEDY)
+    assert target.runner.sessions.get("a").tokens == held
+    target.verify("a", False, [], one_hot_proposal([5, 6]), GREEDY)  # growth within the cap is fine
