@@ -160,6 +160,29 @@ def test_cancelled_stream_releases_its_sessions(stack):
     assert draft.GetModelInfo(pb.ModelInfoRequest()).active_sessions == 0
 
 
+def test_client_deadline_stops_the_work_and_frees_the_sessions(stack):
+    import time
+
+    stub = stub_for(stack)
+    draft = pb_grpc.DraftStub(grpc.insecure_channel(stack.draft_addr))
+    target = pb_grpc.TargetStub(grpc.insecure_channel(stack.target_addr))
+    request = pb.GenerateRequest(prompt_token_ids=[5] * 8, max_new_tokens=500, temperature=1.0, seed=4,
+                                 num_speculative_tokens=1)
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in stub.GenerateStream(request, timeout=0.1):
+            pass
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - start < 5
+    for _ in range(100):
+        if (target.GetModelInfo(pb.ModelInfoRequest()).active_sessions == 0
+                and draft.GetModelInfo(pb.ModelInfoRequest()).active_sessions == 0):
+            break
+        time.sleep(0.05)
+    assert target.GetModelInfo(pb.ModelInfoRequest()).active_sessions == 0
+    assert draft.GetModelInfo(pb.ModelInfoRequest()).active_sessions == 0
+    assert stub.Generate(pb.GenerateRequest(prompt="x", max_new_tokens=4)).stats.generated_tokens == 4  # still fine
+
+
 def test_unary_peer_calls_give_the_same_output(pair, reference):
     from coordinator.launch import LocalStack
 
