@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: setup stubs run cluster test test-all bench bench-concurrency models clean
+.PHONY: setup stubs run cluster test test-all bench bench-concurrency soak models clean
 
 setup: $(STAMP) stubs
 
@@ -41,6 +41,10 @@ models: setup
 bench: setup
 	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	$(PY) -m bench
+
+# 32 clients for 60 s of mixed greedy / sampled / cancelled / deadline-bound requests on loopback
+soak: setup
+	$(PY) -m bench.soak
 
 # 1..16 concurrent streams through the gRPC system: speculation on/off, pre-drafting, batching off, HF
 bench-concurrency: setup

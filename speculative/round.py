@@ -15,7 +15,6 @@ deltas only:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -255,6 +254,7 @@ async def generate(
         from .adaptive import FixedK
 
         k = FixedK(k)
+    asked_draft = False  # whether any round has called the draft (its session may exist)
     stats = stats if stats is not None else Stats()
     seq = Sequence(session_id or uuid.uuid4().hex, list(prompt))
     limit = min(max_new_tokens, max_context - len(prompt))
@@ -262,7 +262,9 @@ async def generate(
         while stats.generated_tokens < limit:
             remaining = limit - stats.generated_tokens
             start = time.perf_counter()
-            r = await speculative_round(draft, target, seq, k.choose(remaining), params, p_min, predraft)
+            chosen = k.choose(remaining)
+            asked_draft = asked_draft or chosen > 0
+            r = await speculative_round(draft, target, seq, chosen, params, p_min, predraft)
             k.observe(r, (time.perf_counter() - start) * 1e3)
             stats.add(r)
             new = r.tokens[:remaining]
@@ -275,8 +277,10 @@ async def generate(
             if new[-1] in eos_token_ids:
                 return
     finally:
-        with contextlib.suppress(Exception):
-            await target.release(seq.session_id)
-        if seq.draft_seen:
-            with contextlib.suppress(Exception):
-                await draft.release(seq.session_id)
+        # Both, always (a call cancelled mid-flight may have started a session that nothing
+        # here has recorded yet), and shielded: a generation ended by its client's deadline or
+        # cancel must still free what it holds.
+        releases = [target.release(seq.session_id)]
+        if seq.draft_seen or asked_draft:
+            releases.append(draft.release(seq.session_id))
+        await asyncio.shield(asyncio.gather(*releases, return_exceptions=True))
