@@ -241,11 +241,22 @@ def plot(rows: list[dict], path: Path) -> None:
 
 # ----------------------------------------------------------------- main
 
+def add_pair_flags(parser: argparse.ArgumentParser) -> None:
+    """--draft-model / --target-model, shared by the benches."""
+    parser.add_argument("--draft-model", help="draft model directory (default: the default pair)")
+    parser.add_argument("--target-model", help="target model directory (default: the default pair)")
+
+
+def pair_of(args: argparse.Namespace):
+    """(draft dir, target dir): the flags, else the default pair."""
+    draft, target = default_models()
+    return args.draft_model or draft, args.target_model or target
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--draft-model")
-    parser.add_argument("--target-model")
+    add_pair_flags(parser)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--ks", default="1,2,4,6,8", help="K values to sweep")
@@ -261,8 +272,7 @@ def main(argv=None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(args.threads)
-    draft_default, target_default = default_models()
-    draft_dir, target_dir = args.draft_model or draft_default, args.target_model or target_default
+    draft_dir, target_dir = pair_of(args)
     ks = [int(k) for k in args.ks.split(",")]
     modes = {m: MODES[m] for m in args.modes.split(",")}
     tokenizer = AutoTokenizer.from_pretrained(target_dir)

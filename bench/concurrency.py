@@ -31,8 +31,8 @@ from tqdm import tqdm
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.__main__ import RESULTS, heldout_prompts, hf_generate  # noqa: E402
-from coordinator.launch import LocalStack, default_models  # noqa: E402
+from bench.__main__ import RESULTS, add_pair_flags, heldout_prompts, hf_generate, pair_of  # noqa: E402
+from coordinator.launch import LocalStack  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -130,8 +130,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.concurrency", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--draft-model")
-    parser.add_argument("--target-model")
+    add_pair_flags(parser)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--levels", default="1,2,4,8,16", help="concurrency levels")
@@ -147,8 +146,7 @@ def main(argv=None) -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    draft_default, target_default = default_models()
-    draft_dir, target_dir = args.draft_model or draft_default, args.target_model or target_default
+    draft_dir, target_dir = pair_of(args)
     levels = [int(c) for c in args.levels.split(",")]
     systems = [s.strip() for s in args.systems.split(",")]
     prompts = heldout_prompts(AutoTokenizer.from_pretrained(target_dir), args.prompts)

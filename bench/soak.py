@@ -22,7 +22,8 @@ from collections import Counter
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from coordinator.launch import LocalStack, default_models  # noqa: E402
+from bench.__main__ import add_pair_flags, pair_of  # noqa: E402
+from coordinator.launch import LocalStack  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def push(self, item):", "import os\n\nfor name in",
            "    return sorted(", "try:\n    value = int(text)\nexcept", "# parse the arguments\nparser ="]
@@ -96,8 +97,7 @@ async def soak(addr: str, clients: int, seconds: float, new_tokens: int, seed: i
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--draft-model")
-    parser.add_argument("--target-model")
+    add_pair_flags(parser)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -105,8 +105,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
 
-    draft_default, target_default = default_models()
-    stack = LocalStack(args.draft_model or draft_default, args.target_model or target_default, threads=args.threads)
+    stack = LocalStack(*pair_of(args), threads=args.threads)
     with stack:
         pids = {name: proc.pid for name, proc in stack.procs.items()}
         before = {name: rss_mb(pid) for name, pid in pids.items()}

@@ -127,10 +127,4 @@ class FailoverTarget(_Failover):
             self.tokens = committed + proposal.tokens[: verdict.accepted] + [verdict.token]
             return verdict, cost
         detail = f" (last error: {error})" if error else ""
-        raise PeerError(_Pool(self.pool), grpc.StatusCode.UNAVAILABLE,
-                        f"no target replica left to continue this request on{detail}")
-
-
-class _Pool:
-    def __init__(self, pool: Pool):
-        self.name, self.address = f"{pool.name} pool", ",".join(pool.entries)
+        raise self.pool.unavailable(f"no target replica left to continue this request on{detail}")

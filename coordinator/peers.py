@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -92,25 +91,6 @@ class Peer:
             self.streams.pop(session_id, None)
             raise PeerError(self, await stream.code(), await stream.details() or "stream ended")
         return reply
-
-    async def wait_ready(self, timeout: float) -> pb.ModelInfo:
-        """Wait until the service reports SERVING, then fetch its ModelInfo."""
-        health = health_pb2_grpc.HealthStub(self.channel)
-        deadline = time.monotonic() + timeout
-        last = "no answer"
-        while True:
-            try:
-                reply = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    break
-                last = "NOT_SERVING (loading weights)"
-            except grpc.aio.AioRpcError as e:
-                last = f"{e.code().name}: {e.details()}"
-            if time.monotonic() > deadline:
-                raise PeerError(self, grpc.StatusCode.UNAVAILABLE, f"not ready after {timeout:.0f} s ({last})")
-            await asyncio.sleep(0.25)
-        self.info = await self.call(self.stub.GetModelInfo, pb.ModelInfoRequest())
-        return self.info
 
     async def fetch_tokenizer(self, directory: str | Path | None = None) -> Path:
         """Copy the service's tokenizer files into a local directory (AutoTokenizer-loadable)."""

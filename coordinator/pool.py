@@ -160,8 +160,7 @@ class Pool:
                 break
             if loop.time() > deadline:
                 found = ", ".join(self.replicas) or "none found"
-                raise PeerError(_Named(self.name, ",".join(self.entries)), grpc.StatusCode.UNAVAILABLE,
-                                f"no replica SERVING after {timeout:.0f} s (addresses: {found})")
+                raise self.unavailable(f"no replica SERVING after {timeout:.0f} s (addresses: {found})")
             await asyncio.sleep(0.25)
         self._task = asyncio.ensure_future(self._watch())
         return self.reference
@@ -189,8 +188,8 @@ class Pool:
         give it back with `release`."""
         candidates = self.healthy()
         if not candidates:
-            raise PeerError(_Named(self.name, ",".join(self.entries)), grpc.StatusCode.UNAVAILABLE,
-                            f"no healthy replica (known: {', '.join(f'{a} {r.state}' for a, r in self.replicas.items()) or 'none'})")
+            known = ", ".join(f"{a} {r.state}" for a, r in self.replicas.items()) or "none"
+            raise self.unavailable(f"no healthy replica (known: {known})")
         turn = next(self._turn)
         replica = min(candidates, key=lambda r: (r.outstanding, (candidates.index(r) - turn) % len(candidates)))
         replica.outstanding += 1
@@ -215,6 +214,14 @@ class Pool:
         finally:
             self.release(replica)
 
+    @property
+    def address(self) -> str:  # (with `name`, what PeerError names)
+        return ",".join(self.entries)
+
+    def unavailable(self, details: str) -> PeerError:
+        """UNAVAILABLE naming the pool rather than one replica."""
+        return PeerError(self, grpc.StatusCode.UNAVAILABLE, details)
+
     def describe(self) -> list[pb.ReplicaInfo]:
         return [pb.ReplicaInfo(role=self.name, address=r.address, state=r.state, outstanding=r.outstanding,
                                served=r.served, model_name=r.peer.info.model_name if r.peer.info else "",
@@ -224,10 +231,3 @@ class Pool:
         if self._task is not None:
             self._task.cancel()
         await asyncio.gather(*(r.peer.close() for r in self.replicas.values()), return_exceptions=True)
-
-
-class _Named:
-    """What PeerError needs to name a pool rather than one replica."""
-
-    def __init__(self, name: str, address: str):
-        self.name, self.address = f"{name} pool", address

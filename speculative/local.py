@@ -7,7 +7,7 @@ in one process.
 from __future__ import annotations
 
 from .engines import DraftEngine, TargetEngine
-from .round import Cost, Proposal, Verdict  # noqa: F401 (the interface's types)
+from .round import Cost, Proposal, Verdict
 from .sampling import SamplingParams
 
 

@@ -203,7 +203,9 @@ class ModelRunner:
         transformers' forward runs them one after another.
         """
         if self.batched_threads:
-            torch.set_num_threads(self.batched_threads if len(feeds) > 1 else self.threads)
+            threads = self.batched_threads if len(feeds) > 1 else self.threads
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
         news = []
         for session, num_logits in feeds:
             short = num_logits - (len(session.tokens) - session.cached)

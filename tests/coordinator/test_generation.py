@@ -141,31 +141,34 @@ def test_token_id_prompt_and_info(client, pair):
     assert by_ids.stats.prompt_tokens == len(ids)
 
 
-def test_cancelled_stream_releases_its_sessions(stack):
+def sessions_held(stack, wait: float = 5.0) -> tuple[int, int]:
+    """(draft, target) sessions held, once they reach 0 or `wait` seconds have passed."""
     import time
 
-    stub = stub_for(stack)
     draft = pb_grpc.DraftStub(grpc.insecure_channel(stack.draft_addr))
     target = pb_grpc.TargetStub(grpc.insecure_channel(stack.target_addr))
+    deadline = time.monotonic() + wait
+    while True:
+        held = (draft.GetModelInfo(pb.ModelInfoRequest()).active_sessions,
+                target.GetModelInfo(pb.ModelInfoRequest()).active_sessions)
+        if held == (0, 0) or time.monotonic() > deadline:
+            return held
+        time.sleep(0.05)
+
+
+def test_cancelled_stream_releases_its_sessions(stack):
+    stub = stub_for(stack)
     call = stub.GenerateStream(pb.GenerateRequest(prompt_token_ids=[5] * 8, max_new_tokens=400, temperature=1.0,
                                                   seed=3, num_speculative_tokens=1))
     next(call)  # the first round arrived: both sessions exist
     call.cancel()
-    for _ in range(100):
-        if (target.GetModelInfo(pb.ModelInfoRequest()).active_sessions == 0
-                and draft.GetModelInfo(pb.ModelInfoRequest()).active_sessions == 0):
-            break
-        time.sleep(0.05)
-    assert target.GetModelInfo(pb.ModelInfoRequest()).active_sessions == 0
-    assert draft.GetModelInfo(pb.ModelInfoRequest()).active_sessions == 0
+    assert sessions_held(stack) == (0, 0)
 
 
 def test_client_deadline_stops_the_work_and_frees_the_sessions(stack):
     import time
 
     stub = stub_for(stack)
-    draft = pb_grpc.DraftStub(grpc.insecure_channel(stack.draft_addr))
-    target = pb_grpc.TargetStub(grpc.insecure_channel(stack.target_addr))
     request = pb.GenerateRequest(prompt_token_ids=[5] * 8, max_new_tokens=500, temperature=1.0, seed=4,
                                  num_speculative_tokens=1)
     start = time.monotonic()
@@ -173,13 +176,7 @@ def test_client_deadline_stops_the_work_and_frees_the_sessions(stack):
         for _ in stub.GenerateStream(request, timeout=0.1):
             pass
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - start < 5
-    for _ in range(100):
-        if (target.GetModelInfo(pb.ModelInfoRequest()).active_sessions == 0
-                and draft.GetModelInfo(pb.ModelInfoRequest()).active_sessions == 0):
-            break
-        time.sleep(0.05)
-    assert target.GetModelInfo(pb.ModelInfoRequest()).active_sessions == 0
-    assert draft.GetModelInfo(pb.ModelInfoRequest()).active_sessions == 0
+    assert sessions_held(stack) == (0, 0)
     assert stub.Generate(pb.GenerateRequest(prompt="x", max_new_tokens=4)).stats.generated_tokens == 4  # still fine
 
 
