@@ -18,3 +18,7 @@ class SessionExists(ValueError):
 
 class CapacityExceeded(RuntimeError):
     """The service holds as many sessions as it may (RESOURCE_EXHAUSTED)."""
+
+
+class WorkerLost(RuntimeError):
+    """A tensor-parallel worker rank died; the service cannot run its model any more (UNAVAILABLE)."""

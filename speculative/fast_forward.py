@@ -18,6 +18,8 @@ returns None for them and `ModelRunner` falls back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -82,6 +84,9 @@ class FastForward:
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.layers = [self._fuse(layer) for layer in model.model.layers]
+        # tensor parallelism (see shard()): the sum of the ranks' partial products, the ranks' logits side by side
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.gather: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
     def build(cls, model, max_context: int) -> FastForward | None:
@@ -176,24 +181,84 @@ class FastForward:
                     enable_gqa=self.kv_heads != self.heads,
                 ))
             att = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, H, T, head_dim]
-            x = x + att[0].transpose(0, 1).reshape(total, -1) @ layer["o"]
+            x = x + self._reduced(att[0].transpose(0, 1).reshape(total, -1) @ layer["o"])
             h = self._norm(x, layer["post_norm"])
             gate, up = (h @ layer["gate_up"]).split(layer["half"], dim=-1)
-            x = x + (F.silu(gate) * up) @ layer["down"]
+            x = x + self._reduced((F.silu(gate) * up) @ layer["down"])
         for (_, cache, _), (_, _, _, end) in zip(feeds, spans):
             cache.length = end
         if len(feeds) == 1:
             picked = x[total - feeds[0][2] :]
         else:
             picked = x[torch.cat([torch.arange(b - n, b, device=device) for (_, _, n), (_, b, _, _) in zip(feeds, spans)])]
-        logits = self._norm(picked, self.final_norm.weight) @ self.lm_head
+        logits = self._norm(picked, self.final_norm.weight) @ self.lm_head  # [rows, V / world]
+        if self.gather is not None:
+            logits = self.gather(logits)  # [rows, V]
         return list(logits.split([n for _, _, n in feeds]))
+
+    def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial if self.reduce is None else self.reduce(partial)
+
+    def shard(self, rank: int, world: int) -> None:
+        """Keep this rank's 1/world of every layer (Megatron's split, as gpt-fast's `apply_tp`).
+
+        q/k/v and gate/up are split by output columns: rank r computes heads r*H/world..
+        and the matching MLP columns. o and down are split by input rows, so each rank's
+        product is a partial sum of x's update and `reduce` (an all-reduce) completes it.
+        lm_head is split by vocabulary columns and `gather` lays the ranks' logits side by
+        side. The embedding and the norms stay whole. The HF modules' weights are emptied:
+        only this forward runs a sharded model.
+        """
+        check_shardable(self.model.config, world)
+
+        def cols(w: torch.Tensor, size: int) -> torch.Tensor:  # [in, size] block of rank r
+            return w[..., rank * size : (rank + 1) * size]
+
+        for layer in self.layers:
+            q, k, v = layer["qkv"].split(layer["sizes"], dim=-1)
+            sizes = [s // world for s in layer["sizes"]]
+            layer["qkv"] = torch.cat([cols(q, sizes[0]), cols(k, sizes[1]), cols(v, sizes[2])], dim=-1)
+            if layer["qkv_bias"] is not None:
+                bq, bk, bv = layer["qkv_bias"].split(layer["sizes"])
+                layer["qkv_bias"] = torch.cat([cols(bq, sizes[0]), cols(bk, sizes[1]), cols(bv, sizes[2])])
+            layer["sizes"] = sizes
+            layer["o"] = layer["o"][rank * sizes[0] : (rank + 1) * sizes[0]].contiguous()
+            gate, up = layer["gate_up"].split(layer["half"], dim=-1)
+            half = layer["half"] // world
+            layer["gate_up"] = torch.cat([cols(gate, half), cols(up, half)], dim=-1)
+            layer["half"] = half
+            layer["down"] = layer["down"][rank * half : (rank + 1) * half].contiguous()
+        vocab = self.lm_head.shape[1]
+        width = -(-vocab // world)  # ceil: the last rank's block is padded with zero columns
+        head = torch.zeros(self.lm_head.shape[0], width, dtype=self.lm_head.dtype, device=self.lm_head.device)
+        block = self.lm_head[:, rank * width : (rank + 1) * width]
+        head[:, : block.shape[1]] = block
+        self.lm_head = head
+        self.vocab = vocab
+        self.heads //= world
+        self.kv_heads //= world
+        for layer in self.model.model.layers:
+            for module in (*layer.self_attn.children(), *layer.mlp.children()):
+                if isinstance(module, torch.nn.Linear):
+                    module.weight.data = torch.empty(0, dtype=module.weight.dtype, device=module.weight.device)
+        head_module = self.model.get_output_embeddings()
+        if head_module.weight.data_ptr() != self.embed.data_ptr():
+            head_module.weight.data = torch.empty(0, dtype=self.lm_head.dtype, device=self.lm_head.device)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm as transformers computes it: in float32, scaled by the weight in the model's dtype."""
         if x.dtype == torch.float32:
             return F.rms_norm(x, x.shape[-1:], weight, self.eps)
         return weight * F.rms_norm(x.float(), x.shape[-1:], None, self.eps).to(x.dtype)
+
+
+def check_shardable(config, world: int) -> None:
+    """Raise ValueError unless the model's heads and MLP columns split evenly over `world` ranks."""
+    heads = config.num_attention_heads
+    for count, what in ((heads, "attention heads"), (getattr(config, "num_key_value_heads", None) or heads,
+                        "key/value heads"), (config.intermediate_size, "MLP columns")):
+        if count % world:
+            raise ValueError(f"tensor-parallel size {world} does not divide the model's {count} {what}")
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from .adaptive import PassCost
 from .errors import CapacityExceeded, InvalidRequest
-from .fast_forward import FastForward
+from .fast_forward import FastForward, check_shardable
 from .sessions import Session, SessionTable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -54,6 +54,9 @@ class ModelRunner:
         idle_timeout: float = 600.0,
         max_context: int | None = None,
         forward: str = "auto",
+        tensor_parallel: int = 1,
+        ray_address: str | None = None,
+        tp_timeout: float = 120.0,
     ):
         path = Path(model_dir)
         if not (path / "config.json").is_file():
@@ -62,9 +65,41 @@ class ModelRunner:
             raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
         if forward not in FORWARDS:
             raise ValueError(f"--forward must be one of {FORWARDS}, not {forward!r}")
+        if tensor_parallel < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, not {tensor_parallel}")
+        if tensor_parallel > 1 and forward != "auto":
+            raise ValueError("tensor parallelism runs on the lean forward: --forward must be auto")
         self.name = path.resolve().name
         self.device = torch.device(device or default_device())
         self.dtype = DTYPES[dtype]
+        self.tensor_parallel = tensor_parallel
+        self.tp = None  # tensor_parallel.ShardedForward where tensor_parallel > 1
+        placement = None
+        if tensor_parallel > 1:
+            from transformers import AutoConfig
+
+            from .tensor_parallel import Placement
+
+            # before Ray starts: a size that does not divide the model fails fast
+            check_shardable(AutoConfig.from_pretrained(path, local_files_only=True), tensor_parallel)
+
+            placement = Placement(tensor_parallel, self.device, ray_address, tp_timeout)
+            self.device = placement.device
+        try:
+            self._load(path, max_context, forward, placement, dtype)
+        except BaseException:
+            if placement is not None and self.tp is None:
+                placement.give_up("the model failed to load")
+            raise
+        self.sessions = SessionTable(max_sessions, idle_timeout, self.fast.new_cache if self.fast else DynamicCache)
+        self._tokenizer_files: list[tuple[str, bytes]] | None = None
+        self.lock = threading.Lock()  # one forward at a time; sessions are touched under it
+        self.max_kv_tokens = 0  # cap on tokens held by all sessions together (0: none but max_sessions)
+        self.threads = torch.get_num_threads()
+        self.batched_threads = 0  # torch threads for passes over several sessions (0: the same as for one)
+        self.pass_cost = PassCost()  # set by calibrate() where a service wants it (adaptive K reads it)
+
+    def _load(self, path: Path, max_context: int | None, forward: str, placement, dtype: str) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, local_files_only=True)
         self.model.to(self.device).eval()
@@ -79,13 +114,18 @@ class ModelRunner:
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         self.fast = FastForward.build(self.model, self.max_context) if forward == "auto" else None
         self.forward_kind = "fast" if self.fast else "transformers"
-        self.sessions = SessionTable(max_sessions, idle_timeout, self.fast.new_cache if self.fast else DynamicCache)
-        self._tokenizer_files: list[tuple[str, bytes]] | None = None
-        self.lock = threading.Lock()  # one forward at a time; sessions are touched under it
-        self.max_kv_tokens = 0  # cap on tokens held by all sessions together (0: none but max_sessions)
-        self.threads = torch.get_num_threads()
-        self.batched_threads = 0  # torch threads for passes over several sessions (0: the same as for one)
-        self.pass_cost = PassCost()  # set by calibrate() where a service wants it (adaptive K reads it)
+        if placement is not None:
+            if self.fast is None:
+                raise placement.give_up(f"tensor parallelism needs the lean forward, which {config.model_type} lacks")
+            self.tp = placement.start(self.fast, path, dtype, self.max_context, torch.get_num_threads())
+            self.fast = self.tp
+            self.forward_kind = f"fast, tensor-parallel x{self.tensor_parallel}"
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any."""
+        if self.tp is not None:
+            with self.lock:
+                self.tp.close()
 
     @torch.inference_mode()
     def calibrate(self, context: int = 64, reps: int = 3) -> PassCost:
@@ -150,6 +190,7 @@ class ModelRunner:
             "pass_ms_fixed": self.pass_cost.fixed,
             "pass_ms_per_token": self.pass_cost.per_token,
             "pass_ms_per_session": self.pass_cost.per_session,
+            "tensor_parallel_size": self.tensor_parallel,
         }
 
     def tokenizer_files(self) -> list[tuple[str, bytes]]:

@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specdec.v1 import specdec_pb2 as pb
 
-from .errors import CapacityExceeded, InvalidRequest, SessionExists, SessionNotFound
+from .errors import CapacityExceeded, InvalidRequest, SessionExists, SessionNotFound, WorkerLost
 from .metrics import ModelMetrics, add_metrics_flag, start as start_metrics
 from .sampling import SamplingParams
 
@@ -41,6 +41,7 @@ STATUS_OF = {
     SessionNotFound: grpc.StatusCode.NOT_FOUND,
     SessionExists: grpc.StatusCode.ALREADY_EXISTS,
     CapacityExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    WorkerLost: grpc.StatusCode.UNAVAILABLE,
 }
 
 
@@ -108,6 +109,14 @@ def add_model_flags(parser: EnvArgumentParser, role: str) -> None:
                         help="calls that may wait for the model; beyond, RESOURCE_EXHAUSTED")
     parser.add_argument("--max-batch", type=int, default=32,
                         help="most sessions per model pass (continuous batching; 1: one session at a time)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks to shard the model over, placed by Ray (one GPU each on GPU machines, one CPU"
+                             " each on CPU); rank 0 runs in this process")
+    parser.add_argument("--ray-address", default=None,
+                        help="join this Ray cluster for the tensor-parallel ranks (e.g. ray://head:10001 or auto);"
+                             " default: a local Ray instance, started and stopped with the service")
+    parser.add_argument("--tp-start-timeout", type=float, default=120.0,
+                        help="seconds to wait for the ranks' placement, weights and process group")
     add_metrics_flag(parser)
 
 
@@ -174,7 +183,9 @@ async def serve(
     """Start the server NOT_SERVING, run `load`, turn SERVING, and stop cleanly on SIGTERM /
     SIGINT (or when `stop` is set, if given).
 
-    add_servicers registers the servicers and returns their full service names.
+    add_servicers registers the servicers and returns their full service names. `load` may return
+    a future that resolves (with a message) if the service breaks later, e.g. a tensor-parallel
+    rank dies: health then turns NOT_SERVING for good, and the server stays up to say why.
     """
     server = grpc.aio.server(options=SERVER_OPTIONS)
     service_names = add_servicers(server)
@@ -199,6 +210,13 @@ async def serve(
         await checks.set(True)
         log.info("%s SERVING", name)
         print(f"{name} ready", flush=True)
+        broken = loader.result()
+        if broken is not None:
+            await asyncio.wait({stopper, broken}, return_when=asyncio.FIRST_COMPLETED)
+            if broken.done() and not stopper.done():
+                await checks.set(False)
+                log.error("%s NOT_SERVING: %s", name, broken.result())
+                print(f"{name} NOT_SERVING: {broken.result()}", flush=True)
         await stopper
     elif loader in done:
         log.error("%s failed to start: %s", name, loader.exception())
@@ -405,12 +423,14 @@ def run_model_service(name: str, args: argparse.Namespace, servicer: ModelServic
 
     async def main() -> None:
         sweeper: asyncio.Task | None = None
+        runner = None
 
-        async def load() -> None:
-            nonlocal sweeper
+        async def load() -> asyncio.Future | None:
+            nonlocal sweeper, runner
             runner = await servicer.thread.run(
                 lambda: ModelRunner(args.model, args.device, args.dtype, args.max_sessions,
-                                    args.session_idle_timeout, args.max_context or None, args.forward)
+                                    args.session_idle_timeout, args.max_context or None, args.forward,
+                                    args.tensor_parallel_size, args.ray_address, args.tp_start_timeout)
             )
             runner.batched_threads = args.batched_threads
             runner.max_kv_tokens = args.max_kv_tokens
@@ -420,6 +440,14 @@ def run_model_service(name: str, args: argparse.Namespace, servicer: ModelServic
             log.info("%s loaded %s (%d parameters) on %s, %s forward; pass %s", name, runner.name,
                      runner.num_parameters, runner.device, runner.forward_kind, runner.pass_cost)
             sweeper = asyncio.ensure_future(sweep_idle_sessions(runner, servicer.thread, min(30.0, args.session_idle_timeout)))
+            if runner.tp is None:
+                return None
+            from .tensor_parallel import watch
+
+            loop = asyncio.get_running_loop()
+            broken = loop.create_future()
+            watch(runner.tp, lambda message: loop.call_soon_threadsafe(broken.set_result, message))
+            return broken
 
         def add(server: grpc.aio.Server) -> list[str]:
             add_to_server(servicer, server)
@@ -432,6 +460,8 @@ def run_model_service(name: str, args: argparse.Namespace, servicer: ModelServic
         async def on_stop() -> None:
             if sweeper is not None:
                 sweeper.cancel()
+            if runner is not None:
+                await servicer.thread.run(runner.close)
 
         await serve(name, args.host, args.port, add, load, on_stop)
 

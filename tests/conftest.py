@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import grpc
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from coordinator.launch import LocalStack
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -28,6 +30,22 @@ def other_tokenizer_model(tmp_path_factory):
     """A model whose tokenizer differs from `pair`'s: the coordinator must refuse the pairing."""
     out = tmp_path_factory.mktemp("other")
     return make_model(out / "model", make_tokenizer(out / "tok", "chars"), hidden=32, layers=1, heads=2, kv_heads=1)
+
+
+@pytest.fixture(scope="session")
+def reference(pair):
+    """Greedy continuations by transformers `generate` on `pair`'s target alone: (prompt, n) -> ids."""
+    _, target_dir = pair
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+
+    def greedy(prompt: str, n: int) -> list[int]:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=n, do_sample=False)
+        return out[0, ids.shape[1] :].tolist()
+
+    return greedy
 
 
 def _stack(draft, target, request, **kwargs):

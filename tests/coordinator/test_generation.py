@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -17,22 +16,6 @@ PROMPTS = [
     "The draft proposes tokens; the target",
     "x",
 ]
-
-
-@pytest.fixture(scope="module")
-def reference(pair):
-    """Greedy continuations by transformers `generate` on the target alone."""
-    _, target_dir = pair
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
-
-    def greedy(prompt: str, n: int) -> list[int]:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.inference_mode():
-            out = model.generate(ids, max_new_tokens=n, do_sample=False)
-        return out[0, ids.shape[1] :].tolist()
-
-    return greedy
 
 
 def stub_for(stack) -> pb_grpc.GenerationStub:

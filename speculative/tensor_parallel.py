@@ -1,0 +1,338 @@
+"""Tensor parallelism for a model service: N ranks, each holding 1/N of every layer, placed by Ray.
+
+    ModelRunner(dir, tensor_parallel=2)                  # a local Ray instance, started and stopped with it
+    ModelRunner(dir, tensor_parallel=4, ray_address="ray://head:10001")   # an existing Ray cluster
+
+The split is Megatron's (`FastForward.shard`): attention heads and MLP columns are divided
+between the ranks, and one all-reduce after each attention and each MLP block completes
+the residual update; the vocabulary of lm_head is divided too and the logits all-gathered.
+
+Rank 0 runs in the service process: it hosts the gRPC server, the session table and the
+sampling (rejection sampling runs once, on the gathered logits). Ranks 1..N-1 are Ray
+actors, one per bundle of a placement group (a GPU each on GPU machines, a CPU each on
+CPU); all N join one `torch.distributed` group (NCCL on GPU, gloo on CPU) plus a gloo
+group for control messages. Every pass, rank 0 first broadcasts its *plan*: for each
+sequence, the key of its KV cache, the length to roll that cache back to, the new token
+ids and the rows of logits wanted; and the keys of caches dropped since the last pass.
+Each rank then crops its shard of those caches to the same lengths and runs the same
+pass, so rollback is identical on every rank by construction.
+
+A rank that dies or fails to start is named in the error; the service turns NOT_SERVING
+(see `wait_lost`) instead of hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import threading
+import weakref
+from collections import deque
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from .errors import WorkerLost
+
+log = logging.getLogger("specdec.tp")
+
+PG_TIMEOUT = timedelta(seconds=120)  # a collective that waits longer than this raises
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _join(rank: int, world: int, init_method: str, backend: str):
+    """Join the model group and the control group. -> the control group (gloo)."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=PG_TIMEOUT)
+    return dist.new_group(backend="gloo", timeout=PG_TIMEOUT) if backend != "gloo" else dist.group.WORLD
+
+
+def attach(fast, rank: int, world: int) -> None:
+    """Shard `fast` for `rank` and give it the collectives of the default process group."""
+    import torch.distributed as dist
+
+    fast.shard(rank, world)
+    vocab = fast.vocab
+
+    def reduce(partial: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(partial)
+        return partial
+
+    def gather(logits: torch.Tensor) -> torch.Tensor:  # [rows, V / world] -> [rows, V]
+        blocks = [torch.empty_like(logits) for _ in range(world)]
+        dist.all_gather(blocks, logits.contiguous())
+        return torch.cat(blocks, dim=-1)[:, :vocab]
+
+    fast.reduce, fast.gather = reduce, gather
+
+
+class Worker:
+    """Rank r >= 1: loads the model, keeps its shard, and replays rank 0's passes until told to stop.
+
+    Run as a Ray actor (`ray.remote(Worker)`); its methods are called in this order:
+    load -> join -> serve (which returns when rank 0 broadcasts the stop, or raises).
+    """
+
+    def __init__(self, rank: int, world: int, model_dir: str, dtype: str, device: str, max_context: int,
+                 threads: int):
+        import speculative.openmp  # noqa: F401  (before torch's first parallel region)
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        if threads > 0:
+            torch.set_num_threads(threads)
+        self.rank, self.world = rank, world
+        self.model_dir, self.dtype, self.device, self.max_context = model_dir, dtype, device, max_context
+        self.fast = None
+        self.control = None
+        self.caches: dict[int, object] = {}
+
+    def load(self) -> int:
+        from transformers import AutoModelForCausalLM
+
+        from .fast_forward import FastForward
+        from .model_runner import DTYPES
+
+        device = self.device
+        if device.startswith("cuda"):
+            device = "cuda"  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=DTYPES[self.dtype], local_files_only=True)
+        model.to(device).eval()
+        self.fast = FastForward.build(model, self.max_context)
+        if self.fast is None:
+            raise ValueError(f"{model.config.model_type} has no lean forward to shard")
+        return os.getpid()
+
+    def join(self, init_method: str, backend: str) -> None:
+        self.control = _join(self.rank, self.world, init_method, backend)
+        attach(self.fast, self.rank, self.world)
+
+    @torch.inference_mode()
+    def serve(self) -> None:
+        import torch.distributed as dist
+
+        try:
+            while True:
+                box = [None]
+                dist.broadcast_object_list(box, src=0, group=self.control)
+                if box[0] is None:  # stop
+                    return
+                plan, dropped = box[0]
+                for key in dropped:
+                    self.caches.pop(key, None)
+                feeds = []
+                for key, length, input_ids, num_logits in plan:
+                    cache = self.caches.get(key)
+                    if cache is None:
+                        cache = self.caches[key] = self.fast.new_cache()
+                    cache.crop(length)
+                    feeds.append((input_ids, cache, num_logits))
+                self.fast.many(feeds)
+        finally:
+            self.caches.clear()
+            dist.destroy_process_group()
+
+
+class ShardedForward:
+    """Rank 0's tensor-parallel forward: FastForward's interface (`many`, `new_cache`), each pass
+    announced to the other ranks first. Made by `Placement.start`; `close` stops the workers."""
+
+    def __init__(self, fast, world: int, control, placement: Placement, served: list, pids: list[int]):
+        self.fast, self.world, self.control = fast, world, control
+        self.placement, self.ray, self.served, self.pids = placement, placement.ray, served, pids
+        self._keys = itertools.count()
+        self._dropped: deque[int] = deque()  # keys of caches gone on rank 0, still held by the others
+        self.failed: str | None = None
+        self.closed = False
+
+    def new_cache(self):
+        cache = self.fast.new_cache()
+        cache.key = next(self._keys)
+        weakref.finalize(cache, self._dropped.append, cache.key)
+        return cache
+
+    def many(self, feeds):
+        import torch.distributed as dist
+
+        if self.failed:
+            raise WorkerLost(self.failed)
+        dropped = []
+        while self._dropped:
+            dropped.append(self._dropped.popleft())
+        plan = [(cache.key, cache.length, list(input_ids), num_logits) for input_ids, cache, num_logits in feeds]
+        try:
+            dist.broadcast_object_list([(plan, dropped)], src=0, group=self.control)
+            return self.fast.many(feeds)
+        except (RuntimeError, dist.DistBackendError) as exc:
+            self.failed = self._lost_message(exc)
+            raise WorkerLost(self.failed) from exc
+
+    def _lost_message(self, exc: BaseException | None = None) -> str:
+        """Which rank is gone, from Ray's record of the actors' `serve` calls."""
+        ray = self.ray
+        done, _ = ray.wait(self.served, num_returns=1, timeout=5.0)
+        for rank, ref in enumerate(self.served, start=1):
+            if ref in done:
+                try:
+                    ray.get(ref)
+                    why = "stopped"
+                except Exception as err:  # noqa: BLE001  (the actor's death, as Ray reports it)
+                    why = f"died: {_first_line(err)}"
+                return f"tensor-parallel worker rank {rank} (pid {self.pids[rank - 1]}) {why}"
+        return f"tensor-parallel collective failed: {exc}"
+
+    def wait_lost(self) -> str:
+        """Block until a worker rank ends (or `close`). -> what happened, naming the rank."""
+        self.ray.wait(self.served, num_returns=1, timeout=None)
+        if self.closed:
+            return ""
+        if not self.failed:
+            self.failed = self._lost_message()
+        return self.failed
+
+    def close(self) -> None:
+        """Stop the workers (a broadcast stop, then kill), free the placement, stop a local Ray."""
+        import torch.distributed as dist
+
+        if self.closed:
+            return
+        self.closed = True
+        ray = self.ray
+        if not self.failed:
+            try:
+                dist.broadcast_object_list([None], src=0, group=self.control)
+                ray.wait(self.served, num_returns=len(self.served), timeout=10.0)
+            except Exception:  # noqa: BLE001  (a dead rank: killed below)
+                pass
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+        self.placement.give_up("closed")
+
+
+def _gpu_ids() -> list:
+    import ray
+
+    return ray.get_gpu_ids()
+
+
+class Placement:
+    """Ray placement of the ranks: `world` bundles (a GPU each on GPU machines, a CPU each on CPU), one of
+    them on this node for rank 0. Made before the weights load, since it decides rank 0's GPU;
+    `start` then starts the workers. Raises RuntimeError saying what the cluster lacks; nothing is
+    left running then.
+    """
+
+    def __init__(self, world: int, device: torch.device, ray_address: str | None = None, timeout: float = 120.0):
+        import ray
+        from ray.util.placement_group import placement_group, placement_group_table
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        # Ray's C++ core would otherwise take over SIGTERM in this process and print a stack trace
+        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+        self.ray, self.world, self.timeout = ray, world, timeout
+        self.gpu = device.type == "cuda"
+        self.own_ray = not ray.is_initialized() and not ray_address
+        if ray_address:
+            ray.init(address=ray_address, log_to_driver=False, ignore_reinit_error=True)
+        elif self.own_ray:  # a local instance, stopped by close()
+            ray.init(num_cpus=os.cpu_count() or 1, num_gpus=torch.cuda.device_count(), include_dashboard=False,
+                     log_to_driver=False, object_store_memory=100 << 20, configure_logging=False)
+        self.bundle = {"GPU": 1.0, "CPU": 1.0} if self.gpu else {"CPU": 1.0}
+        self.group = placement_group([dict(self.bundle) for _ in range(world)], strategy="PACK")
+        self.workers: list = []
+        ready, _ = ray.wait([self.group.ready()], timeout=timeout)
+        if not ready:
+            raise self.give_up(f"cannot place {world} tensor-parallel ranks of {self.bundle} each within "
+                               f"{timeout:.0f} s: the Ray cluster has {ray.cluster_resources()}")
+        here = ray.get_runtime_context().get_node_id()
+        nodes = placement_group_table(self.group)["bundles_to_node_id"]
+        local = [i for i, node in nodes.items() if node == here]
+        if not local:
+            raise self.give_up("no bundle of the placement group is on this node, where rank 0 runs")
+        self.own_bundle = local[0]
+        self.worker_bundles = [i for i in sorted(nodes) if i != self.own_bundle]
+        self.strategy = lambda index: PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
+        self.device = device
+        if self.gpu and device.index is None:  # rank 0 takes the GPU Ray gave its bundle
+            probe = ray.remote(num_gpus=1, num_cpus=0)(_gpu_ids).options(scheduling_strategy=self.strategy(self.own_bundle))
+            physical = str(ray.get(probe.remote())[0])
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            self.device = torch.device("cuda", visible.split(",").index(physical) if visible else int(physical))
+
+    def give_up(self, message: str) -> RuntimeError:
+        """Undo everything; -> the error to raise."""
+        for worker in self.workers:
+            self.ray.kill(worker)
+        self.ray.util.remove_placement_group(self.group)
+        if self.own_ray:
+            self.ray.shutdown()
+        return RuntimeError(message)
+
+    def start(self, fast, model_dir: str | Path, dtype: str, max_context: int, threads: int = 0) -> ShardedForward:
+        """Start the workers on the other bundles, join them in a process group, shard `fast` as rank 0."""
+        ray, world, timeout = self.ray, self.world, self.timeout
+        remote = ray.remote(Worker)
+        for rank, index in enumerate(self.worker_bundles, start=1):
+            self.workers.append(remote.options(scheduling_strategy=self.strategy(index), num_cpus=1,
+                                               num_gpus=1 if self.gpu else 0)
+                                .remote(rank, world, str(model_dir), dtype, str(self.device), max_context, threads))
+
+        def each(calls, what: str) -> list:
+            results = []
+            for rank, ref in enumerate(calls, start=1):
+                try:
+                    results.append(ray.get(ref, timeout=timeout))
+                except ray.exceptions.GetTimeoutError:
+                    raise self.give_up(f"tensor-parallel worker rank {rank} did not {what} within {timeout:.0f} s"
+                                       ) from None
+                except Exception as exc:  # noqa: BLE001  (the worker's own error, or its death)
+                    raise self.give_up(f"tensor-parallel worker rank {rank} failed to {what}: "
+                                       f"{_first_line(exc)}") from exc
+            return results
+
+        pids = each([w.load.remote() for w in self.workers], "load the model")
+        backend = "nccl" if self.gpu else "gloo"
+        init_method = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+        joins = [w.join.remote(init_method, backend) for w in self.workers]
+        try:
+            control = _join(0, world, init_method, backend)
+        except Exception as exc:  # noqa: BLE001
+            raise self.give_up(f"tensor-parallel group did not form: {exc}") from exc
+        each(joins, "join the process group")
+        attach(fast, 0, world)
+        served = [w.serve.remote() for w in self.workers]
+        log.info("tensor parallel: %d ranks over %s; worker pids %s", world, backend, pids)
+        return ShardedForward(fast, world, control, self, served, pids)
+
+
+def _first_line(exc: BaseException) -> str:
+    """A Ray error's message without its traceback: the last line naming the exception."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    named = [line for line in lines if "Error" in line.split(":")[0]]
+    return (named[-1] if named else lines[0] if lines else type(exc).__name__).strip()
+
+
+def watch(sharded: ShardedForward, on_lost) -> threading.Thread:
+    """Call `on_lost(message)` from a daemon thread when a worker rank ends (not on `close`)."""
+
+    def run() -> None:
+        try:
+            message = sharded.wait_lost()
+        except Exception as exc:  # noqa: BLE001  (Ray shut down under it)
+            message = "" if sharded.closed else f"tensor-parallel workers unreachable: {exc}"
+        if message:
+            on_lost(message)
+
+    thread = threading.Thread(target=run, name="tp-watch", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,119 @@
+"""A tensor-parallel target (TP = 2: rank 0 in the service, rank 1 a Ray actor) through the
+full gRPC stack: the same greedy and seeded-sampled outputs as TP = 1, rollbacks included; a
+dead rank turns the service NOT_SERVING naming it; SIGTERM leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator.launch import ROOT, LocalStack, free_port, wait_serving
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+PROMPTS = [
+    "def speculative_round(draft, target):",
+    "for i in range(10):\n    print(",
+    "The draft proposes tokens; the target",
+]
+
+
+@pytest.fixture(scope="module")
+def tp_client(pair, request):
+    draft, target = pair
+    stack = LocalStack(draft, target, target_args=["--tensor-parallel-size", "2"]).start()
+    request.addfinalizer(stack.stop)
+    channel = grpc.insecure_channel(stack.addr)
+    request.addfinalizer(channel.close)
+    return pb_grpc.GenerationStub(channel)
+
+
+@pytest.mark.parametrize("k", [0, 2, 5])
+def test_greedy_equals_tp1_and_the_target_alone(tp_client, client, reference, k):
+    rejected = 0
+    for prompt in PROMPTS:
+        request = pb.GenerateRequest(prompt=prompt, max_new_tokens=40, temperature=0.0, num_speculative_tokens=k)
+        sharded, whole = tp_client.Generate(request), client.Generate(request)
+        assert list(sharded.token_ids) == list(whole.token_ids) == reference(prompt, 40), (prompt, k)
+        rejected += sharded.stats.rejected_rounds
+    if k:  # the pair's draft mostly disagrees: rollbacks happened on both ranks
+        assert rejected > 0
+
+
+def test_seeded_sampling_equals_tp1(tp_client, client):
+    for seed in (1, 2, 3):
+        request = pb.GenerateRequest(prompt=PROMPTS[2], max_new_tokens=32, temperature=1.0, top_p=0.95, seed=seed,
+                                     num_speculative_tokens=3)
+        assert list(tp_client.Generate(request).token_ids) == list(client.Generate(request).token_ids), seed
+
+
+def test_info_reports_the_size(tp_client):
+    assert tp_client.GetInfo(pb.GetInfoRequest()).target.tensor_parallel_size == 2
+
+
+def descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return not Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
+
+
+def test_a_dead_rank_turns_the_service_not_serving_and_sigterm_leaves_nothing(pair, tmp_path):
+    _, target = pair
+    addr = f"127.0.0.1:{free_port()}"
+    log = tmp_path / "target.log"
+    proc = subprocess.Popen([sys.executable, "-m", "target_service", "--model", str(target), "--port",
+                             addr.split(":")[1], "--threads", "1", "--tensor-parallel-size", "2"], cwd=ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        wait_serving(addr, 120, {"target": proc}, {"target": log})
+        worker = int(re.search(r"worker pids \[(\d+)\]", log.read_text()).group(1))
+        assert worker in descendants(proc.pid) or alive(worker)
+        os.kill(worker, signal.SIGKILL)
+        with grpc.insecure_channel(addr) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + 30
+            while health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
+                assert time.monotonic() < deadline, "still SERVING 30 s after its rank 1 died"
+                time.sleep(0.2)
+            target_stub = pb_grpc.TargetStub(channel)
+            with pytest.raises(grpc.RpcError) as failed:
+                target_stub.Verify(pb.VerifyRequest(session_id="s", start=True, append=[1, 2, 3],
+                                                   sampling=pb.SamplingParams(top_p=1.0)), timeout=30)
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "rank 1" in failed.value.details()
+        assert "NOT_SERVING: tensor-parallel worker rank 1" in log.read_text()
+        family = descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        time.sleep(1)
+        assert not [pid for pid in family if alive(pid)], log.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()

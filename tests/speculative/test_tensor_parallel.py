@@ -1,0 +1,115 @@
+"""Tensor parallelism in one process (rank 0 here, rank 1 a Ray actor): the sharded forward
+computes the unsharded one's logits, through rollbacks and ragged batches; wrong sizes fail
+fast and clearly."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+
+from speculative.model_runner import ModelRunner
+from speculative.tiny import make_model, make_tokenizer
+
+ATOL = 1e-4  # float32 partial sums added in another order
+
+
+# first, before the module's Ray instance exists: these check that a failed start stops its own
+
+@pytest.mark.parametrize("size, what", [(3, "4 attention heads"), (4, "2 key/value heads")])
+def test_a_size_that_does_not_divide_the_model_fails_before_ray_starts(pair, size, what):
+    import ray
+
+    _, target = pair
+    with pytest.raises(ValueError, match=f"tensor-parallel size {size} does not divide the model's {what}"):
+        ModelRunner(target, "cpu", tensor_parallel=size)
+    assert not ray.is_initialized()
+
+
+def test_more_ranks_than_the_cluster_holds_fail_clearly(tmp_path):
+    import ray
+
+    # a model every size up to 2 x the cores divides, so only the placement can fail
+    size = 2 * (os.cpu_count() or 1)
+    model = make_model(tmp_path / "wide", make_tokenizer(tmp_path / "tok", "chars"), hidden=8 * size, layers=1,
+                       heads=size, kv_heads=size)
+    with pytest.raises(RuntimeError, match=f"cannot place {size} tensor-parallel ranks .* within 3 s"):
+        ModelRunner(model, "cpu", tensor_parallel=size, tp_timeout=3)
+    assert not ray.is_initialized()  # the local instance was stopped again
+
+
+@pytest.fixture(scope="module")
+def runners(pair):
+    _, target = pair
+    whole = ModelRunner(target, "cpu")
+    sharded = ModelRunner(target, "cpu", tensor_parallel=2, tp_timeout=60)
+    yield whole, sharded
+    sharded.close()
+
+
+def both(runners, session_id: str, tokens: list[int]):
+    pair = []
+    for runner in runners:
+        session = runner.start_session(session_id, 0)
+        session.tokens = list(tokens)
+        pair.append(session)
+    return pair
+
+
+def test_logits_equal_through_rollbacks(runners):
+    whole, sharded = runners
+    a, b = both(runners, "rollback", list(range(3, 40)))
+    assert torch.allclose(whole.forward(a, 5), sharded.forward(b, 5), atol=ATOL)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(6):  # verify-like steps: append K + 1 tokens, score them, roll some back
+        keep = len(a.tokens) - int(torch.randint(0, 4, (), generator=generator))
+        new = torch.randint(0, whole.vocab_size, (1 + step % 4,), generator=generator).tolist()
+        for session in (a, b):
+            session.truncate(keep)
+            session.tokens.extend(new)
+        x, y = whole.forward(a, len(new)), sharded.forward(b, len(new))
+        assert x.shape == y.shape == (len(new), whole.logits_size)
+        assert (x - y).abs().max().item() < ATOL, step
+    for runner in runners:
+        runner.sessions.release("rollback")
+
+
+def test_ragged_batches_of_mixed_lengths(runners):
+    whole, sharded = runners
+    sessions = [both(runners, f"batch-{i}", [(5 * i + j) % 300 for j in range(4 + 7 * i)]) for i in range(4)]
+    wanted = [1, 3, 2, 4]
+    xs = whole.forward_many([(a, n) for (a, _), n in zip(sessions, wanted)])
+    ys = sharded.forward_many([(b, n) for (_, b), n in zip(sessions, wanted)])
+    for x, y, n in zip(xs, ys, wanted):
+        assert x.shape == y.shape == (n, whole.logits_size)
+        assert (x - y).abs().max().item() < ATOL
+    for runner in runners:
+        for i in range(4):
+            runner.sessions.release(f"batch-{i}")
+
+
+def test_released_caches_are_dropped_on_every_rank(runners):
+    _, sharded = runners
+    session = sharded.start_session("dropped", 0)
+    session.tokens = [1, 2, 3]
+    sharded.forward(session)
+    sharded.sessions.release("dropped")
+    del session
+    gc.collect()
+    assert sharded.tp._dropped  # waits for the next pass's plan
+    other = sharded.start_session("next", 0)
+    other.tokens = [4, 5]
+    sharded.forward(other)
+    assert not sharded.tp._dropped
+    sharded.sessions.release("next")
+
+
+def test_info_reports_the_size(runners):
+    whole, sharded = runners
+    assert whole.info()["tensor_parallel_size"] == 1 and sharded.info()["tensor_parallel_size"] == 2
+    assert sharded.info()["num_parameters"] == whole.info()["num_parameters"]  # the model's, not a shard's
+    assert "tensor-parallel x2" in sharded.forward_kind
+
+
