@@ -14,6 +14,8 @@ One run, same machine, same threads, same held-out prompts, for greedy and for s
      K and with adaptive K (its K column: the mean K it chose)
   e  d with an oracle draft replaying the target's own greedy continuation (acceptance 1.0):
      the ceiling of the machinery (greedy only)
+  f  d at K = --tp-k with the target tensor-parallel over 1 and 2 ranks (--tp), one torch
+     thread per rank: what sharding costs or gains on this machine (on a 2-core CPU it costs)
 Writes a table to stdout, bench/results/latest.json and bench/results/speedup.png.
 """
 
@@ -266,8 +268,11 @@ def main(argv=None) -> None:
     parser.add_argument("--draft-threads", type=int, default=1,
                         help="torch threads of d's draft service: it runs while the target waits, and with more"
                              " than one its idle OpenMP workers spin on the cores the target needs next")
+    parser.add_argument("--tp", default="1,2", help="row f: target tensor-parallel sizes ('' to skip the row)")
+    parser.add_argument("--tp-k", type=int, default=4, help="row f: K")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    tp_sizes = [int(n) for n in args.tp.split(",") if n]
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -281,7 +286,7 @@ def main(argv=None) -> None:
     assistant = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
     eos = {target.config.eos_token_id}
 
-    runs = len(modes) * (3 + 4 * len(ks)) + len(ks) * ("greedy" in modes)
+    runs = len(modes) * (3 + 4 * len(ks) + len(tp_sizes)) + len(ks) * ("greedy" in modes)
     bar = tqdm(total=runs, desc="bench", unit="run")
     rows: list[dict] = []
     baselines: dict[str, list[float]] = {}  # row a's tokens/s, per mode: at the start and after every K
@@ -342,6 +347,16 @@ def main(argv=None) -> None:
                 rows.append(row_from_stats("e specdec gRPC, oracle", "greedy", k, stats, seconds))
                 bar.update()
             oracle.unlink()
+        for size in tp_sizes:
+            stack.stop()
+            stack = LocalStack(draft_dir, target_dir, threads=1, draft_threads=args.draft_threads,
+                               target_args=["--tensor-parallel-size", str(size)]).start()
+            for mode, temperature in modes.items():
+                bar.set_postfix_str(f"{mode}: f target TP={size} K={args.tp_k}")
+                stats, seconds = grpc_run(stack, prompts, temperature, args.new_tokens, args.tp_k)
+                rows.append({**row_from_stats(f"f gRPC, target TP={size}", mode, args.tp_k, stats, seconds),
+                             "tensor_parallel": size})
+                bar.update()
     finally:
         stack.stop()
         bar.close()

@@ -63,13 +63,21 @@ def make_model(
     seed: int = 0,
     max_context: int = 512,
     init_std: float = 0.02,
+    intermediate: int | None = None,
+    vocab_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
 ) -> Path:
-    """A random-weight causal LM of the given family, saved with its tokenizer."""
+    """A random-weight causal LM of the given family, saved with its tokenizer.
+
+    intermediate: the MLP width (default 2 x hidden); vocab_size: the embedding rows (default the
+    tokenizer's; more leaves ids no text maps to); device: where to initialise (a GPU is much
+    faster for billions of parameters)."""
     config = AutoConfig.for_model(
         arch,
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size or len(tokenizer),
         hidden_size=hidden,
-        intermediate_size=hidden * 2,
+        intermediate_size=intermediate or hidden * 2,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
@@ -81,7 +89,8 @@ def make_model(
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config.pad_token_id = tokenizer.eos_token_id
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
