@@ -6,6 +6,11 @@ At start-up it waits for both services to be SERVING, refuses a pair whose
 tokenizers or vocabularies differ, and loads the target's tokenizer from the
 target service itself. Every flag can also be set from the environment
 (SPECDEC_COORDINATOR_<FLAG>); see --help.
+
+TLS, two sides (speculative/transport.py): --tls-cert / --tls-key / --tls-ca for the clients of
+its public API, as on the model services; --peer-tls-ca / --peer-tls-cert / --peer-tls-key for its
+own channels to the model services (the CA that signed their certificates, and the certificate
+it presents where they require mutual TLS).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import logging
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from speculative.metrics import CoordinatorMetrics, add_metrics_flag, start as start_metrics
 from speculative.serving import EnvArgumentParser, add_common_flags, serve, setup_logging
+from speculative.transport import MAX_REQUEST_BYTES, add_dial_flags, channel_credentials, server_credentials
 
 from .peers import GrpcDraft, GrpcTarget
 from .pool import Pool
@@ -51,6 +57,9 @@ def parse_args(argv=None):
     parser.add_argument("--call-timeout", type=float, default=60.0, help="deadline of each call to a model service")
     parser.add_argument("--peer-calls", choices=["stream", "unary"], default="stream",
                         help="per-round calls to the model services: one stream per generation, or unary calls")
+    add_dial_flags(parser, "peer-tls", "the draft and target services")
+    parser.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
+                        help="largest request a client may send; gRPC refuses a larger one with RESOURCE_EXHAUSTED")
     add_metrics_flag(parser)
     args = parser.parse_args(argv)
     if args.num_speculative_tokens != "auto" and not args.num_speculative_tokens.isdigit():
@@ -59,18 +68,24 @@ def parse_args(argv=None):
         parser.error(f"--adaptive-max-k must lie in [0, --max-speculative-tokens={args.max_speculative_tokens}]")
     if not 0.0 <= args.draft_p_min <= 1.0:
         parser.error(f"--draft-p-min must lie in [0, 1], not {args.draft_p_min}")
+    if args.max_request_bytes <= 0:
+        parser.error(f"--max-request-bytes must be > 0, not {args.max_request_bytes}")
     return args
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     setup_logging(args.log_level)
+    credentials = server_credentials(args)
+    peer_credentials = channel_credentials(args.peer_tls_ca, args.peer_tls_cert, args.peer_tls_key, "--peer-tls")
+
+    def pool(name: str, spec: str, kind: type[GrpcDraft | GrpcTarget]) -> Pool:
+        streaming = args.peer_calls == "stream"
+        return Pool(name, spec, lambda address, server_name: kind(address, args.call_timeout, streaming,
+                                                                  peer_credentials, server_name), args.resolve_every)
 
     async def run() -> None:
-        streaming = args.peer_calls == "stream"
-        draft = Pool("draft", args.draft, lambda a: GrpcDraft(a, args.call_timeout, streaming), args.resolve_every)
-        target = Pool("target", args.target, lambda a: GrpcTarget(a, args.call_timeout, streaming),
-                      args.resolve_every)
+        draft, target = pool("draft", args.draft, GrpcDraft), pool("target", args.target, GrpcTarget)
         adaptive = args.num_speculative_tokens == "auto"
         k = args.adaptive_max_k if adaptive else int(args.num_speculative_tokens)
         limits = Limits(args.max_new_tokens, k, args.max_speculative_tokens, adaptive, args.draft_p_min, args.predraft)
@@ -90,7 +105,8 @@ def main(argv=None) -> None:
         async def on_stop() -> None:
             await asyncio.gather(draft.close(), target.close())
 
-        await serve("coordinator", args.host, args.port, add, load, on_stop)
+        await serve("coordinator", args.host, args.port, add, load, on_stop, credentials=credentials,
+                    max_request_bytes=args.max_request_bytes)
 
     asyncio.run(run())
 

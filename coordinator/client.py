@@ -1,6 +1,7 @@
 """Command-line client for the coordinator.
 
     python -m coordinator.client --addr 127.0.0.1:50050 --stream "def fibonacci(n):"
+    python -m coordinator.client --tls-ca ca.pem --tls-cert me.pem --tls-key me.key "def f():"  # mutual TLS
 
 Prints the text (as it arrives with --stream), or with --json one JSON object
 with text, token_ids, finish_reason and stats. --stats adds the acceptance
@@ -18,6 +19,7 @@ from google.protobuf.json_format import MessageToDict
 
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from speculative.transport import add_dial_flags, channel_credentials, open_channel
 
 
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
@@ -65,10 +67,17 @@ def main(argv=None) -> int:
                         help="a fixed K, draft tokens per round (default: the server's, adaptive unless set)")
     parser.add_argument("--draft-p-min", type=float, help="the draft stops at a token it is less sure of than this")
     parser.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
+    add_dial_flags(parser, "tls", "the coordinator")
+    parser.add_argument("--tls", action="store_true",
+                        help="TLS, verifying the coordinator against the system's root certificates (for a"
+                             " publicly issued certificate; implied by --tls-ca / --tls-cert)")
     args = parser.parse_args(argv)
 
     request = build_request(args)
-    with grpc.insecure_channel(args.addr) as channel:
+    credentials = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)
+    if credentials is None and args.tls:
+        credentials = grpc.ssl_channel_credentials()
+    with open_channel(args.addr, credentials) as channel:
         stub = pb_grpc.GenerationStub(channel)
         try:
             if args.stream and not args.json:

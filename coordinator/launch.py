@@ -3,9 +3,14 @@
     python -m coordinator.launch                      # serve until Ctrl-C
     python -m coordinator.launch --demo               # stream one answer, then stop (`make run`)
     python -m coordinator.launch --draft-model D --target-model T --port 50050
+    python -m coordinator.launch --tls-dir certs/ --demo  # mutual TLS on every channel
 
 Without --draft-model / --target-model it uses the default pair: the trained pair
 in models/ when present, else a tiny random-weight pair it makes in .cache/.
+With --tls-dir DIR (holding ca.pem, cert.pem, key.pem) every process serves TLS with
+cert.pem, requires client certificates signed by ca.pem (unless --no-client-auth), and
+presents cert.pem when it dials another: cert.pem must name localhost / 127.0.0.1 and allow
+both server and client use.
 The three processes are stopped with SIGTERM when it exits.
 """
 
@@ -23,6 +28,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from speculative.transport import channel_credentials, open_channel
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAINED = ROOT / "models"
@@ -54,9 +61,10 @@ def free_port(preferred: int = 0) -> int:
     raise OSError("no free port")
 
 
-def wait_serving(address: str, timeout: float, procs: dict[str, subprocess.Popen], logs: dict[str, Path]) -> None:
+def wait_serving(address: str, timeout: float, procs: dict[str, subprocess.Popen], logs: dict[str, Path],
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             for name, proc in procs.items():
@@ -75,13 +83,17 @@ def wait_serving(address: str, timeout: float, procs: dict[str, subprocess.Popen
 
 class LocalStack:
     """draft + target + coordinator as local processes on free loopback ports: one coordinator in
-    front of `draft_replicas` draft and `target_replicas` target services (one each by default)."""
+    front of `draft_replicas` draft and `target_replicas` target services (one each by default).
+
+    With `tls_dir` (ca.pem, cert.pem, key.pem; see the module's docstring) every channel is TLS,
+    mutual unless `client_auth` is False; `credentials` are then what a client dials it with.
+    """
 
     def __init__(self, draft_model: str | Path, target_model: str | Path, *, port: int = 0,
                  draft_args: list[str] = (), target_args: list[str] = (), coordinator_args: list[str] = (),
                  threads: int = 1, draft_threads: int | None = None, batched_threads: int = 1,
                  log_dir: str | Path | None = None, draft_replicas: int = 1, target_replicas: int = 1,
-                 discovery_files: bool = False):
+                 discovery_files: bool = False, tls_dir: str | Path | None = None, client_auth: bool = True):
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="specdec-logs-"))
         self.draft_addrs = [f"127.0.0.1:{free_port()}" for _ in range(draft_replicas)]
         self.target_addrs = [f"127.0.0.1:{free_port()}" for _ in range(target_replicas)]
@@ -90,6 +102,14 @@ class LocalStack:
         self.draft_model, self.target_model = draft_model, target_model
         self.threads, self.draft_threads, self.batched_threads = threads, draft_threads, batched_threads
         self.draft_args, self.target_args = list(draft_args), list(target_args)
+        self.tls_args, self.credentials, self.client_flags = [], None, []
+        if tls_dir is not None:
+            ca, cert, key = (str(Path(tls_dir) / name) for name in ("ca.pem", "cert.pem", "key.pem"))
+            self.tls_args = ["--tls-cert", cert, "--tls-key", key, *(["--tls-ca", ca] if client_auth else [])]
+            self.client_flags = ["--tls-ca", ca, "--tls-cert", cert, "--tls-key", key]  # coordinator.client's
+            self.credentials = channel_credentials(ca, cert, key)
+            coordinator_args = ["--peer-tls-ca", ca, "--peer-tls-cert", cert, "--peer-tls-key", key, *self.tls_args,
+                                *coordinator_args]
         py = sys.executable
         self.commands = {}
         for i, addr in enumerate(self.target_addrs):
@@ -124,7 +144,7 @@ class LocalStack:
         self.procs[name] = subprocess.Popen(command, cwd=ROOT, env=env,
                                             stdout=self.logs[name].open("w"), stderr=subprocess.STDOUT)
         self.addresses[name] = addr
-        wait_serving(addr, timeout, {name: self.procs[name]}, self.logs)
+        wait_serving(addr, timeout, {name: self.procs[name]}, self.logs, self.credentials)
         with self.discovery[role].open("a") as f:
             f.write(addr + "\n")
         return name
@@ -141,9 +161,10 @@ class LocalStack:
         port = addr.rsplit(":", 1)[1]
         if role == "target":
             return [sys.executable, "-m", "target_service", "--model", str(self.target_model), "--port", port,
-                    "--threads", str(self.threads), "--batched-threads", str(self.batched_threads), *self.target_args]
+                    "--threads", str(self.threads), "--batched-threads", str(self.batched_threads), *self.tls_args,
+                    *self.target_args]
         return [sys.executable, "-m", "draft_service", "--model", str(self.draft_model), "--port", port,
-                "--threads", str(self.draft_threads or self.threads), *self.draft_args]
+                "--threads", str(self.draft_threads or self.threads), *self.tls_args, *self.draft_args]
 
     def start(self, timeout: float = 180.0) -> "LocalStack":
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -151,9 +172,9 @@ class LocalStack:
             self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.logs[name].open("w"),
                                                 stderr=subprocess.STDOUT)
         try:
-            wait_serving(self.addr, timeout, self.procs, self.logs)
+            wait_serving(self.addr, timeout, self.procs, self.logs, self.credentials)
             for name, addr in self.addresses.items():  # every replica, not just the first of each pool
-                wait_serving(addr, timeout, self.procs, self.logs)
+                wait_serving(addr, timeout, self.procs, self.logs, self.credentials)
         except BaseException:
             self.stop()
             raise
@@ -196,6 +217,10 @@ def main(argv=None) -> int:
                         help="torch threads of the draft service (its small matrices gain little from more)")
     parser.add_argument("--draft-replicas", type=int, default=1, help="draft services behind the coordinator")
     parser.add_argument("--target-replicas", type=int, default=1, help="target services behind the coordinator")
+    parser.add_argument("--tls-dir", help="TLS on every channel with DIR/ca.pem, DIR/cert.pem, DIR/key.pem"
+                                          " (see above; default: plaintext)")
+    parser.add_argument("--no-client-auth", action="store_true",
+                        help="with --tls-dir: TLS without client certificates (servers do not ask for them)")
     parser.add_argument("--demo", action="store_true", help="stream one answer with its stats, then stop")
     parser.add_argument("--prompt", default=DEMO_PROMPT, help="the demo prompt")
     args = parser.parse_args(argv)
@@ -204,7 +229,8 @@ def main(argv=None) -> int:
     draft, target = args.draft_model or draft, args.target_model or target
     stack = LocalStack(draft, target, port=args.port, threads=args.threads, draft_threads=args.draft_threads,
                        batched_threads=args.batched_threads, draft_replicas=args.draft_replicas,
-                       target_replicas=args.target_replicas, discovery_files=True)
+                       target_replicas=args.target_replicas, discovery_files=True, tls_dir=args.tls_dir,
+                       client_auth=not args.no_client_auth)
     print(f"starting target ({target}) on {', '.join(stack.target_addrs)}, draft ({draft}) on "
           f"{', '.join(stack.draft_addrs)}, coordinator on {stack.addr}; logs in {stack.log_dir}; replicas listed in"
           f" {stack.discovery['draft']} and {stack.discovery['target']} (edit them to add or remove some)", flush=True)
@@ -216,10 +242,10 @@ def main(argv=None) -> int:
             except KeyboardInterrupt:
                 pass
             return 0
-        cmd = [sys.executable, "-m", "coordinator.client", "--addr", stack.addr, "--stream", "--stats",
-               "--temperature", "0", "--max-new-tokens", "96", args.prompt]
-        print(f"$ python -m coordinator.client --addr {stack.addr} --stream --stats --temperature 0 "
-              f"--max-new-tokens 96 {args.prompt!r}", flush=True)
+        flags = ["--addr", stack.addr, *stack.client_flags, "--stream", "--stats", "--temperature", "0",
+                 "--max-new-tokens", "96"]
+        cmd = [sys.executable, "-m", "coordinator.client", *flags, args.prompt]
+        print(f"$ python -m coordinator.client {' '.join(flags)} {args.prompt!r}", flush=True)
         print(args.prompt, end="", flush=True)
         code = subprocess.call(cmd, cwd=ROOT)
     print(f"services stopped (exit codes {stack.stop()})", flush=True)

@@ -14,6 +14,7 @@ from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from speculative.round import Cost, Proposal, Verdict
 from speculative.sampling import SamplingParams
 from speculative.serving import CHANNEL_OPTIONS
+from speculative.transport import open_channel
 
 
 class PeerError(Exception):
@@ -40,16 +41,23 @@ class Peer:
     Per-round calls go over one bidirectional stream per session (`streaming`,
     the default: about half the cost of a unary call here, and the service
     releases the session when the stream ends) or as unary calls.
+
+    With `credentials` the channel is TLS. The service's certificate must then name `server_name`
+    when given: the host name `address` (an IP) was resolved from, e.g. a headless Service's.
     """
 
+    name: str  # draft / target
     stub_class: type
 
-    def __init__(self, name: str, address: str, timeout: float = 60.0, streaming: bool = True):
-        self.name = name
+    def __init__(self, address: str, timeout: float = 60.0, streaming: bool = True,
+                 credentials: grpc.ChannelCredentials | None = None, server_name: str | None = None):
         self.address = address
         self.timeout = timeout  # per call
         self.streaming = streaming
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        options = CHANNEL_OPTIONS
+        if credentials is not None and server_name:
+            options = [*options, ("grpc.ssl_target_name_override", server_name)]
+        self.channel = open_channel(address, credentials, options, aio=True)
         self.stub = self.stub_class(self.channel)
         self.info: pb.ModelInfo | None = None
         self.streams: dict[str, grpc.aio.StreamStreamCall] = {}
@@ -117,10 +125,8 @@ class Peer:
 
 
 class GrpcDraft(Peer):
+    name = "draft"
     stub_class = pb_grpc.DraftStub
-
-    def __init__(self, address: str, timeout: float = 60.0, streaming: bool = True):
-        super().__init__("draft", address, timeout, streaming)
 
     async def propose(
         self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams,
@@ -136,10 +142,8 @@ class GrpcDraft(Peer):
 
 
 class GrpcTarget(Peer):
+    name = "target"
     stub_class = pb_grpc.TargetStub
-
-    def __init__(self, address: str, timeout: float = 60.0, streaming: bool = True):
-        super().__init__("target", address, timeout, streaming)
 
     async def verify(
         self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams

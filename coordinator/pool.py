@@ -6,7 +6,8 @@ resolved (a Kubernetes headless Service name resolves to one address per ready p
 seconds, so replicas added or removed are picked up without a restart. Every replica is
 health-checked (grpc.health.v1) every `check_every` seconds; one that fails gets no new
 requests. A replica joining must serve the same model as the pool's first one (name,
-parameters, tokenizer fingerprint); one that does not is refused and logged.
+parameters, tokenizer fingerprint); one that does not is refused and logged. Over TLS, a replica
+found by resolving a name must present a certificate for that name (not for its IP).
 
 Each request leases one draft and one target replica for its whole life (their KV caches
 hold its state): the healthy replica with the fewest requests in flight.
@@ -60,7 +61,7 @@ def same_model(a: pb.ModelInfo, b: pb.ModelInfo) -> bool:
 
 
 class Pool:
-    def __init__(self, name: str, spec: str, make_peer: Callable[[str], Peer], resolve_every: float = 10.0,
+    def __init__(self, name: str, spec: str, make_peer: Callable[[str, str | None], Peer], resolve_every: float = 10.0,
                  check_every: float = 2.0):
         self.name = name
         self.entries = [e.strip() for e in spec.split(",") if e.strip()]
@@ -77,10 +78,10 @@ class Pool:
 
     # ------------------------------------------------------------ discovery
 
-    async def resolve(self) -> set[str]:
-        """The addresses the entries name now."""
+    async def resolve(self) -> dict[str, str | None]:
+        """The addresses the entries name now -> the host name each was resolved from (None: dialled as given)."""
         loop = asyncio.get_running_loop()
-        out: set[str] = set()
+        out: dict[str, str | None] = {}
         for entry in self.entries:
             if entry.startswith("file:"):
                 try:
@@ -88,7 +89,7 @@ class Pool:
                 except OSError as e:
                     log.warning("%s pool: cannot read %s: %s", self.name, entry, e)
                     continue
-                out.update(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+                out.update((line, None) for line in lines if not line.startswith("#"))
                 continue
             host, _, port = entry.rpartition(":")
             host = host.strip("[]")
@@ -99,7 +100,8 @@ class Pool:
                 continue
             v4 = [i[4][0] for i in infos if i[0] == socket.AF_INET]
             v6 = [i[4][0] for i in infos if i[0] == socket.AF_INET6]
-            out.update(f"{ip}:{port}" if ip in v4 else f"[{ip}]:{port}" for ip in (v4 or v6))
+            for ip in v4 or v6:
+                out[f"{ip}:{port}" if ip in v4 else f"[{ip}]:{port}"] = None if ip == host else host
         return out
 
     async def refresh(self, resolve: bool = True) -> None:
@@ -110,10 +112,10 @@ class Pool:
                 if address not in found and not replica.removed:
                     log.info("%s replica %s is gone: draining", self.name, address)
                     replica.removed = True
-            for address in found:
+            for address, server_name in found.items():
                 replica = self.replicas.get(address)
                 if replica is None:
-                    peer = self.make_peer(address)
+                    peer = self.make_peer(address, server_name)
                     peer.latency = self.latency
                     self.replicas[address] = Replica(peer)
                     log.info("%s replica %s found", self.name, address)

@@ -1,5 +1,6 @@
 """What the three gRPC servers share: flags from the environment, health, reflection,
-error translation, the model thread, and a graceful stop on SIGTERM / SIGINT.
+error translation, the model thread, and a graceful stop on SIGTERM / SIGINT. TLS and message
+size limits: transport.py.
 """
 
 from __future__ import annotations
@@ -26,15 +27,11 @@ from specdec.v1 import specdec_pb2 as pb
 from .errors import CapacityExceeded, InvalidRequest, SessionExists, SessionNotFound, WorkerLost
 from .metrics import ModelMetrics, add_metrics_flag, start as start_metrics
 from .sampling import SamplingParams
+from .transport import MAX_MESSAGE_BYTES, MESSAGE_LIMITS, add_tls_flags, server_credentials
 
 log = logging.getLogger("specdec")
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-SERVER_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
-CHANNEL_OPTIONS = SERVER_OPTIONS + [("grpc.enable_retries", 0)]
+CHANNEL_OPTIONS = MESSAGE_LIMITS + [("grpc.enable_retries", 0)]  # the coordinator's, to its model services
 
 STATUS_OF = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -73,6 +70,7 @@ def add_common_flags(parser: EnvArgumentParser, port: int) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
     parser.add_argument("--port", type=int, default=port, help="port to serve on (0: pick a free one)")
     parser.add_argument("--log-level", default="INFO", help="logging level")
+    add_tls_flags(parser)
 
 
 SHIPPED_MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -179,6 +177,8 @@ async def serve(
     on_stop: Callable[[], Awaitable[None]] | None = None,
     grace: float = 5.0,
     stop: asyncio.Event | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+    max_request_bytes: int = MAX_MESSAGE_BYTES,
 ) -> None:
     """Start the server NOT_SERVING, run `load`, turn SERVING, and stop cleanly on SIGTERM /
     SIGINT (or when `stop` is set, if given).
@@ -186,16 +186,23 @@ async def serve(
     add_servicers registers the servicers and returns their full service names. `load` may return
     a future that resolves (with a message) if the service breaks later, e.g. a tensor-parallel
     rank dies: health then turns NOT_SERVING for good, and the server stays up to say why.
+    `credentials` (server_credentials) make it serve TLS; a message larger than `max_request_bytes`
+    is refused with RESOURCE_EXHAUSTED.
     """
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                      ("grpc.max_receive_message_length", max_request_bytes)])
     service_names = add_servicers(server)
     checks = Health(service_names)
     health_pb2_grpc.add_HealthServicer_to_server(checks.servicer, server)
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if credentials is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
     await checks.set(False)
     await server.start()
-    log.info("%s listening on %s:%d (NOT_SERVING until ready)", name, host, bound)
+    log.info("%s listening on %s:%d, %s (NOT_SERVING until ready)", name, host, bound,
+             "plaintext" if credentials is None else "TLS")
     print(f"{name} listening on {host}:{bound}", flush=True)
 
     if stop is None:
@@ -415,6 +422,7 @@ def run_model_service(name: str, args: argparse.Namespace, servicer: ModelServic
     from .model_runner import ModelRunner
 
     setup_logging(args.log_level)
+    credentials = server_credentials(args)  # before the weights: a bad certificate path fails at once
     set_threads(args.threads)
     if args.max_batch < 1:
         raise SystemExit(f"--max-batch must be >= 1, not {args.max_batch}")
@@ -463,6 +471,6 @@ def run_model_service(name: str, args: argparse.Namespace, servicer: ModelServic
             if runner is not None:
                 await servicer.thread.run(runner.close)
 
-        await serve(name, args.host, args.port, add, load, on_stop)
+        await serve(name, args.host, args.port, add, load, on_stop, credentials=credentials)
 
     asyncio.run(main())

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from speculative.serving import EnvArgumentParser, add_common_flags
+from speculative.transport import channel_credentials, server_credentials
 
 
 def test_environment_sets_flags_and_flags_win(monkeypatch):
@@ -19,3 +22,27 @@ def test_environment_sets_flags_and_flags_win(monkeypatch):
     args = parse()
     assert (args.port, args.model, args.fast, args.host) == (999, "/models/x", True, "127.0.0.1")
     assert parse("--port", "7").port == 7
+
+
+def test_tls_flags_make_credentials_or_fail_clearly(monkeypatch, tmp_path):
+    """Plaintext without flags; a half-given pair, --tls-ca alone or a file that is not PEM stop the process."""
+    parser = EnvArgumentParser("SPECDEC_TEST")
+    add_common_flags(parser, 1234)
+    assert server_credentials(parser.parse_args([])) is None
+    assert channel_credentials(None) is None
+    monkeypatch.setenv("SPECDEC_TEST_TLS_CA", str(tmp_path / "ca.pem"))
+    parser = EnvArgumentParser("SPECDEC_TEST")
+    add_common_flags(parser, 1234)
+    args = parser.parse_args([])
+    assert args.tls_ca == str(tmp_path / "ca.pem")
+    with pytest.raises(SystemExit, match="needs both --tls-cert and --tls-key"):
+        server_credentials(args)
+    (tmp_path / "cert.pem").write_text("not a certificate")
+    (tmp_path / "key.pem").write_text("-----BEGIN PRIVATE KEY-----\n")
+    with pytest.raises(SystemExit, match=r"--tls-cert .*cert.pem: no BEGIN CERTIFICATE in it"):
+        server_credentials(parser.parse_args(["--tls-cert", str(tmp_path / "cert.pem"),
+                                              "--tls-key", str(tmp_path / "key.pem")]))
+    with pytest.raises(SystemExit, match="--peer-tls-ca .*ca.pem: No such file"):
+        channel_credentials(str(tmp_path / "ca.pem"), prefix="--peer-tls")
+    with pytest.raises(SystemExit, match="needs both --peer-tls-cert and --peer-tls-key"):
+        channel_credentials(None, str(tmp_path / "cert.pem"), prefix="--peer-tls")

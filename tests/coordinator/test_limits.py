@@ -1,0 +1,57 @@
+"""--max-request-bytes: gRPC refuses a request over it with RESOURCE_EXHAUSTED before the coordinator
+parses it, and requests in flight and after go on as before."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from coordinator.launch import ROOT, free_port, wait_serving
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+LIMIT = 65536
+REQUEST = pb.GenerateRequest(prompt="def fibonacci(n):", max_new_tokens=32, temperature=0.0)
+OVERSIZED = pb.GenerateRequest(prompt="x" * LIMIT, max_new_tokens=4, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def small(stack, tmp_path_factory):
+    """A second coordinator, in front of `stack`'s services, that takes requests of at most LIMIT bytes."""
+    addr = f"127.0.0.1:{free_port()}"
+    log = tmp_path_factory.mktemp("limits") / "coordinator.log"
+    command = [sys.executable, "-m", "coordinator", "--draft", stack.draft_addr, "--target", stack.target_addr,
+               "--port", addr.split(":")[1], "--max-request-bytes", str(LIMIT)]
+    proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT)
+    try:
+        wait_serving(addr, 120, {"coordinator": proc}, {"coordinator": log})
+        with grpc.insecure_channel(addr) as channel:
+            yield pb_grpc.GenerationStub(channel)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_an_oversized_request_is_refused_and_disturbs_nothing(small, client):
+    expected = list(client.Generate(REQUEST, timeout=120).token_ids)
+    assert OVERSIZED.ByteSize() > LIMIT
+    stream = small.GenerateStream(REQUEST, timeout=120)
+    first = next(stream)
+    with pytest.raises(grpc.RpcError) as err:
+        small.Generate(OVERSIZED, timeout=60)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"larger than max ({OVERSIZED.ByteSize()} vs. {LIMIT})" in err.value.details(), err.value.details()
+    streamed = [*first.token_ids, *(t for chunk in stream for t in chunk.token_ids)]
+    assert streamed == expected and len(expected) > 0
+    assert list(small.Generate(REQUEST, timeout=120).token_ids) == expected
+
+
+def test_the_default_limit_lets_the_same_request_through_to_the_coordinators_own_checks(client):
+    with pytest.raises(grpc.RpcError) as err:  # 65536 bytes of prompt: parsed, then too long for the tiny context
+        client.Generate(OVERSIZED, timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
