@@ -105,7 +105,8 @@ def main(argv=None) -> None:
         async def on_stop() -> None:
             await asyncio.gather(draft.close(), target.close())
 
-        await serve("coordinator", args.host, args.port, add, load, on_stop, credentials=credentials,
+        await serve("coordinator", args.host, args.port, add, load, on_stop, grace=args.shutdown_grace,
+                    credentials=credentials,
                     max_request_bytes=args.max_request_bytes)
 
     asyncio.run(run())

@@ -217,6 +217,8 @@ def main(argv=None) -> int:
                         help="torch threads of the draft service (its small matrices gain little from more)")
     parser.add_argument("--draft-replicas", type=int, default=1, help="draft services behind the coordinator")
     parser.add_argument("--target-replicas", type=int, default=1, help="target services behind the coordinator")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="shard each target over this many ranks (a local Ray instance places them)")
     parser.add_argument("--tls-dir", help="TLS on every channel with DIR/ca.pem, DIR/cert.pem, DIR/key.pem"
                                           " (see above; default: plaintext)")
     parser.add_argument("--no-client-auth", action="store_true",
@@ -230,7 +232,8 @@ def main(argv=None) -> int:
     stack = LocalStack(draft, target, port=args.port, threads=args.threads, draft_threads=args.draft_threads,
                        batched_threads=args.batched_threads, draft_replicas=args.draft_replicas,
                        target_replicas=args.target_replicas, discovery_files=True, tls_dir=args.tls_dir,
-                       client_auth=not args.no_client_auth)
+                       client_auth=not args.no_client_auth,
+                       target_args=["--tensor-parallel-size", str(args.tensor_parallel_size)])
     print(f"starting target ({target}) on {', '.join(stack.target_addrs)}, draft ({draft}) on "
           f"{', '.join(stack.draft_addrs)}, coordinator on {stack.addr}; logs in {stack.log_dir}; replicas listed in"
           f" {stack.discovery['draft']} and {stack.discovery['target']} (edit them to add or remove some)", flush=True)

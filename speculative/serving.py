@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from specdec.v1 import specdec_pb2 as pb
 
 from .errors import CapacityExceeded, InvalidRequest, SessionExists, SessionNotFound, WorkerLost
+from .interceptors import UndecodableRequests
 from .metrics import ModelMetrics, add_metrics_flag, start as start_metrics
 from .sampling import SamplingParams
 from .transport import MAX_MESSAGE_BYTES, MESSAGE_LIMITS, add_tls_flags, server_credentials
@@ -70,6 +71,8 @@ def add_common_flags(parser: EnvArgumentParser, port: int) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
     parser.add_argument("--port", type=int, default=port, help="port to serve on (0: pick a free one)")
     parser.add_argument("--log-level", default="INFO", help="logging level")
+    parser.add_argument("--shutdown-grace", type=float, default=20.0,
+                        help="seconds in-flight calls get to finish after SIGTERM (health turns NOT_SERVING at once)")
     add_tls_flags(parser)
 
 
@@ -190,7 +193,8 @@ async def serve(
     is refused with RESOURCE_EXHAUSTED.
     """
     server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.max_receive_message_length", max_request_bytes)])
+                                      ("grpc.max_receive_message_length", max_request_bytes)],
+                             interceptors=[UndecodableRequests()])
     service_names = add_servicers(server)
     checks = Health(service_names)
     health_pb2_grpc.add_HealthServicer_to_server(checks.servicer, server)
@@ -471,6 +475,7 @@ def run_model_service(name: str, args: argparse.Namespace, servicer: ModelServic
             if runner is not None:
                 await servicer.thread.run(runner.close)
 
-        await serve(name, args.host, args.port, add, load, on_stop, credentials=credentials)
+        await serve(name, args.host, args.port, add, load, on_stop, grace=args.shutdown_grace,
+                    credentials=credentials)
 
     asyncio.run(main())
