@@ -15,6 +15,8 @@ nothing repeated, and the speculative round above never notices.
 
 from __future__ import annotations
 
+import asyncio
+
 import logging
 
 import grpc
@@ -42,8 +44,15 @@ class _Failover:
         self.tokens: list[int] = []  # what the current session holds
         self.moves = 0
 
-    def _take(self) -> Replica | None:
+    async def _take(self, wait: bool) -> Replica | None:
+        """The request's replica, or a new one; None if the pool has no healthy one, even after a
+        fresh health check (awaited if `wait`, else started for the next round's sake)."""
         if self.replica is None:
+            if not self.pool.healthy():
+                if wait:
+                    await self.pool.recheck()
+                else:
+                    self.rechecking = asyncio.ensure_future(self.pool.recheck())  # (held: tasks need a reference)
             if not self.pool.healthy():
                 return None
             self.replica, self.fresh = self.pool.acquire(), True
@@ -81,7 +90,7 @@ class FailoverDraft(_Failover):
                       params: SamplingParams, p_min: float = 0.0) -> tuple[Proposal, Cost]:
         held = (list(append) if start else self.tokens[: len(self.tokens) - rollback] + list(append))
         for _ in range(TRIES):
-            replica = self._take()
+            replica = await self._take(wait=False)
             if replica is None:  # no draft replica: this round runs without drafts
                 self.tokens, self.fresh = held, True
                 return Proposal(), Cost()
@@ -109,7 +118,7 @@ class FailoverTarget(_Failover):
         committed = list(append) if start else self.tokens + list(append)
         error: PeerError | None = None
         for _ in range(TRIES):
-            replica = self._take()
+            replica = await self._take(wait=True)
             if replica is None:
                 break
             try:

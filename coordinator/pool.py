@@ -75,6 +75,7 @@ class Pool:
         self.latency = None  # a prometheus Histogram handed to every replica's peer
         self._turn = itertools.count()
         self._task: asyncio.Task | None = None
+        self._rechecked = float("-inf")
 
     # ------------------------------------------------------------ discovery
 
@@ -179,6 +180,15 @@ class Pool:
                 await self.refresh(resolve)
             except Exception:  # keep watching whatever one round met
                 log.exception("%s pool refresh failed", self.name)
+
+    async def recheck(self, min_interval: float = 0.5) -> None:
+        """Health-check every replica now, not at the next round of the watch (at most once per
+        `min_interval` s): a request whose replica died looks for another, and the one it needs
+        may have come up since the last round."""
+        now = asyncio.get_running_loop().time()
+        if now - self._rechecked >= min_interval:
+            self._rechecked = now
+            await self.refresh(resolve=False)
 
     # ------------------------------------------------------------ leasing
 

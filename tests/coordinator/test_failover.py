@@ -57,3 +57,28 @@ def test_a_replica_killed_mid_stream_costs_nothing(cluster, stack, role):
         # the next request goes to the replica left
         again = stub.Generate(pb.GenerateRequest(**REQUEST), timeout=120)
         assert list(again.token_ids) == expected
+
+
+def test_a_sampled_request_survives_its_target(pair, stack):
+    """Sampling through a target loss: the stream goes on, what was sent before the kill is what a
+    faultless run with the same seed sends, and the count adds up (no token lost or repeated).
+    After the loss the new target session is seeded afresh: the rest is target-distributed, but
+    not token for token the faultless run's."""
+    draft, target = pair
+    sampled = dict(REQUEST, temperature=1.0, top_p=0.95, seed=7, max_new_tokens=300)
+    with grpc.insecure_channel(stack.addr) as channel:
+        faultless = list(pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(**sampled)).token_ids)
+    with LocalStack(draft, target, target_replicas=2) as two, grpc.insecure_channel(two.addr) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        stream = stub.GenerateStream(pb.GenerateRequest(**sampled), timeout=120)
+        first = next(stream)
+        victim = busy_replica(stub, "target")
+        name = next(n for n, a in two.addresses.items() if a == victim)
+        two.procs[name].send_signal(signal.SIGKILL)
+        rest = list(stream)
+        before = list(first.token_ids)
+        tokens = before + [t for chunk in rest for t in chunk.token_ids]
+        assert before == faultless[: len(before)]
+        assert rest[-1].stats.generated_tokens == len(tokens)
+        assert len(tokens) == sampled["max_new_tokens"] or rest[-1].finish_reason == pb.FINISH_REASON_EOS
+        assert "target call failed" in two.logs["coordinator"].read_text()
