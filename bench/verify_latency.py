@@ -93,7 +93,9 @@ def main(argv=None) -> None:
             runner = ModelRunner(model_dir, args.device, args.dtype, max_context=args.context + 64,
                                  tensor_parallel=size)
             try:
-                name = f"{runner.num_parameters / 1e9:.2f}B params, {runner.dtype}, {runner.device}, TP={size}"
+                n = runner.num_parameters
+                params = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+                name = f"{params} params, {runner.dtype}, {runner.device}, TP={size}"
                 if runner.device.type == "cuda":
                     name += f" ({torch.cuda.get_device_name(runner.device)})"
                 print(f"\n{name}\n{'batch':>6}{'K':>4}{'ms/pass':>10}{'tokens/s':>11}", flush=True)

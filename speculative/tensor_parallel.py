@@ -268,6 +268,8 @@ class Placement:
             physical = str(ray.get(probe.remote())[0])
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             self.device = torch.device("cuda", visible.split(",").index(physical) if visible else int(physical))
+        if self.gpu:
+            torch.cuda.set_device(self.device)  # NCCL's communicator of rank 0 lives on it
 
     def give_up(self, message: str) -> RuntimeError:
         """Undo everything; -> the error to raise."""
