@@ -233,12 +233,12 @@ class Placement:
     """
 
     def __init__(self, world: int, device: torch.device, ray_address: str | None = None, timeout: float = 120.0):
+        # Ray's C++ core would otherwise take over SIGTERM in this process and print a stack trace
+        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
         import ray
         from ray.util.placement_group import placement_group, placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        # Ray's C++ core would otherwise take over SIGTERM in this process and print a stack trace
-        os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
         self.ray, self.world, self.timeout = ray, world, timeout
         self.gpu = device.type == "cuda"
         self.own_ray = not ray.is_initialized() and not ray_address

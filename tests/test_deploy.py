@@ -118,14 +118,19 @@ def test_a_multihost_target_is_one_tensor_parallel_group_per_replica():
     leader, worker = group["leaderTemplate"]["spec"]["containers"][0], group["workerTemplate"]["spec"]["containers"][0]
     gpus = int(leader["resources"]["limits"]["nvidia.com/gpu"])
     assert int(worker["resources"]["limits"]["nvidia.com/gpu"]) == gpus
-    env = {e["name"]: e["value"] for e in leader["env"]}
+    env = {e["name"]: e["value"] for e in leader["env"] if "value" in e}
     assert int(env["SPECDEC_TARGET_TENSOR_PARALLEL_SIZE"]) == group["size"] * gpus  # one rank per GPU
     assert "ray start --head --port=6379" in leader["args"][0] and "--ray-address auto" in leader["args"][0]
     assert "--address=$(LWS_LEADER_ADDRESS):6379" in worker["args"][0] and "--block" in worker["args"][0]
     assert {p["containerPort"] for p in leader["ports"]} >= {6379, 50051}
-    # both load the weights from the same volume
     for template in (group["leaderTemplate"], group["workerTemplate"]):
-        assert any(m["mountPath"] == "/models" for m in template["spec"]["containers"][0]["volumeMounts"])
+        container = template["spec"]["containers"][0]
+        # both load the weights from the same volume
+        assert any(m["mountPath"] == "/models" for m in container["volumeMounts"])
+        # and join one Ray cluster with the same token (Ray refuses a peer without it)
+        env = {e["name"]: e for e in container["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "token"
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "specdec-ray-auth", "key": "token"}
 
 
 def test_probes_are_grpc_on_the_ports_the_containers_serve(objects):
@@ -169,7 +174,7 @@ def test_args_and_settings_are_flags_the_services_take(objects, monkeypatch):
             continue
         c = template["spec"]["containers"][0]
         module, *flags = command_of(c)
-        env = {**config, **{e["name"]: e["value"] for e in c.get("env", [])}}
+        env = {**config, **{e["name"]: e["value"] for e in c.get("env", []) if "value" in e}}
         mine = {k: v for k, v in env.items() if k.startswith(PREFIX[module])}
         assert mine, module
         for key, value in mine.items():
