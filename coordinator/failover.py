@@ -29,9 +29,10 @@ from .pool import Pool, Replica
 
 log = logging.getLogger("specdec.failover")
 
-# the replica or the session on it is gone: start again elsewhere (NOT_FOUND: evicted, same replica will do)
-MOVE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-        grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+# the replica or the session on it is gone: start again elsewhere (NOT_FOUND: evicted, same replica will do).
+# Not INTERNAL / UNKNOWN: an error inside the engine belongs to the request that met it, and moving
+# it would take every replica out of the pool in turn, failing everyone else's requests with it.
+MOVE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 RESTART = MOVE | {grpc.StatusCode.NOT_FOUND}
 TRIES = 3
 

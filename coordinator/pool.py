@@ -124,8 +124,8 @@ class Pool:
                     replica.removed = False
         await asyncio.gather(*(self._check(r) for r in list(self.replicas.values())))
         for address, replica in list(self.replicas.items()):
-            if replica.removed and replica.outstanding == 0:
-                del self.replicas[address]
+            # (pop: a failover's recheck may refresh beside the watch)
+            if replica.removed and replica.outstanding == 0 and self.replicas.pop(address, None) is replica:
                 await replica.peer.close()
 
     async def _check(self, replica: Replica) -> None:

@@ -196,6 +196,17 @@ class FastForward:
             logits = self.gather(logits)  # [rows, V]
         return list(logits.split([n for _, _, n in feeds]))
 
+    def to(self, device: torch.device) -> FastForward:
+        """Move the model to `device`; for a sharded forward (see shard), whose tensors no longer
+        alias the HF modules' weights. -> self"""
+        self.model.to(device)
+        self.lm_head = self.lm_head.to(device)
+        for layer in self.layers:
+            for key in ("qkv", "qkv_bias", "o", "gate_up", "down"):
+                if layer[key] is not None:
+                    layer[key] = layer[key].to(device)
+        return self
+
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
         return partial if self.reduce is None else self.reduce(partial)
 

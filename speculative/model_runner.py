@@ -101,8 +101,10 @@ class ModelRunner:
 
     def _load(self, path: Path, max_context: int | None, forward: str, placement, dtype: str) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, local_files_only=True)
-        self.model.to(self.device).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, local_files_only=True).eval()
+        if placement is None:
+            self.model.to(self.device)
+        # else: sharded in host memory first; only this rank's shard goes to the device (Placement.start)
         config = self.model.config
         self.logits_size = self.model.get_output_embeddings().weight.shape[0]
         # ids a tokenizer can produce and the model can score

@@ -46,7 +46,9 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.greedy:
         # temperature -> 0: all mass on the argmax
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    # shifted so the largest logit is 0 before dividing: a tiny temperature (down to float32's
+    # subnormals) then tends to the argmax (0 / t = 0, the rest -> -inf) instead of inf / inf = nan
+    logits = (logits - logits.max(-1, keepdim=True).values) / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

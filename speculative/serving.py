@@ -114,7 +114,7 @@ def add_model_flags(parser: EnvArgumentParser, role: str) -> None:
                         help="ranks to shard the model over, placed by Ray (one GPU each on GPU machines, one CPU"
                              " each on CPU); rank 0 runs in this process")
     parser.add_argument("--ray-address", default=None,
-                        help="join this Ray cluster for the tensor-parallel ranks (e.g. ray://head:10001 or auto);"
+                        help="join this Ray cluster for the tensor-parallel ranks (HOST:PORT of its head, or auto on one of its nodes);"
                              " default: a local Ray instance, started and stopped with the service")
     parser.add_argument("--tp-start-timeout", type=float, default=120.0,
                         help="seconds to wait for the ranks' placement, weights and process group")

@@ -1,7 +1,7 @@
 """Tensor parallelism for a model service: N ranks, each holding 1/N of every layer, placed by Ray.
 
     ModelRunner(dir, tensor_parallel=2)                  # a local Ray instance, started and stopped with it
-    ModelRunner(dir, tensor_parallel=4, ray_address="ray://head:10001")   # an existing Ray cluster
+    ModelRunner(dir, tensor_parallel=4, ray_address="head:6379")   # an existing Ray cluster (this node in it)
 
 The split is Megatron's (`FastForward.shard`): attention heads and MLP columns are divided
 between the ranks, and one all-reduce after each attention and each MLP block completes
@@ -28,6 +28,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import weakref
 from collections import deque
 from datetime import timedelta
@@ -39,7 +40,10 @@ from .errors import WorkerLost
 
 log = logging.getLogger("specdec.tp")
 
-PG_TIMEOUT = timedelta(seconds=120)  # a collective that waits longer than this raises
+PG_TIMEOUT = timedelta(seconds=120)  # a collective of a pass that waits longer than this raises
+# how long a rank may wait for rank 0's next plan: as long as the service may stay idle (a rank that
+# dies meanwhile is seen by Ray, not by this timeout)
+IDLE_TIMEOUT = timedelta(days=365)
 
 
 def _free_port() -> int:
@@ -48,12 +52,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _join(rank: int, world: int, init_method: str, backend: str):
-    """Join the model group and the control group. -> the control group (gloo)."""
+def _join(rank: int, world: int, init_method: str, backend: str, timeout: timedelta, idle: timedelta):
+    """Join the model group (collectives time out after `timeout`) and the control group, over gloo,
+    whose broadcasts wait up to `idle` for the next plan. -> the control group."""
     import torch.distributed as dist
 
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=PG_TIMEOUT)
-    return dist.new_group(backend="gloo", timeout=PG_TIMEOUT) if backend != "gloo" else dist.group.WORLD
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+    return dist.new_group(backend="gloo", timeout=idle)
 
 
 def attach(fast, rank: int, world: int) -> None:
@@ -96,24 +101,27 @@ class Worker:
         self.caches: dict[int, object] = {}
 
     def load(self) -> int:
+        """Load the whole model into host memory (sharded and moved to the device by `join`)."""
         from transformers import AutoModelForCausalLM
 
         from .fast_forward import FastForward
         from .model_runner import DTYPES
 
-        device = self.device
-        if device.startswith("cuda"):
-            device = "cuda"  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=DTYPES[self.dtype], local_files_only=True)
-        model.to(device).eval()
-        self.fast = FastForward.build(model, self.max_context)
+        self.fast = FastForward.build(model.eval(), self.max_context)
         if self.fast is None:
             raise ValueError(f"{model.config.model_type} has no lean forward to shard")
         return os.getpid()
 
-    def join(self, init_method: str, backend: str) -> None:
-        self.control = _join(self.rank, self.world, init_method, backend)
+    def join(self, init_method: str, backend: str, timeout: timedelta, idle: timedelta) -> None:
+        device = "cuda" if self.device.startswith("cuda") else self.device  # Ray set CUDA_VISIBLE_DEVICES
+        self.control = _join(self.rank, self.world, init_method, backend, timeout, idle)
         attach(self.fast, self.rank, self.world)
+        self.fast.to(torch.device(device))  # only the shard reaches the device
+
+    def held(self) -> list[int]:
+        """Keys of the KV caches this rank holds (runs beside `serve`: the actor has 2 threads)."""
+        return sorted(self.caches)
 
     @torch.inference_mode()
     def serve(self) -> None:
@@ -151,7 +159,9 @@ class ShardedForward:
         self._keys = itertools.count()
         self._dropped: deque[int] = deque()  # keys of caches gone on rank 0, still held by the others
         self.failed: str | None = None
+        self.broken = threading.Event()  # set when rank 0 itself finds the group broken
         self.closed = False
+        self.backend = "nccl" if fast.embed.device.type == "cuda" else "gloo"
 
     def new_cache(self):
         cache = self.fast.new_cache()
@@ -173,6 +183,7 @@ class ShardedForward:
             return self.fast.many(feeds)
         except (RuntimeError, dist.DistBackendError) as exc:
             self.failed = self._lost_message(exc)
+            self.broken.set()
             raise WorkerLost(self.failed) from exc
 
     def _lost_message(self, exc: BaseException | None = None) -> str:
@@ -190,8 +201,12 @@ class ShardedForward:
         return f"tensor-parallel collective failed: {exc}"
 
     def wait_lost(self) -> str:
-        """Block until a worker rank ends (or `close`). -> what happened, naming the rank."""
-        self.ray.wait(self.served, num_returns=1, timeout=None)
+        """Block until a worker rank ends or rank 0 finds the group broken (or `close`). -> what
+        happened, naming the rank."""
+        while not self.broken.is_set():
+            done, _ = self.ray.wait(self.served, num_returns=1, timeout=1.0)
+            if done:
+                break
         if self.closed:
             return ""
         if not self.failed:
@@ -239,14 +254,19 @@ class Placement:
         from ray.util.placement_group import placement_group, placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        if ray_address and ray_address.startswith("ray://"):
+            raise ValueError("--ray-address: Ray Client (ray://) is not supported: rank 0 runs in this process and "
+                             "must be a node of the cluster; give the cluster's HOST:PORT, or auto on one of its nodes")
         self.ray, self.world, self.timeout = ray, world, timeout
         self.gpu = device.type == "cuda"
         self.own_ray = not ray.is_initialized() and not ray_address
+        self.done = False
         if ray_address:
             ray.init(address=ray_address, log_to_driver=False, ignore_reinit_error=True)
-        elif self.own_ray:  # a local instance, stopped by close()
-            ray.init(num_cpus=os.cpu_count() or 1, num_gpus=torch.cuda.device_count(), include_dashboard=False,
-                     log_to_driver=False, object_store_memory=100 << 20, configure_logging=False)
+        elif self.own_ray:  # a new local instance (never one a RAY_ADDRESS names), stopped by close()
+            ray.init(address="local", num_cpus=os.cpu_count() or 1, num_gpus=torch.cuda.device_count(),
+                     include_dashboard=False, log_to_driver=False, object_store_memory=100 << 20,
+                     configure_logging=False)
         self.bundle = {"GPU": 1.0, "CPU": 1.0} if self.gpu else {"CPU": 1.0}
         self.group = placement_group([dict(self.bundle) for _ in range(world)], strategy="PACK")
         self.workers: list = []
@@ -263,27 +283,36 @@ class Placement:
         self.worker_bundles = [i for i in sorted(nodes) if i != self.own_bundle]
         self.strategy = lambda index: PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index)
         self.device = device
-        if self.gpu and device.index is None:  # rank 0 takes the GPU Ray gave its bundle
-            probe = ray.remote(num_gpus=1, num_cpus=0)(_gpu_ids).options(scheduling_strategy=self.strategy(self.own_bundle))
-            physical = str(ray.get(probe.remote())[0])
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            self.device = torch.device("cuda", visible.split(",").index(physical) if visible else int(physical))
-        if self.gpu:
+        if self.gpu:  # rank 0 takes the GPU Ray gave its bundle (whatever --device said: another is a worker's)
+            try:
+                probe = ray.remote(num_gpus=1, num_cpus=0)(_gpu_ids).options(
+                    scheduling_strategy=self.strategy(self.own_bundle))
+                physical = str(ray.get(probe.remote(), timeout=timeout)[0])
+                visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+                self.device = torch.device("cuda", visible.index(physical) if visible else int(physical))
+            except Exception as exc:  # noqa: BLE001
+                raise self.give_up(f"cannot tell which GPU Ray gave rank 0: {exc}") from exc
             torch.cuda.set_device(self.device)  # NCCL's communicator of rank 0 lives on it
 
     def give_up(self, message: str) -> RuntimeError:
-        """Undo everything; -> the error to raise."""
-        for worker in self.workers:
-            self.ray.kill(worker)
-        self.ray.util.remove_placement_group(self.group)
-        if self.own_ray:
-            self.ray.shutdown()
+        """Undo everything (once); -> the error to raise."""
+        if not self.done:
+            self.done = True
+            workers, self.workers = self.workers, []
+            try:
+                for worker in workers:
+                    self.ray.kill(worker)
+                self.ray.util.remove_placement_group(self.group)
+            except Exception:  # noqa: BLE001  (a Ray gone already: nothing left to undo there)
+                pass
+            if self.own_ray:
+                self.ray.shutdown()
         return RuntimeError(message)
 
     def start(self, fast, model_dir: str | Path, dtype: str, max_context: int, threads: int = 0) -> ShardedForward:
         """Start the workers on the other bundles, join them in a process group, shard `fast` as rank 0."""
         ray, world, timeout = self.ray, self.world, self.timeout
-        remote = ray.remote(Worker)
+        remote = ray.remote(max_concurrency=2)(Worker)  # serve, and held() beside it
         for rank, index in enumerate(self.worker_bundles, start=1):
             self.workers.append(remote.options(scheduling_strategy=self.strategy(index), num_cpus=1,
                                                num_gpus=1 if self.gpu else 0)
@@ -305,13 +334,15 @@ class Placement:
         pids = each([w.load.remote() for w in self.workers], "load the model")
         backend = "nccl" if self.gpu else "gloo"
         init_method = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
-        joins = [w.join.remote(init_method, backend) for w in self.workers]
+        step, idle = PG_TIMEOUT, IDLE_TIMEOUT
+        joins = [w.join.remote(init_method, backend, step, idle) for w in self.workers]
         try:
-            control = _join(0, world, init_method, backend)
+            control = _join(0, world, init_method, backend, step, idle)
         except Exception as exc:  # noqa: BLE001
             raise self.give_up(f"tensor-parallel group did not form: {exc}") from exc
         each(joins, "join the process group")
         attach(fast, 0, world)
+        fast.to(self.device)
         served = [w.serve.remote() for w in self.workers]
         log.info("tensor parallel: %d ranks over %s; worker pids %s", world, backend, pids)
         return ShardedForward(fast, world, control, self, served, pids)
@@ -332,8 +363,16 @@ def watch(sharded: ShardedForward, on_lost) -> threading.Thread:
             message = sharded.wait_lost()
         except Exception as exc:  # noqa: BLE001  (Ray shut down under it)
             message = "" if sharded.closed else f"tensor-parallel workers unreachable: {exc}"
-        if message:
-            on_lost(message)
+        if not message:
+            return
+        on_lost(message)
+        if sharded.backend == "nccl":
+            # NCCL does not fail a collective whose peer died: the model thread would block in it
+            # until the watchdog aborts the process. Exit now, loudly, so that the orchestrator
+            # restarts the service (the coordinator moves its requests to other target replicas).
+            log.critical("%s; exiting: a broken NCCL group cannot be recovered in this process", message)
+            time.sleep(2.0)  # NOT_SERVING reaches the health checks first
+            os._exit(70)
 
     thread = threading.Thread(target=run, name="tp-watch", daemon=True)
     thread.start()

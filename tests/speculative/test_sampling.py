@@ -41,6 +41,18 @@ def test_temperature_top_k_top_p():
     assert torch.allclose(logits_to_probs(logits, SamplingParams(2.0)), flat / flat.sum())
 
 
+@pytest.mark.parametrize("temperature", [1e-9, 1e-30, 1.4e-45, 3e38])  # found by tests/coordinator/test_fuzz.py
+def test_extreme_temperatures_stay_distributions(temperature):
+    """A float32 temperature down to the subnormals tends to the argmax (it gave NaN), a huge
+    one to uniform; never NaN or inf, whatever the filters."""
+    logits = torch.tensor([[0.3, 2.0, -1.0, 1.9], [5.0, -5.0, 0.0, 4.0]])
+    for top_k, top_p in ((0, 1.0), (2, 1.0), (0, 1e-9), (3, 0.5)):
+        p = logits_to_probs(logits, SamplingParams(temperature, top_k=top_k, top_p=top_p))
+        assert torch.isfinite(p).all() and torch.allclose(p.sum(-1), torch.ones(2)), (top_k, top_p)
+        if temperature < 1e-8:
+            assert torch.equal(p.argmax(-1), logits.argmax(-1)) and torch.allclose(p.max(-1).values, torch.ones(2))
+
+
 def test_draft_support_truncates_and_renormalises():
     probs = torch.tensor([0.05, 0.4, 0.3, 0.0, 0.25])
     ids, q = draft_support(probs, 2)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import gc
 import os
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -40,11 +42,18 @@ def test_more_ranks_than_the_cluster_holds_fail_clearly(tmp_path):
     assert not ray.is_initialized()  # the local instance was stopped again
 
 
+COLLECTIVE_TIMEOUT = 3.0  # seconds: the idle test waits longer than this between passes
+
+
 @pytest.fixture(scope="module")
 def runners(pair):
+    from speculative import tensor_parallel
+
     _, target = pair
     whole = ModelRunner(target, "cpu")
-    sharded = ModelRunner(target, "cpu", tensor_parallel=2, tp_timeout=60)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tensor_parallel, "PG_TIMEOUT", timedelta(seconds=COLLECTIVE_TIMEOUT))
+        sharded = ModelRunner(target, "cpu", tensor_parallel=2, tp_timeout=60)
     yield whole, sharded
     sharded.close()
 
@@ -90,20 +99,46 @@ def test_ragged_batches_of_mixed_lengths(runners):
             runner.sessions.release(f"batch-{i}")
 
 
+def worker_holds(sharded) -> set[int]:
+    import ray
+
+    return set(ray.get(sharded.tp.placement.workers[0].held.remote(), timeout=30))
+
+
 def test_released_caches_are_dropped_on_every_rank(runners):
     _, sharded = runners
     session = sharded.start_session("dropped", 0)
     session.tokens = [1, 2, 3]
     sharded.forward(session)
+    key = session.cache.key
+    assert key in worker_holds(sharded)
     sharded.sessions.release("dropped")
     del session
     gc.collect()
-    assert sharded.tp._dropped  # waits for the next pass's plan
+    assert list(sharded.tp._dropped) == [key]  # waits for the next pass's plan
     other = sharded.start_session("next", 0)
     other.tokens = [4, 5]
     sharded.forward(other)
     assert not sharded.tp._dropped
+    held = worker_holds(sharded)
+    assert key not in held and other.cache.key in held
+    live = {s.cache.key for s in sharded.sessions._sessions.values()}
+    assert held == live  # rank 1 holds exactly rank 0's sessions
     sharded.sessions.release("next")
+
+
+def test_idle_longer_than_the_collective_timeout(runners):
+    """Waiting for the next pass is not a collective timing out: the ranks wait as long as it takes."""
+    whole, sharded = runners
+    a, b = both(runners, "idle", [9, 8, 7])
+    assert torch.allclose(whole.forward(a), sharded.forward(b), atol=ATOL)
+    time.sleep(COLLECTIVE_TIMEOUT + 2)
+    for session in (a, b):
+        session.tokens.append(5)
+    assert torch.allclose(whole.forward(a), sharded.forward(b), atol=ATOL)
+    assert sharded.tp.failed is None
+    for runner in runners:
+        runner.sessions.release("idle")
 
 
 def test_info_reports_the_size(runners):
