@@ -153,15 +153,15 @@ class ShardedForward:
     """Rank 0's tensor-parallel forward: FastForward's interface (`many`, `new_cache`), each pass
     announced to the other ranks first. Made by `Placement.start`; `close` stops the workers."""
 
-    def __init__(self, fast, world: int, control, placement: Placement, served: list, pids: list[int]):
-        self.fast, self.world, self.control = fast, world, control
+    def __init__(self, fast, control, placement: Placement, served: list, pids: list[int]):
+        self.fast, self.control = fast, control
         self.placement, self.ray, self.served, self.pids = placement, placement.ray, served, pids
         self._keys = itertools.count()
         self._dropped: deque[int] = deque()  # keys of caches gone on rank 0, still held by the others
         self.failed: str | None = None
         self.broken = threading.Event()  # set when rank 0 itself finds the group broken
         self.closed = False
-        self.backend = "nccl" if fast.embed.device.type == "cuda" else "gloo"
+        self.backend = placement.backend
 
     def new_cache(self):
         cache = self.fast.new_cache()
@@ -259,6 +259,7 @@ class Placement:
                              "must be a node of the cluster; give the cluster's HOST:PORT, or auto on one of its nodes")
         self.ray, self.world, self.timeout = ray, world, timeout
         self.gpu = device.type == "cuda"
+        self.backend = "nccl" if self.gpu else "gloo"  # of the model group (control messages: gloo)
         self.own_ray = not ray.is_initialized() and not ray_address
         self.done = False
         if ray_address:
@@ -332,7 +333,7 @@ class Placement:
             return results
 
         pids = each([w.load.remote() for w in self.workers], "load the model")
-        backend = "nccl" if self.gpu else "gloo"
+        backend = self.backend
         init_method = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
         step, idle = PG_TIMEOUT, IDLE_TIMEOUT
         joins = [w.join.remote(init_method, backend, step, idle) for w in self.workers]
@@ -345,7 +346,7 @@ class Placement:
         fast.to(self.device)
         served = [w.serve.remote() for w in self.workers]
         log.info("tensor parallel: %d ranks over %s; worker pids %s", world, backend, pids)
-        return ShardedForward(fast, world, control, self, served, pids)
+        return ShardedForward(fast, control, self, served, pids)
 
 
 def _first_line(exc: BaseException) -> str:
