@@ -20,6 +20,7 @@ from .sampling import (
     decode_supports,
     draft_support,
     encode_supports,
+    greedy_verify,
     logits_to_probs,
     rejection_sample,
     sample,
@@ -233,9 +234,12 @@ class TargetEngine:
             for (i, call, session, committed, q_ids, q_probs), rows in zip(live, logits):
                 try:
                     # rows: positions of x_1..x_K and the bonus
-                    p = logits_to_probs(rows, call.params)
                     draft = torch.tensor(call.proposal.tokens, dtype=torch.long, device=runner.device)
-                    accepted, token = rejection_sample(p, draft, q_ids, q_probs, session.generator)
+                    if call.params.greedy:
+                        accepted, token = greedy_verify(rows, draft)
+                    else:
+                        p = logits_to_probs(rows, call.params)
+                        accepted, token = rejection_sample(p, draft, q_ids, q_probs, session.generator)
                 except Exception as exc:
                     runner.sessions.release(call.session_id)
                     results[i] = exc

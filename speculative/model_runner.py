@@ -29,6 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 FORWARDS = ("auto", "transformers")
+BUSY_WINDOW = 0.5  # seconds: sessions used this recently count as at work (see forward_many)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -246,7 +247,11 @@ class ModelRunner:
         transformers' forward runs them one after another.
         """
         if self.batched_threads:
-            threads = self.batched_threads if len(feeds) > 1 else self.threads
+            # a lone session's pass may use every thread only while it is the one session at work:
+            # under load the other cores are busy (other sessions' drafts), and a pass whose
+            # threads wait for a descheduled sibling at every op costs ~3x its time
+            alone = len(feeds) == 1 and self.sessions.recently_used(BUSY_WINDOW) <= 1
+            threads = self.threads if alone else self.batched_threads
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
         news = []

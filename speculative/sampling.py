@@ -115,6 +115,21 @@ def rejection_sample(
     return k, sample(p[k], generator)
 
 
+def greedy_verify(logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[int, int]:
+    """`rejection_sample` where p is one-hot at the argmax (temperature 0), without building p.
+
+    logits: [K+1, V]; draft_tokens: [K]. With p one-hot, p(x) / q(x) is 0 or >= 1: a draft token
+    is accepted exactly when it is the argmax; at the first other one, norm(max(0, p - q)) is
+    one-hot at the argmax (q(argmax) < 1 there, as q(x) > 0), and so is the bonus p. Ties go to
+    the first maximum, as in logits_to_probs. -> (accepted, recovered or bonus token)
+    """
+    k = draft_tokens.shape[0]
+    best = logits.argmax(-1)  # [K+1]
+    mismatched = (best[:k] != draft_tokens).nonzero()
+    i = int(mismatched[0, 0]) if mismatched.numel() else k
+    return i, int(best[i])
+
+
 # ------------------------------------------------------------- wire encoding
 
 _IDS = np.dtype("<i4")

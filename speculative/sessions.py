@@ -72,6 +72,16 @@ class SessionTable:
         self._sessions.move_to_end(session_id)
         return session
 
+    def recently_used(self, window: float, now: float | None = None) -> int:
+        """How many sessions were used within the last `window` seconds."""
+        now = time.monotonic() if now is None else now
+        count = 0
+        for session in reversed(self._sessions.values()):  # most recently used first
+            if now - session.last_used > window:
+                break
+            count += 1
+        return count
+
     def release(self, session_id: str) -> bool:
         return self._sessions.pop(session_id, None) is not None
 

@@ -209,3 +209,26 @@ def test_kv_token_cap_refuses_growth_and_leaves_sessions_alone(pair):
         target.verify("a", False, list(range(1, 21)), Proposal(), GREEDY)
     assert target.runner.sessions.get("a").tokens == held
     target.verify("a", False, [], one_hot_proposal([5, 6]), GREEDY)  # growth within the cap is fine
+
+
+def test_a_lone_session_gets_every_thread_only_while_no_other_is_at_work(pair, monkeypatch):
+    """--threads for a pass over the one session at work; --batched-threads for a batch, and for
+    a single session's pass while other sessions were used within the last BUSY_WINDOW seconds
+    (their drafts keep the other cores busy)."""
+    _, target_dir = pair
+    runner = ModelRunner(target_dir)
+    runner.threads, runner.batched_threads = 2, 1
+    target = TargetEngine(runner)
+    seen = []
+    monkeypatch.setattr(torch, "set_num_threads", seen.append)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: seen[-1] if seen else 0)
+    target.verify("a", True, [1, 2], Proposal(), GREEDY)
+    assert seen[-1] == 2  # alone
+    target.verify("b", True, [3, 4], Proposal(), GREEDY)
+    assert seen[-1] == 1  # "a" was used a moment ago
+    target.verify("a", False, [], Proposal(), GREEDY)
+    assert seen[-1] == 1
+    runner.sessions.get("b").last_used -= 2.0  # "b" idle since
+    target.verify("a", False, [], Proposal(), GREEDY)
+    assert seen[-1] == 2
+    assert runner.sessions.recently_used(1.0) == 1 and runner.sessions.recently_used(5.0) == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -42,6 +43,31 @@ def test_matches_transformers_through_feeds_and_rollbacks(tmp_path, tokenizer, a
             session.truncate(len(session.tokens) - back)
         assert sessions[0].cache.get_seq_length() == sessions[1].cache.get_seq_length()
     assert checked > 40 and sessions[0].cache.data.shape[4] >= 512  # grown once at least
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 2.0}, {"rope_type": "dynamic", "factor": 2.0}],
+                         ids=["linear (table)", "dynamic (module)"])
+def test_scaled_rope_matches_transformers(tmp_path, tokenizer, rope):
+    """RoPE variants: static ones index the precomputed cos/sin table, dynamic ones call the
+    model's rotary module on each pass; both give transformers' logits, multi-row (packed) and
+    single-row products alike."""
+    model_dir = make_model(tmp_path / "m", tokenizer, init_std=0.1, max_context=256)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["rope_parameters"] = {**rope, "rope_theta": 10000.0}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    fast, slow = ModelRunner(model_dir), ModelRunner(model_dir, forward="transformers")
+    assert (fast.fast.rope_table is None) == (rope["rope_type"] == "dynamic")
+    if torch.backends.mkldnn.is_available():
+        assert "lm_head" in fast.fast.packed
+    rng = random.Random(2)
+    sessions = [r.start_session("s", 0) for r in (fast, slow)]
+    while len(sessions[0].tokens) < 200:
+        new = [rng.randrange(fast.vocab_size) for _ in range(rng.choice([1, 1, 4, 9, 30]))]
+        outs = []
+        for runner, session in zip((fast, slow), sessions):
+            session.tokens.extend(new)
+            outs.append(runner.forward(session, len(new)))
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
 
 
 def test_refits_rows_already_cached(tmp_path, tokenizer):

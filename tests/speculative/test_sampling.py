@@ -14,6 +14,7 @@ from speculative.sampling import (
     decode_supports,
     draft_support,
     encode_supports,
+    greedy_verify,
     logits_to_probs,
     rejection_sample,
 )
@@ -93,6 +94,32 @@ def test_rejection_sample_greedy():
     ids1, pr1 = one(5)
     assert rejection_sample(p, torch.tensor([2, 5]), ids0 + ids1, pr0 + pr1, g) == (2, 1)  # all accepted, bonus 1
     assert rejection_sample(p[:1], torch.tensor([], dtype=torch.long), [], [], g) == (0, 2)  # no draft: plain step
+
+
+def test_greedy_verify_is_rejection_sampling_of_one_hot_p():
+    """The greedy shortcut returns what rejection_sample returns on temperature-0 p, for random
+    logits with ties (small integers), random drafts mostly matching the argmax, and random q
+    supports that contain the draft token; K from 0 to 6."""
+    g = torch.Generator().manual_seed(3)
+    greedy = SamplingParams(temperature=0.0)
+    cases = mismatches = 0
+    for _ in range(400):
+        k = int(torch.randint(0, 7, (1,), generator=g))
+        logits = torch.randint(0, 4, (k + 1, V), generator=g).float()  # many ties
+        best = logits.argmax(-1)
+        draft = torch.where(torch.rand(k, generator=g) < 0.7, best[:k], torch.randint(0, V, (k,), generator=g))
+        q_ids, q_probs = [], []
+        for x in draft.tolist():
+            others = torch.randperm(V, generator=g)[:3]
+            ids = torch.cat([torch.tensor([x]), others[others != x]])
+            q = torch.rand(len(ids), generator=g) + 0.1
+            q_ids.append(ids)
+            q_probs.append(q / q.sum())
+        expected = rejection_sample(logits_to_probs(logits, greedy), draft, q_ids, q_probs, g)
+        assert greedy_verify(logits, draft) == expected
+        cases += 1
+        mismatches += expected[0] < k
+    assert cases == 400 and 100 < mismatches < 400  # both paths: rejections and full acceptance
 
 
 def _random_dist(g: torch.Generator, support: int | None = None) -> torch.Tensor:
