@@ -205,6 +205,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             eos_token_ids=self.eos_token_ids, max_context=self.max_context, stats=stats,
             session_id=uuid.uuid4().hex, p_min=p_min, predraft=self.limits.predraft,
         )
+        self.costs.in_flight += 1
         try:
             async with contextlib.aclosing(rounds):
                 async for new in rounds:
@@ -225,6 +226,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except PeerError as e:
             await context.abort(e.code, str(e))
         finally:
+            self.costs.in_flight -= 1
             draft.close()
             target.close()
         wall_ms = (time.perf_counter() - start) * 1e3

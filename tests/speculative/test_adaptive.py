@@ -43,6 +43,31 @@ def test_k_backs_off_when_verification_is_compute_bound():
     assert alone >= 2 and policy.choose(100) == 0
 
 
+def test_pipelined_rounds_cost_the_busier_service():
+    """With other requests in flight the draft drafts while the target verifies others: a round
+    costs max(target share, draft share), so the same acceptance affords a longer draft than a
+    lone request's sequential round (target + draft); still none when verification is
+    compute-bound."""
+    costs = CostModel(TARGET, DRAFT, alpha=0.7)
+    policy = AdaptiveK(costs, k_max=8)
+    for _ in range(20):  # both services batch 4 sessions a pass
+        policy.observe(Round([], 4, 3, Cost(batch_size=4), Cost(batch_size=4), asked=4), 10.0)
+    costs.in_flight = 1
+    alone = policy.choose(100)
+    costs.in_flight = 8
+    pipelined = policy.choose(100)
+    assert pipelined > alone >= 1
+    target = costs.target_scale * (TARGET.fixed / 4 + TARGET.per_token * 4 + TARGET.per_session)
+    draft = 3 * (DRAFT.fixed / 4 + DRAFT.per_token + DRAFT.per_session)
+    overhead = costs.overhead_ms * 2 / 4
+    assert costs.round_cost(3, 4, 4, pipelined=True) == pytest.approx(max(target, draft) + overhead)
+    assert costs.round_cost(3, 4, 4) == pytest.approx(target + draft + overhead)
+    bound = AdaptiveK(CostModel(PassCost(fixed=8.0, per_token=3.0, per_session=0.0), DRAFT, alpha=0.6), k_max=8)
+    bound.costs.in_flight = 64
+    rounds_of(bound, accepted=2, proposed=4, batch=64)
+    assert bound.choose(100) == 0
+
+
 def test_probes_after_rounds_without_drafting():
     policy = AdaptiveK(CostModel(TARGET, DRAFT, alpha=0.0), k_max=4)
     picks = [policy.choose(100) for _ in range(AdaptiveK.PROBE_EVERY)]
