@@ -30,6 +30,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 FORWARDS = ("auto", "transformers")
 BUSY_WINDOW = 0.5  # seconds: sessions used this recently count as at work (see forward_many)
+PREFILL_TOKENS = 32  # a pass feeding this many tokens of one session runs on every thread
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -98,6 +99,7 @@ class ModelRunner:
         self.max_kv_tokens = 0  # cap on tokens held by all sessions together (0: none but max_sessions)
         self.threads = torch.get_num_threads()
         self.batched_threads = 0  # torch threads for passes over several sessions (0: the same as for one)
+        self.at_work = 0  # sessions used within BUSY_WINDOW, as of the last pass (read by other threads)
         self.pass_cost = PassCost()  # set by calibrate() where a service wants it (adaptive K reads it)
 
     def _load(self, path: Path, max_context: int | None, forward: str, placement, dtype: str) -> None:
@@ -246,12 +248,16 @@ class ModelRunner:
         The lean forward batches them (one matrix multiply per weight for all their tokens);
         transformers' forward runs them one after another.
         """
+        self.at_work = self.sessions.recently_used(BUSY_WINDOW)
         if self.batched_threads:
             # a lone session's pass may use every thread only while it is the one session at work:
             # under load the other cores are busy (other sessions' drafts), and a pass whose
             # threads wait for a descheduled sibling at every op costs ~3x its time
-            alone = len(feeds) == 1 and self.sessions.recently_used(BUSY_WINDOW) <= 1
-            threads = self.threads if alone else self.batched_threads
+            alone = len(feeds) == 1 and self.at_work <= 1
+            # a prompt's products are big enough to share among threads even on busy cores (100
+            # tokens: 36 ms on 1 thread, 22 on 2); a few rows per session are not
+            prefill = max(len(s.tokens) - s.cached for s, _ in feeds) >= PREFILL_TOKENS
+            threads = self.threads if alone or prefill else self.batched_threads
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
         news = []

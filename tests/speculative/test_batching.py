@@ -112,3 +112,29 @@ def test_batcher_refuses_calls_beyond_its_queue():
     results = asyncio.run(main())
     assert [r for r, _ in results[:2]] == [0, 1]
     assert all(isinstance(r, CapacityExceeded) and "wait" in str(r) for r in results[2:])
+
+
+@pytest.mark.parametrize("wait, at_work, first_pass", [
+    (0.0, 3, ["a1"]),                # no wait: the first call runs at once, alone
+    (0.3, 3, ["a1", "b1", "c1"]),    # waits for the sessions at work, which come within the wait
+    (0.3, 1, ["a1"]),                # one session at work: nothing to wait for
+])
+def test_batcher_waits_for_sessions_at_work(wait, at_work, first_pass):
+    passes: list[list[str]] = []
+
+    def run_many(calls):
+        passes.append(list(calls))
+        return [(c, None) for c in calls]
+
+    async def main():
+        batcher = Batcher(ModelThread(), run_many, max_batch=8)
+        batcher.wait, batcher.at_work = wait, lambda: at_work
+        first = asyncio.ensure_future(batcher.submit("a", "a1"))
+        await asyncio.sleep(0.05)
+        rest = [batcher.submit(s, f"{s}1") for s in ("b", "c")]
+        return await asyncio.gather(first, *rest)
+
+    results = asyncio.run(main())
+    assert [r for r, _ in results] == ["a1", "b1", "c1"]
+    assert passes[0] == first_pass
+    assert sum(map(len, passes)) == 3

@@ -7,7 +7,7 @@ import torch
 
 from speculative.engines import DraftEngine, TargetEngine
 from speculative.errors import CapacityExceeded, InvalidRequest, SessionExists, SessionNotFound
-from speculative.model_runner import ModelRunner
+from speculative.model_runner import PREFILL_TOKENS, ModelRunner
 from speculative.round import Proposal
 from speculative.sampling import SamplingParams, encode_supports
 
@@ -212,9 +212,10 @@ def test_kv_token_cap_refuses_growth_and_leaves_sessions_alone(pair):
 
 
 def test_a_lone_session_gets_every_thread_only_while_no_other_is_at_work(pair, monkeypatch):
-    """--threads for a pass over the one session at work; --batched-threads for a batch, and for
-    a single session's pass while other sessions were used within the last BUSY_WINDOW seconds
-    (their drafts keep the other cores busy)."""
+    """--threads for a pass over the one session at work, or one feeding a prompt (PREFILL_TOKENS
+    or more); --batched-threads for a batch of verifications, and for a single session's pass
+    while other sessions were used within the last BUSY_WINDOW seconds (their drafts keep the
+    other cores busy)."""
     _, target_dir = pair
     runner = ModelRunner(target_dir)
     runner.threads, runner.batched_threads = 2, 1
@@ -232,3 +233,7 @@ def test_a_lone_session_gets_every_thread_only_while_no_other_is_at_work(pair, m
     target.verify("a", False, [], Proposal(), GREEDY)
     assert seen[-1] == 2
     assert runner.sessions.recently_used(1.0) == 1 and runner.sessions.recently_used(5.0) == 2
+    target.verify("b", False, [], Proposal(), GREEDY)
+    assert seen[-1] == 1 and runner.at_work == 2
+    target.verify("c", True, list(range(1, 1 + PREFILL_TOKENS)), Proposal(), GREEDY)
+    assert seen[-1] == 2  # a prompt's pass: every thread, others at work or not
