@@ -13,6 +13,9 @@ latency (p50 / p99), for:
   spec 1-at-a-time   speculation with --max-batch 1 on both model services: every session
                      gets its own forward pass (what batching buys)
   HF sequential transformers `generate` on the target, one request after another
+Each stack runs one stream again after its last level (row "1*"); "x C=1" divides by the mean
+of the two single-stream runs, so a slow or fast spell of a shared machine does not land on
+one side of the ratio only.
 Writes a table to stdout, bench/results/concurrency.json and bench/results/concurrency.png.
 """
 
@@ -100,7 +103,8 @@ def print_table(rows: list[dict]) -> None:
     print(f"{'system':<20}{'C':>4}{'tok/s':>8}{'x C=1':>7}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}"
           f"{'batch':>7}{'K':>6}")
     for r in rows:
-        print(f"{r['system']:<20}{r['concurrency']:>4}{r['tokens_per_s']:>8.1f}{r.get('vs_single', float('nan')):>7.2f}"
+        level = "1*" if r.get("again") else r["concurrency"]
+        print(f"{r['system']:<20}{level:>4}{r['tokens_per_s']:>8.1f}{r.get('vs_single', float('nan')):>7.2f}"
               f"{r['ttft_p50_ms']:>10.1f}{r['ttft_p99_ms']:>8.1f}{r['itl_p50_ms']:>9.2f}{r['itl_p99_ms']:>8.2f}"
               f"{r['mean_verify_batch']:>7.2f}{r['mean_k']:>6.2f}")
 
@@ -113,7 +117,8 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for system in dict.fromkeys(r["system"] for r in rows):
-        pts = sorted((r["concurrency"], r["tokens_per_s"], r["itl_p50_ms"]) for r in rows if r["system"] == system)
+        pts = sorted((r["concurrency"], r["tokens_per_s"], r["itl_p50_ms"]) for r in rows
+                     if r["system"] == system and not r.get("again"))
         xs = [p[0] for p in pts]
         left.plot(xs, [p[1] for p in pts], marker="o", label=system)
         right.plot(xs, [p[2] for p in pts], marker="o", label=system)
@@ -151,7 +156,8 @@ def main(argv=None) -> None:
     systems = [s.strip() for s in args.systems.split(",")]
     prompts = heldout_prompts(AutoTokenizer.from_pretrained(target_dir), args.prompts)
     rows: list[dict] = []
-    bar = tqdm(total=len(levels) * len([s for s in systems if s != "HF sequential"]) + ("HF sequential" in systems),
+    runs = (len(levels) + (1 in levels and len(levels) > 1)) * len([s for s in systems if s != "HF sequential"])
+    bar = tqdm(total=runs + ("HF sequential" in systems),
                desc="bench-concurrency", unit="run")
     stacks = {"batched": [s for s in systems if s in ("spec", "no spec")],
               "predraft": [s for s in systems if s == "spec predraft"],
@@ -163,13 +169,16 @@ def main(argv=None) -> None:
         with LocalStack(draft_dir, target_dir, threads=args.threads, draft_threads=args.draft_threads,
                         draft_args=extra, target_args=extra,
                         coordinator_args=["--predraft"] if kind == "predraft" else []) as stack:
-            for c in levels:
+            # one stream again at the end: this machine's speed drifts over minutes, and a ratio to a
+            # single-stream figure taken in a slow or fast spell would say more about the spell
+            again = [1] if 1 in levels and len(levels) > 1 else []
+            for i, c in enumerate(levels + again):
                 for name in names:
                     bar.set_postfix_str(f"{name} C={c}")
                     k = 0 if name == "no spec" else args.k
                     figures = asyncio.run(drive(stack.addr, prompts, c, max(len(prompts), 2 * c), args.new_tokens,
                                                 args.temperature, k))
-                    rows.append({"system": name, "concurrency": c, **figures})
+                    rows.append({"system": name, "concurrency": c, "again": i >= len(levels), **figures})
                     bar.update()
     if "HF sequential" in systems:
         bar.set_postfix_str("HF sequential")
@@ -183,10 +192,10 @@ def main(argv=None) -> None:
                      "itl_p99_ms": float("nan"), "mean_verify_batch": 0.0, "mean_k": 0.0})
         bar.update()
     bar.close()
-    for r in rows:
-        single = next((x for x in rows if x["system"] == r["system"] and x["concurrency"] == 1), None)
-        if single:
-            r["vs_single"] = r["tokens_per_s"] / single["tokens_per_s"]
+    for r in rows:  # against the mean of the system's single-stream runs (first and last)
+        singles = [x["tokens_per_s"] for x in rows if x["system"] == r["system"] and x["concurrency"] == 1]
+        if singles:
+            r["vs_single"] = r["tokens_per_s"] / statistics.fmean(singles)
 
     meta = {"machine": f"{os.cpu_count()} cores, {torch.__version__}", "threads": args.threads,
             "draft_threads": args.draft_threads, "draft": str(draft_dir), "target": str(target_dir),
@@ -197,7 +206,7 @@ def main(argv=None) -> None:
     plot(rows, args.out / "concurrency.png")
     print(f"\n{meta}\n")
     print_table(rows)
-    by = {(r["system"], r["concurrency"]): r for r in rows}
+    by = {(r["system"], r["concurrency"]): r for r in rows if not r.get("again")}
     if ("spec", 8) in by and ("spec", 1) in by:
         print(f"\nspec at 8 streams: {by[('spec', 8)]['vs_single']:.2f}x its single-stream tokens/s (bar 3x)")
     if any(s == "no spec" for s, _ in by):
