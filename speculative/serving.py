@@ -447,8 +447,8 @@ def run_model_service(name: str, args: argparse.Namespace, servicer: ModelServic
     if args.max_batch < 1:
         raise SystemExit(f"--max-batch must be >= 1, not {args.max_batch}")
     servicer.batcher.max_batch = args.max_batch
-    if args.batch_wait_ms < 0:
-        raise SystemExit(f"--batch-wait-ms must be >= 0, not {args.batch_wait_ms}")
+    if not 0 <= args.batch_wait_ms <= 1000:  # also NaN
+        raise SystemExit(f"--batch-wait-ms must lie in [0, 1000], not {args.batch_wait_ms}")
     servicer.batcher.wait = args.batch_wait_ms / 1e3
     servicer.batcher.max_queue = args.max_queue
 

@@ -107,3 +107,13 @@ def test_every_flag_is_documented_with_its_environment_variable():
         for flag in ("--host", "--port"):
             assert flag in out.stdout
         assert f"{prefix}_PORT" in out.stdout.replace("\n", " ")
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--max-batch", "0", "--max-batch must be >= 1"),
+    ("--batch-wait-ms", "-1", "--batch-wait-ms must lie in [0, 1000]"),
+    ("--batch-wait-ms", "nan", "--batch-wait-ms must lie in [0, 1000]"),
+])
+def test_a_model_service_refuses_bad_batching_flags(pair, flag, value, message):
+    out = run_cli("-m", "draft_service", "--model", str(pair[0]), "--port", "0", flag, value)
+    assert out.returncode != 0 and message in out.stderr
