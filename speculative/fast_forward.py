@@ -119,9 +119,6 @@ class FastForward:
             return None
         return cls(model, max_context)
 
-    # weights multiplied through oneDNN's packed layout when a pass has several rows (see pack)
-    PACKED = ("qkv", "gate_up", "lm_head")
-
     def pack(self) -> None:
         """On CPU, also keep the wide weights (q/k/v, gate/up, lm_head) in oneDNN's packed layout.
 
