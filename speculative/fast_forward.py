@@ -88,7 +88,7 @@ class FastForward:
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.gather: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.rope_table = self._rope_table(max_context)
-        self.packed: dict[str, torch.Tensor] = {}
+        self.lm_head_packed: torch.Tensor | None = None
         self.pack()
 
     def _rope_table(self, max_context: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -129,20 +129,22 @@ class FastForward:
         second copy of these weights in memory. Elsewhere (CUDA, no oneDNN, half precision)
         nothing is packed.
         """
-        self.packed = {}
-        if self.embed.device.type != "cpu" or self.embed.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-            return
-        reorder = torch.ops.mkldnn._reorder_linear_weight
+        on = (self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
+              and torch.backends.mkldnn.is_available())
         with torch.inference_mode():
-            for i, layer in enumerate(self.layers):
-                for key in ("qkv", "gate_up"):
-                    self.packed[f"{i}.{key}"] = reorder(layer[key].t().contiguous(), 16)
-            self.packed["lm_head"] = reorder(self.lm_head.t().contiguous(), 16)
+            def packed(w: torch.Tensor) -> torch.Tensor | None:  # w [in, out]
+                return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), 16) if on else None
 
-    def _mm(self, x: torch.Tensor, w: torch.Tensor, key: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ w (+ bias): x [rows, in], w [in, out]; through the packed copy of w where there is one."""
-        packed = self.packed.get(key) if x.shape[0] > 1 else None
-        if packed is not None:
+            for layer in self.layers:
+                layer["qkv_packed"], layer["gate_up_packed"] = packed(layer["qkv"]), packed(layer["gate_up"])
+            self.lm_head_packed = packed(self.lm_head)
+
+    @staticmethod
+    def _mm(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ w (+ bias): x [rows, in], w [in, out]; through `packed` (w's packed copy, if any) for
+        several rows."""
+        if packed is not None and x.shape[0] > 1:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         return x @ w if bias is None else torch.addmm(bias, x, w)
 
@@ -212,7 +214,7 @@ class FastForward:
         cos, sin = cos[:, None], sin[:, None]  # [T, 1, head_dim]: broadcast over heads
         for i, layer in enumerate(self.layers):
             h = self._norm(x, layer["in_norm"])
-            qkv = self._mm(h, layer["qkv"], f"{i}.qkv", layer["qkv_bias"])  # [T, (H + 2 H_kv) head_dim]
+            qkv = self._mm(h, layer["qkv"], layer["qkv_packed"], layer["qkv_bias"])  # [T, (H + 2 H_kv) head_dim]
             # RoPE on q and k at once: they are the first H + H_kv heads of qkv
             qk = qkv[:, : (heads + kv_heads) * head_dim].view(total, heads + kv_heads, head_dim)
             qk = qk * cos + _rotate_half(qk) * sin
@@ -231,7 +233,7 @@ class FastForward:
             att = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, H, T, head_dim]
             x = x + self._reduced(att[0].transpose(0, 1).reshape(total, -1) @ layer["o"])
             h = self._norm(x, layer["post_norm"])
-            gate, up = self._mm(h, layer["gate_up"], f"{i}.gate_up").split(layer["half"], dim=-1)
+            gate, up = self._mm(h, layer["gate_up"], layer["gate_up_packed"]).split(layer["half"], dim=-1)
             x = x + self._reduced((F.silu(gate) * up) @ layer["down"])
         for (_, cache, _), (_, _, _, end) in zip(feeds, spans):
             cache.length = end
@@ -239,7 +241,7 @@ class FastForward:
             picked = x[total - feeds[0][2] :]
         else:
             picked = x[torch.cat([torch.arange(b - n, b, device=device) for (_, _, n), (_, b, _, _) in zip(feeds, spans)])]
-        logits = self._mm(self._norm(picked, self.final_norm.weight), self.lm_head, "lm_head")  # [rows, V / world]
+        logits = self._mm(self._norm(picked, self.final_norm.weight), self.lm_head, self.lm_head_packed)  # [rows, V / world]
         if self.gather is not None:
             logits = self.gather(logits)  # [rows, V]
         return list(logits.split([n for _, _, n in feeds]))

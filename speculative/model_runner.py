@@ -248,18 +248,6 @@ class ModelRunner:
         The lean forward batches them (one matrix multiply per weight for all their tokens);
         transformers' forward runs them one after another.
         """
-        self.at_work = self.sessions.recently_used(BUSY_WINDOW)
-        if self.batched_threads:
-            # a lone session's pass may use every thread only while it is the one session at work:
-            # under load the other cores are busy (other sessions' drafts), and a pass whose
-            # threads wait for a descheduled sibling at every op costs ~3x its time
-            alone = len(feeds) == 1 and self.at_work <= 1
-            # a prompt's products are big enough to share among threads even on busy cores (100
-            # tokens: 36 ms on 1 thread, 22 on 2); a few rows per session are not
-            prefill = max(len(s.tokens) - s.cached for s, _ in feeds) >= PREFILL_TOKENS
-            threads = self.threads if alone or prefill else self.batched_threads
-            if threads != torch.get_num_threads():
-                torch.set_num_threads(threads)
         news = []
         for session, num_logits in feeds:
             short = num_logits - (len(session.tokens) - session.cached)
@@ -269,6 +257,18 @@ class ModelRunner:
                 session.cache.crop(-short)
                 session.cached -= short
             news.append(session.tokens[session.cached :])
+        self.at_work = self.sessions.recently_used(BUSY_WINDOW)
+        if self.batched_threads:
+            # a lone session's pass may use every thread only while it is the one session at work:
+            # under load the other cores are busy (other sessions' drafts), and a pass whose
+            # threads wait for a descheduled sibling at every op costs ~3x its time
+            alone = len(feeds) == 1 and self.at_work <= 1
+            # a prompt's products are big enough to share among threads even on busy cores (100
+            # tokens: 36 ms on 1 thread, 22 on 2); a few rows per session are not
+            prefill = max(map(len, news)) >= PREFILL_TOKENS
+            threads = self.threads if alone or prefill else self.batched_threads
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
         if self.fast is not None:
             logits = self.fast.many([(new, s.cache, n) for new, (s, n) in zip(news, feeds)])
         else:

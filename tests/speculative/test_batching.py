@@ -80,12 +80,19 @@ def test_draft_stops_below_p_min(pair):
         draft.propose("c", True, 0, [5], 2, greedy, p_min=1.5)
 
 
-def test_batcher_joins_waiting_calls_and_keeps_one_call_per_session():
+def recording_run_many():
+    """-> (passes, run_many): a run_many answering each call with itself, recording every pass."""
     passes: list[list[str]] = []
 
     def run_many(calls):
         passes.append(list(calls))
         return [(c, None) for c in calls]
+
+    return passes, run_many
+
+
+def test_batcher_joins_waiting_calls_and_keeps_one_call_per_session():
+    passes, run_many = recording_run_many()
 
     async def main():
         batcher = Batcher(ModelThread(), run_many, max_batch=3)
@@ -120,11 +127,7 @@ def test_batcher_refuses_calls_beyond_its_queue():
     (0.3, 1, ["a1"]),                # one session at work: nothing to wait for
 ])
 def test_batcher_waits_for_sessions_at_work(wait, at_work, first_pass):
-    passes: list[list[str]] = []
-
-    def run_many(calls):
-        passes.append(list(calls))
-        return [(c, None) for c in calls]
+    passes, run_many = recording_run_many()
 
     async def main():
         batcher = Batcher(ModelThread(), run_many, max_batch=8)

@@ -58,7 +58,7 @@ def test_scaled_rope_matches_transformers(tmp_path, tokenizer, rope):
     fast, slow = ModelRunner(model_dir), ModelRunner(model_dir, forward="transformers")
     assert (fast.fast.rope_table is None) == (rope["rope_type"] == "dynamic")
     if torch.backends.mkldnn.is_available():
-        assert "lm_head" in fast.fast.packed
+        assert fast.fast.lm_head_packed is not None
     rng = random.Random(2)
     sessions = [r.start_session("s", 0) for r in (fast, slow)]
     while len(sessions[0].tokens) < 200:
