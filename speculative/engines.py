@@ -17,13 +17,15 @@ from .sessions import Session
 from .round import Cost, Proposal, Verdict
 from .sampling import (
     SamplingParams,
-    decode_supports,
+    check_supports,
     draft_support,
     encode_supports,
     greedy_verify,
     logits_to_probs,
+    one_hot_supports,
     rejection_sample,
     sample,
+    supports_to_tensors,
 )
 
 DRAFT_SEED_SALT = 0x9E3779B97F4A7C15  # the draft's generator differs from the target's
@@ -104,7 +106,10 @@ class DraftEngine:
                 return results
             for (i, _, session), (tokens, q_ids, q_probs) in zip(live, drafted):
                 session.proposed += len(tokens)
-                sizes, ids_bytes, probs_bytes = encode_supports(q_ids, q_probs)
+                if q_ids is None:  # greedy: q is one-hot at each token
+                    sizes, ids_bytes, probs_bytes = one_hot_supports(tokens)
+                else:
+                    sizes, ids_bytes, probs_bytes = encode_supports(q_ids, q_probs)
                 results[i] = Proposal(tokens, sizes, ids_bytes, probs_bytes)
             ms = timer.ms
             cost = Cost(ms, batch_size=len(live), batch_tokens=sum(len(t) for t, _, _ in drafted), pass_ms=ms)
@@ -143,7 +148,7 @@ class DraftEngine:
         for all sessions still drafting. -> per session (tokens, q_ids, q_probs)."""
         runner = self.runner
         vocab = runner.vocab_size  # ids the tokenizer can produce
-        out = [([], [], []) for _ in live]
+        out = [([], None, None) if call.params.greedy else ([], [], []) for _, call, _ in live]
         # sessions asking for no tokens only need their new tokens cached (prefill): first pass
         drafting = [j for j, (_, call, session) in enumerate(live) if call.k > 0 or len(session.tokens) > session.cached]
         step = 0
@@ -160,16 +165,15 @@ class DraftEngine:
                     if call.p_min > 0 and float(torch.softmax(row, -1).max()) < call.p_min:
                         continue
                     x = int(row.argmax())
-                    ids, q = torch.tensor([x]), torch.ones(1)
                 else:
                     probs = logits_to_probs(row, params)
                     if call.p_min > 0 and float(probs.max()) < call.p_min:
                         continue
                     ids, q = draft_support(probs, self.max_support)
                     x = int(ids[sample(q, session.generator)])
+                    q_ids.append(ids)
+                    q_probs.append(q)
                 tokens.append(x)
-                q_ids.append(ids)
-                q_probs.append(q)
                 session.tokens.append(x)  # the last one is fed on the next call, if accepted
                 if len(tokens) < call.k:
                     still.append(j)
@@ -234,10 +238,10 @@ class TargetEngine:
             for (i, call, session, committed, q_ids, q_probs), rows in zip(live, logits):
                 try:
                     # rows: positions of x_1..x_K and the bonus
-                    draft = torch.tensor(call.proposal.tokens, dtype=torch.long, device=runner.device)
                     if call.params.greedy:
-                        accepted, token = greedy_verify(rows, draft)
+                        accepted, token = greedy_verify(rows, list(call.proposal.tokens))
                     else:
+                        draft = torch.tensor(call.proposal.tokens, dtype=torch.long, device=runner.device)
                         p = logits_to_probs(rows, call.params)
                         accepted, token = rejection_sample(p, draft, q_ids, q_probs, session.generator)
                 except Exception as exc:
@@ -262,13 +266,10 @@ class TargetEngine:
             raise InvalidRequest(f"at most {self.max_tokens} draft tokens per call, got {k}")
         runner.check_tokens(call.append, "appended")
         runner.check_tokens(proposal.tokens, "draft")
-        q_ids, q_probs = decode_supports(
-            k, list(proposal.support_sizes), proposal.support_ids, proposal.support_probs,
-            runner.logits_size, runner.device,
-        )
-        for i, (x, ids, q) in enumerate(zip(proposal.tokens, q_ids, q_probs)):
-            if not bool((q[ids == x] > 0).any()):
-                raise InvalidRequest(f"draft token {x} at position {i} has no probability in its q")
+        supports = check_supports(list(proposal.tokens), list(proposal.support_sizes), proposal.support_ids,
+                                  proposal.support_probs, runner.logits_size)
+        # greedy verification needs only the tokens (see greedy_verify)
+        q_ids, q_probs = (None, None) if call.params.greedy else supports_to_tensors(*supports, runner.device)
         if call.start:
             if not call.append:
                 raise InvalidRequest("a new session needs its prompt in `append`")

@@ -24,6 +24,12 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED = {"llama", "mistral", "qwen2"}
+# weights with fewer elements stay unpacked (see FastForward.pack): oneDNN's ~25-40 us per call
+# outweighs its gain on them. Measured on the shipped pair: the draft's [160, 480] q/k/v takes
+# 17 us for 2 rows through x @ w and 44 packed, and its draft step over 2 sessions 1.32 ms with
+# it and gate/up unpacked against 1.50 all packed; the target's [384, 1152] q/k/v is even alone
+# but its verify pass is ~10% slower with it unpacked; its [160, 8192] lm_head: 293 vs 170 us.
+PACK_MIN_ELEMENTS = 1 << 18
 
 
 class KVCache:
@@ -89,6 +95,7 @@ class FastForward:
         self.gather: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.rope_table = self._rope_table(max_context)
         self.lm_head_packed: torch.Tensor | None = None
+        self.pack_min = PACK_MIN_ELEMENTS
         self.pack()
 
     def _rope_table(self, max_context: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -126,14 +133,16 @@ class FastForward:
         measured on, x @ w with a [384, 8192] lm_head takes 2.0 ms for 4 rows and 2.8 ms for 14,
         against 1.0 and 1.8 ms packed; for q/k/v and gate/up, 1.3-1.4x at 2-14 rows. One row
         stays on x @ w, which is faster there (0.4 vs 0.8 ms for that lm_head). The cost is a
-        second copy of these weights in memory. Elsewhere (CUDA, no oneDNN, half precision)
-        nothing is packed.
+        second copy of these weights in memory. Weights under `pack_min` elements stay unpacked
+        (see PACK_MIN_ELEMENTS). Elsewhere (CUDA, no oneDNN, half precision) nothing is packed.
         """
         on = (self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
               and torch.backends.mkldnn.is_available())
         with torch.inference_mode():
             def packed(w: torch.Tensor) -> torch.Tensor | None:  # w [in, out]
-                return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), 16) if on else None
+                if not on or w.numel() < self.pack_min:
+                    return None
+                return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), 16)
 
             for layer in self.layers:
                 layer["qkv_packed"], layer["gate_up_packed"] = packed(layer["qkv"]), packed(layer["gate_up"])

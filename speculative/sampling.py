@@ -115,19 +115,19 @@ def rejection_sample(
     return k, sample(p[k], generator)
 
 
-def greedy_verify(logits: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[int, int]:
+def greedy_verify(logits: torch.Tensor, draft_tokens: list[int]) -> tuple[int, int]:
     """`rejection_sample` where p is one-hot at the argmax (temperature 0), without building p.
 
-    logits: [K+1, V]; draft_tokens: [K]. With p one-hot, p(x) / q(x) is 0 or >= 1: a draft token
-    is accepted exactly when it is the argmax; at the first other one, norm(max(0, p - q)) is
-    one-hot at the argmax (q(argmax) < 1 there, as q(x) > 0), and so is the bonus p. Ties go to
-    the first maximum, as in logits_to_probs. -> (accepted, recovered or bonus token)
+    logits: [K+1, V]; draft_tokens: K ids. With p one-hot, p(x) / q(x) is 0 or >= 1: a draft
+    token is accepted exactly when it is the argmax; at the first other one, norm(max(0, p - q))
+    is one-hot at the argmax (q(argmax) < 1 there, as q(x) > 0), and so is the bonus p. Ties go
+    to the first maximum, as in logits_to_probs. -> (accepted, recovered or bonus token)
     """
-    k = draft_tokens.shape[0]
-    best = logits.argmax(-1)  # [K+1]
-    mismatched = (best[:k] != draft_tokens).nonzero()
-    i = int(mismatched[0, 0]) if mismatched.numel() else k
-    return i, int(best[i])
+    best = logits.argmax(-1).tolist()  # [K+1]
+    for i, x in enumerate(draft_tokens):
+        if best[i] != x:
+            return i, best[i]
+    return len(draft_tokens), best[len(draft_tokens)]
 
 
 # ------------------------------------------------------------- wire encoding
@@ -145,31 +145,62 @@ def encode_supports(q_ids: list[torch.Tensor], q_probs: list[torch.Tensor]) -> t
     return [int(t.shape[0]) for t in q_ids], ids.tobytes(), probs.tobytes()
 
 
-def decode_supports(
-    num_tokens: int, sizes: list[int], ids: bytes, probs: bytes, vocab: int, device: torch.device | str = "cpu"
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Inverse of encode_supports, checking everything a peer could get wrong."""
+def one_hot_supports(tokens: list[int]) -> tuple[list[int], bytes, bytes]:
+    """encode_supports for a greedy draft: each token's q is one-hot at the token."""
+    return [1] * len(tokens), np.asarray(tokens, dtype=_IDS).tobytes(), np.ones(len(tokens), dtype=_PROBS).tobytes()
+
+
+def check_supports(
+    tokens: list[int] | int, sizes: list[int], ids: bytes, probs: bytes, vocab: int
+) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """Check a proposal's sparse q for everything a peer could get wrong; with the draft tokens
+    themselves (not just their count), also that each has probability in its own q.
+    -> (ids, probs, sizes) as arrays, one slice per token"""
+    num_tokens = tokens if isinstance(tokens, int) else len(tokens)
     if len(sizes) != num_tokens:
         raise InvalidRequest(f"proposal has {num_tokens} tokens but {len(sizes)} support sizes")
     if len(ids) % 4 or len(probs) % 4:
         raise InvalidRequest("support_ids and support_probs must be whole int32 / float32 arrays")
     ids_np = np.frombuffer(ids, dtype=_IDS)
     probs_np = np.frombuffer(probs, dtype=_PROBS)
+    sizes = [int(s) for s in sizes]
     total = sum(sizes)
     if any(s <= 0 for s in sizes) or ids_np.size != total or probs_np.size != total:
         raise InvalidRequest(
             f"support sizes {sizes} do not match {ids_np.size} support ids and {probs_np.size} probabilities"
         )
-    if total and (ids_np.min() < 0 or ids_np.max() >= vocab):
+    if not total:
+        return ids_np, probs_np, sizes
+    if ids_np.min() < 0 or ids_np.max() >= vocab:
         raise InvalidRequest(f"support ids must lie in [0, {vocab})")
-    if not np.all(np.isfinite(probs_np)) or (total and probs_np.min() < 0):
+    if not np.all(np.isfinite(probs_np)) or probs_np.min() < 0:
         raise InvalidRequest("draft probabilities must be finite and non-negative")
-    bounds = np.cumsum([0, *sizes])
-    for i in range(num_tokens):
-        mass = float(probs_np[bounds[i] : bounds[i + 1]].sum(dtype=np.float64))
-        if abs(mass - 1.0) > 1e-3:
-            raise InvalidRequest(f"draft probabilities at position {i} sum to {mass:.6f}, not 1")
-    ids_t = torch.from_numpy(ids_np.astype(np.int64)).to(device)
-    probs_t = torch.from_numpy(probs_np.copy()).to(device)
-    splits = [int(s) for s in sizes]
-    return list(torch.split(ids_t, splits)), list(torch.split(probs_t, splits))
+    starts = np.cumsum([0, *sizes[:-1]])
+    mass = np.add.reduceat(probs_np, starts, dtype=np.float64)
+    off = np.abs(mass - 1.0) > 1e-3
+    if off.any():
+        i = int(off.argmax())
+        raise InvalidRequest(f"draft probabilities at position {i} sum to {mass[i]:.6f}, not 1")
+    if not isinstance(tokens, int):
+        owner = np.repeat(np.asarray(tokens, dtype=np.int64), sizes)  # each support entry's draft token
+        found = np.logical_or.reduceat((ids_np == owner) & (probs_np > 0), starts)
+        if not found.all():
+            i = int(found.argmin())
+            raise InvalidRequest(f"draft token {tokens[i]} at position {i} has no probability in its q")
+    return ids_np, probs_np, sizes
+
+
+def supports_to_tensors(
+    ids: np.ndarray, probs: np.ndarray, sizes: list[int], device: torch.device | str = "cpu"
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """check_supports' arrays as per-token tensors (ids int64, probs float32) on `device`."""
+    ids_t = torch.from_numpy(ids.astype(np.int64)).to(device)
+    probs_t = torch.from_numpy(probs.copy()).to(device)
+    return list(torch.split(ids_t, sizes)), list(torch.split(probs_t, sizes))
+
+
+def decode_supports(
+    num_tokens: int, sizes: list[int], ids: bytes, probs: bytes, vocab: int, device: torch.device | str = "cpu"
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Inverse of encode_supports, checking everything a peer could get wrong."""
+    return supports_to_tensors(*check_supports(num_tokens, sizes, ids, probs, vocab), device)

@@ -57,8 +57,11 @@ def test_scaled_rope_matches_transformers(tmp_path, tokenizer, rope):
     (model_dir / "config.json").write_text(json.dumps(config))
     fast, slow = ModelRunner(model_dir), ModelRunner(model_dir, forward="transformers")
     assert (fast.fast.rope_table is None) == (rope["rope_type"] == "dynamic")
+    assert fast.fast.lm_head_packed is None  # a tiny model's weights are under PACK_MIN_ELEMENTS
+    fast.fast.pack_min = 0
+    fast.fast.pack()  # every wide weight packed, to test that path
     if torch.backends.mkldnn.is_available():
-        assert fast.fast.lm_head_packed is not None
+        assert fast.fast.lm_head_packed is not None and fast.fast.layers[0]["qkv_packed"] is not None
     rng = random.Random(2)
     sessions = [r.start_session("s", 0) for r in (fast, slow)]
     while len(sessions[0].tokens) < 200:

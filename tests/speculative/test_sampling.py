@@ -11,11 +11,13 @@ from speculative.errors import InvalidRequest
 from tests.stats import chi2_critical, chi2_stat
 from speculative.sampling import (
     SamplingParams,
+    check_supports,
     decode_supports,
     draft_support,
     encode_supports,
     greedy_verify,
     logits_to_probs,
+    one_hot_supports,
     rejection_sample,
 )
 
@@ -82,6 +84,14 @@ def test_supports_round_trip_and_validation():
     for args in bad:
         with pytest.raises(InvalidRequest):
             decode_supports(*args)
+    tokens = [5, 0, 5]  # a greedy draft's one-hot q, encoded without tensors
+    assert one_hot_supports(tokens) == encode_supports([torch.tensor([t]) for t in tokens], [torch.ones(1)] * 3)
+    # given the draft tokens, each must have probability in its own q
+    assert check_supports([1, 0], sizes, ids, probs, V)[2] == [2, 1]
+    zero = encode_supports(q_ids, [torch.tensor([1.0, 0.0]), torch.tensor([1.0])])[2]
+    for tokens, p in (([2, 0], probs), ([3, 1], probs), ([1, 0], zero)):  # absent, absent at its position, q = 0
+        with pytest.raises(InvalidRequest, match="has no probability"):
+            check_supports(tokens, sizes, ids, p, V)
 
 
 def test_rejection_sample_greedy():
@@ -116,7 +126,7 @@ def test_greedy_verify_is_rejection_sampling_of_one_hot_p():
             q_ids.append(ids)
             q_probs.append(q / q.sum())
         expected = rejection_sample(logits_to_probs(logits, greedy), draft, q_ids, q_probs, g)
-        assert greedy_verify(logits, draft) == expected
+        assert greedy_verify(logits, draft.tolist()) == expected
         cases += 1
         mismatches += expected[0] < k
     assert cases == 400 and 100 < mismatches < 400  # both paths: rejections and full acceptance
