@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -32,6 +33,7 @@ from .transport import MAX_MESSAGE_BYTES, MESSAGE_LIMITS, add_tls_flags, server_
 
 log = logging.getLogger("specdec")
 
+GIL_SWITCH_INTERVAL = 0.0005  # seconds; see set_threads
 CHANNEL_OPTIONS = MESSAGE_LIMITS + [("grpc.enable_retries", 0)]  # the coordinator's, to its model services
 
 STATUS_OF = {
@@ -127,8 +129,16 @@ def add_model_flags(parser: EnvArgumentParser, role: str) -> None:
 
 
 def set_threads(threads: int) -> None:
+    """Torch threads of a model service, and how soon its two Python threads hand over the GIL."""
     import torch
 
+    # The model thread and the event loop take turns at the GIL; a thread that wants it waits up
+    # to this interval (Python's default: 5 ms) for the other to give it up. Between two passes
+    # the loop answers and reads calls while the model thread waits to start the next pass:
+    # on the shipped pair at 8 streams the target idled 2.9 ms between passes with 5 ms and
+    # 1.9 ms with 0.5 ms, and served 376 against 337 tok/s (medians of 8 interleaved runs; one
+    # stream unchanged, 160 against 157); in three more pairs 0.5 ms won each time.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL)
     if threads > 0:
         torch.set_num_threads(threads)
     try:
