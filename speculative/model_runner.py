@@ -15,6 +15,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -101,6 +102,7 @@ class ModelRunner:
         self.batched_threads = 0  # torch threads for passes over several sessions (0: the same as for one)
         self.at_work = 0  # sessions used within BUSY_WINDOW, as of the last pass (read by other threads)
         self.pass_cost = PassCost()  # set by calibrate() where a service wants it (adaptive K reads it)
+        self.on_forward: Callable[[], None] | None = None  # called as each forward starts (ModelThread.flush)
 
     def _load(self, path: Path, max_context: int | None, forward: str, placement, dtype: str) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -269,6 +271,8 @@ class ModelRunner:
             threads = self.threads if alone or prefill else self.batched_threads
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
+        if self.on_forward is not None:
+            self.on_forward()
         if self.fast is not None:
             logits = self.fast.many([(new, s.cache, n) for new, (s, n) in zip(news, feeds)])
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 
 import pytest
 
@@ -91,14 +92,33 @@ def recording_run_many():
     return passes, run_many
 
 
+def held_first_pass(run_many):
+    """-> (release, run_many'): run_many whose first pass lasts until release is set, so that
+    calls submitted meanwhile are all waiting when the model frees up."""
+    release = threading.Event()
+    first = [True]
+
+    def run(calls):
+        if first[0]:
+            first[0] = False
+            assert release.wait(10)
+        return run_many(calls)
+
+    return release, run
+
+
 def test_batcher_joins_waiting_calls_and_keeps_one_call_per_session():
     passes, run_many = recording_run_many()
+    release, held = held_first_pass(run_many)
 
     async def main():
-        batcher = Batcher(ModelThread(), run_many, max_batch=3)
+        batcher = Batcher(ModelThread(), held, max_batch=3)
         first = asyncio.ensure_future(batcher.submit("a", "a1"))
         await asyncio.sleep(0.05)  # "a1" runs alone: nothing waits for a batch to fill
-        calls = [batcher.submit(s, f"{s}{n}") for s, n in [("b", 1), ("c", 1), ("b", 2), ("d", 1), ("e", 1)]]
+        calls = [asyncio.ensure_future(batcher.submit(s, f"{s}{n}"))
+                 for s, n in [("b", 1), ("c", 1), ("b", 2), ("d", 1), ("e", 1)]]
+        await asyncio.sleep(0.05)  # all five wait while a1's pass runs
+        release.set()
         return await asyncio.gather(first, *calls)
 
     results = asyncio.run(main())
@@ -111,14 +131,43 @@ def test_batcher_joins_waiting_calls_and_keeps_one_call_per_session():
 def test_batcher_refuses_calls_beyond_its_queue():
     from speculative.errors import CapacityExceeded
 
+    release, held = held_first_pass(lambda calls: [(c, None) for c in calls])
+
     async def main():
-        batcher = Batcher(ModelThread(), lambda calls: [(c, None) for c in calls], max_batch=1, max_queue=2)
-        calls = [asyncio.ensure_future(batcher.submit(f"s{i}", i)) for i in range(4)]
-        return await asyncio.gather(*calls, return_exceptions=True)
+        batcher = Batcher(ModelThread(), held, max_batch=1, max_queue=2)
+        first = asyncio.ensure_future(batcher.submit("s0", 0))
+        await asyncio.sleep(0.05)  # s0's pass runs (held): the queue is empty
+        calls = [asyncio.ensure_future(batcher.submit(f"s{i}", i)) for i in range(1, 5)]
+        await asyncio.sleep(0.05)
+        release.set()
+        return await asyncio.gather(first, *calls, return_exceptions=True)
 
     results = asyncio.run(main())
-    assert [r for r, _ in results[:2]] == [0, 1]
-    assert all(isinstance(r, CapacityExceeded) and "wait" in str(r) for r in results[2:])
+    assert [r for r, _ in results[:3]] == [0, 1, 2]
+    assert all(isinstance(r, CapacityExceeded) and "wait" in str(r) for r in results[3:])
+
+
+def test_batcher_fails_every_call_of_a_failed_pass_and_goes_on():
+    """An error out of run_many itself (not one call's) reaches each call of that pass; the
+    model thread serves the next pass, and jobs, as before."""
+    def run_many(calls):
+        if "boom" in calls:
+            raise RuntimeError("the pass broke")
+        return [(c, None) for c in calls]
+
+    async def main():
+        thread = ModelThread()
+        batcher = Batcher(thread, run_many, max_batch=4)
+        failed = await asyncio.gather(batcher.submit("a", "boom"), return_exceptions=True)
+        after = await batcher.submit("b", "fine")
+        job = await thread.run(lambda x: x * 2, 21)
+        with pytest.raises(ZeroDivisionError):
+            await thread.run(lambda: 1 / 0)
+        return failed, after, job
+
+    failed, after, job = asyncio.run(main())
+    assert isinstance(failed[0], RuntimeError) and "broke" in str(failed[0])
+    assert after == ("fine", None) and job == 42
 
 
 @pytest.mark.parametrize("wait, at_work, first_pass", [
