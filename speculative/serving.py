@@ -113,7 +113,7 @@ def add_model_flags(parser: EnvArgumentParser, role: str) -> None:
     parser.add_argument("--max-batch", type=int, default=32,
                         help="most sessions per model pass (continuous batching; 1: one session at a time)")
     parser.add_argument("--batch-wait-ms", type=float, default=0.5 if role == "draft" else 0.0,
-                        help="when fewer calls wait than sessions are at work, wait this long for the others before a"
+                        help="when fewer calls wait than sessions are at work, wait up to this long for the others before a"
                              " pass (never with one session at work). The draft gains (the calls of a group of"
                              " sessions verified together come a moment apart); the target, the busier service, would"
                              " only idle")
@@ -166,8 +166,8 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> N
 class ModelThread:
     """The one thread a model service runs its model on, so the event loop never blocks.
 
-    It runs two kinds of work, in arrival order of the jobs: jobs (`run`, `submit`: loading,
-    releasing sessions...) and the passes of the batchers attached to it. Between two passes it
+    It runs two kinds of work: jobs (`run`, `submit`: loading, releasing sessions...), first and
+    in order, and the passes of the batchers attached to it. Between two passes it
     takes the next batch itself, under its own lock, instead of waiting for the event loop to
     hand it over: at 8 streams the loop is answering the last pass's calls just then, and the
     target sat idle ~1-2 ms per pass for its turn.
