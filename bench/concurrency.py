@@ -156,7 +156,10 @@ def main(argv=None) -> None:
     systems = [s.strip() for s in args.systems.split(",")]
     prompts = heldout_prompts(AutoTokenizer.from_pretrained(target_dir), args.prompts)
     rows: list[dict] = []
-    runs = (len(levels) + (1 in levels and len(levels) > 1)) * len([s for s in systems if s != "HF sequential"])
+    # each stack runs one stream again at the end: this machine's speed drifts over minutes, and a
+    # ratio to a single-stream figure taken in a slow or fast spell would say more about the spell
+    again = [1] if 1 in levels and len(levels) > 1 else []
+    runs = len(levels + again) * len([s for s in systems if s != "HF sequential"])
     bar = tqdm(total=runs + ("HF sequential" in systems),
                desc="bench-concurrency", unit="run")
     stacks = {"batched": [s for s in systems if s in ("spec", "no spec")],
@@ -169,9 +172,6 @@ def main(argv=None) -> None:
         with LocalStack(draft_dir, target_dir, threads=args.threads, draft_threads=args.draft_threads,
                         draft_args=extra, target_args=extra,
                         coordinator_args=["--predraft"] if kind == "predraft" else []) as stack:
-            # one stream again at the end: this machine's speed drifts over minutes, and a ratio to a
-            # single-stream figure taken in a slow or fast spell would say more about the spell
-            again = [1] if 1 in levels and len(levels) > 1 else []
             for i, c in enumerate(levels + again):
                 for name in names:
                     bar.set_postfix_str(f"{name} C={c}")

@@ -241,7 +241,7 @@ class ModelThread:
     def _post(done: tuple | None) -> None:
         if done is None:
             return None
-        fn, loop, future, result, error = done
+        loop, future, result, error = done
         if loop is None:  # nobody waits for it
             if error is not None:
                 log.error("model thread job failed", exc_info=error)
@@ -264,7 +264,7 @@ class ModelThread:
             except BaseException as exc:  # handed to the caller
                 result, error = None, exc
             self.flush()  # if the pass never reached its forward
-            done = (fn, loop, future, result, error)
+            done = (loop, future, result, error)
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
