@@ -44,6 +44,7 @@ PG_TIMEOUT = timedelta(seconds=120)  # a collective of a pass that waits longer 
 # how long a rank may wait for rank 0's next plan: as long as the service may stay idle (a rank that
 # dies meanwhile is seen by Ray, not by this timeout)
 IDLE_TIMEOUT = timedelta(days=365)
+LOCAL_RAY_ATTEMPTS = 2  # starts of a local Ray instance whose raylet timed out (see Placement._start_local_ray)
 
 
 def _free_port() -> int:
@@ -265,9 +266,7 @@ class Placement:
         if ray_address:
             ray.init(address=ray_address, log_to_driver=False, ignore_reinit_error=True)
         elif self.own_ray:  # a new local instance (never one a RAY_ADDRESS names), stopped by close()
-            ray.init(address="local", num_cpus=os.cpu_count() or 1, num_gpus=torch.cuda.device_count(),
-                     include_dashboard=False, log_to_driver=False, object_store_memory=100 << 20,
-                     configure_logging=False)
+            self._start_local_ray()
         self.bundle = {"GPU": 1.0, "CPU": 1.0} if self.gpu else {"CPU": 1.0}
         self.group = placement_group([dict(self.bundle) for _ in range(world)], strategy="PACK")
         self.workers: list = []
@@ -294,6 +293,22 @@ class Placement:
             except Exception as exc:  # noqa: BLE001
                 raise self.give_up(f"cannot tell which GPU Ray gave rank 0: {exc}") from exc
             torch.cuda.set_device(self.device)  # NCCL's communicator of rank 0 lives on it
+
+    def _start_local_ray(self, attempts: int = LOCAL_RAY_ATTEMPTS) -> None:
+        """Start a local Ray instance. Ray gives its raylet a fixed 30 s to register with its GCS; on
+        a busy machine (every core taken by other services' passes) that has been seen to run out
+        once. Such a start is stopped and tried again, up to `attempts` times."""
+        for attempt in range(1, attempts + 1):
+            try:
+                self.ray.init(address="local", num_cpus=os.cpu_count() or 1, num_gpus=torch.cuda.device_count(),
+                              include_dashboard=False, log_to_driver=False, object_store_memory=100 << 20,
+                              configure_logging=False)
+                return
+            except Exception as exc:  # noqa: BLE001  (Ray raises a bare Exception for it)
+                if "timed out during startup" not in str(exc) or attempt == attempts:
+                    raise
+                log.warning("local Ray did not start (%s); trying again (%d of %d)", exc, attempt + 1, attempts)
+                self.ray.shutdown()
 
     def give_up(self, message: str) -> RuntimeError:
         """Undo everything (once); -> the error to raise."""

@@ -30,6 +30,45 @@ def test_a_size_that_does_not_divide_the_model_fails_before_ray_starts(pair, siz
     assert not ray.is_initialized()
 
 
+class FakeRay:
+    """ray.init failing with the given errors first (None: success); counts shutdowns."""
+
+    def __init__(self, *errors):
+        self.errors, self.inits, self.shutdowns = list(errors), 0, 0
+
+    def init(self, **kwargs):
+        self.inits += 1
+        error = self.errors.pop(0) if self.errors else None
+        if error is not None:
+            raise error
+
+    def shutdown(self):
+        self.shutdowns += 1
+
+
+TIMED_OUT = "The current node timed out during startup. This could happen because some of the raylet failed"
+
+
+@pytest.mark.parametrize("errors, inits, raised", [
+    ((), 1, None),
+    ((Exception(TIMED_OUT),), 2, None),  # a raylet that missed Ray's 30 s: started again
+    ((Exception(TIMED_OUT), Exception(TIMED_OUT)), 2, TIMED_OUT),  # not forever
+    ((RuntimeError("no such address"),), 1, "no such address"),  # anything else at once
+])
+def test_a_local_ray_whose_raylet_timed_out_is_started_again(errors, inits, raised):
+    from speculative.tensor_parallel import Placement
+
+    placement = object.__new__(Placement)  # only the start of Ray, no cluster
+    placement.ray = FakeRay(*errors)
+    if raised is None:
+        placement._start_local_ray()
+    else:
+        with pytest.raises(Exception, match=raised):
+            placement._start_local_ray()
+    assert placement.ray.inits == inits
+    assert placement.ray.shutdowns == inits - 1  # each failed start is stopped before the next
+
+
 def test_more_ranks_than_the_cluster_holds_fail_clearly(tmp_path):
     import ray
 
