@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: setup stubs run cluster test test-all bench bench-concurrency soak models clean
+.PHONY: setup stubs run cluster test test-all bench bench-concurrency bench-ceiling soak models clean
 
 setup: $(STAMP) stubs
 
@@ -50,6 +50,11 @@ soak: setup
 bench-concurrency: setup
 	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	$(PY) -m bench.concurrency
+
+# S sessions in lockstep in one process, no gRPC: the most batching can give on this machine and pair
+bench-ceiling: setup
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	$(PY) -m bench.ceiling
 
 clean:
 	rm -rf specdec .cache build *.egg-info

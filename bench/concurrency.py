@@ -12,6 +12,8 @@ latency (p50 / p99), for:
                 the target verifies this one)
   spec 1-at-a-time   speculation with --max-batch 1 on both model services: every session
                      gets its own forward pass (what batching buys)
+  spec lockstep the coordinator's --lockstep (all drafts, then all verifications, never at
+                once; K = --lockstep-k), both services on 2 threads and --batch-wait-ms 3
   HF sequential transformers `generate` on the target, one request after another
 Each stack runs one stream again after its last level (row "1*"); "x C=1" divides by the mean
 of the two single-stream runs, so a slow or fast spell of a shared machine does not land on
@@ -142,7 +144,9 @@ def main(argv=None) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--k", type=int, default=None,
                         help="fixed K for the speculative rows (default: the coordinator's adaptive K)")
-    parser.add_argument("--systems", default="spec,no spec,spec predraft,spec 1-at-a-time,HF sequential")
+    parser.add_argument("--systems",
+                        default="spec,no spec,spec predraft,spec 1-at-a-time,spec lockstep,HF sequential")
+    parser.add_argument("--lockstep-k", type=int, default=4, help="K of the spec lockstep row")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
                         help="torch threads of the target service (and of HF generate)")
     parser.add_argument("--draft-threads", type=int, default=1)
@@ -164,14 +168,19 @@ def main(argv=None) -> None:
                desc="bench-concurrency", unit="run")
     stacks = {"batched": [s for s in systems if s in ("spec", "no spec")],
               "predraft": [s for s in systems if s == "spec predraft"],
-              "one at a time": [s for s in systems if s == "spec 1-at-a-time"]}
+              "one at a time": [s for s in systems if s == "spec 1-at-a-time"],
+              "lockstep": [s for s in systems if s == "spec lockstep"]}
     for kind, names in stacks.items():
         if not names:
             continue
-        extra = ["--max-batch", "1"] if kind == "one at a time" else []
-        with LocalStack(draft_dir, target_dir, threads=args.threads, draft_threads=args.draft_threads,
-                        draft_args=extra, target_args=extra,
-                        coordinator_args=["--predraft"] if kind == "predraft" else []) as stack:
+        extra = {"one at a time": ["--max-batch", "1"], "lockstep": ["--batch-wait-ms", "3"]}.get(kind, [])
+        coordinator_args = {"predraft": ["--predraft"],
+                            "lockstep": ["--lockstep", "--num-speculative-tokens", str(args.lockstep_k)]}.get(kind, [])
+        lockstep = kind == "lockstep"  # each model has the cores to itself in its turn
+        with LocalStack(draft_dir, target_dir, threads=args.threads,
+                        draft_threads=args.threads if lockstep else args.draft_threads,
+                        batched_threads=args.threads if lockstep else 1,
+                        draft_args=extra, target_args=extra, coordinator_args=coordinator_args) as stack:
             for i, c in enumerate(levels + again):
                 for name in names:
                     bar.set_postfix_str(f"{name} C={c}")
@@ -209,6 +218,8 @@ def main(argv=None) -> None:
     by = {(r["system"], r["concurrency"]): r for r in rows if not r.get("again")}
     if ("spec", 8) in by and ("spec", 1) in by:
         print(f"\nspec at 8 streams: {by[('spec', 8)]['vs_single']:.2f}x its single-stream tokens/s (bar 3x)")
+    if ("spec lockstep", 8) in by and ("spec lockstep", 1) in by:
+        print(f"spec lockstep at 8 streams: {by[('spec lockstep', 8)]['vs_single']:.2f}x its single-stream tokens/s")
     if any(s == "no spec" for s, _ in by):
         worse = [c for c in levels if ("spec", c) in by and ("no spec", c) in by
                  and by[("spec", c)]["tokens_per_s"] < by[("no spec", c)]["tokens_per_s"]]

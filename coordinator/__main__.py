@@ -47,6 +47,13 @@ def parse_args(argv=None):
     parser.add_argument("--predraft", action="store_true",
                         help="while the target verifies a round, let the draft draft the next as if all were"
                              " accepted (PEARL's post-verify); kept when its guess holds, else rolled back")
+    parser.add_argument("--lockstep", action="store_true",
+                        help="let the generations' calls reach the models in turns (all drafts, then all"
+                             " verifications) instead of pipelining them: for a draft and a target that share cores;"
+                             " give each model service a --batch-wait-ms (e.g. 3) so a turn's calls form one batch,"
+                             " and a fixed --num-speculative-tokens")
+    parser.add_argument("--lockstep-hold-ms", type=float, default=5.0,
+                        help="with --lockstep, the longest a call waits for the generations not yet waiting")
     parser.add_argument("--draft-p-min", type=float, default=0.0,
                         help="stop drafting at a token the draft gives less probability than this (0: off)")
     parser.add_argument("--max-speculative-tokens", type=int, default=16, help="largest K a request may ask for")
@@ -68,6 +75,13 @@ def parse_args(argv=None):
         parser.error(f"--adaptive-max-k must lie in [0, --max-speculative-tokens={args.max_speculative_tokens}]")
     if not 0.0 <= args.draft_p_min <= 1.0:
         parser.error(f"--draft-p-min must lie in [0, 1], not {args.draft_p_min}")
+    if args.lockstep and args.num_speculative_tokens == "auto":
+        parser.error("--lockstep needs a fixed --num-speculative-tokens (4 suits the default pair): adaptive K's"
+                     " cost model assumes pipelined services and picks K ~0.4-2.4 in lockstep, 0.65-0.75x of K = 4")
+    if args.lockstep and args.predraft:
+        parser.error("--lockstep and --predraft exclude each other: pre-drafting overlaps the two models")
+    if not 0 < args.lockstep_hold_ms <= 1000:  # also NaN
+        parser.error(f"--lockstep-hold-ms must lie in (0, 1000], not {args.lockstep_hold_ms}")
     if args.max_request_bytes <= 0:
         parser.error(f"--max-request-bytes must be > 0, not {args.max_request_bytes}")
     return args
@@ -88,7 +102,8 @@ def main(argv=None) -> None:
         draft, target = pool("draft", args.draft, GrpcDraft), pool("target", args.target, GrpcTarget)
         adaptive = args.num_speculative_tokens == "auto"
         k = args.adaptive_max_k if adaptive else int(args.num_speculative_tokens)
-        limits = Limits(args.max_new_tokens, k, args.max_speculative_tokens, adaptive, args.draft_p_min, args.predraft)
+        limits = Limits(args.max_new_tokens, k, args.max_speculative_tokens, adaptive, args.draft_p_min, args.predraft,
+                        args.lockstep_hold_ms if args.lockstep else 0.0)
         metrics = CoordinatorMetrics()
         servicer = GenerationServicer(draft, target, limits, metrics)
         start_metrics(metrics.registry, args.host, args.metrics_port)

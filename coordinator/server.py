@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from speculative.adaptive import AdaptiveK, CostModel, FixedK, PassCost
+from speculative.lockstep import GatedDraft, GatedTarget, PhaseGate
 from speculative.metrics import CoordinatorMetrics, TokenClock
 from speculative.round import Stats, generate
 from speculative.sampling import SamplingParams
@@ -38,6 +39,7 @@ class Limits:
     adaptive: bool = True  # requests without num_speculative_tokens get adaptive K
     draft_p_min: float = 0.0
     predraft: bool = False  # draft the next round while the target verifies this one
+    lockstep_ms: float = 0.0  # > 0: calls reach the models in turns (speculative/lockstep.py), held this long at most
 
 
 class BadRequest(ValueError):
@@ -84,6 +86,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.limits = limits
         self.tokenizer = None
         self.metrics = metrics
+        self.gate = PhaseGate(limits.lockstep_ms / 1e3) if limits.lockstep_ms > 0 else None
         if metrics is not None:
             draft.latency, target.latency = metrics.propose, metrics.verify
 
@@ -200,6 +203,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finish = pb.FINISH_REASON_LENGTH
         # one replica of each pool at a time, moving to another if it fails (coordinator/failover.py)
         draft, target = FailoverDraft(self.draft), FailoverTarget(self.target)
+        if self.gate is not None:
+            draft, target = GatedDraft(draft, self.gate), GatedTarget(target, self.gate)
+            self.gate.joined()
         rounds = generate(
             draft, target, prompt, max_new_tokens=max_new, k=policy, params=params,
             eos_token_ids=self.eos_token_ids, max_context=self.max_context, stats=stats,
@@ -227,6 +233,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(e.code, str(e))
         finally:
             self.costs.in_flight -= 1
+            if self.gate is not None:
+                self.gate.left()
+                draft, target = draft.peer, target.peer
             draft.close()
             target.close()
         wall_ms = (time.perf_counter() - start) * 1e3

@@ -52,3 +52,26 @@ def test_tiny_bench_writes_every_row(pair, tmp_path, capsys):
             r for r in greedy if r["name"] == "d specdec gRPC" and r["k"] == 3)["acceptance_rate"]
     assert {r["k"] for r in rows if r["mode"] == "sampling" and r["name"] == "d specdec gRPC"} == {1, 3}
     assert {r["mode"] for r in rows if r.get("adaptive")} == {"greedy", "sampling"}
+
+
+def test_tiny_ceiling_bench(pair, tmp_path, capsys):
+    from bench.ceiling import main as ceiling_main
+
+    draft, target = pair
+    result = ceiling_main(["--draft-model", str(draft), "--target-model", str(target), "--prompts", "2",
+                           "--new-tokens", "8", "--sessions", "1,3", "--ks", "0,2", "--repeats", "2",
+                           "--threads", "1", "--draft-threads", "1", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "ceiling.json").read_text())
+    assert saved["ceiling"] == result["ceiling"] and set(saved["ceiling"]) == {"3"}
+    rows = saved["rows"]
+    assert {(r["sessions"], r["k"]) for r in rows} == {(1, 0), (1, 2), (3, 0), (3, 2)}  # one thread setting
+    # every run decoded the same tokens (the bench stops otherwise): max(2, 2 S) requests of <= 8 tokens
+    per_request = {r["sessions"]: r["tokens"] / (2 if r["sessions"] == 1 else 6) for r in rows}
+    assert len({r["tokens"] for r in rows if r["sessions"] == 1}) == 1 and 0 < per_request[1] <= 8
+    for r in rows:
+        assert len(r["tokens_per_s_runs"]) == 2 and r["tokens_per_s"] > 0 and r["bound_tokens_per_s"] > 0
+        assert r["target_ms_per_token"] > 0 and (r["draft_ms_per_token"] > 0) == (r["k"] > 0)
+        if r["sessions"] == 1:
+            assert r["mean_verify_batch"] == 1.0
+    assert max(r["mean_verify_batch"] for r in rows if r["sessions"] == 3) > 1.5  # sessions shared passes
+    assert "3 sessions: lockstep" in capsys.readouterr().out

@@ -40,3 +40,34 @@ def test_concurrent_equals_one_at_a_time(stack):
             assert [list(r.token_ids) for r in together] == [list(r.token_ids) for r in alone], temperature
             assert max(r.stats.mean_verify_batch for r in alone) == 1.0
             assert max(r.stats.mean_verify_batch for r in together) > 1.5  # they did share passes
+
+
+def test_lockstep_equals_one_at_a_time(pair):
+    """--lockstep (calls reach the models in turns) changes when calls run, not a token; the
+    generations' calls share passes."""
+    from coordinator.launch import LocalStack
+
+    draft, target = pair
+    wait = ["--batch-wait-ms", "3"]
+    with LocalStack(draft, target, draft_args=wait, target_args=wait,
+                    coordinator_args=["--lockstep", "--num-speculative-tokens", "3"]) as stack:
+        with grpc.insecure_channel(stack.addr) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            for temperature in (0.0, 0.8):
+                reqs = requests(temperature)
+                alone = run_all(stub, reqs, concurrent=False)
+                together = run_all(stub, reqs, concurrent=True)
+                assert [list(r.token_ids) for r in together] == [list(r.token_ids) for r in alone], temperature
+                assert max(r.stats.mean_verify_batch for r in together) > 1.5
+
+
+def test_lockstep_flags_are_checked():
+    import pytest
+
+    from coordinator.__main__ import parse_args
+
+    assert parse_args(["--lockstep", "--num-speculative-tokens", "4"]).lockstep
+    for bad in (["--lockstep"], ["--lockstep", "--num-speculative-tokens", "4", "--predraft"],
+                ["--lockstep", "--num-speculative-tokens", "4", "--lockstep-hold-ms", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)

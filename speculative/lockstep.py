@@ -1,0 +1,132 @@
+"""Lockstep: the draft's and the target's calls of many generations, in turns that never overlap.
+
+By default the coordinator pipelines: while the target verifies some sessions the draft
+drafts for others, which is right when each model has its own hardware. Where the two
+services share a few cores (one host, a CPU box), their passes then compete for them, and
+the target, the busier of the two, runs its passes on one thread beside the draft's. With
+`--lockstep` the coordinator instead lets the generations' calls reach the models in turns:
+every generation waiting for the draft goes at once, and only when those calls are back and
+every generation waits again, every one waiting for the target. Each service then sees its
+whole group together (one batch) and has the cores to itself while it runs.
+
+`PhaseGate` holds the calls; `GatedDraft` and `GatedTarget` wrap any DraftPeer / TargetPeer
+(the round does not know). A generation that is neither waiting nor calling (streaming its
+tokens, starting, ending) would hold everyone up, so a turn also starts once its first call
+has waited `hold_s` with no call in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from .round import Cost, DraftPeer, Proposal, TargetPeer, Verdict
+from .sampling import SamplingParams
+
+DRAFT, TARGET = "draft", "target"
+
+
+class PhaseGate:
+    """Lets calls through in turns: all those waiting for the draft, then all those waiting for the target.
+
+    A turn starts when no call is in flight and either every live generation is waiting
+    (`joined` / `left` count them) or the oldest waiting call has waited `hold_s`. The
+    draft's turn comes first when calls wait for both.
+    """
+
+    def __init__(self, hold_s: float = 0.005):
+        self.hold_s = hold_s
+        self.live = 0
+        self.waiting: dict[str, list[asyncio.Future]] = {DRAFT: [], TARGET: []}
+        self.in_flight = 0
+        self.turns = {DRAFT: 0, TARGET: 0}
+        self.timer: asyncio.TimerHandle | None = None
+
+    def joined(self) -> None:
+        self.live += 1
+
+    def left(self) -> None:
+        self.live -= 1
+        self._next()
+
+    async def enter(self, model: str) -> None:
+        """Wait for `model`'s turn; the caller then makes its call and calls `exit` after it."""
+        future = asyncio.get_running_loop().create_future()
+        self.waiting[model].append(future)
+        self._next()
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future.cancelled():  # cancelled while waiting: never let through
+                if future in self.waiting[model]:
+                    self.waiting[model].remove(future)
+                self._next()
+            else:  # let through (counted in flight), but it will not call
+                self.exit()
+            raise
+
+    def exit(self) -> None:
+        self.in_flight -= 1
+        self._next()
+
+    def _next(self, timed_out: bool = False) -> None:
+        waiting = len(self.waiting[DRAFT]) + len(self.waiting[TARGET])
+        if self.in_flight > 0 or waiting == 0:
+            return
+        if waiting < self.live and not timed_out:
+            if self.timer is None:
+                self.timer = asyncio.get_running_loop().call_later(self.hold_s, self._expire)
+            return
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        model = DRAFT if self.waiting[DRAFT] else TARGET
+        turn, self.waiting[model] = self.waiting[model], []
+        self.turns[model] += 1
+        for future in turn:
+            if not future.done():  # (a cancelled one leaves the list when its caller resumes)
+                future.set_result(None)
+                # in flight from now, not from when its caller resumes: no other turn may start
+                # in between
+                self.in_flight += 1
+
+    def _expire(self) -> None:
+        self.timer = None
+        self._next(timed_out=True)
+
+
+class GatedDraft:
+    """A DraftPeer whose proposals wait for the draft's turn at `gate`."""
+
+    def __init__(self, peer: DraftPeer, gate: PhaseGate):
+        self.peer = peer
+        self.gate = gate
+
+    async def propose(self, session_id: str, start: bool, rollback: int, append: list[int], k: int,
+                      params: SamplingParams, p_min: float = 0.0) -> tuple[Proposal, Cost]:
+        await self.gate.enter(DRAFT)
+        try:
+            return await self.peer.propose(session_id, start, rollback, append, k, params, p_min)
+        finally:
+            self.gate.exit()
+
+    async def release(self, session_id: str) -> None:
+        await self.peer.release(session_id)
+
+
+class GatedTarget:
+    """A TargetPeer whose verifications wait for the target's turn at `gate`."""
+
+    def __init__(self, peer: TargetPeer, gate: PhaseGate):
+        self.peer = peer
+        self.gate = gate
+
+    async def verify(self, session_id: str, start: bool, append: list[int], proposal: Proposal,
+                     params: SamplingParams) -> tuple[Verdict, Cost]:
+        await self.gate.enter(TARGET)
+        try:
+            return await self.peer.verify(session_id, start, append, proposal, params)
+        finally:
+            self.gate.exit()
+
+    async def release(self, session_id: str) -> None:
+        await self.peer.release(session_id)
