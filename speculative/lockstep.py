@@ -11,8 +11,8 @@ whole group together (one batch) and has the cores to itself while it runs.
 
 `PhaseGate` holds the calls; `GatedDraft` and `GatedTarget` wrap any DraftPeer / TargetPeer
 (the round does not know). A generation that is neither waiting nor calling (streaming its
-tokens, starting, ending) would hold everyone up, so a turn also starts once its first call
-has waited `hold_s` with no call in flight.
+tokens, starting, ending) would hold everyone up, so a turn also starts once calls have
+waited `hold_s` with none in flight.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ class PhaseGate:
     """Lets calls through in turns: all those waiting for the draft, then all those waiting for the target.
 
     A turn starts when no call is in flight and either every live generation is waiting
-    (`joined` / `left` count them) or the oldest waiting call has waited `hold_s`. The
-    draft's turn comes first when calls wait for both.
+    (`joined` / `left` count them) or calls have waited `hold_s` since the last turn ended (or
+    since the first of them came, if later). The draft's turn comes first when calls wait for both.
     """
 
     def __init__(self, hold_s: float = 0.005):
