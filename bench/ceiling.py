@@ -52,13 +52,18 @@ class Lockstep:
     """
 
     def __init__(self, draft: DraftEngine, target: TargetEngine, draft_threads: int, target_threads: int):
-        self.models = {"draft": (draft.propose_many, draft_threads), "target": (target.verify_many, target_threads)}
+        self.draft, self.target = draft, target
+        self.set_threads(draft_threads, target_threads)
         self.waiting: dict[str, list[tuple[object, asyncio.Future]]] = {"draft": [], "target": []}
         self.live = 0
         self.scheduled = False
         self.passes = {"draft": 0, "target": 0}
         self.calls = {"draft": 0, "target": 0}
         self.busy = {"draft": 0.0, "target": 0.0}  # seconds inside each model's passes
+
+    def set_threads(self, draft_threads: int, target_threads: int) -> None:
+        self.models = {"draft": (self.draft.propose_many, draft_threads),
+                       "target": (self.target.verify_many, target_threads)}
 
     async def call(self, model: str, call):
         future = asyncio.get_running_loop().create_future()
@@ -215,7 +220,7 @@ def main(argv=None) -> dict:
         for repeat in range(args.repeats):
             for (tt, td), s, k in runs if repeat % 2 == 0 else runs[::-1]:
                 bar.set_postfix_str(f"threads {tt}/{td} S={s} K={k}")
-                lockstep.models = {"draft": (draft_engine.propose_many, td), "target": (target_engine.verify_many, tt)}
+                lockstep.set_threads(td, tt)
                 result = lockstep_run(draft, target, prompts, s, k, args.new_tokens, eos, f"r{repeat}t{tt}s{s}k{k}")
                 outputs = result.pop("outputs")
                 if reference is None:

@@ -202,7 +202,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         text = TextStream(self.tokenizer, stop)
         finish = pb.FINISH_REASON_LENGTH
         # one replica of each pool at a time, moving to another if it fails (coordinator/failover.py)
-        draft, target = FailoverDraft(self.draft), FailoverTarget(self.target)
+        failover_draft, failover_target = FailoverDraft(self.draft), FailoverTarget(self.target)
+        draft, target = failover_draft, failover_target
         if self.gate is not None:
             draft, target = GatedDraft(draft, self.gate), GatedTarget(target, self.gate)
             self.gate.joined()
@@ -235,9 +236,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self.costs.in_flight -= 1
             if self.gate is not None:
                 self.gate.left()
-                draft, target = draft.peer, target.peer
-            draft.close()
-            target.close()
+            failover_draft.close()
+            failover_target.close()
         wall_ms = (time.perf_counter() - start) * 1e3
         yield pb.GenerateChunk(
             text=text.take(final=True), finish_reason=finish,

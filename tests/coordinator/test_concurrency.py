@@ -30,8 +30,10 @@ def run_all(stub, reqs, concurrent: bool) -> list[pb.GenerateResponse]:
     return [f.result() for f in futures]
 
 
-def test_concurrent_equals_one_at_a_time(stack):
-    with grpc.insecure_channel(stack.addr) as channel:
+def check_concurrent_equals_one_at_a_time(addr: str) -> None:
+    """The requests' outputs together equal those alone (greedy and seeded sampling), and the
+    concurrent ones shared passes."""
+    with grpc.insecure_channel(addr) as channel:
         stub = pb_grpc.GenerationStub(channel)
         for temperature in (0.0, 0.8):
             reqs = requests(temperature)
@@ -42,23 +44,19 @@ def test_concurrent_equals_one_at_a_time(stack):
             assert max(r.stats.mean_verify_batch for r in together) > 1.5  # they did share passes
 
 
+def test_concurrent_equals_one_at_a_time(stack):
+    check_concurrent_equals_one_at_a_time(stack.addr)
+
+
 def test_lockstep_equals_one_at_a_time(pair):
-    """--lockstep (calls reach the models in turns) changes when calls run, not a token; the
-    generations' calls share passes."""
+    """--lockstep (calls reach the models in turns) changes when calls run, not a token."""
     from coordinator.launch import LocalStack
 
     draft, target = pair
     wait = ["--batch-wait-ms", "3"]
     with LocalStack(draft, target, draft_args=wait, target_args=wait,
                     coordinator_args=["--lockstep", "--num-speculative-tokens", "3"]) as stack:
-        with grpc.insecure_channel(stack.addr) as channel:
-            stub = pb_grpc.GenerationStub(channel)
-            for temperature in (0.0, 0.8):
-                reqs = requests(temperature)
-                alone = run_all(stub, reqs, concurrent=False)
-                together = run_all(stub, reqs, concurrent=True)
-                assert [list(r.token_ids) for r in together] == [list(r.token_ids) for r in alone], temperature
-                assert max(r.stats.mean_verify_batch for r in together) > 1.5
+        check_concurrent_equals_one_at_a_time(stack.addr)
 
 
 def test_lockstep_flags_are_checked():

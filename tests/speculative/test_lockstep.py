@@ -27,7 +27,7 @@ class Recorder:
         self.active = {DRAFT: 0, TARGET: 0}
         self.overlaps = 0
 
-    async def _timed(self, model: str, call):
+    async def timed(self, model: str, call):
         other = TARGET if model == DRAFT else DRAFT
         self.active[model] += 1
         self.overlaps += self.active[other] > 0
@@ -45,7 +45,7 @@ class RecordedDraft:
         self.rec = rec
 
     async def propose(self, *args, **kwargs):
-        return await self.rec._timed(DRAFT, lambda: self.rec.draft.engine.propose(*args, **kwargs))
+        return await self.rec.timed(DRAFT, lambda: self.rec.draft.engine.propose(*args, **kwargs))
 
     async def release(self, session_id: str) -> None:
         await self.rec.draft.release(session_id)
@@ -56,7 +56,7 @@ class RecordedTarget:
         self.rec = rec
 
     async def verify(self, *args, **kwargs):
-        return await self.rec._timed(TARGET, lambda: self.rec.target.engine.verify(*args, **kwargs))
+        return await self.rec.timed(TARGET, lambda: self.rec.target.engine.verify(*args, **kwargs))
 
     async def release(self, session_id: str) -> None:
         await self.rec.target.release(session_id)
