@@ -18,6 +18,9 @@ latency (p50 / p99), for:
 Each stack runs one stream again after its last level (row "1*"); "x C=1" divides by the mean
 of the two single-stream runs, so a slow or fast spell of a shared machine does not land on
 one side of the ratio only.
+With greedy decoding (the default) every request's tokens are checked against the first run of
+its prompt, across systems and levels: greedy output is the target's own at any concurrency
+and batch, so the bench prints how many requests matched and names any that did not.
 Writes a table to stdout, bench/results/concurrency.json and bench/results/concurrency.png.
 """
 
@@ -49,7 +52,8 @@ def percentile(values: list[float], q: float) -> float:
 
 async def drive(addr: str, prompts: list[list[int]], concurrency: int, requests: int, new_tokens: int,
                 temperature: float, k: int | None) -> dict:
-    """`requests` generations over `concurrency` concurrent streams. -> figures of the level"""
+    """`requests` generations over `concurrency` concurrent streams (request i: prompt i mod
+    len(prompts), seed i). -> figures of the level, and "outputs": request i's token ids"""
     import grpc
 
     from specdec.v1 import specdec_pb2 as pb
@@ -59,6 +63,7 @@ async def drive(addr: str, prompts: list[list[int]], concurrency: int, requests:
     for i in range(requests):
         queue.put_nowait(i)
     ttft, itl, tokens, batches = [], [], 0, []
+    outputs: list[list[int]] = [[] for _ in range(requests)]
 
     async with grpc.aio.insecure_channel(addr) as channel:
         stub = pb_grpc.GenerationStub(channel)
@@ -84,6 +89,7 @@ async def drive(addr: str, prompts: list[list[int]], concurrency: int, requests:
                             itl.extend([(now - last) / n] * n)
                         last = now
                         tokens += n
+                        outputs[i].extend(chunk.token_ids)
                     if chunk.HasField("stats"):
                         batches.append(chunk.stats.mean_verify_batch)
                         ks.append(chunk.stats.draft_tokens / max(1, chunk.stats.rounds))
@@ -97,7 +103,7 @@ async def drive(addr: str, prompts: list[list[int]], concurrency: int, requests:
         "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
         "itl_p50_ms": 1e3 * percentile(itl, 50), "itl_p99_ms": 1e3 * percentile(itl, 99),
         "mean_verify_batch": statistics.fmean(batches) if batches else 0.0,
-        "mean_k": statistics.fmean(ks) if ks else 0.0,
+        "mean_k": statistics.fmean(ks) if ks else 0.0, "outputs": outputs,
     }
 
 
@@ -134,7 +140,7 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench.concurrency", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_pair_flags(parser)
@@ -170,6 +176,9 @@ def main(argv=None) -> None:
               "predraft": [s for s in systems if s == "spec predraft"],
               "one at a time": [s for s in systems if s == "spec 1-at-a-time"],
               "lockstep": [s for s in systems if s == "spec lockstep"]}
+    decoded: dict[int, list[int]] = {}  # prompt index -> the tokens its first greedy run decoded
+    differ: list[str] = []  # the runs whose tokens were not those
+    checked = 0
     for kind, names in stacks.items():
         if not names:
             continue
@@ -187,6 +196,12 @@ def main(argv=None) -> None:
                     k = 0 if name == "no spec" else args.k
                     figures = asyncio.run(drive(stack.addr, prompts, c, max(len(prompts), 2 * c), args.new_tokens,
                                                 args.temperature, k))
+                    outputs = figures.pop("outputs")
+                    if args.temperature == 0:  # greedy: the target's own tokens, whatever the system and level
+                        for j, ids in enumerate(outputs):
+                            if decoded.setdefault(j % len(prompts), ids) != ids:
+                                differ.append(f"{name} C={c} prompt {j % len(prompts)}")
+                        checked += len(outputs)
                     rows.append({"system": name, "concurrency": c, "again": i >= len(levels), **figures})
                     bar.update()
     if "HF sequential" in systems:
@@ -194,6 +209,11 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
         target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
         outputs, seconds = hf_generate(target, prompts, args.temperature, args.new_tokens)
+        if args.temperature == 0:
+            for j, ids in enumerate(outputs):
+                if decoded.setdefault(j, ids) != ids:
+                    differ.append(f"HF sequential prompt {j}")
+            checked += len(outputs)
         tokens = sum(map(len, outputs))
         rows.append({"system": "HF sequential", "concurrency": 1, "requests": len(prompts), "tokens": tokens,
                      "seconds": seconds, "tokens_per_s": tokens / seconds, "ttft_p50_ms": float("nan"),
@@ -209,7 +229,8 @@ def main(argv=None) -> None:
     meta = {"machine": f"{os.cpu_count()} cores, {torch.__version__}", "threads": args.threads,
             "draft_threads": args.draft_threads, "draft": str(draft_dir), "target": str(target_dir),
             "prompts": len(prompts), "new_tokens": args.new_tokens, "temperature": args.temperature,
-            "k": args.k if args.k is not None else "adaptive", "date": time.strftime("%Y-%m-%d %H:%M")}
+            "k": args.k if args.k is not None else "adaptive", "date": time.strftime("%Y-%m-%d %H:%M"),
+            "greedy_requests_checked": checked, "greedy_requests_differing": differ}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "concurrency.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot(rows, args.out / "concurrency.png")
@@ -224,7 +245,11 @@ def main(argv=None) -> None:
         worse = [c for c in levels if ("spec", c) in by and ("no spec", c) in by
                  and by[("spec", c)]["tokens_per_s"] < by[("no spec", c)]["tokens_per_s"]]
         print("spec >= no spec at every level" if not worse else f"spec < no spec at C = {worse}")
+    if checked:
+        print(f"greedy: {checked - len(differ)} of {checked} requests decoded their prompt's first run's tokens"
+              + (f"; differing: {', '.join(differ[:8])}" if differ else " (every system, every level)"))
     print(f"\nwrote {args.out / 'concurrency.json'} and {args.out / 'concurrency.png'}")
+    return {"meta": meta, "rows": rows}
 
 
 if __name__ == "__main__":

@@ -75,3 +75,34 @@ def test_tiny_ceiling_bench(pair, tmp_path, capsys):
             assert r["mean_verify_batch"] == 1.0
     assert max(r["mean_verify_batch"] for r in rows if r["sessions"] == 3) > 1.5  # sessions shared passes
     assert "3 sessions: lockstep" in capsys.readouterr().out
+
+
+def test_tiny_concurrency_bench(pair, tmp_path, capsys):
+    from bench.concurrency import main as concurrency_main
+
+    draft, target = pair
+    systems = ["spec", "no spec", "spec lockstep", "HF sequential"]  # two stacks (the other two: flags)
+    result = concurrency_main(["--draft-model", str(draft), "--target-model", str(target), "--prompts", "2",
+                               "--new-tokens", "8", "--levels", "1,3", "--threads", "1", "--lockstep-k", "2",
+                               "--systems", ",".join(systems), "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "concurrency.json").read_text())
+    rows = saved["rows"]
+    figures = [(r["system"], r["concurrency"], r["tokens_per_s"]) for r in rows]
+    assert figures == [(r["system"], r["concurrency"], r["tokens_per_s"]) for r in result["rows"]]
+    assert (tmp_path / "concurrency.png").stat().st_size > 1000
+    # every gRPC system at C = 1, 3 and 1 again (max(2, 2C) requests of 8 tokens), HF once
+    assert [(r["system"], r["concurrency"]) for r in rows if r["system"] == "spec"] == [("spec", 1), ("spec", 3),
+                                                                                      ("spec", 1)]
+    assert {r["system"] for r in rows} == set(systems)
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["tokens"] == r["requests"] * 8, r
+        if r["system"] != "HF sequential":
+            assert r["vs_single"] > 0 and r["ttft_p50_ms"] > 0
+    by = {(r["system"], r["concurrency"]): r for r in rows if not r.get("again")}
+    assert by["no spec", 3]["mean_k"] == 0 and 0 < by["spec lockstep", 1]["mean_k"] <= 2  # (K <= tokens left)
+    assert by["spec lockstep", 3]["mean_verify_batch"] > 1.5  # the lockstep turns gathered the streams
+    # greedy: every request decoded its prompt's tokens, in every system at every level
+    assert saved["meta"]["greedy_requests_checked"] == sum(r["requests"] for r in rows)
+    assert saved["meta"]["greedy_requests_differing"] == []
+    out = capsys.readouterr().out
+    assert "spec at 8 streams" not in out and "(every system, every level)" in out
