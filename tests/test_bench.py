@@ -81,9 +81,10 @@ def test_tiny_concurrency_bench(pair, tmp_path, capsys):
     from bench.concurrency import main as concurrency_main
 
     draft, target = pair
-    systems = ["spec", "no spec", "spec lockstep", "HF sequential"]  # two stacks (the other two: flags)
+    # one stack (the other rows' stacks differ by flags, tested over gRPC in tests/coordinator)
+    systems = ["spec", "no spec", "HF sequential"]
     result = concurrency_main(["--draft-model", str(draft), "--target-model", str(target), "--prompts", "2",
-                               "--new-tokens", "8", "--levels", "1,3", "--threads", "1", "--lockstep-k", "2",
+                               "--new-tokens", "8", "--levels", "1,3", "--threads", "1",
                                "--systems", ",".join(systems), "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "concurrency.json").read_text())
     rows = saved["rows"]
@@ -99,8 +100,7 @@ def test_tiny_concurrency_bench(pair, tmp_path, capsys):
         if r["system"] != "HF sequential":
             assert r["vs_single"] > 0 and r["ttft_p50_ms"] > 0
     by = {(r["system"], r["concurrency"]): r for r in rows if not r.get("again")}
-    assert by["no spec", 3]["mean_k"] == 0 and 0 < by["spec lockstep", 1]["mean_k"] <= 2  # (K <= tokens left)
-    assert by["spec lockstep", 3]["mean_verify_batch"] > 1.5  # the lockstep turns gathered the streams
+    assert by["no spec", 3]["mean_k"] == 0 and by["no spec", 3]["mean_verify_batch"] > 1.0  # streams shared passes
     # greedy: every request decoded its prompt's tokens, in every system at every level
     assert saved["meta"]["greedy_requests_checked"] == sum(r["requests"] for r in rows)
     assert saved["meta"]["greedy_requests_differing"] == []
