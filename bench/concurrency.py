@@ -179,6 +179,18 @@ def main(argv=None) -> dict:
     decoded: dict[int, list[int]] = {}  # prompt index -> the tokens its first greedy run decoded
     differ: list[str] = []  # the runs whose tokens were not those
     checked = 0
+
+    def check(label: str, outputs: list[list[int]]) -> None:
+        """Greedy output is the target's own whatever the system, level and batch: request j (prompt
+        j mod len(prompts)) must decode what that prompt's first run decoded."""
+        nonlocal checked
+        if args.temperature != 0:
+            return
+        for j, ids in enumerate(outputs):
+            if decoded.setdefault(j % len(prompts), ids) != ids:
+                differ.append(f"{label} prompt {j % len(prompts)}")
+        checked += len(outputs)
+
     for kind, names in stacks.items():
         if not names:
             continue
@@ -196,12 +208,7 @@ def main(argv=None) -> dict:
                     k = 0 if name == "no spec" else args.k
                     figures = asyncio.run(drive(stack.addr, prompts, c, max(len(prompts), 2 * c), args.new_tokens,
                                                 args.temperature, k))
-                    outputs = figures.pop("outputs")
-                    if args.temperature == 0:  # greedy: the target's own tokens, whatever the system and level
-                        for j, ids in enumerate(outputs):
-                            if decoded.setdefault(j % len(prompts), ids) != ids:
-                                differ.append(f"{name} C={c} prompt {j % len(prompts)}")
-                        checked += len(outputs)
+                    check(f"{name} C={c}", figures.pop("outputs"))
                     rows.append({"system": name, "concurrency": c, "again": i >= len(levels), **figures})
                     bar.update()
     if "HF sequential" in systems:
@@ -209,11 +216,7 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
         target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
         outputs, seconds = hf_generate(target, prompts, args.temperature, args.new_tokens)
-        if args.temperature == 0:
-            for j, ids in enumerate(outputs):
-                if decoded.setdefault(j, ids) != ids:
-                    differ.append(f"HF sequential prompt {j}")
-            checked += len(outputs)
+        check("HF sequential", outputs)
         tokens = sum(map(len, outputs))
         rows.append({"system": "HF sequential", "concurrency": 1, "requests": len(prompts), "tokens": tokens,
                      "seconds": seconds, "tokens_per_s": tokens / seconds, "ttft_p50_ms": float("nan"),
