@@ -89,6 +89,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.gate = PhaseGate(limits.lockstep_ms / 1e3) if limits.lockstep_ms > 0 else None
         if metrics is not None:
             draft.latency, target.latency = metrics.propose, metrics.verify
+            if self.gate is not None:
+                self.gate.on_turn = metrics.lockstep_turn
 
     async def connect(self, timeout: float) -> None:
         """Wait for a replica of each pool, refuse an incompatible pair, load the target's tokenizer."""

@@ -18,6 +18,7 @@ waited `hold_s` with none in flight.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from .round import Cost, DraftPeer, Proposal, TargetPeer, Verdict
 from .sampling import SamplingParams
@@ -40,6 +41,9 @@ class PhaseGate:
         self.in_flight = 0
         self.turns = {DRAFT: 0, TARGET: 0}
         self.timer: asyncio.TimerHandle | None = None
+        # called as each turn begins: (model, calls let through, whether the hold ran out before every
+        # live generation waited)
+        self.on_turn: Callable[[str, int, bool], None] | None = None
 
     def joined(self) -> None:
         self.live += 1
@@ -88,6 +92,8 @@ class PhaseGate:
                 # in flight from now, not from when its caller resumes: no other turn may start
                 # in between
                 self.in_flight += 1
+        if self.on_turn is not None:
+            self.on_turn(model, self.in_flight, waiting < self.live)
 
     def _expire(self) -> None:
         self.timer = None

@@ -74,6 +74,17 @@ class CoordinatorMetrics:
         self.verify = Histogram("specdec_verify_seconds", "target call, as the coordinator sees it",
                                 buckets=LATENCY, registry=r)
         self.active = Gauge("specdec_active_requests", "requests in progress", registry=r)
+        # --lockstep only (speculative/lockstep.py)
+        self.lockstep_turns = Counter("specdec_lockstep_turns", "lockstep turns, by model and by what started"
+                                      " them: all_waiting (every live generation waited) or hold_expired"
+                                      " (--lockstep-hold-ms ran out first)", ["model", "start"], registry=r)
+        self.lockstep_turn_calls = Histogram("specdec_lockstep_turn_calls", "calls let through per lockstep turn",
+                                             ["model"], buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+
+    def lockstep_turn(self, model: str, calls: int, hold_expired: bool) -> None:
+        """A PhaseGate turn began (its on_turn)."""
+        self.lockstep_turns.labels(model=model, start="hold_expired" if hold_expired else "all_waiting").inc()
+        self.lockstep_turn_calls.labels(model=model).observe(calls)
 
     def add_stats(self, stats) -> None:
         """A finished request's speculative-round counts (speculative.round.Stats)."""

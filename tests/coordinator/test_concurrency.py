@@ -52,11 +52,24 @@ def test_lockstep_equals_one_at_a_time(pair):
     """--lockstep (calls reach the models in turns) changes when calls run, not a token."""
     from coordinator.launch import LocalStack
 
+    from coordinator.launch import free_port
+    from tests.services.test_metrics import scrape, value
+
     draft, target = pair
     wait = ["--batch-wait-ms", "3"]
+    port = free_port()
     with LocalStack(draft, target, draft_args=wait, target_args=wait,
-                    coordinator_args=["--lockstep", "--num-speculative-tokens", "3"]) as stack:
+                    coordinator_args=["--lockstep", "--num-speculative-tokens", "3", "--metrics-port", str(port)]) as stack:
         check_concurrent_equals_one_at_a_time(stack.addr)
+        samples = scrape(port)
+    # every call went through exactly one turn; the concurrent ones shared turns
+    for model, calls in (("draft", "specdec_propose_seconds_count"), ("target", "specdec_verify_seconds_count")):
+        turns = sum(value(samples, "specdec_lockstep_turns_total", model=model, start=start)
+                    for start in ("all_waiting", "hold_expired"))
+        assert turns == value(samples, "specdec_lockstep_turn_calls_count", model=model) > 0
+        assert value(samples, "specdec_lockstep_turn_calls_sum", model=model) == value(samples, calls)
+        assert value(samples, calls) > turns, (model, samples)
+    assert value(samples, "specdec_lockstep_turns_total", model="target", start="all_waiting") > 0
 
 
 def test_lockstep_flags_are_checked():
