@@ -120,6 +120,8 @@ def test_turns_never_overlap_and_gather_every_generation(pair):
 def test_a_generation_that_does_not_call_holds_the_others_only_hold_s():
     async def scenario() -> float:
         gate = PhaseGate(hold_s=0.05)
+        reported = []
+        gate.on_turn = lambda *turn: reported.append(turn)
         gate.joined()  # a generation that is busy elsewhere (streaming, starting) and never calls
         gate.joined()
         start = time.perf_counter()
@@ -127,7 +129,11 @@ def test_a_generation_that_does_not_call_holds_the_others_only_hold_s():
         waited = time.perf_counter() - start
         assert gate.in_flight == 1
         gate.exit()
+        assert reported == [(TARGET, 1, True)]  # one call let through because the hold ran out
         gate.left()
+        await gate.enter(DRAFT)  # now the only live generation: its turn starts at once
+        gate.exit()
+        assert reported[1:] == [(DRAFT, 1, False)]
         gate.left()
         return waited
 
