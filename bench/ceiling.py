@@ -38,6 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.__main__ import RESULTS, add_pair_flags, heldout_prompts, pair_of  # noqa: E402
 from speculative.engines import DraftEngine, ProposeCall, TargetEngine, VerifyCall  # noqa: E402
+from speculative.local import LocalDraft, LocalTarget  # noqa: E402
 from speculative.model_runner import ModelRunner  # noqa: E402
 from speculative.round import Cost, Proposal, Stats, Verdict, generate  # noqa: E402
 from speculative.sampling import SamplingParams  # noqa: E402
@@ -102,34 +103,28 @@ class Lockstep:
         self._maybe_run()  # sessions waiting for the other model only
 
 
-class LockstepDraft:
-    """A DraftPeer whose calls wait for the lockstep's next draft pass."""
+class LockstepDraft(LocalDraft):
+    """An in-process DraftPeer whose calls wait for the lockstep's next draft pass."""
 
     def __init__(self, engine: DraftEngine, lockstep: Lockstep):
-        self.engine = engine
+        super().__init__(engine)
         self.lockstep = lockstep
 
     async def propose(self, session_id: str, start: bool, rollback: int, append: list[int], k: int,
                       params: SamplingParams, p_min: float = 0.0) -> tuple[Proposal, Cost]:
         return await self.lockstep.call("draft", ProposeCall(session_id, start, rollback, append, k, params, p_min))
 
-    async def release(self, session_id: str) -> None:
-        self.engine.runner.sessions.release(session_id)
 
-
-class LockstepTarget:
-    """A TargetPeer whose calls wait for the lockstep's next verify pass."""
+class LockstepTarget(LocalTarget):
+    """An in-process TargetPeer whose calls wait for the lockstep's next verify pass."""
 
     def __init__(self, engine: TargetEngine, lockstep: Lockstep):
-        self.engine = engine
+        super().__init__(engine)
         self.lockstep = lockstep
 
     async def verify(self, session_id: str, start: bool, append: list[int], proposal: Proposal,
                      params: SamplingParams) -> tuple[Verdict, Cost]:
         return await self.lockstep.call("target", VerifyCall(session_id, start, append, proposal, params))
-
-    async def release(self, session_id: str) -> None:
-        self.engine.runner.sessions.release(session_id)
 
 
 def lockstep_run(draft: LockstepDraft, target: LockstepTarget, prompts: list[list[int]], sessions: int, k: int,
@@ -150,18 +145,15 @@ def lockstep_run(draft: LockstepDraft, target: LockstepTarget, prompts: list[lis
     async def session() -> None:
         lockstep.joined()
         try:
-            await worker()
+            for i in queue:
+                run = Stats()  # generate() counts toward max_new_tokens in the Stats it is given
+                async for new in generate(draft, target, prompts[i % len(prompts)], max_new_tokens=new_tokens,
+                                          k=k, params=params, eos_token_ids=eos, max_context=max_context,
+                                          stats=run, session_id=f"{tag}-{i}"):
+                    outputs[i].extend(new)
+                stats.merge(run)
         finally:
             lockstep.left()
-
-    async def worker() -> None:
-        for i in queue:
-            run = Stats()  # generate() counts toward max_new_tokens in the Stats it is given
-            async for new in generate(draft, target, prompts[i % len(prompts)], max_new_tokens=new_tokens, k=k,
-                                      params=params, eos_token_ids=eos, max_context=max_context, stats=run,
-                                      session_id=f"{tag}-{i}"):
-                outputs[i].extend(new)
-            stats.merge(run)
 
     async def run() -> float:
         start = time.perf_counter()
