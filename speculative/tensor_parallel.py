@@ -45,6 +45,8 @@ PG_TIMEOUT = timedelta(seconds=120)  # a collective of a pass that waits longer 
 # dies meanwhile is seen by Ray, not by this timeout)
 IDLE_TIMEOUT = timedelta(days=365)
 LOCAL_RAY_ATTEMPTS = 2  # starts of a local Ray instance whose raylet timed out (see Placement._start_local_ray)
+# what Ray's errors say when a local start ran out of time (the raylet's registration, the GCS's port file)
+STARTUP_TIMEOUTS = ("timed out during startup", "Timed out waiting for file")
 
 
 def _free_port() -> int:
@@ -295,9 +297,10 @@ class Placement:
             torch.cuda.set_device(self.device)  # NCCL's communicator of rank 0 lives on it
 
     def _start_local_ray(self, attempts: int = LOCAL_RAY_ATTEMPTS) -> None:
-        """Start a local Ray instance. Ray gives its raylet a fixed 30 s to register with its GCS; on
-        a busy machine (every core taken by other services' passes) that has been seen to run out
-        once. Such a start is stopped and tried again, up to `attempts` times."""
+        """Start a local Ray instance. Ray gives its raylet a fixed 30 s to register with its GCS, and
+        waits a fixed time for the GCS to write its port file; on a busy machine (every core taken by
+        other services' passes) each has been seen to run out once. Such a start is stopped and tried
+        again, up to `attempts` times."""
         for attempt in range(1, attempts + 1):
             try:
                 self.ray.init(address="local", num_cpus=os.cpu_count() or 1, num_gpus=torch.cuda.device_count(),
@@ -305,7 +308,7 @@ class Placement:
                               configure_logging=False)
                 return
             except Exception as exc:  # noqa: BLE001  (Ray raises a bare Exception for it)
-                if "timed out during startup" not in str(exc) or attempt == attempts:
+                if not any(m in str(exc) for m in STARTUP_TIMEOUTS) or attempt == attempts:
                     raise
                 log.warning("local Ray did not start (%s); trying again (%d of %d)", exc, attempt + 1, attempts)
                 self.ray.shutdown()

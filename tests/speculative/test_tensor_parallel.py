@@ -52,6 +52,7 @@ TIMED_OUT = "The current node timed out during startup. This could happen becaus
 @pytest.mark.parametrize("errors, inits, raised", [
     ((), 1, None),
     ((Exception(TIMED_OUT),), 2, None),  # a raylet that missed Ray's 30 s: started again
+    ((RuntimeError("Timed out waiting for file /tmp/ray/session_x/gcs_server_port_y"),), 2, None),  # the GCS's
     ((Exception(TIMED_OUT), Exception(TIMED_OUT)), 2, TIMED_OUT),  # not forever
     ((RuntimeError("no such address"),), 1, "no such address"),  # anything else at once
 ])
