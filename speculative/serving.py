@@ -117,6 +117,9 @@ def add_model_flags(parser: EnvArgumentParser, role: str) -> None:
                              " pass (never with one session at work). The draft gains (the calls of a group of"
                              " sessions verified together come a moment apart); the target, the busier service, would"
                              " only idle")
+    parser.add_argument("--turn-wait-ms", type=float, default=3.0,
+                        help="the longest a pass waits for the rest of a coordinator's lockstep turn (--lockstep): each of"
+                             " its calls says how many were sent together")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks to shard the model over, placed by Ray (one GPU each on GPU machines, one CPU"
                              " each on CPU); rank 0 runs in this process")
@@ -382,7 +385,9 @@ class Batcher:
     calls wait than `at_work()` sessions are at work: the pass then waits up to that long
     once for the others (the draft's calls for a group of sessions verified together arrive
     ~0.1-0.3 ms apart; without the wait the first drafts alone and the rest wait for all of
-    its steps). A call that fails, fails alone.
+    its steps). A call that says it is one of a lockstep turn of n calls (`turn` > 1: the
+    coordinator let them through together) waits instead up to `turn_wait` for n calls:
+    a turn's calls arrive over ~1 ms. A call that fails, fails alone.
     """
 
     def __init__(self, thread: ModelThread, run_many: Callable[[list], list], max_batch: int = 32,
@@ -395,19 +400,21 @@ class Batcher:
         self.on_pass = on_pass
         self.max_queue = max_queue  # more calls waiting than this: RESOURCE_EXHAUSTED, not an ever longer wait
         self.wait = 0.0  # seconds a pass waits for the calls of sessions at work that have not come yet
+        self.turn_wait = 0.003  # seconds a pass waits for the rest of a lockstep turn's calls
         self.at_work: Callable[[], int] | None = None  # -> sessions used lately (the runner's count)
-        # (session_id, call, future, loop), guarded by the thread's lock
-        self.waiting: deque[tuple[str, Any, asyncio.Future, asyncio.AbstractEventLoop]] = deque()
+        # (session_id, call, future, loop, turn size), guarded by the thread's lock
+        self.waiting: deque[tuple[str, Any, asyncio.Future, asyncio.AbstractEventLoop, int]] = deque()
         self.deadline: float | None = None  # when the pass now waiting for stragglers stops waiting
         thread.batchers.append(self)
 
-    async def submit(self, session_id: str, call: Any) -> Any:
+    async def submit(self, session_id: str, call: Any, turn: int = 0) -> Any:
+        """Queue `call` for a pass; `turn`: the size of the lockstep turn it came in (0: none)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self.thread.cond:
             if len(self.waiting) >= self.max_queue:
                 raise CapacityExceeded(f"{len(self.waiting)} calls already wait for the model (--max-queue); retry later")
-            self.waiting.append((session_id, call, future, loop))
+            self.waiting.append((session_id, call, future, loop, turn))
             self.thread.wake()
         return await future
 
@@ -418,15 +425,22 @@ class Batcher:
         if not self.waiting:
             self.deadline = None
             return None
-        if self.wait and self.at_work is not None and len(self.waiting) < min(self.at_work(), self.max_batch):
+        turn = self.waiting[0][4]
+        if turn > 1 and self.turn_wait:  # the rest of its lockstep turn is on its way
+            want, wait = turn, self.turn_wait
+        elif self.wait and self.at_work is not None:  # the rest of a group of sessions is likely a moment away
+            want, wait = self.at_work(), self.wait
+        else:
+            want = wait = 0
+        if len(self.waiting) < min(want, self.max_batch):
             if self.deadline is None:
-                self.deadline = now + self.wait  # the rest of a group of sessions is likely a moment away
+                self.deadline = now + wait
             if now < self.deadline:
                 return self.deadline
         self.deadline = None
         return self._take()
 
-    def _take(self) -> list[tuple[str, Any, asyncio.Future, asyncio.AbstractEventLoop]]:
+    def _take(self) -> list[tuple[str, Any, asyncio.Future, asyncio.AbstractEventLoop, int]]:
         batch, sessions, later = [], set(), []
         while self.waiting and len(batch) < self.max_batch:
             item = self.waiting.popleft()
@@ -449,13 +463,13 @@ class Batcher:
                 results = [error or RuntimeError("the pass returned no result per call")] * len(batch)
             if self.on_pass is not None:
                 self.on_pass(len(batch))
-            for (_, _, future, _), result in zip(batch, results):
+            for (_, _, future, _, _), result in zip(batch, results):
                 if isinstance(result, BaseException):
                     _settle(future, None, result)
                 else:
                     _settle(future, result, None)
 
-        return (lambda: self.run_many([call for _, call, _, _ in batch])), batch[0][3], deliver
+        return (lambda: self.run_many([call for _, call, _, _, _ in batch])), batch[0][3], deliver
 
 
 class ModelServicer:
@@ -485,14 +499,16 @@ class ModelServicer:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "weights are still loading; retry when SERVING")
         return self.engine
 
-    async def call(self, context: grpc.aio.ServicerContext, method: str, session_id: str, call: Any) -> Any:
-        """Queue one per-round call for the model's next pass; engine errors become gRPC statuses.
+    async def call(self, context: grpc.aio.ServicerContext, method: str, session_id: str, call: Any,
+                   turn: int = 0) -> Any:
+        """Queue one per-round call (of a lockstep turn of `turn` calls, if > 0) for the model's next
+        pass; engine errors become gRPC statuses.
         -> (result, Cost) with service_ms counted from now: waiting for the model is time in here."""
         metrics, status, start = self.metrics, grpc.StatusCode.OK, time.perf_counter()
         if metrics is not None:
             metrics.queue.inc()
         try:
-            result, cost = await self.batcher.submit(session_id, call)
+            result, cost = await self.batcher.submit(session_id, call, turn)
             return result, dataclasses.replace(cost, service_ms=(time.perf_counter() - start) * 1e3)
         except asyncio.CancelledError:
             status = grpc.StatusCode.CANCELLED
@@ -572,6 +588,9 @@ def run_model_service(name: str, args: argparse.Namespace, servicer: ModelServic
     if not 0 <= args.batch_wait_ms <= 1000:  # also NaN
         raise SystemExit(f"--batch-wait-ms must lie in [0, 1000], not {args.batch_wait_ms}")
     servicer.batcher.wait = args.batch_wait_ms / 1e3
+    if not 0 <= args.turn_wait_ms <= 1000:  # also NaN
+        raise SystemExit(f"--turn-wait-ms must lie in [0, 1000], not {args.turn_wait_ms}")
+    servicer.batcher.turn_wait = args.turn_wait_ms / 1e3
     servicer.batcher.max_queue = args.max_queue
 
     async def main() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 
 import pytest
 
@@ -190,3 +191,26 @@ def test_batcher_waits_for_sessions_at_work(wait, at_work, first_pass):
     assert [r for r, _ in results] == ["a1", "b1", "c1"]
     assert passes[0] == first_pass
     assert sum(map(len, passes)) == 3
+
+
+@pytest.mark.parametrize("turn, waits", [
+    (3, False),  # a turn of three: the pass starts as the third call comes, not at the end of the wait
+    (5, True),   # two of its five calls never come: it waits turn_wait, then goes with the three
+])
+def test_batcher_waits_for_the_rest_of_a_lockstep_turn(turn, waits):
+    passes, run_many = recording_run_many()
+
+    async def main():
+        batcher = Batcher(ModelThread(), run_many, max_batch=8)
+        batcher.turn_wait = 0.4  # (wait and at_work are unset: only the turn holds the pass)
+        start = time.perf_counter()
+        first = asyncio.ensure_future(batcher.submit("a", "a1", turn))
+        await asyncio.sleep(0.05)
+        rest = [batcher.submit(s, f"{s}1", turn) for s in ("b", "c")]
+        results = await asyncio.gather(first, *rest)
+        return results, time.perf_counter() - start
+
+    results, seconds = asyncio.run(main())
+    assert [r for r, _ in results] == ["a1", "b1", "c1"]
+    assert passes == [["a1", "b1", "c1"]]
+    assert (seconds >= 0.4) == waits and seconds < 2.0

@@ -1,6 +1,7 @@
 """The lockstep gate: the draft's and the target's calls never overlap, every live generation's
 call joins its model's turn, a generation that does not call holds the others only `hold_s`,
-a cancelled call frees its place, and the tokens are those of the ungated round."""
+a cancelled call frees its place, and the tokens are those of the ungated round. With groups,
+the groups take turns at each model, and each call knows the size of its turn."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from speculative.engines import DraftEngine, TargetEngine
 from speculative.local import LocalDraft, LocalTarget
-from speculative.lockstep import DRAFT, TARGET, GatedDraft, GatedTarget, PhaseGate
+from speculative.lockstep import DRAFT, TARGET, TURN_SIZE, GatedDraft, GatedTarget, Lockstep, PhaseGate
 from speculative.model_runner import ModelRunner
 from speculative.round import generate
 from speculative.sampling import SamplingParams
@@ -23,11 +24,11 @@ class Recorder:
 
     def __init__(self, draft: LocalDraft, target: LocalTarget, ms: float = 2.0):
         self.draft, self.target, self.ms = draft, target, ms
-        self.calls: list[tuple[str, float, float]] = []
+        self.calls: list[tuple[str, float, float, str, int]] = []  # model, start, end, session, its turn's size
         self.active = {DRAFT: 0, TARGET: 0}
         self.overlaps = 0
 
-    async def timed(self, model: str, call):
+    async def timed(self, model: str, session_id: str, call):
         other = TARGET if model == DRAFT else DRAFT
         self.active[model] += 1
         self.overlaps += self.active[other] > 0
@@ -37,7 +38,7 @@ class Recorder:
             return call()
         finally:
             self.active[model] -= 1
-            self.calls.append((model, start, time.perf_counter()))
+            self.calls.append((model, start, time.perf_counter(), session_id, TURN_SIZE.get()))
 
 
 class RecordedDraft:
@@ -45,7 +46,7 @@ class RecordedDraft:
         self.rec = rec
 
     async def propose(self, *args, **kwargs):
-        return await self.rec.timed(DRAFT, lambda: self.rec.draft.engine.propose(*args, **kwargs))
+        return await self.rec.timed(DRAFT, args[0], lambda: self.rec.draft.engine.propose(*args, **kwargs))
 
     async def release(self, session_id: str) -> None:
         await self.rec.draft.release(session_id)
@@ -56,7 +57,7 @@ class RecordedTarget:
         self.rec = rec
 
     async def verify(self, *args, **kwargs):
-        return await self.rec.timed(TARGET, lambda: self.rec.target.engine.verify(*args, **kwargs))
+        return await self.rec.timed(TARGET, args[0], lambda: self.rec.target.engine.verify(*args, **kwargs))
 
     async def release(self, session_id: str) -> None:
         await self.rec.target.release(session_id)
@@ -70,14 +71,19 @@ def local_peers(pair):
 PROMPTS = [[5, 9, 17], [40] * 11, [3, 1, 4, 1, 5, 9, 2, 6], [77, 78], [100, 101, 102, 103, 104, 105]]
 
 
-async def run_generations(draft, target, gate: PhaseGate | None, ks, max_new=(12, 20, 7, 16, 9)):
+async def run_generations(draft, target, gates: PhaseGate | Lockstep | None, ks, max_new=(12, 20, 7, 16, 9),
+                          groups: dict[str, int] | None = None):
+    """-> each generation's tokens; `groups` gets each session's group (with a Lockstep)"""
     params = SamplingParams(0.0)
     outputs = [[] for _ in PROMPTS]
 
     async def one(i: int) -> None:
-        d, t = (draft, target) if gate is None else (GatedDraft(draft, gate), GatedTarget(target, gate))
-        if gate is not None:
+        gate = gates.join() if isinstance(gates, Lockstep) else gates
+        if isinstance(gates, PhaseGate):
             gate.joined()
+        if groups is not None:
+            groups[f"g{i}"] = gates.gates.index(gate)
+        d, t = (draft, target) if gate is None else (GatedDraft(draft, gate), GatedTarget(target, gate))
         try:
             async for new in generate(d, t, PROMPTS[i], max_new_tokens=max_new[i], k=ks[i], params=params,
                                       max_context=256, session_id=f"g{i}"):
@@ -108,13 +114,73 @@ def test_turns_never_overlap_and_gather_every_generation(pair):
     # consecutive calls to one model form a turn: the first draft turn has the four generations
     # with K > 0, the first target turn all five (the K = 0 one went straight to it)
     turns, current = [], None
-    for model, _, _ in sorted(rec.calls, key=lambda c: c[1]):
+    for model, *_ in sorted(rec.calls, key=lambda c: c[1]):
         if current is None or current[0] != model:
             current = [model, 0]
             turns.append(current)
         current[1] += 1
     assert turns[0] == [DRAFT, 4] and turns[1] == [TARGET, 5]  # K = 0 goes straight to the target
     assert len(turns) <= gate.turns[DRAFT] + gate.turns[TARGET]  # (two target turns in a row read as one)
+    assert_turn_sizes(rec.calls, {f"g{i}": 0 for i in range(len(PROMPTS))})
+
+
+def assert_turn_sizes(calls, groups: dict[str, int]) -> None:
+    """Each call was told the size of its turn: the calls of its model and group in flight with it
+    (a turn's calls all run at once, for the Recorder's `ms`; two turns of one group never overlap)."""
+    for model, start, end, session, size in calls:
+        along = [c for c in calls if c[0] == model and groups[c[3]] == groups[session] and c[1] < end and start < c[2]]
+        assert size == len(along) >= 1, (model, session, size, len(along))
+
+
+def test_groups_take_turns_at_each_model(pair):
+    """Two groups: at each model one group's calls at a time, while the other group may be at the
+    other model; tokens as ungated."""
+    ks = [3, 1, 4, 0, 2]
+    plain = asyncio.run(run_generations(*local_peers(pair), None, ks))
+
+    rec = Recorder(*local_peers(pair))
+    lockstep = Lockstep(groups=2, hold_s=1.0)
+    groups: dict[str, int] = {}
+    gated = asyncio.run(run_generations(RecordedDraft(rec), RecordedTarget(rec), lockstep, ks, groups=groups))
+    assert gated == plain
+    assert sorted(groups.values()) == [0, 0, 0, 1, 1]  # each generation joined the smaller group
+    for model, start, end, session, _ in rec.calls:
+        for other in rec.calls:
+            if other[0] == model and groups[other[3]] != groups[session]:
+                assert other[2] <= start or end <= other[1], "two groups at one model at once"
+    assert rec.overlaps > 0  # the two models did work at once (one group at each)
+    assert_turn_sizes(rec.calls, groups)
+    for gate in lockstep.gates:
+        assert gate.in_flight == 0 and gate.live == 0 and gate.holds is None and not any(gate.waiting.values())
+    assert lockstep.holder == {DRAFT: None, TARGET: None}
+
+
+def test_a_group_waits_for_the_model_another_group_holds_and_takes_the_free_one():
+    async def scenario() -> list[str]:
+        lockstep = Lockstep(groups=2, hold_s=10.0)
+        a, b = lockstep.join(), lockstep.join()
+        assert a is not b
+        order = []
+
+        async def call(gate: PhaseGate, model: str, name: str, ms: float) -> None:
+            size = await gate.enter(model)
+            order.append(f"{name}+{size}")
+            await asyncio.sleep(ms / 1e3)
+            order.append(f"{name}-")
+            gate.exit()
+
+        first = asyncio.create_task(call(a, TARGET, "a", 40))
+        await asyncio.sleep(0.005)
+        blocked = asyncio.create_task(call(b, TARGET, "b", 5))  # the target is a's until its call is back
+        await asyncio.sleep(0.005)
+        drafted = asyncio.create_task(call(b, DRAFT, "x", 5))  # b may take the draft, which is free
+        await asyncio.gather(first, blocked, drafted)
+        a.left()
+        b.left()
+        return order
+
+    order = asyncio.run(scenario())
+    assert order == ["a+1", "x+1", "x-", "a-", "b+1", "b-"]
 
 
 def test_a_generation_that_does_not_call_holds_the_others_only_hold_s():
