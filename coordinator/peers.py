@@ -11,7 +11,7 @@ import grpc
 
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from speculative.lockstep import TURN_SIZE
+from speculative.lockstep import TURN
 from speculative.round import Cost, Proposal, Verdict
 from speculative.sampling import SamplingParams
 from speculative.serving import CHANNEL_OPTIONS
@@ -135,7 +135,7 @@ class GrpcDraft(Peer):
     ) -> tuple[Proposal, Cost]:
         request = pb.ProposeRequest(session_id=session_id, start=start, rollback=rollback, append=append,
                                     num_tokens=k, sampling=sampling_proto(params), p_min=p_min,
-                                    turn_size=TURN_SIZE.get())
+                                    turn_id=TURN.get()[0], turn_size=TURN.get()[1])
         reply = await self.step(self.stub.Propose, self.stub.ProposeStream, session_id, request)
         p = reply.proposal
         proposal = Proposal(list(p.tokens), list(p.support_sizes), p.support_ids, p.support_probs)
@@ -154,7 +154,7 @@ class GrpcTarget(Peer):
             session_id=session_id, start=start, append=append,
             proposal=pb.DraftProposal(tokens=proposal.tokens, support_sizes=proposal.support_sizes,
                                       support_ids=proposal.support_ids, support_probs=proposal.support_probs),
-            sampling=sampling_proto(params), turn_size=TURN_SIZE.get(),
+            sampling=sampling_proto(params), turn_id=TURN.get()[0], turn_size=TURN.get()[1],
         )
         reply = await self.step(self.stub.Verify, self.stub.VerifyStream, session_id, request)
         return Verdict(reply.accepted, reply.token), Cost(reply.service_ms, request.ByteSize() + reply.ByteSize(),

@@ -17,7 +17,8 @@ class DraftServicer(ModelServicer, pb_grpc.DraftServicer):
         await self.ready(context)
         call = ProposeCall(request.session_id, request.start, request.rollback, list(request.append),
                            request.num_tokens, params_from_proto(request.sampling), request.p_min)
-        proposal, cost = await self.call(context, "propose", request.session_id, call, request.turn_size)
+        proposal, cost = await self.call(context, "propose", request.session_id, call,
+                                         (request.turn_id, request.turn_size))
         return pb.ProposeResponse(
             proposal=pb.DraftProposal(
                 tokens=proposal.tokens, support_sizes=proposal.support_sizes,

@@ -10,24 +10,26 @@ every generation waits again, every one waiting for the target. Each service the
 whole group together (one batch) and has the cores to itself while it runs.
 
 With `--lockstep-groups G` (G > 1) the generations form G groups, each in lockstep of its
-own, and the groups take turns at each model: while one group's calls are at the target,
-another's are at the draft. Both models work at once, as when pipelining, but each pass
-serves a whole group instead of whichever calls happened to be waiting (the free-running
-pipeline splits 8 streams into target passes of ~2.7 sessions on average; two groups give
-passes of 4).
+own. A model service never mixes two turns in one pass (each call says which turn it came in),
+so the groups take turns at each model: while one group's pass runs on the target, another
+group's calls are drafted, then queue at the target and get its next pass whole. Both models
+work at once, as when pipelining, but each pass serves a whole group instead of whichever
+calls happened to be waiting (the free-running pipeline splits 8 streams into target passes
+of ~2.7 sessions on average; two groups give passes of 4).
 
 `PhaseGate` holds the calls; `GatedDraft` and `GatedTarget` wrap any DraftPeer / TargetPeer
 (the round does not know). A generation that is neither waiting nor calling (streaming its
 tokens, starting, ending) would hold everyone up, so a turn also starts once calls have
-waited `hold_s` with none in flight. Each call let through carries its turn's size
-(`TURN_SIZE`, sent as `turn_size`), so a model service can wait for the rest of a turn
-before it starts the pass (its --turn-wait-ms).
+waited `hold_s` with none in flight. Each call let through carries its turn (`TURN`: a random
+id and the number of calls, sent as `turn_id` and `turn_size`), so a model service serves the
+turn in one pass of its own and waits for all of its calls first (its --turn-wait-ms).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import random
 from collections.abc import Callable
 
 from .round import Cost, DraftPeer, Proposal, TargetPeer, Verdict
@@ -35,9 +37,10 @@ from .sampling import SamplingParams
 
 DRAFT, TARGET = "draft", "target"
 
-# the number of calls let through in the turn of the call being made (0: not gated); the gRPC
-# peers send it as the request's turn_size
-TURN_SIZE: contextvars.ContextVar[int] = contextvars.ContextVar("specdec_turn_size", default=0)
+# (id, number of calls) of the turn the call being made was let through in ((0, 0): not gated); the
+# gRPC peers send them as the request's turn_id and turn_size. Ids are random: several coordinators
+# may share a service
+TURN: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("specdec_turn", default=(0, 0))
 
 
 class PhaseGate:
@@ -46,18 +49,13 @@ class PhaseGate:
     A turn starts when no call is in flight and either every live generation is waiting
     (`joined` / `left` count them) or calls have waited `hold_s` since the last turn ended (or
     since the first of them came, if later). The draft's turn comes first when calls wait for both.
-    Gates of one `Lockstep` (its groups) also share the models: a turn starts only on a model
-    no other group's turn holds; the model is free again when that turn's last call is back.
     """
 
-    def __init__(self, hold_s: float = 0.005, lockstep: Lockstep | None = None):
+    def __init__(self, hold_s: float = 0.005):
         self.hold_s = hold_s
-        self.lockstep = lockstep
         self.live = 0
         self.waiting: dict[str, list[asyncio.Future]] = {DRAFT: [], TARGET: []}
         self.in_flight = 0
-        self.holds: str | None = None  # the model this gate's turn holds (with a lockstep)
-        self.expired = False  # the hold ran out while the models were held by other groups
         self.turns = {DRAFT: 0, TARGET: 0}
         self.timer: asyncio.TimerHandle | None = None
         # called as each turn begins: (model, calls let through, whether the hold ran out before every
@@ -71,9 +69,9 @@ class PhaseGate:
         self.live -= 1
         self._next()
 
-    async def enter(self, model: str) -> int:
+    async def enter(self, model: str) -> tuple[int, int]:
         """Wait for `model`'s turn; the caller then makes its call and calls `exit` after it.
-        -> the number of calls let through in this turn"""
+        -> (the turn's id, the number of calls let through in it)"""
         future = asyncio.get_running_loop().create_future()
         self.waiting[model].append(future)
         self._next()
@@ -90,49 +88,30 @@ class PhaseGate:
 
     def exit(self) -> None:
         self.in_flight -= 1
-        if self.in_flight == 0:
-            self._free()
         self._next()
-
-    def _free(self) -> None:
-        """This gate's turn is over: its model is free for the other groups."""
-        if self.holds is not None:
-            self.lockstep.holder[self.holds] = None
-            self.holds = None
-            self.lockstep.freed(self)
 
     def _next(self, timed_out: bool = False) -> None:
         waiting = len(self.waiting[DRAFT]) + len(self.waiting[TARGET])
         if self.in_flight > 0 or waiting == 0:
             return
-        self.expired = self.expired or timed_out
-        if waiting < self.live and not self.expired:
+        if waiting < self.live and not timed_out:
             if self.timer is None:
                 self.timer = asyncio.get_running_loop().call_later(self.hold_s, self._expire)
             return
-        models = [m for m in (DRAFT, TARGET) if self.waiting[m]]
-        if self.lockstep is not None:
-            models = [m for m in models if self.lockstep.holder[m] is None]
-            if not models:
-                return  # another group's turn holds the model; its end looks here again
-            self.lockstep.holder[models[0]] = self
-            self.holds = models[0]
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        self.expired = False
-        model = models[0]
+        model = DRAFT if self.waiting[DRAFT] else TARGET
+        # (a cancelled one has left the list, or leaves it when its caller resumes)
         turn, self.waiting[model] = [f for f in self.waiting[model] if not f.done()], []
-        # (a cancelled one has left, or leaves the list when its caller resumes)
         self.turns[model] += 1
         # in flight from now, not from when its callers resume: no other turn may start in between
         self.in_flight += len(turn)
+        ticket = (random.getrandbits(63) | 1, len(turn))
         for future in turn:
-            future.set_result(len(turn))
+            future.set_result(ticket)
         if self.on_turn is not None:
             self.on_turn(model, len(turn), waiting < self.live)
-        if not turn:
-            self._free()
 
     def _expire(self) -> None:
         self.timer = None
@@ -140,14 +119,13 @@ class PhaseGate:
 
 
 class Lockstep:
-    """The coordinator's gates: `groups` PhaseGates sharing the two models. A generation joins
-    the group with the fewest live generations."""
+    """The coordinator's gates: `groups` PhaseGates, one per group of generations; a generation
+    joins the group with the fewest live generations."""
 
     def __init__(self, groups: int = 1, hold_s: float = 0.005):
         if groups < 1:
             raise ValueError(f"lockstep groups must be >= 1, not {groups}")
-        self.holder: dict[str, PhaseGate | None] = {DRAFT: None, TARGET: None}
-        self.gates = [PhaseGate(hold_s, self if groups > 1 else None) for _ in range(groups)]
+        self.gates = [PhaseGate(hold_s) for _ in range(groups)]
 
     @property
     def on_turn(self) -> Callable[[str, int, bool], None] | None:
@@ -164,12 +142,6 @@ class Lockstep:
         gate.joined()
         return gate
 
-    def freed(self, by: PhaseGate) -> None:
-        """`by`'s turn let its model go: the other groups' waiting calls may take it."""
-        for gate in self.gates:
-            if gate is not by:
-                gate._next()
-
 
 class GatedDraft:
     """A DraftPeer whose proposals wait for the draft's turn at `gate`."""
@@ -180,11 +152,11 @@ class GatedDraft:
 
     async def propose(self, session_id: str, start: bool, rollback: int, append: list[int], k: int,
                       params: SamplingParams, p_min: float = 0.0) -> tuple[Proposal, Cost]:
-        turn = TURN_SIZE.set(await self.gate.enter(DRAFT))
+        turn = TURN.set(await self.gate.enter(DRAFT))
         try:
             return await self.peer.propose(session_id, start, rollback, append, k, params, p_min)
         finally:
-            TURN_SIZE.reset(turn)
+            TURN.reset(turn)
             self.gate.exit()
 
     async def release(self, session_id: str) -> None:
@@ -200,11 +172,11 @@ class GatedTarget:
 
     async def verify(self, session_id: str, start: bool, append: list[int], proposal: Proposal,
                      params: SamplingParams) -> tuple[Verdict, Cost]:
-        turn = TURN_SIZE.set(await self.gate.enter(TARGET))
+        turn = TURN.set(await self.gate.enter(TARGET))
         try:
             return await self.peer.verify(session_id, start, append, proposal, params)
         finally:
-            TURN_SIZE.reset(turn)
+            TURN.reset(turn)
             self.gate.exit()
 
     async def release(self, session_id: str) -> None:

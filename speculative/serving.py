@@ -119,7 +119,7 @@ def add_model_flags(parser: EnvArgumentParser, role: str) -> None:
                              " only idle")
     parser.add_argument("--turn-wait-ms", type=float, default=3.0,
                         help="the longest a pass waits for the rest of a coordinator's lockstep turn (--lockstep): each of"
-                             " its calls says how many were sent together")
+                             " its calls says which turn and how many calls it has; a pass serves one turn")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks to shard the model over, placed by Ray (one GPU each on GPU machines, one CPU"
                              " each on CPU); rank 0 runs in this process")
@@ -385,9 +385,11 @@ class Batcher:
     calls wait than `at_work()` sessions are at work: the pass then waits up to that long
     once for the others (the draft's calls for a group of sessions verified together arrive
     ~0.1-0.3 ms apart; without the wait the first drafts alone and the rest wait for all of
-    its steps). A call that says it is one of a lockstep turn of n calls (`turn` > 1: the
-    coordinator let them through together) waits instead up to `turn_wait` for n calls:
-    a turn's calls arrive over ~1 ms. A call that fails, fails alone.
+    its steps). Calls the coordinator let through together in a lockstep turn say so (`turn`:
+    its id and its number of calls): a pass serves one turn's calls only (or only calls of no
+    turn), and waits up to `turn_wait` for all of them, since a turn's calls arrive over ~1 ms.
+    Another group's turn sent while this one's pass runs then gets the next pass whole. A call
+    that fails, fails alone.
     """
 
     def __init__(self, thread: ModelThread, run_many: Callable[[list], list], max_batch: int = 32,
@@ -402,13 +404,13 @@ class Batcher:
         self.wait = 0.0  # seconds a pass waits for the calls of sessions at work that have not come yet
         self.turn_wait = 0.003  # seconds a pass waits for the rest of a lockstep turn's calls
         self.at_work: Callable[[], int] | None = None  # -> sessions used lately (the runner's count)
-        # (session_id, call, future, loop, turn size), guarded by the thread's lock
-        self.waiting: deque[tuple[str, Any, asyncio.Future, asyncio.AbstractEventLoop, int]] = deque()
+        # (session_id, call, future, loop, (turn id, turn size)), guarded by the thread's lock
+        self.waiting: deque[tuple[str, Any, asyncio.Future, asyncio.AbstractEventLoop, tuple[int, int]]] = deque()
         self.deadline: float | None = None  # when the pass now waiting for stragglers stops waiting
         thread.batchers.append(self)
 
-    async def submit(self, session_id: str, call: Any, turn: int = 0) -> Any:
-        """Queue `call` for a pass; `turn`: the size of the lockstep turn it came in (0: none)."""
+    async def submit(self, session_id: str, call: Any, turn: tuple[int, int] = (0, 0)) -> Any:
+        """Queue `call` for a pass; `turn`: (id, calls) of the lockstep turn it came in ((0, 0): none)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self.thread.cond:
@@ -425,14 +427,15 @@ class Batcher:
         if not self.waiting:
             self.deadline = None
             return None
-        turn = self.waiting[0][4]
-        if turn > 1 and self.turn_wait:  # the rest of its lockstep turn is on its way
-            want, wait = turn, self.turn_wait
+        turn, size = self.waiting[0][4]
+        if turn:  # the rest of its lockstep turn is on its way
+            want, wait = size, self.turn_wait
+            have = sum(item[4][0] == turn for item in self.waiting)
         elif self.wait and self.at_work is not None:  # the rest of a group of sessions is likely a moment away
-            want, wait = self.at_work(), self.wait
+            want, wait, have = self.at_work(), self.wait, len(self.waiting)
         else:
-            want = wait = 0
-        if len(self.waiting) < min(want, self.max_batch):
+            want = wait = have = 0
+        if wait and have < min(want, self.max_batch):
             if self.deadline is None:
                 self.deadline = now + wait
             if now < self.deadline:
@@ -440,13 +443,14 @@ class Batcher:
         self.deadline = None
         return self._take()
 
-    def _take(self) -> list[tuple[str, Any, asyncio.Future, asyncio.AbstractEventLoop, int]]:
+    def _take(self) -> list[tuple[str, Any, asyncio.Future, asyncio.AbstractEventLoop, tuple[int, int]]]:
         batch, sessions, later = [], set(), []
+        turn = self.waiting[0][4][0]
         while self.waiting and len(batch) < self.max_batch:
             item = self.waiting.popleft()
             if item[2].done():
                 continue
-            if item[0] in sessions:
+            if item[0] in sessions or item[4][0] != turn:
                 later.append(item)
             else:
                 sessions.add(item[0])
@@ -500,9 +504,9 @@ class ModelServicer:
         return self.engine
 
     async def call(self, context: grpc.aio.ServicerContext, method: str, session_id: str, call: Any,
-                   turn: int = 0) -> Any:
-        """Queue one per-round call (of a lockstep turn of `turn` calls, if > 0) for the model's next
-        pass; engine errors become gRPC statuses.
+                   turn: tuple[int, int] = (0, 0)) -> Any:
+        """Queue one per-round call (of lockstep turn (id, calls), if any) for the model's next pass;
+        engine errors become gRPC statuses.
         -> (result, Cost) with service_ms counted from now: waiting for the model is time in here."""
         metrics, status, start = self.metrics, grpc.StatusCode.OK, time.perf_counter()
         if metrics is not None:

@@ -20,7 +20,8 @@ class TargetServicer(ModelServicer, pb_grpc.TargetServicer):
         call = VerifyCall(request.session_id, request.start, list(request.append),
                           Proposal(list(p.tokens), list(p.support_sizes), p.support_ids, p.support_probs),
                           params_from_proto(request.sampling))
-        verdict, cost = await self.call(context, "verify", request.session_id, call, request.turn_size)
+        verdict, cost = await self.call(context, "verify", request.session_id, call,
+                                        (request.turn_id, request.turn_size))
         return pb.VerifyResponse(accepted=verdict.accepted, token=verdict.token, service_ms=cost.service_ms,
                                  batch_size=cost.batch_size, batch_tokens=cost.batch_tokens, pass_ms=cost.pass_ms)
 

@@ -193,20 +193,20 @@ def test_batcher_waits_for_sessions_at_work(wait, at_work, first_pass):
     assert sum(map(len, passes)) == 3
 
 
-@pytest.mark.parametrize("turn, waits", [
+@pytest.mark.parametrize("size, waits", [
     (3, False),  # a turn of three: the pass starts as the third call comes, not at the end of the wait
     (5, True),   # two of its five calls never come: it waits turn_wait, then goes with the three
 ])
-def test_batcher_waits_for_the_rest_of_a_lockstep_turn(turn, waits):
+def test_batcher_waits_for_the_rest_of_a_lockstep_turn(size, waits):
     passes, run_many = recording_run_many()
 
     async def main():
         batcher = Batcher(ModelThread(), run_many, max_batch=8)
         batcher.turn_wait = 0.4  # (wait and at_work are unset: only the turn holds the pass)
         start = time.perf_counter()
-        first = asyncio.ensure_future(batcher.submit("a", "a1", turn))
+        first = asyncio.ensure_future(batcher.submit("a", "a1", (7, size)))
         await asyncio.sleep(0.05)
-        rest = [batcher.submit(s, f"{s}1", turn) for s in ("b", "c")]
+        rest = [batcher.submit(s, f"{s}1", (7, size)) for s in ("b", "c")]
         results = await asyncio.gather(first, *rest)
         return results, time.perf_counter() - start
 
@@ -214,3 +214,24 @@ def test_batcher_waits_for_the_rest_of_a_lockstep_turn(turn, waits):
     assert [r for r, _ in results] == ["a1", "b1", "c1"]
     assert passes == [["a1", "b1", "c1"]]
     assert (seconds >= 0.4) == waits and seconds < 2.0
+
+
+def test_a_pass_serves_one_lockstep_turn():
+    """Calls of two turns (two groups of generations), and calls of none, waiting together get a
+    pass each, in the order their first calls came."""
+    passes, run_many = recording_run_many()
+    release, held = held_first_pass(run_many)
+
+    async def main():
+        batcher = Batcher(ModelThread(), held, max_batch=8)
+        first = asyncio.ensure_future(batcher.submit("z", "z1"))
+        await asyncio.sleep(0.05)  # z1's pass runs (held) while the rest queue
+        calls = [asyncio.ensure_future(batcher.submit(s, f"{s}1", turn))
+                 for s, turn in [("a", (5, 2)), ("c", (9, 2)), ("x", (0, 0)), ("b", (5, 2)), ("d", (9, 2))]]
+        await asyncio.sleep(0.05)
+        release.set()
+        return await asyncio.gather(first, *calls)
+
+    results = asyncio.run(main())
+    assert [r for r, _ in results] == ["z1", "a1", "c1", "x1", "b1", "d1"]
+    assert passes == [["z1"], ["a1", "b1"], ["c1", "d1"], ["x1"]]
