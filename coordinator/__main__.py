@@ -50,8 +50,8 @@ def parse_args(argv=None):
     parser.add_argument("--lockstep", action="store_true",
                         help="let the generations' calls reach the models in turns (all drafts, then all"
                              " verifications) instead of pipelining them: for a draft and a target that share cores;"
-                             " give each model service a --batch-wait-ms (e.g. 3) so a turn's calls form one batch,"
-                             " and a fixed --num-speculative-tokens")
+                             " needs a fixed --num-speculative-tokens in one group (the services serve each turn in"
+                             " one pass: their --turn-wait-ms)")
     parser.add_argument("--lockstep-groups", type=int, default=1,
                         help="with --lockstep, the generations form this many groups, each in lockstep, which take"
                              " turns at each model: while one group is at the target another is at the draft (2: both"
