@@ -50,12 +50,8 @@ def parse_args(argv=None):
     parser.add_argument("--lockstep", action="store_true",
                         help="let the generations' calls reach the models in turns (all drafts, then all"
                              " verifications) instead of pipelining them: for a draft and a target that share cores;"
-                             " needs a fixed --num-speculative-tokens in one group (the services serve each turn in"
-                             " one pass: their --turn-wait-ms)")
-    parser.add_argument("--lockstep-groups", type=int, default=1,
-                        help="with --lockstep, the generations form this many groups, each in lockstep, which take"
-                             " turns at each model: while one group is at the target another is at the draft (2: both"
-                             " models work at once, each pass serving a whole group)")
+                             " needs a fixed --num-speculative-tokens (the services serve each turn in one pass:"
+                             " their --turn-wait-ms)")
     parser.add_argument("--lockstep-hold-ms", type=float, default=5.0,
                         help="with --lockstep, the longest a call waits for the generations not yet waiting")
     parser.add_argument("--draft-p-min", type=float, default=0.0,
@@ -79,9 +75,7 @@ def parse_args(argv=None):
         parser.error(f"--adaptive-max-k must lie in [0, --max-speculative-tokens={args.max_speculative_tokens}]")
     if not 0.0 <= args.draft_p_min <= 1.0:
         parser.error(f"--draft-p-min must lie in [0, 1], not {args.draft_p_min}")
-    if not 1 <= args.lockstep_groups <= 64:
-        parser.error(f"--lockstep-groups must lie in [1, 64], not {args.lockstep_groups}")
-    if args.lockstep and args.lockstep_groups == 1 and args.num_speculative_tokens == "auto":
+    if args.lockstep and args.num_speculative_tokens == "auto":
         parser.error("--lockstep needs a fixed --num-speculative-tokens (4 suits the default pair): adaptive K's"
                      " cost model assumes pipelined services and picks K ~0.4-2.4 in lockstep, 0.65-0.75x of K = 4")
     if args.lockstep and args.predraft:
@@ -109,7 +103,7 @@ def main(argv=None) -> None:
         adaptive = args.num_speculative_tokens == "auto"
         k = args.adaptive_max_k if adaptive else int(args.num_speculative_tokens)
         limits = Limits(args.max_new_tokens, k, args.max_speculative_tokens, adaptive, args.draft_p_min, args.predraft,
-                        args.lockstep_hold_ms if args.lockstep else 0.0, args.lockstep_groups)
+                        args.lockstep_hold_ms if args.lockstep else 0.0)
         metrics = CoordinatorMetrics()
         servicer = GenerationServicer(draft, target, limits, metrics)
         start_metrics(metrics.registry, args.host, args.metrics_port)

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from speculative.adaptive import AdaptiveK, CostModel, FixedK, PassCost
-from speculative.lockstep import GatedDraft, GatedTarget, Lockstep
+from speculative.lockstep import GatedDraft, GatedTarget, PhaseGate
 from speculative.metrics import CoordinatorMetrics, TokenClock
 from speculative.round import Stats, generate
 from speculative.sampling import SamplingParams
@@ -40,7 +40,6 @@ class Limits:
     draft_p_min: float = 0.0
     predraft: bool = False  # draft the next round while the target verifies this one
     lockstep_ms: float = 0.0  # > 0: calls reach the models in turns (speculative/lockstep.py), held this long at most
-    lockstep_groups: int = 1  # generations in lockstep form this many groups, which take turns at each model
 
 
 class BadRequest(ValueError):
@@ -87,11 +86,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.limits = limits
         self.tokenizer = None
         self.metrics = metrics
-        self.lockstep = Lockstep(limits.lockstep_groups, limits.lockstep_ms / 1e3) if limits.lockstep_ms > 0 else None
+        self.gate = PhaseGate(limits.lockstep_ms / 1e3) if limits.lockstep_ms > 0 else None
         if metrics is not None:
             draft.latency, target.latency = metrics.propose, metrics.verify
-            if self.lockstep is not None:
-                self.lockstep.on_turn = metrics.lockstep_turn
+            if self.gate is not None:
+                self.gate.on_turn = metrics.lockstep_turn
 
     async def connect(self, timeout: float) -> None:
         """Wait for a replica of each pool, refuse an incompatible pair, load the target's tokenizer."""
@@ -207,9 +206,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # one replica of each pool at a time, moving to another if it fails (coordinator/failover.py)
         failover_draft, failover_target = FailoverDraft(self.draft), FailoverTarget(self.target)
         draft, target = failover_draft, failover_target
-        gate = self.lockstep.join() if self.lockstep is not None else None
-        if gate is not None:
-            draft, target = GatedDraft(draft, gate), GatedTarget(target, gate)
+        if self.gate is not None:
+            draft, target = GatedDraft(draft, self.gate), GatedTarget(target, self.gate)
+            self.gate.joined()
         rounds = generate(
             draft, target, prompt, max_new_tokens=max_new, k=policy, params=params,
             eos_token_ids=self.eos_token_ids, max_context=self.max_context, stats=stats,
@@ -237,8 +236,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(e.code, str(e))
         finally:
             self.costs.in_flight -= 1
-            if gate is not None:
-                gate.left()
+            if self.gate is not None:
+                self.gate.left()
             failover_draft.close()
             failover_target.close()
         wall_ms = (time.perf_counter() - start) * 1e3

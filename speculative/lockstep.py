@@ -9,14 +9,6 @@ every generation waiting for the draft goes at once, and only when those calls a
 every generation waits again, every one waiting for the target. Each service then sees its
 whole group together (one batch) and has the cores to itself while it runs.
 
-With `--lockstep-groups G` (G > 1) the generations form G groups, each in lockstep of its
-own. A model service never mixes two turns in one pass (each call says which turn it came in),
-so the groups take turns at each model: while one group's pass runs on the target, another
-group's calls are drafted, then queue at the target and get its next pass whole. Both models
-work at once, as when pipelining, but each pass serves a whole group instead of whichever
-calls happened to be waiting (the free-running pipeline splits 8 streams into target passes
-of ~2.7 sessions on average; two groups give passes of 4).
-
 `PhaseGate` holds the calls; `GatedDraft` and `GatedTarget` wrap any DraftPeer / TargetPeer
 (the round does not know). A generation that is neither waiting nor calling (streaming its
 tokens, starting, ending) would hold everyone up, so a turn also starts once calls have
@@ -116,31 +108,6 @@ class PhaseGate:
     def _expire(self) -> None:
         self.timer = None
         self._next(timed_out=True)
-
-
-class Lockstep:
-    """The coordinator's gates: `groups` PhaseGates, one per group of generations; a generation
-    joins the group with the fewest live generations."""
-
-    def __init__(self, groups: int = 1, hold_s: float = 0.005):
-        if groups < 1:
-            raise ValueError(f"lockstep groups must be >= 1, not {groups}")
-        self.gates = [PhaseGate(hold_s) for _ in range(groups)]
-
-    @property
-    def on_turn(self) -> Callable[[str, int, bool], None] | None:
-        return self.gates[0].on_turn
-
-    @on_turn.setter
-    def on_turn(self, report: Callable[[str, int, bool], None] | None) -> None:
-        for gate in self.gates:
-            gate.on_turn = report
-
-    def join(self) -> PhaseGate:
-        """A generation starts: -> its group's gate (call its `left` when the generation ends)."""
-        gate = min(self.gates, key=lambda g: g.live)
-        gate.joined()
-        return gate
 
 
 class GatedDraft:

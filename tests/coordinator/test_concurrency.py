@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 
 import grpc
-import pytest
 
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -49,11 +48,9 @@ def test_concurrent_equals_one_at_a_time(stack):
     check_concurrent_equals_one_at_a_time(stack.addr)
 
 
-@pytest.mark.parametrize("flags", [["--num-speculative-tokens", "3"], ["--lockstep-groups", "2"]],
-                         ids=["one group, K 3", "two groups, adaptive K"])
-def test_lockstep_equals_one_at_a_time(pair, flags):
-    """--lockstep (calls reach the models in turns), in one group or two, changes when calls run,
-    not a token."""
+def test_lockstep_equals_one_at_a_time(pair):
+    """--lockstep (calls reach the models in turns) changes when calls run, not a token. The
+    services serve each turn in one pass without being told to wait (each call says its turn)."""
     from coordinator.launch import LocalStack
 
     from coordinator.launch import free_port
@@ -61,7 +58,8 @@ def test_lockstep_equals_one_at_a_time(pair, flags):
 
     draft, target = pair
     port = free_port()
-    with LocalStack(draft, target, coordinator_args=["--lockstep", *flags, "--metrics-port", str(port)]) as stack:
+    with LocalStack(draft, target,
+                    coordinator_args=["--lockstep", "--num-speculative-tokens", "3", "--metrics-port", str(port)]) as stack:
         check_concurrent_equals_one_at_a_time(stack.addr)
         samples = scrape(port)
     # every call went through exactly one turn; the concurrent ones shared turns
@@ -80,9 +78,7 @@ def test_lockstep_flags_are_checked():
     from coordinator.__main__ import parse_args
 
     assert parse_args(["--lockstep", "--num-speculative-tokens", "4"]).lockstep
-    assert parse_args(["--lockstep", "--lockstep-groups", "2"]).lockstep_groups == 2  # adaptive K: the models overlap
     for bad in (["--lockstep"], ["--lockstep", "--num-speculative-tokens", "4", "--predraft"],
-                ["--lockstep", "--num-speculative-tokens", "4", "--lockstep-hold-ms", "0"],
-                ["--lockstep", "--lockstep-groups", "0"]):
+                ["--lockstep", "--num-speculative-tokens", "4", "--lockstep-hold-ms", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
