@@ -387,9 +387,9 @@ class Batcher:
     ~0.1-0.3 ms apart; without the wait the first drafts alone and the rest wait for all of
     its steps). Calls the coordinator let through together in a lockstep turn say so (`turn`:
     its id and its number of calls): a pass serves one turn's calls only (or only calls of no
-    turn), and waits up to `turn_wait` for all of them, since a turn's calls arrive over ~1 ms.
-    Another group's turn sent while this one's pass runs then gets the next pass whole. A call
-    that fails, fails alone.
+    turn), and waits up to `turn_wait` for all of them, since a turn's calls arrive over ~1 ms
+    (a turn split over several replicas waits it out: each gets part of it). A call that fails,
+    fails alone.
     """
 
     def __init__(self, thread: ModelThread, run_many: Callable[[list], list], max_batch: int = 32,
