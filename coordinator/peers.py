@@ -133,9 +133,10 @@ class GrpcDraft(Peer):
         self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams,
         p_min: float = 0.0,
     ) -> tuple[Proposal, Cost]:
+        turn_id, turn_size = TURN.get()
         request = pb.ProposeRequest(session_id=session_id, start=start, rollback=rollback, append=append,
                                     num_tokens=k, sampling=sampling_proto(params), p_min=p_min,
-                                    turn_id=TURN.get()[0], turn_size=TURN.get()[1])
+                                    turn_id=turn_id, turn_size=turn_size)
         reply = await self.step(self.stub.Propose, self.stub.ProposeStream, session_id, request)
         p = reply.proposal
         proposal = Proposal(list(p.tokens), list(p.support_sizes), p.support_ids, p.support_probs)
@@ -150,11 +151,12 @@ class GrpcTarget(Peer):
     async def verify(
         self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams
     ) -> tuple[Verdict, Cost]:
+        turn_id, turn_size = TURN.get()
         request = pb.VerifyRequest(
             session_id=session_id, start=start, append=append,
             proposal=pb.DraftProposal(tokens=proposal.tokens, support_sizes=proposal.support_sizes,
                                       support_ids=proposal.support_ids, support_probs=proposal.support_probs),
-            sampling=sampling_proto(params), turn_id=TURN.get()[0], turn_size=TURN.get()[1],
+            sampling=sampling_proto(params), turn_id=turn_id, turn_size=turn_size,
         )
         reply = await self.step(self.stub.Verify, self.stub.VerifyStream, session_id, request)
         return Verdict(reply.accepted, reply.token), Cost(reply.service_ms, request.ByteSize() + reply.ByteSize(),

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from pathlib import Path
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -374,6 +374,17 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed)
 
 
+class Waiting(NamedTuple):
+    """A call in a Batcher's queue."""
+
+    session_id: str
+    call: Any
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    turn: int = 0  # the coordinator's lockstep turn it came in (0: none), and that turn's number of calls
+    turn_size: int = 0
+
+
 class Batcher:
     """Continuous batching over a model service's one model thread.
 
@@ -404,8 +415,7 @@ class Batcher:
         self.wait = 0.0  # seconds a pass waits for the calls of sessions at work that have not come yet
         self.turn_wait = 0.003  # seconds a pass waits for the rest of a lockstep turn's calls
         self.at_work: Callable[[], int] | None = None  # -> sessions used lately (the runner's count)
-        # (session_id, call, future, loop, (turn id, turn size)), guarded by the thread's lock
-        self.waiting: deque[tuple[str, Any, asyncio.Future, asyncio.AbstractEventLoop, tuple[int, int]]] = deque()
+        self.waiting: deque[Waiting] = deque()  # guarded by the thread's lock
         self.deadline: float | None = None  # when the pass now waiting for stragglers stops waiting
         thread.batchers.append(self)
 
@@ -416,21 +426,21 @@ class Batcher:
         with self.thread.cond:
             if len(self.waiting) >= self.max_queue:
                 raise CapacityExceeded(f"{len(self.waiting)} calls already wait for the model (--max-queue); retry later")
-            self.waiting.append((session_id, call, future, loop, turn))
+            self.waiting.append(Waiting(session_id, call, future, loop, *turn))
             self.thread.wake()
         return await future
 
     def ready(self, now: float) -> list | float | None:
         """Under the thread's lock: the calls of the next pass, or when to look again (None: no calls)."""
-        while self.waiting and self.waiting[0][2].done():  # its caller gave up before it ran
+        while self.waiting and self.waiting[0].future.done():  # its caller gave up before it ran
             self.waiting.popleft()
         if not self.waiting:
             self.deadline = None
             return None
-        turn, size = self.waiting[0][4]
-        if turn:  # the rest of its lockstep turn is on its way
-            want, wait = size, self.turn_wait
-            have = sum(item[4][0] == turn for item in self.waiting)
+        head = self.waiting[0]
+        if head.turn:  # the rest of its lockstep turn is on its way
+            want, wait = head.turn_size, self.turn_wait
+            have = sum(item.turn == head.turn for item in self.waiting)
         elif self.wait and self.at_work is not None:  # the rest of a group of sessions is likely a moment away
             want, wait, have = self.at_work(), self.wait, len(self.waiting)
         else:
@@ -443,17 +453,17 @@ class Batcher:
         self.deadline = None
         return self._take()
 
-    def _take(self) -> list[tuple[str, Any, asyncio.Future, asyncio.AbstractEventLoop, tuple[int, int]]]:
+    def _take(self) -> list[Waiting]:
         batch, sessions, later = [], set(), []
-        turn = self.waiting[0][4][0]
+        turn = self.waiting[0].turn
         while self.waiting and len(batch) < self.max_batch:
             item = self.waiting.popleft()
-            if item[2].done():
+            if item.future.done():
                 continue
-            if item[0] in sessions or item[4][0] != turn:
+            if item.session_id in sessions or item.turn != turn:
                 later.append(item)
             else:
-                sessions.add(item[0])
+                sessions.add(item.session_id)
                 batch.append(item)
         self.waiting.extendleft(reversed(later))
         return batch
@@ -467,13 +477,13 @@ class Batcher:
                 results = [error or RuntimeError("the pass returned no result per call")] * len(batch)
             if self.on_pass is not None:
                 self.on_pass(len(batch))
-            for (_, _, future, _, _), result in zip(batch, results):
+            for item, result in zip(batch, results):
                 if isinstance(result, BaseException):
-                    _settle(future, None, result)
+                    _settle(item.future, None, result)
                 else:
-                    _settle(future, result, None)
+                    _settle(item.future, result, None)
 
-        return (lambda: self.run_many([call for _, call, _, _, _ in batch])), batch[0][3], deliver
+        return (lambda: self.run_many([item.call for item in batch])), batch[0].loop, deliver
 
 
 class ModelServicer:
