@@ -52,6 +52,9 @@ def parse_args(argv=None):
                              " verifications) instead of pipelining them: for a draft and a target that share cores;"
                              " needs a fixed --num-speculative-tokens (the services serve each turn in one pass:"
                              " their --turn-wait-ms)")
+    parser.add_argument("--lockstep-calls", choices=["batch", "each"], default="batch",
+                        help="with --lockstep, a turn's calls to a service go as one batch RPC, or each as its own"
+                             " call (as --peer-calls says)")
     parser.add_argument("--lockstep-hold-ms", type=float, default=5.0,
                         help="with --lockstep, the longest a call waits for the generations not yet waiting")
     parser.add_argument("--draft-p-min", type=float, default=0.0,
@@ -95,8 +98,12 @@ def main(argv=None) -> None:
 
     def pool(name: str, spec: str, kind: type[GrpcDraft | GrpcTarget]) -> Pool:
         streaming = args.peer_calls == "stream"
-        return Pool(name, spec, lambda address, server_name: kind(address, args.call_timeout, streaming,
-                                                                  peer_credentials, server_name), args.resolve_every)
+        def peer(address: str, server_name: str | None) -> GrpcDraft | GrpcTarget:
+            made = kind(address, args.call_timeout, streaming, peer_credentials, server_name)
+            made.batch_turns = args.lockstep_calls == "batch"
+            return made
+
+        return Pool(name, spec, peer, args.resolve_every)
 
     async def run() -> None:
         draft, target = pool("draft", args.draft, GrpcDraft), pool("target", args.target, GrpcTarget)

@@ -18,6 +18,9 @@ from speculative.serving import CHANNEL_OPTIONS
 from speculative.transport import open_channel
 
 
+CODES = {code.value[0]: code for code in grpc.StatusCode}  # a batched call's status (an int) -> its code
+
+
 class PeerError(Exception):
     """A call to a model service failed; carries the status to give the client."""
 
@@ -63,6 +66,10 @@ class Peer:
         self.info: pb.ModelInfo | None = None
         self.streams: dict[str, grpc.aio.StreamStreamCall] = {}
         self.latency = None  # a prometheus Histogram of per-round call seconds, when metrics are on
+        self.batch_turns = True  # a lockstep turn's calls go to the service as one batch RPC (see turn_call);
+        # a turn of one call goes as any other call
+        self.turns: dict[int, tuple[list, asyncio.Future]] = {}  # turn id -> (its calls so far, their replies)
+        self.sending: set[asyncio.Task] = set()
 
     async def call(self, method, request, timeout: float | None = None):
         try:
@@ -101,6 +108,60 @@ class Peer:
             raise PeerError(self, await stream.code(), await stream.details() or "stream ended")
         return reply
 
+    async def turn_call(self, batch_method, batch_type, request, turn: tuple[int, int]):
+        """One call of lockstep `turn` (id, calls), sent with the turn's other calls to this service
+        in one batch RPC: a batch goes once all the turn's calls are in, or at the event loop's next
+        pass (the gate lets a turn's callers go together; the rest went to other replicas).
+        One unary RPC for the turn instead of a message per call saves ~0.45 ms of CPU per call."""
+        start = time.perf_counter()
+        turn_id, size = turn
+        pending = self.turns.get(turn_id)
+        if pending is None:
+            loop = asyncio.get_running_loop()
+            pending = self.turns[turn_id] = ([], loop.create_future())
+            loop.call_soon(self._send_turn, turn_id, batch_method, batch_type)
+        requests, future = pending
+        index = len(requests)
+        requests.append(request)
+        if len(requests) >= size:
+            self._send_turn(turn_id, batch_method, batch_type)
+        try:
+            replies, statuses = await asyncio.shield(future)
+        finally:
+            if self.latency is not None:
+                self.latency.observe(time.perf_counter() - start)
+        status = statuses[index]
+        if status.code:
+            raise PeerError(self, CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message)
+        return replies[index]
+
+    def _send_turn(self, turn_id: int, batch_method, batch_type) -> None:
+        pending = self.turns.pop(turn_id, None)
+        if pending is None:  # sent already
+            return
+        requests, future = pending
+        task = asyncio.ensure_future(self._send_batch(batch_method, batch_type(calls=requests), len(requests), future))
+        self.sending.add(task)
+        task.add_done_callback(self.sending.discard)
+
+    async def _send_batch(self, batch_method, request, calls: int, future: asyncio.Future) -> None:
+        # retrieved here, so that a batch whose callers all gave up logs no unretrieved exception
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        try:
+            reply = await batch_method(request, timeout=self.timeout)
+        except grpc.aio.AioRpcError as e:
+            future.set_exception(PeerError(self, e.code(), e.details() or ""))
+            return
+        except BaseException as e:
+            future.set_exception(e if isinstance(e, Exception) else PeerError(self, grpc.StatusCode.CANCELLED,
+                                                                              "the batch was cancelled"))
+            raise
+        if len(reply.replies) != calls or len(reply.statuses) != calls:
+            future.set_exception(PeerError(self, grpc.StatusCode.INTERNAL, f"a batch of {calls} calls got"
+                                           f" {len(reply.replies)} replies and {len(reply.statuses)} statuses"))
+            return
+        future.set_result((reply.replies, reply.statuses))
+
     async def fetch_tokenizer(self, directory: str | Path | None = None) -> Path:
         """Copy the service's tokenizer files into a local directory (AutoTokenizer-loadable)."""
         out = Path(directory or tempfile.mkdtemp(prefix=f"specdec-{self.name}-tokenizer-"))
@@ -133,11 +194,14 @@ class GrpcDraft(Peer):
         self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams,
         p_min: float = 0.0,
     ) -> tuple[Proposal, Cost]:
-        turn_id, turn_size = TURN.get()
+        turn = TURN.get()
         request = pb.ProposeRequest(session_id=session_id, start=start, rollback=rollback, append=append,
                                     num_tokens=k, sampling=sampling_proto(params), p_min=p_min,
-                                    turn_id=turn_id, turn_size=turn_size)
-        reply = await self.step(self.stub.Propose, self.stub.ProposeStream, session_id, request)
+                                    turn_id=turn[0], turn_size=turn[1])
+        if turn[1] > 1 and self.batch_turns:
+            reply = await self.turn_call(self.stub.ProposeBatch, pb.ProposeBatchRequest, request, turn)
+        else:
+            reply = await self.step(self.stub.Propose, self.stub.ProposeStream, session_id, request)
         p = reply.proposal
         proposal = Proposal(list(p.tokens), list(p.support_sizes), p.support_ids, p.support_probs)
         return proposal, Cost(reply.service_ms, request.ByteSize() + reply.ByteSize(), reply.batch_size,
@@ -151,14 +215,17 @@ class GrpcTarget(Peer):
     async def verify(
         self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams
     ) -> tuple[Verdict, Cost]:
-        turn_id, turn_size = TURN.get()
+        turn = TURN.get()
         request = pb.VerifyRequest(
             session_id=session_id, start=start, append=append,
             proposal=pb.DraftProposal(tokens=proposal.tokens, support_sizes=proposal.support_sizes,
                                       support_ids=proposal.support_ids, support_probs=proposal.support_probs),
-            sampling=sampling_proto(params), turn_id=turn_id, turn_size=turn_size,
+            sampling=sampling_proto(params), turn_id=turn[0], turn_size=turn[1],
         )
-        reply = await self.step(self.stub.Verify, self.stub.VerifyStream, session_id, request)
+        if turn[1] > 1 and self.batch_turns:
+            reply = await self.turn_call(self.stub.VerifyBatch, pb.VerifyBatchRequest, request, turn)
+        else:
+            reply = await self.step(self.stub.Verify, self.stub.VerifyStream, session_id, request)
         return Verdict(reply.accepted, reply.token), Cost(reply.service_ms, request.ByteSize() + reply.ByteSize(),
                                                           reply.batch_size, reply.batch_tokens, reply.pass_ms)
 

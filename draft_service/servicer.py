@@ -15,10 +15,27 @@ class DraftServicer(ModelServicer, pb_grpc.DraftServicer):
 
     async def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
         await self.ready(context)
-        call = ProposeCall(request.session_id, request.start, request.rollback, list(request.append),
+        return self._reply(*await self.call(context, "propose", request.session_id, self._call(request),
+                                            (request.turn_id, request.turn_size)))
+
+    async def ProposeStream(self, requests, context):
+        async for reply in self.stream(requests, context, self.Propose):
+            yield reply
+
+    async def ProposeBatch(self, request: pb.ProposeBatchRequest, context) -> pb.ProposeBatchResponse:
+        async def answer(call: pb.ProposeRequest, turn: tuple[int, int]) -> pb.ProposeResponse:
+            return self._reply(*await self.run_call("propose", call.session_id, self._call(call), turn))
+
+        replies, statuses = await self.batch(context, request.calls, answer, pb.ProposeResponse())
+        return pb.ProposeBatchResponse(replies=replies, statuses=statuses)
+
+    @staticmethod
+    def _call(request: pb.ProposeRequest) -> ProposeCall:
+        return ProposeCall(request.session_id, request.start, request.rollback, list(request.append),
                            request.num_tokens, params_from_proto(request.sampling), request.p_min)
-        proposal, cost = await self.call(context, "propose", request.session_id, call,
-                                         (request.turn_id, request.turn_size))
+
+    @staticmethod
+    def _reply(proposal, cost) -> pb.ProposeResponse:
         return pb.ProposeResponse(
             proposal=pb.DraftProposal(
                 tokens=proposal.tokens, support_sizes=proposal.support_sizes,
@@ -26,7 +43,3 @@ class DraftServicer(ModelServicer, pb_grpc.DraftServicer):
             ),
             service_ms=cost.service_ms, batch_size=cost.batch_size, pass_ms=cost.pass_ms,
         )
-
-    async def ProposeStream(self, requests, context):
-        async for reply in self.stream(requests, context, self.Propose):
-            yield reply

@@ -13,8 +13,9 @@ whole group together (one batch) and has the cores to itself while it runs.
 (the round does not know). A generation that is neither waiting nor calling (streaming its
 tokens, starting, ending) would hold everyone up, so a turn also starts once calls have
 waited `hold_s` with none in flight. Each call let through carries its turn (`TURN`: a random
-id and the number of calls, sent as `turn_id` and `turn_size`), so a model service serves the
-turn in one pass of its own and waits for all of its calls first (its --turn-wait-ms).
+id and the number of calls): the gRPC peers send a turn's calls to one service as one batch RPC,
+which the service serves in one pass, or each call saying its turn (`turn_id`, `turn_size`), and
+the service then waits for all of the turn's calls before the pass (its --turn-wait-ms).
 """
 
 from __future__ import annotations

@@ -10,13 +10,14 @@ import asyncio
 import dataclasses
 import logging
 import os
+import random
 import signal
 import sys
 import threading
 import time
 from collections import deque
 from pathlib import Path
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import grpc
@@ -164,6 +165,18 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> N
         log.exception("internal error", exc_info=exc)
         await context.abort(code, f"{type(exc).__name__}: {exc}")
     await context.abort(code, str(exc))
+
+
+OK_STATUS = pb.CallStatus()
+
+
+def call_status(exc: BaseException) -> pb.CallStatus:
+    """One batched call's error as its status (see abort_with)."""
+    code = status_of(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("internal error", exc_info=exc)
+        return pb.CallStatus(code=code.value[0], message=f"{type(exc).__name__}: {exc}")
+    return pb.CallStatus(code=code.value[0], message=str(exc))
 
 
 class ModelThread:
@@ -518,6 +531,15 @@ class ModelServicer:
         """Queue one per-round call (of lockstep turn (id, calls), if any) for the model's next pass;
         engine errors become gRPC statuses.
         -> (result, Cost) with service_ms counted from now: waiting for the model is time in here."""
+        try:
+            return await self.run_call(method, session_id, call, turn)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # translated, never raised into grpc
+            await abort_with(context, exc)
+
+    async def run_call(self, method: str, session_id: str, call: Any, turn: tuple[int, int] = (0, 0)) -> Any:
+        """`call` without the translation: raises the engine's error. -> (result, Cost)"""
         metrics, status, start = self.metrics, grpc.StatusCode.OK, time.perf_counter()
         if metrics is not None:
             metrics.queue.inc()
@@ -527,14 +549,41 @@ class ModelServicer:
         except asyncio.CancelledError:
             status = grpc.StatusCode.CANCELLED
             raise
-        except Exception as exc:  # translated, never raised into grpc
+        except Exception as exc:
             status = status_of(exc)
-            await abort_with(context, exc)
+            raise
         finally:
             if metrics is not None:
                 metrics.queue.dec()
                 metrics.calls.labels(method, status.name).inc()
                 metrics.latency.labels(method).observe(time.perf_counter() - start)
+
+    async def batch(self, context: grpc.aio.ServicerContext, requests: Sequence[Any],
+                    answer: Callable[[Any, tuple[int, int]], Awaitable[Any]], empty: Any) -> tuple[list, list]:
+        """Answer a batch RPC's requests (one per session) with `answer(request, turn)`, all as one
+        turn: a pass serves them together, and waits for no one else. A lockstep turn keeps its id
+        (a turn split over two batches still shares a pass). One request's error is its own.
+        -> (replies, statuses), `empty` where a request failed"""
+        await self.ready(context)
+        sessions = [request.session_id for request in requests]
+        if len(set(sessions)) != len(sessions):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a batch holds at most one call per session")
+        if len(requests) > self.batcher.max_queue:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"a batch of {len(requests)} calls is more than --max-queue ({self.batcher.max_queue})")
+        turn = ((requests[0].turn_id if requests else 0) or random.getrandbits(63) | 1, len(requests))
+        results = await asyncio.gather(*(answer(request, turn) for request in requests), return_exceptions=True)
+        replies, statuses = [], []
+        for result in results:
+            if isinstance(result, asyncio.CancelledError):
+                raise result
+            if isinstance(result, BaseException):
+                replies.append(empty)
+                statuses.append(call_status(result))
+            else:
+                replies.append(result)
+                statuses.append(OK_STATUS)
+        return replies, statuses
 
     async def stream(self, requests, context, step: Callable[..., Awaitable[Any]]):
         """Answer a stream of requests with `step`; release the sessions it touched when it ends."""

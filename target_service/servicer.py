@@ -16,15 +16,28 @@ class TargetServicer(ModelServicer, pb_grpc.TargetServicer):
 
     async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
         await self.ready(context)
-        p = request.proposal
-        call = VerifyCall(request.session_id, request.start, list(request.append),
-                          Proposal(list(p.tokens), list(p.support_sizes), p.support_ids, p.support_probs),
-                          params_from_proto(request.sampling))
-        verdict, cost = await self.call(context, "verify", request.session_id, call,
-                                        (request.turn_id, request.turn_size))
-        return pb.VerifyResponse(accepted=verdict.accepted, token=verdict.token, service_ms=cost.service_ms,
-                                 batch_size=cost.batch_size, batch_tokens=cost.batch_tokens, pass_ms=cost.pass_ms)
+        return self._reply(*await self.call(context, "verify", request.session_id, self._call(request),
+                                            (request.turn_id, request.turn_size)))
 
     async def VerifyStream(self, requests, context):
         async for reply in self.stream(requests, context, self.Verify):
             yield reply
+
+    async def VerifyBatch(self, request: pb.VerifyBatchRequest, context) -> pb.VerifyBatchResponse:
+        async def answer(call: pb.VerifyRequest, turn: tuple[int, int]) -> pb.VerifyResponse:
+            return self._reply(*await self.run_call("verify", call.session_id, self._call(call), turn))
+
+        replies, statuses = await self.batch(context, request.calls, answer, pb.VerifyResponse())
+        return pb.VerifyBatchResponse(replies=replies, statuses=statuses)
+
+    @staticmethod
+    def _call(request: pb.VerifyRequest) -> VerifyCall:
+        p = request.proposal
+        return VerifyCall(request.session_id, request.start, list(request.append),
+                          Proposal(list(p.tokens), list(p.support_sizes), p.support_ids, p.support_probs),
+                          params_from_proto(request.sampling))
+
+    @staticmethod
+    def _reply(verdict, cost) -> pb.VerifyResponse:
+        return pb.VerifyResponse(accepted=verdict.accepted, token=verdict.token, service_ms=cost.service_ms,
+                                 batch_size=cost.batch_size, batch_tokens=cost.batch_tokens, pass_ms=cost.pass_ms)

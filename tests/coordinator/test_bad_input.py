@@ -134,3 +134,57 @@ def test_coordinator_refuses_a_mismatched_pair(pair, other_tokenizer_model):
     message = str(err.value)
     assert "cannot be paired" in message and "'model'" in message and "'target'" in message
     assert "tokenizers differ" in message
+
+
+def test_a_batch_answers_each_call_alone(stack):
+    """ProposeBatch / VerifyBatch: the good calls are served together in one pass and answer what
+    the same calls alone answer; a bad call gets its own status; a batch naming a session twice
+    is refused whole."""
+    draft, target = peer_stubs(stack)
+    greedy = pb.SamplingParams(temperature=0.0, top_p=1.0)
+    prompts = {"a": [3, 1, 4, 1, 5], "b": [9, 2, 6]}
+
+    def propose(session_id, **kw):
+        return pb.ProposeRequest(session_id=session_id, num_tokens=3, sampling=greedy, **kw)
+
+    alone = {name: draft.Propose(propose(f"alone-{name}", start=True, append=prompt))
+             for name, prompt in prompts.items()}
+    batch = draft.ProposeBatch(pb.ProposeBatchRequest(calls=[
+        propose("batch-a", start=True, append=prompts["a"]),
+        propose("no-such-session"),
+        propose("batch-b", start=True, append=prompts["b"]),
+    ]))
+    assert [s.code for s in batch.statuses] == [0, grpc.StatusCode.NOT_FOUND.value[0], 0]
+    assert "no-such-session" in batch.statuses[1].message
+    assert list(batch.replies[0].proposal.tokens) == list(alone["a"].proposal.tokens)
+    assert list(batch.replies[2].proposal.tokens) == list(alone["b"].proposal.tokens)
+    assert batch.replies[0].batch_size == batch.replies[2].batch_size == 2  # one pass for the two
+
+    def verify(session_id, name, **kw):
+        p = alone[name].proposal
+        return pb.VerifyRequest(session_id=session_id, start=True, append=prompts[name], sampling=greedy,
+                                proposal=proposal(list(p.tokens)), **kw)
+
+    one = {name: target.Verify(verify(f"alone-{name}", name)) for name in prompts}
+    batch = target.VerifyBatch(pb.VerifyBatchRequest(calls=[
+        verify("batch-a", "a"),
+        verify("batch-b", "b"),
+        pb.VerifyRequest(session_id="batch-c", start=True, append=[1], proposal=proposal([10**6]), sampling=greedy),
+    ]))
+    assert [s.code for s in batch.statuses] == [0, 0, INVALID.value[0]]
+    assert "vocabulary" in batch.statuses[2].message
+    for reply, name in zip(batch.replies, prompts):
+        assert (reply.accepted, reply.token) == (one[name].accepted, one[name].token)
+        assert reply.batch_size == 2
+    assert batch.replies[2] == pb.VerifyResponse()
+
+    for stub, request in ((draft.ProposeBatch, pb.ProposeBatchRequest(calls=[propose("x"), propose("x")])),
+                          (target.VerifyBatch, pb.VerifyBatchRequest(calls=[pb.VerifyRequest(session_id="y")] * 2))):
+        with pytest.raises(grpc.RpcError) as err:
+            stub(request)
+        assert err.value.code() == INVALID and "one call per session" in err.value.details()
+    assert len(draft.ProposeBatch(pb.ProposeBatchRequest()).replies) == 0
+    for session_id in ("alone-a", "alone-b", "batch-a", "batch-b"):
+        assert draft.Release(pb.ReleaseRequest(session_id=session_id)).released
+        assert target.Release(pb.ReleaseRequest(session_id=session_id)).released
+    assert not target.Release(pb.ReleaseRequest(session_id="batch-c")).released  # its bad call left nothing

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import grpc
+import pytest
 
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -48,9 +49,11 @@ def test_concurrent_equals_one_at_a_time(stack):
     check_concurrent_equals_one_at_a_time(stack.addr)
 
 
-def test_lockstep_equals_one_at_a_time(pair):
+@pytest.mark.parametrize("calls, target_replicas", [("batch", 2), ("each", 1)])
+def test_lockstep_equals_one_at_a_time(pair, calls, target_replicas):
     """--lockstep (calls reach the models in turns) changes when calls run, not a token. The
-    services serve each turn in one pass without being told to wait (each call says its turn)."""
+    services serve each turn in one pass without being told to wait: a turn's calls to a service
+    come as one batch RPC (split between the two target replicas), or each says its turn."""
     from coordinator.launch import LocalStack
 
     from coordinator.launch import free_port
@@ -58,27 +61,28 @@ def test_lockstep_equals_one_at_a_time(pair):
 
     draft, target = pair
     port = free_port()
-    with LocalStack(draft, target,
-                    coordinator_args=["--lockstep", "--num-speculative-tokens", "3", "--metrics-port", str(port)]) as stack:
+    with LocalStack(draft, target, target_replicas=target_replicas,
+                    coordinator_args=["--lockstep", "--num-speculative-tokens", "3", "--lockstep-calls", calls,
+                                      "--metrics-port", str(port)]) as stack:
         check_concurrent_equals_one_at_a_time(stack.addr)
         samples = scrape(port)
     # every call went through exactly one turn; the concurrent ones shared turns
-    for model, calls in (("draft", "specdec_propose_seconds_count"), ("target", "specdec_verify_seconds_count")):
+    for model, count in (("draft", "specdec_propose_seconds_count"), ("target", "specdec_verify_seconds_count")):
         turns = sum(value(samples, "specdec_lockstep_turns_total", model=model, start=start)
                     for start in ("all_waiting", "hold_expired"))
         assert turns == value(samples, "specdec_lockstep_turn_calls_count", model=model) > 0
-        assert value(samples, "specdec_lockstep_turn_calls_sum", model=model) == value(samples, calls)
-        assert value(samples, calls) > turns, (model, samples)
+        assert value(samples, "specdec_lockstep_turn_calls_sum", model=model) == value(samples, count)
+        assert value(samples, count) > turns, (model, samples)
     assert value(samples, "specdec_lockstep_turns_total", model="target", start="all_waiting") > 0
 
 
 def test_lockstep_flags_are_checked():
-    import pytest
-
     from coordinator.__main__ import parse_args
 
     assert parse_args(["--lockstep", "--num-speculative-tokens", "4"]).lockstep
+    assert parse_args(["--lockstep", "--num-speculative-tokens", "4"]).lockstep_calls == "batch"
     for bad in (["--lockstep"], ["--lockstep", "--num-speculative-tokens", "4", "--predraft"],
+                ["--lockstep", "--num-speculative-tokens", "4", "--lockstep-calls", "some"],
                 ["--lockstep", "--num-speculative-tokens", "4", "--lockstep-hold-ms", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)

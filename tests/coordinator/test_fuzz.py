@@ -52,6 +52,9 @@ def generate_requests(draw) -> pb.GenerateRequest:
     return pb.GenerateRequest(**fields)
 
 
+CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
 def check_status(err: grpc.RpcError, request) -> None:
     assert err.code() in CLEAR, (err.code(), err.details(), request)
     assert err.details(), request
@@ -101,26 +104,39 @@ SESSIONS = st.sampled_from(["fuzz-a", "fuzz-b", "", "fuzz-\u00e9\u0000x"]) | st.
 
 @given(calls=st.lists(st.tuples(
     st.sampled_from(["propose", "verify", "release"]), SESSIONS, st.booleans(), TOKENS,
-    st.one_of(st.integers(0, 20), st.integers(0, 2**32 - 1)), SAMPLING, proposals(), FLOATS), min_size=1, max_size=6))
+    st.one_of(st.integers(0, 20), st.integers(0, 2**32 - 1)), SAMPLING, proposals(), FLOATS, st.booleans()),
+    min_size=1, max_size=6))
 @FUZZ
 def test_internal_messages_get_a_result_or_a_clear_status(stack, calls):
+    """Propose / Verify, alone or as a batch RPC of one call (whose status is in its reply)."""
     with grpc.insecure_channel(stack.draft_addr) as d, grpc.insecure_channel(stack.target_addr) as t:
         draft, target = pb_grpc.DraftStub(d), pb_grpc.TargetStub(t)
         touched = set()
-        for kind, session, start, tokens, number, sampling, proposal, p_min in calls:
+
+        def answer(batched, call, batch_call, batch_type, request):
+            if not batched:
+                return call(request, timeout=CALL_TIMEOUT)
+            reply = batch_call(batch_type(calls=[request]), timeout=CALL_TIMEOUT)
+            status = reply.statuses[0]
+            if status.code:
+                assert CODES[status.code] in CLEAR and status.message, (status, request)
+                return None
+            return reply.replies[0]
+
+        for kind, session, start, tokens, number, sampling, proposal, p_min, batched in calls:
             touched.add(session)
             try:
                 if kind == "propose":
                     request = pb.ProposeRequest(session_id=session, start=start, append=tokens, num_tokens=number,
                                                 rollback=number % 7, sampling=sampling,
                                                 p_min=p_min if math.isfinite(p_min) else 0.0)
-                    reply = draft.Propose(request, timeout=CALL_TIMEOUT)
-                    assert len(reply.proposal.tokens) <= number
+                    reply = answer(batched, draft.Propose, draft.ProposeBatch, pb.ProposeBatchRequest, request)
+                    assert reply is None or len(reply.proposal.tokens) <= number
                 elif kind == "verify":
                     request = pb.VerifyRequest(session_id=session, start=start, append=tokens, proposal=proposal,
                                                sampling=sampling)
-                    reply = target.Verify(request, timeout=CALL_TIMEOUT)
-                    assert reply.accepted <= len(proposal.tokens)
+                    reply = answer(batched, target.Verify, target.VerifyBatch, pb.VerifyBatchRequest, request)
+                    assert reply is None or reply.accepted <= len(proposal.tokens)
                 else:
                     request = pb.ReleaseRequest(session_id=session)
                     draft.Release(request, timeout=CALL_TIMEOUT)
@@ -139,7 +155,9 @@ def test_undecodable_bytes_are_refused_cleanly(stack, data):
     parse is a (strange) request like any other."""
     for addr, method in ((stack.addr, "/specdec.v1.Generation/Generate"),
                          (stack.target_addr, "/specdec.v1.Target/Verify"),
-                         (stack.draft_addr, "/specdec.v1.Draft/Propose")):
+                         (stack.target_addr, "/specdec.v1.Target/VerifyBatch"),
+                         (stack.draft_addr, "/specdec.v1.Draft/Propose"),
+                         (stack.draft_addr, "/specdec.v1.Draft/ProposeBatch")):
         with grpc.insecure_channel(addr) as channel:
             call = channel.unary_unary(method)  # bytes in, bytes out
             try:
