@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import grpc
 
@@ -19,6 +21,16 @@ from speculative.transport import open_channel
 
 
 CODES = {code.value[0]: code for code in grpc.StatusCode}  # a batched call's status (an int) -> its code
+log = logging.getLogger("specdec.peers")
+
+
+class TurnMethods(NamedTuple):
+    """A per-round call's RPCs: as one of a batch, and alone (see Peer.turn_call)."""
+
+    batch: Any
+    batch_type: type
+    unary: Any
+    streaming: Any
 
 
 class PeerError(Exception):
@@ -66,9 +78,9 @@ class Peer:
         self.info: pb.ModelInfo | None = None
         self.streams: dict[str, grpc.aio.StreamStreamCall] = {}
         self.latency = None  # a prometheus Histogram of per-round call seconds, when metrics are on
-        self.batch_turns = True  # a lockstep turn's calls go to the service as one batch RPC (see turn_call);
-        # a turn of one call goes as any other call
-        self.turns: dict[int, tuple[list, asyncio.Future]] = {}  # turn id -> (its calls so far, their replies)
+        self.batch_turns = True  # a lockstep turn's calls go to the service as one batch RPC (see turn_call)
+        self.turns: dict[int, tuple[list, asyncio.Future]] = {}  # turn id -> (its calls so far, their outcomes)
+        self.batched: dict[str, asyncio.Future] = {}  # session id -> the outcomes of the batch its call is in
         self.sending: set[asyncio.Task] = set()
 
     async def call(self, method, request, timeout: float | None = None):
@@ -108,59 +120,82 @@ class Peer:
             raise PeerError(self, await stream.code(), await stream.details() or "stream ended")
         return reply
 
-    async def turn_call(self, batch_method, batch_type, request, turn: tuple[int, int]):
+    async def turn_call(self, methods: "TurnMethods", request, turn: tuple[int, int]):
         """One call of lockstep `turn` (id, calls), sent with the turn's other calls to this service
         in one batch RPC: a batch goes once all the turn's calls are in, or at the event loop's next
-        pass (the gate lets a turn's callers go together; the rest went to other replicas).
-        One unary RPC for the turn instead of a message per call saves ~0.45 ms of CPU per call."""
+        pass (the gate lets a turn's callers go together; the rest went to other replicas). A batch
+        of one call goes as any other call. One unary RPC for the turn instead of a message per
+        call saves ~0.45 ms of CPU per call (see README, Lockstep)."""
         start = time.perf_counter()
         turn_id, size = turn
         pending = self.turns.get(turn_id)
         if pending is None:
             loop = asyncio.get_running_loop()
             pending = self.turns[turn_id] = ([], loop.create_future())
-            loop.call_soon(self._send_turn, turn_id, batch_method, batch_type)
+            loop.call_soon(self._send_turn, turn_id, methods)
         requests, future = pending
         index = len(requests)
         requests.append(request)
+        # a release waits for the batch: a caller that gives up leaves its call in it
+        self.batched[request.session_id] = future
         if len(requests) >= size:
-            self._send_turn(turn_id, batch_method, batch_type)
+            self._send_turn(turn_id, methods)
         try:
-            replies, statuses = await asyncio.shield(future)
+            outcome = (await asyncio.shield(future))[index]
         finally:
             if self.latency is not None:
                 self.latency.observe(time.perf_counter() - start)
-        status = statuses[index]
-        if status.code:
-            raise PeerError(self, CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message)
-        return replies[index]
+        if isinstance(outcome, BaseException):
+            stream = self.streams.pop(request.session_id, None)  # from a turn of one: the session moves on
+            if stream is not None:
+                stream.cancel()
+            raise outcome
+        return outcome
 
-    def _send_turn(self, turn_id: int, batch_method, batch_type) -> None:
+    def _send_turn(self, turn_id: int, methods: "TurnMethods") -> None:
         pending = self.turns.pop(turn_id, None)
         if pending is None:  # sent already
             return
-        requests, future = pending
-        task = asyncio.ensure_future(self._send_batch(batch_method, batch_type(calls=requests), len(requests), future))
+        task = asyncio.ensure_future(self._send_batch(methods, *pending))
         self.sending.add(task)
         task.add_done_callback(self.sending.discard)
 
-    async def _send_batch(self, batch_method, request, calls: int, future: asyncio.Future) -> None:
-        # retrieved here, so that a batch whose callers all gave up logs no unretrieved exception
-        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    async def _send_batch(self, methods: "TurnMethods", requests: list, future: asyncio.Future) -> None:
+        """Send a turn's calls; `future` gets each call's reply or PeerError, in order."""
+        for request in requests:
+            future.add_done_callback(lambda f, session_id=request.session_id: self._unbatch(session_id, f))
         try:
-            reply = await batch_method(request, timeout=self.timeout)
-        except grpc.aio.AioRpcError as e:
-            future.set_exception(PeerError(self, e.code(), e.details() or ""))
-            return
-        except BaseException as e:
-            future.set_exception(e if isinstance(e, Exception) else PeerError(self, grpc.StatusCode.CANCELLED,
-                                                                              "the batch was cancelled"))
+            future.set_result(await self._outcomes(methods, requests))
+        except asyncio.CancelledError:
+            future.set_exception(PeerError(self, grpc.StatusCode.CANCELLED, "the batch was cancelled"))
+            future.exception()  # retrieved: its callers may have gone
             raise
-        if len(reply.replies) != calls or len(reply.statuses) != calls:
-            future.set_exception(PeerError(self, grpc.StatusCode.INTERNAL, f"a batch of {calls} calls got"
-                                           f" {len(reply.replies)} replies and {len(reply.statuses)} statuses"))
-            return
-        future.set_result((reply.replies, reply.statuses))
+
+    def _unbatch(self, session_id: str, future: asyncio.Future) -> None:
+        if self.batched.get(session_id) is future:
+            del self.batched[session_id]
+
+    async def _outcomes(self, methods: "TurnMethods", requests: list) -> list:
+        if len(requests) == 1 or not self.batch_turns:
+            return list(await asyncio.gather(
+                *(self._step(methods.unary, methods.streaming, r.session_id, r) for r in requests),
+                return_exceptions=True))
+        try:
+            reply = await methods.batch(methods.batch_type(calls=requests), timeout=self.timeout)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # a service from before batch RPCs
+                log.warning("%s service at %s has no batch RPCs: a lockstep turn's calls go one by one",
+                            self.name, self.address)
+                self.batch_turns = False
+                return await self._outcomes(methods, requests)
+            return [PeerError(self, e.code(), e.details() or "")] * len(requests)
+        except Exception as e:  # the channel closed...: not a status from the service
+            return [PeerError(self, grpc.StatusCode.UNAVAILABLE, f"{type(e).__name__}: {e}")] * len(requests)
+        if len(reply.replies) != len(requests) or len(reply.statuses) != len(requests):
+            return [PeerError(self, grpc.StatusCode.INTERNAL, f"a batch of {len(requests)} calls got"
+                              f" {len(reply.replies)} replies and {len(reply.statuses)} statuses")] * len(requests)
+        return [PeerError(self, CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message) if status.code
+                else answer for answer, status in zip(reply.replies, reply.statuses)]
 
     async def fetch_tokenizer(self, directory: str | Path | None = None) -> Path:
         """Copy the service's tokenizer files into a local directory (AutoTokenizer-loadable)."""
@@ -176,6 +211,9 @@ class Peer:
         return out
 
     async def release(self, session_id: str) -> None:
+        batch = self.batched.get(session_id)
+        if batch is not None:  # its call is on its way: release after it, not before
+            await asyncio.wait([batch])
         stream = self.streams.pop(session_id, None)
         if stream is not None:  # ending the stream releases its session
             await stream.done_writing()
@@ -199,7 +237,8 @@ class GrpcDraft(Peer):
                                     num_tokens=k, sampling=sampling_proto(params), p_min=p_min,
                                     turn_id=turn[0], turn_size=turn[1])
         if turn[1] > 1 and self.batch_turns:
-            reply = await self.turn_call(self.stub.ProposeBatch, pb.ProposeBatchRequest, request, turn)
+            reply = await self.turn_call(TurnMethods(self.stub.ProposeBatch, pb.ProposeBatchRequest, self.stub.Propose,
+                                                     self.stub.ProposeStream), request, turn)
         else:
             reply = await self.step(self.stub.Propose, self.stub.ProposeStream, session_id, request)
         p = reply.proposal
@@ -223,7 +262,8 @@ class GrpcTarget(Peer):
             sampling=sampling_proto(params), turn_id=turn[0], turn_size=turn[1],
         )
         if turn[1] > 1 and self.batch_turns:
-            reply = await self.turn_call(self.stub.VerifyBatch, pb.VerifyBatchRequest, request, turn)
+            reply = await self.turn_call(TurnMethods(self.stub.VerifyBatch, pb.VerifyBatchRequest, self.stub.Verify,
+                                                     self.stub.VerifyStream), request, turn)
         else:
             reply = await self.step(self.stub.Verify, self.stub.VerifyStream, session_id, request)
         return Verdict(reply.accepted, reply.token), Cost(reply.service_ms, request.ByteSize() + reply.ByteSize(),

@@ -23,10 +23,8 @@ class DraftServicer(ModelServicer, pb_grpc.DraftServicer):
             yield reply
 
     async def ProposeBatch(self, request: pb.ProposeBatchRequest, context) -> pb.ProposeBatchResponse:
-        async def answer(call: pb.ProposeRequest, turn: tuple[int, int]) -> pb.ProposeResponse:
-            return self._reply(*await self.run_call("propose", call.session_id, self._call(call), turn))
-
-        replies, statuses = await self.batch(context, request.calls, answer, pb.ProposeResponse())
+        replies, statuses = await self.batch(context, "propose", request.calls, self._call, self._reply,
+                                             pb.ProposeResponse())
         return pb.ProposeBatchResponse(replies=replies, statuses=statuses)
 
     @staticmethod

@@ -35,6 +35,8 @@ class ModelMetrics:
                              ["method", "status"], registry=r)
         self.latency = Histogram("specdec_model_call_seconds", "per-round call time inside the service",
                                  ["method"], buckets=LATENCY, registry=r)
+        self.batch_rpcs = Counter("specdec_batch_rpcs", "batch RPCs answered (ProposeBatch / VerifyBatch:"
+                                  " a lockstep turn's calls in one message), by method", ["method"], registry=r)
         self.batch = Histogram("specdec_batch_size", "sessions per model forward pass",
                                buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.queue = Gauge("specdec_queue_depth", "calls waiting for or running on the model thread", registry=r)

@@ -434,14 +434,19 @@ class Batcher:
 
     async def submit(self, session_id: str, call: Any, turn: tuple[int, int] = (0, 0)) -> Any:
         """Queue `call` for a pass; `turn`: (id, calls) of the lockstep turn it came in ((0, 0): none)."""
+        return await self.enqueue([(session_id, call)], turn)[0]
+
+    def enqueue(self, calls: list[tuple[str, Any]], turn: tuple[int, int] = (0, 0)) -> list[asyncio.Future]:
+        """Queue (session id, call) pairs together, all of `turn`. -> their futures"""
         loop = asyncio.get_running_loop()
-        future = loop.create_future()
+        futures = [loop.create_future() for _ in calls]
         with self.thread.cond:
-            if len(self.waiting) >= self.max_queue:
+            if len(self.waiting) + len(calls) > self.max_queue:
                 raise CapacityExceeded(f"{len(self.waiting)} calls already wait for the model (--max-queue); retry later")
-            self.waiting.append(Waiting(session_id, call, future, loop, *turn))
+            self.waiting.extend(Waiting(session_id, call, future, loop, *turn)
+                                for (session_id, call), future in zip(calls, futures))
             self.thread.wake()
-        return await future
+        return futures
 
     def ready(self, now: float) -> list | float | None:
         """Under the thread's lock: the calls of the next pass, or when to look again (None: no calls)."""
@@ -538,13 +543,15 @@ class ModelServicer:
         except Exception as exc:  # translated, never raised into grpc
             await abort_with(context, exc)
 
-    async def run_call(self, method: str, session_id: str, call: Any, turn: tuple[int, int] = (0, 0)) -> Any:
-        """`call` without the translation: raises the engine's error. -> (result, Cost)"""
+    async def run_call(self, method: str, session_id: str, call: Any, turn: tuple[int, int] = (0, 0),
+                       queued: asyncio.Future | None = None) -> Any:
+        """`call` without the translation: raises the engine's error (`queued`: its future, if it
+        is queued already). -> (result, Cost)"""
         metrics, status, start = self.metrics, grpc.StatusCode.OK, time.perf_counter()
         if metrics is not None:
             metrics.queue.inc()
         try:
-            result, cost = await self.batcher.submit(session_id, call, turn)
+            result, cost = await (queued if queued is not None else self.batcher.submit(session_id, call, turn))
             return result, dataclasses.replace(cost, service_ms=(time.perf_counter() - start) * 1e3)
         except asyncio.CancelledError:
             status = grpc.StatusCode.CANCELLED
@@ -558,21 +565,33 @@ class ModelServicer:
                 metrics.calls.labels(method, status.name).inc()
                 metrics.latency.labels(method).observe(time.perf_counter() - start)
 
-    async def batch(self, context: grpc.aio.ServicerContext, requests: Sequence[Any],
-                    answer: Callable[[Any, tuple[int, int]], Awaitable[Any]], empty: Any) -> tuple[list, list]:
-        """Answer a batch RPC's requests (one per session) with `answer(request, turn)`, all as one
-        turn: a pass serves them together, and waits for no one else. A lockstep turn keeps its id
-        (a turn split over two batches still shares a pass). One request's error is its own.
-        -> (replies, statuses), `empty` where a request failed"""
+    async def batch(self, context: grpc.aio.ServicerContext, method: str, requests: Sequence[Any],
+                    make_call: Callable[[Any], Any], make_reply: Callable[..., Any], empty: Any) -> tuple[list, list]:
+        """Answer a batch RPC's requests (one per session): queued together, each --max-batch of
+        them a turn of its own, so a pass serves them and waits for no one else. One request's
+        error is its own. -> (replies, statuses), `empty` where a request failed"""
         await self.ready(context)
         sessions = [request.session_id for request in requests]
         if len(set(sessions)) != len(sessions):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a batch holds at most one call per session")
-        if len(requests) > self.batcher.max_queue:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"a batch of {len(requests)} calls is more than --max-queue ({self.batcher.max_queue})")
-        turn = ((requests[0].turn_id if requests else 0) or random.getrandbits(63) | 1, len(requests))
-        results = await asyncio.gather(*(answer(request, turn) for request in requests), return_exceptions=True)
+        if self.metrics is not None:
+            self.metrics.batch_rpcs.labels(method).inc()
+        calls = [(request.session_id, make_call(request)) for request in requests]
+        size = self.batcher.max_batch
+        try:
+            queued = []
+            for start in range(0, len(calls), size):
+                chunk = calls[start : start + size]
+                queued += self.batcher.enqueue(chunk, (random.getrandbits(63) | 1, len(chunk)))
+        except CapacityExceeded as exc:
+            for future in queued:
+                future.cancel()
+            if self.metrics is not None:
+                self.metrics.calls.labels(method, status_of(exc).name).inc(len(calls))
+            return [empty] * len(calls), [call_status(exc)] * len(calls)
+        results = await asyncio.gather(*(self.run_call(method, session_id, call, queued=future)
+                                         for (session_id, call), future in zip(calls, queued)),
+                                       return_exceptions=True)
         replies, statuses = [], []
         for result in results:
             if isinstance(result, asyncio.CancelledError):
@@ -581,7 +600,7 @@ class ModelServicer:
                 replies.append(empty)
                 statuses.append(call_status(result))
             else:
-                replies.append(result)
+                replies.append(make_reply(*result))
                 statuses.append(OK_STATUS)
         return replies, statuses
 

@@ -24,10 +24,8 @@ class TargetServicer(ModelServicer, pb_grpc.TargetServicer):
             yield reply
 
     async def VerifyBatch(self, request: pb.VerifyBatchRequest, context) -> pb.VerifyBatchResponse:
-        async def answer(call: pb.VerifyRequest, turn: tuple[int, int]) -> pb.VerifyResponse:
-            return self._reply(*await self.run_call("verify", call.session_id, self._call(call), turn))
-
-        replies, statuses = await self.batch(context, request.calls, answer, pb.VerifyResponse())
+        replies, statuses = await self.batch(context, "verify", request.calls, self._call, self._reply,
+                                             pb.VerifyResponse())
         return pb.VerifyBatchResponse(replies=replies, statuses=statuses)
 
     @staticmethod

@@ -184,6 +184,13 @@ def test_a_batch_answers_each_call_alone(stack):
             stub(request)
         assert err.value.code() == INVALID and "one call per session" in err.value.details()
     assert len(draft.ProposeBatch(pb.ProposeBatchRequest()).replies) == 0
+    # more calls than --max-batch (32): a pass of 32 and one of the rest, all answered
+    many = draft.ProposeBatch(pb.ProposeBatchRequest(calls=[propose(f"many-{i}", start=True, append=[i + 1, 2])
+                                                            for i in range(40)]))
+    assert [s.code for s in many.statuses] == [0] * 40
+    assert sorted(r.batch_size for r in many.replies) == [8] * 8 + [32] * 32
+    for i in range(40):
+        assert draft.Release(pb.ReleaseRequest(session_id=f"many-{i}")).released
     for session_id in ("alone-a", "alone-b", "batch-a", "batch-b"):
         assert draft.Release(pb.ReleaseRequest(session_id=session_id)).released
         assert target.Release(pb.ReleaseRequest(session_id=session_id)).released

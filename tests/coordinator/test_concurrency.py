@@ -60,12 +60,14 @@ def test_lockstep_equals_one_at_a_time(pair, calls, target_replicas):
     from tests.services.test_metrics import scrape, value
 
     draft, target = pair
-    port = free_port()
-    with LocalStack(draft, target, target_replicas=target_replicas,
+    port, draft_port = free_port(), free_port()
+    with LocalStack(draft, target, target_replicas=target_replicas, draft_args=["--metrics-port", str(draft_port)],
                     coordinator_args=["--lockstep", "--num-speculative-tokens", "3", "--lockstep-calls", calls,
                                       "--metrics-port", str(port)]) as stack:
         check_concurrent_equals_one_at_a_time(stack.addr)
         samples = scrape(port)
+        batches = value(scrape(draft_port), "specdec_batch_rpcs_total", method="propose")
+    assert (batches > 0) == (calls == "batch"), batches
     # every call went through exactly one turn; the concurrent ones shared turns
     for model, count in (("draft", "specdec_propose_seconds_count"), ("target", "specdec_verify_seconds_count")):
         turns = sum(value(samples, "specdec_lockstep_turns_total", model=model, start=start)
