@@ -120,7 +120,13 @@ class Peer:
             raise PeerError(self, await stream.code(), await stream.details() or "stream ended")
         return reply
 
-    async def turn_call(self, methods: "TurnMethods", request, turn: tuple[int, int]):
+    async def round_call(self, methods: TurnMethods, request, turn: tuple[int, int]):
+        """A per-round call: with the rest of its lockstep turn (see turn_call), or alone (see step)."""
+        if turn[1] > 1 and self.batch_turns:
+            return await self.turn_call(methods, request, turn)
+        return await self.step(methods.unary, methods.streaming, request.session_id, request)
+
+    async def turn_call(self, methods: TurnMethods, request, turn: tuple[int, int]):
         """One call of lockstep `turn` (id, calls), sent with the turn's other calls to this service
         in one batch RPC: a batch goes once all the turn's calls are in, or at the event loop's next
         pass (the gate lets a turn's callers go together; the rest went to other replicas). A batch
@@ -152,7 +158,7 @@ class Peer:
             raise outcome
         return outcome
 
-    def _send_turn(self, turn_id: int, methods: "TurnMethods") -> None:
+    def _send_turn(self, turn_id: int, methods: TurnMethods) -> None:
         pending = self.turns.pop(turn_id, None)
         if pending is None:  # sent already
             return
@@ -160,7 +166,7 @@ class Peer:
         self.sending.add(task)
         task.add_done_callback(self.sending.discard)
 
-    async def _send_batch(self, methods: "TurnMethods", requests: list, future: asyncio.Future) -> None:
+    async def _send_batch(self, methods: TurnMethods, requests: list, future: asyncio.Future) -> None:
         """Send a turn's calls; `future` gets each call's reply or PeerError, in order."""
         for request in requests:
             future.add_done_callback(lambda f, session_id=request.session_id: self._unbatch(session_id, f))
@@ -175,7 +181,7 @@ class Peer:
         if self.batched.get(session_id) is future:
             del self.batched[session_id]
 
-    async def _outcomes(self, methods: "TurnMethods", requests: list) -> list:
+    async def _outcomes(self, methods: TurnMethods, requests: list) -> list:
         if len(requests) == 1 or not self.batch_turns:
             return list(await asyncio.gather(
                 *(self._step(methods.unary, methods.streaming, r.session_id, r) for r in requests),
@@ -236,11 +242,8 @@ class GrpcDraft(Peer):
         request = pb.ProposeRequest(session_id=session_id, start=start, rollback=rollback, append=append,
                                     num_tokens=k, sampling=sampling_proto(params), p_min=p_min,
                                     turn_id=turn[0], turn_size=turn[1])
-        if turn[1] > 1 and self.batch_turns:
-            reply = await self.turn_call(TurnMethods(self.stub.ProposeBatch, pb.ProposeBatchRequest, self.stub.Propose,
-                                                     self.stub.ProposeStream), request, turn)
-        else:
-            reply = await self.step(self.stub.Propose, self.stub.ProposeStream, session_id, request)
+        reply = await self.round_call(TurnMethods(self.stub.ProposeBatch, pb.ProposeBatchRequest, self.stub.Propose,
+                                                  self.stub.ProposeStream), request, turn)
         p = reply.proposal
         proposal = Proposal(list(p.tokens), list(p.support_sizes), p.support_ids, p.support_probs)
         return proposal, Cost(reply.service_ms, request.ByteSize() + reply.ByteSize(), reply.batch_size,
@@ -261,11 +264,8 @@ class GrpcTarget(Peer):
                                       support_ids=proposal.support_ids, support_probs=proposal.support_probs),
             sampling=sampling_proto(params), turn_id=turn[0], turn_size=turn[1],
         )
-        if turn[1] > 1 and self.batch_turns:
-            reply = await self.turn_call(TurnMethods(self.stub.VerifyBatch, pb.VerifyBatchRequest, self.stub.Verify,
-                                                     self.stub.VerifyStream), request, turn)
-        else:
-            reply = await self.step(self.stub.Verify, self.stub.VerifyStream, session_id, request)
+        reply = await self.round_call(TurnMethods(self.stub.VerifyBatch, pb.VerifyBatchRequest, self.stub.Verify,
+                                                  self.stub.VerifyStream), request, turn)
         return Verdict(reply.accepted, reply.token), Cost(reply.service_ms, request.ByteSize() + reply.ByteSize(),
                                                           reply.batch_size, reply.batch_tokens, reply.pass_ms)
 

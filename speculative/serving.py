@@ -158,25 +158,27 @@ def status_of(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    """Translate an engine error into a gRPC status (INTERNAL if unexpected)."""
+def translate(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """An engine error as a gRPC status and its message (INTERNAL, logged, if unexpected)."""
     code = status_of(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("internal error", exc_info=exc)
-        await context.abort(code, f"{type(exc).__name__}: {exc}")
-    await context.abort(code, str(exc))
+        return code, f"{type(exc).__name__}: {exc}"
+    return code, str(exc)
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """End the call with the engine error's status (see translate)."""
+    await context.abort(*translate(exc))
 
 
 OK_STATUS = pb.CallStatus()
 
 
 def call_status(exc: BaseException) -> pb.CallStatus:
-    """One batched call's error as its status (see abort_with)."""
-    code = status_of(exc)
-    if code == grpc.StatusCode.INTERNAL:
-        log.exception("internal error", exc_info=exc)
-        return pb.CallStatus(code=code.value[0], message=f"{type(exc).__name__}: {exc}")
-    return pb.CallStatus(code=code.value[0], message=str(exc))
+    """One batched call's error as its status (see translate)."""
+    code, message = translate(exc)
+    return pb.CallStatus(code=code.value[0], message=message)
 
 
 class ModelThread:
@@ -411,8 +413,9 @@ class Batcher:
     ~0.1-0.3 ms apart; without the wait the first drafts alone and the rest wait for all of
     its steps). Calls the coordinator let through together in a lockstep turn say so (`turn`:
     its id and its number of calls): a pass serves one turn's calls only (or only calls of no
-    turn), and waits up to `turn_wait` for all of them, since a turn's calls arrive over ~1 ms
-    (a turn split over several replicas waits it out: each gets part of it). A call that fails,
+    turn), and waits up to `turn_wait` for all of them, since a turn's calls sent one by one
+    arrive over ~1 ms (a turn split over several replicas waits it out: each gets part of it; a
+    batch RPC is queued at once as a whole turn, see ModelServicer.batch). A call that fails,
     fails alone.
     """
 
