@@ -59,7 +59,7 @@ def parse_args(argv=None):
                         help="with --lockstep, the longest a call waits for the generations not yet waiting")
     parser.add_argument("--draft-p-min", type=float, default=0.0,
                         help="stop drafting at a token the draft gives less probability than this (0: off)")
-    parser.add_argument("--max-speculative-tokens", type=int, default=16, help="largest K a request may ask for")
+    parser.add_argument("--max-speculative-tokens", type=int, default=16, help="largest K a request may ask for, and the most tokens one call asks the draft for (a --predraft call asks K + 1, cut to this)")
     parser.add_argument("--max-new-tokens", type=int, default=256,
                         help="new tokens per request when a request does not say")
     parser.add_argument("--peer-timeout", type=float, default=300.0,

@@ -213,6 +213,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             draft, target, prompt, max_new_tokens=max_new, k=policy, params=params,
             eos_token_ids=self.eos_token_ids, max_context=self.max_context, stats=stats,
             session_id=uuid.uuid4().hex, p_min=p_min, predraft=self.limits.predraft,
+            max_call_tokens=self.limits.max_speculative_tokens,
         )
         self.costs.in_flight += 1
         try:

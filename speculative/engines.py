@@ -236,8 +236,10 @@ class TargetEngine:
                     results[i] = exc
                 return results
             for (i, call, session, committed, q_ids, q_probs), rows in zip(live, logits):
+                # rows: positions of x_1..x_K and the bonus, over the ids the tokenizer can produce (an
+                # output layer padded past the vocabulary scores ids no text maps to and no draft holds)
+                rows = rows[:, : runner.vocab_size]
                 try:
-                    # rows: positions of x_1..x_K and the bonus
                     if call.params.greedy:
                         accepted, token = greedy_verify(rows, list(call.proposal.tokens))
                     else:
@@ -267,7 +269,7 @@ class TargetEngine:
         runner.check_tokens(call.append, "appended")
         runner.check_tokens(proposal.tokens, "draft")
         supports = check_supports(list(proposal.tokens), list(proposal.support_sizes), proposal.support_ids,
-                                  proposal.support_probs, runner.logits_size)
+                                  proposal.support_probs, runner.vocab_size)
         # greedy verification needs only the tokens (see greedy_verify)
         q_ids, q_probs = (None, None) if call.params.greedy else supports_to_tensors(*supports, runner.device)
         if call.start:

@@ -218,8 +218,9 @@ class FastForward:
         position = positions[0] if len(feeds) == 1 else torch.cat(positions)  # [T]
         if self.rope_table is not None:
             cos, sin = self.rope_table[0][position], self.rope_table[1][position]  # [T, head_dim]
-        else:
-            cos, sin = (t[0] for t in self.rotary(x[None], position[None]))
+        else:  # each sequence's own call: these variants pick their frequencies from the call's longest position
+            tables = [self.rotary(x[None], p[None]) for p in positions]
+            cos, sin = (torch.cat([t[i][0] for t in tables]) for i in (0, 1))
         cos, sin = cos[:, None], sin[:, None]  # [T, 1, head_dim]: broadcast over heads
         for i, layer in enumerate(self.layers):
             h = self._norm(x, layer["in_norm"])

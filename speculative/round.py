@@ -111,7 +111,7 @@ class Round:
 
 async def speculative_round(
     draft: DraftPeer, target: TargetPeer, seq: Sequence, k: int, params: SamplingParams, p_min: float = 0.0,
-    predraft: bool = False,
+    predraft: bool = False, max_context: int | None = None, max_call_tokens: int | None = None,
 ) -> Round:
     """One round: the draft proposes up to k tokens, the target verifies them in one pass.
 
@@ -120,7 +120,9 @@ async def speculative_round(
     target's bonus token. If all are accepted and the guess is the target's token, the rest
     is the next round's proposal and the next round skips its draft call; otherwise it is
     rolled back with the rejected tokens. Exactness is unaffected: each token kept was drawn
-    from the q it is verified against, on the very prefix the target commits.
+    from the q it is verified against, on the very prefix the target commits. The pre-draft is
+    cut to what the draft session's context (max_context) and one call (max_call_tokens) allow,
+    and skipped where that is nothing.
     """
     proposal, draft_cost = Proposal(), Cost()
     ready, seq.ready = seq.ready, None
@@ -135,9 +137,14 @@ async def speculative_round(
         held = len(proposal.tokens)
     verify = target.verify(seq.session_id, seq.target_seen == 0, seq.tokens[seq.target_seen :], proposal, params)
     ahead = None
-    if predraft and proposal.tokens and len(proposal.tokens) == held:
+    ahead_k = k + 1
+    if max_call_tokens is not None:
+        ahead_k = min(ahead_k, max_call_tokens)
+    if max_context is not None:  # the draft session holds the committed tokens and `held` proposals
+        ahead_k = min(ahead_k, max_context - len(seq.tokens) - held)
+    if predraft and proposal.tokens and len(proposal.tokens) == held and ahead_k > 0:
         (verdict, target_cost), (ahead, ahead_cost) = await asyncio.gather(
-            verify, draft.propose(seq.session_id, False, 0, [], k + 1, params, p_min))
+            verify, draft.propose(seq.session_id, False, 0, [], ahead_k, params, p_min))
         draft_cost = Cost(draft_cost.service_ms + ahead_cost.service_ms, draft_cost.wire_bytes + ahead_cost.wire_bytes,
                           ahead_cost.batch_size, ahead_cost.batch_tokens, ahead_cost.pass_ms)
     else:
@@ -243,11 +250,13 @@ async def generate(
     session_id: str | None = None,
     p_min: float = 0.0,
     predraft: bool = False,
+    max_call_tokens: int | None = None,
 ) -> AsyncIterator[list[int]]:
     """Yield each round's new tokens until max_new_tokens, the context or an EOS.
 
     k is a fixed number of draft tokens per round or a policy choosing it per round
-    (speculative.adaptive). Tokens past an EOS or past max_new_tokens are dropped. Both
+    (speculative.adaptive); max_call_tokens caps the tokens one call asks the draft for (a
+    pre-draft asks k + 1). Tokens past an EOS or past max_new_tokens are dropped. Both
     sessions are released when the generator ends or is closed early.
     """
     if isinstance(k, int):
@@ -264,7 +273,8 @@ async def generate(
             start = time.perf_counter()
             chosen = k.choose(remaining)
             asked_draft = asked_draft or chosen > 0
-            r = await speculative_round(draft, target, seq, chosen, params, p_min, predraft)
+            r = await speculative_round(draft, target, seq, chosen, params, p_min, predraft, max_context,
+                                        max_call_tokens)
             k.observe(r, (time.perf_counter() - start) * 1e3)
             stats.add(r)
             new = r.tokens[:remaining]

@@ -151,6 +151,52 @@ def test_other_model_families_decode_exactly(tmp_path, arch):
     assert len(target.sessions) == 0 and len(draft.sessions) == 0  # released at the end
 
 
+def test_an_output_layer_wider_than_the_vocabulary_emits_only_its_ids(tmp_path):
+    """A target whose output layer is padded past its tokenizer (as Qwen2.5 7B's against its 0.5B)
+    scores only the ids the tokenizer can produce: greedy output is its argmax over those, sampled
+    output stays among them, and a draft whose layer is not padded serves it (it never holds an
+    id it cannot embed). Random weights make the padded ids win often."""
+    import asyncio
+
+    from speculative.local import LocalDraft, LocalTarget
+    from speculative.round import Stats, generate
+    from speculative.tiny import make_model, make_tokenizer
+
+    tokenizer = make_tokenizer(tmp_path / "tok", "chars")
+    vocab = len(tokenizer)
+    target_dir = make_model(tmp_path / "t", tokenizer, hidden=32, layers=1, heads=2, kv_heads=1, init_std=0.3,
+                            seed=1, vocab_size=vocab + 20)
+    draft_dir = make_model(tmp_path / "d", tokenizer, hidden=32, layers=1, heads=2, kv_heads=1, init_std=0.3, seed=2)
+    target, draft = ModelRunner(target_dir), ModelRunner(draft_dir)
+    assert (target.logits_size, target.vocab_size, draft.logits_size) == (vocab + 20, vocab, vocab)
+    prompt, n = [2, 3, 4], 40
+    expected, ids = [], list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = target.model(input_ids=torch.tensor([ids])).logits[0, -1]
+            expected.append(int(logits[:vocab].argmax()))
+            ids.append(expected[-1])
+        assert any(int(target.model(input_ids=torch.tensor([prompt + expected[:i]])).logits[0, -1].argmax()) >= vocab
+                   for i in range(n))  # unmasked, the padded ids would have been chosen
+
+    def run(drafter: ModelRunner, params: SamplingParams, stats: Stats) -> list[int]:
+        async def go() -> list[int]:
+            out = []
+            async for new in generate(LocalDraft(DraftEngine(drafter)), LocalTarget(TargetEngine(target)), prompt,
+                                      max_new_tokens=n, k=4, params=params, max_context=target.max_context,
+                                      stats=stats):
+                out += new
+            return out
+        return asyncio.run(go())
+
+    assert run(draft, GREEDY, Stats()) == expected
+    itself = Stats()
+    assert run(ModelRunner(target_dir), GREEDY, itself) == expected
+    assert itself.accepted_tokens == itself.draft_tokens  # drafting for itself, it agrees with itself
+    for seed in range(5):
+        assert all(t < vocab for t in run(draft, SamplingParams(1.0, seed=seed), Stats()))
+
+
 def test_generation_closed_early_releases_both_sessions(runners):
     import asyncio
 

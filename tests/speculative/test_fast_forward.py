@@ -117,12 +117,25 @@ def test_rejects_unknown_forward(tmp_path, tokenizer):
         ModelRunner(model_dir, forward="fastest")
 
 
-@pytest.mark.parametrize("forward", ["auto", "transformers"])
-def test_batched_forward_matches_one_at_a_time(tmp_path, tokenizer, forward):
+# longrope picks its frequencies from the longest position of the rotary module's call: a short
+# session batched with one past original_max_position_embeddings must still get its own
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+            "short_factor": [1.0] * 8, "long_factor": [4.0 + i for i in range(8)]}
+
+
+@pytest.mark.parametrize("forward,rope", [("auto", None), ("transformers", None), ("auto", LONGROPE)],
+                         ids=["fast", "transformers", "fast longrope"])
+def test_batched_forward_matches_one_at_a_time(tmp_path, tokenizer, forward, rope):
     """Sessions of different lengths fed different numbers of tokens in one pass, with rollbacks
     between passes, get the logits each gets alone."""
     model_dir = make_model(tmp_path / "m", tokenizer, hidden=64, layers=2, heads=4, kv_heads=2, init_std=0.1)
+    if rope is not None:
+        config = json.loads((model_dir / "config.json").read_text())
+        config["rope_parameters"] = rope
+        (model_dir / "config.json").write_text(json.dumps(config))
     batched, alone = ModelRunner(model_dir, forward=forward), ModelRunner(model_dir, forward=forward)
+    if rope is not None:
+        assert batched.fast.rope_table is None  # the module's own call, per session
     rng = random.Random(1)
     ids = [f"s{i}" for i in range(5)]
     pairs = [(batched.start_session(i, 0), alone.start_session(i, 0)) for i in ids]

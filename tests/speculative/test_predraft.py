@@ -13,17 +13,19 @@ from speculative.local import LocalDraft, LocalTarget
 from speculative.model_runner import ModelRunner
 from speculative.round import Stats, generate
 from speculative.sampling import SamplingParams, logits_to_probs
+from speculative.tiny import make_model, make_tokenizer
 from tests.stats import chi2_stat, fits
 
 GREEDY = SamplingParams(0.0)
 
 
-def run(draft: ModelRunner, target: ModelRunner, prompt, n, k, params, predraft, totals: Stats) -> list[int]:
+def run(draft: ModelRunner, target: ModelRunner, prompt, n, k, params, predraft, totals: Stats,
+        max_call_tokens: int | None = None) -> list[int]:
     async def go() -> list[int]:
         out, stats = [], Stats()
         async for new in generate(LocalDraft(DraftEngine(draft)), LocalTarget(TargetEngine(target)), prompt,
                                   max_new_tokens=n, k=k, params=params, max_context=target.max_context,
-                                  stats=stats, predraft=predraft):
+                                  stats=stats, predraft=predraft, max_call_tokens=max_call_tokens):
             out += new
         totals.merge(stats)
         return out
@@ -84,3 +86,27 @@ def test_sampled_tokens_after_a_predraft_follow_the_target(small_vocab_pair, dra
                 third += first[x] * second[y] * probs(prompt + [x, y])
     counts = torch.bincount(torch.tensor(thirds), minlength=v).double()
     assert fits(counts, third), chi2_stat(counts, third)
+
+
+def test_a_predraft_fits_the_context_and_the_largest_call(tmp_path):
+    """The pre-draft asks for k + 1 tokens: near the end of the context it asks for what still
+    fits (none at the very end), and at the largest K a call may ask for (the draft's
+    max_tokens) it asks for that many. Either way the run ends where it would without."""
+    tokenizer = make_tokenizer(tmp_path / "tok", "chars")
+    model_dir = make_model(tmp_path / "m", tokenizer, hidden=32, layers=1, heads=2, kv_heads=1, max_context=64,
+                           init_std=0.3)
+    target = ModelRunner(model_dir)
+    for prompt_length in (50, 56, 60):  # the rounds end 14, 8 and 4 tokens before the context's end
+        prompt = [2 + i % 9 for i in range(prompt_length)]
+        plain, ahead = Stats(), Stats()
+        expected = run(ModelRunner(model_dir), target, prompt, 100, 4, GREEDY, False, plain)
+        assert len(expected) == 64 - prompt_length
+        assert run(ModelRunner(model_dir), target, prompt, 100, 4, GREEDY, True, ahead) == expected
+        assert ahead.predraft_hits > 0
+    limit = DraftEngine(target).max_tokens
+    prompt = [3, 5, 4, 7]
+    plain, ahead = Stats(), Stats()
+    expected = run(ModelRunner(model_dir), target, prompt, 40, limit, GREEDY, False, plain)
+    assert run(ModelRunner(model_dir), target, prompt, 40, limit, GREEDY, True, ahead, max_call_tokens=limit) == expected
+    assert ahead.predrafts > 0
+    assert len(target.sessions) == 0
