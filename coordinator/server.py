@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from speculative.adaptive import AdaptiveK, CostModel, FixedK, PassCost
+from speculative.adaptive import AcceptanceK, AdaptiveK, CostModel, FixedK, PassCost
 from speculative.lockstep import GatedDraft, GatedTarget, PhaseGate
 from speculative.metrics import CoordinatorMetrics, TokenClock
 from speculative.round import Stats, generate
@@ -162,7 +162,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if len(request.stop) > MAX_STOP_STRINGS:
             raise BadRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}")
         seed = request.seed if request.HasField("seed") else random.getrandbits(63)
-        policy = AdaptiveK(self.costs, k) if adaptive else FixedK(k)
+        if not adaptive:
+            policy = FixedK(k)
+        elif temperature > 0 and request.HasField("seed"):
+            policy = AcceptanceK(k)  # reads no timings: the seed reproduces the output under any load
+        else:
+            policy = AdaptiveK(self.costs, k)
         return prompt, max_new, SamplingParams(temperature, top_k, top_p, seed), policy, p_min, list(request.stop)
 
     # ----------------------------------------------------------- generation
@@ -225,6 +230,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         text.add(token)
                         if text.stopped:
                             finish = pb.FINISH_REASON_STOP
+                            stats.generated_tokens -= len(new) - len(ids)  # the round's tokens after the stop
                             break
                     else:
                         if new and new[-1] in self.eos_token_ids:

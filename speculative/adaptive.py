@@ -116,6 +116,33 @@ class FixedK:
         pass
 
 
+class AcceptanceK:
+    """K per round for one request from its own acceptance alone: 2 more after a round whose
+    draft tokens were all accepted, 1 fewer (not below 1) after one with a rejection, within
+    [1, k_max], from k_max / 2 (the "heuristic" schedule of transformers' assisted generation).
+
+    What a sampled round draws depends on its K: how many acceptance tests, and whether a
+    position's token comes from the residual or is the bonus. AdaptiveK reads timings and the
+    load, so a seeded sampled request under it would draw differently from run to run. This
+    policy reads nothing but the request's own rounds, so its K sequence, and with it its
+    output, is a function of the request: the coordinator gives it to sampled requests that
+    name their seed. The price: it does not back off under load.
+    """
+
+    adaptive = True
+
+    def __init__(self, k_max: int):
+        self.k = k_max
+        self.next = max(1, k_max // 2)
+
+    def choose(self, remaining: int) -> int:
+        return max(0, min(self.next, self.k, remaining - 1))
+
+    def observe(self, r: Round, wall_ms: float) -> None:
+        if r.proposed:
+            self.next = min(self.k, self.next + 2) if r.accepted == r.proposed else max(1, self.next - 1)
+
+
 class AdaptiveK:
     """K per round for one request, from its acceptance and the shared CostModel."""
 

@@ -3,6 +3,8 @@ stop strings, seeds, token-id prompts."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import grpc
 import pytest
 from transformers import AutoTokenizer
@@ -91,9 +93,30 @@ def test_seeded_sampling_is_reproducible(client):
     assert list(a.token_ids) == list(b.token_ids) and a.text == b.text
     assert list(a.token_ids) != list(c.token_ids)
     assert a.stats.seed == 11
-    unseeded = client.Generate(pb.GenerateRequest(prompt=PROMPTS[2], max_new_tokens=8))
-    replay = client.Generate(pb.GenerateRequest(prompt=PROMPTS[2], max_new_tokens=8, seed=unseeded.stats.seed))
+    unseeded = client.Generate(pb.GenerateRequest(prompt=PROMPTS[2], max_new_tokens=24, num_speculative_tokens=3))
+    replay = client.Generate(pb.GenerateRequest(prompt=PROMPTS[2], max_new_tokens=24, num_speculative_tokens=3,
+                                                seed=unseeded.stats.seed))
     assert list(unseeded.token_ids) == list(replay.token_ids)  # the reported seed reproduces it
+
+
+def test_a_seeded_request_under_adaptive_k_is_reproducible_under_load(self_stack):
+    """Adaptive K (no num_speculative_tokens) reads timings and the load, and what a sampled round
+    draws depends on its K: a request naming its seed gets K from its own acceptance only, so it
+    decodes the same alone, among other requests and streamed. (The target drafting for itself
+    accepts every token, so K decides which generator draws each token.)"""
+    client = stub_for(self_stack)
+    request = pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=64, temperature=0.9, seed=1234)
+    alone = client.Generate(request)
+    assert alone.stats.adaptive and alone.stats.num_speculative_tokens > 0
+    with ThreadPoolExecutor(4) as pool:
+        load = [pool.submit(client.Generate, pb.GenerateRequest(prompt=p, max_new_tokens=64, temperature=t))
+                for p in PROMPTS for t in (0.0, 1.0)]
+        loaded = [pool.submit(client.Generate, request) for _ in range(2)]
+        for f in load:
+            f.result()
+    streamed = [t for c in client.GenerateStream(request) for t in c.token_ids]
+    for tokens in [f.result().token_ids for f in loaded] + [streamed]:
+        assert list(tokens) == list(alone.token_ids)
 
 
 def test_stop_strings(client):
@@ -107,6 +130,7 @@ def test_stop_strings(client):
     assert reply.text == text[:cut]
     assert list(reply.token_ids) == list(full.token_ids[: len(reply.token_ids)])
     assert len(reply.token_ids) < len(full.token_ids) or full.finish_reason != pb.FINISH_REASON_LENGTH
+    assert reply.stats.generated_tokens == len(reply.token_ids)
     streamed = "".join(c.text for c in client.GenerateStream(
         pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=48, temperature=0.0, stop=[stop, "never-appears"])))
     assert streamed == text[:cut]
@@ -202,3 +226,22 @@ def test_a_dropped_stream_releases_its_sessions(stack):
             break
         time.sleep(0.05)
     assert target.GetModelInfo(pb.ModelInfoRequest()).active_sessions == before
+
+
+def test_a_stop_inside_a_round_counts_the_tokens_returned(self_stack):
+    """With every draft token accepted a round commits K + 1 tokens, so a stop string mostly ends
+    a request inside a round: the stats (and the generated-tokens metric fed from them) count
+    the tokens returned, not the rest of that round."""
+    stub = stub_for(self_stack)
+    full = stub.Generate(pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=48, temperature=0.0))
+    cut_inside = 0
+    for start in range(1, min(len(full.text) - 2, 12)):
+        request = pb.GenerateRequest(prompt=PROMPTS[0], max_new_tokens=48, temperature=0.0, num_speculative_tokens=6,
+                                     stop=[full.text[start:start + 2]])
+        unary = stub.Generate(request)
+        last = list(stub.GenerateStream(request))[-1]
+        assert unary.finish_reason == pb.FINISH_REASON_STOP
+        for stats in (unary.stats, last.stats):
+            assert stats.generated_tokens == len(unary.token_ids)
+        cut_inside += unary.stats.accepted_tokens + unary.stats.rounds > len(unary.token_ids)
+    assert cut_inside > 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from speculative.adaptive import AdaptiveK, CostModel, FixedK, PassCost, expected_tokens
+from speculative.adaptive import AcceptanceK, AdaptiveK, CostModel, FixedK, PassCost, expected_tokens
 from speculative.round import Cost, Round
 
 TARGET = PassCost(fixed=8.0, per_token=0.2, per_session=0.4)  # about the shipped target on 2 CPU cores
@@ -85,3 +85,20 @@ def test_cost_model_scales_to_measured_passes():
 def test_fixed_k():
     assert FixedK(4).choose(100) == 4 and FixedK(4).choose(3) == 2 and FixedK(0).choose(9) == 0
 
+
+
+def test_acceptance_k_follows_only_the_request_s_rounds():
+    """+2 after a round accepting all, -1 after a rejection, within [1, k_max], from k_max / 2;
+    timings and batch sizes play no part."""
+    k = AcceptanceK(k_max=8)
+    assert k.choose(100) == 4 and k.choose(3) == 2
+    picks = []
+    for accepted, proposed, batch, wall in [(4, 4, 1, 5.0), (6, 6, 16, 900.0), (1, 8, 3, 1.0), (0, 7, 1, 2.0),
+                                            (6, 6, 8, 40.0), (8, 8, 1, 5.0), (8, 8, 1, 5.0)]:
+        k.observe(Round([], proposed, accepted, Cost(), Cost(batch_size=batch), asked=proposed), wall)
+        picks.append(k.choose(100))
+    assert picks == [6, 8, 7, 6, 8, 8, 8]
+    low = AcceptanceK(k_max=8)
+    rounds_of(low, accepted=0, proposed=2, batch=1)
+    assert low.choose(100) == 1  # never 0: it keeps measuring
+    assert AcceptanceK(k_max=0).choose(100) == 0
