@@ -29,6 +29,7 @@ from .text import TextStream
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 MAX_STOP_STRINGS = 16
+PROMPT_SLACK = 4  # see _prompt_ids
 
 
 @dataclass
@@ -102,6 +103,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.max_context = min(draft_info.max_context, target_info.max_context)
         self.vocab_size = target_info.vocab_size
         self.eos_token_ids = frozenset(target_info.eos_token_ids)
+        # no token covers more characters than its own string has (byte-level BPE, SentencePiece, WordPiece)
+        self.max_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
         self.tokenizer = tokenizer
 
     async def _ready(self, context) -> None:
@@ -110,7 +113,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     # ----------------------------------------------------------- validation
 
-    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+    async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         if request.prompt and request.prompt_token_ids:
             raise BadRequest("give either prompt or prompt_token_ids, not both")
         if request.prompt_token_ids:
@@ -121,13 +124,21 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return ids
         if not request.prompt:
             raise BadRequest("the prompt is empty: give prompt text or prompt_token_ids")
-        ids = self.tokenizer(request.prompt)["input_ids"]
+        # a text that cannot fit is refused untokenized: a prompt of a few MB takes seconds to encode.
+        # (PROMPT_SLACK: a normalizer may shorten the text before it is split)
+        fits = PROMPT_SLACK * self.max_token_chars * self.max_context
+        if len(request.prompt) > fits:
+            raise BadRequest(
+                f"the prompt has {len(request.prompt)} characters, more than the context of {self.max_context} "
+                f"tokens can hold (no token of this tokenizer spans more than {self.max_token_chars} characters)")
+        # off the event loop: encoding a long prompt must not hold up the other requests' rounds
+        ids = await asyncio.to_thread(lambda: self.tokenizer(request.prompt)["input_ids"])
         if not ids:
             raise BadRequest("the prompt encodes to no tokens")
         return ids
 
-    def _resolve(self, request: pb.GenerateRequest):
-        prompt = self._prompt_ids(request)
+    async def _resolve(self, request: pb.GenerateRequest):
+        prompt = await self._prompt_ids(request)
         room = self.max_context - len(prompt)
         if room <= 0:
             raise BadRequest(
@@ -202,7 +213,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         start = time.perf_counter()
         await self._ready(context)
         try:
-            prompt, max_new, params, policy, p_min, stop = self._resolve(request)
+            prompt, max_new, params, policy, p_min, stop = await self._resolve(request)
         except BadRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         stats = Stats()

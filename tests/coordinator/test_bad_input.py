@@ -17,6 +17,8 @@ BAD_REQUESTS = {
     "prompt and ids": dict(prompt="a", prompt_token_ids=[1]),
     "prompt beyond context": dict(prompt_token_ids=[5] * 600),
     "prompt fills context": dict(prompt_token_ids=[5] * 512),
+    "prompt text beyond context": dict(prompt="def f(x):\n" * 400),
+    "prompt text of megabytes": dict(prompt="x = 1\n" * 200_000),
     "max_new_tokens zero": dict(prompt="a", max_new_tokens=0),
     "max_new_tokens negative": dict(prompt="a", max_new_tokens=-3),
     "max_new_tokens beyond context": dict(prompt_token_ids=[5] * 10, max_new_tokens=503),
@@ -49,6 +51,16 @@ def test_bad_request_is_invalid_argument(client, name):
     # the server is unharmed
     ok = client.Generate(pb.GenerateRequest(prompt="a", max_new_tokens=4, temperature=0.0))
     assert len(ok.token_ids) >= 1
+
+
+def test_a_prompt_text_that_cannot_fit_is_refused_untokenized(client):
+    """Megabytes of text take seconds to encode: a text with more characters than the context's
+    tokens can span is refused by its length; a shorter one is encoded (off the event loop) and
+    refused by its token count."""
+    for text, says in (("x = 1\n" * 200_000, "characters"), ("def f(x):\n" * 400, "tokens; the context holds")):
+        with pytest.raises(grpc.RpcError) as err:
+            client.Generate(pb.GenerateRequest(prompt=text, max_new_tokens=4))
+        assert err.value.code() == INVALID and says in err.value.details(), err.value.details()
 
 
 def test_max_new_tokens_up_to_the_context_is_fine(client):
