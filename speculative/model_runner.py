@@ -45,6 +45,17 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
 
+def mix_seed(seed: int) -> int:
+    """A request's 64-bit seed, mixed (splitmix64's finalizer) so that every bit of it moves the
+    generator: torch's CPU generator (mt19937) keeps only the low 32 bits of its seed, so seeds
+    s, s + 2**32 and s + 2**63 would draw the same numbers."""
+    mask = (1 << 64) - 1
+    z = (seed + 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
 class ModelRunner:
     """One model, its tokenizer and the sessions it serves."""
 
@@ -214,7 +225,7 @@ class ModelRunner:
         if not session_id:
             raise InvalidRequest("session_id is empty")
         generator = torch.Generator(device=self.device)
-        generator.manual_seed(seed % (1 << 63))
+        generator.manual_seed(mix_seed(seed))
         return self.sessions.create(session_id, generator)
 
     def check_tokens(self, tokens: list[int], what: str) -> None:

@@ -283,3 +283,20 @@ def test_a_lone_session_gets_every_thread_only_while_no_other_is_at_work(pair, m
     assert seen[-1] == 1 and runner.at_work == 2
     target.verify("c", True, list(range(1, 1 + PREFILL_TOKENS)), Proposal(), GREEDY)
     assert seen[-1] == 2  # a prompt's pass: every thread, others at work or not
+
+
+def test_every_bit_of_a_seed_moves_the_session_generator(runners):
+    """torch's CPU generator keeps 32 bits of its seed: seeds differing above them (or only in the
+    top bit of 64) must still draw differently, and one seed must draw the same each time."""
+    _, target = runners
+
+    def draws(seed: int) -> list[float]:
+        session = target.start_session("seeded", seed)
+        try:
+            return torch.rand(4, generator=session.generator).tolist()
+        finally:
+            target.sessions.release("seeded")
+
+    seeds = [5, 5 + 2**32, 5 + 2**63, 2**64 - 1, 0]
+    assert len({tuple(draws(s)) for s in seeds}) == len(seeds)
+    assert draws(5 + 2**32) == draws(5 + 2**32)
