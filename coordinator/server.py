@@ -74,6 +74,20 @@ def stats_proto(stats: Stats, k: int, seed: int, prompt_tokens: int, wall_ms: fl
     )
 
 
+def prompt_bound(tokenizer) -> int:
+    """The most characters of text one token can stand for, where the tokenizer bounds it: a BPE
+    token covers no more than its own string (its bytes, in byte-level BPE), unless unknown
+    characters are fused into one token. 0 where there is no such bound (WordPiece's unknown
+    token covers a whole word, Unigram can fuse unknown runs, slow tokenizers are not inspected)."""
+    from tokenizers.models import BPE
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    model = getattr(backend, "model", None)
+    if not isinstance(model, BPE) or (model.fuse_unk and model.unk_token is not None):
+        return 0
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
 def pass_cost(info: pb.ModelInfo) -> PassCost:
     return PassCost(info.pass_ms_fixed, info.pass_ms_per_token, info.pass_ms_per_session)
 
@@ -103,8 +117,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.max_context = min(draft_info.max_context, target_info.max_context)
         self.vocab_size = target_info.vocab_size
         self.eos_token_ids = frozenset(target_info.eos_token_ids)
-        # no token covers more characters than its own string has (byte-level BPE, SentencePiece, WordPiece)
-        self.max_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
+        self.max_token_chars = prompt_bound(tokenizer)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:  # settings a call would otherwise reset on the shared tokenizer, while others encode
+            backend.no_truncation()
+            backend.no_padding()
         self.tokenizer = tokenizer
 
     async def _ready(self, context) -> None:
@@ -127,7 +144,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         # a text that cannot fit is refused untokenized: a prompt of a few MB takes seconds to encode.
         # (PROMPT_SLACK: a normalizer may shorten the text before it is split)
         fits = PROMPT_SLACK * self.max_token_chars * self.max_context
-        if len(request.prompt) > fits:
+        if self.max_token_chars and len(request.prompt) > fits:
             raise BadRequest(
                 f"the prompt has {len(request.prompt)} characters, more than the context of {self.max_context} "
                 f"tokens can hold (no token of this tokenizer spans more than {self.max_token_chars} characters)")
@@ -176,7 +193,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if not adaptive:
             policy = FixedK(k)
         elif temperature > 0 and request.HasField("seed"):
-            policy = AcceptanceK(k)  # reads no timings: the seed reproduces the output under any load
+            policy = AcceptanceK(k, self.costs)  # reads no timings: the seed reproduces the output under any load
         else:
             policy = AdaptiveK(self.costs, k)
         return prompt, max_new, SamplingParams(temperature, top_k, top_p, seed), policy, p_min, list(request.stop)

@@ -131,14 +131,18 @@ class AcceptanceK:
 
     adaptive = True
 
-    def __init__(self, k_max: int):
+    def __init__(self, k_max: int, costs: CostModel | None = None):
         self.k = k_max
         self.next = max(1, k_max // 2)
+        self.costs = costs  # fed (for the other requests' AdaptiveK), never read
+
 
     def choose(self, remaining: int) -> int:
         return max(0, min(self.next, self.k, remaining - 1))
 
     def observe(self, r: Round, wall_ms: float) -> None:
+        if self.costs is not None:
+            self.costs.observe(r, wall_ms)
         if r.proposed:
             self.next = min(self.k, self.next + 2) if r.accepted == r.proposed else max(1, self.next - 1)
 

@@ -207,3 +207,20 @@ def test_a_batch_answers_each_call_alone(stack):
         assert draft.Release(pb.ReleaseRequest(session_id=session_id)).released
         assert target.Release(pb.ReleaseRequest(session_id=session_id)).released
     assert not target.Release(pb.ReleaseRequest(session_id="batch-c")).released  # its bad call left nothing
+
+
+def test_the_prompt_bound_only_where_the_tokenizer_bounds_a_token(pair):
+    """A BPE token stands for no more characters than its own string; WordPiece's unknown token
+    stands for a whole word, and BPE fusing unknown characters for a run of them: no bound there."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from coordinator.server import prompt_bound
+
+    bpe = AutoTokenizer.from_pretrained(pair[1])
+    assert prompt_bound(bpe) == max(map(len, bpe.get_vocab())) > 1
+    vocab = {"[UNK]": 0, "a": 1, "b": 2, "ab": 3}
+    wordpiece = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordPiece(vocab, unk_token="[UNK]")))
+    fused = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(
+        models.BPE(vocab, [("a", "b")], unk_token="[UNK]", fuse_unk=True)))
+    assert prompt_bound(wordpiece) == 0 and prompt_bound(fused) == 0

@@ -117,6 +117,7 @@ def test_a_seeded_request_under_adaptive_k_is_reproducible_under_load(self_stack
     streamed = [t for c in client.GenerateStream(request) for t in c.token_ids]
     for tokens in [f.result().token_ids for f in loaded] + [streamed]:
         assert list(tokens) == list(alone.token_ids)
+    assert max(f.result().stats.mean_verify_batch for f in loaded) > 1  # they did run among the others
 
 
 def test_stop_strings(client):
