@@ -92,9 +92,11 @@ class DraftEngine:
             timer = Timer()
             results: list = [None] * len(calls)
             live: list[tuple[int, ProposeCall, Session]] = []
+            pending = 0  # tokens the calls admitted so far will draft (the KV-token cap counts them)
             for i, call in enumerate(calls):
                 try:
-                    live.append((i, call, self._advance(call)))
+                    live.append((i, call, self._advance(call, pending)))
+                    pending += call.k
                 except Exception as exc:
                     results[i] = exc
             try:
@@ -115,9 +117,11 @@ class DraftEngine:
             cost = Cost(ms, batch_size=len(live), batch_tokens=sum(len(t) for t, _, _ in drafted), pass_ms=ms)
             return [(r, cost) if isinstance(r, Proposal) else r for r in results]
 
-    def _advance(self, call: ProposeCall) -> Session:
-        """Validate a call, then roll back the rejected proposals and append the new tokens."""
+    def _advance(self, call: ProposeCall, pending: int = 0) -> Session:
+        """Validate a call, then roll back the rejected proposals and append the new tokens.
+        pending: tokens the pass's calls admitted before this one will draft."""
         runner, k = self.runner, call.k
+        runner.check_session_id(call.session_id)
         check_params(call.params)
         if not 0 <= k <= self.max_tokens:
             raise InvalidRequest(f"num_tokens must lie in [0, {self.max_tokens}], not {k}")
@@ -127,7 +131,7 @@ class DraftEngine:
         if call.start:
             if call.rollback or not call.append:
                 raise InvalidRequest("a new session needs its prompt in `append` and nothing to roll back")
-            runner.check_context(call.session_id, len(call.append) + k)
+            runner.check_context(call.session_id, len(call.append) + k, pending=pending)
             session = runner.start_session(call.session_id, call.params.seed ^ DRAFT_SEED_SALT)
         else:
             session = runner.sessions.get(call.session_id)
@@ -135,7 +139,7 @@ class DraftEngine:
                 raise InvalidRequest(
                     f"cannot roll back {call.rollback} tokens: only {session.proposed} were proposed")
             runner.check_context(call.session_id, len(session.tokens) - call.rollback + len(call.append) + k,
-                                 len(session.tokens))
+                                 len(session.tokens), pending)
         session.truncate(len(session.tokens) - call.rollback)
         # proposals not rolled back stay unconfirmed until tokens are appended (a call appending
         # nothing drafts on from its own last proposal: pre-drafting)
@@ -224,7 +228,8 @@ class TargetEngine:
             live = []
             for i, call in enumerate(calls):
                 try:
-                    live.append((i, call, *self._advance(call)))
+                    # each call adds its sampled token after the pass: the KV-token cap counts those
+                    live.append((i, call, *self._advance(call, pending=len(live) + 1)))
                 except Exception as exc:
                     results[i] = exc
             try:
@@ -258,10 +263,12 @@ class TargetEngine:
                         pass_ms=ms)
             return [(r, cost) if isinstance(r, Verdict) else r for r in results]
 
-    def _advance(self, call: VerifyCall):
-        """Validate a call; append its new tokens and the draft tokens to its session.
+    def _advance(self, call: VerifyCall, pending: int = 1):
+        """Validate a call; append its new tokens and the draft tokens to its session. pending:
+        tokens the pass will add beyond what the sessions hold (one sampled token per call).
         -> (session, committed length, q_ids, q_probs)"""
         runner, proposal = self.runner, call.proposal
+        runner.check_session_id(call.session_id)
         check_params(call.params)
         k = len(proposal.tokens)
         if k > self.max_tokens:
@@ -275,11 +282,12 @@ class TargetEngine:
         if call.start:
             if not call.append:
                 raise InvalidRequest("a new session needs its prompt in `append`")
-            runner.check_context(call.session_id, len(call.append) + k)
+            runner.check_context(call.session_id, len(call.append) + k, pending=pending)
             session = runner.start_session(call.session_id, call.params.seed)
         else:
             session = runner.sessions.get(call.session_id)
-            runner.check_context(call.session_id, len(session.tokens) + len(call.append) + k, len(session.tokens))
+            runner.check_context(call.session_id, len(session.tokens) + len(call.append) + k, len(session.tokens),
+                                 pending)
         committed = len(session.tokens) + len(call.append)
         session.tokens.extend(call.append)
         session.tokens.extend(proposal.tokens)

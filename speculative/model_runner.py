@@ -31,6 +31,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 FORWARDS = ("auto", "transformers")
 BUSY_WINDOW = 0.5  # seconds: sessions used this recently count as at work (see forward_many)
+MAX_SESSION_ID = 256  # characters (the coordinator's ids have 32)
 PREFILL_TOKENS = 32  # a pass feeding this many tokens of one session runs on every thread
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -221,6 +222,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------ sessions
 
+    @staticmethod
+    def check_session_id(session_id: str) -> None:
+        """A session id is echoed in error messages, which travel in gRPC metadata (8 KiB at most)."""
+        if len(session_id) > MAX_SESSION_ID:
+            raise InvalidRequest(f"session_id has {len(session_id)} characters; at most {MAX_SESSION_ID}")
+
     def start_session(self, session_id: str, seed: int) -> Session:
         if not session_id:
             raise InvalidRequest("session_id is empty")
@@ -233,15 +240,16 @@ class ModelRunner:
         if bad:
             raise InvalidRequest(f"{what} token id {bad[0]} is outside the vocabulary [0, {self.logits_size})")
 
-    def check_context(self, session_id: str, length: int, held: int = 0) -> None:
+    def check_context(self, session_id: str, length: int, held: int = 0, pending: int = 0) -> None:
         """Refuse a call that would grow a session (holding `held` tokens now) to `length` tokens
-        past the context, or all sessions past max_kv_tokens."""
+        past the context, or all sessions past max_kv_tokens; `pending`: tokens the calls already
+        admitted to the same pass will add beyond what their sessions hold now."""
         if length > self.max_context:
             raise InvalidRequest(
                 f"session {session_id!r} would hold {length} tokens, beyond the context of {self.max_context}"
             )
         if self.max_kv_tokens and length > held:
-            total = sum(len(s.tokens) for s in self.sessions._sessions.values()) - held + length
+            total = sum(len(s.tokens) for s in self.sessions._sessions.values()) - held + length + pending
             if total > self.max_kv_tokens:
                 raise CapacityExceeded(
                     f"the sessions would hold {total} tokens, beyond this service's cap of {self.max_kv_tokens}"

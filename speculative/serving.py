@@ -608,12 +608,20 @@ class ModelServicer:
         return replies, statuses
 
     async def stream(self, requests, context, step: Callable[..., Awaitable[Any]]):
-        """Answer a stream of requests with `step`; release the sessions it touched when it ends."""
+        """Answer a stream of requests with `step`; release the sessions it used when it ends: those
+        of its calls that succeeded, and of a start call cut short by a cancel (it may have started
+        its session). A failed call's session is not its: it may be another client's."""
         sessions: set[str] = set()
         try:
             async for request in requests:
+                try:
+                    reply = await step(request, context)
+                except asyncio.CancelledError:
+                    if request.start:
+                        sessions.add(request.session_id)
+                    raise
                 sessions.add(request.session_id)
-                yield await step(request, context)
+                yield reply
         finally:
             if sessions and self.engine is not None:
                 runner = self.engine.runner

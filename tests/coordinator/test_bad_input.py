@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
@@ -105,6 +107,9 @@ def test_model_services_refuse_bad_messages(stack):
             pb.VerifyRequest(session_id="bad-input", sampling=pb.SamplingParams(temperature=NAN, top_p=1.0)),
             pb.VerifyRequest(session_id="bad-input", sampling=pb.SamplingParams(temperature=1.0, top_p=0.0)),
             pb.VerifyRequest(session_id="new", start=True, append=[], sampling=greedy),
+            # an id is echoed in messages, and gRPC metadata holds 8 KiB: 1 MiB would become a transport error
+            pb.VerifyRequest(session_id="x" * (1 << 20), start=True, append=[1], sampling=greedy),
+            pb.VerifyRequest(session_id="x" * (1 << 20), sampling=greedy),
         ],
     }
     for code, requests in cases.items():
@@ -123,6 +128,27 @@ def test_model_services_refuse_bad_messages(stack):
     assert reply.accepted in (0, 1)
     assert target.Release(pb.ReleaseRequest(session_id="bad-input")).released
     assert not target.Release(pb.ReleaseRequest(session_id="bad-input")).released
+
+
+def test_a_failed_stream_call_leaves_another_client_s_session_alone(stack):
+    """A stream releases the sessions it used when it ends, not those its failed calls named:
+    a start refused as ALREADY_EXISTS names another client's session."""
+    draft, target = peer_stubs(stack)
+    greedy = pb.SamplingParams(temperature=0.0, top_p=1.0)
+    for stub, start, cont, stream in (
+            (draft, pb.ProposeRequest(session_id="victim", start=True, append=[1, 2, 3], num_tokens=2, sampling=greedy),
+             pb.ProposeRequest(session_id="victim", rollback=2, append=[4], num_tokens=2, sampling=greedy),
+             "ProposeStream"),
+            (target, pb.VerifyRequest(session_id="victim", start=True, append=[1, 2, 3], sampling=greedy),
+             pb.VerifyRequest(session_id="victim", append=[4], sampling=greedy), "VerifyStream")):
+        call = stub.Propose if stub is draft else stub.Verify
+        call(start)
+        with pytest.raises(grpc.RpcError) as err:
+            list(getattr(stub, stream)(iter([start])))
+        assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        time.sleep(0.3)  # the stream's release runs after it ends
+        call(cont)  # the session is still there
+        assert stub.Release(pb.ReleaseRequest(session_id="victim")).released
 
 
 def test_unreachable_peer_is_unavailable_naming_its_address(pair):

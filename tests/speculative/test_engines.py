@@ -257,6 +257,27 @@ def test_kv_token_cap_refuses_growth_and_leaves_sessions_alone(pair):
     target.verify("a", False, [], one_hot_proposal([5, 6]), GREEDY)  # growth within the cap is fine
 
 
+def test_kv_token_cap_counts_what_calls_sharing_a_pass_will_add(pair):
+    """Calls admitted to one pass grow their sessions only in it (the draft's K tokens, the
+    target's sampled token): the cap must count that growth for the calls after them, as it
+    would had they come one by one."""
+    from speculative.engines import ProposeCall, VerifyCall
+
+    draft = DraftEngine(ModelRunner(pair[0]))
+    draft.runner.max_kv_tokens = 20
+    calls = [ProposeCall(s, True, 0, [5, 6, 7, 8, 9], 8, GREEDY) for s in ("a", "b")]
+    first, second = draft.propose_many(calls)
+    assert not isinstance(first, Exception) and len(first[0].tokens) == 8
+    assert isinstance(second, CapacityExceeded) and "b" not in draft.runner.sessions
+    assert sum(len(s.tokens) for s in draft.runner.sessions._sessions.values()) <= 20
+    target = TargetEngine(ModelRunner(pair[1]))
+    target.runner.max_kv_tokens = 21
+    calls = [VerifyCall(s, True, list(range(1, 11)), Proposal(), GREEDY) for s in ("a", "b")]
+    first, second = target.verify_many(calls)  # 10 tokens each, then each one sampled: 22 in all
+    assert not isinstance(first, Exception) and isinstance(second, CapacityExceeded)
+    assert sum(len(s.tokens) for s in target.runner.sessions._sessions.values()) == 11
+
+
 def test_a_lone_session_gets_every_thread_only_while_no_other_is_at_work(pair, monkeypatch):
     """--threads for a pass over the one session at work, or one feeding a prompt (PREFILL_TOKENS
     or more); --batched-threads for a batch of verifications, and for a single session's pass
