@@ -107,7 +107,11 @@ class Peer:
             stream = self.streams[session_id] = streaming()
         try:
             await stream.write(request)
-            reply = await asyncio.wait_for(stream.read(), self.timeout)
+            # not asyncio.wait_for: on Python 3.11 it returns a read that completes as its caller is
+            # cancelled and drops the cancel (CPython gh-86296), so a client's deadline could go
+            # unnoticed and its generation run to the end
+            async with asyncio.timeout(self.timeout):
+                reply = await stream.read()
         except grpc.aio.AioRpcError as e:
             self.streams.pop(session_id, None)
             raise PeerError(self, e.code(), e.details() or "") from None

@@ -201,39 +201,41 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     # ----------------------------------------------------------- generation
 
     async def _chunks(self, request: pb.GenerateRequest, context, method: str) -> AsyncIterator[pb.GenerateChunk]:
-        metrics, start = self.metrics, time.perf_counter()
+        metrics, start, stats = self.metrics, time.perf_counter(), Stats()
         if metrics is None:
-            async for chunk in self._generate(request, context, TokenClock(None)):
+            async for chunk in self._generate(request, context, TokenClock(None), stats):
                 yield chunk
             return
         status = grpc.StatusCode.UNKNOWN
         metrics.active.inc()
         try:
-            async for chunk in self._generate(request, context, TokenClock(metrics)):
+            async for chunk in self._generate(request, context, TokenClock(metrics), stats):
                 if chunk.HasField("stats"):
-                    metrics.add_stats(chunk.stats)
                     status = grpc.StatusCode.OK
                 yield chunk
         except asyncio.CancelledError:
-            status = grpc.StatusCode.CANCELLED
+            remaining = context.time_remaining()
+            expired = remaining is not None and remaining <= 0
+            status = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
             raise
         except Exception:
             status = context.code() or grpc.StatusCode.INTERNAL  # set by context.abort
             raise
         finally:
+            metrics.add_stats(stats)  # the rounds it ran, whether it finished or not
             metrics.active.dec()
             metrics.requests.labels(method, status.name).inc()
             metrics.request_latency.observe(time.perf_counter() - start)
 
-    async def _generate(self, request: pb.GenerateRequest, context,
-                        clock: TokenClock) -> AsyncIterator[pb.GenerateChunk]:
+    async def _generate(self, request: pb.GenerateRequest, context, clock: TokenClock,
+                        stats: Stats) -> AsyncIterator[pb.GenerateChunk]:
+        """The request's chunks; `stats` (empty) gathers its rounds as they run."""
         start = time.perf_counter()
         await self._ready(context)
         try:
             prompt, max_new, params, policy, p_min, stop = await self._resolve(request)
         except BadRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        stats = Stats()
         text = TextStream(self.tokenizer, stop)
         finish = pb.FINISH_REASON_LENGTH
         # one replica of each pool at a time, moving to another if it fails (coordinator/failover.py)

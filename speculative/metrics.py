@@ -89,7 +89,7 @@ class CoordinatorMetrics:
         self.lockstep_turn_calls.labels(model=model).observe(calls)
 
     def add_stats(self, stats) -> None:
-        """A finished request's speculative-round counts (speculative.round.Stats)."""
+        """A request's speculative-round counts (speculative.round.Stats), whether it finished or not."""
         self.rounds.inc(stats.rounds)
         self.draft_tokens.inc(stats.draft_tokens)
         self.accepted_tokens.inc(stats.accepted_tokens)

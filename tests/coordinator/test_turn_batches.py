@@ -159,3 +159,35 @@ def test_calls_outside_a_turn_of_several_go_one_by_one(turn, batch_turns):
     results = run(stub, lambda draft: [propose(draft, f"s{i}", turn) for i in range(2)], batch_turns)
     assert not stub.batches and stub.unary == ["s0", "s1"]
     assert results == [([0], 1), ([1], 1)]
+
+
+def test_a_cancel_as_the_stream_answers_is_not_lost():
+    """A generation cancelled (its client's deadline) just as its call's answer arrives must see
+    the cancel, not carry on with the answer (Python 3.11's wait_for dropped it)."""
+
+    class FakeStream:
+        def __init__(self):
+            self.answer = asyncio.get_running_loop().create_future()
+
+        async def write(self, request):
+            pass
+
+        def read(self):
+            return self.answer
+
+    async def main():
+        draft = GrpcDraft("127.0.0.1:1")  # streaming; the channel never connects
+        stream = FakeStream()
+        task = asyncio.create_task(draft._step(None, lambda: stream, "s0", pb.ProposeRequest(session_id="s0")))
+        await asyncio.sleep(0.01)  # the call waits for its answer
+        stream.answer.set_result(reply("s0", 1))
+        task.cancel()  # in the same pass of the loop
+        try:
+            await task
+            return "answered"
+        except asyncio.CancelledError:
+            return "cancelled"
+        finally:
+            await draft.close()
+
+    assert asyncio.run(main()) == "cancelled"

@@ -110,3 +110,37 @@ def test_model_service_counts_refused_calls(metered_stack):
 
 def _assert_equal(a, b) -> None:
     assert a == b
+
+
+def test_a_request_ended_early_counts_its_rounds_and_why(metered_stack):
+    """A stream its client cancels and a request past its deadline: their rounds still count
+    (the tokens counted are those the time-to-first/inter-token histograms saw), and the deadline
+    is counted as DEADLINE_EXCEEDED, what its client saw, not CANCELLED."""
+    stack, ports = metered_stack
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(stack.addr))
+    names = ("specdec_generated_tokens_total", "specdec_rounds_total", "specdec_time_to_first_token_seconds_count",
+             "specdec_inter_token_seconds_count", "specdec_verify_seconds_count")
+    before = scrape(ports["coordinator"])
+    stream = stub.GenerateStream(pb.GenerateRequest(prompt_token_ids=[5] * 8, max_new_tokens=400, temperature=0.0,
+                                                    num_speculative_tokens=1))
+    received = sum(len(next(stream).token_ids) for _ in range(3))
+    stream.cancel()
+    with pytest.raises(grpc.RpcError) as late:
+        stub.Generate(pb.GenerateRequest(prompt_token_ids=[5] * 8, max_new_tokens=400, temperature=0.0,
+                                         num_speculative_tokens=1), timeout=0.2)
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def check() -> None:
+        c = scrape(ports["coordinator"])
+        delta = {name: value(c, name) - value(before, name) for name in names}
+        assert value(c, "specdec_requests_total", method="GenerateStream", status="CANCELLED") == 1
+        assert value(c, "specdec_requests_total", method="Generate", status="DEADLINE_EXCEEDED") == 1
+        assert value(c, "specdec_active_requests") == 0
+        tokens = delta["specdec_generated_tokens_total"]
+        assert tokens >= received > 0
+        assert tokens == delta["specdec_time_to_first_token_seconds_count"] + delta["specdec_inter_token_seconds_count"]
+        assert 0 < delta["specdec_rounds_total"] <= delta["specdec_verify_seconds_count"]
+        for role in ("draft", "target"):
+            assert value(scrape(ports[role]), "specdec_active_sessions") == 0
+
+    eventually(check)
