@@ -136,18 +136,27 @@ class LocalStack:
         discovery file. -> its name"""
         addr = f"127.0.0.1:{free_port()}"
         name = f"{role}-{sum(n.startswith(role) for n in self.procs)}"
+        self._spawn(name, role, addr, model, timeout)
+        with self.discovery[role].open("a") as f:
+            f.write(addr + "\n")
+        return name
+
+    def restart_replica(self, name: str, model: str | Path | None = None, timeout: float = 120.0) -> None:
+        """Stop a replica and start one at the same address (of `model`, default the stack's)."""
+        self.procs[name].send_signal(signal.SIGTERM)
+        self.procs[name].wait(30)
+        self._spawn(name, name.split("-")[0], self.addresses[name], model, timeout)
+
+    def _spawn(self, name: str, role: str, addr: str, model: str | Path | None, timeout: float) -> None:
         self.logs[name] = self.log_dir / f"{name}.log"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         command = self.service_command(role, addr)
         if model is not None:
             command[command.index("--model") + 1] = str(model)
         self.procs[name] = subprocess.Popen(command, cwd=ROOT, env=env,
-                                            stdout=self.logs[name].open("w"), stderr=subprocess.STDOUT)
+                                            stdout=self.logs[name].open("a"), stderr=subprocess.STDOUT)
         self.addresses[name] = addr
         wait_serving(addr, timeout, {name: self.procs[name]}, self.logs, self.credentials)
-        with self.discovery[role].open("a") as f:
-            f.write(addr + "\n")
-        return name
 
     def remove_replica(self, name: str) -> None:
         """Take a replica out of the discovery file and stop it."""

@@ -129,23 +129,28 @@ class Pool:
                 await replica.peer.close()
 
     async def _check(self, replica: Replica) -> None:
-        if replica.refused:
-            return
         was = replica.healthy
         try:
             reply = await health_pb2_grpc.HealthStub(replica.peer.channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=2.0)
             healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
-            if healthy and replica.peer.info is None:
+            if healthy:
+                # at every check, not once: what answers at an address may have been restarted with
+                # another model (and a refused one with the pool's)
                 info = await replica.peer.call(replica.peer.stub.GetModelInfo, pb.ModelInfoRequest(), timeout=5.0)
                 if self.reference is None:
                     self.reference = info
                 elif not same_model(info, self.reference):
-                    replica.refused = (f"serves {info.model_name!r} ({info.num_parameters} parameters), not the "
-                                       f"pool's {self.reference.model_name!r} ({self.reference.num_parameters})")
-                    log.error("%s replica %s refused: it %s", self.name, replica.address, replica.refused)
+                    refused = (f"serves {info.model_name!r} ({info.num_parameters} parameters), not the "
+                               f"pool's {self.reference.model_name!r} ({self.reference.num_parameters})")
+                    if replica.refused != refused:
+                        log.error("%s replica %s refused: it %s", self.name, replica.address, refused)
+                    replica.refused = refused
                     replica.healthy = False
                     return
+                if replica.refused:
+                    log.info("%s replica %s serves the pool's model again", self.name, replica.address)
+                    replica.refused = ""
                 replica.peer.info = info
         except (grpc.aio.AioRpcError, PeerError):
             healthy = False

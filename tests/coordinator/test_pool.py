@@ -81,3 +81,9 @@ def test_a_replica_of_another_model_is_refused(cluster, stack, other_tokenizer_m
     assert "model" in seen[odd].detail or "serves" in seen[odd].detail
     assert generate_all(cluster.addr) == generate_all(stack.addr)
     assert replicas(cluster.addr)[odd].served == 0
+    # restarted at the same address with the pool's model it serves; with another again, it is refused
+    cluster.restart_replica(name, model=cluster.draft_model)
+    wait_for(cluster.addr, lambda seen: seen[odd].state == "serving")
+    cluster.restart_replica(name, model=other_tokenizer_model)
+    wait_for(cluster.addr, lambda seen: seen[odd].state == "refused")
+    assert generate_all(cluster.addr) == generate_all(stack.addr)
