@@ -35,6 +35,7 @@ log = logging.getLogger("specdec.failover")
 MOVE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 RESTART = MOVE | {grpc.StatusCode.NOT_FOUND}
 TRIES = 3
+FORGETTING: set[asyncio.Task] = set()  # releases sent to replicas a request moved away from (see _lost)
 
 
 class _Failover:
@@ -59,15 +60,28 @@ class _Failover:
             self.replica, self.fresh = self.pool.acquire(), True
         return self.replica
 
-    def _lost(self, error: PeerError) -> None:
+    def _lost(self, error: PeerError, session_id: str) -> None:
         if error.code in MOVE:
-            self.pool.failed(self.replica, error)
-            self.pool.release(self.replica)
+            replica = self.replica
+            self.pool.failed(replica, error)
+            self.pool.release(replica)
             self.replica = None
             self.moves += 1
+            # its copy of the session, should it answer again (a hung replica): unary calls and batch
+            # RPCs have no stream whose end would free it there. In the background, bounded by the call's timeout
+            forget = asyncio.ensure_future(self._forget(replica, session_id))
+            FORGETTING.add(forget)
+            forget.add_done_callback(FORGETTING.discard)
         self.fresh = True
         log.warning("%s call failed (%s); starting the session again %s", self.pool.name, error,
                     "on another replica" if error.code in MOVE else "on the same replica")
+
+    @staticmethod
+    async def _forget(replica: Replica, session_id: str) -> None:
+        try:
+            await replica.peer.release(session_id)
+        except Exception as e:  # gone, never to answer, or since removed from the pool: nothing is held there then
+            log.debug("%s: releasing %s on %s failed: %s", replica.peer.name, session_id, replica.address, e)
 
     async def release(self, session_id: str) -> None:
         if self.replica is not None:
@@ -95,6 +109,12 @@ class FailoverDraft(_Failover):
             if replica is None:  # no draft replica: this round runs without drafts
                 self.tokens, self.fresh = held, True
                 return Proposal(), Cost()
+            if self.fresh and not start and not rollback and not append:
+                # a pre-draft: it drafts on from proposals not yet verified. A new session would take
+                # them for its prompt, and the next round's rollback would reach past what it proposed:
+                # skip it (as a miss); the next call starts the session afresh, rolled back
+                self.tokens = held
+                return Proposal(), Cost()
             try:
                 if self.fresh:
                     proposal, cost = await replica.peer.propose(session_id, True, 0, held, k, params, p_min)
@@ -104,7 +124,7 @@ class FailoverDraft(_Failover):
             except PeerError as e:
                 if e.code not in RESTART:
                     raise
-                self._lost(e)
+                self._lost(e, session_id)
                 continue
             self.fresh = False
             self.tokens = held + proposal.tokens
@@ -131,7 +151,7 @@ class FailoverTarget(_Failover):
                 if e.code not in RESTART:
                     raise
                 error = e
-                self._lost(e)
+                self._lost(e, session_id)
                 continue
             self.fresh = False
             self.tokens = committed + proposal.tokens[: verdict.accepted] + [verdict.token]

@@ -82,3 +82,62 @@ def test_a_sampled_request_survives_its_target(pair, stack):
         assert rest[-1].stats.generated_tokens == len(tokens)
         assert len(tokens) == sampled["max_new_tokens"] or rest[-1].finish_reason == pb.FINISH_REASON_EOS
         assert "target call failed" in two.logs["coordinator"].read_text()
+
+
+def test_a_draft_lost_on_a_pre_draft_costs_nothing(pair):
+    """In one process: the draft replica a --predraft request is on fails (UNAVAILABLE) on a
+    pre-draft call, which drafts on from proposals the target has not verified yet. The request
+    moves to the other replica without carrying those proposals as its prompt (the next round's
+    rollback would reach past what the new session proposed: INVALID_ARGUMENT) and decodes what a
+    faultless run decodes."""
+    import asyncio
+
+    from coordinator.failover import FailoverDraft, FailoverTarget
+    from coordinator.peers import PeerError
+    from coordinator.pool import Pool, Replica
+    from speculative.engines import DraftEngine, TargetEngine
+    from speculative.local import LocalDraft, LocalTarget
+    from speculative.model_runner import ModelRunner
+    from speculative.round import generate
+    from speculative.sampling import SamplingParams
+
+    draft_dir, target_dir = pair  # a draft that mostly disagrees: rounds roll proposals back
+
+    class Flaky(LocalDraft):
+        def __init__(self, address: str, fail_on: int | None):
+            super().__init__(DraftEngine(ModelRunner(draft_dir)))
+            self.address, self.name, self.pre_drafts, self.fail_on = address, "draft", 0, fail_on
+
+        async def propose(self, session_id, start, rollback, append, k, params, p_min=0.0):
+            if not start and not rollback and not append:
+                self.pre_drafts += 1
+                if self.pre_drafts == self.fail_on:
+                    raise PeerError(self, grpc.StatusCode.UNAVAILABLE, "killed")
+            return await super().propose(session_id, start, rollback, append, k, params, p_min)
+
+    def pool(name: str, peers) -> Pool:
+        made = Pool(name, "127.0.0.1:1", lambda address, server_name: None)
+        for peer in peers:
+            peer.info = None
+            made.replicas[peer.address] = Replica(peer)
+            made.replicas[peer.address].healthy = True
+        return made
+
+    target = LocalTarget(TargetEngine(ModelRunner(target_dir)))
+    target.address, target.name = "t0", "target"
+
+    async def run(fail_on: int | None) -> list[int]:
+        replicas = [Flaky("d0", fail_on), Flaky("d1", None)]
+        out = []
+        async for new in generate(FailoverDraft(pool("draft", replicas)), FailoverTarget(pool("target", [target])),
+                                  PROMPT, max_new_tokens=60, k=3, params=SamplingParams(0.0), max_context=512,
+                                  predraft=True, max_call_tokens=16):
+            out += new
+        # the replica it left still held its session (a failed unary call frees nothing): released too
+        assert [len(r.engine.runner.sessions) for r in replicas] == [0, 0]
+        return out
+
+    expected = asyncio.run(run(None))
+    assert len(expected) == 60
+    for fail_on in (1, 2, 5):
+        assert asyncio.run(run(fail_on)) == expected
