@@ -115,6 +115,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, tokenizer_dir, local_files_only=True)
         self.costs = CostModel(pass_cost(target_info), pass_cost(draft_info))
         self.max_context = min(draft_info.max_context, target_info.max_context)
+        # the largest K: this coordinator's, or less where the services take fewer tokens a call
+        self.max_k = min([self.limits.max_speculative_tokens] + [
+            info.max_tokens_per_call for info in (draft_info, target_info) if info.max_tokens_per_call])
+        self.max_draft_call = min(self.limits.max_speculative_tokens, draft_info.max_tokens_per_call or 1 << 30)
         self.vocab_size = target_info.vocab_size
         self.eos_token_ids = frozenset(target_info.eos_token_ids)
         self.max_token_chars = prompt_bound(tokenizer)
@@ -181,9 +185,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise BadRequest(f"top_k must be >= 0, not {top_k}")
         adaptive = self.limits.adaptive and not request.HasField("num_speculative_tokens")
         k = (request.num_speculative_tokens if request.HasField("num_speculative_tokens")
-             else self.limits.default_speculative_tokens)
-        if not 0 <= k <= self.limits.max_speculative_tokens:
-            raise BadRequest(f"num_speculative_tokens must lie in [0, {self.limits.max_speculative_tokens}], not {k}")
+             else min(self.limits.default_speculative_tokens, self.max_k))
+        if not 0 <= k <= self.max_k:
+            raise BadRequest(f"num_speculative_tokens must lie in [0, {self.max_k}], not {k}")
         p_min = request.draft_p_min if request.HasField("draft_p_min") else self.limits.draft_p_min
         if not 0.0 <= p_min <= 1.0:  # also NaN
             raise BadRequest(f"draft_p_min must lie in [0, 1], not {p_min}")
@@ -248,7 +252,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             draft, target, prompt, max_new_tokens=max_new, k=policy, params=params,
             eos_token_ids=self.eos_token_ids, max_context=self.max_context, stats=stats,
             session_id=uuid.uuid4().hex, p_min=p_min, predraft=self.limits.predraft,
-            max_call_tokens=self.limits.max_speculative_tokens,
+            max_call_tokens=self.max_draft_call,
         )
         self.costs.in_flight += 1
         try:
@@ -304,8 +308,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return pb.ServerInfo(
             draft=self.draft.reference, target=self.target.reference, max_context=self.max_context,
             default_max_new_tokens=self.limits.default_max_new_tokens,
-            max_speculative_tokens=self.limits.max_speculative_tokens,
-            default_speculative_tokens=self.limits.default_speculative_tokens,
+            max_speculative_tokens=self.max_k,
+            default_speculative_tokens=min(self.limits.default_speculative_tokens, self.max_k),
             adaptive_speculation=self.limits.adaptive,
             replicas=self.draft.describe() + self.target.describe(),
         )

@@ -634,7 +634,8 @@ class ModelServicer:
                 self.thread.submit(release)  # not awaited: this may run under cancellation
 
     async def GetModelInfo(self, request, context):
-        return pb.ModelInfo(**(await self.ready(context)).runner.info())
+        engine = await self.ready(context)
+        return pb.ModelInfo(**engine.runner.info(), max_tokens_per_call=engine.max_tokens)
 
     async def GetTokenizer(self, request, context):
         runner = (await self.ready(context)).runner

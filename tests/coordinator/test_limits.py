@@ -55,3 +55,28 @@ def test_the_default_limit_lets_the_same_request_through_to_the_coordinators_own
     with pytest.raises(grpc.RpcError) as err:  # 65536 bytes of prompt: parsed, then too long for the tiny context
         client.Generate(OVERSIZED, timeout=60)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+
+
+def test_k_is_capped_by_what_the_services_take_a_call(pair):
+    """Services taking at most 4 draft tokens a call (--max-tokens-per-call) report it; the
+    coordinator (K up to 16 of its own) then offers K <= 4, refuses 5 itself, cuts its default
+    K to 4, and its pre-draft (K + 1 tokens) to 4."""
+    from coordinator.launch import LocalStack
+
+    draft, target = pair
+    cap = ["--max-tokens-per-call", "4"]
+    with LocalStack(draft, target, draft_args=cap, target_args=cap, coordinator_args=["--predraft"]) as stack, \
+            grpc.insecure_channel(stack.addr) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        info = stub.GetInfo(pb.GetInfoRequest())
+        assert info.max_speculative_tokens == 4 and info.default_speculative_tokens == 4
+        assert info.draft.max_tokens_per_call == 4 and info.target.max_tokens_per_call == 4
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(pb.GenerateRequest(prompt="def f(x):", max_new_tokens=8, num_speculative_tokens=5))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "[0, 4]" in err.value.details()
+        for k in (None, 4):
+            request = pb.GenerateRequest(prompt="def f(x):", max_new_tokens=24, temperature=0.0)
+            if k is not None:
+                request.num_speculative_tokens = k
+            reply = stub.Generate(request)
+            assert len(reply.token_ids) == 24 and reply.stats.predrafts > 0
