@@ -88,6 +88,11 @@ def prompt_bound(tokenizer) -> int:
     return max(map(len, tokenizer.get_vocab()), default=1)
 
 
+def least(*limits: int) -> int:
+    """The smallest of the limits, 0 meaning none (a service that does not report one)."""
+    return min(limit for limit in limits if limit)
+
+
 def pass_cost(info: pb.ModelInfo) -> PassCost:
     return PassCost(info.pass_ms_fixed, info.pass_ms_per_token, info.pass_ms_per_session)
 
@@ -116,9 +121,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.costs = CostModel(pass_cost(target_info), pass_cost(draft_info))
         self.max_context = min(draft_info.max_context, target_info.max_context)
         # the largest K: this coordinator's, or less where the services take fewer tokens a call
-        self.max_k = min([self.limits.max_speculative_tokens] + [
-            info.max_tokens_per_call for info in (draft_info, target_info) if info.max_tokens_per_call])
-        self.max_draft_call = min(self.limits.max_speculative_tokens, draft_info.max_tokens_per_call or 1 << 30)
+        own = self.limits.max_speculative_tokens
+        self.max_k = least(own, draft_info.max_tokens_per_call, target_info.max_tokens_per_call)
+        self.default_k = min(self.limits.default_speculative_tokens, self.max_k)
+        self.max_draft_call = least(own, draft_info.max_tokens_per_call)  # a pre-draft asks the draft alone
         self.vocab_size = target_info.vocab_size
         self.eos_token_ids = frozenset(target_info.eos_token_ids)
         self.max_token_chars = prompt_bound(tokenizer)
@@ -185,7 +191,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise BadRequest(f"top_k must be >= 0, not {top_k}")
         adaptive = self.limits.adaptive and not request.HasField("num_speculative_tokens")
         k = (request.num_speculative_tokens if request.HasField("num_speculative_tokens")
-             else min(self.limits.default_speculative_tokens, self.max_k))
+             else self.default_k)
         if not 0 <= k <= self.max_k:
             raise BadRequest(f"num_speculative_tokens must lie in [0, {self.max_k}], not {k}")
         p_min = request.draft_p_min if request.HasField("draft_p_min") else self.limits.draft_p_min
@@ -309,7 +315,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             draft=self.draft.reference, target=self.target.reference, max_context=self.max_context,
             default_max_new_tokens=self.limits.default_max_new_tokens,
             max_speculative_tokens=self.max_k,
-            default_speculative_tokens=min(self.limits.default_speculative_tokens, self.max_k),
+            default_speculative_tokens=self.default_k,
             adaptive_speculation=self.limits.adaptive,
             replicas=self.draft.describe() + self.target.describe(),
         )

@@ -136,7 +136,6 @@ class AcceptanceK:
         self.next = max(1, k_max // 2)
         self.costs = costs  # fed (for the other requests' AdaptiveK), never read
 
-
     def choose(self, remaining: int) -> int:
         return max(0, min(self.next, self.k, remaining - 1))
 

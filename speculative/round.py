@@ -137,12 +137,14 @@ async def speculative_round(
         held = len(proposal.tokens)
     verify = target.verify(seq.session_id, seq.target_seen == 0, seq.tokens[seq.target_seen :], proposal, params)
     ahead = None
-    ahead_k = k + 1
-    if max_call_tokens is not None:
-        ahead_k = min(ahead_k, max_call_tokens)
-    if max_context is not None:  # the draft session holds the committed tokens and `held` proposals
-        ahead_k = min(ahead_k, max_context - len(seq.tokens) - held)
-    if predraft and proposal.tokens and len(proposal.tokens) == held and ahead_k > 0:
+    ahead_k = 0
+    if predraft and proposal.tokens and len(proposal.tokens) == held:
+        ahead_k = k + 1
+        if max_call_tokens is not None:
+            ahead_k = min(ahead_k, max_call_tokens)
+        if max_context is not None:  # the draft session holds the committed tokens and `held` proposals
+            ahead_k = min(ahead_k, max_context - len(seq.tokens) - held)
+    if ahead_k > 0:
         (verdict, target_cost), (ahead, ahead_cost) = await asyncio.gather(
             verify, draft.propose(seq.session_id, False, 0, [], ahead_k, params, p_min))
         draft_cost = Cost(draft_cost.service_ms + ahead_cost.service_ms, draft_cost.wire_bytes + ahead_cost.wire_bytes,
