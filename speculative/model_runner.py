@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from .adaptive import PassCost
 from .errors import CapacityExceeded, InvalidRequest
-from .fast_forward import FastForward, check_shardable
+from .fast_forward import POOL_CAPACITY, FastForward, check_shardable
 from .sessions import Session, SessionTable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -72,6 +72,7 @@ class ModelRunner:
         tensor_parallel: int = 1,
         ray_address: str | None = None,
         tp_timeout: float = 120.0,
+        kv_pool_capacity: int = POOL_CAPACITY,
     ):
         path = Path(model_dir)
         if not (path / "config.json").is_file():
@@ -101,7 +102,7 @@ class ModelRunner:
             placement = Placement(tensor_parallel, self.device, ray_address, tp_timeout)
             self.device = placement.device
         try:
-            self._load(path, max_context, forward, placement, dtype)
+            self._load(path, max_context, forward, placement, dtype, kv_pool_capacity)
         except BaseException:
             if placement is not None and self.tp is None:
                 placement.give_up("the model failed to load")
@@ -116,7 +117,8 @@ class ModelRunner:
         self.pass_cost = PassCost()  # set by calibrate() where a service wants it (adaptive K reads it)
         self.on_forward: Callable[[], None] | None = None  # called as each forward starts (ModelThread.flush)
 
-    def _load(self, path: Path, max_context: int | None, forward: str, placement, dtype: str) -> None:
+    def _load(self, path: Path, max_context: int | None, forward: str, placement, dtype: str,
+              kv_pool_capacity: int) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, local_files_only=True).eval()
         if placement is None:
@@ -132,6 +134,8 @@ class ModelRunner:
         self.fingerprint = tokenizer_fingerprint(self.tokenizer)
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         self.fast = FastForward.build(self.model, self.max_context) if forward == "auto" else None
+        if self.fast is not None:
+            self.fast.pool_capacity = kv_pool_capacity
         self.forward_kind = "fast" if self.fast else "transformers"
         if placement is not None:
             if self.fast is None:

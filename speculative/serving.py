@@ -106,6 +106,11 @@ def add_model_flags(parser: EnvArgumentParser, role: str) -> None:
     parser.add_argument("--max-context", type=int, default=0,
                         help="cap on tokens per session (0: the model's max_position_embeddings)")
     parser.add_argument("--max-tokens-per-call", type=int, default=16, help="most draft tokens per round (K)")
+    parser.add_argument("--kv-pool-capacity", type=int, default=None,
+                        help="the lean forward keeps sessions' KV caches as slots of one tensor, so a pass over"
+                             " several sessions runs attention once per layer; the tensor holds slots x the longest"
+                             " pooled session, at most this many positions (default 1024, fast_forward.POOL_CAPACITY);"
+                             " a longer session moves to a cache of its own. 0: every session's cache on its own")
     parser.add_argument("--batched-threads", type=int, default=0,
                         help="torch threads for passes over several sessions (0: --threads). Where the services"
                              " share a few cores, 1 wastes the least under load: the cores are busy anyway")
@@ -686,6 +691,8 @@ def run_model_service(name: str, args: argparse.Namespace, servicer: ModelServic
         raise SystemExit(f"--turn-wait-ms must lie in [0, 1000], not {args.turn_wait_ms}")
     servicer.batcher.turn_wait = args.turn_wait_ms / 1e3
     servicer.batcher.max_queue = args.max_queue
+    if args.kv_pool_capacity is not None and args.kv_pool_capacity < 0:
+        raise SystemExit(f"--kv-pool-capacity must be >= 0, not {args.kv_pool_capacity}")
 
     async def main() -> None:
         sweeper: asyncio.Task | None = None
@@ -693,10 +700,12 @@ def run_model_service(name: str, args: argparse.Namespace, servicer: ModelServic
 
         async def load() -> asyncio.Future | None:
             nonlocal sweeper, runner
+            pool = {} if args.kv_pool_capacity is None else {"kv_pool_capacity": args.kv_pool_capacity}
             runner = await servicer.thread.run(
                 lambda: ModelRunner(args.model, args.device, args.dtype, args.max_sessions,
                                     args.session_idle_timeout, args.max_context or None, args.forward,
-                                    args.tensor_parallel_size, args.ray_address, args.tp_start_timeout)
+                                    args.tensor_parallel_size, args.ray_address, args.tp_start_timeout,
+                                    **pool)
             )
             runner.batched_threads = args.batched_threads
             runner.on_forward = servicer.thread.flush

@@ -91,7 +91,7 @@ class Worker:
     """
 
     def __init__(self, rank: int, world: int, model_dir: str, dtype: str, device: str, max_context: int,
-                 threads: int):
+                 threads: int, pool_capacity: int):
         import speculative.openmp  # noqa: F401  (before torch's first parallel region)
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -99,6 +99,7 @@ class Worker:
             torch.set_num_threads(threads)
         self.rank, self.world = rank, world
         self.model_dir, self.dtype, self.device, self.max_context = model_dir, dtype, device, max_context
+        self.pool_capacity = pool_capacity
         self.fast = None
         self.control = None
         self.caches: dict[int, object] = {}
@@ -114,6 +115,7 @@ class Worker:
         self.fast = FastForward.build(model.eval(), self.max_context)
         if self.fast is None:
             raise ValueError(f"{model.config.model_type} has no lean forward to shard")
+        self.fast.pool_capacity = self.pool_capacity
         return os.getpid()
 
     def join(self, init_method: str, backend: str, timeout: timedelta, idle: timedelta) -> None:
@@ -335,7 +337,8 @@ class Placement:
         for rank, index in enumerate(self.worker_bundles, start=1):
             self.workers.append(remote.options(scheduling_strategy=self.strategy(index), num_cpus=1,
                                                num_gpus=1 if self.gpu else 0)
-                                .remote(rank, world, str(model_dir), dtype, str(self.device), max_context, threads))
+                                .remote(rank, world, str(model_dir), dtype, str(self.device), max_context, threads,
+                                        fast.pool_capacity))
 
         def each(calls, what: str) -> list:
             results = []

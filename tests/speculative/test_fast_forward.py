@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from speculative.fast_forward import FastForward, KVCache
+from speculative.fast_forward import FastForward, KVCache, KVPool
 from speculative.model_runner import ModelRunner
 from speculative.tiny import make_model, make_tokenizer
 
@@ -156,3 +156,75 @@ def test_batched_forward_matches_one_at_a_time(tmp_path, tokenizer, forward, rop
             back = rng.randint(0, min(3, len(b.tokens) - 1))
             b.truncate(len(b.tokens) - back)
             a.truncate(len(a.tokens) - back)
+
+
+def test_slot_attention_matches_transformers(tmp_path, tokenizer, monkeypatch):
+    """Passes over pooled sessions run attention as one call over their slots: with sessions of
+    different lengths fed different numbers of tokens, slots left free between them, sessions
+    ended and new ones taking their slots, and sessions that outgrow the pool moving to caches of
+    their own, every session gets transformers' logits, and the one-call path does run."""
+    model_dir = make_model(tmp_path / "m", tokenizer, hidden=64, layers=2, heads=4, kv_heads=2, init_std=0.1)
+    fast, slow = ModelRunner(model_dir), ModelRunner(model_dir, forward="transformers")
+    fast.fast.pool_capacity = 48  # sessions past 48 positions move out of the pool
+    calls = []
+    slot_attention = FastForward._slot_attention
+    monkeypatch.setattr(FastForward, "_slot_attention",
+                        lambda self, i, *args: calls.append(i) or slot_attention(self, i, *args))
+    rng = random.Random(3)
+    live: dict[str, tuple] = {}
+    moved = started = 0
+    for step in range(60):
+        while len(live) < 6:  # new sessions take the slots ended ones gave back
+            sid = f"s{started}"
+            started += 1
+            live[sid] = (fast.start_session(sid, 0), slow.start_session(sid, 0))
+        chosen = rng.sample(sorted(live), rng.randint(2, len(live)))
+        feeds, expected = [], []
+        for sid in chosen:
+            f, s = live[sid]
+            new = [rng.randrange(fast.vocab_size) for _ in range(rng.randint(1, 20 if not f.tokens else 6))]
+            num_logits = rng.randint(1, len(new))
+            f.tokens.extend(new)
+            s.tokens.extend(new)
+            feeds.append((f, num_logits))
+            expected.append(slow.forward(s, num_logits))
+        for got, want in zip(fast.forward_many(feeds), expected):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        for sid in list(live):
+            f, s = live[sid]
+            back = rng.randint(0, max(0, min(2, len(f.tokens) - 1)))
+            f.truncate(len(f.tokens) - back)
+            s.truncate(len(s.tokens) - back)
+            moved += not f.cache.pooled
+            if rng.random() < 0.1 or len(f.tokens) > 80:
+                del live[sid]
+                fast.sessions.release(sid)
+                slow.sessions.release(sid)
+    assert len(calls) >= 20 and moved > 0 and started > 8, (len(calls), moved, started)
+    pool = fast.fast.pool
+    assert sorted(pool.free + [f.cache.slot for f, _ in live.values() if f.cache.pooled]) == list(range(pool.slots))
+    unpooled = ModelRunner(model_dir, kv_pool_capacity=0)  # --kv-pool-capacity 0: caches of their own
+    assert not unpooled.start_session("s", 0).cache.pooled and unpooled.fast.pool is None
+
+
+def test_kv_pool_grows_shrinks_and_keeps_what_it_holds():
+    pool = KVPool(layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, device=torch.device("cpu"),
+                  max_capacity=64, slots=2, capacity=4)
+    caches = [KVCache(1, 1, 2, torch.float32, torch.device("cpu"), pool=pool) for _ in range(5)]
+    assert [c.slot for c in caches] == [0, 1, 2, 3, 4] and pool.slots == 8  # doubled twice
+    for n, c in enumerate(caches):
+        c.data[0, 0, 0, 0, :3] = n
+        c.length = 3
+    caches[1].reserve(9)  # every slot grows
+    assert pool.capacity == 16
+    assert [c.data[0, 0, 0, 0, :3, 0].tolist() for c in caches] == [[n] * 3 for n in range(5)]
+    del caches[1]  # its slot is free again: the next cache takes it
+    assert KVCache(1, 1, 2, torch.float32, torch.device("cpu"), pool=pool).slot == 1  # (and frees it once made)
+    caches[3].reserve(65)  # past max_capacity: out of the pool, what it held kept
+    assert not caches[3].pooled and caches[3].data.shape[4] >= 65 and caches[3].data[0, 0, 0, 0, :3, 0].tolist() == [4] * 3
+    del caches[2:]
+    again = KVCache(1, 1, 2, torch.float32, torch.device("cpu"), pool=pool)  # upper half free: the pool halves
+    assert pool.slots == 4 and again.slot == 1 and caches[0].data[0, 0, 0, 0, :3, 0].tolist() == [0] * 3
+    del caches, again
+    KVCache(1, 1, 2, torch.float32, torch.device("cpu"), pool=pool)
+    assert (pool.slots, pool.capacity) == (2, 4)  # nothing held: back to the first size
