@@ -37,6 +37,10 @@ SUPPORTED = {"llama", "mistral", "qwen2"}
 PACK_MIN_ELEMENTS = 1 << 18
 POOL_SLOTS = 8  # a KVPool's first (and least) number of slots
 POOL_CAPACITY = 1024  # positions a pooled session may hold; a longer one moves to storage of its own
+# past POOL_FLOOR_BYTES, a pool grows only while it holds at most POOL_WASTE x the positions its
+# sessions use; a session it will not grow for keeps a cache of its own
+POOL_FLOOR_BYTES = 256 << 20
+POOL_WASTE = 2.0
 # a pass over several pooled sessions runs attention as one call over their slots when the padded
 # queries (slots spanned x longest feed) are at most this many times the real ones; else per session
 POOL_PADDING = 2.0
@@ -46,12 +50,14 @@ class KVPool:
     """The KV caches of a forward's sessions as the slots of one tensor, so that a pass over
     several sessions runs attention as one call over their slots instead of one per session.
 
-    `data` is [layers, 2 (keys, values), slots, kv_heads, capacity, head_dim]. A session takes
-    the lowest free slot, so the sessions at work sit side by side. The slots double when none
-    is free and halve (at the next `take`) once the upper half is free; the capacity doubles
-    when a session outgrows it, up to `max_capacity`: the pool holds slots x capacity positions,
-    what one attention call over padded slots costs in memory. A session that outgrows
-    `max_capacity` moves to storage of its own (see KVCache.reserve).
+    `data` is [layers, 2 (keys, values), slots, kv_heads, capacity, head_dim]: it holds slots x
+    capacity positions, what one attention call over padded slots costs in memory. A session
+    takes the lowest free slot, so the sessions at work sit side by side. The slots double when
+    none is free, the capacity doubles when a session outgrows it (up to `max_capacity`), and
+    past `POOL_FLOOR_BYTES` either grows only while the pool stays within `POOL_WASTE` x the
+    positions its sessions hold; a session the pool will not grow for keeps a cache of its own
+    (see KVCache). At each `take` the pool halves its slots while their upper half is free and
+    its capacity while every session fits in a quarter of it.
 
     Resizing replaces `data`, so it happens only in the thread that runs the passes, between
     them (`take`, `reserve`); `give` may run anywhere (a cache's finalizer).
@@ -64,7 +70,9 @@ class KVPool:
         # zeros, not empty: one call over several slots reads positions past a slot's length (masked),
         # and a masked score still multiplies its value: 0 x a NaN left in free memory is NaN
         self.data = torch.zeros((layers, 2, slots, kv_heads, self.min_capacity, head_dim), dtype=dtype, device=device)
+        self.position_bytes = self.data[:, :, 0, :, 0].numel() * self.data.element_size()
         self.free = list(range(slots))  # a heap: the lowest free slot first
+        self.members: dict[int, weakref.ref] = {}  # slot -> its cache
         self.lock = threading.Lock()
 
     @property
@@ -75,30 +83,55 @@ class KVPool:
     def capacity(self) -> int:
         return self.data.shape[4]
 
-    def take(self) -> int:
+    def take(self, cache: KVCache) -> int:
+        """A free slot for `cache`, or -1 where the pool will not grow for it."""
         with self.lock:
-            slots = self.slots
-            if len(self.free) == slots and (slots, self.capacity) != (self.min_slots, self.min_capacity):
-                self._resize(self.min_slots, self.min_capacity)  # nothing held: back to the first size
-            elif slots > self.min_slots and all(s in self.free for s in range(slots // 2, slots)):
-                self._resize(slots // 2, self.capacity)
+            slots, capacity = self.slots, self.capacity
+            while slots > self.min_slots and all(s in self.free for s in range(slots // 2, slots)):
+                slots //= 2
+            longest = max(self._lengths(), default=0)
+            while capacity > self.min_capacity and 4 * longest <= capacity:
+                capacity //= 2
+            if (slots, capacity) != (self.slots, self.capacity):
+                self._resize(slots, capacity)
             if not self.free:
+                if not self._allowed(2 * self.slots, self.capacity):
+                    return -1
                 self._resize(2 * self.slots, self.capacity)
-            return heapq.heappop(self.free)
+            slot = heapq.heappop(self.free)
+            self.members[slot] = weakref.ref(cache)
+            return slot
 
     def give(self, slot: int) -> None:
         with self.lock:
+            self.members.pop(slot, None)
             if slot < self.slots:
                 heapq.heappush(self.free, slot)
 
-    def reserve(self, length: int) -> None:
-        """Room for `length` positions in every slot (length <= max_capacity)."""
-        if length > self.capacity:
-            capacity = self.capacity
-            while capacity < length:
-                capacity *= 2
-            with self.lock:
-                self._resize(self.slots, min(capacity, self.max_capacity))
+    def fits(self, length: int) -> bool:
+        """Room for `length` positions in every slot, the capacity grown for it if need be; False
+        where the pool will not grow that far (past max_capacity or POOL_WASTE)."""
+        if length <= self.capacity:
+            return True
+        if length > self.max_capacity:
+            return False
+        capacity = self.capacity
+        while capacity < length:
+            capacity *= 2
+        capacity = min(capacity, self.max_capacity)
+        with self.lock:
+            if not self._allowed(self.slots, capacity, length):
+                return False
+            self._resize(self.slots, capacity)
+        return True
+
+    def _lengths(self) -> list[int]:
+        return [c.length for c in (ref() for ref in self.members.values()) if c is not None]
+
+    def _allowed(self, slots: int, capacity: int, extra: int = 0) -> bool:
+        if slots * capacity * self.position_bytes <= POOL_FLOOR_BYTES:
+            return True
+        return slots * capacity <= POOL_WASTE * (sum(self._lengths()) + extra)
 
     def _resize(self, slots: int, capacity: int) -> None:
         """A new `data` of `slots` x `capacity` holding what the old one held (slots cut off are free)."""
@@ -124,12 +157,13 @@ class KVCache:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  capacity: int = 256, pool: KVPool | None = None):
         self.pool, self.slot, self.own = pool, -1, None
-        if pool is None:
+        self.length = 0
+        if pool is not None:
+            self.slot = pool.take(self)
+        if self.slot < 0:
             self.own = torch.empty((layers, 2, 1, kv_heads, capacity, head_dim), dtype=dtype, device=device)
         else:
-            self.slot = pool.take()
             self._give_back = weakref.finalize(self, pool.give, self.slot)
-        self.length = 0
 
     @property
     def data(self) -> torch.Tensor:
@@ -152,8 +186,7 @@ class KVCache:
 
     def reserve(self, length: int) -> None:
         if self.own is None:
-            if length <= self.pool.max_capacity:
-                self.pool.reserve(length)
+            if self.pool.fits(length):
                 return
             self.own = self.data[..., : max(self.length, 1), :].clone()  # out of the pool, into its own
             self._give_back()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 import random
 
 import pytest
@@ -228,3 +229,33 @@ def test_kv_pool_grows_shrinks_and_keeps_what_it_holds():
     del caches, again
     KVCache(1, 1, 2, torch.float32, torch.device("cpu"), pool=pool)
     assert (pool.slots, pool.capacity) == (2, 4)  # nothing held: back to the first size
+
+
+def test_kv_pool_stays_within_its_waste_bound(monkeypatch):
+    """Past its floor the pool grows only while it holds at most POOL_WASTE x the positions its
+    sessions use; a session it will not grow for keeps a cache of its own, and a pool its long
+    session left shrinks its capacity at the next take."""
+    import speculative.fast_forward as ff
+
+    monkeypatch.setattr(ff, "POOL_FLOOR_BYTES", 0)
+    pool = KVPool(layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, device=torch.device("cpu"),
+                  max_capacity=1024, slots=4, capacity=4)
+    new = partial(KVCache, 1, 1, 2, torch.float32, torch.device("cpu"), pool=pool)
+    caches = [new() for _ in range(4)]
+    for c in caches:
+        c.length = 3
+    caches[0].reserve(8)  # 4 slots x 8 = 32 positions <= 2 x (12 held + 8): grows
+    assert caches[0].pooled and pool.capacity == 8
+    caches[0].length = 8
+    caches[0].reserve(40)  # 4 x 64 = 256 > 2 x (17 + 40): moves out, what it held kept
+    assert not caches[0].pooled and caches[0].data.shape[4] >= 40 and pool.capacity == 8
+    back = new()
+    assert back.slot == 0  # its slot is free again
+    spare = [new() for _ in range(2)]  # a fifth and sixth session: 8 slots x 8 = 64 > 2 x 9 held
+    assert [c.pooled for c in spare] == [False, False] and pool.slots == 4
+    monkeypatch.setattr(ff, "POOL_FLOOR_BYTES", 1 << 20)  # under the floor the pool grows freely
+    assert new().pooled and pool.slots == 8
+    for c in caches[1:]:
+        c.length = 1
+    new()  # every session fits a quarter of 8 positions: the capacity halves
+    assert pool.capacity == 4
