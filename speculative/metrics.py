@@ -42,12 +42,17 @@ class ModelMetrics:
         self.queue = Gauge("specdec_queue_depth", "calls waiting for or running on the model thread", registry=r)
         self.sessions = Gauge("specdec_active_sessions", "sessions holding a KV cache", registry=r)
         self.kv_tokens = Gauge("specdec_kv_cache_tokens", "tokens held in KV caches, all sessions", registry=r)
+        self.kv_pool = Gauge("specdec_kv_pool_positions", "positions the KV pool has room for (slots x"
+                             " capacity: its memory; 0 without one)", registry=r)
 
-    def watch(self, table) -> None:
+    def watch(self, table, pool_positions=None) -> None:
         """Read the session gauges from a SessionTable at each scrape (list() of its values is one
-        atomic copy under the GIL, so the model thread can go on changing the table)."""
+        atomic copy under the GIL, so the model thread can go on changing the table), and the pool's
+        size from `pool_positions()`."""
         self.sessions.set_function(lambda: len(table))
         self.kv_tokens.set_function(lambda: sum(s.cached for s in list(table._sessions.values())))
+        if pool_positions is not None:
+            self.kv_pool.set_function(pool_positions)
 
 
 class CoordinatorMetrics:

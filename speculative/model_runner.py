@@ -144,6 +144,12 @@ class ModelRunner:
             self.fast = self.tp
             self.forward_kind = f"fast, tensor-parallel x{self.tensor_parallel}"
 
+    def kv_pool_positions(self) -> int:
+        """Positions this rank's KV pool has room for (slots x capacity), 0 without one."""
+        fast = self.tp.fast if self.tp is not None else self.fast
+        pool = getattr(fast, "pool", None)
+        return pool.slots * pool.capacity if pool is not None else 0
+
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any."""
         if self.tp is not None:

@@ -712,7 +712,7 @@ def run_model_service(name: str, args: argparse.Namespace, servicer: ModelServic
             runner.max_kv_tokens = args.max_kv_tokens
             runner.pass_cost = await servicer.thread.run(runner.calibrate)
             servicer.engine = make_engine(runner)
-            servicer.metrics.watch(runner.sessions)
+            servicer.metrics.watch(runner.sessions, runner.kv_pool_positions)
             log.info("%s loaded %s (%d parameters) on %s, %s forward; pass %s", name, runner.name,
                      runner.num_parameters, runner.device, runner.forward_kind, runner.pass_cost)
             sweeper = asyncio.ensure_future(sweep_idle_sessions(runner, servicer.thread, min(30.0, args.session_idle_timeout)))

@@ -92,6 +92,7 @@ def test_metrics_count_what_requests_report(metered_stack):
         for samples in (t, d):  # every session was released when its request ended
             assert value(samples, "specdec_active_sessions") == 0
             assert value(samples, "specdec_kv_cache_tokens") == 0
+            assert value(samples, "specdec_kv_pool_positions") >= 8 * 256  # kept for the next sessions
 
     eventually(check)
 
