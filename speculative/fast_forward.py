@@ -60,7 +60,9 @@ class KVPool:
     its capacity while every session fits in a quarter of it.
 
     Resizing replaces `data`, so it happens only in the thread that runs the passes, between
-    them (`take`, `reserve`); `give` may run anywhere (a cache's finalizer).
+    them (`take`, `fits`). `give` runs in a cache's finalizer, which the garbage collector may
+    call from any thread at any allocation, even inside `take`: it only queues the slot, and
+    `take` and `fits` collect the queue under the lock.
     """
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
@@ -73,6 +75,7 @@ class KVPool:
         self.position_bytes = self.data[:, :, 0, :, 0].numel() * self.data.element_size()
         self.free = list(range(slots))  # a heap: the lowest free slot first
         self.members: dict[int, weakref.ref] = {}  # slot -> its cache
+        self.returned: list[int] = []  # slots given back, not yet free (see give)
         self.lock = threading.Lock()
 
     @property
@@ -86,6 +89,7 @@ class KVPool:
     def take(self, cache: KVCache) -> int:
         """A free slot for `cache`, or -1 where the pool will not grow for it."""
         with self.lock:
+            self._collect()
             slots, capacity = self.slots, self.capacity
             while slots > self.min_slots and all(s in self.free for s in range(slots // 2, slots)):
                 slots //= 2
@@ -103,10 +107,13 @@ class KVPool:
             return slot
 
     def give(self, slot: int) -> None:
-        with self.lock:
+        self.returned.append(slot)  # no lock: see the class docstring
+
+    def _collect(self) -> None:
+        while self.returned:
+            slot = self.returned.pop()
             self.members.pop(slot, None)
-            if slot < self.slots:
-                heapq.heappush(self.free, slot)
+            heapq.heappush(self.free, slot)
 
     def fits(self, length: int) -> bool:
         """Room for `length` positions in every slot, the capacity grown for it if need be; False
@@ -120,6 +127,7 @@ class KVPool:
             capacity *= 2
         capacity = min(capacity, self.max_capacity)
         with self.lock:
+            self._collect()
             if not self._allowed(self.slots, capacity, length):
                 return False
             self._resize(self.slots, capacity)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from functools import partial
 import random
+import threading
 
 import pytest
 import torch
@@ -203,7 +204,8 @@ def test_slot_attention_matches_transformers(tmp_path, tokenizer, monkeypatch):
                 slow.sessions.release(sid)
     assert len(calls) >= 20 and moved > 0 and started > 8, (len(calls), moved, started)
     pool = fast.fast.pool
-    assert sorted(pool.free + [f.cache.slot for f, _ in live.values() if f.cache.pooled]) == list(range(pool.slots))
+    held = [f.cache.slot for f, _ in live.values() if f.cache.pooled]
+    assert sorted(pool.free + pool.returned + held) == list(range(pool.slots))
     unpooled = ModelRunner(model_dir, kv_pool_capacity=0)  # --kv-pool-capacity 0: caches of their own
     assert not unpooled.start_session("s", 0).cache.pooled and unpooled.fast.pool is None
 
@@ -259,3 +261,30 @@ def test_kv_pool_stays_within_its_waste_bound(monkeypatch):
         c.length = 1
     new()  # every session fits a quarter of 8 positions: the capacity halves
     assert pool.capacity == 4
+
+
+def test_kv_pool_give_from_a_finalizer_inside_take_does_not_block():
+    """The garbage collector may run a cache's finalizer (give) at any allocation, even inside
+    take, which holds the pool's lock, in the same thread: give must not wait for that lock."""
+    pool = KVPool(layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, device=torch.device("cpu"),
+                  max_capacity=64, slots=2, capacity=4)
+    new = partial(KVCache, 1, 1, 2, torch.float32, torch.device("cpu"), pool=pool)
+    kept, gone = new(), new()
+    gone._give_back.detach()  # given back below instead, as its finalizer would
+    lengths = pool._lengths
+
+    def collected_meanwhile():
+        pool.give(gone.slot)
+        return lengths()
+
+    pool._lengths = collected_meanwhile
+    made = []
+    worker = threading.Thread(target=lambda: made.append(new()), daemon=True)
+    worker.start()
+    worker.join(5)
+    stuck = worker.is_alive()
+    if stuck:  # let it go on, so that this fails rather than hangs the run
+        pool.lock.release()
+        worker.join(5)
+    assert not stuck and made[0].pooled and kept.pooled
+    assert sorted(pool.free + pool.returned + [kept.slot, made[0].slot]) == list(range(pool.slots))
