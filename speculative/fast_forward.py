@@ -46,6 +46,13 @@ POOL_WASTE = 2.0
 POOL_PADDING = 2.0
 
 
+def _doubled(capacity: int, length: int) -> int:
+    """`capacity` doubled until it holds `length` positions."""
+    while capacity < length:
+        capacity *= 2
+    return capacity
+
+
 class KVPool:
     """The KV caches of a forward's sessions as the slots of one tensor, so that a pass over
     several sessions runs attention as one call over their slots instead of one per session.
@@ -130,10 +137,7 @@ class KVPool:
             return True
         if length > self.max_capacity:
             return False
-        capacity = self.capacity
-        while capacity < length:
-            capacity *= 2
-        capacity = min(capacity, self.max_capacity)
+        capacity = min(_doubled(self.capacity, length), self.max_capacity)
         with self.lock:
             self._collect()
             if not self._allowed(self.slots, capacity, length - held):
@@ -214,11 +218,9 @@ class KVCache:
             self.own = self.data[..., : max(self.length, 1), :].clone()  # out of the pool, into its own
             self._give_back()
             self.slot = -1
-        capacity = self.own.shape[4]
-        if length <= capacity:
+        if length <= self.own.shape[4]:
             return
-        while capacity < length:
-            capacity *= 2
+        capacity = _doubled(self.own.shape[4], length)
         grown = torch.empty(self.own.shape[:4] + (capacity,) + self.own.shape[5:], dtype=self.own.dtype,
                             device=self.own.device)
         grown[:, :, :, :, : self.length] = self.own[:, :, :, :, : self.length]
@@ -234,7 +236,6 @@ class SlotBatch:
     keys: int  # positions each row's keys span
     rows: torch.Tensor  # [T]: each new token's row (its slot - lo)
     cols: torch.Tensor  # [T]: its query within the row
-    slot_of: torch.Tensor  # [T]: its slot
     pos: torch.Tensor  # [T]: its position
     mask: torch.Tensor  # [B, 1, width, keys]: 0 where a query sees a key, -inf elsewhere
 
@@ -249,7 +250,7 @@ class FastForward:
     these tensors, so nothing is stored twice.
     """
 
-    def __init__(self, model, max_context: int):
+    def __init__(self, model, max_context: int, pool_capacity: int = POOL_CAPACITY):
         config = model.config
         self.model = model
         self.rotary = model.model.rotary_emb
@@ -270,7 +271,7 @@ class FastForward:
         self.lm_head_packed: torch.Tensor | None = None
         self.pack_min = PACK_MIN_ELEMENTS
         self.pack()
-        self.pool_capacity = POOL_CAPACITY  # 0: every session's cache on its own (no batched attention)
+        self.pool_capacity = pool_capacity  # 0: every session's cache on its own (no batched attention)
         self.pool: KVPool | None = None  # made by the first new_cache (after to() and shard())
 
     def _rope_table(self, max_context: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -287,7 +288,7 @@ class FastForward:
         return cos[0], sin[0]
 
     @classmethod
-    def build(cls, model, max_context: int) -> FastForward | None:
+    def build(cls, model, max_context: int, pool_capacity: int = POOL_CAPACITY) -> FastForward | None:
         """The fast forward for `model`, or None where it would not compute the same thing."""
         config = model.config
         if config.model_type not in SUPPORTED or getattr(config, "hidden_act", "silu") != "silu":
@@ -299,7 +300,7 @@ class FastForward:
         window = getattr(config, "sliding_window", None)
         if window is not None and getattr(config, "use_sliding_window", True) and window < max_context:
             return None
-        return cls(model, max_context)
+        return cls(model, max_context, pool_capacity)
 
     def pack(self) -> None:
         """On CPU, also keep the wide weights (q/k/v, gate/up, lm_head) in oneDNN's packed layout.
@@ -467,16 +468,15 @@ class FastForward:
         if (hi - lo) * width * keys > POOL_PADDING * sum((b - a) * end for a, b, _, end in spans):
             return None
         device = self.embed.device
-        rows, cols, slot_of, pos = [], [], [], []
+        rows, cols, pos = [], [], []
         starts, last = [0] * (hi - lo), [0] * (hi - lo)  # each row's first and last query position
         for slot, (a, b, start, end) in zip(taken, spans):
             rows.extend([slot - lo] * (b - a))
             cols.extend(range(b - a))
-            slot_of.extend([slot] * (b - a))
             pos.extend(range(start, end))
             starts[slot - lo], last[slot - lo] = start, end - 1  # (a slot no feed has: key 0)
         # built on the host and sent as two tensors: on a GPU each copy is a wait
-        tokens = torch.tensor([rows, cols, slot_of, pos], dtype=torch.long).to(device)  # [4, T]
+        tokens = torch.tensor([rows, cols, pos], dtype=torch.long).to(device)  # [3, T]
         per_row = torch.tensor([starts, last], dtype=torch.long).to(device)  # [2, B]
         # the position each padded query sits at: start + j, at most its row's last
         at = torch.minimum(per_row[0][:, None] + torch.arange(width, device=device)[None], per_row[1][:, None])
@@ -488,13 +488,13 @@ class FastForward:
         """Layer i's attention over the pool's slots: qk [T, H + H_kv, head_dim] (after RoPE),
         v [T, H_kv, head_dim] -> [T, H, head_dim]."""
         heads = self.heads
-        keys, values = self.pool.data[i, 0], self.pool.data[i, 1]  # [slots, H_kv, capacity, head_dim]
-        keys[batch.slot_of, :, batch.pos] = qk[:, heads:]
-        values[batch.slot_of, :, batch.pos] = v
+        keys, values = self.pool.data[i, :, batch.lo : batch.hi]  # [B, H_kv, capacity, head_dim] each
+        keys[batch.rows, :, batch.pos] = qk[:, heads:]
+        values[batch.rows, :, batch.pos] = v
         q = qk.new_zeros(batch.hi - batch.lo, batch.width, heads, self.head_dim)
         q[batch.rows, batch.cols] = qk[:, :heads]
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys[batch.lo : batch.hi, :, : batch.keys], values[batch.lo : batch.hi, :, : batch.keys],
+            q.transpose(1, 2), keys[:, :, : batch.keys], values[:, :, : batch.keys],
             attn_mask=batch.mask, scale=layer["scaling"], enable_gqa=self.kv_heads != heads,
         )  # [B, H, width, head_dim]
         return out.transpose(1, 2)[batch.rows, batch.cols]

@@ -72,7 +72,7 @@ class ModelRunner:
         tensor_parallel: int = 1,
         ray_address: str | None = None,
         tp_timeout: float = 120.0,
-        kv_pool_capacity: int = POOL_CAPACITY,
+        kv_pool_capacity: int | None = None,
     ):
         path = Path(model_dir)
         if not (path / "config.json").is_file():
@@ -118,7 +118,7 @@ class ModelRunner:
         self.on_forward: Callable[[], None] | None = None  # called as each forward starts (ModelThread.flush)
 
     def _load(self, path: Path, max_context: int | None, forward: str, placement, dtype: str,
-              kv_pool_capacity: int) -> None:
+              kv_pool_capacity: int | None) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, local_files_only=True).eval()
         if placement is None:
@@ -133,9 +133,8 @@ class ModelRunner:
         self.eos_token_ids = self._eos_ids()
         self.fingerprint = tokenizer_fingerprint(self.tokenizer)
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
-        self.fast = FastForward.build(self.model, self.max_context) if forward == "auto" else None
-        if self.fast is not None:
-            self.fast.pool_capacity = kv_pool_capacity
+        pool_capacity = POOL_CAPACITY if kv_pool_capacity is None else kv_pool_capacity
+        self.fast = FastForward.build(self.model, self.max_context, pool_capacity) if forward == "auto" else None
         self.forward_kind = "fast" if self.fast else "transformers"
         if placement is not None:
             if self.fast is None:

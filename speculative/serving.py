@@ -700,12 +700,11 @@ def run_model_service(name: str, args: argparse.Namespace, servicer: ModelServic
 
         async def load() -> asyncio.Future | None:
             nonlocal sweeper, runner
-            pool = {} if args.kv_pool_capacity is None else {"kv_pool_capacity": args.kv_pool_capacity}
             runner = await servicer.thread.run(
                 lambda: ModelRunner(args.model, args.device, args.dtype, args.max_sessions,
                                     args.session_idle_timeout, args.max_context or None, args.forward,
                                     args.tensor_parallel_size, args.ray_address, args.tp_start_timeout,
-                                    **pool)
+                                    args.kv_pool_capacity)
             )
             runner.batched_threads = args.batched_threads
             runner.on_forward = servicer.thread.flush

@@ -112,10 +112,9 @@ class Worker:
         from .model_runner import DTYPES
 
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=DTYPES[self.dtype], local_files_only=True)
-        self.fast = FastForward.build(model.eval(), self.max_context)
+        self.fast = FastForward.build(model.eval(), self.max_context, self.pool_capacity)
         if self.fast is None:
             raise ValueError(f"{model.config.model_type} has no lean forward to shard")
-        self.fast.pool_capacity = self.pool_capacity
         return os.getpid()
 
     def join(self, init_method: str, backend: str, timeout: timedelta, idle: timedelta) -> None:
