@@ -15,6 +15,10 @@ taking the next as soon as its last one ends, as bench-concurrency's clients do)
 the target decoding alone, batched the same way), `--repeats` times in alternating order;
 tokens/s are medians over the repeats. "x S=1" divides each S's best K by the best K at one
 session: the ceiling of `make bench-concurrency`'s "x C=1" column on this machine and pair.
+"prompt" is the share of a run's time that its prompts cost: for each pass that carried a
+request's first call, what it took beyond the median pass that carried none. A prompt is
+computed at full width whatever the batch (it is already compute-bound alone), so that share
+grows with S; the last lines divide the runs' tokens/s with that time taken out as well.
 
 Every run's tokens must equal those of the first run, prompt by prompt (greedy output is the
 target's own at any batch and K); a difference stops the bench with an error.
@@ -61,6 +65,8 @@ class Lockstep:
         self.passes = {"draft": 0, "target": 0}
         self.calls = {"draft": 0, "target": 0}
         self.busy = {"draft": 0.0, "target": 0.0}  # seconds inside each model's passes
+        # each pass's seconds, and whether it carried a request's first call (its prompt)
+        self.timeline: dict[str, list[tuple[float, bool]]] = {"draft": [], "target": []}
 
     def set_threads(self, draft_threads: int, target_threads: int) -> None:
         self.models = {"draft": (self.draft.propose_many, draft_threads),
@@ -92,7 +98,9 @@ class Lockstep:
         torch.set_num_threads(threads)
         start = time.perf_counter()
         results = run_many([call for call, _ in batch])
-        self.busy[model] += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.busy[model] += seconds
+        self.timeline[model].append((seconds, any(call.start for call, _ in batch)))
         self.passes[model] += 1
         self.calls[model] += len(batch)
         for (_, future), result in zip(batch, results):
@@ -127,6 +135,14 @@ class LockstepTarget(LocalTarget):
         return await self.lockstep.call("target", VerifyCall(session_id, start, append, proposal, params))
 
 
+def prompt_seconds(passes: list[tuple[float, bool]]) -> float:
+    """What the passes that carried a prompt cost beyond a pass without one: each such pass's
+    seconds less the median of the others' (the decoding they did beside the prompt), summed."""
+    plain = [seconds for seconds, prompt in passes if not prompt]
+    typical = statistics.median(plain) if plain else 0.0
+    return sum(max(0.0, seconds - typical) for seconds, prompt in passes if prompt)
+
+
 def lockstep_run(draft: LockstepDraft, target: LockstepTarget, prompts: list[list[int]], sessions: int, k: int,
                  new_tokens: int, eos: set[int], tag: str) -> dict:
     """max(len(prompts), 2 * sessions) requests over the prompts in turn, `sessions` at a time: each
@@ -140,6 +156,7 @@ def lockstep_run(draft: LockstepDraft, target: LockstepTarget, prompts: list[lis
     lockstep = target.lockstep
     passes, calls = lockstep.passes["target"], lockstep.calls["target"]
     busy = dict(lockstep.busy)
+    marks = {model: len(passes) for model, passes in lockstep.timeline.items()}
     queue = iter(range(requests))
 
     async def session() -> None:
@@ -163,10 +180,12 @@ def lockstep_run(draft: LockstepDraft, target: LockstepTarget, prompts: list[lis
     seconds = asyncio.run(run())
     verify_passes = lockstep.passes["target"] - passes
     tokens = sum(map(len, outputs))
+    prompts_s = sum(prompt_seconds(lockstep.timeline[model][mark:]) for model, mark in marks.items())
     return {"outputs": outputs, "requests": requests, "tokens": tokens, "seconds": seconds,
             "tokens_per_s": tokens / seconds,
             "mean_verify_batch": (lockstep.calls["target"] - calls) / verify_passes if verify_passes else 0.0,
             "acceptance_rate": stats.acceptance_rate, "rounds": stats.rounds,
+            "prompt_share": prompts_s / seconds, "tokens_per_s_no_prompts": tokens / (seconds - prompts_s),
             **{f"{model}_ms_per_token": 1e3 * (lockstep.busy[model] - busy[model]) / tokens for model in busy}}
 
 
@@ -234,7 +253,9 @@ def main(argv=None) -> dict:
                "mean_verify_batch": statistics.mean(r["mean_verify_batch"] for r in done),
                "acceptance_rate": done[0]["acceptance_rate"],
                "draft_ms_per_token": statistics.median(r["draft_ms_per_token"] for r in done),
-               "target_ms_per_token": statistics.median(r["target_ms_per_token"] for r in done)}
+               "target_ms_per_token": statistics.median(r["target_ms_per_token"] for r in done),
+               "prompt_share": statistics.median(r["prompt_share"] for r in done),
+               "tokens_per_s_no_prompts": statistics.median(r["tokens_per_s_no_prompts"] for r in done)}
         if (tt, td) == (1, 1):  # every core busy with these passes and nothing else
             row["bound_tokens_per_s"] = 1e3 * cores / (row["draft_ms_per_token"] + row["target_ms_per_token"])
         rows.append(row)
@@ -248,24 +269,30 @@ def main(argv=None) -> dict:
         r["best"] = r is best[r["sessions"]] or r is bound[r["sessions"]]
         r["vs_1"] = r["tokens_per_s"] / single
     print(f"\n{'thr':>3} {'S':>3} {'K':>3} {'tok/s':>8} {'x S=1':>6} {'batch':>6} {'accept':>7} "
-          f"{'draft':>6} {'target':>6} {'bound':>7}  runs")
+          f"{'draft':>6} {'target':>6} {'prompt':>6} {'bound':>7}  runs")
     for r in rows:
         runs_text = " ".join(f"{t:.1f}" for t in r["tokens_per_s_runs"])
         bound_text = f"{r['bound_tokens_per_s']:>7.1f}" if "bound_tokens_per_s" in r else f"{'':>7}"
         print(f"{r['threads']:>1}/{r['draft_threads']:<1} {r['sessions']:>3} {r['k']:>3} {r['tokens_per_s']:>8.1f} "
               f"{r['vs_1']:>5.2f}x {r['mean_verify_batch']:>6.2f} {r['acceptance_rate']:>7.3f} "
-              f"{r['draft_ms_per_token']:>6.2f} {r['target_ms_per_token']:>6.2f} {bound_text}  "
+              f"{r['draft_ms_per_token']:>6.2f} {r['target_ms_per_token']:>6.2f} {r['prompt_share']:>6.1%} {bound_text}  "
               f"{runs_text}{'  best' if r['best'] else ''}")
-    print(f"(thr: target/draft torch threads; draft, target: ms inside each model's passes per token; bound: "
+    print(f"(thr: target/draft torch threads; draft, target: ms inside each model's passes per token; prompt: the "
+          f"run's time the passes carrying a prompt took beyond a pass without one; bound: "
           f"{cores} cores x tokens per ms of one-thread passes, i.e. no core ever idle and nothing but the passes)")
     print(f"one session, lockstep at {chosen[0]}/{chosen[1]} threads: {single:.1f} tok/s (K {best[1]['k']})")
     ceiling = {}
     for s in levels:
         if s != 1:
-            ceiling[str(s)] = {"lockstep": best[s]["vs_1"], "bound": bound[s]["bound_tokens_per_s"] / single}
+            no_prompts = best[s]["tokens_per_s_no_prompts"] / best[1]["tokens_per_s_no_prompts"]
+            ceiling[str(s)] = {"lockstep": best[s]["vs_1"], "bound": bound[s]["bound_tokens_per_s"] / single,
+                               "lockstep_no_prompts": no_prompts}
             print(f"{s} sessions: lockstep {best[s]['tokens_per_s']:.1f} tok/s = {best[s]['vs_1']:.2f}x one session "
                   f"(K {best[s]['k']}); bound {bound[s]['bound_tokens_per_s']:.1f} tok/s = "
                   f"{ceiling[str(s)]['bound']:.2f}x (K {bound[s]['k']})")
+            print(f"  prompts: {best[s]['prompt_share']:.1%} of the run against {best[1]['prompt_share']:.1%} at one "
+                  f"session; without that time {best[s]['tokens_per_s_no_prompts']:.1f} against "
+                  f"{best[1]['tokens_per_s_no_prompts']:.1f} tok/s = {no_prompts:.2f}x")
     result = {"when": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{os.cpu_count()} cores, torch "
               f"{torch.__version__}", "threads": args.threads, "draft_threads": args.draft_threads, "cores": cores,
               "prompts": args.prompts, "new_tokens": args.new_tokens, "rows": rows, "ceiling": ceiling}

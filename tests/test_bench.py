@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from bench.__main__ import main as bench_main
 
 KEYS = {"name", "mode", "k", "tokens_per_s", "speedup", "acceptance_rate", "mean_accepted", "ideal_speedup",
@@ -74,8 +76,22 @@ def test_tiny_ceiling_bench(pair, tmp_path, capsys):
         assert r["target_ms_per_token"] > 0 and (r["draft_ms_per_token"] > 0) == (r["k"] > 0)
         if r["sessions"] == 1:
             assert r["mean_verify_batch"] == 1.0
+        # every request's first call carries its prompt: some of the run is theirs, never all of it
+        assert 0 < r["prompt_share"] < 1 and r["tokens_per_s_no_prompts"] > r["tokens_per_s"]
     assert max(r["mean_verify_batch"] for r in rows if r["sessions"] == 3) > 1.5  # sessions shared passes
-    assert "3 sessions: lockstep" in capsys.readouterr().out
+    assert saved["ceiling"]["3"]["lockstep_no_prompts"] > 0
+    out = capsys.readouterr().out
+    assert "3 sessions: lockstep" in out and "prompts:" in out
+
+
+def test_prompt_seconds_counts_what_prompts_add_to_their_passes():
+    from bench.ceiling import prompt_seconds
+
+    # passes of 10, 12 and 11 ms without a prompt (median 11), two with one, of 30 and 9 ms
+    passes = [(0.010, False), (0.030, True), (0.012, False), (0.009, True), (0.011, False)]
+    assert prompt_seconds(passes) == pytest.approx(0.030 - 0.011)  # a prompt pass no longer than usual adds 0
+    assert prompt_seconds([(0.02, True)]) == pytest.approx(0.02)  # no plain pass to compare: all of it
+    assert prompt_seconds([(0.02, False)]) == 0.0
 
 
 def test_tiny_concurrency_bench(pair, tmp_path, capsys):
