@@ -62,11 +62,8 @@ class Lockstep:
         self.waiting: dict[str, list[tuple[object, asyncio.Future]]] = {"draft": [], "target": []}
         self.live = 0
         self.scheduled = False
-        self.passes = {"draft": 0, "target": 0}
-        self.calls = {"draft": 0, "target": 0}
-        self.busy = {"draft": 0.0, "target": 0.0}  # seconds inside each model's passes
-        # each pass's seconds, and whether it carried a request's first call (its prompt)
-        self.timeline: dict[str, list[tuple[float, bool]]] = {"draft": [], "target": []}
+        # each model's passes: (seconds inside it, calls it served, whether one was a request's first: its prompt)
+        self.timeline: dict[str, list[tuple[float, int, bool]]] = {"draft": [], "target": []}
 
     def set_threads(self, draft_threads: int, target_threads: int) -> None:
         self.models = {"draft": (self.draft.propose_many, draft_threads),
@@ -98,11 +95,7 @@ class Lockstep:
         torch.set_num_threads(threads)
         start = time.perf_counter()
         results = run_many([call for call, _ in batch])
-        seconds = time.perf_counter() - start
-        self.busy[model] += seconds
-        self.timeline[model].append((seconds, any(call.start for call, _ in batch)))
-        self.passes[model] += 1
-        self.calls[model] += len(batch)
+        self.timeline[model].append((time.perf_counter() - start, len(batch), any(call.start for call, _ in batch)))
         for (_, future), result in zip(batch, results):
             if isinstance(result, BaseException):
                 future.set_exception(result)
@@ -135,12 +128,13 @@ class LockstepTarget(LocalTarget):
         return await self.lockstep.call("target", VerifyCall(session_id, start, append, proposal, params))
 
 
-def prompt_seconds(passes: list[tuple[float, bool]]) -> float:
-    """What the passes that carried a prompt cost beyond a pass without one: each such pass's
-    seconds less the median of the others' (the decoding they did beside the prompt), summed."""
-    plain = [seconds for seconds, prompt in passes if not prompt]
+def prompt_seconds(passes: list[tuple[float, int, bool]]) -> float:
+    """What the passes (seconds, calls, prompt) that carried a prompt cost beyond a pass without
+    one: each such pass's seconds less the median of the others' (the decoding they did beside
+    the prompt), summed."""
+    plain = [seconds for seconds, _, prompt in passes if not prompt]
     typical = statistics.median(plain) if plain else 0.0
-    return sum(max(0.0, seconds - typical) for seconds, prompt in passes if prompt)
+    return sum(max(0.0, seconds - typical) for seconds, _, prompt in passes if prompt)
 
 
 def lockstep_run(draft: LockstepDraft, target: LockstepTarget, prompts: list[list[int]], sessions: int, k: int,
@@ -154,8 +148,6 @@ def lockstep_run(draft: LockstepDraft, target: LockstepTarget, prompts: list[lis
     outputs: list[list[int]] = [[] for _ in range(requests)]
     stats = Stats()
     lockstep = target.lockstep
-    passes, calls = lockstep.passes["target"], lockstep.calls["target"]
-    busy = dict(lockstep.busy)
     marks = {model: len(passes) for model, passes in lockstep.timeline.items()}
     queue = iter(range(requests))
 
@@ -178,15 +170,17 @@ def lockstep_run(draft: LockstepDraft, target: LockstepTarget, prompts: list[lis
         return time.perf_counter() - start
 
     seconds = asyncio.run(run())
-    verify_passes = lockstep.passes["target"] - passes
     tokens = sum(map(len, outputs))
-    prompts_s = sum(prompt_seconds(lockstep.timeline[model][mark:]) for model, mark in marks.items())
+    run_passes = {model: lockstep.timeline[model][mark:] for model, mark in marks.items()}  # this run's
+    verify = run_passes["target"]
+    prompts_s = sum(map(prompt_seconds, run_passes.values()))
     return {"outputs": outputs, "requests": requests, "tokens": tokens, "seconds": seconds,
             "tokens_per_s": tokens / seconds,
-            "mean_verify_batch": (lockstep.calls["target"] - calls) / verify_passes if verify_passes else 0.0,
+            "mean_verify_batch": sum(calls for _, calls, _ in verify) / len(verify) if verify else 0.0,
             "acceptance_rate": stats.acceptance_rate, "rounds": stats.rounds,
             "prompt_share": prompts_s / seconds, "tokens_per_s_no_prompts": tokens / (seconds - prompts_s),
-            **{f"{model}_ms_per_token": 1e3 * (lockstep.busy[model] - busy[model]) / tokens for model in busy}}
+            **{f"{model}_ms_per_token": 1e3 * sum(busy for busy, _, _ in passes) / tokens
+               for model, passes in run_passes.items()}}
 
 
 def main(argv=None) -> dict:

@@ -88,10 +88,10 @@ def test_prompt_seconds_counts_what_prompts_add_to_their_passes():
     from bench.ceiling import prompt_seconds
 
     # passes of 10, 12 and 11 ms without a prompt (median 11), two with one, of 30 and 9 ms
-    passes = [(0.010, False), (0.030, True), (0.012, False), (0.009, True), (0.011, False)]
+    passes = [(0.010, 8, False), (0.030, 8, True), (0.012, 7, False), (0.009, 8, True), (0.011, 8, False)]
     assert prompt_seconds(passes) == pytest.approx(0.030 - 0.011)  # a prompt pass no longer than usual adds 0
-    assert prompt_seconds([(0.02, True)]) == pytest.approx(0.02)  # no plain pass to compare: all of it
-    assert prompt_seconds([(0.02, False)]) == 0.0
+    assert prompt_seconds([(0.02, 1, True)]) == pytest.approx(0.02)  # no plain pass to compare: all of it
+    assert prompt_seconds([(0.02, 1, False)]) == 0.0
 
 
 def test_tiny_concurrency_bench(pair, tmp_path, capsys):
