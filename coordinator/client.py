@@ -1,6 +1,8 @@
 """Command-line client for the coordinator.
 
     python -m coordinator.client --addr 127.0.0.1:50050 --stream "def fibonacci(n):"
+    python -m coordinator.client --chat --stream "What is the capital of France?"   # one user message
+    python -m coordinator.client --chat --system "Answer in French." "Where is Paris?"
     python -m coordinator.client --tls-ca ca.pem --tls-cert me.pem --tls-key me.key "def f():"  # mutual TLS
 
 Prints the text (as it arrives with --stream), or with --json one JSON object
@@ -23,7 +25,12 @@ from speculative.transport import add_dial_flags, channel_credentials, open_chan
 
 
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(prompt=args.prompt, stop=args.stop or [])
+    if args.chat or args.system is not None:
+        messages = [pb.ChatMessage(role="system", content=args.system)] if args.system is not None else []
+        messages.append(pb.ChatMessage(role="user", content=args.prompt))
+        request = pb.GenerateRequest(messages=messages, stop=args.stop or [])
+    else:
+        request = pb.GenerateRequest(prompt=args.prompt, stop=args.stop or [])
     for field in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "num_speculative_tokens", "draft_p_min"):
         value = getattr(args, field)
         if value is not None:
@@ -52,7 +59,10 @@ def finish_name(reason: int) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m coordinator.client", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("prompt", help="prompt text")
+    parser.add_argument("prompt", help="prompt text (with --chat: the user's message)")
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as one user message through the model's chat template")
+    parser.add_argument("--system", help="a system message before the user's (implies --chat)")
     parser.add_argument("--addr", default="127.0.0.1:50050", help="coordinator address HOST:PORT")
     parser.add_argument("--stream", action="store_true", help="print the text as it is generated")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text")

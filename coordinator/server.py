@@ -44,7 +44,11 @@ class Limits:
 
 
 class BadRequest(ValueError):
-    pass
+    """INVALID_ARGUMENT: the request itself is wrong."""
+
+
+class NotPossible(ValueError):
+    """FAILED_PRECONDITION: a valid request this deployment cannot serve (messages without a chat template)."""
 
 
 def stats_proto(stats: Stats, k: int, seed: int, prompt_tokens: int, wall_ms: float,
@@ -141,28 +145,56 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     # ----------------------------------------------------------- validation
 
     async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
-        if request.prompt and request.prompt_token_ids:
-            raise BadRequest("give either prompt or prompt_token_ids, not both")
+        given = [name for name, there in (("prompt", bool(request.prompt)),
+                                          ("prompt_token_ids", bool(request.prompt_token_ids)),
+                                          ("messages", bool(request.messages))) if there]
+        if len(given) > 1:
+            raise BadRequest(f"give exactly one of prompt, prompt_token_ids and messages, not {' and '.join(given)}")
+        if not given:
+            raise BadRequest("the prompt is empty: give prompt text, prompt_token_ids or messages")
         if request.prompt_token_ids:
             ids = list(request.prompt_token_ids)
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise BadRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
             return ids
-        if not request.prompt:
-            raise BadRequest("the prompt is empty: give prompt text or prompt_token_ids")
-        # a text that cannot fit is refused untokenized: a prompt of a few MB takes seconds to encode.
-        # (PROMPT_SLACK: a normalizer may shorten the text before it is split)
-        fits = PROMPT_SLACK * self.max_token_chars * self.max_context
-        if self.max_token_chars and len(request.prompt) > fits:
-            raise BadRequest(
-                f"the prompt has {len(request.prompt)} characters, more than the context of {self.max_context} "
-                f"tokens can hold (no token of this tokenizer spans more than {self.max_token_chars} characters)")
+        if request.messages:
+            return await self._chat_ids(request.messages)
+        self._check_length(len(request.prompt), "the prompt")
         # off the event loop: encoding a long prompt must not hold up the other requests' rounds
         ids = await asyncio.to_thread(lambda: self.tokenizer(request.prompt)["input_ids"])
         if not ids:
             raise BadRequest("the prompt encodes to no tokens")
         return ids
+
+    def _check_length(self, chars: int, what: str) -> None:
+        """A text that cannot fit is refused untokenized: a prompt of a few MB takes seconds to encode.
+        (PROMPT_SLACK: a normalizer may shorten the text before it is split; a chat template adds text)"""
+        fits = PROMPT_SLACK * self.max_token_chars * self.max_context
+        if self.max_token_chars and chars > fits:
+            raise BadRequest(
+                f"{what} has {chars} characters, more than the context of {self.max_context} "
+                f"tokens can hold (no token of this tokenizer spans more than {self.max_token_chars} characters)")
+
+    async def _chat_ids(self, messages) -> list[int]:
+        """The conversation through the target's chat template, the assistant's turn opened."""
+        if not self.tokenizer.chat_template:
+            raise NotPossible("the target model has no chat template: send `prompt` or `prompt_token_ids`,"
+                              " not `messages`")
+        for i, m in enumerate(messages):
+            if not m.role:
+                raise BadRequest(f"messages[{i}] has no role (system, user or assistant)")
+        self._check_length(sum(len(m.content) for m in messages), "the conversation")
+        conversation = [{"role": m.role, "content": m.content} for m in messages]
+
+        def encode() -> list[int]:
+            return list(self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+
+        try:
+            return await asyncio.to_thread(encode)
+        except Exception as e:  # the template's own refusals (jinja's raise_exception: roles out of order...)
+            raise BadRequest(f"the chat template refused the messages: {e}") from e
 
     async def _resolve(self, request: pb.GenerateRequest):
         prompt = await self._prompt_ids(request)
@@ -246,6 +278,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             prompt, max_new, params, policy, p_min, stop = await self._resolve(request)
         except BadRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except NotPossible as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         text = TextStream(self.tokenizer, stop)
         finish = pb.FINISH_REASON_LENGTH
         # one replica of each pool at a time, moving to another if it fails (coordinator/failover.py)

@@ -19,6 +19,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 EOS = "<|endoftext|>"
 UNK = "<unk>"
 CHARS = "abcdefgh ."  # the alphabet of the small-vocabulary tokenizer
+# a ChatML-like template for the byte-level BPE tokenizer (its turns end with EOS); raises on an unknown
+# role, as real templates do (the coordinator answers INVALID_ARGUMENT)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "{{ m['role'] + ':\n' + m['content'] + '" + EOS + "\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant:\n' }}{% endif %}"
+)
 
 # a little text to learn byte-level merges from
 _CORPUS = [
@@ -30,7 +38,8 @@ _CORPUS = [
 
 
 def make_tokenizer(out: Path, vocab: str = "bpe", vocab_size: int = 384) -> PreTrainedTokenizerFast:
-    """'bpe': byte-level BPE (~vocab_size tokens); 'chars': one token per character of CHARS."""
+    """'bpe': byte-level BPE (~vocab_size tokens) with a chat template; 'chars': one token per
+    character of CHARS, no chat template."""
     if vocab == "bpe":
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -40,6 +49,7 @@ def make_tokenizer(out: Path, vocab: str = "bpe", vocab_size: int = 384) -> PreT
         )
         tok.train_from_iterator(_CORPUS, trainer)
         fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
+        fast.chat_template = CHAT_TEMPLATE
     elif vocab == "chars":
         tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate([EOS, UNK, *CHARS])}, unk_token=UNK))
         tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")

