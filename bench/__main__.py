@@ -2,8 +2,9 @@
 
     python -m bench [--draft-model D --target-model T] [--prompts 16] [--new-tokens 128]
 
-One run, same machine, same threads, same held-out prompts, for greedy and for sampling
-(temperature 0.8), sweeping K:
+One run, same machine, same threads, same held-out chat prompts (bench/prompts.py, through the
+target's chat template; never trained on), for greedy and for sampling (temperature 0.7),
+sweeping K:
   a  target alone: transformers `generate` — the baseline, measured at the start of each mode
      and again after every K; speedups are over the median of those runs
   a' target alone on specdec's model runner (its lean forward, no draft): how much of c/d's
@@ -16,6 +17,10 @@ One run, same machine, same threads, same held-out prompts, for greedy and for s
      the ceiling of the machinery (greedy only)
   f  d at K = --tp-k with the target tensor-parallel over 1 and 2 ranks (--tp), one torch
      thread per rank: what sharding costs or gains on this machine (on a 2-core CPU it costs)
+  l  llama.cpp (llama-cpp-python, the `bench` extra) on the GGUF the target was converted from,
+     same threads: what a CPU user would run instead (its weights stay 4-bit, so its greedy
+     text is its own, not the target's)
+Also: each service's peak RSS, how many of d's greedy outputs equal a's, and the issue's bars.
 Writes a table to stdout, bench/results/latest.json and bench/results/speedup.png.
 """
 
@@ -43,32 +48,22 @@ from speculative.round import Stats, generate  # noqa: E402
 from speculative.sampling import SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MODES = {"greedy": 0.0, "sampling": 0.8}
+MODES = {"greedy": 0.0, "sampling": 0.7}
 
 
 # ----------------------------------------------------------------- prompts
 
-def heldout_prompts(tokenizer, n: int, lines: int = 12, max_tokens: int = 128) -> list[list[int]]:
-    """n prompts of `lines` source lines (at most max_tokens: with 128 new tokens they stay inside
-    the 256-token windows the default pair was trained on), from the middle of held-out files."""
-    from training.data import build_corpus, read_split
+def heldout_prompts(tokenizer, n: int) -> list[list[int]]:
+    """The first n held-out chat prompts as token ids: one user message through the tokenizer's
+    chat template (its assistant turn opened), or the bare text where it has none."""
+    from bench.prompts import CHAT
 
-    corpus = Path(__file__).resolve().parent.parent / ".cache" / "training" / "corpus"
-    if not (corpus / "heldout.txt").is_file():
-        corpus = Path(tempfile.mkdtemp(prefix="specdec-corpus-"))
-        build_corpus(corpus)
-    prompts = []
-    for text in read_split(corpus, "heldout"):
-        rows = text.splitlines(keepends=True)
-        if len(rows) < 3 * lines:
-            continue
-        start = len(rows) // 3
-        prompts.append(tokenizer("".join(rows[start : start + lines]))["input_ids"][-max_tokens:])
-        if len(prompts) == n:
-            break
-    if len(prompts) < n:
-        raise SystemExit(f"only {len(prompts)} held-out files are long enough for {n} prompts")
-    return prompts
+    if n > len(CHAT):
+        raise SystemExit(f"at most {len(CHAT)} prompts (bench/prompts.py), not {n}")
+    if not tokenizer.chat_template:
+        return [tokenizer(text)["input_ids"] for text in CHAT[:n]]
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=True)["input_ids"]) for text in CHAT[:n]]
 
 
 # ----------------------------------------------------------------- runners
@@ -131,8 +126,9 @@ def engine_run(draft_dir, target_dir, prompts, temperature: float, new_tokens: i
     return stats, asyncio.run(run())
 
 
-def grpc_run(stack: LocalStack, prompts, temperature: float, new_tokens: int, k: int | None):
-    """The full system over gRPC (k None: the coordinator's adaptive K). -> (Stats summed over requests, seconds)"""
+def grpc_run(stack: LocalStack, prompts, temperature: float, new_tokens: int, k: int | None, outputs=None):
+    """The full system over gRPC (k None: the coordinator's adaptive K). -> (Stats summed over requests, seconds);
+    each request's token ids appended to `outputs` when given"""
     import grpc
 
     from specdec.v1 import specdec_pb2 as pb
@@ -150,10 +146,58 @@ def grpc_run(stack: LocalStack, prompts, temperature: float, new_tokens: int, k:
                 request.seed = i
             # else unseeded: a sampled request naming its seed would get the acceptance-only K
             # (speculative.adaptive.AcceptanceK), not the cost-driven one this row measures
-            s = stub.Generate(request).stats
-            stats.merge(s)
+            reply = stub.Generate(request)
+            stats.merge(reply.stats)
+            if outputs is not None:
+                outputs.append(list(reply.token_ids))
         seconds = time.perf_counter() - start
     return stats, seconds
+
+
+def source_gguf(target_dir) -> Path | None:
+    """The GGUF file `target_dir` was converted from (training.convert), where it is installed."""
+    record = Path(target_dir) / "conversion.json"
+    if not record.is_file():
+        return None
+    from training.convert import DEFAULT_FILE, packaged_gguf
+
+    name = json.loads(record.read_text())["source"]
+    try:
+        return packaged_gguf(name=name) if name == DEFAULT_FILE else None
+    except FileNotFoundError:
+        return None
+
+
+def llama_cpp_run(gguf: Path, prompts, temperature: float, new_tokens: int, threads: int):
+    """llama.cpp on the GGUF, the same token prompts, one at a time. -> (generated token lists, seconds)"""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf), n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False,
+                seed=0)
+    eos = llm.token_eos()
+    outputs, start = [], time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        llm.reset()
+        llm.set_seed(i)
+        out = []
+        kwargs = dict(temp=temperature, top_k=1 if temperature == 0 else 0, top_p=1.0, min_p=0.0,
+                      repeat_penalty=1.0)
+        for token in llm.generate(prompt, reset=True, **kwargs):
+            out.append(token)
+            if token == eos or len(out) == new_tokens:
+                break
+        outputs.append(out)
+    seconds = time.perf_counter() - start
+    del llm
+    return outputs, seconds
+
+
+def peak_rss_mb(pid: int) -> float:
+    """A process's peak resident memory (VmHWM), MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
 
 
 # ----------------------------------------------------------------- maths
@@ -263,14 +307,16 @@ def main(argv=None) -> None:
     add_pair_flags(parser)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--ks", default="1,2,4,6,8", help="K values to sweep")
+    parser.add_argument("--ks", default="2,4,6", help="K values to sweep")
     parser.add_argument("--modes", default="greedy,sampling")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
                         help="torch threads of the bench process (rows a, b, c) and of d's target service")
     parser.add_argument("--draft-threads", type=int, default=1,
                         help="torch threads of d's draft service: it runs while the target waits, and with more"
                              " than one its idle OpenMP workers spin on the cores the target needs next")
-    parser.add_argument("--tp", default="1,2", help="row f: target tensor-parallel sizes ('' to skip the row)")
+    parser.add_argument("--tp", default="", help="row f: target tensor-parallel sizes, e.g. 1,2 ('' skips the row)")
+    parser.add_argument("--gguf", type=Path, help="row l: the GGUF llama.cpp runs (default: the one the target was"
+                                                  " converted from, where installed; none: no row l)")
     parser.add_argument("--tp-k", type=int, default=4, help="row f: K")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -286,13 +332,23 @@ def main(argv=None) -> None:
     prompts = heldout_prompts(tokenizer, args.prompts)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     assistant = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
-    eos = {target.config.eos_token_id}
+    eos_ids = target.generation_config.eos_token_id
+    eos = set(eos_ids) if isinstance(eos_ids, list) else {eos_ids}
+    gguf = args.gguf or source_gguf(target_dir)
+    if gguf is not None:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            print(f"row l skipped: llama-cpp-python is not installed (pip install -e '.[bench]')", flush=True)
+            gguf = None
 
-    runs = len(modes) * (3 + 4 * len(ks) + len(tp_sizes)) + len(ks) * ("greedy" in modes)
+    runs = len(modes) * (3 + 4 * len(ks) + len(tp_sizes) + (gguf is not None)) + len(ks) * ("greedy" in modes)
     bar = tqdm(total=runs, desc="bench", unit="run")
     rows: list[dict] = []
     baselines: dict[str, list[float]] = {}  # row a's tokens/s, per mode: at the start and after every K
     references = None
+    hf_greedy, identical = None, {}  # d's greedy outputs equal to a's: (row, K) -> count
+    rss: dict[str, float] = {}
     args.out.mkdir(parents=True, exist_ok=True)
     stack = LocalStack(draft_dir, target_dir, threads=args.threads, draft_threads=args.draft_threads).start()
     try:
@@ -311,6 +367,7 @@ def main(argv=None) -> None:
                          "tokens_per_s": baselines[mode][0]})
             if mode == "greedy":
                 references = [p + o for p, o in zip(prompts, outputs)]
+                hf_greedy = outputs
             bar.set_postfix_str(f"{mode}: a' target alone, specdec runner")
             tokens, seconds = runner_alone(target_dir, prompts, temperature, args.new_tokens, eos)
             rows.append({"name": "a' target alone (runner)", "mode": mode, "k": 0, "tokens": tokens,
@@ -327,8 +384,11 @@ def main(argv=None) -> None:
                 rows.append(row_from_stats("c specdec in-process", mode, k, stats, seconds))
                 bar.update()
                 bar.set_postfix_str(f"{mode}: d gRPC K={k}")
-                stats, seconds = grpc_run(stack, prompts, temperature, args.new_tokens, k)
+                served = []
+                stats, seconds = grpc_run(stack, prompts, temperature, args.new_tokens, k, served)
                 rows.append(row_from_stats("d specdec gRPC", mode, k, stats, seconds))
+                if mode == "greedy":
+                    identical[f"d K={k}"] = sum(a == b for a, b in zip(served, hf_greedy))
                 bar.update()
                 baseline()
             bar.set_postfix_str(f"{mode}: d gRPC adaptive K")
@@ -337,6 +397,16 @@ def main(argv=None) -> None:
             rows.append({**row_from_stats("d specdec gRPC, adaptive K", mode, round(mean_k), stats, seconds),
                          "adaptive": True, "mean_k": mean_k})
             bar.update()
+            if gguf is not None:
+                bar.set_postfix_str(f"{mode}: l llama.cpp")
+                outputs, seconds = llama_cpp_run(gguf, prompts, temperature, args.new_tokens, args.threads)
+                rows.append({"name": "l llama.cpp (GGUF)", "mode": mode, "k": 0, "tokens": sum(map(len, outputs)),
+                             "tokens_per_s": sum(map(len, outputs)) / seconds})
+                if mode == "greedy":
+                    identical["l llama.cpp"] = sum(a == b for a, b in zip(outputs, hf_greedy))
+                bar.update()
+        rss = {name: peak_rss_mb(proc.pid) for name, proc in stack.procs.items()}
+        rss["bench process (a, a', b, c)"] = peak_rss_mb(os.getpid())
         if references is not None:
             stack.stop()
             oracle = args.out / "oracle.json"
@@ -364,7 +434,7 @@ def main(argv=None) -> None:
         bar.close()
 
     with_speedups(rows, baselines)
-    meta = {"machine": f"{os.cpu_count()} cores, {torch.__version__}", "threads": args.threads,
+    meta = {"machine": machine(), "threads": args.threads, "peak_rss_mb": rss, "greedy_identical_to_a": identical,
             "draft_threads": args.draft_threads,
             "draft": str(draft_dir), "target": str(target_dir), "prompts": len(prompts),
             "new_tokens": args.new_tokens, "date": time.strftime("%Y-%m-%d %H:%M")}
@@ -381,7 +451,56 @@ def main(argv=None) -> None:
             print(f"best d ({mode}): {r['name']} K={r['k']} {r['speedup']:.2f}x target alone, "
                   f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x HF assisted at that K, "
                   f"gRPC overhead {100 * r['overhead_fraction']:.1f}% of a round")
+    if rss:
+        print("peak RSS, MB: " + ", ".join(f"{name} {mb:.0f}" for name, mb in rss.items()))
+    if identical:
+        print(f"greedy outputs identical to a's (of {len(prompts)}): "
+              + ", ".join(f"{name} {n}" for name, n in identical.items()))
+    for line in bars(rows):
+        print(line)
     print(f"\nwrote {args.out / 'latest.json'} and {args.out / 'speedup.png'}")
+
+
+def machine() -> str:
+    """Cores, CPU model and its vector extensions, torch: figures compare only within one machine."""
+    model, flags = "", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    simd = "AMX" if "amx_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "?"
+    return f"{os.cpu_count()} cores, {model or 'unknown CPU'} ({simd}), torch {torch.__version__}"
+
+
+def bars(rows: list[dict]) -> list[str]:
+    """The real-pair issue's bars, greedy unless said: best d >= 2.5x a, >= 1.7x a', >= 1.3x b (best of
+    each); sampled best d >= 1.8x a; d's acceptance at K = 4 >= 0.6."""
+    def best(prefix: str, mode: str) -> dict | None:
+        found = [r for r in rows if r["mode"] == mode and r["name"].startswith(prefix)]
+        return max(found, key=lambda r: r["tokens_per_s"]) if found else None
+
+    lines = []
+    d, a, a2, b = (best(p, "greedy") for p in ("d ", "a ", "a' ", "b "))
+    if d and a:
+        lines.append(f"bar d >= 2.5x a (greedy): {d['tokens_per_s'] / a['tokens_per_s']:.2f}x")
+    if d and a2:
+        lines.append(f"bar d >= 1.7x a' (greedy): {d['tokens_per_s'] / a2['tokens_per_s']:.2f}x")
+    if d and b:
+        lines.append(f"bar d >= 1.3x b (greedy, best of each): {d['tokens_per_s'] / b['tokens_per_s']:.2f}x")
+    ds, as_ = best("d ", "sampling"), best("a ", "sampling")
+    if ds and as_:
+        lines.append(f"bar d >= 1.8x a (sampled): {ds['tokens_per_s'] / as_['tokens_per_s']:.2f}x")
+    k4 = [r for r in rows if r["name"] == "d specdec gRPC" and r["k"] == 4]
+    for r in k4:
+        lines.append(f"bar acceptance at K = 4 >= 0.6 ({r['mode']}): {r['acceptance_rate']:.3f}")
+    lo = best("l ", "greedy")
+    if d and lo:
+        lines.append(f"(no bar) d / l llama.cpp (greedy): {d['tokens_per_s'] / lo['tokens_per_s']:.2f}x")
+    return lines
 
 
 if __name__ == "__main__":

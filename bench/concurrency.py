@@ -14,6 +14,8 @@ latency (p50 / p99), for:
                      gets its own forward pass (what batching buys)
   spec lockstep the coordinator's --lockstep (all drafts, then all verifications, never at
                 once; K = --lockstep-k), both services on 2 threads
+  spec defaults the spec row's services started with no thread flags, as by hand (each takes its
+                role's defaults: speculative.serving.default_threads)
   HF sequential transformers `generate` on the target, one request after another
 Each stack runs one stream again after its last level (row "1*"); "x C=1" divides by the mean
 of the two single-stream runs, so a slow or fast spell of a shared machine does not land on
@@ -151,7 +153,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--k", type=int, default=None,
                         help="fixed K for the speculative rows (default: the coordinator's adaptive K)")
     parser.add_argument("--systems",
-                        default="spec,no spec,spec predraft,spec 1-at-a-time,spec lockstep,HF sequential")
+                        default="spec,no spec,spec defaults,spec predraft,spec 1-at-a-time,spec lockstep,HF sequential")
     parser.add_argument("--lockstep-k", type=int, default=4, help="K of the spec lockstep row")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
                         help="torch threads of the target service (and of HF generate)")
@@ -175,7 +177,8 @@ def main(argv=None) -> dict:
     stacks = {"batched": [s for s in systems if s in ("spec", "no spec")],
               "predraft": [s for s in systems if s == "spec predraft"],
               "one at a time": [s for s in systems if s == "spec 1-at-a-time"],
-              "lockstep": [s for s in systems if s == "spec lockstep"]}
+              "lockstep": [s for s in systems if s == "spec lockstep"],
+              "defaults": [s for s in systems if s == "spec defaults"]}
     decoded: dict[int, list[int]] = {}  # prompt index -> the tokens its first greedy run decoded
     differ: list[str] = []  # the runs whose tokens were not those
     checked = 0
@@ -198,7 +201,7 @@ def main(argv=None) -> dict:
         coordinator_args = {"predraft": ["--predraft"],
                             "lockstep": ["--lockstep", "--num-speculative-tokens", str(args.lockstep_k)]}.get(kind, [])
         lockstep = kind == "lockstep"  # each model has the cores to itself in its turn
-        with LocalStack(draft_dir, target_dir, threads=args.threads,
+        with LocalStack(draft_dir, target_dir, threads=None if kind == "defaults" else args.threads,
                         draft_threads=args.threads if lockstep else args.draft_threads,
                         batched_threads=args.threads if lockstep else 1,
                         draft_args=extra, target_args=extra, coordinator_args=coordinator_args) as stack:
@@ -242,6 +245,9 @@ def main(argv=None) -> dict:
     by = {(r["system"], r["concurrency"]): r for r in rows if not r.get("again")}
     if ("spec", 8) in by and ("spec", 1) in by:
         print(f"\nspec at 8 streams: {by[('spec', 8)]['vs_single']:.2f}x its single-stream tokens/s (bar 3x)")
+    if ("spec defaults", 8) in by and ("spec defaults", 1) in by:
+        print(f"spec defaults (no thread flags) at 8 streams: {by[('spec defaults', 8)]['tokens_per_s']:.1f} tok/s,"
+              f" {by[('spec defaults', 8)]['vs_single']:.2f}x its single stream")
     if ("spec lockstep", 8) in by and ("spec lockstep", 1) in by:
         print(f"spec lockstep at 8 streams: {by[('spec lockstep', 8)]['vs_single']:.2f}x its single-stream tokens/s")
     if any(s == "no spec" for s, _ in by):

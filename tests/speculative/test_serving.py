@@ -46,3 +46,29 @@ def test_tls_flags_make_credentials_or_fail_clearly(monkeypatch, tmp_path):
         channel_credentials(str(tmp_path / "ca.pem"), prefix="--peer-tls")
     with pytest.raises(SystemExit, match="needs both --peer-tls-cert and --peer-tls-key"):
         channel_credentials(None, str(tmp_path / "cert.pem"), prefix="--peer-tls")
+
+
+def test_thread_defaults_follow_the_role_and_the_cpus(monkeypatch):
+    """Left at 0, --threads / --batched-threads come from the service's role and the CPUs it may
+    use: the target takes them all for one session's pass and leaves one to the draft for batched
+    passes; the draft takes one. A flag given wins."""
+    import argparse
+
+    from speculative import serving
+
+    monkeypatch.setattr(serving, "available_cpus", lambda: 2)
+    resolved = []
+    for role, threads, batched in (("target", 0, 0), ("draft", 0, 0), ("target", 3, 0), ("target", 0, 2)):
+        args = argparse.Namespace(role=role, threads=threads, batched_threads=batched)
+        serving.resolve_threads(args)
+        resolved.append((args.threads, args.batched_threads))
+    assert resolved == [(2, 1), (1, 1), (3, 3), (2, 2)]
+    monkeypatch.setattr(serving, "available_cpus", lambda: 16)
+    assert serving.default_threads("target", 16) == (16, 15)
+    assert serving.default_threads("draft", 16) == (1, 1)
+
+
+def test_available_cpus_is_at_least_one():
+    from speculative.serving import available_cpus
+
+    assert 1 <= available_cpus() <= (__import__("os").cpu_count() or 1)
