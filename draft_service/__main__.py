@@ -26,9 +26,31 @@ def parse_args(argv=None):
     add_model_flags(parser, "draft")
     parser.add_argument("--max-support", type=int, default=64,
                         help="tokens in each shipped draft distribution q (the draft samples from exactly these)")
+    parser.add_argument("--draft-vocab", default="auto",
+                        help="score only the N most frequent tokens (FR-Spec: the rest get q = 0, which keeps the"
+                             " output exact) from the model's draft_vocab.json; auto: its recommended size where the"
+                             " file exists, else the full vocabulary; full (or 0): every token")
     parser.add_argument("--oracle", default=None,
                         help="benchmark only: JSON list of token sequences to replay instead of drafting")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.vocab_subset = vocab_subset(args.draft_vocab, args.model)
+    return args
+
+
+def vocab_subset(flag: str, model_dir: str | None) -> int:
+    """--draft-vocab -> how many ids the output layer scores (0: all)."""
+    if flag in ("full", "0"):
+        return 0
+    if flag == "auto":
+        listing = Path(model_dir or "") / "draft_vocab.json"
+        return int(json.loads(listing.read_text()).get("recommended", 0)) if listing.is_file() else 0
+    try:
+        size = int(flag)
+    except ValueError:
+        raise SystemExit(f"--draft-vocab must be auto, full or a number, not {flag!r}") from None
+    if size < 0:
+        raise SystemExit(f"--draft-vocab must be >= 0, not {size}")
+    return size
 
 
 def main(argv=None) -> None:

@@ -258,6 +258,7 @@ class FastForward:
         self.lm_head = head.weight.data.t().contiguous()  # [D, V]
         head.weight.data = self.lm_head.t()
         self.embed = embed.weight  # the same tensor as lm_head when they are tied
+        self.vocab_size = self.lm_head.shape[1]
         self.final_norm = model.model.norm
         self.eps = config.rms_norm_eps
         self.heads = config.num_attention_heads
@@ -269,6 +270,7 @@ class FastForward:
         self.gather: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.rope_table = self._rope_table(max_context)
         self.lm_head_packed: torch.Tensor | None = None
+        self.head_ids: torch.Tensor | None = None  # restrict_head: the ids the output layer scores, [N]
         self.pack_min = PACK_MIN_ELEMENTS
         self.pack()
         self.pool_capacity = pool_capacity  # 0: every session's cache on its own (no batched attention)
@@ -323,6 +325,19 @@ class FastForward:
             for layer in self.layers:
                 layer["qkv_packed"], layer["gate_up_packed"] = packed(layer["qkv"]), packed(layer["gate_up"])
             self.lm_head_packed = packed(self.lm_head)
+
+    def restrict_head(self, ids: torch.Tensor) -> None:
+        """Score only `ids` ([N], distinct): the output layer keeps their columns and every other
+        logit is -inf, so their probability is exactly 0 (FR-Spec, Zhao et al. 2025: a draft's
+        output layer over the most frequent tokens). For a draft this keeps speculative decoding
+        exact (q = 0 where it cannot propose; rejection sampling needs nothing else) and cuts the
+        layer that dominates a small draft's step by V / N. Never for a target."""
+        if self.gather is not None:
+            raise ValueError("a restricted output layer is not sharded")
+        self.head_ids = ids.to(self.lm_head.device)
+        self.lm_head = self.lm_head[:, self.head_ids].contiguous()  # [D, N]; the HF module keeps the full one
+        self.lm_head_packed = None
+        self.pack()
 
     @staticmethod
     def _mm(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None,
@@ -456,6 +471,9 @@ class FastForward:
         logits = self._mm(self._norm(x, self.final_norm.weight), self.lm_head, self.lm_head_packed)  # [rows, V / world]
         if self.gather is not None:
             logits = self.gather(logits)  # [rows, V]
+        if self.head_ids is not None:  # [rows, N] -> [rows, V], -inf where the head does not score
+            full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+            logits = full.index_copy_(1, self.head_ids, logits)
         return list(logits.split([n for _, _, n in feeds]))
 
     def _slot_batch(self, feeds, spans) -> SlotBatch | None:
@@ -515,6 +533,8 @@ class FastForward:
         alias the HF modules' weights. -> self"""
         self.model.to(device)
         self.lm_head = self.lm_head.to(device)
+        if self.head_ids is not None:
+            self.head_ids = self.head_ids.to(device)
         for layer in self.layers:
             for key in ("qkv", "qkv_bias", "o", "gate_up", "down"):
                 if layer[key] is not None:

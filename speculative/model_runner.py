@@ -73,7 +73,10 @@ class ModelRunner:
         ray_address: str | None = None,
         tp_timeout: float = 120.0,
         kv_pool_capacity: int | None = None,
+        vocab_subset: int = 0,
     ):
+        """vocab_subset N > 0 (a draft's only): score only the N most frequent ids of the model
+        directory's draft_vocab.json (FastForward.restrict_head); every other id gets probability 0."""
         path = Path(model_dir)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
@@ -107,6 +110,7 @@ class ModelRunner:
             if placement is not None and self.tp is None:
                 placement.give_up("the model failed to load")
             raise
+        self.head_ids = self._restrict_head(path, vocab_subset) if vocab_subset else None
         self.sessions = SessionTable(max_sessions, idle_timeout, self.fast.new_cache if self.fast else DynamicCache)
         self._tokenizer_files: list[tuple[str, bytes]] | None = None
         self.lock = threading.Lock()  # one forward at a time; sessions are touched under it
@@ -142,6 +146,23 @@ class ModelRunner:
             self.tp = placement.start(self.fast, path, dtype, self.max_context, torch.get_num_threads())
             self.fast = self.tp
             self.forward_kind = f"fast, tensor-parallel x{self.tensor_parallel}"
+
+    def _restrict_head(self, path: Path, size: int) -> torch.Tensor:
+        """The first `size` ids of path/draft_vocab.json (most frequent first), applied to the forward."""
+        import json
+
+        listing = path / "draft_vocab.json"
+        if not listing.is_file():
+            raise FileNotFoundError(f"--draft-vocab {size} needs {listing} (python -m training distill writes it)")
+        ids = json.loads(listing.read_text())["ids"][:size]
+        if not ids or max(ids) >= self.logits_size or min(ids) < 0:
+            raise ValueError(f"{listing} lists ids outside the model's {self.logits_size} logits")
+        head = torch.tensor(sorted(set(ids)), dtype=torch.long, device=self.device)
+        if self.tp is not None:
+            raise ValueError("--draft-vocab is not supported with tensor parallelism")
+        if self.fast is not None:
+            self.fast.restrict_head(head)
+        return head
 
     def kv_pool_positions(self) -> int:
         """Positions this rank's KV pool has room for (slots x capacity), 0 without one."""
@@ -309,7 +330,10 @@ class ModelRunner:
                 input_ids = torch.tensor([new], dtype=torch.long, device=self.device)  # [1, S]
                 out = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True,
                                  logits_to_keep=num_logits)
-                logits.append(out.logits[0])
+                row = out.logits[0]
+                if self.head_ids is not None:  # as the lean forward's restricted head: -inf elsewhere
+                    row = torch.full_like(row, float("-inf")).index_copy_(1, self.head_ids, row[:, self.head_ids])
+                logits.append(row)
         for session, _ in feeds:
             session.cached = len(session.tokens)
         return [row.float() for row in logits]

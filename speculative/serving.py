@@ -742,7 +742,7 @@ def run_model_service(name: str, args: argparse.Namespace, servicer: ModelServic
                 lambda: ModelRunner(args.model, args.device, args.dtype, args.max_sessions,
                                     args.session_idle_timeout, args.max_context or None, args.forward,
                                     args.tensor_parallel_size, args.ray_address, args.tp_start_timeout,
-                                    args.kv_pool_capacity)
+                                    args.kv_pool_capacity, getattr(args, "vocab_subset", 0))
             )
             runner.batched_threads = args.batched_threads
             runner.on_forward = servicer.thread.flush

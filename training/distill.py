@@ -23,8 +23,11 @@ starts and resumes the run, and a stage already done is skipped:
                directions, so the draft starts in the target's output space. 2% of the answers
                are held out for the evaluations (greedy agreement: argmax q == argmax p).
   export       bf16 safetensors, the target's tokenizer and chat template, a model card with
-               the figures, and distill.json; with --acceptance, the acceptance rate of the
-               pair in specdec's own round on the held-out bench prompts.
+               the figures, distill.json, and draft_vocab.json: the ids of the target's answers,
+               most frequent first, with the smallest size that covers --vocab-coverage of them
+               (the draft service's --draft-vocab auto scores only those: FR-Spec); with
+               --acceptance, the acceptance rate of the pair in specdec's own round on the
+               held-out bench prompts.
 """
 
 from __future__ import annotations
@@ -112,6 +115,7 @@ class Config:
     lr: float = 2e-3
     warmup: int = 100
     heldout_share: float = 0.02
+    vocab_coverage: float = 0.995
     seed: int = 0
     threads: int = 2
 
@@ -410,6 +414,24 @@ def stage_train(cfg: Config, target) -> dict:
 # ------------------------------------------------------------------ export
 
 
+def draft_vocab(rows: list[dict], vocab_size: int, coverage: float) -> dict:
+    """The answers' token ids, most frequent first, and the smallest multiple of 1024 of them
+    covering `coverage` of the answer tokens (`recommended`; 0 where that is the whole vocabulary)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for r in rows:
+        counts += torch.bincount(torch.tensor(r["answer"]), minlength=vocab_size)[:vocab_size]
+    order = torch.argsort(counts, descending=True, stable=True)
+    seen = int((counts > 0).sum())
+    cumulative = counts[order].cumsum(0).double() / counts.sum()
+    sizes = {n: round(float(cumulative[min(n, vocab_size) - 1]), 5) for n in (1024, 2048, 4096, 8192, 16384, 32768)
+             if n < vocab_size}
+    needed = int((cumulative < coverage).sum()) + 1
+    recommended = min(vocab_size, -(-needed // 1024) * 1024)
+    return {"ids": order[:seen].tolist(), "recommended": 0 if recommended >= vocab_size else recommended,
+            "coverage_of_answer_tokens": sizes, "target_coverage": coverage, "answer_tokens": int(counts.sum())}
+
+
+
 def stage_export(cfg: Config, target, tokenizer, result: dict, acceptance: bool) -> dict:
     draft = loop.load_trained(LlamaForCausalLM(draft_config(cfg, target.config)), cfg.work / "train")
     tmp = cfg.out.with_name(cfg.out.name + ".partial")
@@ -418,6 +440,8 @@ def stage_export(cfg: Config, target, tokenizer, result: dict, acceptance: bool)
     draft.to(torch.bfloat16).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     generations = json.loads((cfg.work / "generations" / "done.json").read_text())
+    vocab = draft_vocab(load_generations(cfg), target.config.vocab_size, cfg.vocab_coverage)
+    (tmp / "draft_vocab.json").write_text(json.dumps(vocab))
     info = {
         "target": str(cfg.target.name),
         "shape": {k: getattr(cfg, k) for k in ("hidden", "layers", "heads", "kv_heads", "ffn")},
@@ -426,6 +450,7 @@ def stage_export(cfg: Config, target, tokenizer, result: dict, acceptance: bool)
         "training": {k: result[k] for k in ("steps", "tokens_seen", "train_wall_s", "precision", "seed")},
         "final": {k: v for k, v in result["final"].items() if k.startswith("heldout")},
         "evals": result["evals"],
+        "draft_vocab": {k: v for k, v in vocab.items() if k != "ids"},
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items() if k not in ("out", "work")},
     }
     (tmp / "distill.json").write_text(json.dumps(info, indent=1) + "\n")
@@ -435,7 +460,8 @@ def stage_export(cfg: Config, target, tokenizer, result: dict, acceptance: bool)
         from .export import acceptance as measure
 
         prompts = [chat_ids(tokenizer, p) for p in CHAT]
-        info["acceptance"] = measure(cfg.out, cfg.target, prompts, k=4, new_tokens=128)
+        info["acceptance"] = measure(cfg.out, cfg.target, prompts, k=4, new_tokens=128,
+                                     vocab_subset=vocab["recommended"])
         info["acceptance"].pop("prompt_tokens", None)
         (cfg.out / "distill.json").write_text(json.dumps(info, indent=1) + "\n")
     (cfg.out / "README.md").write_text(model_card(info))
@@ -457,6 +483,10 @@ def model_card(info: dict) -> str:
         f"| held-out greedy agreement (argmax q = argmax p) | {f['heldout_agreement']:.3f} |",
         f"| held-out sum min(p, q) over the target's top-k | {f['heldout_overlap']:.3f} |",
     ]
+    v = info.get("draft_vocab")
+    if v and v["recommended"]:
+        lines.append(f"| output layer served (`--draft-vocab auto`) | the {v['recommended']:,} most frequent answer ids"
+                     f" ({100 * v['target_coverage']:.1f}% of answer tokens; q = 0 elsewhere, still exact) |")
     if "acceptance" in info:
         a = info["acceptance"]
         lines.append(f"| acceptance, K = {a['k']}, greedy, {a['prompts']} bench chat prompts x {a['new_tokens']} tokens"
@@ -476,7 +506,7 @@ def main(argv: list[str] | None = None) -> None:
     for field in ("hidden", "layers", "heads", "kv_heads", "ffn", "stdlib_prompts", "own_questions", "new_tokens",
                   "batch", "top_k", "steps", "train_batch", "seed", "threads"):
         parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=Config.__dataclass_fields__[field].default)
-    for field in ("temperature", "generate_minutes", "lr"):
+    for field in ("temperature", "generate_minutes", "lr", "vocab_coverage"):
         parser.add_argument(f"--{field.replace('_', '-')}", type=float, default=Config.__dataclass_fields__[field].default)
     parser.add_argument("--generate-dtype", default=Config.generate_dtype, choices=["float32", "bfloat16"])
     parser.add_argument("--acceptance", action="store_true", help="measure the pair's acceptance at export")

@@ -54,8 +54,8 @@ def heldout_prompts(heldout: torch.Tensor, eos_id: int, count: int, length: int)
     return prompts
 
 
-async def _acceptance(draft_dir: Path, target_dir: Path, prompts, k: int, new_tokens: int) -> dict:
-    draft = LocalDraft(DraftEngine(ModelRunner(draft_dir, device="cpu")))
+async def _acceptance(draft_dir: Path, target_dir: Path, prompts, k: int, new_tokens: int, vocab_subset: int) -> dict:
+    draft = LocalDraft(DraftEngine(ModelRunner(draft_dir, device="cpu", vocab_subset=vocab_subset)))
     target_runner = ModelRunner(target_dir, device="cpu")
     target = LocalTarget(TargetEngine(target_runner))
     rates, total, start = [], Stats(), time.perf_counter()
@@ -96,8 +96,9 @@ async def _acceptance(draft_dir: Path, target_dir: Path, prompts, k: int, new_to
     }
 
 
-def acceptance(draft_dir: Path, target_dir: Path, prompts, k: int, new_tokens: int) -> dict:
-    return asyncio.run(_acceptance(draft_dir, target_dir, prompts, k, new_tokens))
+def acceptance(draft_dir: Path, target_dir: Path, prompts, k: int, new_tokens: int, vocab_subset: int = 0) -> dict:
+    """vocab_subset: the draft's output layer over its draft_vocab.json's first N ids (0: all)."""
+    return asyncio.run(_acceptance(draft_dir, target_dir, prompts, k, new_tokens, vocab_subset))
 
 
 @torch.no_grad()
