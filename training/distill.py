@@ -132,12 +132,17 @@ def first_line(doc: str | None) -> str:
     return " ".join(line.split())
 
 
-def stdlib_items() -> list[tuple[str, str, str]]:
-    """(module, qualified name, docstring's first paragraph) for the standard library's public
-    functions and classes, read from the source with `ast` (nothing is imported)."""
+def stdlib_items(enough: int, rng: random.Random) -> list[tuple[str, str, str]]:
+    """(module, qualified name, docstring's first paragraph) for public functions and classes of
+    the standard library, read from the source with `ast` (nothing is imported): files in a
+    random order until `enough` items."""
     root = Path(sysconfig.get_paths()["stdlib"])
     items = []
-    for path in sorted(root.rglob("*.py")):
+    paths = sorted(root.rglob("*.py"))
+    rng.shuffle(paths)
+    for path in paths:
+        if len(items) >= enough:
+            break
         rel = path.relative_to(root)
         if any(p in ("site-packages", "test", "tests", "idle_test", "lib2to3", "__pycache__") or p.startswith("_")
                for p in rel.parts[:-1]) or rel.name.startswith("_") and rel.name != "__init__.py":
@@ -155,7 +160,7 @@ def stdlib_items() -> list[tuple[str, str, str]]:
 
 
 def stdlib_prompts(count: int, rng: random.Random) -> list[str]:
-    items = stdlib_items()
+    items = stdlib_items(3 * count, rng)
     rng.shuffle(items)
     prompts = []
     for module, name, doc in items:
@@ -406,7 +411,7 @@ def stage_train(cfg: Config, target) -> dict:
         picks = torch.randint(0, len(train_rows), (cfg.train_batch,), generator=g).tolist()
         return collate([train_rows[i] for i in picks])
 
-    return loop.train("distill", draft, soft_loss, lambda m: evaluate(m, heldout), None, schedule, ckpt,
+    return loop.train("distill", draft, soft_loss, lambda m: evaluate(m, heldout), schedule, ckpt,
                       seed=cfg.seed, precision="bf16" if loop.bf16_is_fast() else "fp32",
                       checkpoint_minutes=3.0, eval_every=250, sample=sample)
 
@@ -457,7 +462,7 @@ def stage_export(cfg: Config, target, tokenizer, result: dict, acceptance: bool)
     shutil.rmtree(cfg.out, ignore_errors=True)
     os.replace(tmp, cfg.out)
     if acceptance:
-        from .export import acceptance as measure
+        from .acceptance import acceptance as measure
 
         prompts = [chat_ids(tokenizer, p) for p in CHAT]
         info["acceptance"] = measure(cfg.out, cfg.target, prompts, k=4, new_tokens=128,
@@ -479,7 +484,8 @@ def model_card(info: dict) -> str:
         " the draft learnt its top-k next-token distributions on those answers.\n",
         "| figure | value |\n|---|---|",
         f"| target answers | {g['sequences']:,} ({g['answer_tokens']:,} tokens, {g['minutes']} min) |",
-        f"| training | {t['steps']} steps, {t['tokens_seen']:,} positions, {t['train_wall_s'] / 60:.1f} min, {t['precision']} |",
+        f"| training | {t['steps']} steps of {info['config']['train_batch']} answers, {t['train_wall_s'] / 60:.1f} min,"
+        f" {t['precision']} autocast |",
         f"| held-out greedy agreement (argmax q = argmax p) | {f['heldout_agreement']:.3f} |",
         f"| held-out sum min(p, q) over the target's top-k | {f['heldout_overlap']:.3f} |",
     ]

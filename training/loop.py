@@ -1,8 +1,8 @@
-"""One training loop for both models: AdamW, warmup + cosine LR, seeded random windows, resumable checkpoints.
+"""The training loop: AdamW, warmup + cosine LR, seeded batches, resumable checkpoints.
 
-Used by `python -m training target` and `python -m training draft`. The loop owns the
-schedule, the checkpoints and the progress bar; what is learnt is the `loss_of` callable:
-  loss_of(model, window [B, T+1]) -> scalar loss to minimise.
+Used by `python -m training distill`. The loop owns the schedule, the checkpoints and the
+progress bar; what is learnt is the `loss_of` callable on what `sample` draws:
+  loss_of(model, sample(generator)) -> scalar loss to minimise.
 
 Checkpoint (CKPT_DIR/checkpoint.pt, written atomically every few minutes and at the end):
 model and optimizer state, the step, tokens seen, training wall time, the global and the
@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .data import random_windows
 
 
 @dataclass
@@ -87,7 +86,6 @@ def train(
     model: torch.nn.Module,
     loss_of: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor],
     evaluate: Callable[[torch.nn.Module], dict],
-    tokens: torch.Tensor,
     schedule: Schedule,
     ckpt_dir: Path,
     *,
@@ -95,11 +93,11 @@ def train(
     precision: str,
     checkpoint_minutes: float = 5.0,
     eval_every: int = 250,
-    sample: Callable[[torch.Generator], torch.Tensor] | None = None,
+    sample: Callable[[torch.Generator], object],
 ) -> dict:
     """Train `model` for schedule.steps steps (resuming from ckpt_dir), evaluate, return the result dict.
 
-    Each step's batch is `sample(generator)` ([B, T+1]); by default, random windows of `tokens`.
+    Each step's batch is `sample(generator)`, drawn from a generator seeded by `seed` and checkpointed.
     """
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path, result_path = ckpt_dir / "checkpoint.pt", ckpt_dir / "result.json"
@@ -149,10 +147,7 @@ def train(
         lr = schedule.lr(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        if sample is None:
-            window = random_windows(tokens, schedule.batch, schedule.length, windows)  # [B, T+1]
-        else:
-            window = sample(windows)
+        window = sample(windows)
         with autocast(precision):
             loss = loss_of(model, window)
         loss.backward()
