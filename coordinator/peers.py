@@ -119,6 +119,15 @@ class Peer:
             self.streams.pop(session_id, None)
             stream.cancel()
             raise PeerError(self, grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {self.timeout:.0f} s") from None
+        except Exception as e:  # noqa: BLE001 - the call ended under us: a write on a stream whose RPC has
+            # finished (the service died between two rounds) raises InvalidStateError, not an RPC error
+            self.streams.pop(session_id, None)
+            code, details = grpc.StatusCode.UNAVAILABLE, f"its stream broke ({type(e).__name__}: {e})"
+            if stream.done():
+                ended = await stream.code()
+                if ended not in (None, grpc.StatusCode.OK):
+                    code, details = ended, (await stream.details()) or details
+            raise PeerError(self, code, details) from None
         if reply is grpc.aio.EOF:  # the service ended the stream: its status says why
             self.streams.pop(session_id, None)
             raise PeerError(self, await stream.code(), await stream.details() or "stream ended")

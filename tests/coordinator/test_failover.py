@@ -141,3 +141,27 @@ def test_a_draft_lost_on_a_pre_draft_costs_nothing(pair):
     assert len(expected) == 60
     for fail_on in (1, 2, 5):
         assert asyncio.run(run(fail_on)) == expected
+
+
+@pytest.mark.parametrize("after_chunks", [2])
+def test_the_lone_draft_killed_mid_stream_falls_back_to_the_target(pair, stack, after_chunks):
+    """One draft replica, SIGKILLed while a greedy stream runs (its next call is a write on a
+    stream whose RPC has ended): the stream goes on, target alone, and its tokens are the same."""
+    draft, target = pair
+    with grpc.insecure_channel(stack.addr) as channel:
+        expected = list(pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(**REQUEST)).token_ids)
+    lone = LocalStack(draft, target).start()
+    try:
+        with grpc.insecure_channel(lone.addr) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            stream = stub.GenerateStream(pb.GenerateRequest(**REQUEST), timeout=120)
+            head = [next(stream) for _ in range(after_chunks)]
+            lone.procs["draft"].send_signal(signal.SIGKILL)
+            lone.procs["draft"].wait(10)
+            rest = list(stream)  # no error: a draft is never needed for the answer
+            tokens = [t for chunk in head + rest for t in chunk.token_ids]
+            assert tokens == expected and rest[-1].stats.generated_tokens == len(expected)
+            again = stub.Generate(pb.GenerateRequest(**REQUEST), timeout=120)  # served by the target alone
+            assert list(again.token_ids) == expected and again.stats.draft_tokens == 0
+    finally:
+        lone.stop()
