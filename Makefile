@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: setup stubs run cluster test test-all bench bench-concurrency bench-ceiling soak draft clean
+.PHONY: setup stubs run cluster test test-all bench-deps bench bench-concurrency bench-ceiling soak draft clean
 
 TARGET := models/target/conversion.json
 
@@ -47,8 +47,18 @@ test-all: setup
 draft: setup
 	$(PY) -m training distill --target models/target --out models/draft --acceptance
 
-bench: setup
+# row l of `make bench`: llama.cpp on the target's GGUF. It builds from source (~5 min, once) for
+# this CPU, less its AMX kernels: with them a multi-token batch crashed (SIGSEGV) on an AMX machine
+# here, in a VM (tile state not granted); AVX-512 / AVX2 paths are kept
+LLAMA_CPP := llama-cpp-python==0.3.36
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+
+bench-deps: setup
 	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	$(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="-DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)'" \
+		$(PY) -m pip install --quiet --no-cache-dir $(LLAMA_CPP)
+
+bench: bench-deps
 	$(PY) -m bench
 
 # 32 clients for 60 s of mixed greedy / sampled / cancelled / deadline-bound requests on loopback

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import statistics
@@ -40,6 +41,7 @@ from tqdm import tqdm
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from bench import llama_row  # noqa: E402
 from coordinator.launch import LocalStack, default_models  # noqa: E402
 from speculative.engines import DraftEngine, TargetEngine  # noqa: E402
 from speculative.local import LocalDraft, LocalTarget  # noqa: E402
@@ -166,30 +168,6 @@ def source_gguf(target_dir) -> Path | None:
         return packaged_gguf(name=name) if name == DEFAULT_FILE else None
     except FileNotFoundError:
         return None
-
-
-def llama_cpp_run(gguf: Path, prompts, temperature: float, new_tokens: int, threads: int):
-    """llama.cpp on the GGUF, the same token prompts, one at a time. -> (generated token lists, seconds)"""
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=str(gguf), n_ctx=1024, n_threads=threads, n_threads_batch=threads, verbose=False,
-                seed=0)
-    eos = llm.token_eos()
-    outputs, start = [], time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        llm.reset()
-        llm.set_seed(i)
-        out = []
-        kwargs = dict(temp=temperature, top_k=1 if temperature == 0 else 0, top_p=1.0, min_p=0.0,
-                      repeat_penalty=1.0)
-        for token in llm.generate(prompt, reset=True, **kwargs):
-            out.append(token)
-            if token == eos or len(out) == new_tokens:
-                break
-        outputs.append(out)
-    seconds = time.perf_counter() - start
-    del llm
-    return outputs, seconds
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -335,12 +313,9 @@ def main(argv=None) -> None:
     eos_ids = target.generation_config.eos_token_id
     eos = set(eos_ids) if isinstance(eos_ids, list) else {eos_ids}
     gguf = args.gguf or source_gguf(target_dir)
-    if gguf is not None:
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError:
-            print(f"row l skipped: llama-cpp-python is not installed (pip install -e '.[bench]')", flush=True)
-            gguf = None
+    if gguf is not None and importlib.util.find_spec("llama_cpp") is None:
+        print("row l skipped: llama-cpp-python is not installed (make bench-deps builds it)", flush=True)
+        gguf = None
 
     runs = len(modes) * (3 + 4 * len(ks) + len(tp_sizes) + (gguf is not None)) + len(ks) * ("greedy" in modes)
     bar = tqdm(total=runs, desc="bench", unit="run")
@@ -397,13 +372,15 @@ def main(argv=None) -> None:
             rows.append({**row_from_stats("d specdec gRPC, adaptive K", mode, round(mean_k), stats, seconds),
                          "adaptive": True, "mean_k": mean_k})
             bar.update()
-            if gguf is not None:
+            ran = llama_row.run(gguf, prompts, temperature, args.new_tokens, args.threads, args.out) if gguf else None
+            if ran is not None:
                 bar.set_postfix_str(f"{mode}: l llama.cpp")
-                outputs, seconds = llama_cpp_run(gguf, prompts, temperature, args.new_tokens, args.threads)
+                outputs, seconds = ran
                 rows.append({"name": "l llama.cpp (GGUF)", "mode": mode, "k": 0, "tokens": sum(map(len, outputs)),
                              "tokens_per_s": sum(map(len, outputs)) / seconds})
                 if mode == "greedy":
                     identical["l llama.cpp"] = sum(a == b for a, b in zip(outputs, hf_greedy))
+            if gguf is not None:
                 bar.update()
         rss = {name: peak_rss_mb(proc.pid) for name, proc in stack.procs.items()}
         rss["bench process (a, a', b, c)"] = peak_rss_mb(os.getpid())

@@ -18,7 +18,9 @@ starts and resumes the run, and a stage already done is skipped:
                Each batch is one shard file; --generate-minutes bounds the stage.
   train        the draft learns the target's next-token distribution on the answer positions:
                loss = -sum_v p(v) log q(v) over the target's top-k v (forward KL up to the
-               target's entropy and the mass outside its top-k). Its embedding (tied with the
+               target's entropy and the mass outside its top-k), with q over the ids the draft
+               service will score (draft_vocab's recommended size: the training pass is as cheap
+               as the served one, and q is trained as it is served). Its embedding (tied with the
                output layer) starts as the target's, projected on its first --hidden principal
                directions, so the draft starts in the target's output space. 2% of the answers
                are held out for the evaluations (greedy agreement: argmax q == argmax p).
@@ -371,25 +373,55 @@ def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
     return {"ids": ids, "top_ids": top_ids, "top_logp": top_logp, "weight": weight}
 
 
-def soft_loss(model, batch) -> torch.Tensor:
-    """-sum_v p(v) log q(v) over the target's top-k, averaged over answer positions."""
-    logits = model(input_ids=batch["ids"]).logits.float()  # [B, T, V]
-    logq = logits.log_softmax(-1).gather(-1, batch["top_ids"])  # [B, T, k]
-    per_position = -(batch["top_logp"].exp() * logq).sum(-1)  # [B, T]
+class Head:
+    """The output layer as served: the draft's tied embedding rows of `ids` only (FR-Spec, see
+    draft_vocab; all ids when None). Logits over them, and the target's top-k ids mapped to
+    columns (-1 where the head does not score an id: that label's mass is dropped, as the
+    draft can never propose it)."""
+
+    def __init__(self, ids: torch.Tensor | None, vocab_size: int):
+        self.ids = ids
+        self.column = torch.full((vocab_size,), -1, dtype=torch.long)
+        self.column[ids if ids is not None else torch.arange(vocab_size)] = torch.arange(
+            len(ids) if ids is not None else vocab_size)
+
+    def logits(self, model, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] -> [B, T, N] float32."""
+        hidden = model.model(input_ids=input_ids).last_hidden_state  # [B, T, D]
+        weight = model.lm_head.weight if self.ids is None else model.lm_head.weight[self.ids]  # [N, D]
+        return (hidden @ weight.T).float()
+
+    def labels(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(columns [B, T, k] clamped to >= 0, target probabilities [B, T, k], 0 where not scored)."""
+        columns = self.column[batch["top_ids"]]
+        p = batch["top_logp"].exp() * (columns >= 0)
+        return columns.clamp(min=0), p
+
+
+def soft_loss(model, batch, head: Head | None = None) -> torch.Tensor:
+    """-sum_v p(v) log q(v) over the target's top-k v the head scores, averaged over answer positions."""
+    head = head or Head(None, model.config.vocab_size)
+    logq = head.logits(model, batch["ids"]).log_softmax(-1)  # [B, T, N]
+    columns, p = head.labels(batch)
+    per_position = -(p * logq.gather(-1, columns)).sum(-1)  # [B, T]
     return (per_position * batch["weight"]).sum() / batch["weight"].sum()
 
 
 @torch.no_grad()
-def evaluate(model, heldout: list[dict]) -> dict:
+def evaluate(model, heldout: list[dict], head: Head | None = None) -> dict:
     """greedy agreement (argmax q == the target's argmax) and sum_v min(p, q) over the target's
-    top-k (a lower bound on 1 - TV, the acceptance of one sampled token) on held-out answers."""
+    top-k (a lower bound on 1 - TV, the acceptance of one sampled token) on held-out answers,
+    with the output layer as served."""
+    head = head or Head(None, model.config.vocab_size)
     agree = overlap = positions = 0.0
     for i in range(0, len(heldout), 8):
         batch = collate(heldout[i : i + 8])
-        q = model(input_ids=batch["ids"]).logits.float().softmax(-1)  # [B, T, V]
+        q = head.logits(model, batch["ids"]).softmax(-1)  # [B, T, N]
+        columns, p = head.labels(batch)
         w = batch["weight"]
-        agree += ((q.argmax(-1) == batch["top_ids"][..., 0]).float() * w).sum().item()
-        overlap += (torch.minimum(q.gather(-1, batch["top_ids"]), batch["top_logp"].exp()).sum(-1) * w).sum().item()
+        top = columns[..., 0].masked_fill(p[..., 0] == 0, -1)  # the target's argmax, as a column (-1: not scored)
+        agree += ((q.argmax(-1) == top).float() * w).sum().item()
+        overlap += (torch.minimum(q.gather(-1, columns), p).sum(-1) * w).sum().item()
         positions += w.sum().item()
     return {"heldout_agreement": agree / positions, "heldout_overlap": overlap / positions}
 
@@ -402,8 +434,12 @@ def stage_train(cfg: Config, target) -> dict:
     train_rows, heldout = split(rows, cfg.heldout_share)
     heldout = heldout[:96]
     draft = build_draft(cfg, target)
+    vocab = draft_vocab(train_rows, target.config.vocab_size, cfg.vocab_coverage)
+    size = vocab["recommended"]
+    head = Head(torch.tensor(sorted(vocab["ids"][:size])) if size else None, target.config.vocab_size)
     log(f"train: {sum(p.numel() for p in draft.parameters()):,} parameters, {len(train_rows)} answers"
-        f" ({sum(len(r['answer']) for r in train_rows):,} tokens), {len(heldout)} held out, {cfg.steps} steps")
+        f" ({sum(len(r['answer']) for r in train_rows):,} tokens), {len(heldout)} held out, {cfg.steps} steps;"
+        f" output layer over {size or target.config.vocab_size:,} ids, as served")
     schedule = loop.Schedule(steps=cfg.steps, peak_lr=cfg.lr, warmup=cfg.warmup, batch=cfg.train_batch,
                              length=cfg.new_tokens)
 
@@ -411,7 +447,8 @@ def stage_train(cfg: Config, target) -> dict:
         picks = torch.randint(0, len(train_rows), (cfg.train_batch,), generator=g).tolist()
         return collate([train_rows[i] for i in picks])
 
-    return loop.train("distill", draft, soft_loss, lambda m: evaluate(m, heldout), schedule, ckpt,
+    return loop.train("distill", draft, lambda m, batch: soft_loss(m, batch, head), lambda m: evaluate(m, heldout, head),
+                      schedule, ckpt,
                       seed=cfg.seed, precision="bf16" if loop.bf16_is_fast() else "fp32",
                       checkpoint_minutes=3.0, eval_every=250, sample=sample)
 
@@ -445,7 +482,8 @@ def stage_export(cfg: Config, target, tokenizer, result: dict, acceptance: bool)
     draft.to(torch.bfloat16).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     generations = json.loads((cfg.work / "generations" / "done.json").read_text())
-    vocab = draft_vocab(load_generations(cfg), target.config.vocab_size, cfg.vocab_coverage)
+    vocab = draft_vocab(split(load_generations(cfg), cfg.heldout_share)[0], target.config.vocab_size,
+                        cfg.vocab_coverage)
     (tmp / "draft_vocab.json").write_text(json.dumps(vocab))
     info = {
         "target": str(cfg.target.name),
