@@ -32,7 +32,6 @@ import importlib.util
 import json
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -43,11 +42,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench import llama_row  # noqa: E402
 from coordinator.launch import LocalStack, default_models  # noqa: E402
-from speculative.engines import DraftEngine, TargetEngine  # noqa: E402
-from speculative.local import LocalDraft, LocalTarget  # noqa: E402
-from speculative.model_runner import ModelRunner  # noqa: E402
+from model_service.engines import DraftEngine, TargetEngine  # noqa: E402
+from model_service.local import LocalDraft, LocalTarget  # noqa: E402
+from model_service.model_runner import ModelRunner  # noqa: E402
 from speculative.round import Stats, generate  # noqa: E402
-from speculative.sampling import SamplingParams  # noqa: E402
+from speculative.protocol import SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = {"greedy": 0.0, "sampling": 0.7}
@@ -147,7 +146,7 @@ def grpc_run(stack: LocalStack, prompts, temperature: float, new_tokens: int, k:
                 request.num_speculative_tokens = k
                 request.seed = i
             # else unseeded: a sampled request naming its seed would get the acceptance-only K
-            # (speculative.adaptive.AcceptanceK), not the cost-driven one this row measures
+            # (coordinator.adaptive.AcceptanceK), not the cost-driven one this row measures
             reply = stub.Generate(request)
             stats.merge(reply.stats)
             if outputs is not None:

@@ -4,9 +4,10 @@
 
 The gRPC system overlaps the draft's work with the target's and pays for its calls on the
 wire. This bench measures the schedule with none of that: S sessions in one process run
-specdec's own round (`speculative.round.generate`) over in-process peers that hold every
-call until all S sessions wait for a model, then run one batched pass (`DraftEngine.propose_many`
-over those waiting for the draft, else `TargetEngine.verify_many`), so all S sessions draft in
+specdec's own round (`speculative.round.generate`) over in-process peers behind the coordinator's
+--lockstep gate (coordinator.lockstep), which holds every call until all S sessions wait for a
+model; the turn it lets through then runs as one batched pass (`DraftEngine.propose_many` over
+those waiting for the draft, else `TargetEngine.verify_many`), so all S sessions draft in
 lockstep, then all S are verified, and whichever model is running has every thread (`--threads`, `--draft-threads`). No call
 crosses a socket and nothing else runs beside a pass: on a machine whose cores the draft and
 the target share, that is the most a batching schedule can do. S sessions go through the
@@ -41,91 +42,97 @@ from tqdm import tqdm
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.__main__ import RESULTS, add_pair_flags, heldout_prompts, pair_of  # noqa: E402
-from speculative.engines import DraftEngine, ProposeCall, TargetEngine, VerifyCall  # noqa: E402
-from speculative.local import LocalDraft, LocalTarget  # noqa: E402
-from speculative.model_runner import ModelRunner  # noqa: E402
-from speculative.round import Cost, Proposal, Stats, Verdict, generate  # noqa: E402
-from speculative.sampling import SamplingParams  # noqa: E402
+from coordinator.lockstep import DRAFT, TARGET, GatedDraft, GatedTarget, PhaseGate  # noqa: E402
+from model_service.engines import DraftEngine, ProposeCall, TargetEngine, VerifyCall  # noqa: E402
+from model_service.local import LocalDraft, LocalTarget  # noqa: E402
+from model_service.model_runner import ModelRunner  # noqa: E402
+from speculative.protocol import Cost, Proposal, SamplingParams, Verdict  # noqa: E402
+from speculative.round import Stats, generate  # noqa: E402
 
-class Lockstep:
-    """Runs a model pass only when every live session is waiting for one: the draft's pass over all
-    the sessions waiting for the draft, else the target's over all those waiting for the target.
+# The gate's hold: how long calls wait for a live session that is not waiting. A session here does
+# nothing else for long (between two requests, only its releases): a turn waits for all of them.
+NO_HOLD_S = 3600.0
 
-    So a session that starts a new request while the others are mid-round waits for them, and
-    they all verify together: the groups a pipelined system forms never split a batch here.
-    `live` counts the sessions that will call again (see `joined`, `left`).
+
+class TurnPasses:
+    """One model's passes: the calls of each turn the gate lets through (`turn`: its id and number
+    of calls) wait here until the turn's last one comes, then run as one batched pass (`run_many`:
+    DraftEngine.propose_many or TargetEngine.verify_many) with `threads` torch threads.
+
+    `timeline`: per pass, (seconds inside it, calls it served, whether one was a request's first: its prompt).
     """
 
-    def __init__(self, draft: DraftEngine, target: TargetEngine, draft_threads: int, target_threads: int):
-        self.draft, self.target = draft, target
-        self.set_threads(draft_threads, target_threads)
-        self.waiting: dict[str, list[tuple[object, asyncio.Future]]] = {"draft": [], "target": []}
-        self.live = 0
-        self.scheduled = False
-        # each model's passes: (seconds inside it, calls it served, whether one was a request's first: its prompt)
-        self.timeline: dict[str, list[tuple[float, int, bool]]] = {"draft": [], "target": []}
+    def __init__(self, run_many, threads: int):
+        self.run_many, self.threads = run_many, threads
+        self.waiting: list[tuple[ProposeCall | VerifyCall, asyncio.Future]] = []
+        self.timeline: list[tuple[float, int, bool]] = []
 
-    def set_threads(self, draft_threads: int, target_threads: int) -> None:
-        self.models = {"draft": (self.draft.propose_many, draft_threads),
-                       "target": (self.target.verify_many, target_threads)}
-
-    async def call(self, model: str, call):
+    async def call(self, call: ProposeCall | VerifyCall, turn: tuple[int, int]):
         future = asyncio.get_running_loop().create_future()
-        self.waiting[model].append((call, future))
-        self._maybe_run()
+        self.waiting.append((call, future))
+        _, turn_size = turn
+        if len(self.waiting) >= turn_size:
+            self._run()
         return await future
 
-    def joined(self) -> None:
-        self.live += 1
-
-    def left(self) -> None:
-        self.live -= 1
-        self._maybe_run()
-
-    def _maybe_run(self) -> None:
-        if not self.scheduled and sum(map(len, self.waiting.values())) >= self.live > 0:
-            self.scheduled = True
-            asyncio.get_running_loop().call_soon(self._run)
-
     def _run(self) -> None:
-        self.scheduled = False
-        model = "draft" if self.waiting["draft"] else "target"
-        batch, self.waiting[model] = self.waiting[model], []
-        run_many, threads = self.models[model]
-        torch.set_num_threads(threads)
+        batch, self.waiting = self.waiting, []
+        torch.set_num_threads(self.threads)
         start = time.perf_counter()
-        results = run_many([call for call, _ in batch])
-        self.timeline[model].append((time.perf_counter() - start, len(batch), any(call.start for call, _ in batch)))
+        try:
+            results = self.run_many([call for call, _ in batch])
+        except Exception as exc:  # not one call's: every call of the pass gets it
+            results = [exc] * len(batch)
+        self.timeline.append((time.perf_counter() - start, len(batch), any(call.start for call, _ in batch)))
         for (_, future), result in zip(batch, results):
             if isinstance(result, BaseException):
                 future.set_exception(result)
             else:
                 future.set_result(result)
-        self._maybe_run()  # sessions waiting for the other model only
 
 
-class LockstepDraft(LocalDraft):
-    """An in-process DraftPeer whose calls wait for the lockstep's next draft pass."""
+class TurnDraft(LocalDraft):
+    """An in-process DraftPeer whose calls wait for the rest of their turn, then draft in one pass."""
 
-    def __init__(self, engine: DraftEngine, lockstep: Lockstep):
+    def __init__(self, engine: DraftEngine, passes: TurnPasses):
         super().__init__(engine)
-        self.lockstep = lockstep
+        self.passes = passes
 
     async def propose(self, session_id: str, start: bool, rollback: int, append: list[int], k: int,
-                      params: SamplingParams, p_min: float = 0.0) -> tuple[Proposal, Cost]:
-        return await self.lockstep.call("draft", ProposeCall(session_id, start, rollback, append, k, params, p_min))
+                      params: SamplingParams, p_min: float = 0.0, *,
+                      turn: tuple[int, int] = (0, 0)) -> tuple[Proposal, Cost]:
+        return await self.passes.call(ProposeCall(session_id, start, rollback, append, k, params, p_min), turn)
 
 
-class LockstepTarget(LocalTarget):
-    """An in-process TargetPeer whose calls wait for the lockstep's next verify pass."""
+class TurnTarget(LocalTarget):
+    """An in-process TargetPeer whose calls wait for the rest of their turn, then verify in one pass."""
 
-    def __init__(self, engine: TargetEngine, lockstep: Lockstep):
+    def __init__(self, engine: TargetEngine, passes: TurnPasses):
         super().__init__(engine)
-        self.lockstep = lockstep
+        self.passes = passes
 
     async def verify(self, session_id: str, start: bool, append: list[int], proposal: Proposal,
-                     params: SamplingParams) -> tuple[Verdict, Cost]:
-        return await self.lockstep.call("target", VerifyCall(session_id, start, append, proposal, params))
+                     params: SamplingParams, *, turn: tuple[int, int] = (0, 0)) -> tuple[Verdict, Cost]:
+        return await self.passes.call(VerifyCall(session_id, start, append, proposal, params), turn)
+
+
+class Lockstep:
+    """S sessions' peers in one process, in lockstep: the coordinator's PhaseGate lets the calls
+    through in turns, a turn only when every live session waits for a model (`gate.joined` /
+    `gate.left` count them), the draft's turn first; each turn is one pass (TurnPasses). So a
+    session that starts a new request while the others are mid-round waits for them, and they all
+    verify together: the groups a pipelined system forms never split a batch here."""
+
+    def __init__(self, draft: DraftEngine, target: TargetEngine, draft_threads: int, target_threads: int):
+        self.gate = PhaseGate(NO_HOLD_S)
+        self.passes = {DRAFT: TurnPasses(draft.propose_many, draft_threads),
+                       TARGET: TurnPasses(target.verify_many, target_threads)}
+        self.draft = GatedDraft(TurnDraft(draft, self.passes[DRAFT]), self.gate)
+        self.target = GatedTarget(TurnTarget(target, self.passes[TARGET]), self.gate)
+        self.max_context = target.runner.max_context
+
+    def set_threads(self, draft_threads: int, target_threads: int) -> None:
+        self.passes[DRAFT].threads, self.passes[TARGET].threads = draft_threads, target_threads
 
 
 def prompt_seconds(passes: list[tuple[float, int, bool]]) -> float:
@@ -137,42 +144,41 @@ def prompt_seconds(passes: list[tuple[float, int, bool]]) -> float:
     return sum(max(0.0, seconds - typical) for seconds, _, prompt in passes if prompt)
 
 
-def lockstep_run(draft: LockstepDraft, target: LockstepTarget, prompts: list[list[int]], sessions: int, k: int,
-                 new_tokens: int, eos: set[int], tag: str) -> dict:
+def lockstep_run(lockstep: Lockstep, prompts: list[list[int]], sessions: int, k: int, new_tokens: int,
+                 eos: set[int], tag: str) -> dict:
     """max(len(prompts), 2 * sessions) requests over the prompts in turn, `sessions` at a time: each
     session takes the next request as soon as its last one ends, as `make bench-concurrency`'s
     clients do. -> figures of the run, with each request's tokens"""
     params = SamplingParams(0.0, 0, 1.0, 0)
-    max_context = target.engine.runner.max_context
     requests = max(len(prompts), 2 * sessions)
     outputs: list[list[int]] = [[] for _ in range(requests)]
     stats = Stats()
-    lockstep = target.lockstep
-    marks = {model: len(passes) for model, passes in lockstep.timeline.items()}
+    marks = {model: len(passes.timeline) for model, passes in lockstep.passes.items()}
     queue = iter(range(requests))
 
     async def session() -> None:
-        lockstep.joined()
         try:
             for i in queue:
                 run = Stats()  # generate() counts toward max_new_tokens in the Stats it is given
-                async for new in generate(draft, target, prompts[i % len(prompts)], max_new_tokens=new_tokens,
-                                          k=k, params=params, eos_token_ids=eos, max_context=max_context,
-                                          stats=run, session_id=f"{tag}-{i}"):
+                async for new in generate(lockstep.draft, lockstep.target, prompts[i % len(prompts)],
+                                          max_new_tokens=new_tokens, k=k, params=params, eos_token_ids=eos,
+                                          max_context=lockstep.max_context, stats=run, session_id=f"{tag}-{i}"):
                     outputs[i].extend(new)
                 stats.merge(run)
         finally:
-            lockstep.left()
+            lockstep.gate.left()
 
     async def run() -> float:
         start = time.perf_counter()
+        for _ in range(sessions):  # all live before the first call: the first turn waits for every session
+            lockstep.gate.joined()
         await asyncio.gather(*(session() for _ in range(sessions)))
         return time.perf_counter() - start
 
     seconds = asyncio.run(run())
     tokens = sum(map(len, outputs))
-    run_passes = {model: lockstep.timeline[model][mark:] for model, mark in marks.items()}  # this run's
-    verify = run_passes["target"]
+    run_passes = {model: lockstep.passes[model].timeline[mark:] for model, mark in marks.items()}  # this run's
+    verify = run_passes[TARGET]
     prompts_s = sum(map(prompt_seconds, run_passes.values()))
     return {"outputs": outputs, "requests": requests, "tokens": tokens, "seconds": seconds,
             "tokens_per_s": tokens / seconds,
@@ -212,10 +218,9 @@ def main(argv=None) -> dict:
     eos = set(target_runner.eos_token_ids)
     draft_engine, target_engine = DraftEngine(draft_runner), TargetEngine(target_runner)
     lockstep = Lockstep(draft_engine, target_engine, args.draft_threads, args.threads)
-    draft, target = LockstepDraft(draft_engine, lockstep), LockstepTarget(target_engine, lockstep)
 
     # warm both models (first passes allocate and pack) on two prompts
-    lockstep_run(draft, target, prompts[:2], 2, max(ks), 8, eos, "warm")
+    lockstep_run(lockstep, prompts[:2], 2, max(ks), 8, eos, "warm")
     # one thread per model: each pass's time is its CPU time, whose sum bounds any schedule
     threads = sorted({(1, 1), (args.threads, args.draft_threads)})
     runs = [(t, s, k) for t in threads for s in levels for k in ks]
@@ -226,7 +231,7 @@ def main(argv=None) -> dict:
             for (tt, td), s, k in runs if repeat % 2 == 0 else runs[::-1]:
                 bar.set_postfix_str(f"threads {tt}/{td} S={s} K={k}")
                 lockstep.set_threads(td, tt)
-                result = lockstep_run(draft, target, prompts, s, k, args.new_tokens, eos, f"r{repeat}t{tt}s{s}k{k}")
+                result = lockstep_run(lockstep, prompts, s, k, args.new_tokens, eos, f"r{repeat}t{tt}s{s}k{k}")
                 outputs = result.pop("outputs")
                 if reference is None:
                     reference = outputs[: len(prompts)]

@@ -15,7 +15,7 @@ latency (p50 / p99), for:
   spec lockstep the coordinator's --lockstep (all drafts, then all verifications, never at
                 once; K = --lockstep-k), both services on 2 threads
   spec defaults the spec row's services started with no thread flags, as by hand (each takes its
-                role's defaults: speculative.serving.default_threads)
+                role's defaults: model_service.threads.default_threads)
   HF sequential transformers `generate` on the target, one request after another
 Each stack runs one stream again after its last level (row "1*"); "x C=1" divides by the mean
 of the two single-stream runs, so a slow or fast spell of a shared machine does not land on

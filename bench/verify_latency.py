@@ -25,7 +25,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from speculative.model_runner import DTYPES, ModelRunner  # noqa: E402
+from model_service.model_runner import DTYPES, ModelRunner  # noqa: E402
 from speculative.tiny import make_model, make_tokenizer  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Run the coordinator: the public Generation API in front of a draft and a target service.
 
-    python -m coordinator --draft 127.0.0.1:50052 --target 127.0.0.1:50051 --port 50050
+    python -m coordinator --draft 127.0.0.1:50052 --target 127.0.0.1:50051 --port 50050   # or: specdec coordinator ...
 
 At start-up it waits for both services to be SERVING, refuses a pair whose
 tokenizers or vocabularies differ, and loads the target's tokenizer from the
@@ -11,28 +11,39 @@ TLS, two sides (speculative/transport.py): --tls-cert / --tls-key / --tls-ca for
 its public API, as on the model services; --peer-tls-ca / --peer-tls-cert / --peer-tls-key for its
 own channels to the model services (the CA that signed their certificates, and the certificate
 it presents where they require mutual TLS).
+
+--http-port P serves the OpenAI-compatible HTTP API beside gRPC (coordinator/http.py), in the same
+event loop, over the same pools, limits and metrics; TLS flags apply to it too. --api-key (or
+SPECDEC_COORDINATOR_API_KEY, or --api-key-file) makes both front doors ask for
+`Authorization: Bearer KEY` (runtime/auth.py); health checks stay open.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from speculative.metrics import CoordinatorMetrics, add_metrics_flag, start as start_metrics
-from speculative.serving import EnvArgumentParser, add_common_flags, serve, setup_logging
-from speculative.transport import MAX_REQUEST_BYTES, add_dial_flags, channel_credentials, server_credentials
+from runtime.auth import RequireApiKey, add_api_key_flags, api_key
+from runtime.metrics import add_metrics_flag, start as start_metrics
+from runtime.cli import EnvArgumentParser, add_common_flags, setup_logging
+from runtime.server import serve
+from runtime.transport import MAX_REQUEST_BYTES, add_dial_flags, channel_credentials, server_credentials
 
+from .metrics import CoordinatorMetrics
 from .peers import GrpcDraft, GrpcTarget
 from .pool import Pool
-from .server import SERVICE_NAME, GenerationServicer, Limits
+from .generation import Coordinator, Limits
+from .http import HttpServer, app as http_app
+from .server import SERVICE_NAME, GenerationServicer
 
 log = logging.getLogger("specdec.coordinator")
 DEFAULT_PORT = 50050
 
 
-def parse_args(argv=None):
-    parser = EnvArgumentParser("SPECDEC_COORDINATOR", prog="python -m coordinator", description=__doc__)
+def parse_args(argv=None, prog: str = "python -m coordinator"):
+    parser = EnvArgumentParser("SPECDEC_COORDINATOR", prog=prog, description=__doc__)
     add_common_flags(parser, DEFAULT_PORT)
     parser.add_argument("--draft", default="127.0.0.1:50052",
                         help="draft replicas: HOST:PORT entries, comma-separated; a name resolving to several"
@@ -69,8 +80,13 @@ def parse_args(argv=None):
                         help="per-round calls to the model services: one stream per generation, or unary calls")
     add_dial_flags(parser, "peer-tls", "the draft and target services")
     parser.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
-                        help="largest request a client may send; gRPC refuses a larger one with RESOURCE_EXHAUSTED")
+                        help="largest request a client may send; gRPC refuses a larger one with RESOURCE_EXHAUSTED,"
+                             " HTTP with 413")
     add_metrics_flag(parser)
+    parser.add_argument("--http-port", type=int, default=0,
+                        help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models;"
+                             " /health, /metrics) on this port, beside gRPC (0: off)")
+    add_api_key_flags(parser)
     args = parser.parse_args(argv)
     if args.num_speculative_tokens != "auto" and not args.num_speculative_tokens.isdigit():
         parser.error(f"--num-speculative-tokens must be a number >= 0 or auto, not {args.num_speculative_tokens!r}")
@@ -87,14 +103,17 @@ def parse_args(argv=None):
         parser.error(f"--lockstep-hold-ms must lie in (0, 1000], not {args.lockstep_hold_ms}")
     if args.max_request_bytes <= 0:
         parser.error(f"--max-request-bytes must be > 0, not {args.max_request_bytes}")
+    if not 0 <= args.http_port < 65536:
+        parser.error(f"--http-port must lie in [0, 65535], not {args.http_port}")
     return args
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
+def main(argv=None, prog: str = "python -m coordinator") -> None:
+    args = parse_args(argv, prog)
     setup_logging(args.log_level)
     credentials = server_credentials(args)
     peer_credentials = channel_credentials(args.peer_tls_ca, args.peer_tls_cert, args.peer_tls_key, "--peer-tls")
+    key = api_key(args)
 
     def pool(name: str, spec: str, kind: type[GrpcDraft | GrpcTarget]) -> Pool:
         streaming = args.peer_calls == "stream"
@@ -112,11 +131,27 @@ def main(argv=None) -> None:
         limits = Limits(args.max_new_tokens, k, args.max_speculative_tokens, adaptive, args.draft_p_min, args.predraft,
                         args.lockstep_hold_ms if args.lockstep else 0.0)
         metrics = CoordinatorMetrics()
-        servicer = GenerationServicer(draft, target, limits, metrics)
+        coordinator = Coordinator(draft, target, limits, metrics)
+        servicer = GenerationServicer(coordinator)
         start_metrics(metrics.registry, args.host, args.metrics_port)
+        # SIGTERM / SIGINT stop both front doors at once; each gives its open calls --shutdown-grace
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        http = None
+        if args.http_port:
+            tls = (args.tls_cert, args.tls_key, args.tls_ca) if credentials is not None else None
+            try:
+                application = http_app(coordinator, key, args.max_request_bytes)
+                http = HttpServer(application, args.host, args.http_port, args.shutdown_grace, tls)
+            except OSError as e:
+                raise SystemExit(f"coordinator: cannot serve HTTP on {args.host}:{args.http_port}: {e}") from e
+            serving_http = asyncio.ensure_future(http.run(stop))
+            log.info("OpenAI-compatible HTTP API on %s/v1", http.url)
+            print(f"coordinator HTTP listening on {http.url} (OpenAI API: {http.url}/v1)", flush=True)
 
         async def load() -> None:
-            await servicer.connect(args.peer_timeout)
+            await coordinator.connect(args.peer_timeout)
             log.info("draft %s at %s, target %s at %s", draft.reference.model_name, ", ".join(draft.replicas),
                      target.reference.model_name, ", ".join(target.replicas))
 
@@ -125,11 +160,13 @@ def main(argv=None) -> None:
             return [SERVICE_NAME]
 
         async def on_stop() -> None:
+            if http is not None:
+                await serving_http
             await asyncio.gather(draft.close(), target.close())
 
         await serve("coordinator", args.host, args.port, add, load, on_stop, grace=args.shutdown_grace,
-                    credentials=credentials,
-                    max_request_bytes=args.max_request_bytes)
+                    stop=stop, credentials=credentials, max_request_bytes=args.max_request_bytes,
+                    interceptors=[RequireApiKey(key)] if key else [])
 
     asyncio.run(run())
 

@@ -4,6 +4,7 @@
     python -m coordinator.client --chat --stream "What is the capital of France?"   # one user message
     python -m coordinator.client --chat --system "Answer in French." "Where is Paris?"
     python -m coordinator.client --tls-ca ca.pem --tls-cert me.pem --tls-key me.key "def f():"  # mutual TLS
+    python -m coordinator.client --api-key KEY "def f():"   # a coordinator started with --api-key
 
 Prints the text (as it arrives with --stream), or with --json one JSON object
 with text, token_ids, finish_reason and stats. --stats adds the acceptance
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import grpc
@@ -21,7 +23,8 @@ from google.protobuf.json_format import MessageToDict
 
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from speculative.transport import add_dial_flags, channel_credentials, open_channel
+from runtime.auth import bearer
+from runtime.transport import add_dial_flags, channel_credentials, open_channel
 
 
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
@@ -56,8 +59,8 @@ def finish_name(reason: int) -> str:
     return pb.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m coordinator.client", description=__doc__,
+def main(argv=None, prog: str = "python -m coordinator.client") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompt", help="prompt text (with --chat: the user's message)")
     parser.add_argument("--chat", action="store_true",
@@ -81,9 +84,13 @@ def main(argv=None) -> int:
     parser.add_argument("--tls", action="store_true",
                         help="TLS, verifying the coordinator against the system's root certificates (for a"
                              " publicly issued certificate; implied by --tls-ca / --tls-cert)")
+    parser.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
+                        help="the coordinator's --api-key, sent as `authorization: Bearer KEY`"
+                             " (default: $SPECDEC_API_KEY)")
     args = parser.parse_args(argv)
 
     request = build_request(args)
+    metadata = bearer(args.api_key)
     credentials = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)
     if credentials is None and args.tls:
         credentials = grpc.ssl_channel_credentials()
@@ -92,7 +99,7 @@ def main(argv=None) -> int:
         try:
             if args.stream and not args.json:
                 stats = None
-                for chunk in stub.GenerateStream(request, timeout=args.timeout):
+                for chunk in stub.GenerateStream(request, timeout=args.timeout, metadata=metadata):
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
                     if chunk.HasField("stats"):
@@ -101,7 +108,7 @@ def main(argv=None) -> int:
                 if args.stats and stats is not None:
                     print(f"[finish: {finish_name(finish)}] {format_stats(stats)}", file=sys.stderr)
                 return 0
-            response = stub.Generate(request, timeout=args.timeout)
+            response = stub.Generate(request, timeout=args.timeout, metadata=metadata)
         except grpc.RpcError as e:
             print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1

@@ -1,12 +1,14 @@
 """A request's draft and target, each one replica of its pool at a time, moving on when it fails.
 
-Both keep the sequence their current replica's session holds, so that when a call fails with
-a status that means the replica (or its copy of the session) is gone, the same call can be
-made to another replica as a new session carrying the whole prefix: nothing is lost and
-nothing repeated, and the speculative round above never notices.
+When a call fails with a status that means the replica (or its copy of the session) is gone,
+the session must start again, on another replica (or the same one, if only the session was
+evicted), carrying the whole prefix. A call that starts a session carries it: it is made again
+at once, up to TRIES times. Any other call carries only what is new: it raises SessionLost, and
+the round (speculative/round.py) starts the session again from what its Sequence says is
+committed. Nothing is lost and nothing repeated.
 
-- The draft: with no draft replica left the request goes on without drafts (empty proposals:
-  target-only rounds), and drafts again once a replica is back.
+- The draft: with no draft replica left a start raises SessionLost too, and the round goes on
+  without drafts (target-only rounds); it drafts again once a replica is back.
 - The target: with no target replica left the request fails with UNAVAILABLE. A target
   session started again draws from a generator seeded afresh with the request's seed, so
   a sampled request stays exactly target-distributed but is no longer token-for-token the
@@ -16,13 +18,12 @@ nothing repeated, and the speculative round above never notices.
 from __future__ import annotations
 
 import asyncio
-
 import logging
 
 import grpc
 
-from speculative.round import Cost, Proposal, Verdict
-from speculative.sampling import SamplingParams
+from speculative.protocol import Cost, Proposal, SamplingParams, Verdict
+from speculative.round import SessionLost
 
 from .peers import PeerError
 from .pool import Pool, Replica
@@ -42,9 +43,6 @@ class _Failover:
     def __init__(self, pool: Pool):
         self.pool = pool
         self.replica: Replica | None = None
-        self.fresh = True        # the next call on the current replica must start the session
-        self.tokens: list[int] = []  # what the current session holds
-        self.moves = 0
 
     async def _take(self, wait: bool) -> Replica | None:
         """The request's replica, or a new one; None if the pool has no healthy one, even after a
@@ -54,10 +52,10 @@ class _Failover:
                 if wait:
                     await self.pool.recheck()
                 else:
-                    self.rechecking = asyncio.ensure_future(self.pool.recheck())  # (held: tasks need a reference)
+                    self.pool.recheck_soon()
             if not self.pool.healthy():
                 return None
-            self.replica, self.fresh = self.pool.acquire(), True
+            self.replica = self.pool.acquire()
         return self.replica
 
     def _lost(self, error: PeerError, session_id: str) -> None:
@@ -66,13 +64,11 @@ class _Failover:
             self.pool.failed(replica, error)
             self.pool.release(replica)
             self.replica = None
-            self.moves += 1
             # its copy of the session, should it answer again (a hung replica): unary calls and batch
             # RPCs have no stream whose end would free it there. In the background, bounded by the call's timeout
             forget = asyncio.ensure_future(self._forget(replica, session_id))
             FORGETTING.add(forget)
             forget.add_done_callback(FORGETTING.discard)
-        self.fresh = True
         log.warning("%s call failed (%s); starting the session again %s", self.pool.name, error,
                     "on another replica" if error.code in MOVE else "on the same replica")
 
@@ -102,59 +98,37 @@ class _Failover:
 
 class FailoverDraft(_Failover):
     async def propose(self, session_id: str, start: bool, rollback: int, append: list[int], k: int,
-                      params: SamplingParams, p_min: float = 0.0) -> tuple[Proposal, Cost]:
-        held = (list(append) if start else self.tokens[: len(self.tokens) - rollback] + list(append))
-        for _ in range(TRIES):
+                      params: SamplingParams, p_min: float = 0.0, *,
+                      turn: tuple[int, int] = (0, 0)) -> tuple[Proposal, Cost]:
+        for _ in range(TRIES if start else 1):
             replica = await self._take(wait=False)
-            if replica is None:  # no draft replica: this round runs without drafts
-                self.tokens, self.fresh = held, True
-                return Proposal(), Cost()
-            if self.fresh and not start and not rollback and not append:
-                # a pre-draft: it drafts on from proposals not yet verified. A new session would take
-                # them for its prompt, and the next round's rollback would reach past what it proposed:
-                # skip it (as a miss); the next call starts the session afresh, rolled back
-                self.tokens = held
-                return Proposal(), Cost()
+            if replica is None:
+                break
             try:
-                if self.fresh:
-                    proposal, cost = await replica.peer.propose(session_id, True, 0, held, k, params, p_min)
-                else:
-                    proposal, cost = await replica.peer.propose(session_id, False, rollback, list(append), k, params,
-                                                                p_min)
+                return await replica.peer.propose(session_id, start, rollback, append, k, params, p_min, turn=turn)
             except PeerError as e:
                 if e.code not in RESTART:
                     raise
                 self._lost(e, session_id)
-                continue
-            self.fresh = False
-            self.tokens = held + proposal.tokens
-            return proposal, cost
-        self.tokens, self.fresh = held, True
-        return Proposal(), Cost()
+        raise SessionLost(session_id)
 
 
 class FailoverTarget(_Failover):
     async def verify(self, session_id: str, start: bool, append: list[int], proposal: Proposal,
-                     params: SamplingParams) -> tuple[Verdict, Cost]:
-        committed = list(append) if start else self.tokens + list(append)
+                     params: SamplingParams, *, turn: tuple[int, int] = (0, 0)) -> tuple[Verdict, Cost]:
         error: PeerError | None = None
-        for _ in range(TRIES):
+        for _ in range(TRIES if start else 1):
             replica = await self._take(wait=True)
             if replica is None:
                 break
             try:
-                if self.fresh:
-                    verdict, cost = await replica.peer.verify(session_id, True, committed, proposal, params)
-                else:
-                    verdict, cost = await replica.peer.verify(session_id, False, list(append), proposal, params)
+                return await replica.peer.verify(session_id, start, append, proposal, params, turn=turn)
             except PeerError as e:
                 if e.code not in RESTART:
                     raise
                 error = e
                 self._lost(e, session_id)
-                continue
-            self.fresh = False
-            self.tokens = committed + proposal.tokens[: verdict.accepted] + [verdict.token]
-            return verdict, cost
+        if not start:
+            raise SessionLost(session_id)
         detail = f" (last error: {error})" if error else ""
         raise self.pool.unavailable(f"no target replica left to continue this request on{detail}")

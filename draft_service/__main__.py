@@ -1,27 +1,30 @@
 """Run the draft service.
 
-    python -m draft_service --model DIR --port 50052
+    python -m draft_service --model DIR --port 50052      # or: specdec draft ...
 
 Every flag can also be set from the environment (SPECDEC_DRAFT_<FLAG>); see --help.
 """
 
 from __future__ import annotations
 
-import speculative.openmp  # noqa: F401  (before torch loads)
+import model_service.openmp  # noqa: F401  (before torch loads)
 import json
 from pathlib import Path
 
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from speculative.engines import DraftEngine, OracleDraftEngine
-from speculative.serving import EnvArgumentParser, ModelThread, add_common_flags, add_model_flags, run_model_service
+from model_service.drafting import DraftMethod
+from model_service.engines import DraftEngine
+from model_service.oracle import OracleDraftEngine
+from model_service.service import add_model_flags, run_model_service
+from runtime.cli import EnvArgumentParser, add_common_flags
 
 from .servicer import SERVICE_NAME, DraftServicer
 
 DEFAULT_PORT = 50052
 
 
-def parse_args(argv=None):
-    parser = EnvArgumentParser("SPECDEC_DRAFT", prog="python -m draft_service", description=__doc__)
+def parse_args(argv=None, prog: str = "python -m draft_service"):
+    parser = EnvArgumentParser("SPECDEC_DRAFT", prog=prog, description=__doc__)
     add_common_flags(parser, DEFAULT_PORT)
     add_model_flags(parser, "draft")
     parser.add_argument("--max-support", type=int, default=64,
@@ -53,16 +56,16 @@ def vocab_subset(flag: str, model_dir: str | None) -> int:
     return size
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    servicer = DraftServicer(ModelThread())
+def main(argv=None, prog: str = "python -m draft_service") -> None:
+    args = parse_args(argv, prog)
     run_model_service(
-        "draft", args, servicer, pb_grpc.add_DraftServicer_to_server, SERVICE_NAME,
+        "draft", args, DraftServicer, pb_grpc.add_DraftServicer_to_server, SERVICE_NAME,
         lambda runner: make_engine(runner, args),
     )
 
 
-def make_engine(runner, args) -> DraftEngine:
+def make_engine(runner, args) -> DraftMethod:
+    """The drafting method the flags pick: the oracle (--oracle), else the model's own draft."""
     if args.oracle:
         references = json.loads(Path(args.oracle).read_text())
         return OracleDraftEngine(runner, references, args.max_tokens_per_call)

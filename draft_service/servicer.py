@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from speculative.engines import ProposeCall
-from speculative.serving import ModelServicer, params_from_proto
+from model_service.engines import ProposeCall
+from model_service.servicer import ModelServicer
+from speculative.protocol import params_from_proto, proposal_to_proto
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Draft"].full_name
 
 
 class DraftServicer(ModelServicer, pb_grpc.DraftServicer):
-    run_many_name = "propose_many"
+    def run_many(self, calls: list[ProposeCall]) -> list:
+        return self.engine.propose_many(calls)
 
     async def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
         await self.ready(context)
@@ -35,9 +37,5 @@ class DraftServicer(ModelServicer, pb_grpc.DraftServicer):
     @staticmethod
     def _reply(proposal, cost) -> pb.ProposeResponse:
         return pb.ProposeResponse(
-            proposal=pb.DraftProposal(
-                tokens=proposal.tokens, support_sizes=proposal.support_sizes,
-                support_ids=proposal.support_ids, support_probs=proposal.support_probs,
-            ),
-            service_ms=cost.service_ms, batch_size=cost.batch_size, pass_ms=cost.pass_ms,
+            proposal=proposal_to_proto(proposal), service_ms=cost.service_ms, batch_size=cost.batch_size, pass_ms=cost.pass_ms,
         )

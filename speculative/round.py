@@ -10,6 +10,11 @@ deltas only:
   target  holds every committed token (the last one, which it sampled itself,
           not yet in its KV cache); each call appends what is new (normally
           nothing) plus the K draft tokens, scored in one forward pass.
+
+A peer that no longer holds the session (its replica was lost: coordinator/failover.py)
+raises SessionLost; the round then counts nothing as held there and calls again as a new
+session carrying every committed token. A draft that cannot start one either leaves the
+round without a proposal.
 """
 
 from __future__ import annotations
@@ -17,71 +22,38 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .sampling import SamplingParams
+from .protocol import Cost, DraftPeer, Proposal, SamplingParams, TargetPeer, Verdict
 
 
-@dataclass
-class Proposal:
-    """K draft tokens and the sparse q each was sampled from (wire layout, see specdec.proto)."""
-
-    tokens: list[int] = field(default_factory=list)
-    support_sizes: list[int] = field(default_factory=list)
-    support_ids: bytes = b""
-    support_probs: bytes = b""
-
-    def slice(self, start: int, stop: int | None = None) -> "Proposal":
-        """Tokens [start:stop] with their q (ids and probabilities are 4 bytes each on the wire)."""
-        stop = len(self.tokens) if stop is None else min(stop, len(self.tokens))
-        a, b = 4 * sum(self.support_sizes[:start]), 4 * sum(self.support_sizes[:stop])
-        return Proposal(self.tokens[start:stop], self.support_sizes[start:stop], self.support_ids[a:b],
-                        self.support_probs[a:b])
-
-
-@dataclass
-class Cost:
-    """What one peer call cost: time inside the service, and bytes on the wire (0 in one process);
-    and the model pass it shared with other sessions' calls (batched serving)."""
-
-    service_ms: float = 0.0
-    wire_bytes: int = 0
-    batch_size: int = 1     # sessions served by that pass
-    batch_tokens: int = 0   # tokens it fed (target: tokens scored)
-    pass_ms: float = 0.0    # its time on the model
-
-
-@dataclass
-class Verdict:
-    accepted: int  # draft tokens accepted, a prefix of the proposal
-    token: int     # recovered (accepted < K) or bonus (accepted == K) token
+class SessionLost(Exception):
+    """The peer holds nothing of the session any more: start it again with every committed token."""
 
 
 class KPolicy(Protocol):
-    """Chooses each round's number of draft tokens (speculative.adaptive)."""
+    """Chooses each round's number of draft tokens (FixedK below; coordinator/adaptive.py)."""
 
     def choose(self, remaining: int) -> int: ...  # remaining: tokens still to generate (K < remaining)
 
     def observe(self, r: "Round", wall_ms: float) -> None: ...
 
 
-class DraftPeer(Protocol):
-    async def propose(
-        self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams,
-        p_min: float = 0.0,
-    ) -> tuple[Proposal, Cost]: ...
+class FixedK:
+    """The same K every round (a request's num_speculative_tokens)."""
 
-    async def release(self, session_id: str) -> None: ...
+    adaptive = False
 
+    def __init__(self, k: int):
+        self.k = k
 
-class TargetPeer(Protocol):
-    async def verify(
-        self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams
-    ) -> tuple[Verdict, Cost]: ...
+    def choose(self, remaining: int) -> int:
+        return max(0, min(self.k, remaining - 1))
 
-    async def release(self, session_id: str) -> None: ...
+    def observe(self, r: "Round", wall_ms: float) -> None:
+        pass
 
 
 @dataclass
@@ -94,6 +66,11 @@ class Sequence:
     draft_unconfirmed: int = 0   # proposals the draft session holds beyond them
     target_seen: int = 0         # committed tokens in the target session
     ready: Proposal | None = None  # pre-drafted, still valid: the first draft_unconfirmed it holds
+
+    def draft_lost(self) -> None:
+        """The draft session is gone: the next draft call starts it again."""
+        self.draft_seen = self.draft_unconfirmed = 0
+        self.ready = None
 
 
 @dataclass
@@ -127,15 +104,15 @@ async def speculative_round(
     proposal, draft_cost = Proposal(), Cost()
     ready, seq.ready = seq.ready, None
     held = 0  # proposals the draft holds past what is committed
+    lost = False  # the draft lost its session this round (and holds nothing)
     if k > 0 and ready is not None:
         proposal, held = ready.slice(0, k), len(ready.tokens)
     elif k > 0:
-        proposal, draft_cost = await draft.propose(
-            seq.session_id, seq.draft_seen == 0, seq.draft_unconfirmed, seq.tokens[seq.draft_seen :], k, params,
-            p_min,
-        )
+        proposed = await _propose(draft, seq, k, params, p_min)
+        lost = proposed is None
+        proposal, draft_cost = proposed or (Proposal(), Cost())
         held = len(proposal.tokens)
-    verify = target.verify(seq.session_id, seq.target_seen == 0, seq.tokens[seq.target_seen :], proposal, params)
+    verify = _verify(target, seq, proposal, params)
     ahead = None
     ahead_k = 0
     if predraft and proposal.tokens and len(proposal.tokens) == held:
@@ -145,8 +122,10 @@ async def speculative_round(
         if max_context is not None:  # the draft session holds the committed tokens and `held` proposals
             ahead_k = min(ahead_k, max_context - len(seq.tokens) - held)
     if ahead_k > 0:
-        (verdict, target_cost), (ahead, ahead_cost) = await asyncio.gather(
-            verify, draft.propose(seq.session_id, False, 0, [], ahead_k, params, p_min))
+        (verdict, target_cost), predrafted = await asyncio.gather(
+            verify, _unless_lost(draft.propose(seq.session_id, False, 0, [], ahead_k, params, p_min)))
+        lost = predrafted is None  # a miss
+        ahead, ahead_cost = predrafted or (Proposal(), Cost())
         draft_cost = Cost(draft_cost.service_ms + ahead_cost.service_ms, draft_cost.wire_bytes + ahead_cost.wire_bytes,
                           ahead_cost.batch_size, ahead_cost.batch_tokens, ahead_cost.pass_ms)
     else:
@@ -167,9 +146,43 @@ async def speculative_round(
             seq.draft_seen += 1
             seq.draft_unconfirmed -= 1
             seq.ready = ahead.slice(1) if len(ahead.tokens) > 1 else None
+    if lost:
+        seq.draft_lost()
     calls = (k > 0 and ready is None) + (ahead is not None)
     return Round(accepted + [verdict.token], len(proposal.tokens), verdict.accepted, draft_cost, target_cost, k,
                  calls, ahead is not None, hit)
+
+
+async def _propose(draft: DraftPeer, seq: Sequence, k: int, params: SamplingParams,
+                   p_min: float) -> tuple[Proposal, Cost] | None:
+    """The draft's proposal after the committed tokens, from a session started again if the draft
+    lost it; None if it cannot start one."""
+    if seq.draft_seen:
+        try:
+            return await draft.propose(seq.session_id, False, seq.draft_unconfirmed, seq.tokens[seq.draft_seen :],
+                                       k, params, p_min)
+        except SessionLost:
+            seq.draft_lost()
+    return await _unless_lost(draft.propose(seq.session_id, True, 0, seq.tokens[:], k, params, p_min))
+
+
+async def _verify(target: TargetPeer, seq: Sequence, proposal: Proposal,
+                  params: SamplingParams) -> tuple[Verdict, Cost]:
+    """The target's verdict on the proposal, from a session started again if the target lost it."""
+    if seq.target_seen:
+        try:
+            return await target.verify(seq.session_id, False, seq.tokens[seq.target_seen :], proposal, params)
+        except SessionLost:
+            seq.target_seen = 0
+    return await target.verify(seq.session_id, True, seq.tokens[:], proposal, params)
+
+
+async def _unless_lost(call: Awaitable[tuple[Proposal, Cost]]) -> tuple[Proposal, Cost] | None:
+    """The draft call's result, or None if the draft lost the session."""
+    try:
+        return await call
+    except SessionLost:
+        return None
 
 
 @dataclass
@@ -257,13 +270,11 @@ async def generate(
     """Yield each round's new tokens until max_new_tokens, the context or an EOS.
 
     k is a fixed number of draft tokens per round or a policy choosing it per round
-    (speculative.adaptive); max_call_tokens caps the tokens one call asks the draft for (a
+    (coordinator/adaptive.py); max_call_tokens caps the tokens one call asks the draft for (a
     pre-draft asks k + 1). Tokens past an EOS or past max_new_tokens are dropped. Both
     sessions are released when the generator ends or is closed early.
     """
     if isinstance(k, int):
-        from .adaptive import FixedK
-
         k = FixedK(k)
     asked_draft = False  # whether any round has called the draft (its session may exist)
     stats = stats if stats is not None else Stats()

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from speculative.engines import VerifyCall
-from speculative.round import Proposal
-from speculative.serving import ModelServicer, params_from_proto
+from model_service.engines import VerifyCall
+from model_service.servicer import ModelServicer
+from speculative.protocol import params_from_proto, proposal_from_proto
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Target"].full_name
 
 
 class TargetServicer(ModelServicer, pb_grpc.TargetServicer):
-    run_many_name = "verify_many"
+    def run_many(self, calls: list[VerifyCall]) -> list:
+        return self.engine.verify_many(calls)
 
     async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
         await self.ready(context)
@@ -30,10 +31,8 @@ class TargetServicer(ModelServicer, pb_grpc.TargetServicer):
 
     @staticmethod
     def _call(request: pb.VerifyRequest) -> VerifyCall:
-        p = request.proposal
         return VerifyCall(request.session_id, request.start, list(request.append),
-                          Proposal(list(p.tokens), list(p.support_sizes), p.support_ids, p.support_probs),
-                          params_from_proto(request.sampling))
+                          proposal_from_proto(request.proposal), params_from_proto(request.sampling))
 
     @staticmethod
     def _reply(verdict, cost) -> pb.VerifyResponse:

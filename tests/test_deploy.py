@@ -185,3 +185,19 @@ def test_args_and_settings_are_flags_the_services_take(objects, monkeypatch):
             assert hasattr(args, flag), f"{key} sets no flag of {module}"
         for key in mine:
             monkeypatch.delenv(key)
+
+
+def test_the_coordinator_serves_http_on_its_service_with_the_key_from_a_secret(objects):
+    """The OpenAI-compatible port the coordinator is told to serve is a container port and a port of the
+    public Service; its API key (both front doors) comes from a Secret, never from the manifests."""
+    deployment = by_kind(objects, "Deployment")["specdec-coordinator"]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    module, *flags = command_of(container)
+    http = int(flags[flags.index("--http-port") + 1])
+    assert http in {p["containerPort"] for p in container["ports"]}
+    service = by_kind(objects, "Service")["specdec"]
+    assert any(p["port"] == http and p.get("appProtocol") == "http" for p in service["spec"]["ports"])
+    key = next(e for e in container["env"] if e["name"] == "SPECDEC_COORDINATOR_API_KEY")
+    assert "value" not in key and key["valueFrom"]["secretKeyRef"]["name"] == "specdec-api-key"
+    assert "--api-key" not in flags
+    assert container["readinessProbe"]["grpc"]["port"] == int(flags[flags.index("--port") + 1])

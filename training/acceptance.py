@@ -12,11 +12,11 @@ import asyncio
 import time
 from pathlib import Path
 
-from speculative.engines import DraftEngine, TargetEngine
-from speculative.local import LocalDraft, LocalTarget
-from speculative.model_runner import ModelRunner
+from model_service.engines import DraftEngine, TargetEngine
+from model_service.local import LocalDraft, LocalTarget
+from model_service.model_runner import ModelRunner
 from speculative.round import Stats, generate
-from speculative.sampling import SamplingParams
+from speculative.protocol import SamplingParams
 
 
 async def _acceptance(draft_dir: Path, target_dir: Path, prompts, k: int, new_tokens: int, vocab_subset: int) -> dict:

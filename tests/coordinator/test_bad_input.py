@@ -130,24 +130,44 @@ def test_model_services_refuse_bad_messages(stack):
     assert not target.Release(pb.ReleaseRequest(session_id="bad-input")).released
 
 
+def wait_released(call, request, timeout: float = 20.0, every: float = 0.1) -> None:
+    """Send `request` (a session's next call, which adds a token to it: at most timeout / every of
+    them, well inside the context) until it is NOT_FOUND: its session was released."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            call(request)
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.NOT_FOUND, err.details()
+            return
+        assert time.monotonic() < deadline, f"{request.session_id} was never released"
+        time.sleep(every)
+
+
 def test_a_failed_stream_call_leaves_another_client_s_session_alone(stack):
     """A stream releases the sessions it used when it ends, not those its failed calls named:
     a start refused as ALREADY_EXISTS names another client's session."""
     draft, target = peer_stubs(stack)
     greedy = pb.SamplingParams(temperature=0.0, top_p=1.0)
-    for stub, start, cont, stream in (
-            (draft, pb.ProposeRequest(session_id="victim", start=True, append=[1, 2, 3], num_tokens=2, sampling=greedy),
-             pb.ProposeRequest(session_id="victim", rollback=2, append=[4], num_tokens=2, sampling=greedy),
-             "ProposeStream"),
-            (target, pb.VerifyRequest(session_id="victim", start=True, append=[1, 2, 3], sampling=greedy),
-             pb.VerifyRequest(session_id="victim", append=[4], sampling=greedy), "VerifyStream")):
-        call = stub.Propose if stub is draft else stub.Verify
-        call(start)
-        with pytest.raises(grpc.RpcError) as err:
-            list(getattr(stub, stream)(iter([start])))
+
+    def propose(session_id, **kw):
+        return pb.ProposeRequest(session_id=session_id, num_tokens=2, sampling=greedy, **kw)
+
+    def verify(session_id, **kw):
+        return pb.VerifyRequest(session_id=session_id, sampling=greedy, **kw)
+
+    for stub, call, stream, request, next_call in (
+            (draft, draft.Propose, draft.ProposeStream, propose, dict(rollback=2, append=[4])),
+            (target, target.Verify, target.VerifyStream, verify, dict(append=[4]))):
+        call(request("victim", start=True, append=[1, 2, 3]))
+        with pytest.raises(grpc.RpcError) as err:  # the stream starts its own session, then the victim's
+            list(stream(iter([request("stream-own", start=True, append=[1, 2, 3]),
+                              request("victim", start=True, append=[1, 2, 3])])))
         assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
-        time.sleep(0.3)  # the stream's release runs after it ends
-        call(cont)  # the session is still there
+        # the stream's release runs after it ends, one model-thread job for all its sessions:
+        # once its own session is gone, a wrong release of the victim's has happened too
+        wait_released(call, request("stream-own", **next_call))
+        call(request("victim", **next_call))  # the session is still there
         assert stub.Release(pb.ReleaseRequest(session_id="victim")).released
 
 

@@ -56,7 +56,7 @@ def test_lockstep_equals_one_at_a_time(pair, calls, target_replicas):
     come as one batch RPC (split between the two target replicas), or each says its turn."""
     from coordinator.launch import LocalStack
 
-    from coordinator.launch import free_port
+    from runtime.ports import free_port
     from tests.services.test_metrics import scrape, value
 
     draft, target = pair

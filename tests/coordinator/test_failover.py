@@ -95,11 +95,11 @@ def test_a_draft_lost_on_a_pre_draft_costs_nothing(pair):
     from coordinator.failover import FailoverDraft, FailoverTarget
     from coordinator.peers import PeerError
     from coordinator.pool import Pool, Replica
-    from speculative.engines import DraftEngine, TargetEngine
-    from speculative.local import LocalDraft, LocalTarget
-    from speculative.model_runner import ModelRunner
+    from model_service.engines import DraftEngine, TargetEngine
+    from model_service.local import LocalDraft, LocalTarget
+    from model_service.model_runner import ModelRunner
     from speculative.round import generate
-    from speculative.sampling import SamplingParams
+    from speculative.protocol import SamplingParams
 
     draft_dir, target_dir = pair  # a draft that mostly disagrees: rounds roll proposals back
 
@@ -108,7 +108,7 @@ def test_a_draft_lost_on_a_pre_draft_costs_nothing(pair):
             super().__init__(DraftEngine(ModelRunner(draft_dir)))
             self.address, self.name, self.pre_drafts, self.fail_on = address, "draft", 0, fail_on
 
-        async def propose(self, session_id, start, rollback, append, k, params, p_min=0.0):
+        async def propose(self, session_id, start, rollback, append, k, params, p_min=0.0, *, turn=(0, 0)):
             if not start and not rollback and not append:
                 self.pre_drafts += 1
                 if self.pre_drafts == self.fail_on:

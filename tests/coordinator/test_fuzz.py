@@ -1,6 +1,7 @@
 """Property-based fuzzing (hypothesis) of the public request and of the internal Draft / Target
 messages, over real gRPC: every input gets a result or a clear status — never INTERNAL or
-UNKNOWN, never a hang — and afterwards every process is alive and a normal request is exact."""
+UNKNOWN, never a hang — and afterwards every process is alive and a normal request is exact.
+Each test checks that after its own fuzzing (`survived`), so none depends on the order they run in."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import math
 
 import grpc
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -60,9 +60,20 @@ def check_status(err: grpc.RpcError, request) -> None:
     assert err.details(), request
 
 
+def survived(stack, client, reference) -> None:
+    """No process died, no input took a replica out of the pool, and output is still exact."""
+    assert all(proc.poll() is None for proc in stack.procs.values())
+    log = stack.logs["coordinator"].read_text()
+    assert "failed a call" not in log  # no input took a replica out of the pool (an INTERNAL would)
+    assert all(r.state == "serving" for r in client.GetInfo(pb.GetInfoRequest()).replicas)
+    reply = client.Generate(pb.GenerateRequest(prompt="def f(x):", max_new_tokens=24, temperature=0.0,
+                                               num_speculative_tokens=3))
+    assert list(reply.token_ids) == reference("def f(x):", 24)
+
+
 @given(request=generate_requests(), stream=st.booleans())
 @FUZZ
-def test_public_requests_get_a_result_or_a_clear_status(client, request, stream):
+def fuzz_public_requests(client, request, stream):
     try:
         if stream:
             chunks = list(client.GenerateStream(request, timeout=CALL_TIMEOUT))
@@ -75,6 +86,11 @@ def test_public_requests_get_a_result_or_a_clear_status(client, request, stream)
         assert all(t >= 0 for t in tokens)
     except grpc.RpcError as err:
         check_status(err, request)
+
+
+def test_public_requests_get_a_result_or_a_clear_status(stack, client, reference):
+    fuzz_public_requests(client)
+    survived(stack, client, reference)
 
 
 @st.composite
@@ -107,8 +123,7 @@ SESSIONS = st.sampled_from(["fuzz-a", "fuzz-b", "", "fuzz-\u00e9\u0000x"]) | st.
     st.one_of(st.integers(0, 20), st.integers(0, 2**32 - 1)), SAMPLING, proposals(), FLOATS, st.booleans()),
     min_size=1, max_size=6))
 @FUZZ
-def test_internal_messages_get_a_result_or_a_clear_status(stack, calls):
-    """Propose / Verify, alone or as a batch RPC of one call (whose status is in its reply)."""
+def fuzz_internal_messages(stack, calls):
     with grpc.insecure_channel(stack.draft_addr) as d, grpc.insecure_channel(stack.target_addr) as t:
         draft, target = pb_grpc.DraftStub(d), pb_grpc.TargetStub(t)
         touched = set()
@@ -148,11 +163,15 @@ def test_internal_messages_get_a_result_or_a_clear_status(stack, calls):
             target.Release(pb.ReleaseRequest(session_id=session), timeout=CALL_TIMEOUT)
 
 
+def test_internal_messages_get_a_result_or_a_clear_status(stack, client, reference):
+    """Propose / Verify, alone or as a batch RPC of one call (whose status is in its reply)."""
+    fuzz_internal_messages(stack)
+    survived(stack, client, reference)
+
+
 @given(data=st.binary(max_size=256))
 @FUZZ
-def test_undecodable_bytes_are_refused_cleanly(stack, data):
-    """Arbitrary bytes as a request: what protobuf cannot parse is INVALID_ARGUMENT; what it can
-    parse is a (strange) request like any other."""
+def fuzz_undecodable_bytes(stack, data):
     for addr, method in ((stack.addr, "/specdec.v1.Generation/Generate"),
                          (stack.target_addr, "/specdec.v1.Target/Verify"),
                          (stack.target_addr, "/specdec.v1.Target/VerifyBatch"),
@@ -162,16 +181,12 @@ def test_undecodable_bytes_are_refused_cleanly(stack, data):
             call = channel.unary_unary(method)  # bytes in, bytes out
             try:
                 call(data, timeout=CALL_TIMEOUT)
-            except grpc.RpcError as err:  # bytes protobuf cannot parse: INVALID_ARGUMENT (speculative/interceptors.py)
+            except grpc.RpcError as err:  # bytes protobuf cannot parse: INVALID_ARGUMENT (runtime/interceptors.py)
                 check_status(err, (method, data))
 
 
-def test_everything_survived_the_fuzzing(stack, client, reference):
-    """Runs last in this module: no process died, the sessions are gone, output is still exact."""
-    assert all(proc.poll() is None for proc in stack.procs.values())
-    log = stack.logs["coordinator"].read_text()
-    assert "failed a call" not in log  # no input took a replica out of the pool (an INTERNAL would)
-    assert all(r.state == "serving" for r in client.GetInfo(pb.GetInfoRequest()).replicas)
-    reply = client.Generate(pb.GenerateRequest(prompt="def f(x):", max_new_tokens=24, temperature=0.0,
-                                               num_speculative_tokens=3))
-    assert list(reply.token_ids) == reference("def f(x):", 24)
+def test_undecodable_bytes_are_refused_cleanly(stack, client, reference):
+    """Arbitrary bytes as a request: what protobuf cannot parse is INVALID_ARGUMENT; what it can
+    parse is a (strange) request like any other."""
+    fuzz_undecodable_bytes(stack)
+    survived(stack, client, reference)

@@ -10,7 +10,8 @@ import sys
 import grpc
 import pytest
 
-from coordinator.launch import ROOT, free_port, wait_serving
+from coordinator.launch import ROOT, wait_serving
+from runtime.ports import free_port
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 

@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from speculative.sampling import SamplingParams, logits_to_probs
+from speculative.sampling import logits_to_probs
+from speculative.protocol import SamplingParams
 from tests.stats import chi2_critical, chi2_stat, fits
 
 PROMPT = [3, 5, 4, 7]

@@ -11,8 +11,7 @@ import pytest
 
 from coordinator.peers import GrpcDraft, PeerError
 from specdec.v1 import specdec_pb2 as pb
-from speculative.lockstep import TURN
-from speculative.sampling import SamplingParams
+from speculative.protocol import SamplingParams
 
 GREEDY = SamplingParams(0.0, 0, 1.0, 0)
 
@@ -74,8 +73,7 @@ def peer(stub: FakeDraftStub) -> GrpcDraft:
 async def propose(draft: GrpcDraft, session: str, turn: tuple[int, int], delay: float = 0.0):
     if delay:
         await asyncio.sleep(delay)
-    TURN.set(turn)
-    proposal, cost = await draft.propose(session, False, 0, [], 1, GREEDY)
+    proposal, cost = await draft.propose(session, False, 0, [], 1, GREEDY, turn=turn)
     return proposal.tokens, cost.batch_size
 
 

@@ -13,12 +13,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from coordinator.launch import ROOT, free_port
+from coordinator.launch import ROOT
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from speculative.engines import TargetEngine
-from speculative.model_runner import ModelRunner
-from speculative.serving import ModelThread, serve
+from model_service.engines import TargetEngine
+from model_service.model_runner import ModelRunner
+from model_service.threads import ModelThread
+from runtime.ports import free_port
+from runtime.server import serve
 from target_service.servicer import SERVICE_NAME, TargetServicer
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

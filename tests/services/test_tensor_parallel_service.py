@@ -16,7 +16,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.launch import ROOT, LocalStack, free_port, wait_serving
+from coordinator.launch import ROOT, LocalStack, wait_serving
+from runtime.ports import free_port
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 

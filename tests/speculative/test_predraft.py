@@ -8,11 +8,12 @@ import asyncio
 import pytest
 import torch
 
-from speculative.engines import DraftEngine, TargetEngine
-from speculative.local import LocalDraft, LocalTarget
-from speculative.model_runner import ModelRunner
+from model_service.engines import DraftEngine, TargetEngine
+from model_service.local import LocalDraft, LocalTarget
+from model_service.model_runner import ModelRunner
 from speculative.round import Stats, generate
-from speculative.sampling import SamplingParams, logits_to_probs
+from speculative.sampling import logits_to_probs
+from speculative.protocol import SamplingParams
 from speculative.tiny import make_model, make_tokenizer
 from tests.stats import chi2_stat, fits
 

@@ -9,8 +9,8 @@ import torch
 
 from speculative.errors import InvalidRequest
 from tests.stats import chi2_critical, chi2_stat
+from speculative.protocol import SamplingParams
 from speculative.sampling import (
-    SamplingParams,
     check_supports,
     decode_supports,
     draft_support,

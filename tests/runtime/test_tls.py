@@ -27,7 +27,7 @@ from coordinator.peers import GrpcTarget
 from coordinator.pool import Pool
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from speculative.transport import channel_credentials, open_channel
+from runtime.transport import channel_credentials, open_channel
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 REQUEST = pb.GenerateRequest(prompt="def fibonacci(n):", max_new_tokens=16, temperature=0.0)

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from .adaptive import PassCost
-from .errors import CapacityExceeded, InvalidRequest
-from .fast_forward import POOL_CAPACITY, FastForward, check_shardable
+from speculative.protocol import PassCost
+from speculative.errors import CapacityExceeded, InvalidRequest
+from .fast_forward import DTYPES, POOL_CAPACITY, FastForward, check_shardable
 from .sessions import Session, SessionTable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,7 +33,6 @@ FORWARDS = ("auto", "transformers")
 BUSY_WINDOW = 0.5  # seconds: sessions used this recently count as at work (see forward_many)
 MAX_SESSION_ID = 256  # characters (the coordinator's ids have 32)
 PREFILL_TOKENS = 32  # a pass feeding this many tokens of one session runs on every thread
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def default_device() -> str:
@@ -74,9 +73,16 @@ class ModelRunner:
         tp_timeout: float = 120.0,
         kv_pool_capacity: int | None = None,
         vocab_subset: int = 0,
+        *,
+        max_kv_tokens: int = 0,
+        batched_threads: int = 0,
+        on_forward: Callable[[], None] | None = None,
     ):
         """vocab_subset N > 0 (a draft's only): score only the N most frequent ids of the model
-        directory's draft_vocab.json (FastForward.restrict_head); every other id gets probability 0."""
+        directory's draft_vocab.json (FastForward.restrict_head); every other id gets probability 0.
+        max_kv_tokens: cap on tokens held by all sessions together (0: none but max_sessions);
+        batched_threads: torch threads for passes over several sessions (0: the same as for one);
+        on_forward: called as each forward starts (ModelThread.flush)."""
         path = Path(model_dir)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
@@ -114,12 +120,12 @@ class ModelRunner:
         self.sessions = SessionTable(max_sessions, idle_timeout, self.fast.new_cache if self.fast else DynamicCache)
         self._tokenizer_files: list[tuple[str, bytes]] | None = None
         self.lock = threading.Lock()  # one forward at a time; sessions are touched under it
-        self.max_kv_tokens = 0  # cap on tokens held by all sessions together (0: none but max_sessions)
+        self.max_kv_tokens = max_kv_tokens
         self.threads = torch.get_num_threads()
-        self.batched_threads = 0  # torch threads for passes over several sessions (0: the same as for one)
+        self.batched_threads = batched_threads
         self.at_work = 0  # sessions used within BUSY_WINDOW, as of the last pass (read by other threads)
-        self.pass_cost = PassCost()  # set by calibrate() where a service wants it (adaptive K reads it)
-        self.on_forward: Callable[[], None] | None = None  # called as each forward starts (ModelThread.flush)
+        self.pass_cost = PassCost()  # measured by calibrate() where a service wants it (adaptive K reads it)
+        self.on_forward = on_forward
 
     def _load(self, path: Path, max_context: int | None, forward: str, placement, dtype: str,
               kv_pool_capacity: int | None) -> None:
@@ -207,7 +213,8 @@ class ModelRunner:
             times.append(sorted(samples)[len(samples) // 2])
         fit = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
                                  torch.tensor(times, dtype=torch.float64)[:, None]).solution[:, 0]
-        return PassCost(*(max(0.0, float(v)) for v in fit))
+        self.pass_cost = PassCost(*(max(0.0, float(v)) for v in fit))
+        return self.pass_cost
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -279,7 +286,7 @@ class ModelRunner:
                 f"session {session_id!r} would hold {length} tokens, beyond the context of {self.max_context}"
             )
         if self.max_kv_tokens and length > held:
-            total = sum(len(s.tokens) for s in self.sessions._sessions.values()) - held + length + pending
+            total = sum(len(s.tokens) for s in self.sessions) - held + length + pending
             if total > self.max_kv_tokens:
                 raise CapacityExceeded(
                     f"the sessions would hold {total} tokens, beyond this service's cap of {self.max_kv_tokens}"

@@ -10,17 +10,17 @@ import time
 
 import pytest
 
-from speculative.engines import DraftEngine, TargetEngine
-from speculative.local import LocalDraft, LocalTarget
-from speculative.lockstep import DRAFT, TARGET, TURN, GatedDraft, GatedTarget, PhaseGate
-from speculative.model_runner import ModelRunner
+from model_service.engines import DraftEngine, TargetEngine
+from model_service.local import LocalDraft, LocalTarget
+from coordinator.lockstep import DRAFT, TARGET, GatedDraft, GatedTarget, PhaseGate
+from model_service.model_runner import ModelRunner
 from speculative.round import generate
-from speculative.sampling import SamplingParams
+from speculative.protocol import SamplingParams
 
 
 class Recorder:
     """Wraps the local peers: each call takes `ms` of wall time (an await, as a gRPC call would),
-    and every call's model and interval is recorded."""
+    and every call's model, interval and turn is recorded."""
 
     def __init__(self, draft: LocalDraft, target: LocalTarget, ms: float = 2.0):
         self.draft, self.target, self.ms = draft, target, ms
@@ -28,7 +28,7 @@ class Recorder:
         self.active = {DRAFT: 0, TARGET: 0}
         self.overlaps = 0
 
-    async def timed(self, model: str, session_id: str, call):
+    async def timed(self, model: str, session_id: str, turn: tuple[int, int], call):
         other = TARGET if model == DRAFT else DRAFT
         self.active[model] += 1
         self.overlaps += self.active[other] > 0
@@ -38,15 +38,15 @@ class Recorder:
             return call()
         finally:
             self.active[model] -= 1
-            self.calls.append((model, start, time.perf_counter(), session_id, TURN.get()))
+            self.calls.append((model, start, time.perf_counter(), session_id, turn))
 
 
 class RecordedDraft:
     def __init__(self, rec: Recorder):
         self.rec = rec
 
-    async def propose(self, *args, **kwargs):
-        return await self.rec.timed(DRAFT, args[0], lambda: self.rec.draft.engine.propose(*args, **kwargs))
+    async def propose(self, *args, turn=(0, 0), **kwargs):
+        return await self.rec.timed(DRAFT, args[0], turn, lambda: self.rec.draft.engine.propose(*args, **kwargs))
 
     async def release(self, session_id: str) -> None:
         await self.rec.draft.release(session_id)
@@ -56,8 +56,8 @@ class RecordedTarget:
     def __init__(self, rec: Recorder):
         self.rec = rec
 
-    async def verify(self, *args, **kwargs):
-        return await self.rec.timed(TARGET, args[0], lambda: self.rec.target.engine.verify(*args, **kwargs))
+    async def verify(self, *args, turn=(0, 0), **kwargs):
+        return await self.rec.timed(TARGET, args[0], turn, lambda: self.rec.target.engine.verify(*args, **kwargs))
 
     async def release(self, session_id: str) -> None:
         await self.rec.target.release(session_id)

@@ -10,12 +10,13 @@ import time
 
 import pytest
 
-from speculative.engines import DraftEngine, ProposeCall, TargetEngine, VerifyCall
+from model_service.engines import DraftEngine, ProposeCall, TargetEngine, VerifyCall
 from speculative.errors import InvalidRequest
-from speculative.model_runner import ModelRunner
-from speculative.round import Proposal
-from speculative.sampling import SamplingParams
-from speculative.serving import Batcher, ModelThread
+from model_service.model_runner import ModelRunner
+from speculative.protocol import Proposal
+from speculative.protocol import SamplingParams
+from model_service.batcher import Batcher, Batching
+from model_service.threads import ModelThread
 
 
 def engines(pair):
@@ -94,31 +95,40 @@ def recording_run_many():
 
 
 def held_first_pass(run_many):
-    """-> (release, run_many'): run_many whose first pass lasts until release is set, so that
-    calls submitted meanwhile are all waiting when the model frees up."""
-    release = threading.Event()
+    """-> (started, release, run_many'): run_many whose first pass sets `started` and lasts until
+    `release` is set, so that calls submitted meanwhile are all waiting when the model frees up."""
+    started, release = threading.Event(), threading.Event()
     first = [True]
 
     def run(calls):
         if first[0]:
             first[0] = False
+            started.set()
             assert release.wait(10)
         return run_many(calls)
 
-    return release, run
+    return started, release, run
+
+
+async def until(condition, timeout: float = 10.0) -> None:
+    """Return once condition() holds (the event a step waits for, polled), failing after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.001)
 
 
 def test_batcher_joins_waiting_calls_and_keeps_one_call_per_session():
     passes, run_many = recording_run_many()
-    release, held = held_first_pass(run_many)
+    started, release, held = held_first_pass(run_many)
 
     async def main():
-        batcher = Batcher(ModelThread(), held, max_batch=3)
+        batcher = Batcher(ModelThread(), held, Batching(max_batch=3))
         first = asyncio.ensure_future(batcher.submit("a", "a1"))
-        await asyncio.sleep(0.05)  # "a1" runs alone: nothing waits for a batch to fill
+        await until(started.is_set)  # "a1" runs alone: nothing waits for a batch to fill
         calls = [asyncio.ensure_future(batcher.submit(s, f"{s}{n}"))
                  for s, n in [("b", 1), ("c", 1), ("b", 2), ("d", 1), ("e", 1)]]
-        await asyncio.sleep(0.05)  # all five wait while a1's pass runs
+        await until(lambda: len(batcher.waiting) == 5)  # all five wait while a1's pass runs
         release.set()
         return await asyncio.gather(first, *calls)
 
@@ -132,14 +142,15 @@ def test_batcher_joins_waiting_calls_and_keeps_one_call_per_session():
 def test_batcher_refuses_calls_beyond_its_queue():
     from speculative.errors import CapacityExceeded
 
-    release, held = held_first_pass(lambda calls: [(c, None) for c in calls])
+    started, release, held = held_first_pass(lambda calls: [(c, None) for c in calls])
 
     async def main():
-        batcher = Batcher(ModelThread(), held, max_batch=1, max_queue=2)
+        batcher = Batcher(ModelThread(), held, Batching(max_batch=1, max_queue=2))
         first = asyncio.ensure_future(batcher.submit("s0", 0))
-        await asyncio.sleep(0.05)  # s0's pass runs (held): the queue is empty
+        await until(started.is_set)  # s0's pass runs (held): the queue is empty
         calls = [asyncio.ensure_future(batcher.submit(f"s{i}", i)) for i in range(1, 5)]
-        await asyncio.sleep(0.05)
+        # two wait in the queue, two were refused
+        await until(lambda: len(batcher.waiting) == 2 and sum(c.done() for c in calls) == 2)
         release.set()
         return await asyncio.gather(first, *calls, return_exceptions=True)
 
@@ -158,7 +169,7 @@ def test_batcher_fails_every_call_of_a_failed_pass_and_goes_on():
 
     async def main():
         thread = ModelThread()
-        batcher = Batcher(thread, run_many, max_batch=4)
+        batcher = Batcher(thread, run_many, Batching(max_batch=4))
         failed = await asyncio.gather(batcher.submit("a", "boom"), return_exceptions=True)
         after = await batcher.submit("b", "fine")
         job = await thread.run(lambda x: x * 2, 21)
@@ -180,10 +191,10 @@ def test_batcher_waits_for_sessions_at_work(wait, at_work, first_pass):
     passes, run_many = recording_run_many()
 
     async def main():
-        batcher = Batcher(ModelThread(), run_many, max_batch=8)
-        batcher.wait, batcher.at_work = wait, lambda: at_work
+        batcher = Batcher(ModelThread(), run_many, Batching(max_batch=8, wait=wait), at_work=lambda: at_work)
         first = asyncio.ensure_future(batcher.submit("a", "a1"))
-        await asyncio.sleep(0.05)
+        # the model thread has taken a1 up: its pass ran (alone), or it waits for the others
+        await until(lambda: passes or batcher.deadline is not None)
         rest = [batcher.submit(s, f"{s}1") for s in ("b", "c")]
         return await asyncio.gather(first, *rest)
 
@@ -201,11 +212,11 @@ def test_batcher_waits_for_the_rest_of_a_lockstep_turn(size, waits):
     passes, run_many = recording_run_many()
 
     async def main():
-        batcher = Batcher(ModelThread(), run_many, max_batch=8)
-        batcher.turn_wait = 0.4  # (wait and at_work are unset: only the turn holds the pass)
+        # (wait and at_work are unset: only the turn holds the pass)
+        batcher = Batcher(ModelThread(), run_many, Batching(max_batch=8, turn_wait=0.4))
         start = time.perf_counter()
         first = asyncio.ensure_future(batcher.submit("a", "a1", (7, size)))
-        await asyncio.sleep(0.05)
+        await until(lambda: batcher.deadline is not None)  # a1's pass waits for the rest of its turn
         rest = [batcher.submit(s, f"{s}1", (7, size)) for s in ("b", "c")]
         results = await asyncio.gather(first, *rest)
         return results, time.perf_counter() - start
@@ -220,15 +231,15 @@ def test_a_pass_serves_one_lockstep_turn():
     """Calls of two turns (two groups of generations), and calls of none, waiting together get a
     pass each, in the order their first calls came."""
     passes, run_many = recording_run_many()
-    release, held = held_first_pass(run_many)
+    started, release, held = held_first_pass(run_many)
 
     async def main():
-        batcher = Batcher(ModelThread(), held, max_batch=8)
+        batcher = Batcher(ModelThread(), held, Batching(max_batch=8))
         first = asyncio.ensure_future(batcher.submit("z", "z1"))
-        await asyncio.sleep(0.05)  # z1's pass runs (held) while the rest queue
+        await until(started.is_set)  # z1's pass runs (held) while the rest queue
         calls = [asyncio.ensure_future(batcher.submit(s, f"{s}1", turn))
                  for s, turn in [("a", (5, 2)), ("c", (9, 2)), ("x", (0, 0)), ("b", (5, 2)), ("d", (9, 2))]]
-        await asyncio.sleep(0.05)
+        await until(lambda: len(batcher.waiting) == 5)
         release.set()
         return await asyncio.gather(first, *calls)
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # --dtype
+
 SUPPORTED = {"llama", "mistral", "qwen2"}
 # weights with fewer elements stay unpacked (see FastForward.pack): oneDNN's ~25-40 us per call
 # outweighs its gain on them. Measured on the shipped pair: the draft's [160, 480] q/k/v takes

@@ -22,23 +22,11 @@ chosen, the output is the target's: K only moves cost around.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
-from .round import Round
+from speculative.protocol import PassCost
+from speculative.round import Round
 
 EMA = 0.1  # weight of a new observation in the running scales
-
-
-@dataclass(frozen=True)
-class PassCost:
-    """A model pass's time: ms = fixed + per_token * tokens + per_session * sessions."""
-
-    fixed: float = 0.0
-    per_token: float = 0.0
-    per_session: float = 0.0
-
-    def __call__(self, tokens: float, sessions: float) -> float:
-        return self.fixed + self.per_token * tokens + self.per_session * sessions
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -99,21 +87,6 @@ class CostModel:
         if pipelined:
             return max(target, draft) + overhead
         return target + draft + overhead
-
-
-class FixedK:
-    """The same K every round (a request's num_speculative_tokens)."""
-
-    adaptive = False
-
-    def __init__(self, k: int):
-        self.k = k
-
-    def choose(self, remaining: int) -> int:
-        return max(0, min(self.k, remaining - 1))
-
-    def observe(self, r: Round, wall_ms: float) -> None:
-        pass
 
 
 class AcceptanceK:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculative.engines import DraftEngine, TargetEngine
+from model_service.engines import DraftEngine, TargetEngine
 from speculative.errors import CapacityExceeded, InvalidRequest, SessionExists, SessionNotFound
-from speculative.model_runner import PREFILL_TOKENS, ModelRunner
-from speculative.round import Proposal
-from speculative.sampling import SamplingParams, encode_supports
+from model_service.model_runner import PREFILL_TOKENS, ModelRunner
+from speculative.protocol import Proposal
+from speculative.sampling import encode_supports
+from speculative.protocol import SamplingParams
 
 GREEDY = SamplingParams(0.0)
 
@@ -129,7 +130,7 @@ def test_engines_refuse_bad_input_and_leave_no_trace(runners):
 def test_other_model_families_decode_exactly(tmp_path, arch):
     import asyncio
 
-    from speculative.local import LocalDraft, LocalTarget
+    from model_service.local import LocalDraft, LocalTarget
     from speculative.round import generate
     from speculative.tiny import make_pair
 
@@ -158,7 +159,7 @@ def test_an_output_layer_wider_than_the_vocabulary_emits_only_its_ids(tmp_path):
     id it cannot embed). Random weights make the padded ids win often."""
     import asyncio
 
-    from speculative.local import LocalDraft, LocalTarget
+    from model_service.local import LocalDraft, LocalTarget
     from speculative.round import Stats, generate
     from speculative.tiny import make_model, make_tokenizer
 
@@ -200,7 +201,7 @@ def test_an_output_layer_wider_than_the_vocabulary_emits_only_its_ids(tmp_path):
 def test_generation_closed_early_releases_both_sessions(runners):
     import asyncio
 
-    from speculative.local import LocalDraft, LocalTarget
+    from model_service.local import LocalDraft, LocalTarget
     from speculative.round import generate
 
     draft, target = runners
@@ -221,8 +222,8 @@ def test_generation_closed_early_releases_both_sessions(runners):
 def test_oracle_draft_replays_the_reference(runners):
     import asyncio
 
-    from speculative.engines import OracleDraftEngine
-    from speculative.local import LocalDraft, LocalTarget
+    from model_service.oracle import OracleDraftEngine
+    from model_service.local import LocalDraft, LocalTarget
     from speculative.round import Stats, generate
 
     draft_runner, target = runners
@@ -261,7 +262,7 @@ def test_kv_token_cap_counts_what_calls_sharing_a_pass_will_add(pair):
     """Calls admitted to one pass grow their sessions only in it (the draft's K tokens, the
     target's sampled token): the cap must count that growth for the calls after them, as it
     would had they come one by one."""
-    from speculative.engines import ProposeCall, VerifyCall
+    from model_service.engines import ProposeCall, VerifyCall
 
     draft = DraftEngine(ModelRunner(pair[0]))
     draft.runner.max_kv_tokens = 20

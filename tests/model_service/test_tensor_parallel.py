@@ -12,7 +12,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from speculative.model_runner import ModelRunner
+from model_service.model_runner import ModelRunner
 from speculative.tiny import make_model, make_tokenizer
 
 ATOL = 1e-4  # float32 partial sums added in another order
@@ -57,7 +57,7 @@ TIMED_OUT = "The current node timed out during startup. This could happen becaus
     ((RuntimeError("no such address"),), 1, "no such address"),  # anything else at once
 ])
 def test_a_local_ray_whose_raylet_timed_out_is_started_again(errors, inits, raised):
-    from speculative.tensor_parallel import Placement
+    from model_service.tensor_parallel import Placement
 
     placement = object.__new__(Placement)  # only the start of Ray, no cluster
     placement.ray = FakeRay(*errors)
@@ -87,7 +87,7 @@ COLLECTIVE_TIMEOUT = 3.0  # seconds: the idle test waits longer than this betwee
 
 @pytest.fixture(scope="module")
 def runners(pair):
-    from speculative import tensor_parallel
+    from model_service import tensor_parallel
 
     _, target = pair
     whole = ModelRunner(target, "cpu")

@@ -9,31 +9,49 @@ every generation waiting for the draft goes at once, and only when those calls a
 every generation waits again, every one waiting for the target. Each service then sees its
 whole group together (one batch) and has the cores to itself while it runs.
 
-`PhaseGate` holds the calls; `GatedDraft` and `GatedTarget` wrap any DraftPeer / TargetPeer
-(the round does not know). A generation that is neither waiting nor calling (streaming its
-tokens, starting, ending) would hold everyone up, so a turn also starts once calls have
-waited `hold_s` with none in flight. Each call let through carries its turn (`TURN`: a random
-id and the number of calls): the gRPC peers send a turn's calls to one service as one batch RPC,
-which the service serves in one pass, or each call saying its turn (`turn_id`, `turn_size`), and
-the service then waits for all of the turn's calls before the pass (its --turn-wait-ms).
+`PhaseGate` holds the calls; `GatedDraft` and `GatedTarget` wrap a DraftPeer / TargetPeer that
+takes a call's turn (the round does not know). A generation that is neither waiting nor calling
+(streaming its tokens, starting, ending) would hold everyone up, so a turn also starts once calls
+have waited `hold_s` with none in flight. Each call let through is passed its turn (`turn`: a
+random id and the number of calls): the gRPC peers send a turn's calls to one service as one
+batch RPC, which the service serves in one pass, or each call saying its turn (`turn_id`,
+`turn_size`), and the service then waits for all of the turn's calls before the pass (its
+--turn-wait-ms). Ids are random: several coordinators may share a service.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import random
 from collections.abc import Callable
+from typing import Protocol
 
-from .round import Cost, DraftPeer, Proposal, TargetPeer, Verdict
-from .sampling import SamplingParams
+from speculative.protocol import Cost, Proposal, SamplingParams, Verdict
 
 DRAFT, TARGET = "draft", "target"
 
-# (id, number of calls) of the turn the call being made was let through in ((0, 0): not gated); the
-# gRPC peers send them as the request's turn_id and turn_size. Ids are random: several coordinators
-# may share a service
-TURN: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("specdec_turn", default=(0, 0))
+
+class TurnDraftPeer(Protocol):
+    """A DraftPeer that is told the turn (id, number of calls) its call was let through in ((0, 0):
+    not gated): the gRPC peers and the failover pass it on, the in-process ones ignore it."""
+
+    async def propose(
+        self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams,
+        p_min: float = 0.0, *, turn: tuple[int, int] = (0, 0),
+    ) -> tuple[Proposal, Cost]: ...
+
+    async def release(self, session_id: str) -> None: ...
+
+
+class TurnTargetPeer(Protocol):
+    """A TargetPeer that is told its call's turn (as TurnDraftPeer)."""
+
+    async def verify(
+        self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams, *,
+        turn: tuple[int, int] = (0, 0),
+    ) -> tuple[Verdict, Cost]: ...
+
+    async def release(self, session_id: str) -> None: ...
 
 
 class PhaseGate:
@@ -114,17 +132,16 @@ class PhaseGate:
 class GatedDraft:
     """A DraftPeer whose proposals wait for the draft's turn at `gate`."""
 
-    def __init__(self, peer: DraftPeer, gate: PhaseGate):
+    def __init__(self, peer: TurnDraftPeer, gate: PhaseGate):
         self.peer = peer
         self.gate = gate
 
     async def propose(self, session_id: str, start: bool, rollback: int, append: list[int], k: int,
                       params: SamplingParams, p_min: float = 0.0) -> tuple[Proposal, Cost]:
-        turn = TURN.set(await self.gate.enter(DRAFT))
+        turn = await self.gate.enter(DRAFT)
         try:
-            return await self.peer.propose(session_id, start, rollback, append, k, params, p_min)
+            return await self.peer.propose(session_id, start, rollback, append, k, params, p_min, turn=turn)
         finally:
-            TURN.reset(turn)
             self.gate.exit()
 
     async def release(self, session_id: str) -> None:
@@ -134,17 +151,16 @@ class GatedDraft:
 class GatedTarget:
     """A TargetPeer whose verifications wait for the target's turn at `gate`."""
 
-    def __init__(self, peer: TargetPeer, gate: PhaseGate):
+    def __init__(self, peer: TurnTargetPeer, gate: PhaseGate):
         self.peer = peer
         self.gate = gate
 
     async def verify(self, session_id: str, start: bool, append: list[int], proposal: Proposal,
                      params: SamplingParams) -> tuple[Verdict, Cost]:
-        turn = TURN.set(await self.gate.enter(TARGET))
+        turn = await self.gate.enter(TARGET)
         try:
-            return await self.peer.verify(session_id, start, append, proposal, params)
+            return await self.peer.verify(session_id, start, append, proposal, params, turn=turn)
         finally:
-            TURN.reset(turn)
             self.gate.exit()
 
     async def release(self, session_id: str) -> None:

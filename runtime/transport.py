@@ -36,6 +36,7 @@ MESSAGE_LIMITS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+CHANNEL_OPTIONS = MESSAGE_LIMITS + [("grpc.enable_retries", 0)]  # the coordinator's, to its model services
 
 CERTIFICATE, PRIVATE_KEY = b"-----BEGIN CERTIFICATE-----", b"PRIVATE KEY-----"
 

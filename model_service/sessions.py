@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
-from .errors import CapacityExceeded, SessionExists, SessionNotFound
+from speculative.errors import CapacityExceeded, SessionExists, SessionNotFound
 
 
 @dataclass
@@ -52,6 +53,10 @@ class SessionTable:
 
     def __contains__(self, session_id: str) -> bool:
         return session_id in self._sessions
+
+    def __iter__(self) -> Iterator[Session]:
+        """The sessions held now (a snapshot: safe to read from another thread)."""
+        return iter(list(self._sessions.values()))
 
     def create(self, session_id: str, generator: torch.Generator) -> Session:
         if session_id in self._sessions:

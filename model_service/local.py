@@ -1,14 +1,15 @@
 """In-process peers: the engines behind the DraftPeer / TargetPeer interfaces, no gRPC.
 
 Used by the tests and by the bench to run the very round the coordinator runs,
-in one process.
+in one process. A lockstep `turn` (coordinator/lockstep.py) is taken and ignored: the
+engine's pass is the call's own.
 """
 
 from __future__ import annotations
 
 from .engines import DraftEngine, TargetEngine
-from .round import Cost, Proposal, Verdict
-from .sampling import SamplingParams
+from speculative.protocol import Cost, Proposal, Verdict
+from speculative.protocol import SamplingParams
 
 
 class LocalDraft:
@@ -17,7 +18,7 @@ class LocalDraft:
 
     async def propose(
         self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams,
-        p_min: float = 0.0,
+        p_min: float = 0.0, *, turn: tuple[int, int] = (0, 0),
     ) -> tuple[Proposal, Cost]:
         return self.engine.propose(session_id, start, rollback, append, k, params, p_min)
 
@@ -30,7 +31,8 @@ class LocalTarget:
         self.engine = engine
 
     async def verify(
-        self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams
+        self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams, *,
+        turn: tuple[int, int] = (0, 0),
     ) -> tuple[Verdict, Cost]:
         return self.engine.verify(session_id, start, append, proposal, params)
 

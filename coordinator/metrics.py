@@ -1,58 +1,12 @@
-"""Prometheus metrics of the three services (`--metrics-port`; 0 leaves them off).
-
-Each process serves its own /metrics on its own port. Names are prefixed `specdec_`;
-counters carry prometheus_client's `_total` suffix. Per-request figures also stay in
-each response's GenerationStats.
-"""
+"""The coordinator's Prometheus metrics (served by runtime.metrics.start) and each request's clock."""
 
 from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-# seconds: sub-millisecond calls on a GPU up to long generations
-LATENCY = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
-
-
-def add_metrics_flag(parser) -> None:
-    parser.add_argument("--metrics-port", type=int, default=0,
-                        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: off)")
-
-
-def start(registry: CollectorRegistry, host: str, port: int) -> None:
-    if port:
-        start_http_server(port, addr=host, registry=registry)
-
-
-class ModelMetrics:
-    """A draft or target service: its calls, its sessions and what waits for its model thread."""
-
-    def __init__(self, registry: CollectorRegistry | None = None):
-        self.registry = registry or CollectorRegistry()
-        r = self.registry
-        self.calls = Counter("specdec_model_calls", "per-round calls answered, by method and gRPC status",
-                             ["method", "status"], registry=r)
-        self.latency = Histogram("specdec_model_call_seconds", "per-round call time inside the service",
-                                 ["method"], buckets=LATENCY, registry=r)
-        self.batch_rpcs = Counter("specdec_batch_rpcs", "batch RPCs answered (ProposeBatch / VerifyBatch:"
-                                  " a lockstep turn's calls in one message), by method", ["method"], registry=r)
-        self.batch = Histogram("specdec_batch_size", "sessions per model forward pass",
-                               buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
-        self.queue = Gauge("specdec_queue_depth", "calls waiting for or running on the model thread", registry=r)
-        self.sessions = Gauge("specdec_active_sessions", "sessions holding a KV cache", registry=r)
-        self.kv_tokens = Gauge("specdec_kv_cache_tokens", "tokens held in KV caches, all sessions", registry=r)
-        self.kv_pool = Gauge("specdec_kv_pool_positions", "positions the KV pool has room for (slots x"
-                             " capacity: its memory; 0 without one)", registry=r)
-
-    def watch(self, table, pool_positions=None) -> None:
-        """Read the session gauges from a SessionTable at each scrape (list() of its values is one
-        atomic copy under the GIL, so the model thread can go on changing the table), and the pool's
-        size from `pool_positions()`."""
-        self.sessions.set_function(lambda: len(table))
-        self.kv_tokens.set_function(lambda: sum(s.cached for s in list(table._sessions.values())))
-        if pool_positions is not None:
-            self.kv_pool.set_function(pool_positions)
+from runtime.metrics import LATENCY
 
 
 class CoordinatorMetrics:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from speculative.serving import EnvArgumentParser, add_common_flags
-from speculative.transport import channel_credentials, server_credentials
+from runtime.cli import EnvArgumentParser, add_common_flags
+from runtime.transport import channel_credentials, server_credentials
 
 
 def test_environment_sets_flags_and_flags_win(monkeypatch):
@@ -54,7 +54,7 @@ def test_thread_defaults_follow_the_role_and_the_cpus(monkeypatch):
     passes; the draft takes one. A flag given wins."""
     import argparse
 
-    from speculative import serving
+    from model_service import threads as serving
 
     monkeypatch.setattr(serving, "available_cpus", lambda: 2)
     resolved = []
@@ -69,6 +69,6 @@ def test_thread_defaults_follow_the_role_and_the_cpus(monkeypatch):
 
 
 def test_available_cpus_is_at_least_one():
-    from speculative.serving import available_cpus
+    from model_service.threads import available_cpus
 
     assert 1 <= available_cpus() <= (__import__("os").cpu_count() or 1)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from speculative.adaptive import AcceptanceK, AdaptiveK, CostModel, FixedK, PassCost, expected_tokens
-from speculative.round import Cost, Round
+from coordinator.adaptive import AcceptanceK, AdaptiveK, CostModel, expected_tokens
+from speculative.protocol import Cost, PassCost
+from speculative.round import FixedK, Round
 
 TARGET = PassCost(fixed=8.0, per_token=0.2, per_session=0.4)  # about the shipped target on 2 CPU cores
 DRAFT = PassCost(fixed=1.2, per_token=0.08, per_session=0.1)

@@ -13,11 +13,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from draft_service.__main__ import vocab_subset
-from speculative.engines import DraftEngine, TargetEngine
-from speculative.local import LocalDraft, LocalTarget
-from speculative.model_runner import ModelRunner
+from model_service.engines import DraftEngine, TargetEngine
+from model_service.local import LocalDraft, LocalTarget
+from model_service.model_runner import ModelRunner
 from speculative.round import Stats, generate
-from speculative.sampling import SamplingParams
+from speculative.protocol import SamplingParams
 from tests.stats import chi2_stat, fits
 
 PROMPT = [3, 5, 4, 7]

@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import socket
 import threading
 import time
 import weakref
@@ -36,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from .errors import WorkerLost
+from runtime.ports import free_port
+from speculative.errors import WorkerLost
 
 log = logging.getLogger("specdec.tp")
 
@@ -47,12 +47,6 @@ IDLE_TIMEOUT = timedelta(days=365)
 LOCAL_RAY_ATTEMPTS = 2  # starts of a local Ray instance whose raylet timed out (see Placement._start_local_ray)
 # what Ray's errors say when a local start ran out of time (the raylet's registration, the GCS's port file)
 STARTUP_TIMEOUTS = ("timed out during startup", "Timed out waiting for file")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _join(rank: int, world: int, init_method: str, backend: str, timeout: timedelta, idle: timedelta):
@@ -92,7 +86,7 @@ class Worker:
 
     def __init__(self, rank: int, world: int, model_dir: str, dtype: str, device: str, max_context: int,
                  threads: int, pool_capacity: int):
-        import speculative.openmp  # noqa: F401  (before torch's first parallel region)
+        import model_service.openmp  # noqa: F401  (before torch's first parallel region)
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         if threads > 0:
@@ -108,8 +102,7 @@ class Worker:
         """Load the whole model into host memory (sharded and moved to the device by `join`)."""
         from transformers import AutoModelForCausalLM
 
-        from .fast_forward import FastForward
-        from .model_runner import DTYPES
+        from .fast_forward import DTYPES, FastForward
 
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=DTYPES[self.dtype], local_files_only=True)
         self.fast = FastForward.build(model.eval(), self.max_context, self.pool_capacity)
@@ -354,7 +347,7 @@ class Placement:
 
         pids = each([w.load.remote() for w in self.workers], "load the model")
         backend = self.backend
-        init_method = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+        init_method = f"tcp://{ray.util.get_node_ip_address()}:{free_port(host='')}"
         step, idle = PG_TIMEOUT, IDLE_TIMEOUT
         joins = [w.join.remote(init_method, backend, step, idle) for w in self.workers]
         try:

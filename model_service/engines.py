@@ -2,21 +2,18 @@
 
 Engines are synchronous and run on their service's model thread; they validate
 their input before touching a session, so a bad request leaves no trace.
+DraftEngine is the model drafting method (the contract: drafting.py).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from .errors import InvalidRequest
-from .model_runner import ModelRunner, Timer
-from .sessions import Session
-from .round import Cost, Proposal, Verdict
-from .sampling import (
-    SamplingParams,
+from speculative.errors import InvalidRequest
+from speculative.protocol import Cost, Proposal, SamplingParams, Verdict
+from speculative.sampling import (
     check_supports,
     draft_support,
     encode_supports,
@@ -28,28 +25,11 @@ from .sampling import (
     supports_to_tensors,
 )
 
+from .drafting import ProposeCall
+from .model_runner import ModelRunner, Timer
+from .sessions import Session
+
 DRAFT_SEED_SALT = 0x9E3779B97F4A7C15  # the draft's generator differs from the target's
-
-
-def check_params(params: SamplingParams) -> None:
-    t = params.temperature
-    if math.isnan(t) or math.isinf(t) or t < 0:
-        raise InvalidRequest(f"temperature must be a finite number >= 0, not {t}")
-    if params.top_k < 0:
-        raise InvalidRequest(f"top_k must be >= 0, not {params.top_k}")
-    if not (0.0 < params.top_p <= 1.0):  # also rejects NaN
-        raise InvalidRequest(f"top_p must lie in (0, 1], not {params.top_p}")
-
-
-@dataclass
-class ProposeCall:
-    session_id: str
-    start: bool
-    rollback: int
-    append: list[int]
-    k: int
-    params: SamplingParams
-    p_min: float = 0.0  # stop drafting at a token whose top probability is below this
 
 
 @dataclass
@@ -69,7 +49,8 @@ def _one(results: list) -> tuple:
 
 
 class DraftEngine:
-    """Proposes K tokens per call, each with the sparse q it was sampled from.
+    """A drafting method (drafting.py): a small model proposes K tokens per call, each sampled
+    from its q, the model's p cut to its top `max_support` tokens.
 
     `propose_many` drafts for several sessions at once: each step is one forward pass
     over every session still drafting (sessions may ask for different K).
@@ -79,6 +60,13 @@ class DraftEngine:
         self.runner = runner
         self.max_support = max_support
         self.max_tokens = max_tokens
+
+    def info(self) -> dict:
+        return self.runner.info()
+
+    def release(self, session_id: str) -> bool:
+        with self.runner.lock:
+            return self.runner.sessions.release(session_id)
 
     def propose(
         self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams,
@@ -122,7 +110,7 @@ class DraftEngine:
         pending: tokens the pass's calls admitted before this one will draft."""
         runner, k = self.runner, call.k
         runner.check_session_id(call.session_id)
-        check_params(call.params)
+        call.params.validate()
         if not 0 <= k <= self.max_tokens:
             raise InvalidRequest(f"num_tokens must lie in [0, {self.max_tokens}], not {k}")
         if not 0.0 <= call.p_min <= 1.0:  # also rejects NaN
@@ -155,7 +143,6 @@ class DraftEngine:
         out = [([], None, None) if call.params.greedy else ([], [], []) for _, call, _ in live]
         # sessions asking for no tokens only need their new tokens cached (prefill): first pass
         drafting = [j for j, (_, call, session) in enumerate(live) if call.k > 0 or len(session.tokens) > session.cached]
-        step = 0
         while drafting:
             logits = runner.forward_many([(live[j][2], 1) for j in drafting])
             still = []
@@ -181,29 +168,8 @@ class DraftEngine:
                 session.tokens.append(x)  # the last one is fed on the next call, if accepted
                 if len(tokens) < call.k:
                     still.append(j)
-            drafting, step = still, step + 1
+            drafting = still
         return out
-
-
-class OracleDraftEngine(DraftEngine):
-    """Benchmark only: a draft that replays known continuations (the target's own greedy
-    output), with one-hot q, and runs no model. Acceptance is 1.0 and the draft costs ~nothing:
-    what is left of a round is the machinery's own cost, its ceiling."""
-
-    def __init__(self, runner: ModelRunner, references: list[list[int]], max_tokens: int = 16):
-        super().__init__(runner, max_support=1, max_tokens=max_tokens)
-        self.references = [tuple(r) for r in references]
-
-    def _draft(self, live):
-        return [self._replay(session, call.k) for _, call, session in live]
-
-    def _replay(self, session: Session, k: int):
-        n = len(session.tokens)
-        prefix = tuple(session.tokens)
-        reference = next((r for r in self.references if len(r) > n and r[:n] == prefix), ())
-        tokens = list(reference[n : n + k])
-        session.tokens.extend(tokens)
-        return tokens, [torch.tensor([t]) for t in tokens], [torch.ones(1) for _ in tokens]
 
 
 class TargetEngine:
@@ -213,6 +179,13 @@ class TargetEngine:
     def __init__(self, runner: ModelRunner, max_tokens: int = 16):
         self.runner = runner
         self.max_tokens = max_tokens
+
+    def info(self) -> dict:
+        return self.runner.info()
+
+    def release(self, session_id: str) -> bool:
+        with self.runner.lock:
+            return self.runner.sessions.release(session_id)
 
     def verify(
         self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams
@@ -269,7 +242,7 @@ class TargetEngine:
         -> (session, committed length, q_ids, q_probs)"""
         runner, proposal = self.runner, call.proposal
         runner.check_session_id(call.session_id)
-        check_params(call.params)
+        call.params.validate()
         k = len(proposal.tokens)
         if k > self.max_tokens:
             raise InvalidRequest(f"at most {self.max_tokens} draft tokens per call, got {k}")

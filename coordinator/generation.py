@@ -1,0 +1,421 @@
+"""The coordinator's generation core: a request in, a stream of chunks out, free of any transport.
+
+    coordinator = Coordinator(draft_pool, target_pool, Limits(), CoordinatorMetrics())
+    await coordinator.connect(timeout=300)
+    async for chunk in coordinator.generate(GenerationRequest(prompt="def f(x):", max_new_tokens=32)):
+        print(chunk.text, end="")
+
+Front doors translate to and from these words and nothing more: the gRPC servicer (server.py), an
+HTTP one. What they share lives here: checking a request, the speculative rounds over the two
+pools (failover, the lockstep gate), stop strings, the metrics. Errors are plain exceptions whose
+messages go to the client as they are:
+
+  InvalidRequest  the request itself is wrong                           (gRPC: INVALID_ARGUMENT)
+  NotPossible     a valid request this deployment cannot serve           (FAILED_PRECONDITION)
+  NotReady        the coordinator is still connecting to its services    (UNAVAILABLE)
+  PeerError       a model service failed (coordinator/peers.py)          (the status it carries)
+
+Deadlines are the caller's: it cancels the iterator (or the task iterating it) when it gives up.
+`deadline` only tells the metrics a cancellation at or past it from one before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from speculative.errors import InvalidRequest
+from speculative.protocol import SamplingParams, pass_cost_from_info
+from speculative.round import FixedK, KPolicy, Stats
+from speculative.round import generate as speculative_rounds
+
+from .adaptive import AcceptanceK, AdaptiveK, CostModel
+from .failover import FailoverDraft, FailoverTarget
+from .lockstep import GatedDraft, GatedTarget, PhaseGate
+from .metrics import CoordinatorMetrics, TokenClock
+from .peers import PeerError, check_compatible
+from .pool import Pool
+from .text import TextStream
+
+MAX_STOP_STRINGS = 16
+PROMPT_SLACK = 4  # see check_length
+
+
+@dataclass
+class Limits:
+    default_max_new_tokens: int = 256
+    default_speculative_tokens: int = 8  # adaptive: the most K may grow to
+    max_speculative_tokens: int = 16
+    adaptive: bool = True  # requests without num_speculative_tokens get adaptive K
+    draft_p_min: float = 0.0
+    predraft: bool = False  # draft the next round while the target verifies this one
+    lockstep_ms: float = 0.0  # > 0: calls reach the models in turns (coordinator/lockstep.py), held this long at most
+
+
+class NotPossible(ValueError):
+    """A valid request this deployment cannot serve (messages without a chat template)."""
+
+
+class NotReady(RuntimeError):
+    """The coordinator has not yet found its model services."""
+
+
+# ------------------------------------------------------------------ words
+
+
+@dataclass
+class Message:
+    """One turn of a conversation: role system, user, assistant (or another the chat template knows)."""
+
+    role: str
+    content: str
+
+
+@dataclass
+class GenerationRequest:
+    """A request as specdec.proto's GenerateRequest defines it; None: the server's default.
+
+    Exactly one of `prompt`, `prompt_token_ids` and `messages` (a conversation, through the target's
+    chat template with the assistant's turn opened)."""
+
+    prompt: str = ""
+    prompt_token_ids: list[int] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    max_new_tokens: int | None = None
+    temperature: float | None = None   # 0 = greedy; default 1
+    top_p: float | None = None         # default 1 (off)
+    top_k: int | None = None           # default 0 (off)
+    seed: int | None = None            # default: a random one, reported in the summary
+    stop: list[str] = field(default_factory=list)  # stop strings (not included in the text)
+    num_speculative_tokens: int | None = None      # a fixed K; default: the server's (adaptive or not)
+    draft_p_min: float | None = None
+    ignore_eos: bool = False  # go on past end-of-sequence tokens (benchmarks; vLLM's ignore_eos)
+
+
+class Finish(enum.Enum):
+    LENGTH = "length"  # max_new_tokens (or the context) reached
+    STOP = "stop"      # a stop string was produced
+    EOS = "eos"        # the model produced an end-of-sequence token
+
+
+@dataclass
+class Summary:
+    """How a finished request ran: its rounds' counts and what it was given."""
+
+    stats: Stats
+    num_speculative_tokens: int  # K; adaptive: its ceiling
+    adaptive: bool
+    seed: int
+    prompt_tokens: int
+    wall_ms: float
+
+
+@dataclass
+class Chunk:
+    """Tokens new since the last chunk and their text; the last chunk alone has `finish` and `summary`."""
+
+    token_ids: list[int]
+    text: str
+    finish: Finish | None = None
+    summary: Summary | None = None
+
+
+@dataclass(frozen=True)
+class Models:
+    """What `connect` learned of the draft and target: all that a request is checked against."""
+
+    tokenizer: Any              # the target's
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    max_context: int            # the smaller model's
+    max_k: int                  # the largest K a request may ask for
+    default_k: int              # K (adaptive: its ceiling) where a request does not say
+    max_draft_call: int         # the most tokens one call asks the draft for (a pre-draft asks K + 1)
+    max_token_chars: int        # prompt_bound(tokenizer)
+    costs: CostModel            # the pair's pass costs, adaptive K's model, shared by all requests
+    name: str = ""              # the target's model name: what clients call the model
+
+
+@dataclass
+class Plan:
+    """A checked request, its defaults filled in."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    params: SamplingParams
+    policy: KPolicy
+    p_min: float
+    stop: list[str]
+
+
+# ------------------------------------------------------------------ checking a request
+
+
+def prompt_bound(tokenizer) -> int:
+    """The most characters of text one token can stand for, where the tokenizer bounds it: a BPE
+    token covers no more than its own string (its bytes, in byte-level BPE), unless unknown
+    characters are fused into one token. 0 where there is no such bound (WordPiece's unknown
+    token covers a whole word, Unigram can fuse unknown runs, slow tokenizers are not inspected)."""
+    from tokenizers.models import BPE
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    model = getattr(backend, "model", None)
+    if not isinstance(model, BPE) or (model.fuse_unk and model.unk_token is not None):
+        return 0
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
+def least(*limits: int) -> int:
+    """The smallest of the limits, 0 meaning none (a service that does not report one)."""
+    return min(limit for limit in limits if limit)
+
+
+def check_length(chars: int, what: str, models: Models) -> None:
+    """A text that cannot fit is refused untokenized: a prompt of a few MB takes seconds to encode.
+    (PROMPT_SLACK: a normalizer may shorten the text before it is split; a chat template adds text)"""
+    fits = PROMPT_SLACK * models.max_token_chars * models.max_context
+    if models.max_token_chars and chars > fits:
+        raise InvalidRequest(
+            f"{what} has {chars} characters, more than the context of {models.max_context} "
+            f"tokens can hold (no token of this tokenizer spans more than {models.max_token_chars} characters)")
+
+
+async def prompt_ids(request: GenerationRequest, models: Models) -> list[int]:
+    given = [name for name, there in (("prompt", bool(request.prompt)),
+                                      ("prompt_token_ids", bool(request.prompt_token_ids)),
+                                      ("messages", bool(request.messages))) if there]
+    if len(given) > 1:
+        raise InvalidRequest(f"give exactly one of prompt, prompt_token_ids and messages, not {' and '.join(given)}")
+    if not given:
+        raise InvalidRequest("the prompt is empty: give prompt text, prompt_token_ids or messages")
+    if request.prompt_token_ids:
+        ids = list(request.prompt_token_ids)
+        bad = [t for t in ids if not 0 <= t < models.vocab_size]
+        if bad:
+            raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {models.vocab_size})")
+        return ids
+    if request.messages:
+        return await chat_ids(request.messages, models)
+    check_length(len(request.prompt), "the prompt", models)
+    # off the event loop: encoding a long prompt must not hold up the other requests' rounds
+    ids = await asyncio.to_thread(lambda: models.tokenizer(request.prompt)["input_ids"])
+    if not ids:
+        raise InvalidRequest("the prompt encodes to no tokens")
+    return ids
+
+
+async def chat_ids(messages: list[Message], models: Models) -> list[int]:
+    """The conversation through the target's chat template, the assistant's turn opened."""
+    tokenizer = models.tokenizer
+    if not tokenizer.chat_template:
+        raise NotPossible("the target model has no chat template: send `prompt` or `prompt_token_ids`,"
+                          " not `messages`")
+    for i, m in enumerate(messages):
+        if not m.role:
+            raise InvalidRequest(f"messages[{i}] has no role (system, user or assistant)")
+    check_length(sum(len(m.content) for m in messages), "the conversation", models)
+    conversation = [{"role": m.role, "content": m.content} for m in messages]
+
+    def encode() -> list[int]:
+        return list(tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+
+    try:
+        return await asyncio.to_thread(encode)
+    except Exception as e:  # the template's own refusals (jinja's raise_exception: roles out of order...)
+        raise InvalidRequest(f"the chat template refused the messages: {e}") from e
+
+
+async def resolve(request: GenerationRequest, models: Models, limits: Limits) -> Plan:
+    """Check the request against the models and the limits, in field order; fill in the defaults."""
+    prompt = await prompt_ids(request, models)
+    room = models.max_context - len(prompt)
+    if room <= 0:
+        raise InvalidRequest(
+            f"the prompt has {len(prompt)} tokens; the context holds {models.max_context}, leaving no room to generate"
+        )
+    max_new = request.max_new_tokens
+    if max_new is None:
+        max_new = min(limits.default_max_new_tokens, room)
+    if max_new <= 0:
+        raise InvalidRequest(f"max_new_tokens must be > 0, not {max_new}")
+    if max_new > room:
+        raise InvalidRequest(
+            f"max_new_tokens={max_new} goes beyond the context: the prompt has {len(prompt)} tokens "
+            f"and the context holds {models.max_context}, so at most {room} new tokens"
+        )
+    seeded = request.seed is not None
+    params = SamplingParams(
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_k=0 if request.top_k is None else request.top_k,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        seed=request.seed if seeded else random.getrandbits(63),
+    ).validate()
+    adaptive = limits.adaptive and request.num_speculative_tokens is None
+    k = models.default_k if request.num_speculative_tokens is None else request.num_speculative_tokens
+    if not 0 <= k <= models.max_k:
+        raise InvalidRequest(f"num_speculative_tokens must lie in [0, {models.max_k}], not {k}")
+    p_min = limits.draft_p_min if request.draft_p_min is None else request.draft_p_min
+    if not 0.0 <= p_min <= 1.0:  # also NaN
+        raise InvalidRequest(f"draft_p_min must lie in [0, 1], not {p_min}")
+    if len(request.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}")
+    if not adaptive:
+        policy = FixedK(k)
+    elif params.temperature > 0 and seeded:
+        policy = AcceptanceK(k, models.costs)  # reads no timings: the seed reproduces the output under any load
+    else:
+        policy = AdaptiveK(models.costs, k)
+    return Plan(prompt, max_new, params, policy, p_min, list(request.stop))
+
+
+def outcome(error: BaseException, deadline: float | None = None) -> str:
+    """How a request that raised `error` ended, for the metrics' status label: the name of the
+    canonical status code (google.rpc.Code) a front door answers it with."""
+    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):  # the caller gave up
+        return "DEADLINE_EXCEEDED" if deadline is not None and time.monotonic() >= deadline else "CANCELLED"
+    if isinstance(error, InvalidRequest):
+        return "INVALID_ARGUMENT"
+    if isinstance(error, NotPossible):
+        return "FAILED_PRECONDITION"
+    if isinstance(error, NotReady):
+        return "UNAVAILABLE"
+    if isinstance(error, PeerError):
+        return error.code.name  # the model service's status, passed on
+    return "INTERNAL"
+
+
+# ------------------------------------------------------------------ generating
+
+
+class Coordinator:
+    """Serves once `connect` has found a replica of both pools ready and compatible."""
+
+    def __init__(self, draft: Pool, target: Pool, limits: Limits, metrics: CoordinatorMetrics | None = None):
+        self.draft = draft
+        self.target = target
+        self.limits = limits
+        self.metrics = metrics
+        self.models: Models | None = None  # set by connect
+        self.gate = PhaseGate(limits.lockstep_ms / 1e3) if limits.lockstep_ms > 0 else None
+        if metrics is not None:
+            draft.latency, target.latency = metrics.propose, metrics.verify
+            if self.gate is not None:
+                self.gate.on_turn = metrics.lockstep_turn
+
+    async def connect(self, timeout: float) -> None:
+        """Wait for a replica of each pool, refuse an incompatible pair, load the target's tokenizer."""
+        draft_info, target_info = await asyncio.gather(self.draft.start(timeout), self.target.start(timeout))
+        check_compatible(draft_info, target_info)
+        tokenizer_dir = await self.target.healthy()[0].peer.fetch_tokenizer()
+        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, tokenizer_dir, local_files_only=True)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:  # settings a call would otherwise reset on the shared tokenizer, while others encode
+            backend.no_truncation()
+            backend.no_padding()
+        # the largest K: this coordinator's, or less where the services take fewer tokens a call
+        own = self.limits.max_speculative_tokens
+        max_k = least(own, draft_info.max_tokens_per_call, target_info.max_tokens_per_call)
+        self.models = Models(
+            tokenizer=tokenizer,
+            vocab_size=target_info.vocab_size,
+            eos_token_ids=frozenset(target_info.eos_token_ids),
+            max_context=min(draft_info.max_context, target_info.max_context),
+            max_k=max_k,
+            default_k=min(self.limits.default_speculative_tokens, max_k),
+            max_draft_call=least(own, draft_info.max_tokens_per_call),  # a pre-draft asks the draft alone
+            max_token_chars=prompt_bound(tokenizer),
+            costs=CostModel(pass_cost_from_info(target_info), pass_cost_from_info(draft_info)),
+            name=target_info.model_name,
+        )
+
+    def ready(self) -> Models:
+        """What `connect` learned; NotReady until it has."""
+        if self.models is None:
+            raise NotReady("the coordinator is still connecting to its model services")
+        return self.models
+
+    async def generate(self, request: GenerationRequest, method: str = "Generate",
+                       deadline: float | None = None) -> AsyncIterator[Chunk]:
+        """The request's chunks, one per speculative round, then the last with its finish and summary.
+
+        `method` names the request in the metrics (the front door's word for it); `deadline`
+        (time.monotonic()) is when its caller gives up, if it does."""
+        metrics, start, stats = self.metrics, time.perf_counter(), Stats()
+        status = "UNKNOWN"
+        if metrics is not None:
+            metrics.active.inc()
+        try:
+            async with contextlib.aclosing(self._chunks(request, TokenClock(metrics), stats)) as chunks:
+                async for chunk in chunks:
+                    if chunk.summary is not None:
+                        status = "OK"
+                    yield chunk
+        except BaseException as e:
+            if status != "OK":
+                status = outcome(e, deadline)
+            raise
+        finally:
+            if metrics is not None:
+                metrics.add_stats(stats)  # the rounds it ran, whether it finished or not
+                metrics.active.dec()
+                metrics.requests.labels(method, status).inc()
+                metrics.request_latency.observe(time.perf_counter() - start)
+
+    async def _chunks(self, request: GenerationRequest, clock: TokenClock, stats: Stats) -> AsyncIterator[Chunk]:
+        """`generate`'s chunks; `stats` (empty) gathers the rounds as they run."""
+        start = time.perf_counter()
+        models = self.ready()
+        plan = await resolve(request, models, self.limits)
+        text = TextStream(models.tokenizer, plan.stop)
+        finish = Finish.LENGTH
+        # one replica of each pool at a time, moving to another if it fails (coordinator/failover.py)
+        failover_draft, failover_target = FailoverDraft(self.draft), FailoverTarget(self.target)
+        draft, target = failover_draft, failover_target
+        if self.gate is not None:
+            draft, target = GatedDraft(draft, self.gate), GatedTarget(target, self.gate)
+            self.gate.joined()
+        eos = frozenset() if request.ignore_eos else models.eos_token_ids
+        rounds = speculative_rounds(
+            draft, target, plan.prompt, max_new_tokens=plan.max_new_tokens, k=plan.policy, params=plan.params,
+            eos_token_ids=eos, max_context=models.max_context, stats=stats,
+            session_id=uuid.uuid4().hex, p_min=plan.p_min, predraft=self.limits.predraft,
+            max_call_tokens=models.max_draft_call,
+        )
+        models.costs.in_flight += 1
+        try:
+            async with contextlib.aclosing(rounds):
+                async for new in rounds:
+                    ids = []
+                    for token in new:
+                        ids.append(token)
+                        text.add(token)
+                        if text.stopped:
+                            finish = Finish.STOP
+                            stats.generated_tokens -= len(new) - len(ids)  # the round's tokens after the stop
+                            break
+                    else:
+                        if new and new[-1] in eos:
+                            finish = Finish.EOS
+                    clock.tokens(len(ids))
+                    yield Chunk(token_ids=ids, text=text.take())
+                    if finish is Finish.STOP:
+                        break
+        finally:
+            models.costs.in_flight -= 1
+            if self.gate is not None:
+                self.gate.left()
+            failover_draft.close()
+            failover_target.close()
+        wall_ms = (time.perf_counter() - start) * 1e3
+        summary = Summary(stats, plan.policy.k, plan.policy.adaptive, plan.params.seed, len(plan.prompt), wall_ms)
+        yield Chunk(token_ids=[], text=text.take(final=True), finish=finish, summary=summary)

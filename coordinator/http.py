@@ -1,0 +1,476 @@
+"""The OpenAI-compatible HTTP API beside gRPC (--http-port): JSON in -> the generation core
+(generation.py) -> JSON or server-sent events out. Any OpenAI client can talk to specdec:
+
+    curl -N http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+      -d '{"model": "target", "messages": [{"role": "user", "content": "Hi"}], "stream": true}'
+
+Endpoints: GET /v1/models; POST /v1/chat/completions and POST /v1/completions, unary or with
+`stream: true` (one event per speculative round, then `data: [DONE]`; `stream_options.include_usage`
+adds a last event with the usage). GET /health (200 once the coordinator has found its services,
+else 503) and GET /metrics (the coordinator's Prometheus metrics) need no API key.
+
+What OpenAI's API has no word for goes in an extra field, `specdec` (rounds, acceptance, K, seed;
+in a stream on the event with the finish_reason), and, unary, in x-specdec-* headers. Extra body
+fields read: num_speculative_tokens, draft_p_min, top_k, ignore_eos (as vLLM's: generate past end-of-sequence). A field specdec cannot honour (n > 1,
+logprobs, penalties, tools...) is refused, naming it; a field it does not know is ignored.
+/v1/completions generates 16 tokens where max_tokens is not given, as OpenAI's does.
+
+Errors are OpenAI's error object, with the HTTP status of the core's canonical code
+(generation.outcome): 400 a bad request, 401 no API key, 404 an unknown model, 413 a body past
+--max-request-bytes, 429 a model service out of capacity, 503 no services (yet). A client that
+hangs up cancels its generation, and the model services release its sessions.
+
+uvicorn runs in the coordinator's own event loop (`HttpServer`), beside the gRPC server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import ssl
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+
+from runtime.auth import bearer_ok
+from runtime.transport import MAX_REQUEST_BYTES
+from speculative.errors import InvalidRequest
+
+from .generation import Chunk, Coordinator, Finish, GenerationRequest, Message, NotPossible, NotReady, Summary, outcome
+from .peers import PeerError
+
+T = TypeVar("T")
+CORE_ERRORS = (InvalidRequest, NotPossible, NotReady, PeerError)
+# the HTTP status of a canonical code, as grpc-gateway maps them; any other: 500
+HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400, "UNAUTHENTICATED": 401,
+               "PERMISSION_DENIED": 403, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429, "CANCELLED": 499,
+               "UNIMPLEMENTED": 501, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
+FINISH = {Finish.LENGTH: "length", Finish.STOP: "stop", Finish.EOS: "stop"}
+COMPLETION_MAX_TOKENS = 16  # /v1/completions' default, as OpenAI's
+
+
+# ------------------------------------------------------------------ errors
+
+
+class ApiError(Exception):
+    """A refusal, answered with OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 429 else "rate_limit_error" if self.status == 429 else \
+            "server_error"
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), self.status)
+
+
+def core_error(error: Exception) -> ApiError:
+    """A refusal of the generation core (InvalidRequest, NotPossible, NotReady, PeerError)."""
+    code = outcome(error)
+    return ApiError(HTTP_STATUS.get(code, 500), str(error), code=code.lower())
+
+
+# ------------------------------------------------------------------ requests
+
+
+class Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)  # OpenAI's SDKs send fields of their own
+
+
+class StreamOptions(Lenient):
+    include_usage: bool = False
+
+
+class ContentPart(Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Lenient):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class Body(Lenient):
+    """What both endpoints read."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # specdec's own (vLLM reads top_k too)
+    top_k: int | None = None
+    num_speculative_tokens: int | None = None
+    draft_p_min: float | None = None
+    ignore_eos: bool = False
+    # not honoured: refused unless neutral (UNSUPPORTED)
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class ChatBody(Body):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionBody(Body):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+# fields specdec cannot honour, with the one value (besides absent) it accepts
+UNSUPPORTED = {"n": 1, "logprobs": False, "top_logprobs": 0, "best_of": 1, "echo": False, "suffix": "",
+               "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": {}, "tools": [],
+               "response_format": {"type": "text"}}
+
+B = TypeVar("B", bound=Body)
+
+
+async def read(request: Request, limit: int) -> bytes:
+    """The request's body, refused (413) past `limit` bytes, as gRPC refuses a message past it."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request has more than {limit} bytes (--max-request-bytes)",
+                           code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse(request: Request, kind: type[B], limit: int) -> B:
+    try:
+        body = kind.model_validate_json(await read(request, limit))
+    except ValidationError as e:
+        error = e.errors()[0]
+        if error["type"] == "json_invalid":
+            raise ApiError(400, f"the body is not valid JSON: {error['msg']}") from None
+        path = ".".join(map(str, error["loc"]))
+        raise ApiError(400, f"{path}: {error['msg']}" if path else error["msg"],
+                       str(error["loc"][0]) if error["loc"] else None) from None
+    for name, neutral in UNSUPPORTED.items():
+        value = getattr(body, name, None)
+        if value is not None and not (type(value) is type(neutral) and value == neutral):
+            raise ApiError(400, f"{name}={value!r} is not supported (specdec answers with one choice, without"
+                                f" logprobs, penalties, tools or formats)", name, "unsupported_parameter")
+    return body
+
+
+def generation_request(body: Body, max_new_tokens: int | None, **prompt) -> GenerationRequest:
+    return GenerationRequest(
+        **prompt, max_new_tokens=max_new_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        seed=body.seed, stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        num_speculative_tokens=body.num_speculative_tokens, draft_p_min=body.draft_p_min, ignore_eos=body.ignore_eos,
+    )
+
+
+def chat_request(body: ChatBody) -> GenerationRequest:
+    messages = []
+    for i, m in enumerate(body.messages):
+        parts = [ContentPart(type="text", text=m.content)] if isinstance(m.content, str) else m.content or []
+        if any(p.type != "text" for p in parts):
+            raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
+        messages.append(Message(m.role, "\n".join(p.text or "" for p in parts)))
+    most = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+    return generation_request(body, most, messages=messages)
+
+
+def completion_request(body: CompletionBody) -> GenerationRequest:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):  # a batch of prompts
+        if len(prompt) > 1:
+            raise ApiError(400, "one prompt per request: batches of prompts are not supported", "prompt")
+        prompt = prompt[0]
+    most = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    if isinstance(prompt, str):
+        return generation_request(body, most, prompt=prompt)
+    return generation_request(body, most, prompt_token_ids=prompt)
+
+
+# ------------------------------------------------------------------ responses
+
+
+def usage(summary: Summary) -> dict:
+    made = summary.stats.generated_tokens
+    return {"prompt_tokens": summary.prompt_tokens, "completion_tokens": made,
+            "total_tokens": summary.prompt_tokens + made}
+
+
+def specdec_fields(summary: Summary) -> dict:
+    """What speculation did for the request: the response's `specdec` field."""
+    s = summary.stats
+    return {"rounds": s.rounds, "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
+            "acceptance_rate": s.acceptance_rate, "alpha": s.alpha, "mean_accepted": s.mean_accepted,
+            "accepted_per_position": s.accepted_per_position,
+            "num_speculative_tokens": summary.num_speculative_tokens, "adaptive": summary.adaptive,
+            "seed": summary.seed, "wall_ms": summary.wall_ms, "draft_ms": s.draft_ms, "target_ms": s.target_ms}
+
+
+def specdec_headers(summary: Summary) -> dict[str, str]:
+    s = summary.stats
+    return {"x-specdec-rounds": str(s.rounds), "x-specdec-acceptance-rate": f"{s.acceptance_rate:.4f}",
+            "x-specdec-num-speculative-tokens": str(summary.num_speculative_tokens),
+            "x-specdec-adaptive": str(summary.adaptive).lower(), "x-specdec-seed": str(summary.seed)}
+
+
+def chat_choice(text: str, finish: str | None, stream: bool, first: bool) -> dict:
+    if not stream:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish}
+    delta = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
+    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+def text_choice(text: str, finish: str | None, stream: bool, first: bool) -> dict:
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """How one endpoint words its answers."""
+
+    path: str
+    body: type[Body]
+    request: Callable[[Any], GenerationRequest]
+    object: str         # a unary response's
+    chunk_object: str   # a stream event's
+    id_prefix: str
+    choice: Callable[[str, str | None, bool, bool], dict]  # (text, finish_reason, stream, first event)
+
+
+CHAT = Endpoint("/chat/completions", ChatBody, chat_request, "chat.completion", "chat.completion.chunk", "chatcmpl",
+                chat_choice)
+COMPLETIONS = Endpoint("/completions", CompletionBody, completion_request, "text_completion", "text_completion",
+                       "cmpl", text_choice)
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose source is closed however the response ends, the client hanging up
+    included: the generation behind it stops then."""
+
+    media_type = "text/event-stream"
+
+    async def stream_response(self, send) -> None:
+        async with contextlib.aclosing(self.body_iterator):
+            await super().stream_response(send)
+
+
+def event(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+async def hung_up(request: Request) -> None:
+    """Returns when the client disconnects (its request's body already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_hung_up(request: Request, work: Awaitable[T]) -> T:
+    """`work`'s result; ClientDisconnect, `work` cancelled, if the client hangs up first."""
+    task, hangup = asyncio.ensure_future(work), asyncio.ensure_future(hung_up(request))
+    try:
+        await asyncio.wait({task, hangup}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # (also when this handler is cancelled: the server stopping)
+        hangup.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    if task.cancelled():
+        raise ClientDisconnect()
+    return task.result()
+
+
+# ------------------------------------------------------------------ the application
+
+
+class OpenAIApi:
+    """The endpoints, over one Coordinator."""
+
+    def __init__(self, coordinator: Coordinator, max_request_bytes: int):
+        self.coordinator, self.max_request_bytes = coordinator, max_request_bytes
+        self.created = int(time.time())
+
+    def model_name(self, asked: str | None) -> str:
+        name = self.coordinator.ready().name
+        if asked is not None and asked != name:
+            raise ApiError(404, f"the model {asked!r} does not exist: this server serves {name!r}", "model",
+                           "model_not_found")
+        return name
+
+    async def models(self, request: Request) -> Response:
+        models = self.coordinator.ready()
+        return JSONResponse({"object": "list", "data": [{
+            "id": models.name, "object": "model", "created": self.created, "owned_by": "specdec",
+            "max_model_len": models.max_context}]})
+
+    async def health(self, request: Request) -> Response:
+        self.coordinator.ready()
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.coordinator.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def route(self, endpoint: Endpoint) -> Route:
+        async def handle(request: Request) -> Response:
+            body = await parse(request, endpoint.body, self.max_request_bytes)
+            model = self.model_name(body.model)
+            chunks = self.coordinator.generate(endpoint.request(body), f"/v1{endpoint.path}")
+            head = {"id": f"{endpoint.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
+            if not body.stream:
+                return await unless_hung_up(request, self.unary(chunks, endpoint, head))
+            # the first round before the response starts: a refusal gets its own status, not a 200 stream
+            first = await unless_hung_up(request, anext(chunks))
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return EventStream(self.events(first, chunks, endpoint, head, include_usage),
+                               headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+        return Route(endpoint.path, handle, methods=["POST"])
+
+    async def unary(self, chunks: AsyncIterator[Chunk], endpoint: Endpoint, head: dict) -> Response:
+        pieces = []
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                pieces.append(chunk.text)
+        summary = chunk.summary
+        return JSONResponse({
+            **head, "object": endpoint.object,
+            "choices": [endpoint.choice("".join(pieces), FINISH[chunk.finish], False, True)],
+            "usage": usage(summary), "specdec": specdec_fields(summary),
+        }, headers=specdec_headers(summary))
+
+    async def events(self, first: Chunk, chunks: AsyncIterator[Chunk], endpoint: Endpoint, head: dict,
+                     include_usage: bool) -> AsyncIterator[str]:
+        """One event per round that brought text, the finish_reason (and `specdec`) on the last;
+        with include_usage one more, its usage; then [DONE]. A failure after the first round
+        is an error event."""
+        head = {**head, "object": endpoint.chunk_object, **({"usage": None} if include_usage else {})}
+        chunk, opened = first, False
+        try:
+            async with contextlib.aclosing(chunks):
+                while True:
+                    finish = None if chunk.finish is None else FINISH[chunk.finish]
+                    if chunk.text or finish or (not opened and endpoint is CHAT):
+                        extra = {} if chunk.summary is None else {"specdec": specdec_fields(chunk.summary)}
+                        yield event({**head, "choices": [endpoint.choice(chunk.text, finish, True, not opened)],
+                                     **extra})
+                        opened = True
+                    if chunk.summary is not None:
+                        break
+                    chunk = await anext(chunks)
+            if include_usage:
+                yield event({**head, "choices": [], "usage": usage(chunk.summary)})
+        except CORE_ERRORS as e:
+            yield event(core_error(e).body())
+        yield event("[DONE]")
+
+
+class RequireApiKey:
+    """ASGI middleware: a request without `Authorization: Bearer <key>` gets 401."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and not bearer_ok(Headers(scope=scope).get("authorization"), self.key):
+            refusal = ApiError(401, "a valid API key is required: send `Authorization: Bearer <key>`",
+                               code="invalid_api_key")
+            return await refusal.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def app(coordinator: Coordinator, api_key: str | None = None,
+        max_request_bytes: int = MAX_REQUEST_BYTES) -> Starlette:
+    """The ASGI application: /v1/* (behind `api_key` if given), /health, /metrics."""
+    api = OpenAIApi(coordinator, max_request_bytes)
+    v1 = [Route("/models", api.models), api.route(CHAT), api.route(COMPLETIONS)]
+    open_routes = [Route("/health", api.health)]
+    if coordinator.metrics is not None:
+        open_routes.append(Route("/metrics", api.metrics))
+
+    def refusal(request: Request, error: Exception) -> Response:
+        if isinstance(error, ApiError):
+            return error.response()
+        if isinstance(error, CORE_ERRORS):
+            return core_error(error).response()
+        if isinstance(error, HTTPException):
+            return ApiError(error.status_code, error.detail).response()
+        if isinstance(error, ClientDisconnect):
+            return Response(status_code=499)  # nobody to read it
+        return ApiError(500, f"internal error: {type(error).__name__}").response()
+
+    handled = (ApiError, *CORE_ERRORS, HTTPException, ClientDisconnect, Exception)
+    return Starlette(
+        routes=[Mount("/v1", routes=v1, middleware=[Middleware(RequireApiKey, key=api_key)] if api_key else []),
+                *open_routes],
+        exception_handlers={kind: refusal for kind in handled},
+    )
+
+
+class _InTheLoop(uvicorn.Server):
+    """uvicorn in an event loop it does not own: the coordinator's signal handlers stop it."""
+
+    def capture_signals(self):
+        return contextlib.nullcontext()
+
+
+class HttpServer:
+    """uvicorn serving `application` as a task of the running event loop.
+
+    The port is bound at construction, so a taken one fails the start; once `run`'s event is set it
+    stops taking connections and gives those open `grace` seconds to finish. With `tls` (cert, key, CA or None)
+    it serves HTTPS, requiring client certificates where a CA is given, as the gRPC port does."""
+
+    def __init__(self, application, host: str, port: int, grace: float,
+                 tls: tuple[str, str, str | None] | None = None):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.create_server((host, port), family=family)
+        self.host, self.port = host, self.socket.getsockname()[1]
+        cert, key, ca = tls or (None, None, None)
+        config = uvicorn.Config(application, http="h11", ws="none", lifespan="off", log_config=None,
+                                access_log=False, timeout_graceful_shutdown=grace, ssl_certfile=cert,
+                                ssl_keyfile=key, ssl_ca_certs=ca,
+                                ssl_cert_reqs=ssl.CERT_REQUIRED if ca else ssl.CERT_NONE)
+        self.server = _InTheLoop(config)
+        self.url = f"{'https' if tls else 'http'}://{f'[{host}]' if family == socket.AF_INET6 else host}:{self.port}"
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until `stop` is set, then stop gracefully; should the server end by itself, set `stop`."""
+        serving, stopping = asyncio.ensure_future(self.server.serve(sockets=[self.socket])), \
+            asyncio.ensure_future(stop.wait())
+        await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        self.server.should_exit = True
+        stop.set()
+        await serving

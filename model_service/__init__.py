@@ -1,0 +1,18 @@
+"""What a model service (draft_service, target_service) runs: the model and its sessions, the
+per-call engines, batching on one model thread, and the servicer and main body both share.
+
+  model_runner.py    one model, its tokenizer and the sessions it serves (KV caches, rollback)
+  fast_forward.py    the lean batched forward over pooled KV caches (Llama, Mistral, Qwen2)
+  tensor_parallel.py that forward sharded over Ray ranks
+  sessions.py        the session table (idle eviction, capacity)
+  drafting.py        the contract a drafting method follows (what it receives, returns and holds)
+  engines.py         what the draft (propose) and the target (verify) compute per call, batched
+  oracle.py          a drafting method replaying known continuations (benchmarks: acceptance 1)
+  local.py           the engines as the round's peers in one process (tests, bench)
+  threads.py         torch threads by role; the model thread
+  batcher.py         continuous batching onto that thread
+  servicer.py        the gRPC servicer both services build on; errors as statuses
+  service.py         model flags and the main body: load off the event loop, sweep, serve
+  metrics.py         the service's Prometheus metrics
+  openmp.py          OpenMP settings, imported before torch
+"""

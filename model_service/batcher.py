@@ -1,0 +1,150 @@
+"""Continuous batching: calls from many sessions wait here for the model thread's next pass."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from speculative.errors import CapacityExceeded
+
+from .threads import ModelThread, _settle
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a model service batches its calls (its flags --max-batch, --batch-wait-ms,
+    --turn-wait-ms, --max-queue; see Batcher)."""
+
+    max_batch: int = 32     # most calls (sessions) per pass
+    wait: float = 0.0       # seconds a pass waits for the calls of sessions at work that have not come yet
+    turn_wait: float = 0.003  # seconds a pass waits for the rest of a lockstep turn's calls
+    max_queue: int = 1024   # more calls waiting than this: RESOURCE_EXHAUSTED, not an ever longer wait
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, not {self.max_batch}")
+        for name in ("wait", "turn_wait"):
+            if not 0 <= getattr(self, name) <= 1:  # also NaN
+                raise ValueError(f"{name} must lie in [0, 1] s, not {getattr(self, name)}")
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, not {self.max_queue}")
+
+
+class Waiting(NamedTuple):
+    """A call in a Batcher's queue."""
+
+    session_id: str
+    call: Any
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    turn: int = 0  # the coordinator's lockstep turn it came in (0: none), and that turn's number of calls
+    turn_size: int = 0
+
+
+class Batcher:
+    """Continuous batching over a model service's one model thread.
+
+    Calls wait in a queue. Whenever the model is free, everything waiting (up to
+    `max_batch` calls, one per session: a session's second call waits for the next
+    pass) goes into its next pass, run by `run_many` (an engine's propose_many or
+    verify_many) on the model thread, which takes the batch itself (see ModelThread).
+    A call that finds the model idle runs at once, except with `wait` > 0 while fewer
+    calls wait than `at_work()` sessions are at work: the pass then waits up to that long
+    once for the others (the draft's calls for a group of sessions verified together arrive
+    ~0.1-0.3 ms apart; without the wait the first drafts alone and the rest wait for all of
+    its steps). Calls the coordinator let through together in a lockstep turn say so (`turn`:
+    its id and its number of calls): a pass serves one turn's calls only (or only calls of no
+    turn), and waits up to `turn_wait` for all of them, since a turn's calls sent one by one
+    arrive over ~1 ms (a turn split over several replicas waits it out: each gets part of it; a
+    batch RPC is queued at once as a whole turn, see ModelServicer.batch). A call that fails,
+    fails alone.
+    """
+
+    def __init__(self, thread: ModelThread, run_many: Callable[[list], list], batching: Batching = Batching(),
+                 on_pass: Callable[[int], None] | None = None, at_work: Callable[[], int] | None = None):
+        """at_work() -> sessions used lately (the runner's count); on_pass(size) after each pass."""
+        self.thread = thread
+        self.run_many = run_many
+        self.max_batch = batching.max_batch
+        self.max_queue = batching.max_queue
+        self.wait = batching.wait
+        self.turn_wait = batching.turn_wait
+        self.on_pass = on_pass
+        self.at_work = at_work
+        self.waiting: deque[Waiting] = deque()  # guarded by the thread's lock
+        self.deadline: float | None = None  # when the pass now waiting for stragglers stops waiting
+        thread.batchers.append(self)
+
+    async def submit(self, session_id: str, call: Any, turn: tuple[int, int] = (0, 0)) -> Any:
+        """Queue `call` for a pass; `turn`: (id, calls) of the lockstep turn it came in ((0, 0): none)."""
+        return await self.enqueue([(session_id, call)], turn)[0]
+
+    def enqueue(self, calls: list[tuple[str, Any]], turn: tuple[int, int] = (0, 0)) -> list[asyncio.Future]:
+        """Queue (session id, call) pairs together, all of `turn`. -> their futures"""
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in calls]
+        with self.thread.cond:
+            if len(self.waiting) + len(calls) > self.max_queue:
+                raise CapacityExceeded(f"{len(self.waiting)} calls already wait for the model (--max-queue); retry later")
+            self.waiting.extend(Waiting(session_id, call, future, loop, *turn)
+                                for (session_id, call), future in zip(calls, futures))
+            self.thread.wake()
+        return futures
+
+    def ready(self, now: float) -> list | float | None:
+        """Under the thread's lock: the calls of the next pass, or when to look again (None: no calls)."""
+        while self.waiting and self.waiting[0].future.done():  # its caller gave up before it ran
+            self.waiting.popleft()
+        if not self.waiting:
+            self.deadline = None
+            return None
+        head = self.waiting[0]
+        if head.turn:  # the rest of its lockstep turn is on its way
+            want, wait = head.turn_size, self.turn_wait
+            have = sum(item.turn == head.turn for item in self.waiting)
+        elif self.wait and self.at_work is not None:  # the rest of a group of sessions is likely a moment away
+            want, wait, have = self.at_work(), self.wait, len(self.waiting)
+        else:
+            want = wait = have = 0
+        if wait and have < min(want, self.max_batch):
+            if self.deadline is None:
+                self.deadline = now + wait
+            if now < self.deadline:
+                return self.deadline
+        self.deadline = None
+        return self._take()
+
+    def _take(self) -> list[Waiting]:
+        batch, sessions, later = [], set(), []
+        turn = self.waiting[0].turn
+        while self.waiting and len(batch) < self.max_batch:
+            item = self.waiting.popleft()
+            if item.future.done():
+                continue
+            if item.session_id in sessions or item.turn != turn:
+                later.append(item)
+            else:
+                sessions.add(item.session_id)
+                batch.append(item)
+        self.waiting.extendleft(reversed(later))
+        return batch
+
+    def pass_for(self, batch: list) -> tuple[Callable[[], Any], asyncio.AbstractEventLoop, Callable]:
+        """-> (run the pass, the loop its callers wait on, deliver its results there)"""
+
+        def deliver(results: Any, error: BaseException | None) -> None:
+            if error is not None or not isinstance(results, list) or len(results) != len(batch):
+                # not one call's fault: every call in the pass gets it
+                results = [error or RuntimeError("the pass returned no result per call")] * len(batch)
+            if self.on_pass is not None:
+                self.on_pass(len(batch))
+            for item, result in zip(batch, results):
+                if isinstance(result, BaseException):
+                    _settle(item.future, None, result)
+                else:
+                    _settle(item.future, result, None)
+
+        return (lambda: self.run_many([item.call for item in batch])), batch[0].loop, deliver

@@ -1,0 +1,178 @@
+"""Main body of a model service (draft_service, target_service): its flags, the model loaded
+off the event loop, idle sessions swept, then served."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from runtime.cli import EnvArgumentParser, setup_logging
+from runtime.metrics import add_metrics_flag, start as start_metrics
+from runtime.server import serve
+from runtime.transport import server_credentials
+
+from .batcher import Batching
+from .metrics import ModelMetrics
+from .servicer import ModelServicer
+from .threads import ModelThread, resolve_threads, set_threads
+
+log = logging.getLogger("specdec")
+
+
+SHIPPED_MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+def add_model_flags(parser: EnvArgumentParser, role: str) -> None:
+    """Model flags; --model defaults to the shipped models/<role> when the checkout has it."""
+    shipped = SHIPPED_MODELS / role
+    default = str(shipped) if (shipped / "config.json").is_file() else None
+    parser.add_argument("--model", default=default, required=default is None,
+                        help="local Hugging Face model directory (nothing is downloaded); "
+                             f"default: the shipped models/{role}")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when present)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                        help="weights and activations dtype")
+    parser.add_argument("--forward", default="auto", choices=["auto", "transformers"],
+                        help="auto: the lean forward for Llama/Mistral/Qwen2 models, transformers' own for others;"
+                             " transformers: always transformers' own")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads for this process (0: by role: " + (
+                            "the target takes every CPU this process may use" if role == "target" else
+                            "1, the draft's small matrices gain little from more and leave the rest to the target")
+                        + "; see default_threads)")
+    parser.add_argument("--max-sessions", type=int, default=256, help="sessions held at once")
+    parser.add_argument("--session-idle-timeout", type=float, default=600.0,
+                        help="seconds after which an idle (abandoned) session is evicted")
+    parser.add_argument("--max-kv-tokens", type=int, default=0,
+                        help="cap on tokens held by all sessions together, beyond which calls get RESOURCE_EXHAUSTED"
+                             " (0: only --max-sessions x the context)")
+    parser.add_argument("--max-context", type=int, default=0,
+                        help="cap on tokens per session (0: the model's max_position_embeddings)")
+    parser.add_argument("--max-tokens-per-call", type=int, default=16, help="most draft tokens per round (K)")
+    parser.add_argument("--kv-pool-capacity", type=int, default=None,
+                        help="the lean forward keeps sessions' KV caches as slots of one tensor, so a pass over"
+                             " several sessions runs attention once per layer; the tensor holds slots x the longest"
+                             " pooled session, at most this many positions (default 1024, fast_forward.POOL_CAPACITY);"
+                             " a longer session moves to a cache of its own. 0: every session's cache on its own")
+    parser.add_argument("--batched-threads", type=int, default=0,
+                        help="torch threads for passes over several sessions (0: by role: the target leaves one CPU"
+                             " to the draft, which works at the same time under load; the draft: --threads)")
+    parser.set_defaults(role=role)
+    parser.add_argument("--max-queue", type=int, default=1024,
+                        help="calls that may wait for the model; beyond, RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-batch", type=int, default=32,
+                        help="most sessions per model pass (continuous batching; 1: one session at a time)")
+    parser.add_argument("--batch-wait-ms", type=float, default=0.5 if role == "draft" else 0.0,
+                        help="when fewer calls wait than sessions are at work, wait up to this long for the others before a"
+                             " pass (never with one session at work). The draft gains (the calls of a group of"
+                             " sessions verified together come a moment apart); the target, the busier service, would"
+                             " only idle")
+    parser.add_argument("--turn-wait-ms", type=float, default=3.0,
+                        help="the longest a pass waits for the rest of a coordinator's lockstep turn (--lockstep): each of"
+                             " its calls says which turn and how many calls it has; a pass serves one turn")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks to shard the model over, placed by Ray (one GPU each on GPU machines, one CPU"
+                             " each on CPU); rank 0 runs in this process")
+    parser.add_argument("--ray-address", default=None,
+                        help="join this Ray cluster for the tensor-parallel ranks (HOST:PORT of its head, or auto on one of its nodes);"
+                             " default: a local Ray instance, started and stopped with the service")
+    parser.add_argument("--tp-start-timeout", type=float, default=120.0,
+                        help="seconds to wait for the ranks' placement, weights and process group")
+    add_metrics_flag(parser)
+
+
+async def sweep_idle_sessions(runner, thread: ModelThread, every: float = 30.0) -> None:
+    """Evict abandoned sessions in the background (on the model thread, which owns them)."""
+
+    def evict() -> int:
+        with runner.lock:
+            return runner.sessions.evict_idle()
+
+    while True:
+        await asyncio.sleep(every)
+        evicted = await thread.run(evict)
+        if evicted:
+            log.info("evicted %d idle sessions", evicted)
+
+
+def batching_from_args(args: argparse.Namespace) -> Batching:
+    """--max-batch, --batch-wait-ms, --turn-wait-ms, --max-queue, checked with the flags' names."""
+    if args.max_batch < 1:
+        raise SystemExit(f"--max-batch must be >= 1, not {args.max_batch}")
+    for flag, value in (("--batch-wait-ms", args.batch_wait_ms), ("--turn-wait-ms", args.turn_wait_ms)):
+        if not 0 <= value <= 1000:  # also NaN
+            raise SystemExit(f"{flag} must lie in [0, 1000], not {value}")
+    if args.max_queue < 1:
+        raise SystemExit(f"--max-queue must be >= 1, not {args.max_queue}")
+    return Batching(args.max_batch, args.batch_wait_ms / 1e3, args.turn_wait_ms / 1e3, args.max_queue)
+
+
+def run_model_service(name: str, args: argparse.Namespace, make_servicer: Callable[..., ModelServicer],
+                      add_to_server, service_name: str, make_engine: Callable[[Any], Any]) -> None:
+    """Main body of a model service: load the model off the event loop, then serve.
+
+    make_servicer(thread, batching, metrics) -> the service's servicer; make_engine(runner) -> its
+    engine, once the weights are loaded."""
+    from .model_runner import ModelRunner
+
+    setup_logging(args.log_level)
+    credentials = server_credentials(args)  # before the weights: a bad certificate path fails at once
+    resolve_threads(args)
+    set_threads(args.threads)
+    batching = batching_from_args(args)
+    if args.kv_pool_capacity is not None and args.kv_pool_capacity < 0:
+        raise SystemExit(f"--kv-pool-capacity must be >= 0, not {args.kv_pool_capacity}")
+    servicer = make_servicer(ModelThread(), batching, ModelMetrics())
+
+    async def main() -> None:
+        sweeper: asyncio.Task | None = None
+        runner = None
+
+        async def load() -> asyncio.Future | None:
+            nonlocal sweeper, runner
+            runner = await servicer.thread.run(
+                lambda: ModelRunner(args.model, args.device, args.dtype, args.max_sessions,
+                                    args.session_idle_timeout, args.max_context or None, args.forward,
+                                    args.tensor_parallel_size, args.ray_address, args.tp_start_timeout,
+                                    args.kv_pool_capacity, getattr(args, "vocab_subset", 0),
+                                    max_kv_tokens=args.max_kv_tokens, batched_threads=args.batched_threads,
+                                    on_forward=servicer.thread.flush)
+            )
+            await servicer.thread.run(runner.calibrate)
+            servicer.engine = make_engine(runner)
+            servicer.metrics.watch(runner.sessions, runner.kv_pool_positions)
+            log.info("%s loaded %s (%d parameters) on %s, %s forward, %d threads (%d for batched passes); pass %s",
+                     name, runner.name, runner.num_parameters, runner.device, runner.forward_kind, args.threads,
+                     args.batched_threads, runner.pass_cost)
+            sweeper = asyncio.ensure_future(sweep_idle_sessions(runner, servicer.thread, min(30.0, args.session_idle_timeout)))
+            if runner.tp is None:
+                return None
+            from .tensor_parallel import watch
+
+            loop = asyncio.get_running_loop()
+            broken = loop.create_future()
+            watch(runner.tp, lambda message: loop.call_soon_threadsafe(broken.set_result, message))
+            return broken
+
+        def add(server: grpc.aio.Server) -> list[str]:
+            add_to_server(servicer, server)
+            return [service_name]
+
+        start_metrics(servicer.metrics.registry, args.host, args.metrics_port)
+
+        async def on_stop() -> None:
+            if sweeper is not None:
+                sweeper.cancel()
+            if runner is not None:
+                await servicer.thread.run(runner.close)
+
+        await serve(name, args.host, args.port, add, load, on_stop, grace=args.shutdown_grace,
+                    credentials=credentials)
+
+    asyncio.run(main())

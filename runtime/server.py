@@ -1,0 +1,106 @@
+"""A specdec gRPC server's life: health (NOT_SERVING until loaded), reflection, message limits,
+undecodable requests refused, TLS, and a graceful stop on SIGTERM / SIGINT. The coordinator and
+both model services start theirs with `serve`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .interceptors import UndecodableRequests
+from .transport import MAX_MESSAGE_BYTES
+
+log = logging.getLogger("specdec")
+
+
+class Health:
+    """grpc.health.v1 for the whole server and each named service."""
+
+    def __init__(self, services: Iterable[str]):
+        self.servicer = health.aio.HealthServicer()
+        self.services = ["", *services]
+
+    async def set(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self.services:
+            await self.servicer.set(name, status)
+
+
+async def serve(
+    name: str,
+    host: str,
+    port: int,
+    add_servicers: Callable[[grpc.aio.Server], list[str]],
+    load: Callable[[], Awaitable[None]],
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+    grace: float = 5.0,
+    stop: asyncio.Event | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+    max_request_bytes: int = MAX_MESSAGE_BYTES,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> None:
+    """Start the server NOT_SERVING, run `load`, turn SERVING, and stop cleanly on SIGTERM /
+    SIGINT (or when `stop` is set, if given).
+
+    add_servicers registers the servicers and returns their full service names. `load` may return
+    a future that resolves (with a message) if the service breaks later, e.g. a tensor-parallel
+    rank dies: health then turns NOT_SERVING for good, and the server stays up to say why.
+    `credentials` (server_credentials) make it serve TLS; a message larger than `max_request_bytes`
+    is refused with RESOURCE_EXHAUSTED. `interceptors` run before the server's own (auth.RequireApiKey).
+    """
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                      ("grpc.max_receive_message_length", max_request_bytes)],
+                             interceptors=[*interceptors, UndecodableRequests()])
+    service_names = add_servicers(server)
+    checks = Health(service_names)
+    health_pb2_grpc.add_HealthServicer_to_server(checks.servicer, server)
+    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    if credentials is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
+    await checks.set(False)
+    await server.start()
+    log.info("%s listening on %s:%d, %s (NOT_SERVING until ready)", name, host, bound,
+             "plaintext" if credentials is None else "TLS")
+    print(f"{name} listening on {host}:{bound}", flush=True)
+
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    loader = asyncio.ensure_future(load())
+    stopper = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait({loader, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if loader in done and loader.exception() is None:
+        await checks.set(True)
+        log.info("%s SERVING", name)
+        print(f"{name} ready", flush=True)
+        broken = loader.result()
+        if broken is not None:
+            await asyncio.wait({stopper, broken}, return_when=asyncio.FIRST_COMPLETED)
+            if broken.done() and not stopper.done():
+                await checks.set(False)
+                log.error("%s NOT_SERVING: %s", name, broken.result())
+                print(f"{name} NOT_SERVING: {broken.result()}", flush=True)
+        await stopper
+    elif loader in done:
+        log.error("%s failed to start: %s", name, loader.exception())
+        stopper.cancel()
+        await server.stop(0)
+        raise SystemExit(f"{name} failed to start: {loader.exception()}")
+    else:
+        loader.cancel()
+    log.info("%s stopping", name)
+    await checks.set(False)
+    await server.stop(grace)
+    if on_stop is not None:
+        await on_stop()

@@ -1,0 +1,116 @@
+"""The generation core without a transport: requests are checked, defaulted and counted in the
+metrics as both front doors (gRPC, HTTP) rely on. End to end over gRPC: test_bad_input.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from coordinator.adaptive import AcceptanceK, AdaptiveK, CostModel
+from coordinator.generation import (Coordinator, GenerationRequest, Limits, Message, Models, NotPossible, NotReady,
+                                    outcome, prompt_bound, resolve)
+from coordinator.metrics import CoordinatorMetrics
+from speculative.errors import InvalidRequest
+from speculative.protocol import PassCost
+from speculative.round import FixedK
+from speculative.tiny import make_tokenizer
+
+NAN = float("nan")
+
+
+def models_for(tokenizer, max_context: int = 512) -> Models:
+    return Models(tokenizer=tokenizer, vocab_size=len(tokenizer), eos_token_ids=frozenset([tokenizer.eos_token_id]),
+                  max_context=max_context, max_k=16, default_k=8, max_draft_call=16,
+                  max_token_chars=prompt_bound(tokenizer), costs=CostModel(PassCost(), PassCost()))
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory) -> Models:
+    return models_for(make_tokenizer(tmp_path_factory.mktemp("bpe"), "bpe"))
+
+
+@pytest.fixture(scope="module")
+def chars(tmp_path_factory) -> Models:
+    return models_for(make_tokenizer(tmp_path_factory.mktemp("chars"), "chars"))
+
+
+def check(request: GenerationRequest, models: Models, limits: Limits | None = None):
+    return asyncio.run(resolve(request, models, limits or Limits()))
+
+
+BAD = {
+    "empty prompt": (dict(), "the prompt is empty"),
+    "prompt and ids": (dict(prompt="a", prompt_token_ids=[1]), "not prompt and prompt_token_ids"),
+    "prompt fills context": (dict(prompt_token_ids=[5] * 512), "leaving no room to generate"),
+    "prompt text of megabytes": (dict(prompt="x = 1\n" * 200_000), "characters, more than the context"),
+    "max_new_tokens zero": (dict(prompt="a", max_new_tokens=0), "max_new_tokens must be > 0, not 0"),
+    "max_new_tokens beyond context": (dict(prompt_token_ids=[5] * 10, max_new_tokens=503), "at most 502 new tokens"),
+    "temperature nan": (dict(prompt="a", temperature=NAN), "temperature must be a finite number >= 0, not nan"),
+    "top_p zero": (dict(prompt="a", top_p=0.0), "top_p must lie in (0, 1], not 0.0"),
+    "top_k negative": (dict(prompt="a", top_k=-1), "top_k must be >= 0, not -1"),
+    "token id outside vocabulary": (dict(prompt_token_ids=[1, 10**6]), "prompt token id 1000000 is outside"),
+    "K too large": (dict(prompt="a", num_speculative_tokens=17), "num_speculative_tokens must lie in [0, 16], not 17"),
+    "too many stop strings": (dict(prompt="a", stop=["x"] * 17), "at most 16 stop strings, got 17"),
+    "draft_p_min nan": (dict(prompt="a", draft_p_min=NAN), "draft_p_min must lie in [0, 1], not nan"),
+    "message without a role": (dict(messages=[Message("", "hi")]), "messages[0] has no role"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_a_bad_request_is_invalid_naming_what_is_wrong(bpe, name):
+    fields, says = BAD[name]
+    with pytest.raises(InvalidRequest) as err:
+        check(GenerationRequest(**fields), bpe)
+    assert says in str(err.value)
+
+
+def test_messages_without_a_chat_template_are_not_possible(chars):
+    with pytest.raises(NotPossible, match="no chat template"):
+        check(GenerationRequest(messages=[Message("user", "abc")]), chars)
+
+
+def test_defaults_fill_what_the_request_leaves_out(bpe):
+    plan = check(GenerationRequest(prompt_token_ids=[5] * 500), bpe)
+    assert plan.max_new_tokens == 12  # the room left, under the default 256
+    assert (plan.params.temperature, plan.params.top_k, plan.params.top_p, plan.p_min) == (1.0, 0, 1.0, 0.0)
+    assert isinstance(plan.policy, AdaptiveK) and plan.policy.k == 8
+    seeded = check(GenerationRequest(prompt="a", seed=7, temperature=0.5), bpe)
+    assert seeded.params.seed == 7 and isinstance(seeded.policy, AcceptanceK)  # reproducible under any load
+    fixed = check(GenerationRequest(prompt="a", num_speculative_tokens=3, temperature=0.0, stop=["\n"]), bpe,
+                  Limits(draft_p_min=0.2))
+    assert isinstance(fixed.policy, FixedK) and fixed.policy.k == 3 and fixed.params.greedy
+    assert fixed.p_min == 0.2 and fixed.stop == ["\n"]
+    chat = check(GenerationRequest(messages=[Message("user", "hi")]), bpe)
+    assert chat.prompt == bpe.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
+                                                            add_generation_prompt=True, tokenize=True,
+                                                            return_dict=True)["input_ids"]
+
+
+def test_refusals_are_counted_by_their_status(bpe):
+    metrics = CoordinatorMetrics()
+    coordinator = Coordinator(SimpleNamespace(), SimpleNamespace(), Limits(), metrics)  # pools unused here
+
+    async def drain(request: GenerationRequest, method: str) -> None:
+        async for _ in coordinator.generate(request, method):
+            pass
+
+    with pytest.raises(NotReady, match="still connecting"):
+        asyncio.run(drain(GenerationRequest(prompt="a"), "Generate"))
+    coordinator.models = bpe  # (what connect sets)
+    with pytest.raises(InvalidRequest):
+        asyncio.run(drain(GenerationRequest(prompt="a", temperature=-1.0), "GenerateStream"))
+    count = metrics.requests.labels
+    assert count("Generate", "UNAVAILABLE")._value.get() == 1
+    assert count("GenerateStream", "INVALID_ARGUMENT")._value.get() == 1
+    assert metrics.active._value.get() == 0
+
+
+def test_a_cancellation_past_the_deadline_is_deadline_exceeded():
+    cancelled = asyncio.CancelledError()
+    assert outcome(cancelled) == "CANCELLED"
+    assert outcome(cancelled, deadline=time.monotonic() + 60) == "CANCELLED"
+    assert outcome(cancelled, deadline=time.monotonic() - 1e-3) == "DEADLINE_EXCEEDED"
+    assert outcome(InvalidRequest("x")) == "INVALID_ARGUMENT" and outcome(RuntimeError()) == "INTERNAL"

@@ -1,0 +1,340 @@
+"""The OpenAI-compatible HTTP API (coordinator/http.py), through the official `openai` client, sync
+and async, streaming and not: the same text as gRPC's Generate for the same greedy request, every
+refusal in OpenAI's error object with its status, the API key on both front doors, and a client
+that hangs up freeing its sessions on the model services."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import grpc
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator.launch import ROOT, LocalStack
+from runtime.ports import free_port
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from tests.services.test_metrics import eventually, scrape, value
+
+KEY = "test-key-5e1f"
+BEARER = [("authorization", f"Bearer {KEY}")]
+KV_CAP = 480  # the target's --max-kv-tokens: a longer prompt is refused RESOURCE_EXHAUSTED (429)
+MAX_BYTES = 65536  # the coordinator's --max-request-bytes: a larger body is refused (413)
+QUESTION = [("system", "You are terse."), ("user", "def speculative_round(draft, target):")]
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def api(pair, request):
+    """One stack behind an API key, HTTP on, the services' session gauges on metrics ports."""
+    ports = {role: free_port() for role in ("draft", "target")}
+    stack = LocalStack(*pair, http_port=0, coordinator_args=["--api-key", KEY, "--max-request-bytes", str(MAX_BYTES)],
+                       draft_args=["--metrics-port", str(ports["draft"])],
+                       target_args=["--metrics-port", str(ports["target"]), "--max-kv-tokens", str(KV_CAP)]).start()
+    request.addfinalizer(stack.stop)
+    stack.metrics_ports = ports
+    return stack
+
+
+@pytest.fixture(scope="module")
+def client(api):
+    with openai.OpenAI(base_url=f"{api.http_url}/v1", api_key=KEY, max_retries=0, timeout=60) as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def stub(api):
+    with grpc.insecure_channel(api.addr) as channel:
+        yield pb_grpc.GenerationStub(channel)
+
+
+def async_client(api) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{api.http_url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def chat(question) -> list[dict]:
+    return [{"role": role, "content": content} for role, content in question]
+
+
+def grpc_text(stub, **fields) -> pb.GenerateResponse:
+    if "messages" in fields:
+        fields["messages"] = [pb.ChatMessage(role=r, content=c) for r, c in fields["messages"]]
+    return stub.Generate(pb.GenerateRequest(temperature=0.0, **fields), metadata=BEARER, timeout=60)
+
+
+def post(api, path: str, body: bytes, key: str | None = KEY) -> tuple[int, dict]:
+    """(status, JSON body) of a raw POST: what no client library would send."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(api.http_url + path, body, headers), timeout=60) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def sessions(api) -> tuple[float, float]:
+    return tuple(value(scrape(api.metrics_ports[role]), "specdec_active_sessions") for role in ("draft", "target"))
+
+
+def cancelled(api, method: str) -> float:
+    text = urllib.request.urlopen(f"{api.http_url}/metrics", timeout=10).read().decode()
+    line = f'specdec_requests_total{{method="{method}",status="CANCELLED"}} '
+    return next((float(x[len(line):]) for x in text.splitlines() if x.startswith(line)), 0.0)
+
+
+# ------------------------------------------------------------------ the same text as gRPC
+
+
+def test_models_lists_the_target(client):
+    assert [m.id for m in client.models.list().data] == ["target"]
+
+
+def test_chat_unary_equals_grpc_generate(client, stub):
+    raw = client.chat.completions.with_raw_response.create(
+        model="target", messages=chat(QUESTION), max_tokens=24, temperature=0, extra_body={"num_speculative_tokens": 3})
+    reply = raw.parse()
+    expected = grpc_text(stub, messages=QUESTION, max_new_tokens=24, num_speculative_tokens=3)
+    assert reply.choices[0].message.content == expected.text
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].finish_reason == ("length" if expected.finish_reason == pb.FINISH_REASON_LENGTH else "stop")
+    assert reply.usage.completion_tokens == len(expected.token_ids)
+    assert reply.usage.prompt_tokens == expected.stats.prompt_tokens
+    assert reply.specdec["num_speculative_tokens"] == 3 and reply.specdec["rounds"] == expected.stats.rounds
+    assert raw.headers["x-specdec-num-speculative-tokens"] == "3"
+    assert int(raw.headers["x-specdec-rounds"]) == expected.stats.rounds
+
+
+def test_chat_stream_async_equals_grpc_generate(api, stub):
+    async def run():
+        async with async_client(api) as client:
+            stream = await client.chat.completions.create(
+                model="target", messages=chat(QUESTION[1:]), max_completion_tokens=20, temperature=0, stream=True,
+                stream_options={"include_usage": True})
+            return [chunk async for chunk in stream]
+
+    chunks = asyncio.run(run())
+    expected = grpc_text(stub, messages=QUESTION[1:], max_new_tokens=20)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    finished = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finished) == 1 and finished[0].specdec["rounds"] == expected.stats.rounds
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    assert len(chunks) <= expected.stats.rounds + 2  # one event per round at most, then the usage
+
+
+def test_completion_unary_async_equals_grpc_generate(api, stub):
+    async def run():
+        async with async_client(api) as client:
+            return await client.completions.create(model="target", prompt=PROMPT, max_tokens=30, temperature=0)
+
+    reply = asyncio.run(run())
+    expected = grpc_text(stub, prompt=PROMPT, max_new_tokens=30)
+    assert reply.choices[0].text == expected.text
+    assert reply.usage.completion_tokens == len(expected.token_ids)
+
+
+def test_completion_stream_equals_grpc_generate_and_token_ids_work(client, stub):
+    ids = [5, 6, 7, 8, 9]
+    chunks = list(client.completions.create(model="target", prompt=ids, max_tokens=25, temperature=0, stream=True))
+    expected = grpc_text(stub, prompt_token_ids=ids, max_new_tokens=25)
+    assert "".join(c.choices[0].text for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert all(c.usage is None for c in chunks)  # no include_usage
+
+
+def test_stop_string_ends_the_text_as_grpc_does(client, stub):
+    full = grpc_text(stub, prompt=PROMPT, max_new_tokens=30).text
+    stop = next(ch for ch in full[2:] if ch.isalnum())
+    expected = grpc_text(stub, prompt=PROMPT, max_new_tokens=30, stop=[stop])
+    reply = client.completions.create(model="target", prompt=PROMPT, max_tokens=30, temperature=0, stop=stop)
+    assert reply.choices[0].text == expected.text == full[:full.index(stop)]
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_ignore_eos_generates_every_token_asked_for(client, stub):
+    """The tiny target ends this prompt early (EOS: finish "stop"); with ignore_eos it goes on to max_tokens,
+    its text starting with the text it ended early."""
+    ended = grpc_text(stub, prompt=PROMPT, max_new_tokens=300)
+    assert ended.finish_reason == pb.FINISH_REASON_EOS and len(ended.token_ids) < 300
+    reply = client.completions.create(model="target", prompt=PROMPT, max_tokens=300, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 300
+    assert reply.choices[0].text.startswith(ended.text)
+
+
+def test_seeded_sampling_repeats(client):
+    def once():
+        return client.completions.create(model="target", prompt=PROMPT, max_tokens=12, temperature=0.9, top_p=0.9,
+                                         seed=7).choices[0].text
+
+    assert once() == once()
+
+
+# ------------------------------------------------------------------ refusals
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", b'{"messages": [', None),                                 # not JSON
+    ("/v1/chat/completions", b'[1, 2]', None),                                          # not an object
+    ("/v1/chat/completions", b'{"model": "target"}', "messages"),                       # missing
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}',
+     "temperature"),
+    ("/v1/completions", b'{"prompt": "x", "stop": 5}', "stop"),
+    ("/v1/completions", b'{"prompt": ["a", "b"]}', "prompt"),                            # a batch
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "messages"),
+])
+def test_malformed_requests_are_400_naming_the_field(api, path, body, param):
+    status, reply = post(api, path, body)
+    assert status == 400
+    assert reply["error"]["type"] == "invalid_request_error" and reply["error"]["param"] == param
+    assert reply["error"]["message"]
+
+
+def test_a_body_past_max_request_bytes_is_413(api):
+    status, reply = post(api, "/v1/completions", json.dumps({"prompt": "x" * MAX_BYTES}).encode())
+    assert status == 413 and "--max-request-bytes" in reply["error"]["message"]
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"temperature": -1}, "temperature"),
+    ({"max_tokens": 10_000}, "max_new_tokens"),
+    ({"extra_body": {"num_speculative_tokens": 99}}, "num_speculative_tokens"),
+])
+def test_what_the_core_refuses_is_400(client, fields, words):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="target", prompt=PROMPT, **fields)
+    assert words in refused.value.message and refused.value.code == "invalid_argument"
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"n": 2}, "n"),
+    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+])
+def test_what_specdec_cannot_honour_is_400_naming_the_field(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="target", messages=chat(QUESTION), max_tokens=4, **fields)
+    assert refused.value.param == param
+
+
+def test_neutral_values_of_those_fields_are_accepted(client):
+    reply = client.chat.completions.create(model="target", messages=chat(QUESTION), max_tokens=4, n=1,
+                                           logprobs=False, presence_penalty=0, temperature=0)
+    assert reply.usage.completion_tokens <= 4
+
+
+def test_an_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.chat.completions.create(model="gpt-4o", messages=chat(QUESTION), max_tokens=4)
+    assert refused.value.code == "model_not_found" and refused.value.param == "model"
+
+
+def test_a_service_out_of_capacity_is_429(client):
+    with pytest.raises(openai.RateLimitError) as refused:  # the target holds at most KV_CAP tokens
+        client.completions.create(model="target", prompt=[5] * (KV_CAP + 10), max_tokens=4, temperature=0)
+    assert refused.value.status_code == 429 and "max-kv-tokens" in refused.value.message
+    assert client.completions.create(model="target", prompt=PROMPT, max_tokens=4).usage.completion_tokens == 4
+
+
+def test_no_services_is_503_and_sigterm_stops_both_front_doors(tmp_path):
+    """A coordinator whose services never come: both doors answer UNAVAILABLE; SIGTERM ends it."""
+    port, http_port = free_port(), free_port()
+    command = [sys.executable, "-m", "coordinator", "--draft", f"127.0.0.1:{free_port()}", "--target",
+               f"127.0.0.1:{free_port()}", "--port", str(port), "--http-port", str(http_port)]
+    log = tmp_path / "coordinator.log"
+    proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"},
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        def listening():
+            assert proc.poll() is None, log.read_text()
+            assert b"coordinator listening" in log.read_bytes()
+
+        eventually(listening, timeout=60)
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0) as client:
+            with pytest.raises(openai.APIStatusError) as refused:
+                client.chat.completions.create(model="target", messages=chat(QUESTION))
+            assert refused.value.status_code == 503 and refused.value.code == "unavailable"
+            with pytest.raises(openai.APIStatusError) as refused:
+                client.models.list()
+            assert refused.value.status_code == 503
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=10)
+        assert health.value.code == 503
+    finally:
+        proc.terminate()
+        code = proc.wait(30)
+    assert code == 0, log.read_text()
+
+
+# ------------------------------------------------------------------ the API key
+
+
+def test_http_without_the_key_is_401(api):
+    with openai.OpenAI(base_url=f"{api.http_url}/v1", api_key="wrong", max_retries=0) as client:
+        with pytest.raises(openai.AuthenticationError) as refused:
+            client.models.list()
+        assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
+    for key in (None, KEY[:-1], KEY + "x"):  # (the openai client will not go without one)
+        status, reply = post(api, "/v1/completions", b'{"prompt": "x"}', key=key)
+        assert status == 401 and set(reply["error"]) == {"message", "type", "param", "code"}
+    assert urllib.request.urlopen(f"{api.http_url}/health", timeout=10).status == 200  # open
+
+
+def test_grpc_without_the_key_is_unauthenticated_but_health_is_open(api, stub):
+    request = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=4)
+    for metadata in ([], [("authorization", "Bearer wrong")], [("authorization", KEY)]):
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Generate(request, metadata=metadata, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.GenerateStream(request, metadata=metadata, timeout=30))
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with grpc.insecure_channel(api.addr) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert len(stub.Generate(request, metadata=BEARER, timeout=30).token_ids) == 4
+
+
+# ------------------------------------------------------------------ hanging up
+
+LONG = {"prompt": PROMPT, "max_tokens": 300, "temperature": 0}
+ONE_TOKEN_ROUNDS = {"num_speculative_tokens": 0, "ignore_eos": True}  # 300 rounds: long enough to hang up in the middle
+
+
+def cancelled_and_released(api, before: float) -> None:
+    assert cancelled(api, "/v1/completions") == before + 1
+    assert sessions(api) == (0, 0)
+
+
+def test_a_stream_whose_client_hangs_up_is_cancelled_and_frees_its_sessions(api, client):
+    before = cancelled(api, "/v1/completions")
+    stream = client.completions.create(model="target", stream=True, extra_body=ONE_TOKEN_ROUNDS, **LONG)
+    next(iter(stream))
+    stream.close()
+    eventually(lambda: cancelled_and_released(api, before))
+
+
+def test_a_unary_request_whose_client_hangs_up_is_cancelled_and_frees_its_sessions(api):
+    before = cancelled(api, "/v1/completions")
+    body = json.dumps({**LONG, **ONE_TOKEN_ROUNDS}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    host, port = api.http_url.removeprefix("http://").split(":")
+
+    def generating():
+        assert sessions(api)[1] == 1
+
+    with socket.create_connection((host, int(port))) as conn:
+        conn.sendall(head + body)
+        eventually(generating)
+    eventually(lambda: cancelled_and_released(api, before))
