@@ -61,9 +61,10 @@ bench-deps: setup
 bench: bench-deps
 	$(PY) -m bench
 
-# 32 clients for 60 s of mixed greedy / sampled / cancelled / deadline-bound requests on loopback
+# 32 clients for 60 s of mixed greedy / sampled / cancelled / deadline-bound requests on loopback;
+# `make soak SOAK_ARGS=--chaos`: on 2 draft and 2 target replicas killed, hung and restarted at random meanwhile
 soak: setup
-	$(PY) -m bench.soak
+	$(PY) -m bench.soak $(SOAK_ARGS)
 
 # 1..16 concurrent streams through the gRPC system: speculation on/off, pre-drafting, batching off, HF
 bench-concurrency: setup

@@ -20,6 +20,9 @@ sweeping K:
   l  llama.cpp (llama-cpp-python, the `bench` extra) on the GGUF the target was converted from,
      same threads: what a CPU user would run instead (its weights stay 4-bit, so its greedy
      text is its own, not the target's)
+  n  the n-gram draft (no draft model) beside HF prompt lookup, on input-grounded and on the
+     held-out prompts: bench/ngram.py, its own table and bench/results/ngram.json
+     (`--only ngram` runs these rows alone)
 Also: each service's peak RSS, how many of d's greedy outputs equal a's, and the issue's bars.
 Writes a table to stdout, bench/results/latest.json and bench/results/speedup.png.
 """
@@ -61,16 +64,24 @@ def heldout_prompts(tokenizer, n: int) -> list[list[int]]:
 
     if n > len(CHAT):
         raise SystemExit(f"at most {len(CHAT)} prompts (bench/prompts.py), not {n}")
+    return chat_prompts(tokenizer, CHAT[:n])
+
+
+def chat_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Each text as one user message through the tokenizer's chat template (its assistant turn
+    opened), or the bare text where it has none."""
     if not tokenizer.chat_template:
-        return [tokenizer(text)["input_ids"] for text in CHAT[:n]]
+        return [tokenizer(text)["input_ids"] for text in texts]
     return [list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                               tokenize=True, return_dict=True)["input_ids"]) for text in CHAT[:n]]
+                                               tokenize=True, return_dict=True)["input_ids"]) for text in texts]
 
 
 # ----------------------------------------------------------------- runners
 
-def hf_generate(target, prompts, temperature: float, new_tokens: int, assistant=None, k: int = 0):
-    """(generated token lists, seconds) for transformers generate, optionally assisted."""
+def hf_generate(target, prompts, temperature: float, new_tokens: int, assistant=None, k: int = 0,
+                prompt_lookup: int = 0):
+    """(generated token lists, seconds) for transformers generate, optionally assisted by a draft
+    model (K = k) or by prompt lookup (prompt_lookup_num_tokens = prompt_lookup)."""
     outputs, start = [], time.perf_counter()
     for i, prompt in enumerate(prompts):
         torch.manual_seed(i)
@@ -82,6 +93,8 @@ def hf_generate(target, prompts, temperature: float, new_tokens: int, assistant=
             assistant.generation_config.num_assistant_tokens_schedule = "constant"
             assistant.generation_config.assistant_confidence_threshold = 0.0
             kwargs["assistant_model"] = assistant
+        if prompt_lookup:
+            kwargs["prompt_lookup_num_tokens"] = prompt_lookup
         with torch.inference_mode():
             out = target.generate(torch.tensor([prompt]), **kwargs)
         outputs.append(out[0, len(prompt):].tolist())
@@ -295,6 +308,8 @@ def main(argv=None) -> None:
     parser.add_argument("--gguf", type=Path, help="row l: the GGUF llama.cpp runs (default: the one the target was"
                                                   " converted from, where installed; none: no row l)")
     parser.add_argument("--tp-k", type=int, default=4, help="row f: K")
+    parser.add_argument("--ngram-ks", default="8", help="rows n and p (bench/ngram.py): K values")
+    parser.add_argument("--only", choices=["ngram"], help="run only these rows: ngram (the n rows, bench/ngram.py)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     tp_sizes = [int(n) for n in args.tp.split(",") if n]
@@ -306,8 +321,20 @@ def main(argv=None) -> None:
     ks = [int(k) for k in args.ks.split(",")]
     modes = {m: MODES[m] for m in args.modes.split(",")}
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    prompts = heldout_prompts(tokenizer, args.prompts)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+
+    def ngram_rows(progress=None) -> list[dict]:
+        from bench import ngram
+
+        return ngram.run(target, tokenizer, target_dir, modes=modes, n_prompts=args.prompts,
+                         new_tokens=args.new_tokens, ks=[int(k) for k in args.ngram_ks.split(",")],
+                         threads=args.threads, out=args.out, progress=progress)
+
+    if args.only == "ngram":
+        with tqdm(desc="bench n-gram rows", unit="run") as progress:
+            ngram_rows(progress)
+        return
+    prompts = heldout_prompts(tokenizer, args.prompts)
     assistant = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
     eos_ids = target.generation_config.eos_token_id
     eos = set(eos_ids) if isinstance(eos_ids, list) else {eos_ids}
@@ -435,6 +462,7 @@ def main(argv=None) -> None:
     for line in bars(rows):
         print(line)
     print(f"\nwrote {args.out / 'latest.json'} and {args.out / 'speedup.png'}")
+    ngram_rows()
 
 
 def machine() -> str:

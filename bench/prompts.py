@@ -1,7 +1,9 @@
 """The benches' held-out chat prompts: `python -m training distill` never trains on these.
 
 Sixteen questions of the kinds a chat model is asked (facts, explanations, code, advice,
-writing), each sent as one user message through the target's chat template.
+writing), each sent as one user message through the target's chat template; and eight
+input-grounded requests (GROUNDED: rewrite, sort, fix, rename what the prompt holds), on which
+copying from the context pays (the n-gram draft's rows, bench/ngram.py).
 """
 
 CHAT = [
@@ -23,10 +25,28 @@ CHAT = [
     "Describe the water cycle step by step.",
 ]
 
+# Input-grounded requests (the n-gram draft's rows): each holds the material its answer copies.
+GROUNDED = [
+    "Rewrite this function with type hints:\n\ndef merge_counts(first, second):\n    result = dict(first)\n"
+    "    for key, value in second.items():\n        result[key] = result.get(key, 0) + value\n    return result\n",
+    "Repeat this list sorted alphabetically: banana, cherry, apple, mango, grape, kiwi, lemon, orange, peach, pear.",
+    "Fix the typo in this paragraph: The quick brown fox jumps over the lazzy dog. It then runs into the forest,"
+    " where it finds a small stream and drinks from it before resting under a tall oak tree.",
+    "Add a docstring to this function:\n\ndef average(numbers):\n    if not numbers:\n        return 0.0\n"
+    "    return sum(numbers) / len(numbers)\n",
+    "Turn this list into a numbered list:\n- Buy milk\n- Call the plumber\n- Water the plants\n"
+    "- Pay the electricity bill\n- Book a dentist appointment",
+    "Rename the variable x to total in this code:\n\nx = 0\nfor price in prices:\n    x = x + price\nprint(x)\n",
+    "Rewrite this email with the name Tom changed to Anna:\n\nHi Tom,\nThank you for your message. I will send"
+    " the report by Friday. Please let me know if you need anything else.\nBest regards,\nSam",
+    "Rewrite this sentence in the past tense: Every morning she walks to the station, buys a newspaper, reads the"
+    " headlines on the train and arrives at the office before nine.",
+]
+
 
 def normalized(text: str) -> str:
     """The form two prompts are compared in to keep held-out prompts out of training."""
     return " ".join("".join(c for c in text.lower() if c.isalnum() or c.isspace()).split())
 
 
-HELD_OUT = frozenset(normalized(p) for p in CHAT)
+HELD_OUT = frozenset(normalized(p) for p in CHAT + GROUNDED)

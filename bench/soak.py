@@ -1,6 +1,6 @@
 """`make soak`: a bounded loopback load test. Many clients for a fixed time, mixed requests.
 
-    python -m bench.soak [--clients 32] [--seconds 60] [--draft-model D --target-model T]
+    python -m bench.soak [--clients 32] [--seconds 60] [--draft-model D --target-model T] [--chaos]
 
 Each client loops until the time is up, picking at random: a greedy request (its output must
 equal the reference computed before the load), a seeded sampled request, a stream it cancels
@@ -9,6 +9,13 @@ if it did finish, OK). Anything else is an unexpected error. It reports requests
 outputs checked, the resident memory of every process at start and end, and the sessions the
 model services still hold afterwards, and exits 1 on an unexpected error, a wrong output, a
 dead process or a leaked session.
+
+--chaos: two draft and two target replicas, and while the load runs, every 0.5-3 s (seeded by
+--seed) one replica of each kind is killed (SIGKILL, then started again at its address), hung
+(SIGSTOP for 0.5-8 s, then SIGCONT; the coordinator's per-call deadline is 5 s) or restarted
+(SIGTERM, then started again): one replica of a kind at a time, the next only once the
+coordinator serves on it again, so the other always serves. No request may fail for it, and
+every greedy output must still be the reference.
 """
 
 from __future__ import annotations
@@ -17,8 +24,11 @@ import argparse
 import asyncio
 import os
 import random
+import signal
+import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -39,7 +49,9 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-async def soak(addr: str, clients: int, seconds: float, new_tokens: int, seed: int) -> tuple[Counter, int, list[str]]:
+async def soak(addr: str, clients: int, seconds: float, new_tokens: int, seed: int,
+               on_load: Callable[[], None] | None = None) -> tuple[Counter, int, list[str]]:
+    """The load; `on_load()` is called once the references are made, as the clients start."""
     import grpc
 
     from specdec.v1 import specdec_pb2 as pb
@@ -55,6 +67,8 @@ async def soak(addr: str, clients: int, seconds: float, new_tokens: int, seed: i
             reply = await stub.Generate(pb.GenerateRequest(prompt=p, max_new_tokens=new_tokens, temperature=0.0))
             reference[p] = list(reply.token_ids)
         end = time.monotonic() + seconds
+        if on_load is not None:
+            on_load()
 
         async def client(i: int) -> None:
             nonlocal checked
@@ -94,6 +108,75 @@ async def soak(addr: str, clients: int, seconds: float, new_tokens: int, seed: i
     return outcomes, checked, problems
 
 
+class Chaos:
+    """Faults on `stack`'s replicas at random while the load runs (see the module's docstring):
+    for draft and target each, a thread striking one replica at a time."""
+
+    HANG_S = (0.5, 8.0)
+    PAUSE_S = (0.5, 3.0)
+
+    def __init__(self, stack: LocalStack, seed: int):
+        self.stack, self.seed = stack, seed
+        self.faults: Counter = Counter()
+        self.restarts: Counter = Counter()  # name -> processes started in its place
+        self.problems: list[str] = []
+        self.done = threading.Event()
+        self.threads = [threading.Thread(target=self._strike, args=(role,), daemon=True) for role in ("draft", "target")]
+
+    def start(self) -> None:
+        for thread in self.threads:
+            thread.start()
+
+    def stop(self) -> None:
+        """End the faults: what is hung goes on, what is down is back, before this returns."""
+        self.done.set()
+        for thread in self.threads:
+            if thread.ident is not None:
+                thread.join()
+
+    def _strike(self, role: str) -> None:
+        rng = random.Random(f"{self.seed}-{role}")
+        names = sorted(name for name in self.stack.addresses if name.split("-")[0] == role)
+        while not self.done.wait(rng.uniform(*self.PAUSE_S)):
+            name, fault = rng.choice(names), rng.choice(["kill", "hang", "restart"])
+            proc = self.stack.procs[name]
+            try:
+                if fault == "kill":
+                    proc.send_signal(signal.SIGKILL)
+                    proc.wait(30)
+                    self.stack.restart_replica(name)
+                    self.restarts[name] += 1
+                elif fault == "hang":
+                    proc.send_signal(signal.SIGSTOP)
+                    self.done.wait(rng.uniform(*self.HANG_S))
+                    proc.send_signal(signal.SIGCONT)
+                else:
+                    self.stack.restart_replica(name)
+                    self.restarts[name] += 1
+                self.faults[f"{role} {fault}"] += 1
+                self._wait_serving(self.stack.addresses[name])
+            except Exception as e:  # reported: the soak fails
+                self.problems.append(f"chaos: {fault} of {name} failed: {type(e).__name__}: {e}")
+                return
+
+    def _wait_serving(self, address: str, timeout: float = 60.0) -> None:
+        """Until the coordinator serves on the replica at `address` again."""
+        import grpc
+
+        from specdec.v1 import specdec_pb2 as pb
+        from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.stack.addr) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            while time.monotonic() < deadline:
+                replicas = stub.GetInfo(pb.GetInfoRequest(), timeout=10).replicas
+                if any(r.address == address and r.state == "serving" for r in replicas):
+                    return
+                time.sleep(0.1)
+        raise TimeoutError(f"the coordinator does not serve on {address} {timeout:.0f} s after the fault")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -103,28 +186,47 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--chaos", action="store_true",
+                        help="2 draft and 2 target replicas, killed, hung and restarted at random during the load")
     args = parser.parse_args(argv)
 
-    stack = LocalStack(*pair_of(args), threads=args.threads)
+    replicas = 2 if args.chaos else 1
+    stack = LocalStack(*pair_of(args), threads=args.threads, draft_replicas=replicas, target_replicas=replicas,
+                       coordinator_args=["--call-timeout", "5"] if args.chaos else [])
+    chaos = Chaos(stack, args.seed) if args.chaos else None
     with stack:
-        pids = {name: proc.pid for name, proc in stack.procs.items()}
-        before = {name: rss_mb(pid) for name, pid in pids.items()}
+        before = {name: rss_mb(proc.pid) for name, proc in stack.procs.items()}
         start = time.monotonic()
-        outcomes, checked, problems = asyncio.run(
-            soak(stack.addr, args.clients, args.seconds, args.new_tokens, args.seed))
+        try:
+            outcomes, checked, problems = asyncio.run(
+                soak(stack.addr, args.clients, args.seconds, args.new_tokens, args.seed,
+                     chaos.start if chaos is not None else None))
+        finally:
+            if chaos is not None:
+                chaos.stop()
         took = time.monotonic() - start
-        after = {name: rss_mb(pid) for name, pid in pids.items()}
-        alive = {name: stack.procs[name].poll() is None for name in pids}
+        after = {name: rss_mb(proc.pid) for name, proc in stack.procs.items()}
+        alive = {name: proc.poll() is None for name, proc in stack.procs.items()}
         left = sessions_left(stack)
+    if chaos is not None:
+        problems += chaos.problems
     total = sum(outcomes.values())
     print(f"{args.clients} clients for {args.seconds:.0f} s ({took:.0f} s with the reference): {total} requests")
     for outcome, n in sorted(outcomes.items()):
         print(f"  {outcome:<32}{n:>6}")
+    if chaos is not None:
+        print(f"faults: {sum(chaos.faults.values())} ("
+              + ", ".join(f"{kind} {n}" for kind, n in sorted(chaos.faults.items())) + ")")
+    errors = Counter(outcome.split(": ")[1] for outcome in outcomes if ": " in outcome
+                     and not outcome.endswith(": OK") and outcome != "deadline: DEADLINE_EXCEEDED")
+    print("errors by status: " + (", ".join(f"{code} {n}" for code, n in sorted(errors.items())) or "none")
+          + f" (and {outcomes['deadline: DEADLINE_EXCEEDED']} DEADLINE_EXCEEDED the deadline requests expect)")
     print(f"greedy outputs checked against the reference: {checked}, wrong: "
           f"{sum('differs' in p for p in problems)}")
     print(f"unexpected errors: {sum('differs' not in p for p in problems)}")
-    for name in pids:
-        print(f"  {name:<12} RSS {before[name]:7.1f} MB -> {after[name]:7.1f} MB   alive {alive[name]}")
+    for name in stack.procs:
+        restarted = f"   (restarted {chaos.restarts[name]}x)" if chaos is not None and chaos.restarts[name] else ""
+        print(f"  {name:<12} RSS {before[name]:7.1f} MB -> {after[name]:7.1f} MB   alive {alive[name]}{restarted}")
     print(f"sessions still held after the load: draft {left['draft']}, target {left['target']}")
     for p in problems[:10]:
         print("  problem:", p)
@@ -132,7 +234,7 @@ def main(argv=None) -> int:
 
 
 def sessions_left(stack: LocalStack, wait: float = 10.0) -> dict[str, int]:
-    """Sessions the model services still hold once every request has ended (a leak if not 0)."""
+    """Sessions the model services (every replica) still hold once every request has ended (a leak if not 0)."""
     import grpc
 
     from specdec.v1 import specdec_pb2 as pb
@@ -140,11 +242,12 @@ def sessions_left(stack: LocalStack, wait: float = 10.0) -> dict[str, int]:
 
     deadline = time.monotonic() + wait
     while True:
-        left = {}
-        for role, addr, stub_class in (("draft", stack.draft_addr, pb_grpc.DraftStub),
-                                       ("target", stack.target_addr, pb_grpc.TargetStub)):
+        left = {"draft": 0, "target": 0}
+        for name, addr in stack.addresses.items():
+            role = name.split("-")[0]
+            stub_class = pb_grpc.DraftStub if role == "draft" else pb_grpc.TargetStub
             with grpc.insecure_channel(addr) as channel:
-                left[role] = stub_class(channel).GetModelInfo(pb.ModelInfoRequest(), timeout=5).active_sessions
+                left[role] += stub_class(channel).GetModelInfo(pb.ModelInfoRequest(), timeout=5).active_sessions
         if not any(left.values()) or time.monotonic() > deadline:
             return left
         time.sleep(0.2)

@@ -7,7 +7,7 @@ tokenizers or vocabularies differ, and loads the target's tokenizer from the
 target service itself. Every flag can also be set from the environment
 (SPECDEC_COORDINATOR_<FLAG>); see --help.
 
-TLS, two sides (speculative/transport.py): --tls-cert / --tls-key / --tls-ca for the clients of
+TLS, two sides (runtime/transport.py): --tls-cert / --tls-key / --tls-ca for the clients of
 its public API, as on the model services; --peer-tls-ca / --peer-tls-cert / --peer-tls-key for its
 own channels to the model services (the CA that signed their certificates, and the certificate
 it presents where they require mutual TLS).

@@ -9,16 +9,26 @@ committed. Nothing is lost and nothing repeated.
 
 - The draft: with no draft replica left a start raises SessionLost too, and the round goes on
   without drafts (target-only rounds); it drafts again once a replica is back.
+- A late draft gives way: a draft call not answered within its replica's bound (a few times
+  its recent calls' 99th percentile, at least 50 ms: pool.RecentLatency) raises SessionLost at
+  the bound, and the round goes on with a plain target step. Its answer, when it comes, is
+  discarded and the session it was for released; until then the request leaves that replica
+  alone (it drafts on another, or not at all), then starts a session there again. A replica
+  late MISSES times in a row is taken out as a failed one is, until its health check passes.
 - The target: with no target replica left the request fails with UNAVAILABLE. A target
   session started again draws from a generator seeded afresh with the request's seed, so
   a sampled request stays exactly target-distributed but is no longer token-for-token the
   run without the fault; greedy output is identical.
+
+A session started again takes a new id on the service (`<id>.<n>`): what is left of the one
+before (on a replica that hung and woke up, or behind a late call) never meets it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
@@ -36,29 +46,47 @@ log = logging.getLogger("specdec.failover")
 MOVE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 RESTART = MOVE | {grpc.StatusCode.NOT_FOUND}
 TRIES = 3
-FORGETTING: set[asyncio.Task] = set()  # releases sent to replicas a request moved away from (see _lost)
+MISSES = 3  # late draft calls in a row that take a replica out
+# work left to the background: releases on replicas a request moved away from (see _lost), late
+# calls awaited to drop their answers (see FailoverDraft._late)
+FORGETTING: set[asyncio.Task] = set()
 
 
 class _Failover:
     def __init__(self, pool: Pool):
         self.pool = pool
         self.replica: Replica | None = None
+        self.session: str | None = None  # the request's session's id on its replica (see `_name`)
+        self.starts = 0  # sessions started for the request
+        self.error: PeerError | None = None  # the last call's failure
+        self.behind: set[Replica] = set()  # replicas yet to answer a late call of the request's
+
+    def _name(self, session_id: str, start: bool) -> str:
+        """The session's id on the service: a start after the first takes a new one."""
+        if start:
+            self.session = f"{session_id}.{self.starts}" if self.starts else session_id
+            self.starts += 1
+        return self.session or session_id
 
     async def _take(self, wait: bool) -> Replica | None:
         """The request's replica, or a new one; None if the pool has no healthy one, even after a
         fresh health check (awaited if `wait`, else started for the next round's sake)."""
         if self.replica is None:
-            if not self.pool.healthy():
+            if not self._candidates():
                 if wait:
                     await self.pool.recheck()
                 else:
                     self.pool.recheck_soon()
-            if not self.pool.healthy():
+            if not self._candidates():
                 return None
-            self.replica = self.pool.acquire()
+            self.replica = self.pool.acquire(exclude=self.behind)
         return self.replica
 
-    def _lost(self, error: PeerError, session_id: str) -> None:
+    def _candidates(self) -> list[Replica]:
+        return [r for r in self.pool.healthy() if r not in self.behind]
+
+    def _lost(self, error: PeerError, session: str) -> None:
+        self.error = error
         if error.code in MOVE:
             replica = self.replica
             self.pool.failed(replica, error)
@@ -66,24 +94,28 @@ class _Failover:
             self.replica = None
             # its copy of the session, should it answer again (a hung replica): unary calls and batch
             # RPCs have no stream whose end would free it there. In the background, bounded by the call's timeout
-            forget = asyncio.ensure_future(self._forget(replica, session_id))
-            FORGETTING.add(forget)
-            forget.add_done_callback(FORGETTING.discard)
+            self._in_background(self._forget(replica, session))
         log.warning("%s call failed (%s); starting the session again %s", self.pool.name, error,
                     "on another replica" if error.code in MOVE else "on the same replica")
 
     @staticmethod
-    async def _forget(replica: Replica, session_id: str) -> None:
+    def _in_background(work) -> None:
+        task = asyncio.ensure_future(work)
+        FORGETTING.add(task)
+        task.add_done_callback(FORGETTING.discard)
+
+    @staticmethod
+    async def _forget(replica: Replica, session: str) -> None:
         try:
-            await replica.peer.release(session_id)
+            await replica.peer.release(session)
         except Exception as e:  # gone, never to answer, or since removed from the pool: nothing is held there then
-            log.debug("%s: releasing %s on %s failed: %s", replica.peer.name, session_id, replica.address, e)
+            log.debug("%s: releasing %s on %s failed: %s", replica.peer.name, session, replica.address, e)
 
     async def release(self, session_id: str) -> None:
         if self.replica is not None:
             replica, self.replica = self.replica, None
             try:
-                await replica.peer.release(session_id)
+                await replica.peer.release(self.session or session_id)
             except PeerError:
                 pass
             finally:
@@ -104,31 +136,78 @@ class FailoverDraft(_Failover):
             replica = await self._take(wait=False)
             if replica is None:
                 break
+            session = self._name(session_id, start)
+            began = time.perf_counter()
+            bound = replica.recent.bound(start, len(append))
+            call = asyncio.ensure_future(
+                replica.peer.propose(session, start, rollback, append, k, params, p_min, turn=turn))
             try:
-                return await replica.peer.propose(session_id, start, rollback, append, k, params, p_min, turn=turn)
+                await asyncio.wait([call], timeout=bound)
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            if not call.done():
+                self._late(replica, session, call, bound, start, len(append))
+                break
+            try:
+                answer = call.result()
             except PeerError as e:
                 if e.code not in RESTART:
                     raise
-                self._lost(e, session_id)
+                self._lost(e, session)
+                continue
+            replica.recent.add(time.perf_counter() - began, start, len(append))
+            replica.missed = 0
+            return answer
         raise SessionLost(session_id)
+
+    def _late(self, replica: Replica, session: str, call: asyncio.Future, bound: float, start: bool,
+              prefix: int) -> None:
+        """`call` is late: the round goes on without it; the request leaves `replica` alone until it answers."""
+        replica.missed += 1
+        log.info("draft replica %s is late (no answer in %.0f ms, %d in a row): the round goes on without it",
+                 replica.address, bound * 1e3, replica.missed)
+        if replica.missed >= MISSES:
+            self.pool.failed(replica, PeerError(replica.peer, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                f"late {replica.missed} calls in a row"))
+        self.pool.release(replica)
+        self.replica = None
+        self.behind.add(replica)
+        self._in_background(self._discard(replica, session, call, bound, start, prefix))
+
+    async def _discard(self, replica: Replica, session: str, call: asyncio.Future, bound: float, start: bool,
+                       prefix: int) -> None:
+        """Wait for a late call's answer, drop it, release the session it was for."""
+        try:
+            await call
+            # a late answer counts as the bound it missed: a replica grown slower for good raises its
+            # bound over a few calls rather than staying late for ever (or at one stall's length)
+            replica.recent.add(bound, start, prefix)
+        except PeerError as e:
+            if e.code in MOVE:
+                self.pool.failed(replica, e)
+        except Exception as e:  # noqa: BLE001 - the answer is dropped whatever it is
+            log.debug("draft %s: a late call failed: %s", replica.address, e)
+        finally:
+            self.behind.discard(replica)
+        await self._forget(replica, session)
 
 
 class FailoverTarget(_Failover):
     async def verify(self, session_id: str, start: bool, append: list[int], proposal: Proposal,
                      params: SamplingParams, *, turn: tuple[int, int] = (0, 0)) -> tuple[Verdict, Cost]:
-        error: PeerError | None = None
         for _ in range(TRIES if start else 1):
             replica = await self._take(wait=True)
             if replica is None:
                 break
+            session = self._name(session_id, start)
             try:
-                return await replica.peer.verify(session_id, start, append, proposal, params, turn=turn)
+                return await replica.peer.verify(session, start, append, proposal, params, turn=turn)
             except PeerError as e:
                 if e.code not in RESTART:
                     raise
-                error = e
-                self._lost(e, session_id)
+                self._lost(e, session)
         if not start:
             raise SessionLost(session_id)
-        detail = f" (last error: {error})" if error else ""
+        detail = f" (last error: {self.error})" if self.error else ""
         raise self.pool.unavailable(f"no target replica left to continue this request on{detail}")

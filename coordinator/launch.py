@@ -4,6 +4,7 @@
     python -m coordinator.launch --demo               # stream one answer, then stop (`make run`)
     python -m coordinator.launch --draft-model D --target-model T --port 50050
     python -m coordinator.launch --tls-dir certs/ --demo  # mutual TLS on every channel
+    python -m coordinator.launch --draft-method ngram --demo  # no draft model: n-gram lookup
     python -m coordinator.launch --http-port 0            # no OpenAI-compatible HTTP API (default: port 8000)
 
 Without --draft-model / --target-model it uses the default pair: models/target
@@ -81,16 +82,21 @@ class LocalStack:
     With `tls_dir` (ca.pem, cert.pem, key.pem; see the module's docstring) every channel is TLS,
     mutual unless `client_auth` is False; `credentials` are then what a client dials it with.
     With `http_port` (0: any free port) the coordinator also serves the OpenAI-compatible HTTP API
-    there (its --http-port), at `http_url`.
+    there (its --http-port), at `http_url`. `coordinator_env`: variables the coordinator's
+    process gets beside this one's. draft_method "ngram" starts the drafts with --method
+    ngram and the target's tokenizer (draft_model is then unused: None will do).
     """
 
-    def __init__(self, draft_model: str | Path, target_model: str | Path, *, port: int = 0,
+    def __init__(self, draft_model: str | Path | None, target_model: str | Path, *, port: int = 0,
                  draft_args: list[str] = (), target_args: list[str] = (), coordinator_args: list[str] = (),
                  threads: int | None = 1, draft_threads: int | None = None, batched_threads: int = 1,
                  log_dir: str | Path | None = None, draft_replicas: int = 1, target_replicas: int = 1,
                  discovery_files: bool = False, tls_dir: str | Path | None = None, client_auth: bool = True,
-                 http_port: int | None = None):
+                 http_port: int | None = None, coordinator_env: dict[str, str] | None = None,
+                 draft_method: str = "model"):
+        self.draft_method = draft_method
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="specdec-logs-"))
+        self.coordinator_env = dict(coordinator_env or {})
         self.draft_addrs = [f"127.0.0.1:{free_port()}" for _ in range(draft_replicas)]
         self.target_addrs = [f"127.0.0.1:{free_port()}" for _ in range(target_replicas)]
         self.draft_addr, self.target_addr = self.draft_addrs[0], self.target_addrs[0]
@@ -142,17 +148,23 @@ class LocalStack:
             f.write(addr + "\n")
         return name
 
-    def restart_replica(self, name: str, model: str | Path | None = None, timeout: float = 120.0) -> None:
-        """Stop a replica and start one at the same address (of `model`, default the stack's)."""
-        self.procs[name].send_signal(signal.SIGTERM)
-        self.procs[name].wait(30)
+    def restart_replica(self, name: str, model: str | Path | None = None, timeout: float = 120.0,
+                        sig: signal.Signals = signal.SIGTERM) -> None:
+        """Stop a replica (with `sig`; one that has exited already stays so) and start one at the same
+        address (of `model`, default the stack's), once it is SERVING."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            if sig != signal.SIGKILL:
+                proc.send_signal(signal.SIGCONT)  # a stopped process acts on its signal once continued
+            proc.wait(30)
         self._spawn(name, name.split("-")[0], self.addresses[name], model, timeout)
 
     def _spawn(self, name: str, role: str, addr: str, model: str | Path | None, timeout: float) -> None:
         self.logs[name] = self.log_dir / f"{name}.log"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         command = self.service_command(role, addr)
-        if model is not None:
+        if model is not None and "--model" in command:
             command[command.index("--model") + 1] = str(model)
         self.procs[name] = subprocess.Popen(command, cwd=ROOT, env=env,
                                             stdout=self.logs[name].open("a"), stderr=subprocess.STDOUT)
@@ -175,13 +187,16 @@ class LocalStack:
             return [sys.executable, "-m", "target_service", "--model", str(self.target_model), "--port", port,
                     *threads, *self.tls_args, *self.target_args]
         threads = [] if self.threads is None else ["--threads", str(self.draft_threads or self.threads)]
-        return [sys.executable, "-m", "draft_service", "--model", str(self.draft_model), "--port", port,
-                *threads, *self.tls_args, *self.draft_args]
+        method = (["--method", "ngram", "--tokenizer", str(self.target_model)] if self.draft_method == "ngram"
+                  else ["--model", str(self.draft_model)])
+        return [sys.executable, "-m", "draft_service", *method, "--port", port, *threads, *self.tls_args,
+                *self.draft_args]
 
     def start(self, timeout: float = 180.0) -> "LocalStack":
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         for name, cmd in self.commands.items():
-            self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.logs[name].open("w"),
+            own = {**env, **self.coordinator_env} if name == "coordinator" else env
+            self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=own, stdout=self.logs[name].open("w"),
                                                 stderr=subprocess.STDOUT)
         try:
             wait_serving(self.addr, timeout, self.procs, self.logs, self.credentials)
@@ -198,6 +213,7 @@ class LocalStack:
             proc = self.procs.get(name)
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGCONT)  # (one stopped by a test acts on it once continued)
         codes = {}
         for name, proc in self.procs.items():
             try:
@@ -229,6 +245,8 @@ def main(argv=None, prog: str = "python -m coordinator.launch") -> int:
                              " share this machine's cores, and under load one thread each wastes the least")
     parser.add_argument("--draft-threads", type=int, default=1,
                         help="torch threads of the draft service (its small matrices gain little from more)")
+    parser.add_argument("--draft-method", default="model", choices=["model", "ngram"],
+                        help="the drafts' drafting method: model (--draft-model) or ngram (prompt lookup, no model)")
     parser.add_argument("--draft-replicas", type=int, default=1, help="draft services behind the coordinator")
     parser.add_argument("--target-replicas", type=int, default=1, help="target services behind the coordinator")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -249,8 +267,9 @@ def main(argv=None, prog: str = "python -m coordinator.launch") -> int:
                        target_replicas=args.target_replicas, discovery_files=True, tls_dir=args.tls_dir,
                        client_auth=not args.no_client_auth,
                        target_args=["--tensor-parallel-size", str(args.tensor_parallel_size)],
-                       http_port=args.http_port or None)
-    print(f"starting target ({target}) on {', '.join(stack.target_addrs)}, draft ({draft}) on "
+                       http_port=args.http_port or None, draft_method=args.draft_method)
+    drafting = "n-gram lookup" if args.draft_method == "ngram" else draft
+    print(f"starting target ({target}) on {', '.join(stack.target_addrs)}, draft ({drafting}) on "
           f"{', '.join(stack.draft_addrs)}, coordinator on {stack.addr}; logs in {stack.log_dir}; replicas listed in"
           f" {stack.discovery['draft']} and {stack.discovery['target']} (edit them to add or remove some)", flush=True)
     with stack:

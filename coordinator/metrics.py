@@ -35,7 +35,7 @@ class CoordinatorMetrics:
         self.verify = Histogram("specdec_verify_seconds", "target call, as the coordinator sees it",
                                 buckets=LATENCY, registry=r)
         self.active = Gauge("specdec_active_requests", "requests in progress", registry=r)
-        # --lockstep only (speculative/lockstep.py)
+        # --lockstep only (coordinator/lockstep.py)
         self.lockstep_turns = Counter("specdec_lockstep_turns", "lockstep turns, by model and by what started"
                                       " them: all_waiting (every live generation waited) or hold_expired"
                                       " (--lockstep-hold-ms ran out first)", ["model", "start"], registry=r)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -19,7 +20,36 @@ from speculative.protocol import (Cost, Proposal, SamplingParams, Verdict, param
 
 
 CODES = {code.value[0]: code for code in grpc.StatusCode}  # a batched call's status (an int) -> its code
+# a service that went away is dialled again at least every half second (gRPC's default backs off to
+# two minutes): one that is back serves again at once, not after the backoff
+RECONNECT = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)]
 log = logging.getLogger("specdec.peers")
+# tests/faults only: a Unix socket told each moment of every per-round call (see `moment`)
+FAULT_HOOK = os.environ.get("SPECDEC_FAULT_HOOK")
+
+
+async def moment(peer: "Peer", point: str, start: bool) -> None:
+    """Tell the fault hook that a per-round call to `peer` is at `point` (write: about to be sent;
+    read: sent, its answer awaited; done: answered) and wait for its go-ahead: the fault matrix
+    (tests/faults) strikes a service at an exact moment of a round, not after a sleep."""
+    try:
+        reader, writer = await asyncio.open_unix_connection(FAULT_HOOK)
+    except OSError:  # the hook is gone (its test has ended)
+        return
+    try:
+        writer.write(f"{peer.name} {peer.address} {point} {int(start)}\n".encode())
+        await reader.readline()
+    finally:
+        writer.close()
+
+
+async def held(deadline: asyncio.Timeout, peer: "Peer", point: str, start: bool) -> None:
+    """`moment` within a call, the time it holds the call left out of the call's deadline."""
+    loop = asyncio.get_running_loop()
+    left = deadline.when() - loop.time()
+    deadline.reschedule(None)
+    await moment(peer, point, start)
+    deadline.reschedule(loop.time() + left)
 
 
 class TurnMethods(NamedTuple):
@@ -62,7 +92,7 @@ class Peer:
         self.address = address
         self.timeout = timeout  # per call
         self.streaming = streaming
-        options = CHANNEL_OPTIONS
+        options = [*CHANNEL_OPTIONS, *RECONNECT]
         if credentials is not None and server_name:
             options = [*options, ("grpc.ssl_target_name_override", server_name)]
         self.channel = open_channel(address, credentials, options, aio=True)
@@ -80,6 +110,12 @@ class Peer:
             return await method(request, timeout=timeout or self.timeout)
         except grpc.aio.AioRpcError as e:
             raise PeerError(self, e.code(), e.details() or "") from None
+        except Exception as e:  # noqa: BLE001 - not a status from the service (its channel closed...)
+            raise self.broken(e) from None
+
+    def broken(self, error: Exception) -> PeerError:
+        """A call that ended in an exception other than an RPC error, as the PeerError naming this service."""
+        return PeerError(self, grpc.StatusCode.UNAVAILABLE, f"its call broke ({type(error).__name__}: {error})")
 
     async def step(self, unary, streaming, session_id: str, request):
         """One per-round call for a session: on its stream, or unary."""
@@ -93,16 +129,20 @@ class Peer:
 
     async def _step(self, unary, streaming, session_id: str, request):
         if not self.streaming:
-            return await self.call(unary, request)
+            return await self._unary(unary, request)
         stream = self.streams.get(session_id)
         if stream is None:
             stream = self.streams[session_id] = streaming()
         try:
-            await stream.write(request)
+            if FAULT_HOOK:
+                await moment(self, "write", request.start)
             # not asyncio.wait_for: on Python 3.11 it returns a read that completes as its caller is
             # cancelled and drops the cancel (CPython gh-86296), so a client's deadline could go
             # unnoticed and its generation run to the end
-            async with asyncio.timeout(self.timeout):
+            async with asyncio.timeout(self.timeout) as deadline:
+                await stream.write(request)
+                if FAULT_HOOK:
+                    await held(deadline, self, "read", request.start)
                 reply = await stream.read()
         except grpc.aio.AioRpcError as e:
             self.streams.pop(session_id, None)
@@ -110,19 +150,45 @@ class Peer:
         except asyncio.TimeoutError:
             self.streams.pop(session_id, None)
             stream.cancel()
-            raise PeerError(self, grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {self.timeout:.0f} s") from None
+            raise PeerError(self, grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {self.timeout:g} s") from None
+        except asyncio.CancelledError:  # its answer, should one come, would be taken for the next call's
+            self.streams.pop(session_id, None)
+            stream.cancel()
+            raise
         except Exception as e:  # noqa: BLE001 - the call ended under us: a write on a stream whose RPC has
             # finished (the service died between two rounds) raises InvalidStateError, not an RPC error
             self.streams.pop(session_id, None)
-            code, details = grpc.StatusCode.UNAVAILABLE, f"its stream broke ({type(e).__name__}: {e})"
+            stream.cancel()
+            error = self.broken(e)
             if stream.done():
                 ended = await stream.code()
                 if ended not in (None, grpc.StatusCode.OK):
-                    code, details = ended, (await stream.details()) or details
-            raise PeerError(self, code, details) from None
+                    error = PeerError(self, ended, (await stream.details()) or str(error))
+            raise error from None
         if reply is grpc.aio.EOF:  # the service ended the stream: its status says why
             self.streams.pop(session_id, None)
             raise PeerError(self, await stream.code(), await stream.details() or "stream ended")
+        if FAULT_HOOK:
+            await moment(self, "done", request.start)
+        return reply
+
+    async def _unary(self, unary, request):
+        """A per-round call as a unary RPC."""
+        if not FAULT_HOOK:
+            return await self.call(unary, request)
+        await moment(self, "write", request.start)
+        try:
+            async with asyncio.timeout(self.timeout) as deadline:  # (a gRPC deadline would count the hook's wait)
+                call = unary(request)
+                await held(deadline, self, "read", request.start)
+                reply = await call
+        except grpc.aio.AioRpcError as e:
+            raise PeerError(self, e.code(), e.details() or "") from None
+        except asyncio.TimeoutError:
+            raise PeerError(self, grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {self.timeout:g} s") from None
+        except Exception as e:  # noqa: BLE001 - as in `call`
+            raise self.broken(e) from None
+        await moment(self, "done", request.start)
         return reply
 
     async def round_call(self, methods: TurnMethods, request, turn: tuple[int, int]):
@@ -191,8 +257,19 @@ class Peer:
             return list(await asyncio.gather(
                 *(self._step(methods.unary, methods.streaming, r.session_id, r) for r in requests),
                 return_exceptions=True))
+        start = any(r.start for r in requests)
         try:
-            reply = await methods.batch(methods.batch_type(calls=requests), timeout=self.timeout)
+            if not FAULT_HOOK:
+                reply = await methods.batch(methods.batch_type(calls=requests), timeout=self.timeout)
+            else:
+                await moment(self, "write", start)
+                async with asyncio.timeout(self.timeout) as deadline:  # as in _unary
+                    call = methods.batch(methods.batch_type(calls=requests))
+                    await held(deadline, self, "read", start)
+                    reply = await call
+        except asyncio.TimeoutError:
+            error = PeerError(self, grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {self.timeout:g} s")
+            return [error] * len(requests)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # a service from before batch RPCs
                 log.warning("%s service at %s has no batch RPCs: a lockstep turn's calls go one by one",
@@ -200,8 +277,10 @@ class Peer:
                 self.batch_turns = False
                 return await self._outcomes(methods, requests)
             return [PeerError(self, e.code(), e.details() or "")] * len(requests)
-        except Exception as e:  # the channel closed...: not a status from the service
-            return [PeerError(self, grpc.StatusCode.UNAVAILABLE, f"{type(e).__name__}: {e}")] * len(requests)
+        except Exception as e:  # noqa: BLE001 - the channel closed...: not a status from the service
+            return [self.broken(e)] * len(requests)
+        if FAULT_HOOK:
+            await moment(self, "done", start)
         if len(reply.replies) != len(requests) or len(reply.statuses) != len(requests):
             return [PeerError(self, grpc.StatusCode.INTERNAL, f"a batch of {len(requests)} calls got"
                               f" {len(reply.replies)} replies and {len(reply.statuses)} statuses")] * len(requests)
@@ -217,6 +296,8 @@ class Peer:
                 files.setdefault(piece.name, bytearray()).extend(piece.data)
         except grpc.aio.AioRpcError as e:
             raise PeerError(self, e.code(), e.details() or "") from None
+        except Exception as e:  # noqa: BLE001 - as in `call`
+            raise self.broken(e) from None
         for name, data in files.items():
             (out / Path(name).name).write_bytes(bytes(data))
         return out
@@ -227,7 +308,10 @@ class Peer:
             await asyncio.wait([batch])
         stream = self.streams.pop(session_id, None)
         if stream is not None:  # ending the stream releases its session
-            await stream.done_writing()
+            try:
+                await stream.done_writing()
+            except Exception as e:  # noqa: BLE001 - its RPC has ended already (and the session with it)
+                log.debug("%s: ending the stream of %s at %s: %s", self.name, session_id, self.address, e)
             return
         await self.call(self.stub.Release, pb.ReleaseRequest(session_id=session_id), timeout=10.0)
 

@@ -11,6 +11,9 @@ found by resolving a name must present a certificate for that name (not for its 
 
 Each request leases one draft and one target replica for its whole life (their KV caches
 hold its state): the healthy replica with the fewest requests in flight.
+
+Each replica also keeps its recent per-round call times (`RecentLatency`): a draft call that
+takes much longer than they say is late, and the round goes on without it (coordinator/failover.py).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import asyncio
 import itertools
 import logging
 import socket
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import grpc
@@ -32,6 +36,37 @@ from .peers import Peer, PeerError
 log = logging.getLogger("specdec.pool")
 
 
+class RecentLatency:
+    """A replica's recent per-round call times, and how long a call may take before it is late:
+    TIMES x their 99th percentile, at least FLOOR s. A call that starts a session carries the
+    whole prefix, and its prefill grows with it: starts are timed per prefix token, and their
+    bound is for the prefix at hand. Until a kind has MIN_CALLS calls, its bound is FIRST s."""
+
+    WINDOW = 100
+    MIN_CALLS = 8
+    TIMES = 4.0
+    FLOOR = 0.05
+    FIRST = 1.0
+
+    def __init__(self):
+        self.starts: deque[float] = deque(maxlen=self.WINDOW)  # seconds per prefix token
+        self.steps: deque[float] = deque(maxlen=self.WINDOW)   # seconds
+
+    def add(self, seconds: float, start: bool, prefix: int) -> None:
+        if start:
+            self.starts.append(seconds / max(prefix, 1))
+        else:
+            self.steps.append(seconds)
+
+    def bound(self, start: bool, prefix: int) -> float:
+        """Seconds past which a call (of a session start with `prefix` tokens) is late."""
+        times = self.starts if start else self.steps
+        if len(times) < self.MIN_CALLS:
+            return self.FIRST
+        p99 = sorted(times)[int(0.99 * (len(times) - 1))]
+        return max(self.FLOOR, self.TIMES * p99 * (max(prefix, 1) if start else 1))
+
+
 class Replica:
     def __init__(self, peer: Peer):
         self.peer = peer
@@ -40,6 +75,8 @@ class Replica:
         self.served = 0       # requests leased ever
         self.refused = ""     # why it may not serve (another model), if so
         self.removed = False  # no longer discovered: drains, then closes
+        self.recent = RecentLatency()
+        self.missed = 0       # late calls in a row (see failover.FailoverDraft)
 
     @property
     def address(self) -> str:
@@ -131,8 +168,9 @@ class Pool:
     async def _check(self, replica: Replica) -> None:
         was = replica.healthy
         try:
+            # wait_for_ready: a replica just back is dialled within the check (not failed for the backoff left)
             reply = await health_pb2_grpc.HealthStub(replica.peer.channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+                health_pb2.HealthCheckRequest(service=""), timeout=2.0, wait_for_ready=True)
             healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
             if healthy:
                 # at every check, not once: what answers at an address may have been restarted with
@@ -152,7 +190,7 @@ class Pool:
                     log.info("%s replica %s serves the pool's model again", self.name, replica.address)
                     replica.refused = ""
                 replica.peer.info = info
-        except (grpc.aio.AioRpcError, PeerError):
+        except Exception:  # noqa: BLE001 - no answer, however it failed
             healthy = False
         replica.healthy = healthy
         if healthy != was:
@@ -193,29 +231,39 @@ class Pool:
             except Exception:  # keep watching whatever one round met
                 log.exception("%s pool refresh failed", self.name)
 
-    async def recheck(self, min_interval: float = 0.5) -> None:
-        """Health-check every replica now, not at the next round of the watch (at most once per
-        `min_interval` s): a request whose replica died looks for another, and the one it needs
-        may have come up since the last round."""
-        now = asyncio.get_running_loop().time()
-        if now - self._rechecked >= min_interval:
-            self._rechecked = now
-            await self.refresh(resolve=False)
+    async def recheck(self, min_interval: float = 0.0) -> None:
+        """Health-check every replica now, not at the next round of the watch: a request whose
+        replica died looks for another, and the one it needs may have come up since the last
+        round. A caller that comes while a check runs waits for that one; one that comes within
+        `min_interval` s of the last takes its answer."""
+        await asyncio.shield(self._recheck(min_interval))
 
     def recheck_soon(self) -> None:
-        """`recheck` in the background, for a request that goes on without waiting for it."""
-        if self._rechecking is None or self._rechecking.done():
-            self._rechecking = asyncio.ensure_future(self.recheck())
+        """`recheck` in the background (at most every 0.5 s), for a request that goes on without waiting for it."""
+        self._recheck(0.5)
+
+    def _recheck(self, min_interval: float) -> asyncio.Future:
+        now = asyncio.get_running_loop().time()
+        if self._rechecking is None or (self._rechecking.done() and now - self._rechecked >= min_interval):
+            self._rechecked = now
+            self._rechecking = asyncio.ensure_future(self._refresh_logged())
+        return self._rechecking
+
+    async def _refresh_logged(self) -> None:
+        try:
+            await self.refresh(resolve=False)
+        except Exception:  # a request waiting on it goes on with what is known
+            log.exception("%s pool recheck failed", self.name)
 
     # ------------------------------------------------------------ leasing
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.healthy and not r.removed and not r.refused]
 
-    def acquire(self) -> Replica:
+    def acquire(self, exclude: Collection[Replica] = ()) -> Replica:
         """The healthy replica with the least work in flight (ties in turn), for one request;
-        give it back with `release`."""
-        candidates = self.healthy()
+        give it back with `release`. `exclude`: replicas the request will not use now."""
+        candidates = [r for r in self.healthy() if r not in exclude]
         if not candidates:
             known = ", ".join(f"{a} {r.state}" for a, r in self.replicas.items()) or "none"
             raise self.unavailable(f"no healthy replica (known: {known})")

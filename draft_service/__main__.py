@@ -1,6 +1,11 @@
 """Run the draft service.
 
     python -m draft_service --model DIR --port 50052      # or: specdec draft ...
+    python -m draft_service --method ngram --port 50052   # no model: copies n-grams of the context
+
+--method picks the drafting method (model_service/drafting.py): model (a small model drafts,
+the default) or ngram (prompt lookup, model_service/ngram.py: no --model; --tokenizer, the
+target's, answers GetModelInfo's pairing check).
 
 Every flag can also be set from the environment (SPECDEC_DRAFT_<FLAG>); see --help.
 """
@@ -14,8 +19,9 @@ from pathlib import Path
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from model_service.drafting import DraftMethod
 from model_service.engines import DraftEngine
+from model_service.ngram import NGRAM_CONTEXT, NgramDraft
 from model_service.oracle import OracleDraftEngine
-from model_service.service import add_model_flags, run_model_service
+from model_service.service import add_model_flags, run_model_service, shipped_model
 from runtime.cli import EnvArgumentParser, add_common_flags
 
 from .servicer import SERVICE_NAME, DraftServicer
@@ -26,7 +32,15 @@ DEFAULT_PORT = 50052
 def parse_args(argv=None, prog: str = "python -m draft_service"):
     parser = EnvArgumentParser("SPECDEC_DRAFT", prog=prog, description=__doc__)
     add_common_flags(parser, DEFAULT_PORT)
-    add_model_flags(parser, "draft")
+    add_model_flags(parser, "draft", model_required=False)
+    parser.add_argument("--method", default="model", choices=["model", "ngram"],
+                        help="drafting method: model (--model drafts) or ngram (copies what followed the context's"
+                             " last n-gram earlier in it; no model)")
+    parser.add_argument("--ngram-max", type=int, default=4, help="ngram: the longest suffix matched (tried first)")
+    parser.add_argument("--ngram-min", type=int, default=2, help="ngram: the shortest suffix matched")
+    parser.add_argument("--tokenizer", default=shipped_model("target"),
+                        help="ngram: the target's tokenizer or model directory (the pairing check compares its"
+                             " vocabulary and fingerprint); default: the shipped models/target")
     parser.add_argument("--max-support", type=int, default=64,
                         help="tokens in each shipped draft distribution q (the draft samples from exactly these)")
     parser.add_argument("--draft-vocab", default="auto",
@@ -36,7 +50,15 @@ def parse_args(argv=None, prog: str = "python -m draft_service"):
     parser.add_argument("--oracle", default=None,
                         help="benchmark only: JSON list of token sequences to replay instead of drafting")
     args = parser.parse_args(argv)
-    args.vocab_subset = vocab_subset(args.draft_vocab, args.model)
+    if args.method == "model" and not args.model:
+        parser.error("--method model needs --model DIR (the checkout has no models/draft), or use --method ngram")
+    if args.method == "ngram" and not args.tokenizer:
+        parser.error("--method ngram needs --tokenizer (the checkout has no models/target)")
+    if args.method == "ngram" and args.oracle:
+        parser.error("--oracle replaces the model method's drafting, not ngram's")
+    if not 1 <= args.ngram_min <= args.ngram_max:
+        parser.error(f"need 1 <= --ngram-min <= --ngram-max, not {args.ngram_min} and {args.ngram_max}")
+    args.vocab_subset = vocab_subset(args.draft_vocab, args.model) if args.method == "model" else 0
     return args
 
 
@@ -60,16 +82,21 @@ def main(argv=None, prog: str = "python -m draft_service") -> None:
     args = parse_args(argv, prog)
     run_model_service(
         "draft", args, DraftServicer, pb_grpc.add_DraftServicer_to_server, SERVICE_NAME,
-        lambda runner: make_engine(runner, args),
+        lambda load_model: make_engine(args, load_model),
     )
 
 
-def make_engine(runner, args) -> DraftMethod:
-    """The drafting method the flags pick: the oracle (--oracle), else the model's own draft."""
+def make_engine(args, load_model) -> DraftMethod:
+    """The drafting method the flags pick: ngram (no model loaded), the oracle (--oracle), else
+    the model's own draft. load_model() -> the ModelRunner of --model."""
+    if args.method == "ngram":
+        return NgramDraft.load(args.tokenizer, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
+                               max_tokens=args.max_tokens_per_call, max_sessions=args.max_sessions,
+                               idle_timeout=args.session_idle_timeout, max_context=args.max_context or NGRAM_CONTEXT)
     if args.oracle:
         references = json.loads(Path(args.oracle).read_text())
-        return OracleDraftEngine(runner, references, args.max_tokens_per_call)
-    return DraftEngine(runner, args.max_support, args.max_tokens_per_call)
+        return OracleDraftEngine(load_model(), references, args.max_tokens_per_call)
+    return DraftEngine(load_model(), args.max_support, args.max_tokens_per_call)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""specdec.v1.Draft: protobuf in -> DraftEngine.propose_many (batched across sessions) -> protobuf out."""
+"""specdec.v1.Draft: protobuf in -> the drafting method's propose_many (batched across sessions; any method of
+model_service/drafting.py) -> protobuf out."""
 
 from __future__ import annotations
 

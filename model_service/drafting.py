@@ -2,10 +2,12 @@
 way of drafting is one file.
 
   engines.py  DraftEngine        a small model samples each token from its own distribution
+  ngram.py    NgramDraft         copies what followed the context's last n-gram (no model)
   oracle.py   OracleDraftEngine  replays known continuations (benchmark only)
 
-draft_service/__main__.py picks the method; the servicer, the batcher and the coordinator see
-only this contract. Nothing in it assumes a model: a method may draft from a lookup table.
+draft_service/__main__.py picks the method (--method); the servicer, the batcher and the
+coordinator see only this contract. Nothing in it assumes a model: a method may draft from a
+lookup table.
 
 Calls. The service calls `propose_many` on its one model thread, one batch at a time, each
 ProposeCall for a distinct session. -> per call, in order, (Proposal, Cost), or the exception
@@ -42,8 +44,15 @@ generation that failed) -> whether one was held; an unknown id is no error.
 
 GetModelInfo answers info() plus max_tokens_per_call = max_tokens. info() holds ModelInfo's
 fields (specdec.proto); the coordinator pairs a draft with a target only where vocab_size and
-tokenizer_fingerprint agree, and reads max_context (tokens a session may hold) and, for adaptive
-K, the pass_ms_* fit of a call's time.
+tokenizer_fingerprint agree (model_runner.tokenizer_fields computes both), and reads max_context
+(tokens a session may hold) and, for adaptive K, the pass_ms_* fit of a call's time;
+draft_method names the method (GetInfo shows it).
+
+Serving. Besides the calls, the service reads (on its model thread unless said): `sessions`, the
+SessionTable its metrics gauge (read from other threads: its iteration is a snapshot);
+`at_work`, sessions used lately, read by the batcher from the event loop (it waits for their
+calls; 0: it never waits); `evict_idle()` -> sessions dropped for idling past the timeout (the
+sweeper); `tokenizer_files()` -> [(name, bytes)] as save_pretrained writes them (GetTokenizer).
 """
 
 from __future__ import annotations
@@ -52,6 +61,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from speculative.protocol import Cost, Proposal, SamplingParams
+
+from .sessions import SessionTable
 
 
 @dataclass
@@ -71,9 +82,22 @@ class DraftMethod(Protocol):
     """A drafting method, as the draft service calls it (the module docstring is the contract)."""
 
     max_tokens: int  # the most tokens one call may ask for (GetModelInfo's max_tokens_per_call)
+    sessions: SessionTable
+    at_work: int
 
     def propose_many(self, calls: list[ProposeCall]) -> list[tuple[Proposal, Cost] | Exception]: ...
 
     def release(self, session_id: str) -> bool: ...
 
     def info(self) -> dict: ...
+
+    def evict_idle(self) -> int: ...
+
+    def tokenizer_files(self) -> list[tuple[str, bytes]]: ...
+
+
+def one_result(results: list) -> tuple:
+    """The single result of a *_many call: raise it if it is an error."""
+    if isinstance(results[0], BaseException):
+        raise results[0]
+    return results[0]

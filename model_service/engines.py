@@ -25,9 +25,9 @@ from speculative.sampling import (
     supports_to_tensors,
 )
 
-from .drafting import ProposeCall
+from .drafting import ProposeCall, one_result
 from .model_runner import ModelRunner, Timer
-from .sessions import Session
+from .sessions import Session, SessionTable
 
 DRAFT_SEED_SALT = 0x9E3779B97F4A7C15  # the draft's generator differs from the target's
 
@@ -41,25 +41,21 @@ class VerifyCall:
     params: SamplingParams
 
 
-def _one(results: list) -> tuple:
-    """The single result of a *_many call: raise it if it is an error."""
-    if isinstance(results[0], BaseException):
-        raise results[0]
-    return results[0]
+class RunnerEngine:
+    """What a model service asks of its engine besides the per-round calls (drafting.py's
+    "Serving"), for an engine over one ModelRunner: its sessions, info, release."""
 
-
-class DraftEngine:
-    """A drafting method (drafting.py): a small model proposes K tokens per call, each sampled
-    from its q, the model's p cut to its top `max_support` tokens.
-
-    `propose_many` drafts for several sessions at once: each step is one forward pass
-    over every session still drafting (sessions may ask for different K).
-    """
-
-    def __init__(self, runner: ModelRunner, max_support: int = 64, max_tokens: int = 16):
+    def __init__(self, runner: ModelRunner, max_tokens: int = 16):
         self.runner = runner
-        self.max_support = max_support
         self.max_tokens = max_tokens
+
+    @property
+    def sessions(self) -> SessionTable:
+        return self.runner.sessions
+
+    @property
+    def at_work(self) -> int:
+        return self.runner.at_work
 
     def info(self) -> dict:
         return self.runner.info()
@@ -68,11 +64,36 @@ class DraftEngine:
         with self.runner.lock:
             return self.runner.sessions.release(session_id)
 
+    def evict_idle(self) -> int:
+        with self.runner.lock:
+            return self.runner.sessions.evict_idle()
+
+    def tokenizer_files(self) -> list[tuple[str, bytes]]:
+        return self.runner.tokenizer_files()
+
+
+class DraftEngine(RunnerEngine):
+    """A drafting method (drafting.py): a small model proposes K tokens per call, each sampled
+    from its q, the model's p cut to its top `max_support` tokens.
+
+    `propose_many` drafts for several sessions at once: each step is one forward pass
+    over every session still drafting (sessions may ask for different K).
+    """
+
+    method = "model"  # ModelInfo.draft_method
+
+    def __init__(self, runner: ModelRunner, max_support: int = 64, max_tokens: int = 16):
+        super().__init__(runner, max_tokens)
+        self.max_support = max_support
+
+    def info(self) -> dict:
+        return {**self.runner.info(), "draft_method": self.method}
+
     def propose(
         self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams,
         p_min: float = 0.0,
     ) -> tuple[Proposal, Cost]:
-        return _one(self.propose_many([ProposeCall(session_id, start, rollback, append, k, params, p_min)]))
+        return one_result(self.propose_many([ProposeCall(session_id, start, rollback, append, k, params, p_min)]))
 
     def propose_many(self, calls: list[ProposeCall]) -> list[tuple[Proposal, Cost] | Exception]:
         """-> per call, (proposal, the pass's cost) or the error that call alone met. Distinct sessions only."""
@@ -172,25 +193,14 @@ class DraftEngine:
         return out
 
 
-class TargetEngine:
+class TargetEngine(RunnerEngine):
     """Verifies proposals and applies rejection sampling: `verify_many` scores the proposals of
     several sessions (any lengths, any K) in one forward pass."""
-
-    def __init__(self, runner: ModelRunner, max_tokens: int = 16):
-        self.runner = runner
-        self.max_tokens = max_tokens
-
-    def info(self) -> dict:
-        return self.runner.info()
-
-    def release(self, session_id: str) -> bool:
-        with self.runner.lock:
-            return self.runner.sessions.release(session_id)
 
     def verify(
         self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams
     ) -> tuple[Verdict, Cost]:
-        return _one(self.verify_many([VerifyCall(session_id, start, append, proposal, params)]))
+        return one_result(self.verify_many([VerifyCall(session_id, start, append, proposal, params)]))
 
     def verify_many(self, calls: list[VerifyCall]) -> list[tuple[Verdict, Cost] | Exception]:
         """-> per call, (verdict, the pass's cost) or the error that call alone met. Distinct sessions only."""

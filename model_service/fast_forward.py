@@ -18,14 +18,14 @@ returns None for them and `ModelRunner` falls back.
 
 from __future__ import annotations
 
-import heapq
-import threading
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .int4 import Int4, int4_pack
+from .kv_cache import POOL_CAPACITY, KVCache, KVPool
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # --dtype
 
@@ -36,197 +36,10 @@ SUPPORTED = {"llama", "mistral", "qwen2"}
 # it and gate/up unpacked against 1.50 all packed; the target's [384, 1152] q/k/v is even alone
 # but its verify pass is ~10% slower with it unpacked; its [160, 8192] lm_head: 293 vs 170 us.
 PACK_MIN_ELEMENTS = 1 << 18
-POOL_SLOTS = 8  # a KVPool's first (and least) number of slots
-POOL_CAPACITY = 1024  # positions a pooled session may hold; a longer one moves to storage of its own
-# past POOL_FLOOR_BYTES, a pool grows only while it holds at most POOL_WASTE x the positions its
-# sessions use; a session it will not grow for keeps a cache of its own
-POOL_FLOOR_BYTES = 256 << 20
-POOL_WASTE = 2.0
 # a pass over several pooled sessions runs attention as one call over their slots when its padded
 # work (slots spanned x longest feed x furthest position) is at most this many times the feeds'
 # own (each feed's tokens x its positions); else per session
 POOL_PADDING = 2.0
-
-
-def _doubled(capacity: int, length: int) -> int:
-    """`capacity` doubled until it holds `length` positions."""
-    while capacity < length:
-        capacity *= 2
-    return capacity
-
-
-class KVPool:
-    """The KV caches of a forward's sessions as the slots of one tensor, so that a pass over
-    several sessions runs attention as one call over their slots instead of one per session.
-
-    `data` is [layers, 2 (keys, values), slots, kv_heads, capacity, head_dim]: it holds slots x
-    capacity positions, what one attention call over padded slots costs in memory. A session
-    takes the lowest free slot, so the sessions at work sit side by side. The slots double when
-    none is free, the capacity doubles when a session outgrows it (up to `max_capacity`), and
-    past `POOL_FLOOR_BYTES` either grows only while the pool stays within `POOL_WASTE` x the
-    positions its sessions hold; a session the pool will not grow for keeps a cache of its own
-    (see KVCache). At each `take` the pool halves its slots while their upper half is free and
-    its capacity while every session fits in a quarter of it.
-
-    Resizing replaces `data`, so it happens only in the thread that runs the passes, between
-    them (`take`, `fits`). `give` runs in a cache's finalizer, which the garbage collector may
-    call from any thread at any allocation, even inside `take`: it only queues the slot, and
-    `take` and `fits` collect the queue under the lock.
-    """
-
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 max_capacity: int, slots: int = POOL_SLOTS, capacity: int = 256):
-        self.max_capacity = max_capacity
-        self.min_slots, self.min_capacity = slots, min(capacity, max_capacity)
-        # zeros, not empty: one call over several slots reads positions past a slot's length (masked),
-        # and a masked score still multiplies its value: 0 x a NaN left in free memory is NaN
-        self.data = torch.zeros((layers, 2, slots, kv_heads, self.min_capacity, head_dim), dtype=dtype, device=device)
-        self.position_bytes = self.data[:, :, 0, :, 0].numel() * self.data.element_size()
-        self.free = list(range(slots))  # a heap: the lowest free slot first
-        self.members: dict[int, weakref.ref] = {}  # slot -> its cache
-        self.returned: list[int] = []  # slots given back, not yet free (see give)
-        self.lock = threading.Lock()
-
-    @property
-    def slots(self) -> int:
-        return self.data.shape[2]
-
-    @property
-    def capacity(self) -> int:
-        return self.data.shape[4]
-
-    def take(self, cache: KVCache) -> int:
-        """A free slot for `cache`, or -1 where the pool will not grow for it."""
-        with self.lock:
-            self._collect()
-            slots, capacity = self.slots, self.capacity
-            # halve while the upper half is free and a slot stays free below it (else the take
-            # would double it straight back)
-            while (slots > self.min_slots and all(s in self.free for s in range(slots // 2, slots))
-                   and any(s < slots // 2 for s in self.free)):
-                slots //= 2
-            longest = max(self._lengths(), default=0)
-            while capacity > self.min_capacity and 4 * longest <= capacity:
-                capacity = max(capacity // 2, self.min_capacity)
-            if (slots, capacity) != (self.slots, self.capacity):
-                self._resize(slots, capacity)
-            if not self.free:
-                if not self._allowed(2 * self.slots, self.capacity):
-                    return -1
-                self._resize(2 * self.slots, self.capacity)
-            slot = heapq.heappop(self.free)
-            # what an earlier session left there is read (masked) by one-call attention: a NaN or
-            # inf in it would reach this session's rows (0 x NaN), so the slot starts at zero
-            with torch.inference_mode():
-                self.data[:, :, slot].zero_()
-            self.members[slot] = weakref.ref(cache)
-            return slot
-
-    def give(self, slot: int) -> None:
-        self.returned.append(slot)  # no lock: see the class docstring
-
-    def _collect(self) -> None:
-        while self.returned:
-            slot = self.returned.pop()
-            self.members.pop(slot, None)
-            heapq.heappush(self.free, slot)
-
-    def fits(self, length: int, held: int = 0) -> bool:
-        """Room for `length` positions in every slot, the capacity grown for it if need be; False
-        where the pool will not grow that far (past max_capacity or POOL_WASTE). `held`: what the
-        asking cache holds now (counted among the sessions' positions already)."""
-        if length <= self.capacity:
-            return True
-        if length > self.max_capacity:
-            return False
-        capacity = min(_doubled(self.capacity, length), self.max_capacity)
-        with self.lock:
-            self._collect()
-            if not self._allowed(self.slots, capacity, length - held):
-                return False
-            self._resize(self.slots, capacity)
-        return True
-
-    def _lengths(self) -> list[int]:
-        return [c.length for c in (ref() for ref in self.members.values()) if c is not None]
-
-    def _allowed(self, slots: int, capacity: int, extra: int = 0) -> bool:
-        if slots * capacity * self.position_bytes <= POOL_FLOOR_BYTES:
-            return True
-        return slots * capacity <= POOL_WASTE * (sum(self._lengths()) + extra)
-
-    @torch.inference_mode()
-    def _resize(self, slots: int, capacity: int) -> None:
-        """A new `data` of `slots` x `capacity` holding what the old one held (slots cut off are free)."""
-        old = self.slots
-        shape = list(self.data.shape)
-        shape[2], shape[4] = slots, capacity
-        data = torch.zeros(shape, dtype=self.data.dtype, device=self.data.device)
-        kept, held = min(slots, old), min(capacity, self.capacity)
-        data[:, :, :kept, :, :held] = self.data[:, :, :kept, :, :held]
-        self.data = data
-        self.free = [s for s in self.free if s < slots] + list(range(old, slots))
-        heapq.heapify(self.free)
-
-
-class KVCache:
-    """One session's keys and values: a slot of a `KVPool`, or storage of its own, grown by
-    doubling. `data` is [layers, 2, 1, kv_heads, capacity, head_dim] either way.
-
-    Speaks the part of `DynamicCache`'s interface sessions use: `crop` and
-    `get_seq_length`.
-    """
-
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 capacity: int = 256, pool: KVPool | None = None):
-        self.pool, self.slot, self.own = pool, -1, None
-        self.length = 0
-        if pool is not None:
-            self.slot = pool.take(self)
-        if self.slot < 0:
-            self.own = torch.empty((layers, 2, 1, kv_heads, capacity, head_dim), dtype=dtype, device=device)
-        else:
-            self._give_back = weakref.finalize(self, pool.give, self.slot)
-
-    @property
-    def data(self) -> torch.Tensor:
-        if self.own is not None:
-            return self.own
-        return self.pool.data[:, :, self.slot : self.slot + 1]
-
-    @property
-    def pooled(self) -> bool:
-        return self.own is None
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def crop(self, max_length: int) -> None:
-        """Keep the first `max_length` positions; a negative value drops that many from the end."""
-        if max_length < 0:
-            max_length = self.length + max_length
-        length = max(0, min(self.length, max_length))
-        if self.own is None and length < self.length:
-            # one-call attention reads past a slot's length (masked): what is dropped becomes zeros,
-            # not values a NaN or inf at a rejected token could leave there (see KVPool.take)
-            with torch.inference_mode():
-                self.data[:, :, :, :, length : self.length].zero_()
-        self.length = length
-
-    def reserve(self, length: int) -> None:
-        if self.own is None:
-            if self.pool.fits(length, self.length):
-                return
-            self.own = self.data[..., : max(self.length, 1), :].clone()  # out of the pool, into its own
-            self._give_back()
-            self.slot = -1
-        if length <= self.own.shape[4]:
-            return
-        capacity = _doubled(self.own.shape[4], length)
-        grown = torch.empty(self.own.shape[:4] + (capacity,) + self.own.shape[5:], dtype=self.own.dtype,
-                            device=self.own.device)
-        grown[:, :, :, :, : self.length] = self.own[:, :, :, :, : self.length]
-        self.own = grown
 
 
 @dataclass
@@ -267,13 +80,16 @@ class FastForward:
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.layers = [self._fuse(layer) for layer in model.model.layers]
-        # tensor parallelism (see shard()): the sum of the ranks' partial products, the ranks' logits side by side
+        # tensor parallelism (see shard()): the ranks the weights are split over, the sum of the ranks'
+        # partial products, the ranks' logits side by side
+        self.world = 1
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.gather: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.rope_table = self._rope_table(max_context)
         self.lm_head_packed: torch.Tensor | None = None
         self.head_ids: torch.Tensor | None = None  # restrict_head: the ids the output layer scores, [N]
         self.pack_min = PACK_MIN_ELEMENTS
+        self.int4_group = 0  # quantize(): weight-only int4 in groups of this many inputs (0: off)
         self.pack()
         self.pool_capacity = pool_capacity  # 0: every session's cache on its own (no batched attention)
         self.pool: KVPool | None = None  # made by the first new_cache (after to() and shard())
@@ -316,6 +132,9 @@ class FastForward:
         second copy of these weights in memory. Weights under `pack_min` elements stay unpacked
         (see PACK_MIN_ELEMENTS). Elsewhere (CUDA, no oneDNN, half precision) nothing is packed.
         """
+        if self.int4_group:
+            self._pack_int4()
+            return
         on = (self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
               and torch.backends.mkldnn.is_available())
         with torch.inference_mode():
@@ -326,7 +145,48 @@ class FastForward:
 
             for layer in self.layers:
                 layer["qkv_packed"], layer["gate_up_packed"] = packed(layer["qkv"]), packed(layer["gate_up"])
+                layer["o_packed"] = layer["down_packed"] = None
             self.lm_head_packed = packed(self.lm_head)
+
+    def quantize(self, group_size: int = 32) -> None:
+        """Weight-only int4 (CPU): every linear of every layer and the output layer, in asymmetric
+        groups of `group_size` inputs, w = (q - 8) * scale + zero with q in 0..15 (scale and zero in
+        bf16; the layout of torch's `_weight_int4pack_mm_for_cpu`, and of a GGUF Q4_1 block of 32:
+        d * q + m). Activations enter each product in bf16 and leave in the model's dtype; norms,
+        attention and the residual stream stay as they were. The float copies of those weights are
+        dropped (the embedding stays: the input lookup reads it). From here on this IS the model the
+        service runs: its greedy output is this forward's, not the float model's."""
+        if self.embed.device.type != "cpu":
+            raise ValueError("--quantize int4 runs on CPU only (torch's int4 CPU kernel)")
+        if group_size not in (32, 64, 128, 256):
+            raise ValueError(f"--quant-group must be 32, 64, 128 or 256, not {group_size}")
+        widths = {w.shape[0] for layer in self.layers for w in (layer["qkv"], layer["o"], layer["gate_up"],
+                                                                 layer["down"])} | {self.lm_head.shape[0]}
+        if any(width % group_size for width in widths):
+            raise ValueError(f"--quant-group {group_size} does not divide the model's widths {sorted(widths)}")
+        self.int4_group = group_size
+        self.pack()
+        empty = torch.empty(0, dtype=self.embed.dtype)
+        for layer in self.layers:  # (the HF modules' weights were views of these: they go too)
+            for name in ("qkv", "o", "gate_up", "down"):
+                layer[name] = empty
+        for layer in self.model.model.layers:
+            for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                           layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                linear.weight.data = empty
+        head = self.model.get_output_embeddings()
+        if head.weight.data_ptr() != self.embed.data_ptr():
+            head.weight.data = empty
+        self.lm_head = empty
+
+    def _pack_int4(self) -> None:
+        with torch.inference_mode():
+            for layer in self.layers:
+                for name in ("qkv", "o", "gate_up", "down"):
+                    if layer[name].numel():
+                        layer[f"{name}_packed"] = int4_pack(layer[name], self.int4_group)
+            if self.lm_head.numel():
+                self.lm_head_packed = int4_pack(self.lm_head, self.int4_group)
 
     def restrict_head(self, ids: torch.Tensor) -> None:
         """Score only `ids` ([N], distinct): the output layer keeps their columns and every other
@@ -336,6 +196,8 @@ class FastForward:
         layer that dominates a small draft's step by V / N. Never for a target."""
         if self.gather is not None:
             raise ValueError("a restricted output layer is not sharded")
+        if self.int4_group:
+            raise ValueError("restrict the output layer before quantizing")
         self.head_ids = ids.to(self.lm_head.device)
         self.lm_head = self.lm_head[:, self.head_ids].contiguous()  # [D, N]; the HF module keeps the full one
         self.lm_head_packed = None
@@ -345,7 +207,12 @@ class FastForward:
     def _mm(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None,
             bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ w (+ bias): x [rows, in], w [in, out]; through `packed` (w's packed copy, if any) for
-        several rows."""
+        several rows; through an Int4 (quantize) for every row."""
+        if isinstance(packed, Int4):
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed.weight, packed.group,
+                                                            packed.scales_and_zeros).to(x.dtype)
+            y = y if y.shape[1] == packed.out else y[:, : packed.out]
+            return y if bias is None else y + bias
         if packed is not None and x.shape[0] > 1:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         return x @ w if bias is None else torch.addmm(bias, x, w)
@@ -463,10 +330,10 @@ class FastForward:
             att = att.reshape(total, -1)  # [T, H * head_dim]
             if i == last and keep is not None:
                 att, x = att[keep], x[keep]  # [rows, ...] from here on
-            x = x + self._reduced(att @ layer["o"])
+            x = x + self._reduced(self._mm(att, layer["o"], layer.get("o_packed")))
             h = self._norm(x, layer["post_norm"])
             gate, up = self._mm(h, layer["gate_up"], layer["gate_up_packed"]).split(layer["half"], dim=-1)
-            x = x + self._reduced((F.silu(gate) * up) @ layer["down"])
+            x = x + self._reduced(self._mm(F.silu(gate) * up, layer["down"], layer.get("down_packed")))
         for (_, cache, _), (_, _, _, end) in zip(feeds, spans):
             cache.length = end
         # x: the asked rows only (see keep), each feed's last num_logits in feed order
@@ -558,9 +425,12 @@ class FastForward:
         product is a partial sum of x's update and `reduce` (an all-reduce) completes it.
         lm_head is split by vocabulary columns and `gather` lays the ranks' logits side by
         side. The embedding and the norms stay whole. The HF modules' weights are emptied:
-        only this forward runs a sharded model.
+        only this forward runs a sharded model. (A tensor-parallel rank reads the same split
+        straight from the checkpoint instead: loading.load_model, then `adopt_shard`.)
         """
         check_shardable(self.model.config, world)
+        if self.world != 1:
+            raise ValueError(f"this forward is sharded over {self.world} ranks already")
 
         def cols(w: torch.Tensor, size: int) -> torch.Tensor:  # [in, size] block of rank r
             return w[..., rank * size : (rank + 1) * size]
@@ -585,10 +455,7 @@ class FastForward:
         block = self.lm_head[:, rank * width : (rank + 1) * width]
         head[:, : block.shape[1]] = block
         self.lm_head = head
-        self.vocab = vocab
-        self.heads //= world
-        self.kv_heads //= world
-        self.pool = None  # caches made from now on hold this rank's heads
+        self.adopt_shard(world, vocab)
         for layer in self.model.model.layers:
             for module in (*layer.self_attn.children(), *layer.mlp.children()):
                 if isinstance(module, torch.nn.Linear):
@@ -597,6 +464,15 @@ class FastForward:
         if head_module.weight.data_ptr() != self.embed.data_ptr():
             head_module.weight.data = torch.empty(0, dtype=self.lm_head.dtype, device=self.lm_head.device)
         self.pack()
+
+    def adopt_shard(self, world: int, vocab: int) -> None:
+        """Count heads as one rank of `world` does, for a model whose weights hold that rank's split
+        already: made by `shard`, or loaded so (loading.load_model). `vocab`: the whole output
+        layer's width, which `gather` cuts the ranks' padded logits back to."""
+        self.world, self.vocab_size = world, vocab
+        self.heads //= world
+        self.kv_heads //= world
+        self.pool = None  # caches made from now on hold this rank's heads
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm as transformers computes it: in float32, scaled by the weight in the model's dtype."""

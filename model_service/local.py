@@ -7,23 +7,25 @@ engine's pass is the call's own.
 
 from __future__ import annotations
 
-from .engines import DraftEngine, TargetEngine
-from speculative.protocol import Cost, Proposal, Verdict
-from speculative.protocol import SamplingParams
+from .drafting import DraftMethod, ProposeCall, one_result
+from .engines import TargetEngine
+from speculative.protocol import Cost, Proposal, SamplingParams, Verdict
 
 
 class LocalDraft:
-    def __init__(self, engine: DraftEngine):
+    """Any drafting method (drafting.py) as a DraftPeer."""
+
+    def __init__(self, engine: DraftMethod):
         self.engine = engine
 
     async def propose(
         self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams,
         p_min: float = 0.0, *, turn: tuple[int, int] = (0, 0),
     ) -> tuple[Proposal, Cost]:
-        return self.engine.propose(session_id, start, rollback, append, k, params, p_min)
+        return one_result(self.engine.propose_many([ProposeCall(session_id, start, rollback, append, k, params, p_min)]))
 
     async def release(self, session_id: str) -> None:
-        self.engine.runner.sessions.release(session_id)
+        self.engine.release(session_id)
 
 
 class LocalTarget:
@@ -37,4 +39,4 @@ class LocalTarget:
         return self.engine.verify(session_id, start, append, proposal, params)
 
     async def release(self, session_id: str) -> None:
-        self.engine.runner.sessions.release(session_id)
+        self.engine.release(session_id)

@@ -9,8 +9,10 @@ others, or `forward="transformers"`, run on the model's own forward.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
+import logging
 import os
 import tempfile
 import threading
@@ -19,19 +21,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoTokenizer, DynamicCache
 
 from speculative.protocol import PassCost
 from speculative.errors import CapacityExceeded, InvalidRequest
 from .fast_forward import DTYPES, POOL_CAPACITY, FastForward, check_shardable
-from .sessions import Session, SessionTable
+from .loading import LoadMeter, describe, import_model_code, load_model
+from .sessions import Session, SessionTable, check_session_id
+
+log = logging.getLogger("specdec")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 FORWARDS = ("auto", "transformers")
 BUSY_WINDOW = 0.5  # seconds: sessions used this recently count as at work (see forward_many)
-MAX_SESSION_ID = 256  # characters (the coordinator's ids have 32)
 PREFILL_TOKENS = 32  # a pass feeding this many tokens of one session runs on every thread
 
 
@@ -45,6 +49,20 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
 
+def tokenizer_fields(tokenizer, logits_size: int) -> dict:
+    """ModelInfo's pairing fields, by which the coordinator pairs a draft with a target: vocab_size
+    (the ids the tokenizer can produce and a model `logits_size` wide can score) and
+    tokenizer_fingerprint."""
+    return {"vocab_size": min(len(tokenizer), logits_size), "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
+
+
+def saved_tokenizer_files(tokenizer) -> list[tuple[str, bytes]]:
+    """The tokenizer as save_pretrained writes it (GetTokenizer), so a peer can load the same one."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        return [(f.name, f.read_bytes()) for f in sorted(Path(tmp).iterdir()) if f.is_file()]
+
+
 def mix_seed(seed: int) -> int:
     """A request's 64-bit seed, mixed (splitmix64's finalizer) so that every bit of it moves the
     generator: torch's CPU generator (mt19937) keeps only the low 32 bits of its seed, so seeds
@@ -55,6 +73,7 @@ def mix_seed(seed: int) -> int:
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
     return z ^ (z >> 31)
 
+QUANTIZATIONS = ("none", "int4")  # --quantize
 
 class ModelRunner:
     """One model, its tokenizer and the sessions it serves."""
@@ -77,12 +96,20 @@ class ModelRunner:
         max_kv_tokens: int = 0,
         batched_threads: int = 0,
         on_forward: Callable[[], None] | None = None,
+        quantize: str = "none",
+        quant_group: int = 32,
     ):
         """vocab_subset N > 0 (a draft's only): score only the N most frequent ids of the model
         directory's draft_vocab.json (FastForward.restrict_head); every other id gets probability 0.
         max_kv_tokens: cap on tokens held by all sessions together (0: none but max_sessions);
         batched_threads: torch threads for passes over several sessions (0: the same as for one);
-        on_forward: called as each forward starts (ModelThread.flush)."""
+        on_forward: called as each forward starts (ModelThread.flush).
+        quantize "int4": weight-only int4 in groups of quant_group inputs on the lean forward, CPU
+        (FastForward.quantize); the service then runs that model."""
+        if quantize not in QUANTIZATIONS:
+            raise ValueError(f"--quantize must be one of {QUANTIZATIONS}, not {quantize!r}")
+        if quantize != "none" and (forward != "auto" or tensor_parallel > 1):
+            raise ValueError("--quantize int4 runs on the lean forward of one rank: --forward auto, no tensor parallelism")
         path = Path(model_dir)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
@@ -117,6 +144,13 @@ class ModelRunner:
                 placement.give_up("the model failed to load")
             raise
         self.head_ids = self._restrict_head(path, vocab_subset) if vocab_subset else None
+        self.quantization = "none"
+        if quantize == "int4":
+            if self.fast is None:
+                raise ValueError(f"--quantize int4 needs the lean forward, which {self.name} has not")
+            self.fast.quantize(quant_group)
+            self.quantization = f"int4 (weights in groups of {quant_group}, bf16 scales)"
+            gc.collect()
         self.sessions = SessionTable(max_sessions, idle_timeout, self.fast.new_cache if self.fast else DynamicCache)
         self._tokenizer_files: list[tuple[str, bytes]] | None = None
         self.lock = threading.Lock()  # one forward at a time; sessions are touched under it
@@ -130,28 +164,37 @@ class ModelRunner:
     def _load(self, path: Path, max_context: int | None, forward: str, placement, dtype: str,
               kv_pool_capacity: int | None) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, local_files_only=True).eval()
-        if placement is None:
-            self.model.to(self.device)
-        # else: sharded in host memory first; only this rank's shard goes to the device (Placement.start)
-        config = self.model.config
-        self.logits_size = self.model.get_output_embeddings().weight.shape[0]
-        # ids a tokenizer can produce and the model can score
-        self.vocab_size = min(len(self.tokenizer), self.logits_size)
-        model_context = getattr(config, "max_position_embeddings", None) or 2048
-        self.max_context = min(max_context or model_context, model_context)
+        import_model_code(path)
+        with LoadMeter() as meter:  # this rank's load (rank 0's where tensor-parallel)
+            # tensor-parallel: rank 0's slices, on its device (or, from a checkpoint that is not
+            # safetensors, the whole model, sharded in host memory before its shard goes to the device)
+            loaded = load_model(path, self.dtype, self.device, 0, self.tensor_parallel)
+            self.model = loaded.model
+            if placement is None:
+                self.model.to(self.device)
+            config = self.model.config
+            model_context = getattr(config, "max_position_embeddings", None) or 2048
+            self.max_context = min(max_context or model_context, model_context)
+            pool_capacity = POOL_CAPACITY if kv_pool_capacity is None else kv_pool_capacity
+            self.fast = FastForward.build(self.model, self.max_context, pool_capacity) if forward == "auto" else None
+            if self.fast is not None and loaded.world > 1:
+                self.fast.adopt_shard(loaded.world, loaded.logits_size)
+        self.logits_size = loaded.logits_size
+        pairing = tokenizer_fields(self.tokenizer, self.logits_size)
+        self.vocab_size = pairing["vocab_size"]  # ids a tokenizer can produce and the model can score
+        self.fingerprint = pairing["tokenizer_fingerprint"]
         self.eos_token_ids = self._eos_ids()
-        self.fingerprint = tokenizer_fingerprint(self.tokenizer)
-        self.num_parameters = sum(p.numel() for p in self.model.parameters())
-        pool_capacity = POOL_CAPACITY if kv_pool_capacity is None else kv_pool_capacity
-        self.fast = FastForward.build(self.model, self.max_context, pool_capacity) if forward == "auto" else None
+        self.num_parameters = loaded.num_parameters  # the whole model's, where this rank holds a shard
         self.forward_kind = "fast" if self.fast else "transformers"
+        self.loads = [meter.record()]  # each rank's load: time and peak resident memory
         if placement is not None:
             if self.fast is None:
                 raise placement.give_up(f"tensor parallelism needs the lean forward, which {config.model_type} lacks")
             self.tp = placement.start(self.fast, path, dtype, self.max_context, torch.get_num_threads())
             self.fast = self.tp
             self.forward_kind = f"fast, tensor-parallel x{self.tensor_parallel}"
+            self.loads += self.tp.loads
+        log.info("%s: weights loaded: %s", self.name, describe(self.loads))
 
     def _restrict_head(self, path: Path, size: int) -> torch.Tensor:
         """The first `size` ids of path/draft_vocab.json (most frequent first), applied to the forward."""
@@ -239,6 +282,7 @@ class ModelRunner:
             "eos_token_ids": self.eos_token_ids,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
+            "quantization": self.quantization,
             "num_parameters": self.num_parameters,
             "logits_size": self.logits_size,
             "active_sessions": len(self.sessions),
@@ -247,23 +291,18 @@ class ModelRunner:
             "pass_ms_per_token": self.pass_cost.per_token,
             "pass_ms_per_session": self.pass_cost.per_session,
             "tensor_parallel_size": self.tensor_parallel,
+            "rank_loads": self.loads,
         }
 
     def tokenizer_files(self) -> list[tuple[str, bytes]]:
-        """The tokenizer as save_pretrained writes it, so a peer can load the same one."""
+        """saved_tokenizer_files, once."""
         if self._tokenizer_files is None:
-            with tempfile.TemporaryDirectory() as tmp:
-                self.tokenizer.save_pretrained(tmp)
-                self._tokenizer_files = [(f.name, f.read_bytes()) for f in sorted(Path(tmp).iterdir()) if f.is_file()]
+            self._tokenizer_files = saved_tokenizer_files(self.tokenizer)
         return self._tokenizer_files
 
     # ------------------------------------------------------------ sessions
 
-    @staticmethod
-    def check_session_id(session_id: str) -> None:
-        """A session id is echoed in error messages, which travel in gRPC metadata (8 KiB at most)."""
-        if len(session_id) > MAX_SESSION_ID:
-            raise InvalidRequest(f"session_id has {len(session_id)} characters; at most {MAX_SESSION_ID}")
+    check_session_id = staticmethod(check_session_id)
 
     def start_session(self, session_id: str, seed: int) -> Session:
         if not session_id:

@@ -22,6 +22,8 @@ class OracleDraftEngine(DraftEngine):
     """Proposes the continuation of the first reference that extends the session's sequence
     (none: an empty proposal)."""
 
+    method = "oracle"
+
     def __init__(self, runner: ModelRunner, references: list[list[int]], max_tokens: int = 16):
         super().__init__(runner, max_support=1, max_tokens=max_tokens)
         self.references = [tuple(r) for r in references]

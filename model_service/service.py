@@ -1,5 +1,6 @@
-"""Main body of a model service (draft_service, target_service): its flags, the model loaded
-off the event loop, idle sessions swept, then served."""
+"""Main body of a model service (draft_service, target_service): its flags, its engine (over a
+model, or a drafting method that needs none) loaded off the event loop, idle sessions swept,
+then served."""
 
 from __future__ import annotations
 
@@ -28,16 +29,28 @@ log = logging.getLogger("specdec")
 SHIPPED_MODELS = Path(__file__).resolve().parent.parent / "models"
 
 
-def add_model_flags(parser: EnvArgumentParser, role: str) -> None:
-    """Model flags; --model defaults to the shipped models/<role> when the checkout has it."""
+def shipped_model(role: str) -> str | None:
+    """models/<role> where the checkout has it."""
     shipped = SHIPPED_MODELS / role
-    default = str(shipped) if (shipped / "config.json").is_file() else None
-    parser.add_argument("--model", default=default, required=default is None,
+    return str(shipped) if (shipped / "config.json").is_file() else None
+
+
+def add_model_flags(parser: EnvArgumentParser, role: str, model_required: bool = True) -> None:
+    """Model flags; --model defaults to the shipped models/<role> when the checkout has it (and is
+    required otherwise, unless `model_required` is False: the service then checks it)."""
+    default = shipped_model(role)
+    parser.add_argument("--model", default=default, required=model_required and default is None,
                         help="local Hugging Face model directory (nothing is downloaded); "
                              f"default: the shipped models/{role}")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when present)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
                         help="weights and activations dtype")
+    parser.add_argument("--quantize", default="none", choices=["none", "int4"],
+                        help="int4: weight-only int4 linears and output layer (CPU, lean forward, one rank), through"
+                             " torch's int4 CPU kernel; about 4x less weight memory, faster passes where memory-bound."
+                             " The service then serves that model (its greedy output is the int4 model's)")
+    parser.add_argument("--quant-group", type=int, default=32, choices=[32, 64, 128, 256],
+                        help="inputs per int4 group (each has its own scale and zero)")
     parser.add_argument("--forward", default="auto", choices=["auto", "transformers"],
                         help="auto: the lean forward for Llama/Mistral/Qwen2 models, transformers' own for others;"
                              " transformers: always transformers' own")
@@ -87,16 +100,11 @@ def add_model_flags(parser: EnvArgumentParser, role: str) -> None:
     add_metrics_flag(parser)
 
 
-async def sweep_idle_sessions(runner, thread: ModelThread, every: float = 30.0) -> None:
+async def sweep_idle_sessions(engine, thread: ModelThread, every: float = 30.0) -> None:
     """Evict abandoned sessions in the background (on the model thread, which owns them)."""
-
-    def evict() -> int:
-        with runner.lock:
-            return runner.sessions.evict_idle()
-
     while True:
         await asyncio.sleep(every)
-        evicted = await thread.run(evict)
+        evicted = await thread.run(engine.evict_idle)
         if evicted:
             log.info("evicted %d idle sessions", evicted)
 
@@ -114,11 +122,14 @@ def batching_from_args(args: argparse.Namespace) -> Batching:
 
 
 def run_model_service(name: str, args: argparse.Namespace, make_servicer: Callable[..., ModelServicer],
-                      add_to_server, service_name: str, make_engine: Callable[[Any], Any]) -> None:
-    """Main body of a model service: load the model off the event loop, then serve.
+                      add_to_server, service_name: str,
+                      make_engine: Callable[[Callable[[], Any]], Any]) -> None:
+    """Main body of a model service: load its engine off the event loop, then serve.
 
-    make_servicer(thread, batching, metrics) -> the service's servicer; make_engine(runner) -> its
-    engine, once the weights are loaded."""
+    make_servicer(thread, batching, metrics) -> the service's servicer; make_engine(load_model) ->
+    its engine (drafting.py's "Serving"), on the model thread, where load_model() -> the
+    ModelRunner of --model and the model flags, loaded and calibrated (a method that needs no
+    model never calls it)."""
     from .model_runner import ModelRunner
 
     setup_logging(args.log_level)
@@ -134,24 +145,31 @@ def run_model_service(name: str, args: argparse.Namespace, make_servicer: Callab
         sweeper: asyncio.Task | None = None
         runner = None
 
-        async def load() -> asyncio.Future | None:
-            nonlocal sweeper, runner
-            runner = await servicer.thread.run(
-                lambda: ModelRunner(args.model, args.device, args.dtype, args.max_sessions,
-                                    args.session_idle_timeout, args.max_context or None, args.forward,
-                                    args.tensor_parallel_size, args.ray_address, args.tp_start_timeout,
-                                    args.kv_pool_capacity, getattr(args, "vocab_subset", 0),
-                                    max_kv_tokens=args.max_kv_tokens, batched_threads=args.batched_threads,
-                                    on_forward=servicer.thread.flush)
-            )
-            await servicer.thread.run(runner.calibrate)
-            servicer.engine = make_engine(runner)
-            servicer.metrics.watch(runner.sessions, runner.kv_pool_positions)
+        def load_model() -> ModelRunner:
+            nonlocal runner
+            runner = ModelRunner(args.model, args.device, args.dtype, args.max_sessions,
+                                 args.session_idle_timeout, args.max_context or None, args.forward,
+                                 args.tensor_parallel_size, args.ray_address, args.tp_start_timeout,
+                                 args.kv_pool_capacity, getattr(args, "vocab_subset", 0),
+                                 max_kv_tokens=args.max_kv_tokens, batched_threads=args.batched_threads,
+                                 on_forward=servicer.thread.flush, quantize=args.quantize,
+                                 quant_group=args.quant_group)
+            runner.calibrate()
             log.info("%s loaded %s (%d parameters) on %s, %s forward, %d threads (%d for batched passes); pass %s",
                      name, runner.name, runner.num_parameters, runner.device, runner.forward_kind, args.threads,
                      args.batched_threads, runner.pass_cost)
-            sweeper = asyncio.ensure_future(sweep_idle_sessions(runner, servicer.thread, min(30.0, args.session_idle_timeout)))
-            if runner.tp is None:
+            return runner
+
+        async def load() -> asyncio.Future | None:
+            nonlocal sweeper
+            engine = await servicer.thread.run(lambda: make_engine(load_model))
+            servicer.engine = engine
+            servicer.metrics.watch(engine.sessions, runner.kv_pool_positions if runner is not None else None)
+            if runner is None:
+                log.info("%s serves %s (no model)", name, engine.info().get("draft_method") or "its engine")
+            sweeper = asyncio.ensure_future(sweep_idle_sessions(engine, servicer.thread,
+                                                                min(30.0, args.session_idle_timeout)))
+            if runner is None or runner.tp is None:
                 return None
             from .tensor_parallel import watch
 

@@ -66,8 +66,9 @@ class ModelServicer:
     """GetModelInfo, GetTokenizer and Release: the RPCs both model services share; and the
     batcher their per-round calls (Propose / Verify) go through.
 
-    `engine` (a DraftEngine or TargetEngine) is None until the weights are
-    loaded; calls before that get UNAVAILABLE.
+    `engine` (a drafting method, drafting.py, or a TargetEngine) is None until it is loaded
+    (the weights, or a method's tokenizer); calls before that get UNAVAILABLE. The servicer
+    uses only what drafting.py's "Serving" lists.
     """
 
     def __init__(self, thread: ModelThread, batching: Batching = Batching(), metrics: ModelMetrics | None = None):
@@ -75,7 +76,7 @@ class ModelServicer:
         self.engine = None
         self.metrics = metrics
         self.batcher = Batcher(thread, self.run_many, batching, self._observe_pass,
-                               lambda: self.engine.runner.at_work if self.engine is not None else 0)
+                               lambda: self.engine.at_work if self.engine is not None else 0)
 
     def run_many(self, calls: list) -> list:
         """One pass over calls of several sessions, on the model thread (the engine's batched method)."""
@@ -180,31 +181,25 @@ class ModelServicer:
                 yield reply
         finally:
             if sessions and self.engine is not None:
-                runner = self.engine.runner
+                engine = self.engine
 
                 def release() -> None:
-                    with runner.lock:
-                        for session_id in sessions:
-                            runner.sessions.release(session_id)
+                    for session_id in sessions:
+                        engine.release(session_id)
 
                 self.thread.submit(release)  # not awaited: this may run under cancellation
 
     async def GetModelInfo(self, request, context):
         engine = await self.ready(context)
-        return pb.ModelInfo(**engine.runner.info(), max_tokens_per_call=engine.max_tokens)
+        return pb.ModelInfo(**engine.info(), max_tokens_per_call=engine.max_tokens)
 
     async def GetTokenizer(self, request, context):
-        runner = (await self.ready(context)).runner
+        engine = await self.ready(context)
         chunk = 1 << 20
-        for name, data in runner.tokenizer_files():
+        for name, data in engine.tokenizer_files():
             for offset in range(0, max(len(data), 1), chunk):
                 yield pb.TokenizerFile(name=name, data=data[offset : offset + chunk])
 
     async def Release(self, request, context):
-        runner = (await self.ready(context)).runner
-
-        def release() -> bool:
-            with runner.lock:
-                return runner.sessions.release(request.session_id)
-
-        return pb.ReleaseResponse(released=await self.thread.run(release))
+        engine = await self.ready(context)
+        return pb.ReleaseResponse(released=await self.thread.run(lambda: engine.release(request.session_id)))

@@ -15,7 +15,15 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from speculative.errors import CapacityExceeded, SessionExists, SessionNotFound
+from speculative.errors import CapacityExceeded, InvalidRequest, SessionExists, SessionNotFound
+
+MAX_SESSION_ID = 256  # characters (the coordinator's ids have 32)
+
+
+def check_session_id(session_id: str) -> None:
+    """A session id is echoed in error messages, which travel in gRPC metadata (8 KiB at most)."""
+    if len(session_id) > MAX_SESSION_ID:
+        raise InvalidRequest(f"session_id has {len(session_id)} characters; at most {MAX_SESSION_ID}")
 
 
 @dataclass

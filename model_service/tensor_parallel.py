@@ -6,6 +6,7 @@
 The split is Megatron's (`FastForward.shard`): attention heads and MLP columns are divided
 between the ranks, and one all-reduce after each attention and each MLP block completes
 the residual update; the vocabulary of lm_head is divided too and the logits all-gathered.
+Each rank reads only its own slices of a safetensors checkpoint (`loading.load_model`).
 
 Rank 0 runs in the service process: it hosts the gRPC server, the session table and the
 sampling (rejection sampling runs once, on the gathered logits). Ranks 1..N-1 are Ray
@@ -59,11 +60,13 @@ def _join(rank: int, world: int, init_method: str, backend: str, timeout: timede
 
 
 def attach(fast, rank: int, world: int) -> None:
-    """Shard `fast` for `rank` and give it the collectives of the default process group."""
+    """Shard `fast` for `rank` (unless its model was loaded sharded) and give it the collectives of
+    the default process group."""
     import torch.distributed as dist
 
-    fast.shard(rank, world)
-    vocab = fast.vocab
+    if fast.world == 1:
+        fast.shard(rank, world)
+    vocab = fast.vocab_size
 
     def reduce(partial: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(partial)
@@ -98,23 +101,32 @@ class Worker:
         self.control = None
         self.caches: dict[int, object] = {}
 
-    def load(self) -> int:
-        """Load the whole model into host memory (sharded and moved to the device by `join`)."""
-        from transformers import AutoModelForCausalLM
-
+    def load(self) -> tuple[int, dict]:
+        """Load this rank's slices onto the device (loading.load_model; a checkpoint that is not
+        safetensors: the whole model into host memory, sharded and moved to the device by `join`).
+        -> (pid, its LoadMeter record)"""
         from .fast_forward import DTYPES, FastForward
+        from .loading import LoadMeter, import_model_code, load_model
 
-        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=DTYPES[self.dtype], local_files_only=True)
-        self.fast = FastForward.build(model.eval(), self.max_context, self.pool_capacity)
-        if self.fast is None:
-            raise ValueError(f"{model.config.model_type} has no lean forward to shard")
-        return os.getpid()
+        import_model_code(self.model_dir)
+        with LoadMeter() as meter:
+            loaded = load_model(self.model_dir, DTYPES[self.dtype], self._device(), self.rank, self.world)
+            self.fast = FastForward.build(loaded.model, self.max_context, self.pool_capacity)
+            if self.fast is None:
+                raise ValueError(f"{loaded.model.config.model_type} has no lean forward to shard")
+            if loaded.world > 1:
+                self.fast.adopt_shard(loaded.world, loaded.logits_size)
+        return os.getpid(), meter.record()
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda" if self.device.startswith("cuda") else self.device)  # Ray set CUDA_VISIBLE_DEVICES
 
     def join(self, init_method: str, backend: str, timeout: timedelta, idle: timedelta) -> None:
-        device = "cuda" if self.device.startswith("cuda") else self.device  # Ray set CUDA_VISIBLE_DEVICES
         self.control = _join(self.rank, self.world, init_method, backend, timeout, idle)
+        whole = self.fast.world == 1
         attach(self.fast, self.rank, self.world)
-        self.fast.to(torch.device(device))  # only the shard reaches the device
+        if whole:
+            self.fast.to(self._device())  # only the shard reaches the device
 
     def held(self) -> list[int]:
         """Keys of the KV caches this rank holds (runs beside `serve`: the actor has 2 threads)."""
@@ -150,9 +162,10 @@ class ShardedForward:
     """Rank 0's tensor-parallel forward: FastForward's interface (`many`, `new_cache`), each pass
     announced to the other ranks first. Made by `Placement.start`; `close` stops the workers."""
 
-    def __init__(self, fast, control, placement: Placement, served: list, pids: list[int]):
+    def __init__(self, fast, control, placement: Placement, served: list, pids: list[int], loads: list[dict]):
         self.fast, self.control = fast, control
         self.placement, self.ray, self.served, self.pids = placement, placement.ray, served, pids
+        self.loads = loads  # ranks 1..N-1's LoadMeter records
         self._keys = itertools.count()
         self._dropped: deque[int] = deque()  # keys of caches gone on rank 0, still held by the others
         self.failed: str | None = None
@@ -345,7 +358,7 @@ class Placement:
                                        f"{_first_line(exc)}") from exc
             return results
 
-        pids = each([w.load.remote() for w in self.workers], "load the model")
+        pids, loads = map(list, zip(*each([w.load.remote() for w in self.workers], "load the model")))
         backend = self.backend
         init_method = f"tcp://{ray.util.get_node_ip_address()}:{free_port(host='')}"
         step, idle = PG_TIMEOUT, IDLE_TIMEOUT
@@ -355,11 +368,13 @@ class Placement:
         except Exception as exc:  # noqa: BLE001
             raise self.give_up(f"tensor-parallel group did not form: {exc}") from exc
         each(joins, "join the process group")
+        whole = fast.world == 1
         attach(fast, 0, world)
-        fast.to(self.device)
+        if whole:
+            fast.to(self.device)
         served = [w.serve.remote() for w in self.workers]
         log.info("tensor parallel: %d ranks over %s; worker pids %s", world, backend, pids)
-        return ShardedForward(fast, control, self, served, pids)
+        return ShardedForward(fast, control, self, served, pids, loads)
 
 
 def _first_line(exc: BaseException) -> str:

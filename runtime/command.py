@@ -2,7 +2,7 @@
 ship theirs (`vllm serve`).
 
     specdec target --model models/target --port 50051
-    specdec draft --model models/draft --port 50052
+    specdec draft --model models/draft --port 50052      # or --method ngram: no draft model
     specdec coordinator --draft 127.0.0.1:50052 --target 127.0.0.1:50051 --port 50050
     specdec client --chat --stream "What is the capital of France?"
     specdec launch --demo                 # all three locally, one answer, then stop
@@ -21,7 +21,7 @@ import sys
 # command -> (module whose main(argv, prog) it runs, one line for `specdec --help`)
 COMMANDS = {
     "coordinator": ("coordinator.__main__", "serve the Generation API in front of draft and target services"),
-    "draft": ("draft_service.__main__", "serve a draft model: it proposes tokens"),
+    "draft": ("draft_service.__main__", "serve a drafting method (a draft model, or n-gram lookup): it proposes tokens"),
     "target": ("target_service.__main__", "serve a target model: it verifies proposals"),
     "client": ("coordinator.client", "send a prompt to a coordinator and print the answer"),
     "launch": ("coordinator.launch", "start a draft, a target and a coordinator on this machine"),

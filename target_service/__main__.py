@@ -29,7 +29,7 @@ def main(argv=None, prog: str = "python -m target_service") -> None:
     args = parse_args(argv, prog)
     run_model_service(
         "target", args, TargetServicer, pb_grpc.add_TargetServicer_to_server, SERVICE_NAME,
-        lambda runner: TargetEngine(runner, args.max_tokens_per_call),
+        lambda load_model: TargetEngine(load_model(), args.max_tokens_per_call),
     )
 
 

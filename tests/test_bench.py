@@ -123,3 +123,17 @@ def test_tiny_concurrency_bench(pair, tmp_path, capsys):
     assert saved["meta"]["greedy_requests_differing"] == []
     out = capsys.readouterr().out
     assert "spec at 8 streams" not in out and "(every system, every level)" in out
+
+
+def test_tiny_ngram_rows(pair, tmp_path, capsys):
+    """`--only ngram`: rows a, a', p, n (fixed and adaptive K) for both prompt sets, and the bars."""
+    _, target = pair
+    bench_main(["--target-model", str(target), "--only", "ngram", "--prompts", "2", "--new-tokens", "8",
+                "--ngram-ks", "3", "--modes", "greedy", "--threads", "1", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "ngram.json").read_text())["rows"]
+    assert [(r["prompts"], r["name"][:2].strip()) for r in rows] == [
+        (s, n) for s in "go" for n in ("a", "a'", "p", "n", "n")]
+    assert len({r["tokens"] for r in rows}) == 1  # greedy: the target's own tokens whatever the row (2 x 8)
+    assert all(r["tokens_per_s"] > 0 and math.isfinite(r["speedup"]) for r in rows)
+    out = capsys.readouterr().out
+    assert "bar n >= 1.5x p on input-grounded prompts (greedy" in out and "bar n (adaptive K) >= 0.95x a'" in out

@@ -6,10 +6,9 @@
     python -m training convert [--gguf FILE --out DIR]
     python -m training distill --target models/target --out models/draft --acceptance
 
-`python -m training COMMAND --help` says more. Long runs resume where they stopped: run them in
-the background with their log, e.g.
-    nohup .venv/bin/python -m training distill --target models/target --out models/draft \\
-        > .cache/distill.log 2>&1 &
+`python -m training COMMAND --help` says more. Long runs resume where they stopped (scratch and
+checkpoints under --work): run them in the background with their log, e.g.
+    nohup python -m training distill --target models/target --out models/draft > distill.log 2>&1 &
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from coordinator.launch import LocalStack
+from coordinator.pool import Pool, Replica
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -94,7 +95,6 @@ def test_a_draft_lost_on_a_pre_draft_costs_nothing(pair):
 
     from coordinator.failover import FailoverDraft, FailoverTarget
     from coordinator.peers import PeerError
-    from coordinator.pool import Pool, Replica
     from model_service.engines import DraftEngine, TargetEngine
     from model_service.local import LocalDraft, LocalTarget
     from model_service.model_runner import ModelRunner
@@ -115,21 +115,14 @@ def test_a_draft_lost_on_a_pre_draft_costs_nothing(pair):
                     raise PeerError(self, grpc.StatusCode.UNAVAILABLE, "killed")
             return await super().propose(session_id, start, rollback, append, k, params, p_min)
 
-    def pool(name: str, peers) -> Pool:
-        made = Pool(name, "127.0.0.1:1", lambda address, server_name: None)
-        for peer in peers:
-            peer.info = None
-            made.replicas[peer.address] = Replica(peer)
-            made.replicas[peer.address].healthy = True
-        return made
-
     target = LocalTarget(TargetEngine(ModelRunner(target_dir)))
     target.address, target.name = "t0", "target"
 
     async def run(fail_on: int | None) -> list[int]:
         replicas = [Flaky("d0", fail_on), Flaky("d1", None)]
         out = []
-        async for new in generate(FailoverDraft(pool("draft", replicas)), FailoverTarget(pool("target", [target])),
+        async for new in generate(FailoverDraft(local_pool("draft", replicas)),
+                                  FailoverTarget(local_pool("target", [target])),
                                   PROMPT, max_new_tokens=60, k=3, params=SamplingParams(0.0), max_context=512,
                                   predraft=True, max_call_tokens=16):
             out += new
@@ -165,3 +158,113 @@ def test_the_lone_draft_killed_mid_stream_falls_back_to_the_target(pair, stack, 
             assert list(again.token_ids) == expected and again.stats.draft_tokens == 0
     finally:
         lone.stop()
+
+
+class LocalPool(Pool):
+    """A pool of in-process peers: no health checks, a replica is healthy until the failover says not."""
+
+    async def refresh(self, resolve: bool = True) -> None:
+        pass
+
+
+def local_pool(name: str, peers) -> Pool:
+    """A pool of in-process peers, every one healthy."""
+    made = LocalPool(name, "127.0.0.1:1", lambda address, server_name: None)
+    for peer in peers:
+        peer.info = None
+        made.replicas[peer.address] = Replica(peer)
+        made.replicas[peer.address].healthy = True
+    return made
+
+
+def test_a_late_draft_gives_way(pair):
+    """In one process: the lone draft replica stops answering mid-generation (its call never
+    returns). The round goes on at the replica's bound with a plain target step and the output is
+    what a faultless run decodes, without waiting for the call; the request leaves the replica
+    alone while it owes the answer. When the answer comes it is dropped and the session it was
+    for released. A replica late three requests in a row is taken out of the pool."""
+    import asyncio
+    import time
+
+    from coordinator.failover import FORGETTING, MISSES, FailoverDraft, FailoverTarget
+    from model_service.engines import DraftEngine, TargetEngine
+    from model_service.local import LocalDraft, LocalTarget
+    from model_service.model_runner import ModelRunner
+    from speculative.protocol import SamplingParams
+    from speculative.round import Stats, generate
+
+    draft_dir, target_dir = pair
+
+    class Hanging(LocalDraft):
+        """Answers its first `answered` calls, then none until `wake` is set."""
+
+        def __init__(self, answered: int | None):
+            super().__init__(DraftEngine(ModelRunner(draft_dir)))
+            self.address, self.name, self.answered, self.calls = "d0", "draft", answered, 0
+            self.wake = asyncio.Event()
+
+        async def propose(self, session_id, start, rollback, append, k, params, p_min=0.0, *, turn=(0, 0)):
+            self.calls += 1
+            if self.answered is not None and self.calls > self.answered:
+                await self.wake.wait()
+            return await super().propose(session_id, start, rollback, append, k, params, p_min)
+
+    target = LocalTarget(TargetEngine(ModelRunner(target_dir)))
+    target.address, target.name = "t0", "target"
+
+    async def run(draft: Hanging, pools=None) -> tuple[list[int], Stats, float]:
+        draft_pool, target_pool = pools or (local_pool("draft", [draft]), local_pool("target", [target]))
+        out, stats, start = [], Stats(), time.perf_counter()
+        failover = FailoverDraft(draft_pool)
+        async for new in generate(failover, FailoverTarget(target_pool), PROMPT, max_new_tokens=60, k=3,
+                                  params=SamplingParams(0.0), max_context=512, stats=stats):
+            out += new
+        failover.close()
+        return out, stats, time.perf_counter() - start
+
+    async def go():
+        expected, _, _ = await run(Hanging(None))
+        # 12 calls answered: the replica's bound is now its own (4 x p99, at least 50 ms), not the first 1 s
+        hung = Hanging(12)
+        pools = local_pool("draft", [hung]), local_pool("target", [target])
+        tokens, stats, seconds = await run(hung, pools)
+        assert tokens == expected and len(expected) == 60
+        assert hung.calls == 13  # one late call, then the request left the replica alone
+        assert stats.draft_calls >= 12 and seconds < 1.0 + 60 * 0.05
+        replica = pools[0].replicas["d0"]
+        assert replica.missed == 1 and replica.healthy
+        hung.wake.set()  # the late answer comes: dropped, its session released
+        await asyncio.gather(*FORGETTING)
+        assert len(hung.engine.runner.sessions) == 0 and len(target.engine.runner.sessions) == 0
+
+        # late at every start: three requests in a row take the replica out; the next goes without it
+        stuck = Hanging(0)
+        pools = local_pool("draft", [stuck]), local_pool("target", [target])
+        replica = pools[0].replicas["d0"]
+        replica.recent.starts.extend([1e-4] * replica.recent.MIN_CALLS)  # a history: bound 50 ms
+        for i in range(MISSES):
+            assert replica.healthy
+            tokens, stats, _ = await run(stuck, pools)
+            assert tokens == expected and stats.draft_tokens == 0
+        assert not replica.healthy and replica.missed == MISSES and stuck.calls == MISSES
+        stuck.wake.set()
+        await asyncio.gather(*FORGETTING)
+        assert len(stuck.engine.runner.sessions) == 0
+
+    asyncio.run(go())
+
+
+def test_the_late_bound_follows_the_replica():
+    """A draft call is late past 4 x the 99th percentile of the replica's recent calls of its kind, at
+    least 50 ms; a start's bound grows with the prefix it carries; with no history yet, 1 s."""
+    from coordinator.pool import RecentLatency
+
+    recent = RecentLatency()
+    assert recent.bound(False, 0) == recent.bound(True, 500) == 1.0
+    for i in range(100):
+        recent.add(0.010 + (0.090 if i == 50 else 0.0), False, 0)  # one stall of 100 ms among 10 ms calls
+        recent.add(0.002 * 20, True, 20)  # 2 ms per prefix token
+    assert recent.bound(False, 0) == pytest.approx(0.05)  # 4 x 10 ms, raised to the floor: the stall is the 1 %
+    recent.add(0.100, False, 0)
+    assert recent.bound(False, 0) == pytest.approx(0.4)  # two stalls in a hundred: they are the 99th percentile
+    assert recent.bound(True, 500) == pytest.approx(4 * 0.002 * 500)

@@ -52,3 +52,75 @@ def test_a_write_on_a_finished_stream_is_a_peer_error(code, expected):
     error = asyncio.run(go())
     assert error.code == expected
     assert "draft service at 127.0.0.1:1" in str(error)
+
+
+class OpenStream(FinishedStream):
+    """A stream whose RPC is live: writes go through, reads wait (the service is hung)."""
+
+    def __init__(self):
+        super().__init__(grpc.StatusCode.OK)
+        self.reading = asyncio.Event()
+
+    async def write(self, request):
+        pass
+
+    async def read(self):
+        self.reading.set()
+        await asyncio.Event().wait()
+
+    def done(self) -> bool:
+        return False
+
+
+def test_any_exception_from_a_call_is_a_peer_error():
+    """Not only an RPC error: whatever a call raises reaches the failover as a PeerError naming the service."""
+    async def broken(request, timeout):
+        raise RuntimeError("the channel is closed")
+
+    async def go():
+        peer = GrpcDraft("127.0.0.1:1", timeout=5.0)
+        try:
+            with pytest.raises(PeerError) as e:
+                await peer.call(broken, object())
+            return e.value
+        finally:
+            await peer.channel.close()
+
+    error = asyncio.run(go())
+    assert error.code == grpc.StatusCode.UNAVAILABLE
+    assert "draft service at 127.0.0.1:1" in str(error) and "RuntimeError" in str(error)
+
+
+def test_a_call_given_up_leaves_no_stream_behind():
+    """A per-round call whose caller gives up mid-read (a late draft, a client's cancel) ends its
+    stream: the answer, should it come, must not be read as the next call's."""
+    async def go():
+        peer = GrpcDraft("127.0.0.1:1", timeout=5.0)
+        stream = OpenStream()
+        try:
+            call = asyncio.ensure_future(peer._step(None, lambda: stream, "s1", object()))
+            await stream.reading.wait()
+            assert "s1" in peer.streams
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            assert "s1" not in peer.streams and stream.cancelled
+        finally:
+            await peer.channel.close()
+
+    asyncio.run(go())
+
+
+def test_a_hung_stream_meets_the_call_deadline():
+    async def go():
+        peer = GrpcDraft("127.0.0.1:1", timeout=0.05)
+        stream = OpenStream()
+        try:
+            with pytest.raises(PeerError) as e:
+                await peer._step(None, lambda: stream, "s1", object())
+            assert "s1" not in peer.streams and stream.cancelled
+            return e.value
+        finally:
+            await peer.channel.close()
+
+    assert asyncio.run(go()).code == grpc.StatusCode.DEADLINE_EXCEEDED

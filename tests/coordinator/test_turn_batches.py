@@ -173,6 +173,9 @@ def test_a_cancel_as_the_stream_answers_is_not_lost():
         def read(self):
             return self.answer
 
+        def cancel(self):  # as a grpc.aio stream call's: the coordinator drops a stream whose call gave up
+            return True
+
     async def main():
         draft = GrpcDraft("127.0.0.1:1")  # streaming; the channel never connects
         stream = FakeStream()

@@ -10,7 +10,8 @@ import threading
 import pytest
 import torch
 
-from model_service.fast_forward import FastForward, KVCache, KVPool
+from model_service.fast_forward import FastForward
+from model_service.kv_cache import KVCache, KVPool
 from model_service.model_runner import ModelRunner
 from speculative.tiny import make_model, make_tokenizer
 
@@ -241,7 +242,7 @@ def test_kv_pool_stays_within_its_waste_bound(monkeypatch):
     """Past its floor the pool grows only while it holds at most POOL_WASTE x the positions its
     sessions use; a session it will not grow for keeps a cache of its own, and a pool its long
     session left shrinks its capacity at the next take."""
-    import model_service.fast_forward as ff
+    import model_service.kv_cache as ff
 
     monkeypatch.setattr(ff, "POOL_FLOOR_BYTES", 0)
     pool = KVPool(layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, device=torch.device("cpu"),

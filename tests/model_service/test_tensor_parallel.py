@@ -186,5 +186,8 @@ def test_info_reports_the_size(runners):
     assert whole.info()["tensor_parallel_size"] == 1 and sharded.info()["tensor_parallel_size"] == 2
     assert sharded.info()["num_parameters"] == whole.info()["num_parameters"]  # the model's, not a shard's
     assert "tensor-parallel x2" in sharded.forward_kind
+    # each rank's load, rank 0 first (test_tp_load measures them)
+    assert len(whole.info()["rank_loads"]) == 1 and len(sharded.info()["rank_loads"]) == 2
+    assert all(load["load_seconds"] > 0 for load in sharded.info()["rank_loads"])
 
 

@@ -1,4 +1,4 @@
-"""TLS on every channel (speculative/transport.py), with certificates made here: the whole stack
+"""TLS on every channel (runtime/transport.py), with certificates made here: the whole stack
 under mutual TLS answers as the plaintext one does; every server refuses a client without a
 certificate its CA signed, and a plaintext one; TLS without client auth takes a client that only
 verifies the server; a replica resolved from a name is held to a certificate for that name."""

@@ -58,7 +58,9 @@ def test_seeded_sampling_equals_tp1(tp_client, client):
 
 
 def test_info_reports_the_size(tp_client):
-    assert tp_client.GetInfo(pb.GetInfoRequest()).target.tensor_parallel_size == 2
+    target = tp_client.GetInfo(pb.GetInfoRequest()).target
+    assert target.tensor_parallel_size == 2
+    assert len(target.rank_loads) == 2 and all(load.load_seconds > 0 for load in target.rank_loads)
 
 
 def descendants(pid: int) -> set[int]:

@@ -1,0 +1,135 @@
+"""`make bench`'s n-gram rows: specdec with the n-gram draft (no draft model) beside HF generate's
+prompt lookup, on input-grounded and on ordinary prompts.
+
+    python -m bench --only ngram [--prompts 8] [--new-tokens 128] [--ngram-ks 8]
+
+One run, same machine, same threads, same target; for each mode and prompt set (its first
+--prompts; g: bench/prompts.py GROUNDED, 8 requests that hold what their answer copies; o: the
+held-out CHAT prompts):
+  a   target alone: transformers `generate`
+  a'  target alone on specdec's model runner, measured before and after the set's other rows
+      (its tokens/s: their mean)
+  p   transformers `generate` with `prompt_lookup_num_tokens=K` (the peer: model-free drafting)
+  n   specdec over gRPC (coordinator + n-gram draft + target, `--method ngram`) at each K, and
+      with adaptive K (its K column: the mean K it chose)
+Bars: on g, n (best) >= 1.5x p (best); on o, n with adaptive K (the coordinator's default) no
+slower than a' by more than 5%. Writes bench/results/ngram.json.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+from bench.__main__ import chat_prompts, grpc_run, hf_generate, machine, print_table, row_from_stats, runner_alone
+from bench.prompts import CHAT, GROUNDED
+from coordinator.launch import LocalStack
+
+SETS = {"g": ("input-grounded prompts (bench/prompts.py GROUNDED)", GROUNDED),
+        "o": ("ordinary held-out prompts (bench/prompts.py CHAT)", CHAT)}
+
+
+def run(target, tokenizer, target_dir, *, modes: dict[str, float], n_prompts: int, new_tokens: int, ks: list[int],
+        threads: int, out: Path, progress=None) -> list[dict]:
+    """Every n-gram row (module docstring); `target` is the HF model of target_dir. -> rows, each
+    with its prompt set ("prompts": g or o) and its speedup over a of its set and mode."""
+    eos_ids = target.generation_config.eos_token_id
+    eos = set(eos_ids) if isinstance(eos_ids, list) else {eos_ids}
+    rows: list[dict] = []
+    identical: dict[str, int] = {}
+
+    def step(label: str) -> None:
+        if progress is not None:
+            progress.set_postfix_str(label)
+            progress.update()
+
+    stack = LocalStack(None, target_dir, threads=threads, draft_threads=1, draft_method="ngram").start()
+    try:
+        warm = chat_prompts(tokenizer, GROUNDED[:1])
+        hf_generate(target, warm, 0.0, 4)  # the process's first generate pays one-time costs: not row a's
+        hf_generate(target, warm, 0.0, 4, prompt_lookup=2)
+        for mode, temperature in modes.items():
+            for name, (_, texts) in SETS.items():
+                prompts = chat_prompts(tokenizer, texts[:n_prompts])
+                tag = {"mode": mode, "prompts": name}
+                outputs, seconds = hf_generate(target, prompts, temperature, new_tokens)
+                hf = outputs
+                rows.append({"name": "a target alone (HF)", **tag, "k": 0, "tokens": sum(map(len, outputs)),
+                             "tokens_per_s": sum(map(len, outputs)) / seconds})
+                step(f"{mode} {name}: a")
+                alone = [runner_alone(target_dir, prompts, temperature, new_tokens, eos)]
+                step(f"{mode} {name}: a'")
+                for k in ks:
+                    outputs, seconds = hf_generate(target, prompts, temperature, new_tokens, prompt_lookup=k)
+                    rows.append({"name": "p HF prompt lookup", **tag, "k": k, "tokens": sum(map(len, outputs)),
+                                 "tokens_per_s": sum(map(len, outputs)) / seconds})
+                    if temperature == 0:
+                        identical[f"{name}: p K={k}"] = sum(a == b for a, b in zip(outputs, hf))
+                    step(f"{mode} {name}: p K={k}")
+                    served = []
+                    stats, seconds = grpc_run(stack, prompts, temperature, new_tokens, k, served)
+                    rows.append({**row_from_stats("n specdec n-gram gRPC", mode, k, stats, seconds), **tag})
+                    if temperature == 0:
+                        identical[f"{name}: n K={k}"] = sum(a == b for a, b in zip(served, hf))
+                    step(f"{mode} {name}: n K={k}")
+                stats, seconds = grpc_run(stack, prompts, temperature, new_tokens, None)
+                mean_k = stats.draft_tokens / max(1, stats.rounds)
+                rows.append({**row_from_stats("n n-gram gRPC, adaptive K", mode, round(mean_k), stats, seconds),
+                             **tag, "adaptive": True, "mean_k": mean_k})
+                step(f"{mode} {name}: n adaptive")
+                alone.append(runner_alone(target_dir, prompts, temperature, new_tokens, eos))
+                step(f"{mode} {name}: a' again")
+                runs = [tokens / seconds for tokens, seconds in alone]
+                rows.insert(len(rows) - 2 * len(ks) - 1, {"name": "a' target alone (runner)", **tag, "k": 0,
+                                                          "tokens": alone[0][0], "tokens_per_s": statistics.mean(runs),
+                                                          "tokens_per_s_runs": runs})
+    finally:
+        stack.stop()
+    for row in rows:
+        base = next(r for r in rows if r["name"].startswith("a ") and r["mode"] == row["mode"]
+                    and r["prompts"] == row["prompts"])
+        row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"]
+        if "ideal_speedup" in row:
+            row["efficiency"] = row["speedup"] / row["ideal_speedup"] if row["ideal_speedup"] else 0.0
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": machine(), "threads": threads, "target": str(target_dir), "prompts": n_prompts,
+            "new_tokens": new_tokens, "greedy_identical_to_a": identical, "date": time.strftime("%Y-%m-%d %H:%M")}
+    (out / "ngram.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    report(rows, identical, n_prompts, out)
+    return rows
+
+
+def report(rows: list[dict], identical: dict[str, int], n_prompts: int, out: Path) -> None:
+    for name, (title, _) in SETS.items():
+        print(f"\nn-gram rows, {title}; speedup over a of the set")
+        print_table([r for r in rows if r["prompts"] == name])
+    if identical:
+        print(f"greedy outputs identical to a's (of {n_prompts}): "
+              + ", ".join(f"{name} {n}" for name, n in identical.items()))
+    for line in bars(rows):
+        print(line)
+    print(f"wrote {out / 'ngram.json'}")
+
+
+def bars(rows: list[dict]) -> list[str]:
+    """Issue 26's bars, per mode: on g, best n >= 1.5x best p; on o, n with adaptive K >= 0.95x a'."""
+    def pick(prefix: str, mode: str, prompts: str, adaptive: bool | None = None) -> dict | None:
+        found = [r for r in rows if r["mode"] == mode and r["prompts"] == prompts and r["name"].startswith(prefix)
+                 and (adaptive is None or bool(r.get("adaptive")) == adaptive)]
+        return max(found, key=lambda r: r["tokens_per_s"]) if found else None
+
+    lines = []
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        n, p, n_adaptive = pick("n ", mode, "g"), pick("p ", mode, "g"), pick("n ", mode, "g", True)
+        if n and p:
+            lines.append(f"bar n >= 1.5x p on input-grounded prompts ({mode}, best of each: n K={n['k']}"
+                         f"{' adaptive' if n.get('adaptive') else ''}, p K={p['k']}): "
+                         f"{n['tokens_per_s'] / p['tokens_per_s']:.2f}x"
+                         + (f" (adaptive K: {n_adaptive['tokens_per_s'] / p['tokens_per_s']:.2f}x)" if n_adaptive else ""))
+        n_o, alone = pick("n ", mode, "o", True), pick("a' ", mode, "o")
+        if n_o and alone:
+            lines.append(f"bar n (adaptive K) >= 0.95x a' on ordinary prompts ({mode}): "
+                         f"{n_o['tokens_per_s'] / alone['tokens_per_s']:.2f}x")
+    return lines

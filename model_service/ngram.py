@@ -1,0 +1,228 @@
+"""The n-gram drafting method (prompt lookup): drafts by copying from the context, with no model.
+
+Input-grounded work (editing code, summarising, answering from a document) repeats its context:
+where the context's last few tokens occurred before, what followed them then is a good guess of
+what follows now. The method needs a tokenizer only (for GetModelInfo's pairing fields and
+GetTokenizer), runs on the CPU in microseconds per call, and holds no weights.
+
+    python -m draft_service --method ngram [--ngram-max 4 --ngram-min 2] [--tokenizer DIR]
+
+Matching. The context is the session's sequence: its committed tokens and its unconfirmed
+proposals after them (drafting.py), so a call appending nothing copies on after its own last
+proposal. For n from ngram_max down to ngram_min, the first n whose suffix (the context's last
+n tokens) occurred earlier wins, longest first since a longer match predicts better: at its most
+recent earlier occurrence, propose the k tokens that followed it. The copy may run on into the
+tokens it is copying (after "a b a b", the suffix "a b" matched at 0 copies "a b a b ..."), so a
+match always yields k tokens. No n matches: the proposal is empty, and the round is a plain
+target step.
+
+q and exactness (speculative/sampling.py's terms). The copied token x is proposed with q one-hot
+at x: the choice is a function of the context, so a point mass is exactly the distribution x was
+drawn from. The target accepts x with probability min(1, p(x) / q(x)) = p(x); at a rejection the
+recovered token comes from norm(max(0, p - q)), which is p without x, renormalised: y != x with
+probability p(y) / (1 - p(x)). So the emitted token is x with probability p(x) and any y != x
+with probability (1 - p(x)) p(y) / (1 - p(x)) = p(y): exactly p, whatever was copied. Under
+greedy params the target compares tokens only. p_min never stops a copy: q's top probability is 1.
+
+Index. A session's cache (sessions.Session.cache, a KV cache for a model) is its NgramIndex:
+where each n-gram of tokens[:cached] starts, for every n in [ngram_min, ngram_max]. A call indexes
+the tokens new since the last (appended ones and kept proposals), looks the suffix up in a
+dictionary, and a rollback crops the index: a call costs O(n_max x (new tokens + k)), never a
+scan of the context. Rejected proposals were never indexed, so rolling them back costs nothing.
+
+Costs: info()'s pass_ms_* are 0, so adaptive K (coordinator/adaptive.py) counts the draft as
+free and weighs only the target's extra verify tokens and the call.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from speculative.errors import InvalidRequest
+from speculative.protocol import Cost, Proposal
+from speculative.sampling import one_hot_supports
+
+from .drafting import ProposeCall
+from .model_runner import Timer, saved_tokenizer_files, tokenizer_fields
+from .sessions import Session, SessionTable, check_session_id
+
+NGRAM_CONTEXT = 1 << 20  # tokens a session may hold unless --max-context says fewer (the coordinator
+# takes the smaller of the draft's and the target's)
+
+
+class NgramIndex:
+    """Where each n-gram of a sequence starts, for n in `sizes`: a session's cache. crop(-m)
+    forgets the last m tokens, as a KV cache's crop does."""
+
+    def __init__(self, sizes: range):
+        self.sizes = sizes
+        self.tokens: list[int] = []  # the sequence indexed
+        self.starts: dict[tuple[int, ...], list[int]] = {}  # n-gram -> its start positions, increasing
+
+    def get_seq_length(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self.tokens.append(token)
+            end = len(self.tokens)
+            for n in self.sizes:
+                if end >= n:
+                    self.starts.setdefault(tuple(self.tokens[end - n :]), []).append(end - n)
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` tokens, or drop the last -length where negative."""
+        keep = length if length >= 0 else len(self.tokens) + length
+        while len(self.tokens) > keep:
+            end = len(self.tokens)
+            for n in self.sizes:
+                if end >= n:
+                    key = tuple(self.tokens[end - n :])
+                    starts = self.starts[key]
+                    starts.pop()  # the last start of this n-gram is the one ending here
+                    if not starts:
+                        del self.starts[key]
+            self.tokens.pop()
+
+    def continuation(self, k: int) -> list[int]:
+        """Up to k tokens that followed the most recent earlier occurrence of the longest suffix
+        that has one; [] when none has (or k is 0)."""
+        tokens = self.tokens
+        for n in reversed(self.sizes):
+            starts = self.starts.get(tuple(tokens[-n:])) if k and len(tokens) > n else None
+            if starts and len(starts) > 1:  # starts[-1] is the suffix itself
+                source = starts[-2] + n  # the token after the earlier occurrence (< len(tokens))
+                copied: list[int] = []
+                for i in range(source, source + k):  # past the end, the copy reads itself
+                    copied.append(tokens[i] if i < len(tokens) else copied[i - len(tokens)])
+                return copied
+        return []
+
+
+class NgramDraft:
+    """A drafting method (drafting.py) with no model: copies what followed the context's last
+    n-gram earlier in it (the module docstring)."""
+
+    method = "ngram"  # ModelInfo.draft_method
+
+    def __init__(self, tokenizer, logits_size: int | None = None, *, ngram_max: int = 4, ngram_min: int = 2,
+                 max_tokens: int = 16, max_sessions: int = 256, idle_timeout: float = 600.0,
+                 max_context: int = NGRAM_CONTEXT):
+        """logits_size: the output width of the model the tokenizer belongs to, if known (a
+        model's vocab_size is the smaller of the two); max_context: tokens a session may hold."""
+        if not 1 <= ngram_min <= ngram_max:
+            raise ValueError(f"need 1 <= --ngram-min <= --ngram-max, not {ngram_min} and {ngram_max}")
+        self.tokenizer = tokenizer
+        self.logits_size = logits_size or len(tokenizer)
+        self.pairing = tokenizer_fields(tokenizer, self.logits_size)
+        self.vocab_size = self.pairing["vocab_size"]  # ids it accepts (and so copies)
+        self.sizes = range(ngram_min, ngram_max + 1)
+        self.max_tokens = max_tokens
+        self.max_context = max_context
+        self.sessions = SessionTable(max_sessions, idle_timeout, lambda: NgramIndex(self.sizes))
+        self.at_work = 0  # a call costs microseconds: the batcher never waits for others
+        self._tokenizer_files: list[tuple[str, bytes]] | None = None
+
+    @classmethod
+    def load(cls, directory: str | Path, **kwargs) -> "NgramDraft":
+        """From a tokenizer directory, or a model's (whose config.json gives the output width)."""
+        from transformers import AutoConfig, AutoTokenizer
+
+        path = Path(directory)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        logits_size = None
+        if (path / "config.json").is_file():
+            logits_size = getattr(AutoConfig.from_pretrained(path, local_files_only=True), "vocab_size", None)
+        return cls(tokenizer, logits_size, **kwargs)
+
+    # ------------------------------------------------------------ drafting.py's contract
+
+    def propose_many(self, calls: list[ProposeCall]) -> list[tuple[Proposal, Cost] | Exception]:
+        """-> per call, (proposal, cost) or the error that call alone met."""
+        timer = Timer()
+        results: list = []
+        for call in calls:
+            try:
+                session = self._advance(call)
+            except Exception as exc:
+                results.append(exc)
+                continue
+            index: NgramIndex = session.cache
+            index.extend(session.tokens[session.cached :])
+            session.cached = len(session.tokens)
+            tokens = index.continuation(call.k)
+            session.tokens.extend(tokens)  # unconfirmed: indexed next call, if kept
+            session.proposed += len(tokens)
+            results.append(Proposal(tokens, *one_hot_supports(tokens)))
+        ms = timer.ms
+        live = [r for r in results if isinstance(r, Proposal)]
+        cost = Cost(ms, batch_size=len(live), batch_tokens=sum(len(p.tokens) for p in live), pass_ms=ms)
+        return [(r, cost) if isinstance(r, Proposal) else r for r in results]
+
+    def _advance(self, call: ProposeCall) -> Session:
+        """Validate a call, then roll back the rejected proposals and append the new tokens (as
+        DraftEngine._advance: a refused call leaves its session as it was)."""
+        check_session_id(call.session_id)
+        call.params.validate()
+        if not 0 <= call.k <= self.max_tokens:
+            raise InvalidRequest(f"num_tokens must lie in [0, {self.max_tokens}], not {call.k}")
+        if not 0.0 <= call.p_min <= 1.0:  # also rejects NaN
+            raise InvalidRequest(f"p_min must lie in [0, 1], not {call.p_min}")
+        bad = [t for t in call.append if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"appended token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if call.start:
+            if not call.session_id:
+                raise InvalidRequest("session_id is empty")
+            if call.rollback or not call.append:
+                raise InvalidRequest("a new session needs its prompt in `append` and nothing to roll back")
+            self._check_context(call.session_id, len(call.append) + call.k)
+            session = self.sessions.create(call.session_id, None)
+        else:
+            session = self.sessions.get(call.session_id)
+            if call.rollback > session.proposed:
+                raise InvalidRequest(
+                    f"cannot roll back {call.rollback} tokens: only {session.proposed} were proposed")
+            self._check_context(call.session_id, len(session.tokens) - call.rollback + len(call.append) + call.k)
+        session.truncate(len(session.tokens) - call.rollback)
+        # proposals not rolled back stay unconfirmed until tokens are appended (drafting.py)
+        session.proposed = 0 if call.append else session.proposed - call.rollback
+        session.tokens.extend(call.append)
+        return session
+
+    def _check_context(self, session_id: str, length: int) -> None:
+        if length > self.max_context:
+            raise InvalidRequest(
+                f"session {session_id!r} would hold {length} tokens, beyond the context of {self.max_context}")
+
+    def release(self, session_id: str) -> bool:
+        return self.sessions.release(session_id)
+
+    def info(self) -> dict:
+        eos = self.tokenizer.eos_token_id
+        return {
+            "model_name": "ngram",
+            "draft_method": self.method,
+            **self.pairing,
+            "max_context": self.max_context,
+            "eos_token_ids": [] if eos is None else [eos],
+            "device": "cpu",
+            "num_parameters": 0,
+            "logits_size": self.logits_size,
+            "active_sessions": len(self.sessions),
+            "max_sessions": self.sessions.max_sessions,
+            "pass_ms_fixed": 0.0,
+            "pass_ms_per_token": 0.0,
+            "pass_ms_per_session": 0.0,
+            "tensor_parallel_size": 1,
+        }
+
+    # ------------------------------------------------------------ serving (drafting.py)
+
+    def evict_idle(self) -> int:
+        return self.sessions.evict_idle()
+
+    def tokenizer_files(self) -> list[tuple[str, bytes]]:
+        if self._tokenizer_files is None:
+            self._tokenizer_files = saved_tokenizer_files(self.tokenizer)
+        return self._tokenizer_files

@@ -1,0 +1,42 @@
+"""A late draft gives way (coordinator/failover.py): the lone draft hung (SIGSTOP) mid-stream, with
+the coordinator's default per-call deadline (60 s). The stream completes with the faultless
+tokens at no worse than the target-alone rate: the round waits the draft's bound (a few times
+its recent calls' 99th percentile, at least 50 ms), not the deadline; a request started while
+the draft still hangs is not held up either."""
+
+from __future__ import annotations
+
+import signal
+
+from specdec.v1 import specdec_pb2 as pb
+
+from .conftest import PROMPT, FaultStack
+
+NEW_TOKENS = 120
+SLACK_S = 1.5  # over the target-alone time: the bounds waited, and a loaded machine's noise
+
+
+def test_a_hung_lone_draft_costs_no_more_than_the_target_alone(pair):
+    fs = FaultStack(pair, 1, "stream", call_timeout=60.0)
+    draft = fs.stack.procs["draft"]
+    try:
+        request = pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=NEW_TOKENS, temperature=0.0)
+        alone = fs.stream(pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=NEW_TOKENS, temperature=0.0,
+                                             num_speculative_tokens=0))
+        assert alone.error is None and len(alone.tokens) == NEW_TOKENS
+        fs.hook.arm("draft", "read", False, 3, lambda address: fs.strike("stop", address))
+        hung = fs.stream(request)
+        assert fs.hook.struck == fs.stack.addresses["draft"]
+        again = fs.stream(request)  # the draft still hangs
+        timings = f"target alone {alone.seconds:.2f} s, draft hung mid-stream {hung.seconds:.2f} s, " \
+                  f"the next request {again.seconds:.2f} s"
+        print(timings)
+        for o in (hung, again):
+            assert o.error is None and o.tokens == alone.tokens, o.error
+            assert o.seconds < alone.seconds + SLACK_S, timings
+    finally:
+        draft.send_signal(signal.SIGCONT)
+    try:
+        fs.settle()  # the late answers dropped, their sessions released
+    finally:
+        fs.close()

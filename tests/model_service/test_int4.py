@@ -1,0 +1,95 @@
+"""--quantize int4: weight-only int4 on the lean forward (FastForward.quantize). The kernel computes
+the product of the dequantized weights; a quantized service serves the int4 model exactly (greedy
+output through the round is that model's own, sampled tokens follow its distribution)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from model_service.engines import DraftEngine, TargetEngine
+from model_service.fast_forward import FastForward
+from model_service.int4 import int4_dequantized, int4_pack
+from model_service.local import LocalDraft, LocalTarget
+from model_service.model_runner import ModelRunner
+from speculative.protocol import SamplingParams
+from speculative.round import Stats, generate
+from tests.stats import chi2_stat, fits
+
+PROMPT = [3, 5, 4, 7, 2, 9]
+
+
+@pytest.mark.parametrize("out", [48, 100])  # 100: not a multiple of the kernel's 16 outputs
+def test_the_kernel_computes_the_dequantized_product(out):
+    torch.manual_seed(0)
+    w, x = torch.randn(96, out), torch.randn(5, 96)  # w [in, out]
+    packed = int4_pack(w, 32)
+    y = FastForward._mm(x, torch.empty(0), packed)
+    expected = x.bfloat16().float() @ int4_dequantized(w, 32)  # activations enter in bf16
+    assert y.shape == (5, out) and y.dtype == torch.float32
+    torch.testing.assert_close(y, expected, rtol=0, atol=2e-2 * expected.abs().max().item())
+    # the groups hold the weights to within half a step: (max - min) / 30 of each group of 32
+    groups = w.t().reshape(out, 3, 32)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15
+    error = (int4_dequantized(w, 32) - w).t().reshape(out, 3, 32).abs().amax(-1)
+    assert (error <= step * 0.5 + 2e-2 * w.abs().max()).all()  # (+ the bf16 rounding of scale and zero)
+
+
+def test_quantize_drops_the_float_weights_and_reports_itself(pair):
+    runner = ModelRunner(pair[1], "cpu", quantize="int4")
+    assert runner.info()["quantization"].startswith("int4")
+    assert all(layer["qkv"].numel() == 0 and layer["down"].numel() == 0 for layer in runner.fast.layers)
+    assert runner.fast.lm_head.numel() == 0 and runner.fast.embed.numel() > 0
+    assert ModelRunner(pair[1], "cpu").info()["quantization"] == "none"
+
+
+def test_quantize_refuses_what_it_cannot_run(pair):
+    with pytest.raises(ValueError, match="lean forward"):
+        ModelRunner(pair[1], "cpu", forward="transformers", quantize="int4")
+    with pytest.raises(ValueError, match="--quantize must be one of"):
+        ModelRunner(pair[1], "cpu", quantize="int3")
+
+
+def run(draft, target, params, k, seed, n, prompt=PROMPT):
+    stats = Stats()
+
+    async def go():
+        out = []
+        async for new in generate(draft, target, prompt, max_new_tokens=n, k=k,
+                                  params=SamplingParams(params.temperature, params.top_k, params.top_p, seed),
+                                  max_context=256, stats=stats, session_id=f"s{seed}"):
+            out.extend(new)
+        return out
+
+    return asyncio.run(go()), stats
+
+
+def test_greedy_through_the_round_is_the_int4_targets_own(pair):
+    draft_dir, target_dir = pair
+    target = LocalTarget(TargetEngine(ModelRunner(target_dir, "cpu", quantize="int4")))
+    alone, _ = run(LocalDraft(DraftEngine(ModelRunner(draft_dir, "cpu"))), target, SamplingParams(0.0), 0, 0, 40)
+    for draft_quantize in ("int4", "none"):
+        draft = LocalDraft(DraftEngine(ModelRunner(draft_dir, "cpu", quantize=draft_quantize)))
+        out, stats = run(draft, target, SamplingParams(0.0), 4, 1, 40)
+        assert out == alone and stats.draft_tokens > 0
+
+
+def test_sampled_tokens_follow_the_int4_targets_distribution(small_vocab_pair):
+    draft_dir, target_dir = small_vocab_pair
+    target_runner = ModelRunner(target_dir, "cpu", quantize="int4")
+    session = target_runner.start_session("p", 0)
+    session.tokens.extend(PROMPT)
+    p = target_runner.forward(session, 1)[0].softmax(-1).double()  # the int4 model's own p
+    target_runner.sessions.release("p")
+    draft = LocalDraft(DraftEngine(ModelRunner(draft_dir, "cpu", quantize="int4")))
+    target = LocalTarget(TargetEngine(target_runner))
+    firsts, proposed = [], 0
+    for seed in range(800):  # 800 first tokens over 12 ids: chi-squared against p (tests/stats.py)
+        out, stats = run(draft, target, SamplingParams(1.0), 2, seed, 2)
+        firsts.append(out[0])
+        proposed += stats.draft_tokens
+    counts = torch.bincount(torch.tensor(firsts), minlength=p.shape[0]).double()
+    assert proposed > 0
+    assert fits(counts, p), chi2_stat(counts, p)
