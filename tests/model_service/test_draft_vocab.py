@@ -4,7 +4,6 @@ full model's, every other id has probability 0, and speculative decoding stays e
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
 
@@ -16,8 +15,8 @@ from draft_service.__main__ import vocab_subset
 from model_service.engines import DraftEngine, TargetEngine
 from model_service.local import LocalDraft, LocalTarget
 from model_service.model_runner import ModelRunner
-from speculative.round import Stats, generate
 from speculative.protocol import SamplingParams
+from tests import rounds
 from tests.stats import chi2_stat, fits
 
 PROMPT = [3, 5, 4, 7]
@@ -59,17 +58,7 @@ def test_draft_vocab_flag(tmp_path):
 
 
 def run(draft, target, params, k, seed, n, prompt=PROMPT):
-    stats = Stats()
-
-    async def go():
-        out = []
-        async for new in generate(draft, target, prompt, max_new_tokens=n, k=k,
-                                  params=SamplingParams(params.temperature, params.top_k, params.top_p, seed),
-                                  max_context=256, stats=stats, session_id=f"s{seed}"):
-            out.extend(new)
-        return out
-
-    return asyncio.run(go()), stats
+    return rounds.run(draft, target, params, k, seed, n, prompt)
 
 
 def test_greedy_with_a_restricted_draft_is_the_targets(pair, tmp_path, reference):

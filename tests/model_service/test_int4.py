@@ -4,7 +4,6 @@ output through the round is that model's own, sampled tokens follow its distribu
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from model_service.int4 import int4_dequantized, int4_pack
 from model_service.local import LocalDraft, LocalTarget
 from model_service.model_runner import ModelRunner
 from speculative.protocol import SamplingParams
-from speculative.round import Stats, generate
+from tests import rounds
 from tests.stats import chi2_stat, fits
 
 PROMPT = [3, 5, 4, 7, 2, 9]
@@ -53,17 +52,7 @@ def test_quantize_refuses_what_it_cannot_run(pair):
 
 
 def run(draft, target, params, k, seed, n, prompt=PROMPT):
-    stats = Stats()
-
-    async def go():
-        out = []
-        async for new in generate(draft, target, prompt, max_new_tokens=n, k=k,
-                                  params=SamplingParams(params.temperature, params.top_k, params.top_p, seed),
-                                  max_context=256, stats=stats, session_id=f"s{seed}"):
-            out.extend(new)
-        return out
-
-    return asyncio.run(go()), stats
+    return rounds.run(draft, target, params, k, seed, n, prompt)
 
 
 def test_greedy_through_the_round_is_the_int4_targets_own(pair):
