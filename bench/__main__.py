@@ -13,6 +13,9 @@ sweeping K:
   c  specdec's speculative round in one process (no gRPC)
   d  specdec as three processes over gRPC on loopback (coordinator + draft + target), for each
      K and with adaptive K (its K column: the mean K it chose)
+  a' int4, d int4  a' and d again with --quantize int4 (weight-only int4, torch's CPU kernel) on
+     the target and the draft (--quantize; d at --quant-k and adaptive K): the model those
+     services then run is the int4 one, so their greedy text is its own
   e  d with an oracle draft replaying the target's own greedy continuation (acceptance 1.0):
      the ceiling of the machinery (greedy only)
   f  d at K = --tp-k with the target tensor-parallel over 1 and 2 ranks (--tp), one torch
@@ -23,7 +26,9 @@ sweeping K:
   n  the n-gram draft (no draft model) beside HF prompt lookup, on input-grounded and on the
      held-out prompts: bench/ngram.py, its own table and bench/results/ngram.json
      (`--only ngram` runs these rows alone)
-Also: each service's peak RSS, how many of d's greedy outputs equal a's, and the issue's bars.
+Also: each service's peak RSS, how many of d's greedy outputs equal a's, each a' row's distance
+from its memory-bandwidth floor (the weight bytes one pass reads / the bandwidth this process
+measures), and the issues' bars.
 Writes a table to stdout, bench/results/latest.json and bench/results/speedup.png.
 """
 
@@ -101,11 +106,13 @@ def hf_generate(target, prompts, temperature: float, new_tokens: int, assistant=
     return outputs, time.perf_counter() - start
 
 
-def runner_alone(target_dir, prompts, temperature: float, new_tokens: int, eos: set[int]):
-    """The target decoding alone on specdec's ModelRunner, one token per forward. -> (tokens, seconds)"""
+def runner_alone(target_dir, prompts, temperature: float, new_tokens: int, eos: set[int], quantize: str = "none"):
+    """The target decoding alone on specdec's ModelRunner, one token per forward (`quantize`: its
+    --quantize). -> (tokens, seconds, bytes of weights one pass reads)"""
     from speculative.sampling import logits_to_probs, sample
 
-    runner = ModelRunner(target_dir)
+    runner = ModelRunner(target_dir, quantize=quantize)
+    weight_bytes = runner.fast.weight_bytes() if runner.fast is not None else 0
     generated, start = 0, time.perf_counter()
     for i, prompt in enumerate(prompts):
         params = SamplingParams(temperature, 0, 1.0, seed=i)
@@ -118,7 +125,19 @@ def runner_alone(target_dir, prompts, temperature: float, new_tokens: int, eos: 
             if token in eos:
                 break
         runner.sessions.release(session.id)
-    return generated, time.perf_counter() - start
+    return generated, time.perf_counter() - start, weight_bytes
+
+
+def memory_bandwidth_gbs(threads: int) -> float:
+    """What this process reads from memory per second (GB/s): the median of 5 sums over a 256 MB
+    float32 tensor (far larger than any cache), with `threads` torch threads."""
+    x = torch.ones(64 << 20)
+    runs = []
+    for _ in range(6):
+        start = time.perf_counter()
+        x.sum()
+        runs.append(x.numel() * 4 / (time.perf_counter() - start) / 1e9)
+    return statistics.median(runs[1:])
 
 
 def engine_run(draft_dir, target_dir, prompts, temperature: float, new_tokens: int, k: int, eos: set[int]):
@@ -182,12 +201,11 @@ def source_gguf(target_dir) -> Path | None:
         return None
 
 
-def peak_rss_mb(pid: int) -> float:
-    """A process's peak resident memory (VmHWM), MB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+def rss_mb(pid: int) -> tuple[float, float]:
+    """A process's (peak, current) resident memory (VmHWM, VmRSS), MB: a service's peak is its load,
+    which holds the float weights a quantizing one drops; its current RSS is what it serves with."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return tuple(int(fields.get(key, "0 kB").split()[0]) / 1024 for key in ("VmHWM", "VmRSS"))
 
 
 # ----------------------------------------------------------------- maths
@@ -239,14 +257,14 @@ def with_speedups(rows: list[dict], baselines: dict[str, list[float]]) -> None:
 # ----------------------------------------------------------------- output
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'row':<28}{'mode':<9}{'K':>3}{'tok/s':>8}{'speedup':>8}{'accept':>7}{'alpha':>6}{'acc/rnd':>8}{'draft ms':>9}"
+    head = (f"{'row':<34}{'mode':<9}{'K':>3}{'tok/s':>8}{'speedup':>8}{'accept':>7}{'alpha':>6}{'acc/rnd':>8}{'draft ms':>9}"
             f"{'target ms':>10}{'ovh ms':>7}{'ovh %':>6}{'B/rnd':>7}{'ideal':>6}{'eff':>6}")
     print(head)
     print("-" * len(head))
     for r in rows:
         def f(key, fmt):
             return format(r[key], fmt) if key in r else "-"
-        print(f"{r['name']:<28}{r['mode']:<9}{r['k']:>3}{r['tokens_per_s']:>8.1f}{r['speedup']:>7.2f}x"
+        print(f"{r['name']:<34}{r['mode']:<9}{r['k']:>3}{r['tokens_per_s']:>8.1f}{r['speedup']:>7.2f}x"
               f"{f('acceptance_rate', '.2f'):>7}{f('alpha', '.2f'):>6}{f('mean_accepted', '.2f'):>8}{f('draft_ms_per_call', '.2f'):>9}"
               f"{f('target_ms_per_call', '.2f'):>10}{f('overhead_ms_per_round', '.2f'):>7}"
               f"{(format(100 * r['overhead_fraction'], '.1f') if 'overhead_fraction' in r else '-'):>6}"
@@ -308,8 +326,12 @@ def main(argv=None) -> None:
     parser.add_argument("--gguf", type=Path, help="row l: the GGUF llama.cpp runs (default: the one the target was"
                                                   " converted from, where installed; none: no row l)")
     parser.add_argument("--tp-k", type=int, default=4, help="row f: K")
+    parser.add_argument("--quantize", default="int4",
+                        help="rows a' and d again with the target's and the draft's --quantize (e.g. int4; '' skips)")
+    parser.add_argument("--quant-k", type=int, default=4, help="the fixed K of the quantized d row (adaptive K too)")
     parser.add_argument("--ngram-ks", default="8", help="rows n and p (bench/ngram.py): K values")
-    parser.add_argument("--only", choices=["ngram"], help="run only these rows: ngram (the n rows, bench/ngram.py)")
+    parser.add_argument("--only", choices=["ngram", "pair"],
+                        help="run only these rows: ngram (the n rows, bench/ngram.py) or pair (all but those)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     tp_sizes = [int(n) for n in args.tp.split(",") if n]
@@ -343,7 +365,9 @@ def main(argv=None) -> None:
         print("row l skipped: llama-cpp-python is not installed (make bench-deps builds it)", flush=True)
         gguf = None
 
-    runs = len(modes) * (3 + 4 * len(ks) + len(tp_sizes) + (gguf is not None)) + len(ks) * ("greedy" in modes)
+    quantized = [q for q in args.quantize.split(",") if q and q != "none"]
+    runs = (len(modes) * (3 + 4 * len(ks) + len(tp_sizes) + (gguf is not None) + 3 * len(quantized))
+            + len(ks) * ("greedy" in modes))
     bar = tqdm(total=runs, desc="bench", unit="run")
     rows: list[dict] = []
     baselines: dict[str, list[float]] = {}  # row a's tokens/s, per mode: at the start and after every K
@@ -369,11 +393,15 @@ def main(argv=None) -> None:
             if mode == "greedy":
                 references = [p + o for p, o in zip(prompts, outputs)]
                 hf_greedy = outputs
-            bar.set_postfix_str(f"{mode}: a' target alone, specdec runner")
-            tokens, seconds = runner_alone(target_dir, prompts, temperature, args.new_tokens, eos)
-            rows.append({"name": "a' target alone (runner)", "mode": mode, "k": 0, "tokens": tokens,
-                         "tokens_per_s": tokens / seconds})
-            bar.update()
+            for quantize in ("none", *quantized):
+                bar.set_postfix_str(f"{mode}: a' target alone, specdec runner ({quantize})")
+                tokens, seconds, weight_bytes = runner_alone(target_dir, prompts, temperature, args.new_tokens, eos,
+                                                             quantize)
+                rows.append({"name": "a' target alone (runner)" + ("" if quantize == "none" else f", {quantize}"),
+                             "mode": mode, "k": 0, "tokens": tokens, "tokens_per_s": tokens / seconds,
+                             "quantize": quantize, "ms_per_pass": seconds * 1e3 / tokens,
+                             "weight_mb": weight_bytes / 1e6})
+                bar.update()
             for k in ks:
                 bar.set_postfix_str(f"{mode}: b HF assisted K={k}")
                 outputs, seconds = hf_generate(target, prompts, temperature, args.new_tokens, assistant, k)
@@ -408,8 +436,24 @@ def main(argv=None) -> None:
                     identical["l llama.cpp"] = sum(a == b for a, b in zip(outputs, hf_greedy))
             if gguf is not None:
                 bar.update()
-        rss = {name: peak_rss_mb(proc.pid) for name, proc in stack.procs.items()}
-        rss["bench process (a, a', b, c)"] = peak_rss_mb(os.getpid())
+        rss = {name: rss_mb(proc.pid) for name, proc in stack.procs.items()}
+        rss["bench process (a, a', b, c)"] = rss_mb(os.getpid())
+        for quantize in quantized:
+            stack.stop()
+            flags = ["--quantize", quantize]
+            stack = LocalStack(draft_dir, target_dir, threads=args.threads, draft_threads=args.draft_threads,
+                               draft_args=flags, target_args=flags).start()
+            for mode, temperature in modes.items():
+                for k in (args.quant_k, None):
+                    bar.set_postfix_str(f"{mode}: d {quantize} K={k or 'adaptive'}")
+                    served = []
+                    stats, seconds = grpc_run(stack, prompts, temperature, args.new_tokens, k, served)
+                    name = f"d specdec gRPC, {quantize}" + (", adaptive K" if k is None else "")
+                    mean_k = stats.draft_tokens / max(1, stats.rounds)
+                    rows.append({**row_from_stats(name, mode, k or round(mean_k), stats, seconds), "quantize": quantize,
+                                 **({"adaptive": True, "mean_k": mean_k} if k is None else {})})
+                    bar.update()
+            rss.update({f"{name} ({quantize})": rss_mb(proc.pid) for name, proc in stack.procs.items()})
         if references is not None:
             stack.stop()
             oracle = args.out / "oracle.json"
@@ -437,7 +481,10 @@ def main(argv=None) -> None:
         bar.close()
 
     with_speedups(rows, baselines)
-    meta = {"machine": machine(), "threads": args.threads, "peak_rss_mb": rss, "greedy_identical_to_a": identical,
+    bandwidth = memory_bandwidth_gbs(args.threads)
+    floor_lines = floors(rows, bandwidth)
+    meta = {"machine": machine(), "threads": args.threads, "rss_mb_peak_and_now": rss, "greedy_identical_to_a": identical,
+            "memory_bandwidth_gbs": bandwidth,
             "draft_threads": args.draft_threads,
             "draft": str(draft_dir), "target": str(target_dir), "prompts": len(prompts),
             "new_tokens": args.new_tokens, "date": time.strftime("%Y-%m-%d %H:%M")}
@@ -445,7 +492,8 @@ def main(argv=None) -> None:
     plot(rows, args.out / "speedup.png")
     print(f"\n{meta}\n")
     print_table(rows)
-    best = {m: max((r for r in rows if r["mode"] == m and r["name"].startswith("d ")), key=lambda r: r["speedup"],
+    best = {m: max((r for r in rows if r["mode"] == m and r["name"].startswith("d ") and "quantize" not in r),
+                   key=lambda r: r["speedup"],
                    default=None) for m in modes}
     for mode, r in best.items():
         if r:
@@ -455,14 +503,15 @@ def main(argv=None) -> None:
                   f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x HF assisted at that K, "
                   f"gRPC overhead {100 * r['overhead_fraction']:.1f}% of a round")
     if rss:
-        print("peak RSS, MB: " + ", ".join(f"{name} {mb:.0f}" for name, mb in rss.items()))
+        print("RSS, MB (peak / now): " + ", ".join(f"{name} {peak:.0f} / {now:.0f}" for name, (peak, now) in rss.items()))
     if identical:
         print(f"greedy outputs identical to a's (of {len(prompts)}): "
               + ", ".join(f"{name} {n}" for name, n in identical.items()))
-    for line in bars(rows):
+    for line in floor_lines + bars(rows):
         print(line)
     print(f"\nwrote {args.out / 'latest.json'} and {args.out / 'speedup.png'}")
-    ngram_rows()
+    if args.only != "pair":
+        ngram_rows()
 
 
 def machine() -> str:
@@ -481,10 +530,12 @@ def machine() -> str:
 
 
 def bars(rows: list[dict]) -> list[str]:
-    """The real-pair issue's bars, greedy unless said: best d >= 2.5x a, >= 1.7x a', >= 1.3x b (best of
-    each); sampled best d >= 1.8x a; d's acceptance at K = 4 >= 0.6."""
-    def best(prefix: str, mode: str) -> dict | None:
-        found = [r for r in rows if r["mode"] == mode and r["name"].startswith(prefix)]
+    """The issues' bars, greedy unless said. Real pair (float rows: the model as converted): best d
+    >= 2.5x a, >= 1.7x a', >= 1.3x b (best of each); sampled best d >= 1.8x a; d's acceptance at K = 4
+    >= 0.6. CPU speed: a' int4 >= 2x a' float; best d int4 >= l (llama.cpp plain)."""
+    def best(prefix: str, mode: str, quantize: str = "none") -> dict | None:
+        found = [r for r in rows if r["mode"] == mode and r["name"].startswith(prefix)
+                 and r.get("quantize", "none") == quantize]
         return max(found, key=lambda r: r["tokens_per_s"]) if found else None
 
     lines = []
@@ -504,6 +555,26 @@ def bars(rows: list[dict]) -> list[str]:
     lo = best("l ", "greedy")
     if d and lo:
         lines.append(f"(no bar) d / l llama.cpp (greedy): {d['tokens_per_s'] / lo['tokens_per_s']:.2f}x")
+    for quantize in sorted({r["quantize"] for r in rows if r.get("quantize", "none") != "none"}):
+        aq, dq = best("a' ", "greedy", quantize), best("d ", "greedy", quantize)
+        if aq and a2:
+            lines.append(f"bar a' {quantize} >= 2x a' float (greedy): {aq['tokens_per_s'] / a2['tokens_per_s']:.2f}x")
+        if dq and lo:
+            lines.append(f"bar d {quantize} >= l llama.cpp (greedy): {dq['tokens_per_s'] / lo['tokens_per_s']:.2f}x"
+                         f" ({dq['tokens_per_s']:.1f} vs {lo['tokens_per_s']:.1f} tok/s)")
+    return lines
+
+
+def floors(rows: list[dict], bandwidth_gbs: float) -> list[str]:
+    """How far each a' row's pass is from its memory-bandwidth floor (weight bytes it reads / bandwidth)."""
+    lines = []
+    for r in rows:
+        if r.get("weight_mb"):
+            floor_ms = r["weight_mb"] / 1e3 / bandwidth_gbs * 1e3
+            r["floor_ms"] = floor_ms
+            lines.append(f"{r['name']} ({r['mode']}): {r['ms_per_pass']:.1f} ms per token, reads {r['weight_mb']:.0f} MB"
+                         f" of weights -> floor {floor_ms:.1f} ms at {bandwidth_gbs:.1f} GB/s: {r['ms_per_pass'] / floor_ms:.1f}x"
+                         " the floor")
     return lines
 
 

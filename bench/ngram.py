@@ -59,7 +59,7 @@ def run(target, tokenizer, target_dir, *, modes: dict[str, float], n_prompts: in
                 rows.append({"name": "a target alone (HF)", **tag, "k": 0, "tokens": sum(map(len, outputs)),
                              "tokens_per_s": sum(map(len, outputs)) / seconds})
                 step(f"{mode} {name}: a")
-                alone = [runner_alone(target_dir, prompts, temperature, new_tokens, eos)]
+                alone = [runner_alone(target_dir, prompts, temperature, new_tokens, eos)[:2]]
                 step(f"{mode} {name}: a'")
                 for k in ks:
                     outputs, seconds = hf_generate(target, prompts, temperature, new_tokens, prompt_lookup=k)
@@ -79,7 +79,7 @@ def run(target, tokenizer, target_dir, *, modes: dict[str, float], n_prompts: in
                 rows.append({**row_from_stats("n n-gram gRPC, adaptive K", mode, round(mean_k), stats, seconds),
                              **tag, "adaptive": True, "mean_k": mean_k})
                 step(f"{mode} {name}: n adaptive")
-                alone.append(runner_alone(target_dir, prompts, temperature, new_tokens, eos))
+                alone.append(runner_alone(target_dir, prompts, temperature, new_tokens, eos)[:2])
                 step(f"{mode} {name}: a' again")
                 runs = [tokens / seconds for tokens, seconds in alone]
                 rows.insert(len(rows) - 2 * len(ks) - 1, {"name": "a' target alone (runner)", **tag, "k": 0,

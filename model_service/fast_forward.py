@@ -203,6 +203,23 @@ class FastForward:
         self.lm_head_packed = None
         self.pack()
 
+    def weight_bytes(self) -> int:
+        """Bytes of weights one single-token pass reads (every layer's linears and norms, the final
+        norm, the output layer as it runs: int4-packed with its scales, or float; one embedding row):
+        a decode pass can be no faster than this over the memory bandwidth."""
+        def size(w: torch.Tensor | Int4 | None) -> int:
+            if isinstance(w, Int4):
+                return size(w.weight) + size(w.scales_and_zeros)
+            return 0 if w is None else w.numel() * w.element_size()
+
+        total = self.embed.shape[1] * self.embed.element_size() + size(self.final_norm.weight)
+        for layer in self.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                packed = layer.get(f"{name}_packed")
+                total += size(packed if isinstance(packed, Int4) else layer[name])
+            total += size(layer["in_norm"]) + size(layer["post_norm"]) + size(layer["qkv_bias"])
+        return total + size(self.lm_head_packed if isinstance(self.lm_head_packed, Int4) else self.lm_head)
+
     @staticmethod
     def _mm(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None,
             bias: torch.Tensor | None = None) -> torch.Tensor:

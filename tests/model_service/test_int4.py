@@ -44,6 +44,20 @@ def test_quantize_drops_the_float_weights_and_reports_itself(pair):
     assert ModelRunner(pair[1], "cpu").info()["quantization"] == "none"
 
 
+def test_weight_bytes_count_what_a_pass_reads(pair):
+    """fp32: every linear, norm and the output layer at 4 bytes a weight; int4: half a byte a weight
+    plus a bf16 scale and zero per group of 32 (1/8 + 1/16 of fp32's bytes) for the linears."""
+    float_runner, int4_runner = ModelRunner(pair[1], "cpu"), ModelRunner(pair[1], "cpu", quantize="int4")
+    model = float_runner.model
+    linears = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))  # + the head
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+    hidden = model.config.hidden_size
+    assert float_runner.fast.weight_bytes() == 4 * (linears + norms + hidden)
+    padded = sum(-(-w.numel() // (16 * w.shape[-1])) * 16 * w.shape[-1]  # outputs padded to 16
+                 for m in model.modules() if isinstance(m, torch.nn.Linear) for w in [m.weight])
+    assert int4_runner.fast.weight_bytes() == pytest.approx(padded * (0.5 + 4 / 32) + 4 * (norms + hidden), rel=0.05)
+
+
 def test_quantize_refuses_what_it_cannot_run(pair):
     with pytest.raises(ValueError, match="lean forward"):
         ModelRunner(pair[1], "cpu", forward="transformers", quantize="int4")
