@@ -492,7 +492,8 @@ def main(argv=None) -> None:
     plot(rows, args.out / "speedup.png")
     print(f"\n{meta}\n")
     print_table(rows)
-    best = {m: max((r for r in rows if r["mode"] == m and r["name"].startswith("d ") and "quantize" not in r),
+    best = {m: max((r for r in rows if r["mode"] == m and r["name"].startswith("d ")
+                    and r.get("quantize", "none") == "none"),
                    key=lambda r: r["speedup"],
                    default=None) for m in modes}
     for mode, r in best.items():

@@ -76,10 +76,12 @@ class CostModel:
         K = 1.5 on average and ran 0.87x of fixed K = 4; the larger share picks about 3 and
         matches it (median of 3 runs, 439 vs 432 tokens/s)."""
         target = self.target_scale * (self.target.fixed / batch + self.target.per_token * (k + 1)
-                                      + self.target.per_session)
+                                      + self.target.per_session
+                                      + (self.target.multi_row / batch if (k + 1) * batch > 1 else 0.0))
         draft = 0.0
         if k:
-            step = self.draft.fixed / draft_batch + self.draft.per_token + self.draft.per_session
+            step = (self.draft.fixed / draft_batch + self.draft.per_token + self.draft.per_session
+                    + (self.draft.multi_row / draft_batch if draft_batch > 1 else 0.0))
             # measured where it runs faster than calibrated; never charged for slowing down under load,
             # when it drafts while the target verifies others
             draft = min(self.draft_scale, 1.0) * k * step
@@ -125,7 +127,8 @@ class AdaptiveK:
     adaptive = True
     PRIOR_WEIGHT = 16.0  # the coordinator-wide alpha counts as this many draft tokens
     DECAY = 0.98        # per round: old acceptance counts fade (round-to-round acceptance is mostly noise)
-    PROBE_EVERY = 8     # after this many rounds without drafting, draft one token to re-measure
+    PROBE_EVERY = 8     # after this many rounds without drafting, draft one token to re-measure...
+    PROBE_MAX = 64      # ...and twice as many after each probe that changed nothing, up to this
 
     def __init__(self, costs: CostModel, k_max: int):
         self.costs = costs
@@ -135,6 +138,7 @@ class AdaptiveK:
         self.batch = 1.0
         self.draft_batch = 1.0
         self.idle = 0
+        self.wait = self.PROBE_EVERY  # rounds without drafting before the next probe
 
     @property
     def alpha(self) -> float:
@@ -149,10 +153,15 @@ class AdaptiveK:
                    / self.costs.round_cost(k, self.batch, self.draft_batch, pipelined))
         if best == 0 and top > 0:
             self.idle += 1
-            if self.idle >= self.PROBE_EVERY:
+            if self.idle >= self.wait:
+                # a probe round costs a multi-row verify and a draft call (SmolLM2 fp32: ~1.5x a
+                # plain step): where probes keep finding the draft not worth it, probe less often
                 self.idle, best = 0, 1
+                self.wait = min(2 * self.wait, self.PROBE_MAX)
         else:
             self.idle = 0
+            if best > 0:
+                self.wait = self.PROBE_EVERY
         return best
 
     def observe(self, r: Round, wall_ms: float) -> None:

@@ -233,7 +233,7 @@ class ModelRunner:
         fraction of a second on CPU; the coordinator's adaptive K reads the result.
         """
         vocab = max(2, self.vocab_size)
-        shapes = [(1, 1), (1, 4), (1, 8), (4, 1), (4, 5), (8, 1), (8, 5), (16, 1), (16, 3), (16, 8)]
+        shapes = [(1, 1), (1, 2), (1, 4), (1, 8), (4, 1), (4, 5), (8, 1), (8, 5), (16, 1), (16, 3), (16, 8)]
         scratch = [Session(f"calibrate-{i}", self.sessions.new_cache(), torch.Generator()) for i in range(16)]
         for i, session in enumerate(scratch):
             session.tokens = [(7 * i + j) % vocab for j in range(context)]
@@ -252,7 +252,7 @@ class ModelRunner:
                 samples.append((time.perf_counter() - start) * 1e3)
                 for session in feeds:
                     session.truncate(context)
-            rows.append([1.0, float(sessions * tokens), float(sessions)])
+            rows.append([1.0, float(sessions * tokens), float(sessions), float(sessions * tokens > 1)])
             times.append(sorted(samples)[len(samples) // 2])
         fit = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
                                  torch.tensor(times, dtype=torch.float64)[:, None]).solution[:, 0]
@@ -290,6 +290,7 @@ class ModelRunner:
             "pass_ms_fixed": self.pass_cost.fixed,
             "pass_ms_per_token": self.pass_cost.per_token,
             "pass_ms_per_session": self.pass_cost.per_session,
+            "pass_ms_multi_row": self.pass_cost.multi_row,
             "tensor_parallel_size": self.tensor_parallel,
             "rank_loads": self.loads,
         }

@@ -22,7 +22,8 @@ def test_tiny_bench_writes_every_row(pair, tmp_path, capsys):
     results = json.loads((tmp_path / "latest.json").read_text())
     rows = results["rows"]
     assert (tmp_path / "speedup.png").stat().st_size > 1000
-    assert "best d (greedy)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "best d (greedy)" in out
 
     names = {r["name"][:2].strip() for r in rows}
     assert names == {"a", "a'", "b", "c", "d", "e", "f"}
@@ -42,8 +43,19 @@ def test_tiny_bench_writes_every_row(pair, tmp_path, capsys):
             else:
                 assert len(row["acceptance_per_position"]) == row["k"]
 
-    greedy = [r for r in rows if r["mode"] == "greedy"]
-    # greedy output is the target's own whatever the row: same token counts everywhere
+    # the int4 rows (--quantize int4 on the target and the draft): a' and d, each mode
+    int4 = {(r["name"], r["mode"]) for r in rows if r.get("quantize") == "int4"}
+    assert int4 == {(name, mode) for mode in ("greedy", "sampling") for name in (
+        "a' target alone (runner), int4", "d specdec gRPC, int4", "d specdec gRPC, int4, adaptive K")}
+    floors = [r for r in rows if "floor_ms" in r]  # each a' row against its memory-bandwidth floor
+    assert len(floors) == 4 and all(0 < r["floor_ms"] < r["ms_per_pass"] for r in floors)
+    assert all(r["weight_mb"] < f["weight_mb"] / 3 for r in floors if r["quantize"] == "int4"
+               for f in floors if f["quantize"] == "none")
+    assert "bar a' int4 >= 2x a' float (greedy)" in out and "memory_bandwidth_gbs" in results["meta"]
+
+    greedy = [r for r in rows if r["mode"] == "greedy" and r.get("quantize", "none") == "none"]
+    # greedy output is the target's own whatever the row: same token counts everywhere (the int4
+    # rows run another model, the int4 one)
     assert len({r["tokens"] for r in greedy}) == 1, [(r["name"], r["k"], r["tokens"]) for r in greedy]
     for k in (1, 3):
         c, d = (next(r for r in greedy if r["name"].startswith(x) and r["k"] == k) for x in ("c", "d"))

@@ -44,6 +44,28 @@ def test_k_backs_off_when_verification_is_compute_bound():
     assert alone >= 2 and policy.choose(100) == 0
 
 
+def test_the_first_extra_row_is_priced():
+    """A one-token pass is a matrix-vector product, cheaper than any pass over more rows (SmolLM2,
+    fp32, CPU: 27.6 ms for 1 token, 36.6 for 2, 42.2 for 5). Priced linearly, a weak draft's
+    first token looks worth drafting; priced with the jump, a lone request drafts nothing, while
+    a batch (already past one row) still drafts."""
+    linear = PassCost(fixed=25.4, per_token=2.2)
+    jump = PassCost(fixed=25.4, per_token=2.2, multi_row=7.0)  # 27.6, 36.8, 43.4 ms for 1, 2, 5 tokens
+    assert jump(1, 1) == pytest.approx(linear(1, 1)) and jump(2, 1) == pytest.approx(linear(2, 1) + 7.0)
+    small_draft = PassCost(fixed=1.0, per_token=0.05)
+    chosen = {}
+    for name, target in (("linear", linear), ("jump", jump)):
+        policy = AdaptiveK(CostModel(target, small_draft, alpha=0.3), k_max=8)
+        for _ in range(10):  # this request's own acceptance: 1 of 3 tried (alpha 1/3)
+            rounds_of(policy, accepted=0, proposed=2, batch=1, n=1)
+            rounds_of(policy, accepted=1, proposed=2, batch=1, n=1)
+        chosen[name] = policy.choose(100)
+        rounds_of(policy, accepted=2, proposed=2, batch=8)  # a batch of 8: every pass has rows to spare
+        chosen[name + " batch 8"] = policy.choose(100)
+    assert chosen["linear"] >= 1 and chosen["jump"] == 0
+    assert chosen["jump batch 8"] == chosen["linear batch 8"] >= 1  # past one row, the jump is shared and small
+
+
 def test_pipelined_rounds_cost_the_busier_service():
     """With other requests in flight the draft drafts while the target verifies others: a round
     costs max(target share, draft share), so the same acceptance affords a longer draft than a
@@ -73,6 +95,16 @@ def test_probes_after_rounds_without_drafting():
     policy = AdaptiveK(CostModel(TARGET, DRAFT, alpha=0.0), k_max=4)
     picks = [policy.choose(100) for _ in range(AdaptiveK.PROBE_EVERY)]
     assert picks[:-1] == [0] * (AdaptiveK.PROBE_EVERY - 1) and picks[-1] == 1
+    # probes that change nothing come half as often each time, down to one in PROBE_MAX rounds
+    picks = [policy.choose(100) for _ in range(8 + 16 + 32 + 64 + 64 + 64)]
+    probes = [i + 1 for i, k in enumerate(picks) if k]
+    assert [b - a for a, b in zip([0] + probes, probes)] == [16, 32, 64, 64, 64]
+    # once a round is worth drafting again, the next idle spell probes after PROBE_EVERY again
+    rounds_of(policy, accepted=4, proposed=4, batch=1)
+    assert policy.choose(100) > 0
+    rounds_of(policy, accepted=0, proposed=4, batch=1, n=200)
+    picks = [policy.choose(100) for _ in range(AdaptiveK.PROBE_EVERY)]
+    assert picks[-1] == 1 and not any(picks[:-1])
 
 
 def test_cost_model_scales_to_measured_passes():

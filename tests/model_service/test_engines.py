@@ -322,3 +322,16 @@ def test_every_bit_of_a_seed_moves_the_session_generator(runners):
     seeds = [5, 5 + 2**32, 5 + 2**63, 2**64 - 1, 0]
     assert len({tuple(draws(s)) for s in seeds}) == len(seeds)
     assert draws(5 + 2**32) == draws(5 + 2**32)
+
+
+def test_calibrate_fits_the_pass_and_reports_it(runners):
+    """calibrate() fits fixed + per token + per session + the jump past one row by least squares
+    on timed passes; the fit reproduces those timings' order (more tokens cost more) and the
+    service reports every term (adaptive K prices rounds with them)."""
+    _, target = runners
+    cost = target.calibrate(context=16, reps=1)
+    assert min(cost.fixed, cost.per_token, cost.per_session, cost.multi_row) >= 0.0
+    assert cost(9, 1) >= cost(2, 1) >= cost(1, 1) > 0.0
+    info = target.info()
+    assert [info[f"pass_ms_{name}"] for name in ("fixed", "per_token", "per_session", "multi_row")] == [
+        cost.fixed, cost.per_token, cost.per_session, cost.multi_row]
