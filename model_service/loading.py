@@ -27,6 +27,7 @@ time and peak resident memory, which the service logs at start-up and reports in
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import time
@@ -64,6 +65,53 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, rank:
         return Loaded(model, 1, sum(p.numel() for p in model.parameters()),
                       model.get_output_embeddings().weight.shape[0])
     return _load_slices(path, files, dtype, device, rank, world)
+
+
+def release_checkpoint_maps(model: torch.nn.Module) -> int:
+    """Copy into the process's own memory every parameter and buffer that still lies in a mapped
+    checkpoint file (Linux; elsewhere nothing). -> bytes copied.
+
+    `from_pretrained` maps safetensors files and its tensors are views of those pages; once the
+    lean forward has made its own fused copies of the big weights, a few small tensors (the
+    norms) are all that is left there, yet they keep the whole file mapped and its pages
+    resident: on SmolLM2 (538 MB of float32) a target served with 2.0 GB of RSS, 0.55 GB of it
+    the file. Copying those few and dropping the last reference unmaps it."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return 0
+    spans = []
+    for line in maps:
+        fields = line.split()
+        if len(fields) >= 6 and fields[-1].endswith(".safetensors"):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            spans.append((lo, hi))
+    if not spans:
+        return 0
+    copied = 0
+    with torch.no_grad():
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, tensor in table.items():
+                    if tensor is None or tensor.device.type != "cpu" or tensor.numel() == 0:
+                        continue
+                    start = tensor.untyped_storage().data_ptr()
+                    if any(lo <= start < hi for lo, hi in spans):
+                        tensor.data = tensor.data.clone()
+                        copied += tensor.numel() * tensor.element_size()
+    return copied
+
+
+def return_freed_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's `malloc_trim`; elsewhere nothing).
+
+    A load frees much (the float weights a quantized or fused forward replaced), but glibc keeps
+    freed blocks below its mmap threshold in the heap, counted in RSS: after `--quantize int4`
+    the SmolLM2 target held 1.37 GB resident, 0.58 GB once trimmed."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def safetensors_files(path: Path) -> dict[str, Path] | None:

@@ -26,7 +26,7 @@ from transformers import AutoTokenizer, DynamicCache
 from speculative.protocol import PassCost
 from speculative.errors import CapacityExceeded, InvalidRequest
 from .fast_forward import DTYPES, POOL_CAPACITY, FastForward, check_shardable
-from .loading import LoadMeter, describe, import_model_code, load_model
+from .loading import LoadMeter, describe, import_model_code, load_model, release_checkpoint_maps, return_freed_memory
 from .sessions import Session, SessionTable, check_session_id
 
 log = logging.getLogger("specdec")
@@ -150,7 +150,9 @@ class ModelRunner:
                 raise ValueError(f"--quantize int4 needs the lean forward, which {self.name} has not")
             self.fast.quantize(quant_group)
             self.quantization = f"int4 (weights in groups of {quant_group}, bf16 scales)"
-            gc.collect()
+        release_checkpoint_maps(self.model)
+        gc.collect()
+        return_freed_memory()
         self.sessions = SessionTable(max_sessions, idle_timeout, self.fast.new_cache if self.fast else DynamicCache)
         self._tokenizer_files: list[tuple[str, bytes]] | None = None
         self.lock = threading.Lock()  # one forward at a time; sessions are touched under it

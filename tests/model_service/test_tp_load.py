@@ -204,3 +204,46 @@ def test_a_tensor_parallel_service_loads_shards_and_computes_tp1s_logits(big_mod
         assert load["peak_rss_mb"] < 0.6 * whole["peak_rss_mb"], (rank, load, whole)
     assert logits[1].shape == logits[2].shape == (5, 4096)
     assert (logits[1] - logits[2]).abs().max().item() < 1e-4
+
+
+def mapped_checkpoints() -> list[tuple[int, int]]:
+    spans = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[-1].endswith(".safetensors"):
+            spans.append(tuple(int(x, 16) for x in fields[0].split("-")))
+    return spans
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
+@pytest.mark.parametrize("forward", ["auto", "transformers"])
+def test_a_loaded_runner_keeps_no_checkpoint_mapped(tmp_path, forward):
+    """from_pretrained's tensors are views of the mapped safetensors file; a few left there (the
+    norms, after the lean forward copied the rest) would keep the whole file mapped and resident.
+    After ModelRunner's load no parameter or buffer lies in a mapped checkpoint, and the logits
+    are those of the model as loaded."""
+    import gc
+
+    from model_service.loading import release_checkpoint_maps
+    from model_service.model_runner import ModelRunner
+
+    path = save_model(tmp_path / "m")
+    make_tokenizer(path)
+    reference = AutoModelForCausalLM.from_pretrained(path).eval()
+    assert mapped_checkpoints()  # from_pretrained maps it (else this test tests nothing)
+    ids = list(range(3, 19))
+    with torch.inference_mode():
+        expected = reference(torch.tensor([ids])).logits[0, -1]
+    assert release_checkpoint_maps(reference) > 0
+    del reference
+    gc.collect()
+    runner = ModelRunner(path, "cpu", forward=forward)
+    gc.collect()
+    spans = mapped_checkpoints()
+    for name, tensor in [*runner.model.named_parameters(), *runner.model.named_buffers()]:
+        start = tensor.untyped_storage().data_ptr()
+        assert not any(lo <= start < hi for lo, hi in spans), name
+    assert not spans  # nothing else held the file either
+    session = runner.start_session("s", 0)
+    session.tokens.extend(ids)
+    torch.testing.assert_close(runner.forward(session)[-1], expected, rtol=1e-4, atol=1e-4)
