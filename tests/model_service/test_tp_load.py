@@ -206,11 +206,13 @@ def test_a_tensor_parallel_service_loads_shards_and_computes_tp1s_logits(big_mod
     assert (logits[1] - logits[2]).abs().max().item() < 1e-4
 
 
-def mapped_checkpoints() -> list[tuple[int, int]]:
+def mapped_checkpoints(under: Path) -> list[tuple[int, int]]:
+    """Address spans of safetensors files under `under` mapped into this process (other tests in
+    the same process may hold their own checkpoints mapped; only this one's counts)."""
     spans = []
     for line in Path("/proc/self/maps").read_text().splitlines():
         fields = line.split()
-        if len(fields) >= 6 and fields[-1].endswith(".safetensors"):
+        if len(fields) >= 6 and fields[-1].endswith(".safetensors") and fields[-1].startswith(str(under.resolve())):
             spans.append(tuple(int(x, 16) for x in fields[0].split("-")))
     return spans
 
@@ -230,7 +232,7 @@ def test_a_loaded_runner_keeps_no_checkpoint_mapped(tmp_path, forward):
     path = save_model(tmp_path / "m")
     make_tokenizer(path)
     reference = AutoModelForCausalLM.from_pretrained(path).eval()
-    assert mapped_checkpoints()  # from_pretrained maps it (else this test tests nothing)
+    assert mapped_checkpoints(tmp_path)  # from_pretrained maps it (else this test tests nothing)
     ids = list(range(3, 19))
     with torch.inference_mode():
         expected = reference(torch.tensor([ids])).logits[0, -1]
@@ -239,7 +241,7 @@ def test_a_loaded_runner_keeps_no_checkpoint_mapped(tmp_path, forward):
     gc.collect()
     runner = ModelRunner(path, "cpu", forward=forward)
     gc.collect()
-    spans = mapped_checkpoints()
+    spans = mapped_checkpoints(tmp_path)
     for name, tensor in [*runner.model.named_parameters(), *runner.model.named_buffers()]:
         start = tensor.untyped_storage().data_ptr()
         assert not any(lo <= start < hi for lo, hi in spans), name
