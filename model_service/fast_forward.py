@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import scripted
 from .int4 import Int4, int4_pack
 from .kv_cache import POOL_CAPACITY, KVCache, KVPool
 
@@ -90,6 +91,10 @@ class FastForward:
         self.head_ids: torch.Tensor | None = None  # restrict_head: the ids the output layer scores, [N]
         self.pack_min = PACK_MIN_ELEMENTS
         self.int4_group = 0  # quantize(): weight-only int4 in groups of this many inputs (0: off)
+        # one sequence's layers through TorchScript (scripted.LAYERS) on CPU; CUDA keeps the eager
+        # loop, which has not been measured against it there
+        self.scripted = scripted.LAYERS is not None and self.embed.device.type == "cpu"
+        self._script_args: tuple | None = None  # its weight lists, made by the first pass that uses them
         self.pack()
         self.pool_capacity = pool_capacity  # 0: every session's cache on its own (no batched attention)
         self.pool: KVPool | None = None  # made by the first new_cache (after to() and shard())
@@ -178,6 +183,7 @@ class FastForward:
         if head.weight.data_ptr() != self.embed.data_ptr():
             head.weight.data = empty
         self.lm_head = empty
+        self._script_args = None
 
     def _pack_int4(self) -> None:
         with torch.inference_mode():
@@ -320,7 +326,14 @@ class FastForward:
                 keep = torch.tensor([r for (_, _, n), (_, b, _, _) in zip(feeds, spans) for r in range(b - n, b)],
                                     dtype=torch.long).to(device)
         last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
+        if self.scripted and len(feeds) == 1 and self.reduce is None:
+            # the same layers for one sequence, run by TorchScript (see scripted.py)
+            x = scripted.LAYERS(x, cos, sin, feeds[0][1].data, spans[0][2], feeds[0][2], heads, kv_heads, head_dim,
+                                self.eps, *self._scripted_args())
+            layers = []  # done
+        else:
+            layers = self.layers
+        for i, layer in enumerate(layers):
             h = self._norm(x, layer["in_norm"])
             qkv = self._mm(h, layer["qkv"], layer["qkv_packed"], layer["qkv_bias"])  # [T, (H + 2 H_kv) head_dim]
             # RoPE on q and k at once: they are the first H + H_kv heads of qkv
@@ -361,6 +374,24 @@ class FastForward:
             full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
             logits = full.index_copy_(1, self.head_ids, logits)
         return list(logits.split([n for _, _, n in feeds]))
+
+    def _scripted_args(self) -> tuple:
+        """The weights as scripted.LAYERS takes them (from `scaling` on), made once per weight change."""
+        if self._script_args is None:
+            linears = [(layer[name], layer.get(f"{name}_packed")) for layer in self.layers
+                       for name in ("qkv", "o", "gate_up", "down")]
+            self._script_args = (
+                [self.head_dim ** -0.5 if layer["scaling"] is None else float(layer["scaling"]) for layer in self.layers],
+                [layer["in_norm"] for layer in self.layers], [layer["post_norm"] for layer in self.layers],
+                [layer["half"] for layer in self.layers], [layer["qkv_bias"] for layer in self.layers],
+                [w for w, _ in linears],
+                [None if isinstance(p, Int4) else p for _, p in linears],
+                [p.weight if isinstance(p, Int4) else None for _, p in linears],
+                [p.scales_and_zeros if isinstance(p, Int4) else None for _, p in linears],
+                [p.out if isinstance(p, Int4) else w.shape[1] for w, p in linears],
+                self.int4_group,
+            )
+        return self._script_args
 
     def _slot_batch(self, feeds, spans) -> SlotBatch | None:
         """How one attention call per layer covers these feeds, or None where it would not pay.
@@ -428,6 +459,7 @@ class FastForward:
         if self.rope_table is not None:
             self.rope_table = tuple(t.to(device) for t in self.rope_table)
         self.pack()
+        self.scripted = scripted.LAYERS is not None and torch.device(device).type == "cpu"
         self.pool = None  # the next session's cache starts a pool on `device`
         return self
 
@@ -487,6 +519,7 @@ class FastForward:
         already: made by `shard`, or loaded so (loading.load_model). `vocab`: the whole output
         layer's width, which `gather` cuts the ranks' padded logits back to."""
         self.world, self.vocab_size = world, vocab
+        self._script_args = None
         self.heads //= world
         self.kv_heads //= world
         self.pool = None  # caches made from now on hold this rank's heads

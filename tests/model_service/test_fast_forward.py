@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from model_service import scripted
 from model_service.fast_forward import FastForward
 from model_service.kv_cache import KVCache, KVPool
 from model_service.model_runner import ModelRunner
@@ -338,3 +339,41 @@ def test_kv_pool_does_not_halve_and_double_back_at_each_take(monkeypatch):
     monkeypatch.setattr(pool, "_resize", lambda *args: resizes.append(args) or resize(*args))
     more = new()
     assert more.slot == 2 and pool.slots == 4 and resizes == []
+
+
+@pytest.mark.skipif(scripted.LAYERS is None, reason="this torch has no TorchScript")
+@pytest.mark.parametrize("arch,weights", [("llama", "float"), ("llama", "packed"), ("llama", "int4"),
+                                          ("qwen2", "packed"), ("qwen2", "int4")])
+def test_scripted_layers_compute_the_eager_loop(tmp_path, tokenizer, monkeypatch, arch, weights):
+    """One sequence's layers run by TorchScript (scripted.LAYERS) give the eager loop's logits, through
+    random feeds of 1..9 tokens, partial logits and rollbacks: float weights as x @ w, oneDNN-packed
+    (every weight packed: pack_min 0), int4; with q/k/v biases (qwen2)."""
+    model_dir = make_model(tmp_path / arch, tokenizer, arch=arch, hidden=64, layers=2, heads=4, kv_heads=2,
+                           max_context=512, init_std=0.1)
+    runner = ModelRunner(model_dir, "cpu", quantize="int4" if weights == "int4" else "none")
+    fast = runner.fast
+    if weights == "packed":
+        fast.pack_min = 0
+        fast.pack()
+        assert fast.layers[0]["qkv_packed"] is not None
+    calls = []
+    layers = scripted.LAYERS
+    monkeypatch.setattr(scripted, "LAYERS", lambda *args: calls.append(1) or layers(*args))
+    caches = {flag: fast.new_cache() for flag in (True, False)}
+    rng = random.Random(1)
+    for _ in range(40):
+        new = [rng.randrange(runner.vocab_size) for _ in range(rng.randint(1, 9))]
+        num_logits = rng.randint(1, len(new))
+        outs = {}
+        for flag, cache in caches.items():
+            fast.scripted = flag
+            outs[flag] = fast(new, cache, num_logits)
+        torch.testing.assert_close(outs[True], outs[False], atol=1e-5, rtol=1e-5)
+        assert outs[True].shape == (num_logits, runner.vocab_size)
+        back = rng.randint(0, 5)
+        for cache in caches.values():
+            cache.crop(cache.length - back)
+    assert len(calls) == 40  # every scripted pass ran through LAYERS
+    length = caches[True].length
+    assert length == caches[False].length > 50
+    torch.testing.assert_close(caches[True].data[..., :length, :], caches[False].data[..., :length, :])
