@@ -227,18 +227,13 @@ class FastForward:
         return total + size(self.lm_head_packed if isinstance(self.lm_head_packed, Int4) else self.lm_head)
 
     @staticmethod
-    def _mm(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None,
+    def _mm(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | Int4 | None,
             bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ w (+ bias): x [rows, in], w [in, out]; through `packed` (w's packed copy, if any) for
-        several rows; through an Int4 (quantize) for every row."""
+        several rows; through an Int4 (quantize) for every row (scripted.mm, which both loops run)."""
         if isinstance(packed, Int4):
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed.weight, packed.group,
-                                                            packed.scales_and_zeros).to(x.dtype)
-            y = y if y.shape[1] == packed.out else y[:, : packed.out]
-            return y if bias is None else y + bias
-        if packed is not None and x.shape[0] > 1:
-            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-        return x @ w if bias is None else torch.addmm(bias, x, w)
+            return scripted.mm(x, w, None, packed.weight, packed.scales_and_zeros, packed.group, packed.out, bias)
+        return scripted.mm(x, w, packed, None, None, 0, 0, bias)
 
     def new_cache(self) -> KVCache:
         args = (len(self.layers), self.kv_heads, self.head_dim, self.embed.dtype, self.embed.device)
@@ -525,10 +520,7 @@ class FastForward:
         self.pool = None  # caches made from now on hold this rank's heads
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm as transformers computes it: in float32, scaled by the weight in the model's dtype."""
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, x.shape[-1:], weight, self.eps)
-        return weight * F.rms_norm(x.float(), x.shape[-1:], None, self.eps).to(x.dtype)
+        return scripted.rms_norm(x, weight, self.eps)
 
 
 def check_shardable(config, world: int) -> None:

@@ -13,6 +13,9 @@ missing or refuses these functions, LAYERS is None and FastForward keeps its eag
 computes the same thing.
 """
 
+# TorchScript reads typing.Optional and Union (and reads Union[int, float, complex] as Scalar)
+# ruff: noqa: UP007, UP045
+
 from __future__ import annotations
 
 import warnings
@@ -22,17 +25,20 @@ import torch
 import torch.nn.functional as F
 
 
-def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """FastForward._norm: RMSNorm in float32, scaled by the weight in the model's dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as transformers computes it: in float32, scaled by the weight in the model's dtype
+    (both loops')."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, [x.shape[-1]], weight, eps)
     return weight * F.rms_norm(x.float(), [x.shape[-1]], None, eps).to(x.dtype)
 
 
-def _mm(x: torch.Tensor, w: torch.Tensor, packed: Optional[torch.Tensor], q4: Optional[torch.Tensor],
-        q4_scales: Optional[torch.Tensor], group: int, out: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """FastForward._mm: x @ w (+ bias) through the int4 layout (q4, q4_scales) where there is one,
-    else through oneDNN's packed copy for several rows, else as it is."""
+def mm(x: torch.Tensor, w: torch.Tensor, packed: Optional[torch.Tensor], q4: Optional[torch.Tensor],
+       q4_scales: Optional[torch.Tensor], group: int, out: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x @ w (+ bias), x [rows, in], w [in, out] (both loops'; FastForward._mm): through the int4
+    layout where there is one (q4, q4_scales: torch's int4 CPU kernel, activations in bf16; the
+    first `out` of its padded outputs), else through oneDNN's packed copy of w for several rows,
+    else as it is."""
     if q4 is not None and q4_scales is not None:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), q4, group, q4_scales).to(x.dtype)
         if y.shape[1] != out:
@@ -69,8 +75,8 @@ def _layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Ten
     last = len(in_norm) - 1
     for i in range(len(in_norm)):
         j = 4 * i
-        h = _norm(x, in_norm[i], eps)
-        qkv = _mm(h, w[j], packed[j], q4[j], q4_scales[j], group, outs[j], qkv_bias[i])
+        h = rms_norm(x, in_norm[i], eps)
+        qkv = mm(h, w[j], packed[j], q4[j], q4_scales[j], group, outs[j], qkv_bias[i])
         qk = qkv[:, :split].view(total, heads + kv_heads, head_dim)
         qk = qk * cos + torch.cat((-qk[..., rotate:], qk[..., :rotate]), dim=-1) * sin
         v = qkv[:, split:].view(total, kv_heads, head_dim).transpose(0, 1).unsqueeze(0)
@@ -83,11 +89,11 @@ def _layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Ten
         att = att[0].transpose(0, 1).reshape(total, -1)  # [T, H * head_dim]
         if i == last and keep > 0 and keep < total:
             att, x = att[total - keep:], x[total - keep:]
-        x = x + _mm(att, w[j + 1], packed[j + 1], q4[j + 1], q4_scales[j + 1], group, outs[j + 1], None)
-        h = _norm(x, post_norm[i], eps)
-        gate_up = _mm(h, w[j + 2], packed[j + 2], q4[j + 2], q4_scales[j + 2], group, outs[j + 2], None)
+        x = x + mm(att, w[j + 1], packed[j + 1], q4[j + 1], q4_scales[j + 1], group, outs[j + 1], None)
+        h = rms_norm(x, post_norm[i], eps)
+        gate_up = mm(h, w[j + 2], packed[j + 2], q4[j + 2], q4_scales[j + 2], group, outs[j + 2], None)
         hidden = F.silu(gate_up[:, : half[i]]) * gate_up[:, half[i]:]
-        x = x + _mm(hidden, w[j + 3], packed[j + 3], q4[j + 3], q4_scales[j + 3], group, outs[j + 3], None)
+        x = x + mm(hidden, w[j + 3], packed[j + 3], q4[j + 3], q4_scales[j + 3], group, outs[j + 3], None)
     return x
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-from functools import partial
 import random
 import threading
+from functools import partial
 
 import pytest
 import torch
