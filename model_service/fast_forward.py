@@ -91,7 +91,7 @@ class FastForward:
         self.head_ids: torch.Tensor | None = None  # restrict_head: the ids the output layer scores, [N]
         self.pack_min = PACK_MIN_ELEMENTS
         self.int4_group = 0  # quantize(): weight-only int4 in groups of this many inputs (0: off)
-        # one sequence's layers through TorchScript (scripted.LAYERS) on CPU; CUDA keeps the eager
+        # the layer loop through TorchScript (scripted.py) on CPU; CUDA keeps the eager
         # loop, which has not been measured against it there
         self.scripted = scripted.LAYERS is not None and self.embed.device.type == "cpu"
         self._script_args: tuple | None = None  # its weight lists, made by the first pass that uses them
@@ -321,10 +321,19 @@ class FastForward:
                 keep = torch.tensor([r for (_, _, n), (_, b, _, _) in zip(feeds, spans) for r in range(b - n, b)],
                                     dtype=torch.long).to(device)
         last = len(self.layers) - 1
-        if self.scripted and len(feeds) == 1 and self.reduce is None:
-            # the same layers for one sequence, run by TorchScript (see scripted.py)
-            x = scripted.LAYERS(x, cos, sin, feeds[0][1].data, spans[0][2], feeds[0][2], heads, kv_heads, head_dim,
-                                self.eps, *self._scripted_args())
+        if self.scripted and self.reduce is None:  # the same layers, run by TorchScript (see scripted.py)
+            if len(feeds) == 1:
+                x = scripted.LAYERS(x, cos, sin, feeds[0][1].data, spans[0][2], feeds[0][2], heads, kv_heads,
+                                    head_dim, self.eps, *self._scripted_args())
+            elif slots is not None:
+                x = scripted.LAYERS_BATCHED(
+                    x, cos, sin, [], [], [], self.pool.data, [slots.lo, slots.hi, slots.width, slots.keys],
+                    [slots.rows, slots.cols, slots.pos, slots.mask], keep, heads, kv_heads, head_dim, self.eps,
+                    *self._scripted_args())
+            else:
+                x = scripted.LAYERS_BATCHED(
+                    x, cos, sin, [cache.data for _, cache, _ in feeds], [list(span) for span in spans], masks, None,
+                    [], [], keep, heads, kv_heads, head_dim, self.eps, *self._scripted_args())
             layers = []  # done
         else:
             layers = self.layers

@@ -54,6 +54,31 @@ def mm(x: torch.Tensor, w: torch.Tensor, packed: Optional[torch.Tensor], q4: Opt
     return torch.addmm(bias, x, w)
 
 
+def _qkv(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, i: int, heads: int, kv_heads: int, head_dim: int,
+         eps: float, in_norm: list[torch.Tensor], qkv_bias: list[Optional[torch.Tensor]], w: list[torch.Tensor],
+         packed: list[Optional[torch.Tensor]], q4: list[Optional[torch.Tensor]],
+         q4_scales: list[Optional[torch.Tensor]], outs: list[int], group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer i's RMSNorm, q/k/v and RoPE: -> qk [T, H + H_kv, head_dim] (rotated), v [T, H_kv, head_dim]."""
+    total, split, rotate = x.shape[0], (heads + kv_heads) * head_dim, head_dim // 2
+    j = 4 * i
+    qkv = mm(rms_norm(x, in_norm[i], eps), w[j], packed[j], q4[j], q4_scales[j], group, outs[j], qkv_bias[i])
+    qk = qkv[:, :split].view(total, heads + kv_heads, head_dim)
+    qk = qk * cos + torch.cat((-qk[..., rotate:], qk[..., :rotate]), dim=-1) * sin
+    return qk, qkv[:, split:].view(total, kv_heads, head_dim)
+
+
+def _rest(x: torch.Tensor, att: torch.Tensor, i: int, eps: float, post_norm: list[torch.Tensor], half: list[int],
+          w: list[torch.Tensor], packed: list[Optional[torch.Tensor]], q4: list[Optional[torch.Tensor]],
+          q4_scales: list[Optional[torch.Tensor]], outs: list[int], group: int) -> torch.Tensor:
+    """Layer i after attention (att [T, H * head_dim]): o, residual, RMSNorm, gate/up, SiLU, down, residual."""
+    j = 4 * i
+    x = x + mm(att, w[j + 1], packed[j + 1], q4[j + 1], q4_scales[j + 1], group, outs[j + 1], None)
+    gate_up = mm(rms_norm(x, post_norm[i], eps), w[j + 2], packed[j + 2], q4[j + 2], q4_scales[j + 2], group,
+                 outs[j + 2], None)
+    hidden = F.silu(gate_up[:, : half[i]]) * gate_up[:, half[i]:]
+    return x + mm(hidden, w[j + 3], packed[j + 3], q4[j + 3], q4_scales[j + 3], group, outs[j + 3], None)
+
+
 def _layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, start: int, keep: int,
             heads: int, kv_heads: int, head_dim: int, eps: float, scaling: list[float],
             in_norm: list[torch.Tensor], post_norm: list[torch.Tensor], half: list[int],
@@ -67,33 +92,74 @@ def _layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Ten
     gate/up, down) is entry 4 i + j of w, packed, q4, q4_scales, outs. -> x after the last layer."""
     total = x.shape[0]
     end = start + total
-    split = (heads + kv_heads) * head_dim
-    rotate = head_dim // 2
     mask: Optional[torch.Tensor] = None
     if total > 1:  # query i sits at position start+i and sees keys 0..start+i
         mask = torch.ones(total, end, dtype=torch.bool, device=x.device).tril(start)
     last = len(in_norm) - 1
     for i in range(len(in_norm)):
-        j = 4 * i
-        h = rms_norm(x, in_norm[i], eps)
-        qkv = mm(h, w[j], packed[j], q4[j], q4_scales[j], group, outs[j], qkv_bias[i])
-        qk = qkv[:, :split].view(total, heads + kv_heads, head_dim)
-        qk = qk * cos + torch.cat((-qk[..., rotate:], qk[..., :rotate]), dim=-1) * sin
-        v = qkv[:, split:].view(total, kv_heads, head_dim).transpose(0, 1).unsqueeze(0)
-        q = qk[:, :heads].transpose(0, 1).unsqueeze(0)  # [1, H, T, head_dim]
+        qk, v = _qkv(x, cos, sin, i, heads, kv_heads, head_dim, eps, in_norm, qkv_bias, w, packed, q4, q4_scales,
+                     outs, group)
         keys, values = kv[i, 0], kv[i, 1]  # [1, H_kv, capacity, head_dim]
         keys[:, :, start:end] = qk[:, heads:].transpose(0, 1).unsqueeze(0)
-        values[:, :, start:end] = v
-        att = F.scaled_dot_product_attention(q, keys[:, :, :end], values[:, :, :end], attn_mask=mask,
-                                             scale=scaling[i], enable_gqa=kv_heads != heads)
+        values[:, :, start:end] = v.transpose(0, 1).unsqueeze(0)
+        att = F.scaled_dot_product_attention(qk[:, :heads].transpose(0, 1).unsqueeze(0), keys[:, :, :end],
+                                             values[:, :, :end], attn_mask=mask, scale=scaling[i],
+                                             enable_gqa=kv_heads != heads)  # [1, H, T, head_dim]
         att = att[0].transpose(0, 1).reshape(total, -1)  # [T, H * head_dim]
         if i == last and keep > 0 and keep < total:
             att, x = att[total - keep:], x[total - keep:]
-        x = x + mm(att, w[j + 1], packed[j + 1], q4[j + 1], q4_scales[j + 1], group, outs[j + 1], None)
-        h = rms_norm(x, post_norm[i], eps)
-        gate_up = mm(h, w[j + 2], packed[j + 2], q4[j + 2], q4_scales[j + 2], group, outs[j + 2], None)
-        hidden = F.silu(gate_up[:, : half[i]]) * gate_up[:, half[i]:]
-        x = x + mm(hidden, w[j + 3], packed[j + 3], q4[j + 3], q4_scales[j + 3], group, outs[j + 3], None)
+        x = _rest(x, att, i, eps, post_norm, half, w, packed, q4, q4_scales, outs, group)
+    return x
+
+
+def _layers_batched(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kvs: list[torch.Tensor],
+                    spans: list[list[int]], masks: list[Optional[torch.Tensor]], pool: Optional[torch.Tensor],
+                    slot: list[int], slot_index: list[torch.Tensor], keep: Optional[torch.Tensor],
+                    heads: int, kv_heads: int, head_dim: int, eps: float, scaling: list[float],
+                    in_norm: list[torch.Tensor], post_norm: list[torch.Tensor], half: list[int],
+                    qkv_bias: list[Optional[torch.Tensor]], w: list[torch.Tensor],
+                    packed: list[Optional[torch.Tensor]], q4: list[Optional[torch.Tensor]],
+                    q4_scales: list[Optional[torch.Tensor]], outs: list[int], group: int) -> torch.Tensor:
+    """Every layer of FastForward.many for several sequences laid end to end in x [T, D]. Attention
+    per sequence (pool None): sequence f is rows spans[f] = [a, b, start, end) of x, its cache kvs[f]
+    [L, 2, 1, H_kv, capacity, head_dim], its mask masks[f]; or as one call over the pool's slots
+    (pool: the pool's [L, 2, slots, H_kv, capacity, head_dim]; slot = [lo, hi, width, keys],
+    slot_index = [rows, cols, pos, mask]: FastForward's SlotBatch). keep: the rows the last layer's
+    attention output and MLP are computed for (None: all). Weights as for _layers. -> x after the
+    last layer."""
+    total = x.shape[0]
+    last = len(in_norm) - 1
+    for i in range(len(in_norm)):
+        qk, v = _qkv(x, cos, sin, i, heads, kv_heads, head_dim, eps, in_norm, qkv_bias, w, packed, q4, q4_scales,
+                     outs, group)
+        if pool is not None:
+            lo, hi, width, reach = slot[0], slot[1], slot[2], slot[3]
+            rows, cols, pos, mask = slot_index[0], slot_index[1], slot_index[2], slot_index[3]
+            keys, values = pool[i, 0, lo:hi], pool[i, 1, lo:hi]  # [B, H_kv, capacity, head_dim]
+            keys[rows, :, pos] = qk[:, heads:]
+            values[rows, :, pos] = v
+            q = qk.new_zeros(hi - lo, width, heads, head_dim)
+            q[rows, cols] = qk[:, :heads]
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys[:, :, :reach], values[:, :, :reach],
+                                                 attn_mask=mask, scale=scaling[i], enable_gqa=kv_heads != heads)
+            att = out.transpose(1, 2)[rows, cols].reshape(total, -1)  # [T, H * head_dim]
+        else:
+            q = qk[:, :heads].transpose(0, 1).unsqueeze(0)  # [1, H, T, head_dim]
+            k = qk[:, heads:].transpose(0, 1).unsqueeze(0)  # [1, H_kv, T, head_dim]
+            vt = v.transpose(0, 1).unsqueeze(0)
+            parts: list[torch.Tensor] = []
+            for f in range(len(kvs)):
+                a, b, start, end = spans[f][0], spans[f][1], spans[f][2], spans[f][3]
+                keys, values = kvs[f][i, 0], kvs[f][i, 1]
+                keys[:, :, start:end] = k[:, :, a:b]
+                values[:, :, start:end] = vt[:, :, a:b]
+                parts.append(F.scaled_dot_product_attention(q[:, :, a:b], keys[:, :, :end], values[:, :, :end],
+                                                            attn_mask=masks[f], scale=scaling[i],
+                                                            enable_gqa=kv_heads != heads))
+            att = torch.cat(parts, dim=2)[0].transpose(0, 1).reshape(total, -1)  # [T, H * head_dim]
+        if i == last and keep is not None:
+            att, x = att[keep], x[keep]
+        x = _rest(x, att, i, eps, post_norm, half, w, packed, q4, q4_scales, outs, group)
     return x
 
 
@@ -101,11 +167,11 @@ def _script():
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch.jit.script's deprecation notice
-            return torch.jit.script(_layers)
+            return torch.jit.script(_layers), torch.jit.script(_layers_batched)
     except Exception as error:  # noqa: BLE001 - any refusal leaves the eager loop, which is complete
         warnings.warn(f"TorchScript unavailable ({error}); the lean forward runs its layers eagerly",
                       RuntimeWarning, stacklevel=2)
-        return None
+        return None, None
 
 
-LAYERS = _script()
+LAYERS, LAYERS_BATCHED = _script()
