@@ -27,6 +27,8 @@ from speculative.protocol import PassCost
 from speculative.round import Round
 
 EMA = 0.1  # weight of a new observation in the running scales
+ALPHA_EMA = 0.02  # ... in the coordinator-wide acceptance, once it has seen enough rounds
+ALPHA_PRIOR_ROUNDS = 4  # the starting acceptance counts as this many drafted rounds
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -45,6 +47,7 @@ class CostModel:
         self.draft_scale = 1.0   # the same for the draft (reported; see round_cost)
         self.overhead_ms = overhead_ms  # per peer call, outside both services (wire, coordinator)
         self.alpha = alpha  # acceptance over all recent rounds: the prior of a new request
+        self.alpha_rounds = 0  # drafted rounds it has seen
         self.in_flight = 0  # requests generating now (the coordinator counts them)
 
     def observe(self, r: Round, wall_ms: float) -> None:
@@ -62,8 +65,15 @@ class CostModel:
         outside = max(0.0, wall_ms - d.service_ms - t.service_ms) / calls
         self.overhead_ms += EMA * (outside - self.overhead_ms)
         if r.proposed:
+            # the mean of the rounds seen (the starting figure counting as ALPHA_PRIOR_ROUNDS) until
+            # that weighs less than ALPHA_EMA, then a moving average: a guess (0.6 by default) made
+            # before the pair has drafted anything gives way within a few requests' rounds, not
+            # after ~100 of them (SmolLM2's draft: 0.2-0.3; at 0.6 the first requests drafted where
+            # it did not pay)
             tried = r.accepted + (r.accepted < r.proposed)
-            self.alpha += 0.02 * (r.accepted / tried - self.alpha)
+            self.alpha_rounds += 1
+            weight = max(ALPHA_EMA, 1.0 / (self.alpha_rounds + ALPHA_PRIOR_ROUNDS))
+            self.alpha += weight * (r.accepted / tried - self.alpha)
 
     def round_cost(self, k: int, batch: float, draft_batch: float, pipelined: bool = False) -> float:
         """ms of this request's share of one round with k draft tokens.

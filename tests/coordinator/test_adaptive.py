@@ -63,7 +63,9 @@ def test_the_first_extra_row_is_priced():
         rounds_of(policy, accepted=2, proposed=2, batch=8)  # a batch of 8: every pass has rows to spare
         chosen[name + " batch 8"] = policy.choose(100)
     assert chosen["linear"] >= 1 and chosen["jump"] == 0
-    assert chosen["jump batch 8"] == chosen["linear batch 8"] >= 1  # past one row, the jump is shared and small
+    # past one row the jump is shared by the batch and small: both still draft (a round's extra cost,
+    # shared, can even favour a longer draft that spreads it)
+    assert chosen["jump batch 8"] >= 1 and chosen["linear batch 8"] >= 1
 
 
 def test_pipelined_rounds_cost_the_busier_service():
@@ -135,3 +137,21 @@ def test_acceptance_k_follows_only_the_request_s_rounds():
     rounds_of(low, accepted=0, proposed=2, batch=1)
     assert low.choose(100) == 1  # never 0: it keeps measuring
     assert AcceptanceK(k_max=0).choose(100) == 0
+
+
+def test_the_shared_acceptance_leaves_its_starting_guess_within_a_few_rounds():
+    """The coordinator-wide acceptance (a new request's prior) starts at a guess, 0.6 unless told;
+    against a draft whose rounds accept 1 of 5 tried it is the running mean of what it has seen
+    (the guess weighing as ALPHA_PRIOR_ROUNDS rounds) and then a slow moving average, so it neither
+    keeps the guess for ~100 rounds nor forgets a long history at once."""
+    costs = CostModel(TARGET, DRAFT)
+    assert costs.alpha == 0.6
+    for _ in range(20):
+        costs.observe(Round([], 4, 1, Cost(), Cost(batch_size=1), asked=4), 10.0)  # 1 accepted of 2 tried
+    assert costs.alpha == pytest.approx((4 * 0.6 + 20 * 0.5) / 24)
+    for _ in range(30):
+        costs.observe(Round([], 4, 0, Cost(), Cost(batch_size=1), asked=4), 10.0)  # 0 of 1
+    assert 0.2 < costs.alpha < 0.3  # the mean of 54 rounds, near 0.23 (not 0.0: no one round decides)
+    for _ in range(600):
+        costs.observe(Round([], 4, 4, Cost(), Cost(batch_size=1), asked=4), 10.0)  # 4 of 4
+    assert costs.alpha > 0.99  # past 1 / ALPHA_EMA rounds, a moving average that follows the draft
