@@ -323,8 +323,8 @@ class FastForward:
         last = len(self.layers) - 1
         if self.scripted and self.reduce is None:  # the same layers, run by TorchScript (see scripted.py)
             if len(feeds) == 1:
-                x = scripted.LAYERS(x, cos, sin, feeds[0][1].data, spans[0][2], feeds[0][2], heads, kv_heads,
-                                    head_dim, self.eps, *self._scripted_args())
+                x = scripted.LAYERS(x, cos, sin, feeds[0][1].data, spans[0][2], masks[0], feeds[0][2], heads,
+                                    kv_heads, head_dim, self.eps, *self._scripted_args())
             elif slots is not None:
                 x = scripted.LAYERS_BATCHED(
                     x, cos, sin, [], [], [], self.pool.data, [slots.lo, slots.hi, slots.width, slots.keys],
@@ -523,7 +523,6 @@ class FastForward:
         already: made by `shard`, or loaded so (loading.load_model). `vocab`: the whole output
         layer's width, which `gather` cuts the ranks' padded logits back to."""
         self.world, self.vocab_size = world, vocab
-        self._script_args = None
         self.heads //= world
         self.kv_heads //= world
         self.pool = None  # caches made from now on hold this rank's heads

@@ -67,6 +67,23 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, rank:
     return _load_slices(path, files, dtype, device, rank, world)
 
 
+def mapped_checkpoints(under: Path | None = None) -> list[tuple[int, int]]:
+    """Address spans of the safetensors files (those under `under`, if given) mapped into this
+    process: [(start, end)], from /proc/self/maps (Linux; elsewhere none)."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    prefix = str(under.resolve()) if under is not None else ""
+    spans = []
+    for line in maps:
+        fields = line.split()
+        if len(fields) >= 6 and fields[-1].endswith(".safetensors") and fields[-1].startswith(prefix):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            spans.append((lo, hi))
+    return spans
+
+
 def release_checkpoint_maps(model: torch.nn.Module) -> int:
     """Copy into the process's own memory every parameter and buffer that still lies in a mapped
     checkpoint file (Linux; elsewhere nothing). -> bytes copied.
@@ -76,23 +93,14 @@ def release_checkpoint_maps(model: torch.nn.Module) -> int:
     norms) are all that is left there, yet they keep the whole file mapped and its pages
     resident: on SmolLM2 (538 MB of float32) a target served with 2.0 GB of RSS, 0.55 GB of it
     the file. Copying those few and dropping the last reference unmaps it."""
-    try:
-        maps = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:
-        return 0
-    spans = []
-    for line in maps:
-        fields = line.split()
-        if len(fields) >= 6 and fields[-1].endswith(".safetensors"):
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            spans.append((lo, hi))
+    spans = mapped_checkpoints()
     if not spans:
         return 0
     copied = 0
     with torch.no_grad():
         for module in model.modules():
             for table in (module._parameters, module._buffers):
-                for name, tensor in table.items():
+                for tensor in table.values():
                     if tensor is None or tensor.device.type != "cpu" or tensor.numel() == 0:
                         continue
                     start = tensor.untyped_storage().data_ptr()

@@ -82,22 +82,20 @@ def _rest(x: torch.Tensor, att: torch.Tensor, i: int, eps: float, post_norm: lis
     return x + mm(hidden, w[j + 3], packed[j + 3], q4[j + 3], q4_scales[j + 3], group, outs[j + 3], None)
 
 
-def _layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, start: int, keep: int,
-            heads: int, kv_heads: int, head_dim: int, eps: float, scaling: list[float],
+def _layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, start: int,
+            mask: Optional[torch.Tensor], keep: int, heads: int, kv_heads: int, head_dim: int, eps: float, scaling: list[float],
             in_norm: list[torch.Tensor], post_norm: list[torch.Tensor], half: list[int],
             qkv_bias: list[Optional[torch.Tensor]], w: list[torch.Tensor], packed: list[Optional[torch.Tensor]],
             q4: list[Optional[torch.Tensor]], q4_scales: list[Optional[torch.Tensor]], outs: list[int],
             group: int) -> torch.Tensor:
     """Every layer of FastForward.many for one sequence of T new tokens at positions start..start+T-1:
     x [T, D] (embedded), cos/sin [T, 1, head_dim], kv the sequence's cache [L, 2, 1, H_kv, capacity,
-    head_dim] (its positions past start are written), keep: how many of the last rows the last
-    layer's attention output and MLP are computed for (0: all). Linear j of layer i (q/k/v, o,
+    head_dim] (its positions past start are written), mask [T, start+T] (query i sees keys
+    0..start+i; None for one token), keep: how many of the last rows the last layer's attention
+    output and MLP are computed for (0: all). Linear j of layer i (q/k/v, o,
     gate/up, down) is entry 4 i + j of w, packed, q4, q4_scales, outs. -> x after the last layer."""
     total = x.shape[0]
     end = start + total
-    mask: Optional[torch.Tensor] = None
-    if total > 1:  # query i sits at position start+i and sees keys 0..start+i
-        mask = torch.ones(total, end, dtype=torch.bool, device=x.device).tril(start)
     last = len(in_norm) - 1
     for i in range(len(in_norm)):
         qk, v = _qkv(x, cos, sin, i, heads, kv_heads, head_dim, eps, in_norm, qkv_bias, w, packed, q4, q4_scales,

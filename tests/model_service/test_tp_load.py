@@ -206,17 +206,6 @@ def test_a_tensor_parallel_service_loads_shards_and_computes_tp1s_logits(big_mod
     assert (logits[1] - logits[2]).abs().max().item() < 1e-4
 
 
-def mapped_checkpoints(under: Path) -> list[tuple[int, int]]:
-    """Address spans of safetensors files under `under` mapped into this process (other tests in
-    the same process may hold their own checkpoints mapped; only this one's counts)."""
-    spans = []
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        fields = line.split()
-        if len(fields) >= 6 and fields[-1].endswith(".safetensors") and fields[-1].startswith(str(under.resolve())):
-            spans.append(tuple(int(x, 16) for x in fields[0].split("-")))
-    return spans
-
-
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
 @pytest.mark.parametrize("forward", ["auto", "transformers"])
 def test_a_loaded_runner_keeps_no_checkpoint_mapped(tmp_path, forward):
@@ -226,7 +215,7 @@ def test_a_loaded_runner_keeps_no_checkpoint_mapped(tmp_path, forward):
     are those of the model as loaded."""
     import gc
 
-    from model_service.loading import release_checkpoint_maps
+    from model_service.loading import mapped_checkpoints, release_checkpoint_maps
     from model_service.model_runner import ModelRunner
 
     path = save_model(tmp_path / "m")
