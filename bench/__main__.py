@@ -119,7 +119,9 @@ def runner_alone(target_dir, prompts, temperature: float, new_tokens: int, eos: 
         session = runner.start_session(f"alone-{i}", i)
         session.tokens.extend(prompt)
         for _ in range(new_tokens):
-            token = sample(logits_to_probs(runner.forward(session)[-1], params), session.generator)
+            logits = runner.forward(session)[-1]
+            # greedy: the argmax, as the target service takes it (no one-hot distribution to sample)
+            token = int(logits.argmax()) if params.greedy else sample(logits_to_probs(logits, params), session.generator)
             session.tokens.append(token)
             generated += 1
             if token in eos:
@@ -329,7 +331,7 @@ def main(argv=None) -> None:
     parser.add_argument("--quantize", default="int4",
                         help="rows a' and d again with the target's and the draft's --quantize (e.g. int4; '' skips)")
     parser.add_argument("--quant-k", type=int, default=4, help="the fixed K of the quantized d row (adaptive K too)")
-    parser.add_argument("--ngram-ks", default="8", help="rows n and p (bench/ngram.py): K values")
+    parser.add_argument("--ngram-ks", default="8,16", help="rows n and p (bench/ngram.py): K values")
     parser.add_argument("--only", choices=["ngram", "pair"],
                         help="run only these rows: ngram (the n rows, bench/ngram.py) or pair (all but those)")
     parser.add_argument("--out", type=Path, default=RESULTS)

@@ -1,7 +1,7 @@
 """`make bench`'s n-gram rows: specdec with the n-gram draft (no draft model) beside HF generate's
 prompt lookup, on input-grounded and on ordinary prompts.
 
-    python -m bench --only ngram [--prompts 8] [--new-tokens 128] [--ngram-ks 8]
+    python -m bench --only ngram [--prompts 8] [--new-tokens 128] [--ngram-ks 8,16]
 
 One run, same machine, same threads, same target; for each mode and prompt set (its first
 --prompts; g: bench/prompts.py GROUNDED, 8 requests that hold what their answer copies; o: the

@@ -54,7 +54,9 @@ def parse_args(argv=None, prog: str = "python -m coordinator"):
     parser.add_argument("--num-speculative-tokens", default="auto",
                         help="K, draft tokens per round, when a request does not say: a number, or auto (chosen"
                              " per round from acceptance and measured costs, at most --adaptive-max-k)")
-    parser.add_argument("--adaptive-max-k", type=int, default=8, help="the most draft tokens adaptive K uses")
+    parser.add_argument("--adaptive-max-k", type=int,
+                        help="the most draft tokens adaptive K uses (default: 8 for a draft model; for a draft"
+                             " that costs nothing per token, as the n-gram method, --max-speculative-tokens)")
     parser.add_argument("--predraft", action="store_true",
                         help="while the target verifies a round, let the draft draft the next as if all were"
                              " accepted (PEARL's post-verify); kept when its guess holds, else rolled back")
@@ -90,7 +92,7 @@ def parse_args(argv=None, prog: str = "python -m coordinator"):
     args = parser.parse_args(argv)
     if args.num_speculative_tokens != "auto" and not args.num_speculative_tokens.isdigit():
         parser.error(f"--num-speculative-tokens must be a number >= 0 or auto, not {args.num_speculative_tokens!r}")
-    if not 0 <= args.adaptive_max_k <= args.max_speculative_tokens:
+    if args.adaptive_max_k is not None and not 0 <= args.adaptive_max_k <= args.max_speculative_tokens:
         parser.error(f"--adaptive-max-k must lie in [0, --max-speculative-tokens={args.max_speculative_tokens}]")
     if not 0.0 <= args.draft_p_min <= 1.0:
         parser.error(f"--draft-p-min must lie in [0, 1], not {args.draft_p_min}")

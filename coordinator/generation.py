@@ -47,13 +47,16 @@ from .pool import Pool
 from .text import TextStream
 
 MAX_STOP_STRINGS = 16
+ADAPTIVE_MAX_K = 8  # Limits.default_speculative_tokens for a draft model
 PROMPT_SLACK = 4  # see check_length
 
 
 @dataclass
 class Limits:
     default_max_new_tokens: int = 256
-    default_speculative_tokens: int = 8  # adaptive: the most K may grow to
+    # K where a request does not say (adaptive: the most K may grow to); None: ADAPTIVE_MAX_K for a
+    # draft whose tokens cost time, every K the services take for one whose cost nothing (see connect)
+    default_speculative_tokens: int | None = None
     max_speculative_tokens: int = 16
     adaptive: bool = True  # requests without num_speculative_tokens get adaptive K
     draft_p_min: float = 0.0
@@ -325,16 +328,24 @@ class Coordinator:
         # the largest K: this coordinator's, or less where the services take fewer tokens a call
         own = self.limits.max_speculative_tokens
         max_k = least(own, draft_info.max_tokens_per_call, target_info.max_tokens_per_call)
+        draft_cost = pass_cost_from_info(draft_info)
+        default_k = self.limits.default_speculative_tokens
+        if default_k is None:
+            # a draft that costs nothing per token (the n-gram method) may propose as far as the
+            # services allow: its copies come in runs, all accepted or none, and a long run's extra
+            # verify tokens cost the target little (SmolLM2 fp32: K = 8 -> 16, +5.5 ms on a 45 ms pass)
+            free = draft_cost.fixed == draft_cost.per_token == draft_cost.per_session == 0.0
+            default_k = max_k if free else ADAPTIVE_MAX_K
         self.models = Models(
             tokenizer=tokenizer,
             vocab_size=target_info.vocab_size,
             eos_token_ids=frozenset(target_info.eos_token_ids),
             max_context=min(draft_info.max_context, target_info.max_context),
             max_k=max_k,
-            default_k=min(self.limits.default_speculative_tokens, max_k),
+            default_k=min(default_k, max_k),
             max_draft_call=least(own, draft_info.max_tokens_per_call),  # a pre-draft asks the draft alone
             max_token_chars=prompt_bound(tokenizer),
-            costs=CostModel(pass_cost_from_info(target_info), pass_cost_from_info(draft_info)),
+            costs=CostModel(pass_cost_from_info(target_info), draft_cost),
             name=target_info.model_name,
         )
 

@@ -141,6 +141,9 @@ def test_token_id_prompt_and_info(client, pair):
     info = client.GetInfo(pb.GetInfoRequest())
     assert info.target.vocab_size == info.draft.vocab_size and info.max_context == 512
     assert info.target.tokenizer_fingerprint == info.draft.tokenizer_fingerprint
+    # a draft model's tokens cost time: adaptive K grows to 8 of the 16 the services take
+    # (the n-gram draft's, which cost none, to all 16: test_ngram)
+    assert (info.default_speculative_tokens, info.max_speculative_tokens) == (8, 16)
     tokenizer = AutoTokenizer.from_pretrained(pair[1])
     ids = tokenizer(PROMPTS[0])["input_ids"]
     by_ids = client.Generate(pb.GenerateRequest(prompt_token_ids=ids, max_new_tokens=16, temperature=0.0))

@@ -220,6 +220,9 @@ def test_behind_the_coordinator_greedy_is_the_targets(pair, reference):
         info = client.GetInfo(pb.GetInfoRequest())
         assert info.draft.draft_method == "ngram" and info.target.draft_method == ""
         assert [r.model_name for r in info.replicas if r.role == "draft"] == ["ngram"]
+        # a draft that costs nothing per token: adaptive K may grow to every K the services take
+        # (a model draft's ceiling is 8: test_limits)
+        assert info.default_speculative_tokens == info.max_speculative_tokens == 16
         drafted = 0
         for prompt, k in (("def speculative_round(draft, target):", 4), ("for i in range(10):\n    print(", None)):
             request = pb.GenerateRequest(prompt=prompt, max_new_tokens=40, temperature=0.0)
