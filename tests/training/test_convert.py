@@ -19,8 +19,20 @@ gguf = pytest.importorskip("gguf")
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 64, 2, 4, 2, 96
 
 
-def write_gguf(path, tokenizer_dir) -> dict[str, np.ndarray]:
-    """A tiny Llama GGUF; returns the float weights each tensor decodes to (Q4_1 ones after rounding)."""
+def narrow_q4_1(data: np.ndarray, rng) -> np.ndarray:
+    """Q4_1 blocks for data's shape [rows, in] that a min/max quantizer would not make: q drawn in
+    3..12 only, d and m in float16 (ggml's layout: d, m, then byte j holds elements j and j + 16)."""
+    rows, inp = data.shape
+    q = rng.integers(3, 13, size=(rows, inp // 32, 32)).astype(np.uint8)
+    d = (0.01 + 0.01 * rng.random((rows, inp // 32, 1))).astype(np.float16)
+    m = (-0.08 * rng.random((rows, inp // 32, 1))).astype(np.float16)
+    nibbles = q[..., :16] | (q[..., 16:] << 4)
+    return np.concatenate([d.view(np.uint8), m.view(np.uint8), nibbles], axis=-1).reshape(rows, -1)
+
+
+def write_gguf(path, tokenizer_dir, narrow: bool = False) -> dict[str, np.ndarray]:
+    """A tiny Llama GGUF; returns the float weights each tensor decodes to (Q4_1 ones after rounding).
+    narrow: the linears' blocks as narrow_q4_1 makes them, not from min/max."""
     spec = json.loads((tokenizer_dir / "tokenizer.json").read_text())
     vocab = spec["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.get)
@@ -59,7 +71,10 @@ def write_gguf(path, tokenizer_dir) -> dict[str, np.ndarray]:
         data = (1.0 + 0.1 * rng.standard_normal(shape) if len(shape) == 1 else 0.05 * rng.standard_normal(shape))
         data = data.astype(np.float32)
         if len(shape) == 2:  # Q4_1: blocks of 32 as d * q + m
-            raw = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_1)
+            if narrow and name.startswith("blk."):
+                raw = narrow_q4_1(data, rng)
+            else:
+                raw = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_1)
             writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
             decoded[name] = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1)
         else:
@@ -155,3 +170,61 @@ def test_int4_groups_of_a_q4_1_model_are_its_gguf_blocks(tiny_gguf, tmp_path):
         torch.testing.assert_close(zero, (m + 8 * d).bfloat16(), rtol=2 ** -8, atol=1e-6)
         checked += 1
     assert checked == 5 * LAYERS
+
+
+@pytest.fixture(scope="module")
+def narrow_gguf(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gguf-narrow")
+    make_tokenizer(out / "tok")
+    write_gguf(out / "narrow.Q4_1.gguf", out / "tok", narrow=True)
+    convert(out / "narrow.Q4_1.gguf", out / "model")
+    return out / "model"
+
+
+def test_the_q4_1_blocks_are_kept_beside_the_model(tiny_gguf, tmp_path):
+    """Every Q4_1 linear of the GGUF, q and k included (llama.cpp permutes their rows; the blocks
+    follow the converted model's order), decodes to exactly the converted weight."""
+    from model_service.int4 import read_q4_1_blocks
+
+    path, _ = tiny_gguf
+    info = convert(path, tmp_path / "model")
+    blocks = read_q4_1_blocks(tmp_path / "model")
+    assert info["q4_1_blocks"] == len(blocks) == 7 * LAYERS
+    assert json.loads((tmp_path / "model" / "conversion.json").read_text())["q4_1_blocks"] == 7 * LAYERS
+    weights = AutoModelForCausalLM.from_pretrained(tmp_path / "model").state_dict()
+    for name, (q, d, m) in blocks.items():
+        assert q.min() >= 0 and q.max() <= 15
+        decoded = (q.reshape(q.shape[0], -1, 32) * d[..., None] + m[..., None]).reshape(q.shape)
+        torch.testing.assert_close(decoded, weights[name], rtol=0, atol=1e-6, msg=name)
+    assert read_q4_1_blocks(tmp_path) == {}  # no file: nothing
+
+
+def test_int4_runs_the_gguf_blocks_as_shipped(narrow_gguf):
+    """Blocks no min/max quantizer makes (q in 3..12): --quantize int4 runs them as they are
+    (scale = d, zero = m + 8 d in the kernel's bf16), so the weights its kernel multiplies by are
+    the float model's (the blocks decoded) to within bf16 rounding, where groups re-derived from
+    the floats (steps of 9 d / 15) are off by up to 0.3 d."""
+    from model_service.fast_forward import FastForward
+    from model_service.int4 import read_q4_1_blocks
+    from model_service.model_runner import ModelRunner
+
+    blocks = read_q4_1_blocks(narrow_gguf)
+    shipped = ModelRunner(narrow_gguf, "cpu", quantize="int4")
+    assert f"{4 * LAYERS} of {4 * LAYERS} layer linears from the GGUF's Q4_1 blocks" in shipped.info()["quantization"]
+    layer = shipped.fast.layers[0]["qkv_packed"]
+    q, d, m = (torch.cat(t) for t in zip(*(blocks[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")))
+    assert torch.equal(layer.scales_and_zeros[..., 0].t(), d.bfloat16())
+    assert torch.equal(layer.scales_and_zeros[..., 1].t(), (m + 8 * d).bfloat16())
+    assert torch.equal(layer.weight, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+
+    model = AutoModelForCausalLM.from_pretrained(narrow_gguf).eval()
+    rederived = FastForward.build(AutoModelForCausalLM.from_pretrained(narrow_gguf).eval(), 64)
+    assert rederived.quantize(32) == 0
+    eye = torch.eye(HIDDEN)
+    for i, layer in enumerate(model.model.layers):
+        for name, module in (("o", layer.self_attn.o_proj), ("gate_up", layer.mlp.gate_proj)):
+            weight = module.weight.detach().t()  # [in, out]: the first outputs of the fused gate_up
+            ours = FastForward._mm(eye, torch.empty(0), shipped.fast.layers[i][f"{name}_packed"])[:, :weight.shape[1]]
+            other = FastForward._mm(eye, torch.empty(0), rederived.layers[i][f"{name}_packed"])[:, :weight.shape[1]]
+            error, other_error = (ours - weight).abs().max().item(), (other - weight).abs().max().item()
+            assert error < 2e-3 and 2 * error < other_error, (i, name, error, other_error)
