@@ -3,6 +3,7 @@ CPU layout, and the weights they stand for."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -51,26 +52,36 @@ def groups_pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group:
 Q4_1_BLOCKS = "q4_1_blocks.safetensors"
 
 
-def read_q4_1_blocks(directory) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+class Q4_1Blocks(Mapping):
     """The Q4_1 blocks saved beside a converted model, by the transformers name of the weight they
-    encode: (q [out, in] int32 in 0..15, d, m [out, in / 32] float32), w = d * q + m; {} without
-    the file. Stored per weight as `NAME.q` (uint8 [out, in / 2]: inputs 2j and 2j + 1 in the low and
-    high nibble of byte j), `NAME.d` and `NAME.m` (float16, as in the GGUF)."""
+    encode: (q [out, in] int32 in 0..15, d, m [out, in / 32] float32), w = d * q + m. Stored per
+    weight as `NAME.q` (uint8 [out, in / 2]: inputs 2j and 2j + 1 in the low and high nibble of
+    byte j), `NAME.d` and `NAME.m` (float16, as in the GGUF); each is unpacked when read (the
+    whole model's q at once would take 4 bytes a weight)."""
+
+    def __init__(self, stored: dict[str, torch.Tensor]):
+        self.stored = stored
+
+    def __getitem__(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        nibbles = self.stored[name + ".q"].to(torch.int32)
+        q = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(nibbles.shape[0], -1)
+        return q, self.stored[name + ".d"].float(), self.stored[name + ".m"].float()
+
+    def __iter__(self):
+        return (key[:-2] for key in self.stored if key.endswith(".q"))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def read_q4_1_blocks(directory) -> Q4_1Blocks:
+    """The blocks beside the model at `directory` (empty without the file)."""
     from pathlib import Path
 
     from safetensors.torch import load_file
 
     path = Path(directory) / Q4_1_BLOCKS
-    if not path.is_file():
-        return {}
-    stored = load_file(path)
-    blocks = {}
-    for key in stored:
-        if key.endswith(".q"):
-            name, nibbles = key[:-2], stored[key].to(torch.int32)
-            q = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(nibbles.shape[0], -1)
-            blocks[name] = (q, stored[name + ".d"].float(), stored[name + ".m"].float())
-    return blocks
+    return Q4_1Blocks(load_file(path) if path.is_file() else {})
 
 
 def q4_1_tensors(blocks: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
