@@ -203,7 +203,7 @@ def main(argv=None) -> dict:
         lockstep = kind == "lockstep"  # each model has the cores to itself in its turn
         with LocalStack(draft_dir, target_dir, threads=None if kind == "defaults" else args.threads,
                         draft_threads=args.threads if lockstep else args.draft_threads,
-                        batched_threads=args.threads if lockstep else 1,
+                        batched_threads=args.threads,
                         draft_args=extra, target_args=extra, coordinator_args=coordinator_args) as stack:
             for i, c in enumerate(levels + again):
                 for name in names:

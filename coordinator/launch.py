@@ -89,7 +89,7 @@ class LocalStack:
 
     def __init__(self, draft_model: str | Path | None, target_model: str | Path, *, port: int = 0,
                  draft_args: list[str] = (), target_args: list[str] = (), coordinator_args: list[str] = (),
-                 threads: int | None = 1, draft_threads: int | None = None, batched_threads: int = 1,
+                 threads: int | None = 1, draft_threads: int | None = None, batched_threads: int = 0,
                  log_dir: str | Path | None = None, draft_replicas: int = 1, target_replicas: int = 1,
                  discovery_files: bool = False, tls_dir: str | Path | None = None, client_auth: bool = True,
                  http_port: int | None = None, coordinator_env: dict[str, str] | None = None,
@@ -240,9 +240,9 @@ def main(argv=None, prog: str = "python -m coordinator.launch") -> int:
                         help="the coordinator's OpenAI-compatible HTTP API (another free one if taken; 0: off)")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
                         help="torch threads of the target service")
-    parser.add_argument("--batched-threads", type=int, default=1,
-                        help="torch threads of the target for passes over several sessions: the three services"
-                             " share this machine's cores, and under load one thread each wastes the least")
+    parser.add_argument("--batched-threads", type=int, default=0,
+                        help="torch threads of the target for passes over several sessions (0: the target's"
+                             " default, model_service.threads.default_threads: as many as --threads)")
     parser.add_argument("--draft-threads", type=int, default=1,
                         help="torch threads of the draft service (its small matrices gain little from more)")
     parser.add_argument("--draft-method", default="model", choices=["model", "ngram"],

@@ -74,8 +74,8 @@ def add_model_flags(parser: EnvArgumentParser, role: str, model_required: bool =
                              " pooled session, at most this many positions (default 1024, fast_forward.POOL_CAPACITY);"
                              " a longer session moves to a cache of its own. 0: every session's cache on its own")
     parser.add_argument("--batched-threads", type=int, default=0,
-                        help="torch threads for passes over several sessions (0: by role: the target leaves one CPU"
-                             " to the draft, which works at the same time under load; the draft: --threads)")
+                        help="torch threads for passes over several sessions (0: --threads; see"
+                             " model_service.threads.default_threads)")
     parser.set_defaults(role=role)
     parser.add_argument("--max-queue", type=int, default=1024,
                         help="calls that may wait for the model; beyond, RESOURCE_EXHAUSTED")

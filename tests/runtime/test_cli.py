@@ -50,8 +50,8 @@ def test_tls_flags_make_credentials_or_fail_clearly(monkeypatch, tmp_path):
 
 def test_thread_defaults_follow_the_role_and_the_cpus(monkeypatch):
     """Left at 0, --threads / --batched-threads come from the service's role and the CPUs it may
-    use: the target takes them all for one session's pass and leaves one to the draft for batched
-    passes; the draft takes one. A flag given wins."""
+    use: the target takes them all, for one session's pass and for batched passes; the draft takes
+    one. A flag given wins."""
     import argparse
 
     from model_service import threads as serving
@@ -62,9 +62,9 @@ def test_thread_defaults_follow_the_role_and_the_cpus(monkeypatch):
         args = argparse.Namespace(role=role, threads=threads, batched_threads=batched)
         serving.resolve_threads(args)
         resolved.append((args.threads, args.batched_threads))
-    assert resolved == [(2, 1), (1, 1), (3, 3), (2, 2)]
+    assert resolved == [(2, 2), (1, 1), (3, 3), (2, 2)]
     monkeypatch.setattr(serving, "available_cpus", lambda: 16)
-    assert serving.default_threads("target", 16) == (16, 15)
+    assert serving.default_threads("target", 16) == (16, 16)
     assert serving.default_threads("draft", 16) == (1, 1)
 
 
