@@ -282,7 +282,7 @@ class FastForward:
     def _fuse(cls, layer) -> dict:
         """Fuse q/k/v and gate/up, transpose every weight (see the class docstring)."""
         attn, mlp = layer.self_attn, layer.mlp
-        parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+        parts = [layer.get_submodule(name) for name in cls.PARTS["qkv"]]
         sizes = [p.weight.shape[0] for p in parts]
         qkv_bias = None
         if attn.q_proj.bias is not None:
@@ -292,7 +292,8 @@ class FastForward:
         return {
             "in_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
             "qkv": cls._transposed(parts), "qkv_bias": qkv_bias, "sizes": sizes,
-            "o": cls._transposed([attn.o_proj]), "gate_up": cls._transposed([mlp.gate_proj, mlp.up_proj]),
+            "o": cls._transposed([attn.o_proj]),
+            "gate_up": cls._transposed([layer.get_submodule(name) for name in cls.PARTS["gate_up"]]),
             "half": mlp.gate_proj.weight.shape[0], "down": cls._transposed([mlp.down_proj]),
             "scaling": getattr(attn, "scaling", None),
         }

@@ -76,6 +76,21 @@ GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "att
                 "ffn_down": "mlp.down_proj"}
 
 
+def q4_1_cells(raw):
+    """A Q4_1 tensor's raw bytes [rows, in / 32 x 20] (ggml's blocks of 32: fp16 d, fp16 m, then 16
+    bytes holding elements j and j + 16 in the low and high nibble of byte j) -> q [rows, in] int32
+    in 0..15, d and m [rows, in / 32] float32, with w = d * q + m."""
+    import numpy as np
+    import torch
+
+    rows = raw.shape[0]
+    cells = raw.reshape(rows, -1, 20)
+    d = torch.from_numpy(cells[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    m = torch.from_numpy(cells[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+    nibbles = torch.from_numpy(cells[..., 4:].astype(np.int32))
+    return torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(rows, -1), d, m
+
+
 def q4_1_blocks(gguf_path: Path, model) -> dict:
     """The GGUF's Q4_1 linear weights as their blocks (model_service.int4.read_q4_1_blocks' form),
     by the transformers name of the weight, rows in the converted model's order: llama.cpp stores
@@ -103,11 +118,7 @@ def q4_1_blocks(gguf_path: Path, model) -> dict:
         rows = raw.shape[0]
         if weight is None or tuple(weight.shape) != (rows, raw.shape[1] // 20 * 32):
             continue
-        cells = raw.reshape(rows, -1, 20)
-        d = torch.from_numpy(cells[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
-        m = torch.from_numpy(cells[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
-        nibbles = torch.from_numpy(cells[..., 4:].astype(np.int32))  # byte j: element j (low), j + 16 (high)
-        q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(rows, -1)
+        q, d, m = q4_1_cells(raw)
         decoded = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1).reshape(rows, -1))
         ours = (q.reshape(rows, -1, 32) * d[..., None] + m[..., None]).reshape(rows, -1)
         if not torch.allclose(ours, decoded, rtol=0, atol=1e-6):

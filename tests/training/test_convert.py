@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from speculative.tiny import CHAT_TEMPLATE, make_tokenizer
-from training.convert import convert, ensure, load_gguf
+from training.convert import convert, ensure, load_gguf, q4_1_cells
 
 gguf = pytest.importorskip("gguf")
 
@@ -134,18 +134,6 @@ def test_ensure_names_the_missing_package(tmp_path):
         packaged_gguf("no_such_package_here")
 
 
-def q4_1_blocks(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Q4_1 tensor's blocks of 32 (ggml: fp16 d, fp16 m, 16 bytes holding elements j and j + 16 in
-    the low and high nibble of byte j): q [rows, in] in 0..15, d and m [rows, in / 32], float32."""
-    rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1  # GGUF shapes are (in, out)
-    blocks = np.asarray(tensor.data).reshape(rows, -1, 20)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    qs = blocks[..., 4:]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, -1)
-    return torch.from_numpy(q.astype(np.int32)), torch.from_numpy(d), torch.from_numpy(m)
-
-
 def test_int4_groups_of_a_q4_1_model_are_its_gguf_blocks(tiny_gguf, tmp_path):
     """--quantize int4 on a GGUF-born target loses nothing of its Q4_1 weights: the asymmetric
     groups of 32 it derives from the converted weights are the GGUF's own blocks (q identical;
@@ -162,7 +150,7 @@ def test_int4_groups_of_a_q4_1_model_are_its_gguf_blocks(tiny_gguf, tmp_path):
         kind = tensor.name.split(".")[-2]
         if tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1 or kind not in names:
             continue
-        q, d, m = q4_1_blocks(tensor)
+        q, d, m = q4_1_cells(np.asarray(tensor.data))
         weight = model.get_submodule(f"model.layers.{tensor.name.split('.')[1]}.{names[kind]}").weight.detach()
         ours, scale, zero = int4_groups(weight.t(), 32)
         assert torch.equal(ours, q), tensor.name
