@@ -61,10 +61,18 @@ class TurnMethods(NamedTuple):
     streaming: Any
 
 
+# gRPC core's own details for a call whose connection the service dropped mid-call (it was killed
+# or restarted): core reports INTERNAL, though the service never answered, so the call failed as
+# one to an unavailable service does (seen when a lone target restarts during a prefill)
+DROPPED = ("Internal error from Core", "Received RST_STREAM", "GOAWAY received")
+
+
 class PeerError(Exception):
     """A call to a model service failed; carries the status to give the client."""
 
     def __init__(self, peer: "Peer", code: grpc.StatusCode, details: str):
+        if code == grpc.StatusCode.INTERNAL and any(words in details for words in DROPPED):
+            code = grpc.StatusCode.UNAVAILABLE
         self.code = code
         if code == grpc.StatusCode.UNAVAILABLE:
             message = f"{peer.name} service at {peer.address} is unavailable: {details}"
@@ -109,9 +117,13 @@ class Peer:
         try:
             return await method(request, timeout=timeout or self.timeout)
         except grpc.aio.AioRpcError as e:
-            raise PeerError(self, e.code(), e.details() or "") from None
+            raise self.failed(e) from None
         except Exception as e:  # noqa: BLE001 - not a status from the service (its channel closed...)
             raise self.broken(e) from None
+
+    def failed(self, error: grpc.aio.AioRpcError) -> PeerError:
+        """An RPC error of a call to this service, as the PeerError naming it."""
+        return PeerError(self, error.code(), error.details() or "")
 
     def broken(self, error: Exception) -> PeerError:
         """A call that ended in an exception other than an RPC error, as the PeerError naming this service."""
@@ -146,7 +158,7 @@ class Peer:
                 reply = await stream.read()
         except grpc.aio.AioRpcError as e:
             self.streams.pop(session_id, None)
-            raise PeerError(self, e.code(), e.details() or "") from None
+            raise self.failed(e) from None
         except asyncio.TimeoutError:
             self.streams.pop(session_id, None)
             stream.cancel()
@@ -183,7 +195,7 @@ class Peer:
                 await held(deadline, self, "read", request.start)
                 reply = await call
         except grpc.aio.AioRpcError as e:
-            raise PeerError(self, e.code(), e.details() or "") from None
+            raise self.failed(e) from None
         except asyncio.TimeoutError:
             raise PeerError(self, grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {self.timeout:g} s") from None
         except Exception as e:  # noqa: BLE001 - as in `call`
@@ -276,7 +288,7 @@ class Peer:
                             self.name, self.address)
                 self.batch_turns = False
                 return await self._outcomes(methods, requests)
-            return [PeerError(self, e.code(), e.details() or "")] * len(requests)
+            return [self.failed(e)] * len(requests)
         except Exception as e:  # noqa: BLE001 - the channel closed...: not a status from the service
             return [self.broken(e)] * len(requests)
         if FAULT_HOOK:
@@ -295,7 +307,7 @@ class Peer:
             async for piece in self.stub.GetTokenizer(pb.TokenizerRequest(), timeout=self.timeout):
                 files.setdefault(piece.name, bytearray()).extend(piece.data)
         except grpc.aio.AioRpcError as e:
-            raise PeerError(self, e.code(), e.details() or "") from None
+            raise self.failed(e) from None
         except Exception as e:  # noqa: BLE001 - as in `call`
             raise self.broken(e) from None
         for name, data in files.items():

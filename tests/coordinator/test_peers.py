@@ -124,3 +124,21 @@ def test_a_hung_stream_meets_the_call_deadline():
             await peer.channel.close()
 
     assert asyncio.run(go()).code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+@pytest.mark.parametrize("details, expected", [
+    ("Internal error from Core", grpc.StatusCode.UNAVAILABLE),  # gRPC core: the service hung up mid-call
+    ("Received RST_STREAM with code 2", grpc.StatusCode.UNAVAILABLE),
+    ("the service's own failure", grpc.StatusCode.INTERNAL)])  # a status the service gave stays
+def test_a_connection_dropped_mid_call_is_unavailable(details, expected):
+    async def go():
+        peer = GrpcDraft("127.0.0.1:1", timeout=5.0)
+        try:
+            with pytest.raises(PeerError) as e:
+                await peer._step(None, lambda: FinishedStream(grpc.StatusCode.INTERNAL, details), "s1", object())
+            return e.value
+        finally:
+            await peer.channel.close()
+
+    error = asyncio.run(go())
+    assert error.code == expected and details in str(error)
