@@ -112,8 +112,9 @@ class TurnTarget(LocalTarget):
         self.passes = passes
 
     async def verify(self, session_id: str, start: bool, append: list[int], proposal: Proposal,
-                     params: SamplingParams, *, turn: tuple[int, int] = (0, 0)) -> tuple[Verdict, Cost]:
-        return await self.passes.call(VerifyCall(session_id, start, append, proposal, params), turn)
+                     params: SamplingParams, steps: int = 1, *,
+                     turn: tuple[int, int] = (0, 0)) -> tuple[Verdict, Cost]:
+        return await self.passes.call(VerifyCall(session_id, start, append, proposal, params, steps), turn)
 
 
 class Lockstep:

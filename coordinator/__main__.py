@@ -70,6 +70,10 @@ def parse_args(argv=None, prog: str = "python -m coordinator"):
                              " call (as --peer-calls says)")
     parser.add_argument("--lockstep-hold-ms", type=float, default=5.0,
                         help="with --lockstep, the longest a call waits for the generations not yet waiting")
+    parser.add_argument("--decode-steps", type=int, default=8,
+                        help="a round that drafts nothing (K = 0) asks the target for up to this many tokens in one"
+                             " call, a pass each, as many as ~100 ms of passes hold under adaptive K: the round trip is"
+                             " paid once per call (1: a token per call; at most the target's tokens per call)")
     parser.add_argument("--draft-p-min", type=float, default=0.0,
                         help="stop drafting at a token the draft gives less probability than this (0: off)")
     parser.add_argument("--max-speculative-tokens", type=int, default=16, help="largest K a request may ask for, and the most tokens one call asks the draft for (a --predraft call asks K + 1, cut to this)")
@@ -94,6 +98,8 @@ def parse_args(argv=None, prog: str = "python -m coordinator"):
         parser.error(f"--num-speculative-tokens must be a number >= 0 or auto, not {args.num_speculative_tokens!r}")
     if args.adaptive_max_k is not None and not 0 <= args.adaptive_max_k <= args.max_speculative_tokens:
         parser.error(f"--adaptive-max-k must lie in [0, --max-speculative-tokens={args.max_speculative_tokens}]")
+    if args.decode_steps < 1:
+        parser.error(f"--decode-steps must be >= 1, not {args.decode_steps}")
     if not 0.0 <= args.draft_p_min <= 1.0:
         parser.error(f"--draft-p-min must lie in [0, 1], not {args.draft_p_min}")
     if args.lockstep and args.num_speculative_tokens == "auto":
@@ -131,7 +137,7 @@ def main(argv=None, prog: str = "python -m coordinator") -> None:
         adaptive = args.num_speculative_tokens == "auto"
         k = args.adaptive_max_k if adaptive else int(args.num_speculative_tokens)
         limits = Limits(args.max_new_tokens, k, args.max_speculative_tokens, adaptive, args.draft_p_min, args.predraft,
-                        args.lockstep_hold_ms if args.lockstep else 0.0)
+                        args.lockstep_hold_ms if args.lockstep else 0.0, args.decode_steps)
         metrics = CoordinatorMetrics()
         coordinator = Coordinator(draft, target, limits, metrics)
         servicer = GenerationServicer(coordinator)

@@ -195,14 +195,15 @@ class FailoverDraft(_Failover):
 
 class FailoverTarget(_Failover):
     async def verify(self, session_id: str, start: bool, append: list[int], proposal: Proposal,
-                     params: SamplingParams, *, turn: tuple[int, int] = (0, 0)) -> tuple[Verdict, Cost]:
+                     params: SamplingParams, steps: int = 1, *,
+                     turn: tuple[int, int] = (0, 0)) -> tuple[Verdict, Cost]:
         for _ in range(TRIES if start else 1):
             replica = await self._take(wait=True)
             if replica is None:
                 break
             session = self._name(session_id, start)
             try:
-                return await replica.peer.verify(session, start, append, proposal, params, turn=turn)
+                return await replica.peer.verify(session, start, append, proposal, params, steps, turn=turn)
             except PeerError as e:
                 if e.code not in RESTART:
                     raise

@@ -62,6 +62,9 @@ class Limits:
     draft_p_min: float = 0.0
     predraft: bool = False  # draft the next round while the target verifies this one
     lockstep_ms: float = 0.0  # > 0: calls reach the models in turns (coordinator/lockstep.py), held this long at most
+    # a round that drafts nothing asks the target for up to this many tokens in one call (one pass
+    # each): the round trips of a plain decode are paid once per call, not per token (1: off)
+    decode_steps: int = 8
 
 
 class NotPossible(ValueError):
@@ -146,6 +149,7 @@ class Models:
     max_token_chars: int        # prompt_bound(tokenizer)
     costs: CostModel            # the pair's pass costs, adaptive K's model, shared by all requests
     name: str = ""              # the target's model name: what clients call the model
+    decode_steps: int = 1       # the most tokens a round that drafts nothing asks the target for
 
 
 @dataclass
@@ -272,12 +276,13 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
         raise InvalidRequest(f"draft_p_min must lie in [0, 1], not {p_min}")
     if len(request.stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}")
+    steps = 1 if limits.lockstep_ms > 0 else models.decode_steps  # a lockstep turn is one pass
     if not adaptive:
-        policy = FixedK(k)
+        policy = FixedK(k, models.costs.decode_steps(steps))
     elif params.temperature > 0 and seeded:
         policy = AcceptanceK(k, models.costs)  # reads no timings: the seed reproduces the output under any load
     else:
-        policy = AdaptiveK(models.costs, k)
+        policy = AdaptiveK(models.costs, k, steps)
     return Plan(prompt, max_new, params, policy, p_min, list(request.stop))
 
 
@@ -344,6 +349,8 @@ class Coordinator:
             max_k=max_k,
             default_k=min(default_k, max_k),
             max_draft_call=least(own, draft_info.max_tokens_per_call),  # a pre-draft asks the draft alone
+            decode_steps=(least(self.limits.decode_steps, target_info.max_tokens_per_call)
+                          if self.limits.decode_steps > 1 else 1),
             max_token_chars=prompt_bound(tokenizer),
             costs=CostModel(pass_cost_from_info(target_info), draft_cost),
             name=target_info.model_name,

@@ -47,8 +47,8 @@ class TurnTargetPeer(Protocol):
     """A TargetPeer that is told its call's turn (as TurnDraftPeer)."""
 
     async def verify(
-        self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams, *,
-        turn: tuple[int, int] = (0, 0),
+        self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams,
+        steps: int = 1, *, turn: tuple[int, int] = (0, 0),
     ) -> tuple[Verdict, Cost]: ...
 
     async def release(self, session_id: str) -> None: ...
@@ -156,10 +156,10 @@ class GatedTarget:
         self.gate = gate
 
     async def verify(self, session_id: str, start: bool, append: list[int], proposal: Proposal,
-                     params: SamplingParams) -> tuple[Verdict, Cost]:
+                     params: SamplingParams, steps: int = 1) -> tuple[Verdict, Cost]:
         turn = await self.gate.enter(TARGET)
         try:
-            return await self.peer.verify(session_id, start, append, proposal, params, turn=turn)
+            return await self.peer.verify(session_id, start, append, proposal, params, steps, turn=turn)
         finally:
             self.gate.exit()
 

@@ -355,17 +355,18 @@ class GrpcTarget(Peer):
     stub_class = pb_grpc.TargetStub
 
     async def verify(
-        self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams, *,
-        turn: tuple[int, int] = (0, 0),
+        self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams,
+        steps: int = 1, *, turn: tuple[int, int] = (0, 0),
     ) -> tuple[Verdict, Cost]:
         """`turn`: as GrpcDraft.propose's."""
         request = pb.VerifyRequest(session_id=session_id, start=start, append=append,
                                    proposal=proposal_to_proto(proposal), sampling=params_to_proto(params),
-                                   turn_id=turn[0], turn_size=turn[1])
+                                   turn_id=turn[0], turn_size=turn[1], decode_steps=steps if steps > 1 else 0)
         reply = await self.round_call(TurnMethods(self.stub.VerifyBatch, pb.VerifyBatchRequest, self.stub.Verify,
                                                   self.stub.VerifyStream), request, turn)
-        return Verdict(reply.accepted, reply.token), Cost(reply.service_ms, request.ByteSize() + reply.ByteSize(),
-                                                          reply.batch_size, reply.batch_tokens, reply.pass_ms)
+        cost = Cost(reply.service_ms, request.ByteSize() + reply.ByteSize(), reply.batch_size, reply.batch_tokens,
+                    reply.pass_ms)
+        return Verdict(reply.accepted, reply.token, list(reply.decoded)), cost
 
 
 def check_compatible(draft: pb.ModelInfo, target: pb.ModelInfo) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speculative.errors import InvalidRequest
+from speculative.errors import CapacityExceeded, InvalidRequest
 from speculative.protocol import Cost, Proposal, SamplingParams, Verdict
 from speculative.sampling import (
     check_supports,
@@ -39,6 +39,7 @@ class VerifyCall:
     append: list[int]
     proposal: Proposal
     params: SamplingParams
+    steps: int = 1  # with no proposal: tokens to decode in this call (VerifyRequest.decode_steps)
 
 
 class RunnerEngine:
@@ -195,12 +196,14 @@ class DraftEngine(RunnerEngine):
 
 class TargetEngine(RunnerEngine):
     """Verifies proposals and applies rejection sampling: `verify_many` scores the proposals of
-    several sessions (any lengths, any K) in one forward pass."""
+    several sessions (any lengths, any K) in one forward pass; calls with no proposal may go on
+    decoding on their own (`steps`), one pass per token over those still decoding."""
 
     def verify(
-        self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams
+        self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams,
+        steps: int = 1,
     ) -> tuple[Verdict, Cost]:
-        return one_result(self.verify_many([VerifyCall(session_id, start, append, proposal, params)]))
+        return one_result(self.verify_many([VerifyCall(session_id, start, append, proposal, params, steps)]))
 
     def verify_many(self, calls: list[VerifyCall]) -> list[tuple[Verdict, Cost] | Exception]:
         """-> per call, (verdict, the pass's cost) or the error that call alone met. Distinct sessions only."""
@@ -241,10 +244,51 @@ class TargetEngine(RunnerEngine):
                 session.truncate(committed + accepted)  # roll back the rejected draft tokens
                 session.tokens.append(token)  # sampled here; enters the cache next call
                 results[i] = Verdict(accepted, token)
-            ms = timer.ms
-            cost = Cost(ms, batch_size=len(live), batch_tokens=sum(len(c.proposal.tokens) + 1 for _, c, *_ in live),
-                        pass_ms=ms)
+            pass_ms = timer.ms
+            self._decode_on([(i, call, session) for i, call, session, *_ in live if call.steps > 1], results)
+            cost = Cost(timer.ms, batch_size=len(live),
+                        batch_tokens=sum(len(c.proposal.tokens) + 1 for _, c, *_ in live), pass_ms=pass_ms)
             return [(r, cost) if isinstance(r, Verdict) else r for r in results]
+
+    def _decode_on(self, calls: list[tuple[int, VerifyCall, Session]], results: list) -> None:
+        """Go on decoding for the calls that asked for more than one token (no proposal): one pass
+        per step over the sessions still decoding, each token drawn as a call with no proposal
+        draws its own (the bonus of greedy_verify / rejection_sample with nothing proposed, on the
+        session's generator), so a seeded request decodes the same tokens one call or several at a
+        time. A session stops after an EOS, at its step count, at the context or at the KV cap."""
+        runner = self.runner
+        eos = set(runner.eos_token_ids)
+        nothing = torch.empty(0, dtype=torch.long, device=runner.device)
+        decoding = [(i, call, session) for i, call, session in calls
+                    if isinstance(results[i], Verdict) and results[i].token not in eos]
+        while decoding:
+            fits = []  # sessions with room for one more token
+            for i, call, session in decoding:
+                try:
+                    runner.check_context(call.session_id, len(session.tokens) + 1, len(session.tokens), len(fits))
+                except (InvalidRequest, CapacityExceeded):
+                    continue
+                fits.append((i, call, session))
+            if not fits:
+                return
+            try:
+                logits = runner.forward_many([(session, 1) for _, _, session in fits])
+            except Exception as exc:
+                for i, call, _ in fits:
+                    runner.sessions.release(call.session_id)  # its cache may be half-written
+                    results[i] = exc
+                return
+            decoding = []
+            for (i, call, session), rows in zip(fits, logits):
+                rows = rows[:, : runner.vocab_size]
+                if call.params.greedy:
+                    _, token = greedy_verify(rows, [])
+                else:
+                    _, token = rejection_sample(logits_to_probs(rows, call.params), nothing, [], [], session.generator)
+                session.tokens.append(token)
+                results[i].decoded.append(token)
+                if len(results[i].decoded) + 1 < call.steps and token not in eos:
+                    decoding.append((i, call, session))
 
     def _advance(self, call: VerifyCall, pending: int = 1):
         """Validate a call; append its new tokens and the draft tokens to its session. pending:
@@ -256,6 +300,11 @@ class TargetEngine(RunnerEngine):
         k = len(proposal.tokens)
         if k > self.max_tokens:
             raise InvalidRequest(f"at most {self.max_tokens} draft tokens per call, got {k}")
+        if call.steps > self.max_tokens:
+            raise InvalidRequest(f"decode_steps must lie in [0, {self.max_tokens}], not {call.steps}")
+        if call.steps > 1 and k:
+            raise InvalidRequest(f"decode_steps={call.steps} asks the target to decode on its own: a call with "
+                                 f"draft tokens verifies them and returns one token")
         runner.check_tokens(call.append, "appended")
         runner.check_tokens(proposal.tokens, "draft")
         supports = check_supports(list(proposal.tokens), list(proposal.support_sizes), proposal.support_ids,

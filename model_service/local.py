@@ -33,10 +33,10 @@ class LocalTarget:
         self.engine = engine
 
     async def verify(
-        self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams, *,
-        turn: tuple[int, int] = (0, 0),
+        self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams,
+        steps: int = 1, *, turn: tuple[int, int] = (0, 0),
     ) -> tuple[Verdict, Cost]:
-        return self.engine.verify(session_id, start, append, proposal, params)
+        return self.engine.verify(session_id, start, append, proposal, params, steps)
 
     async def release(self, session_id: str) -> None:
         self.engine.release(session_id)

@@ -4,7 +4,8 @@ The round (round.py), both model services and the coordinator share these words:
 
   SamplingParams   how a request samples (temperature 0 = greedy); `validate` is the one check
   Proposal         K draft tokens and the sparse q each was sampled from (wire layout below)
-  Verdict          how many of them the target accepted, and its own next token
+  Verdict          how many of them the target accepted, and its own next token (or tokens: a
+                   call with no proposal may ask the target to decode several on its own)
   Cost             what one peer call cost (time in the service, bytes on the wire, its batch)
   PassCost         a model pass's time as a service measured it (adaptive K reads it)
   DraftPeer, TargetPeer   the two interfaces the round calls: in-process engines
@@ -82,6 +83,7 @@ class Cost:
 class Verdict:
     accepted: int  # draft tokens accepted, a prefix of the proposal
     token: int     # recovered (accepted < K) or bonus (accepted == K) token
+    decoded: list[int] = field(default_factory=list)  # tokens after `token` the target decoded on its own
 
 
 @dataclass(frozen=True)
@@ -113,8 +115,11 @@ class DraftPeer(Protocol):
 
 class TargetPeer(Protocol):
     async def verify(
-        self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams
-    ) -> tuple[Verdict, Cost]: ...
+        self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams,
+        steps: int = 1,
+    ) -> tuple[Verdict, Cost]:
+        """steps > 1 (no proposal only): the target decodes up to that many tokens on its own in this
+        one call (Verdict.decoded holds those after the first), a pass each, stopping after an EOS."""
 
     async def release(self, session_id: str) -> None: ...
 

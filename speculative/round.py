@@ -38,19 +38,26 @@ class KPolicy(Protocol):
 
     def choose(self, remaining: int) -> int: ...  # remaining: tokens still to generate (K < remaining)
 
+    def decode_steps(self, remaining: int) -> int: ...  # tokens a round that drafts nothing asks the target for
+
     def observe(self, r: "Round", wall_ms: float) -> None: ...
 
 
 class FixedK:
-    """The same K every round (a request's num_speculative_tokens)."""
+    """The same K every round (a request's num_speculative_tokens); at K = 0, `steps` tokens a
+    call (see speculative_round)."""
 
     adaptive = False
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, steps: int = 1):
         self.k = k
+        self.steps = steps
 
     def choose(self, remaining: int) -> int:
         return max(0, min(self.k, remaining - 1))
+
+    def decode_steps(self, remaining: int) -> int:
+        return max(1, min(self.steps, remaining))
 
     def observe(self, r: "Round", wall_ms: float) -> None:
         pass
@@ -75,7 +82,7 @@ class Sequence:
 
 @dataclass
 class Round:
-    tokens: list[int]  # newly committed: accepted draft tokens + the recovered/bonus token
+    tokens: list[int]  # newly committed: accepted draft tokens + the recovered/bonus token (+ decoded ones)
     proposed: int
     accepted: int
     draft: Cost = field(default_factory=Cost)
@@ -88,9 +95,14 @@ class Round:
 
 async def speculative_round(
     draft: DraftPeer, target: TargetPeer, seq: Sequence, k: int, params: SamplingParams, p_min: float = 0.0,
-    predraft: bool = False, max_context: int | None = None, max_call_tokens: int | None = None,
+    predraft: bool = False, max_context: int | None = None, max_call_tokens: int | None = None, steps: int = 1,
 ) -> Round:
     """One round: the draft proposes up to k tokens, the target verifies them in one pass.
+
+    k = 0 (no speculation this round): the target decodes `steps` tokens in the one call, a pass
+    each (fewer after an EOS or at the context), each drawn as a round with nothing proposed draws
+    its token, so the output is the same as `steps` such rounds': only the round trips are saved.
+    The draft catches up on them, as on any committed token, at its next call.
 
     predraft (PEARL's post-verify): while the target verifies, the draft goes on drafting
     k + 1 tokens as if every proposed token were accepted, the first being its guess of the
@@ -112,7 +124,7 @@ async def speculative_round(
         lost = proposed is None
         proposal, draft_cost = proposed or (Proposal(), Cost())
         held = len(proposal.tokens)
-    verify = _verify(target, seq, proposal, params)
+    verify = _verify(target, seq, proposal, params, steps if k == 0 else 1)
     ahead = None
     ahead_k = 0
     if predraft and proposal.tokens and len(proposal.tokens) == held:
@@ -134,6 +146,7 @@ async def speculative_round(
     accepted = proposal.tokens[: verdict.accepted]
     seq.tokens.extend(accepted)
     seq.tokens.append(verdict.token)
+    seq.tokens.extend(verdict.decoded)
     seq.target_seen = len(seq.tokens)
     hit = False
     if k > 0:
@@ -149,8 +162,8 @@ async def speculative_round(
     if lost:
         seq.draft_lost()
     calls = (k > 0 and ready is None) + (ahead is not None)
-    return Round(accepted + [verdict.token], len(proposal.tokens), verdict.accepted, draft_cost, target_cost, k,
-                 calls, ahead is not None, hit)
+    return Round(accepted + [verdict.token] + verdict.decoded, len(proposal.tokens), verdict.accepted, draft_cost,
+                 target_cost, k, calls, ahead is not None, hit)
 
 
 async def _propose(draft: DraftPeer, seq: Sequence, k: int, params: SamplingParams,
@@ -166,15 +179,15 @@ async def _propose(draft: DraftPeer, seq: Sequence, k: int, params: SamplingPara
     return await _unless_lost(draft.propose(seq.session_id, True, 0, seq.tokens[:], k, params, p_min))
 
 
-async def _verify(target: TargetPeer, seq: Sequence, proposal: Proposal,
-                  params: SamplingParams) -> tuple[Verdict, Cost]:
+async def _verify(target: TargetPeer, seq: Sequence, proposal: Proposal, params: SamplingParams,
+                  steps: int) -> tuple[Verdict, Cost]:
     """The target's verdict on the proposal, from a session started again if the target lost it."""
     if seq.target_seen:
         try:
-            return await target.verify(seq.session_id, False, seq.tokens[seq.target_seen :], proposal, params)
+            return await target.verify(seq.session_id, False, seq.tokens[seq.target_seen :], proposal, params, steps)
         except SessionLost:
             seq.target_seen = 0
-    return await target.verify(seq.session_id, True, seq.tokens[:], proposal, params)
+    return await target.verify(seq.session_id, True, seq.tokens[:], proposal, params, steps)
 
 
 async def _unless_lost(call: Awaitable[tuple[Proposal, Cost]]) -> tuple[Proposal, Cost] | None:
@@ -286,8 +299,10 @@ async def generate(
             start = time.perf_counter()
             chosen = k.choose(remaining)
             asked_draft = asked_draft or chosen > 0
+            # the first token alone (time to first token); later rounds without drafting may ask for more
+            steps = k.decode_steps(remaining) if chosen == 0 and stats.rounds else 1
             r = await speculative_round(draft, target, seq, chosen, params, p_min, predraft, max_context,
-                                        max_call_tokens)
+                                        max_call_tokens, steps)
             k.observe(r, (time.perf_counter() - start) * 1e3)
             stats.add(r)
             new = r.tokens[:remaining]

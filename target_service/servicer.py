@@ -32,9 +32,11 @@ class TargetServicer(ModelServicer, pb_grpc.TargetServicer):
     @staticmethod
     def _call(request: pb.VerifyRequest) -> VerifyCall:
         return VerifyCall(request.session_id, request.start, list(request.append),
-                          proposal_from_proto(request.proposal), params_from_proto(request.sampling))
+                          proposal_from_proto(request.proposal), params_from_proto(request.sampling),
+                          max(1, request.decode_steps))
 
     @staticmethod
     def _reply(verdict, cost) -> pb.VerifyResponse:
         return pb.VerifyResponse(accepted=verdict.accepted, token=verdict.token, service_ms=cost.service_ms,
-                                 batch_size=cost.batch_size, batch_tokens=cost.batch_tokens, pass_ms=cost.pass_ms)
+                                 batch_size=cost.batch_size, batch_tokens=cost.batch_tokens, pass_ms=cost.pass_ms,
+                                 decoded=verdict.decoded)

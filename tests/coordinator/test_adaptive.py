@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.adaptive import AcceptanceK, AdaptiveK, CostModel, expected_tokens
+from coordinator.adaptive import DECODE_CHUNK_MS, AcceptanceK, AdaptiveK, CostModel, expected_tokens
 from speculative.protocol import Cost, PassCost
 from speculative.round import FixedK, Round
 
@@ -119,6 +119,43 @@ def test_cost_model_scales_to_measured_passes():
 
 def test_fixed_k():
     assert FixedK(4).choose(100) == 4 and FixedK(4).choose(3) == 2 and FixedK(0).choose(9) == 0
+    assert FixedK(0).decode_steps(100) == 1 and FixedK(0, 8).decode_steps(100) == 8
+    assert FixedK(0, 8).decode_steps(3) == 3
+
+
+def test_rounds_without_drafting_decode_what_fits_in_a_chunk():
+    """A K = 0 round asks for as many tokens as DECODE_CHUNK_MS of target passes hold, within its
+    steps and the tokens left; and K = 0's price shares the call's overhead among them."""
+    fast = CostModel(PassCost(fixed=9.5), DRAFT)  # SmolLM2 int4: ~10 passes in 100 ms
+    slow = CostModel(PassCost(fixed=26.0), DRAFT)  # float32: 3
+    assert AdaptiveK(fast, k_max=8, steps=8).decode_steps(100) == 8
+    assert AdaptiveK(slow, k_max=8, steps=8).decode_steps(100) == int(DECODE_CHUNK_MS // 26.0)
+    assert AdaptiveK(fast, k_max=8, steps=8).decode_steps(5) == 5
+    assert AdaptiveK(fast, k_max=8).decode_steps(100) == 1  # steps default: one
+    slow.target_scale = 2.0  # passes running at twice their calibrated time fit half as many
+    assert AdaptiveK(slow, k_max=8, steps=8).decode_steps(100) == int(DECODE_CHUNK_MS // 52.0)
+    assert slow.decode_steps(8) == int(DECODE_CHUNK_MS // 52.0) and fast.decode_steps(4) == 4  # (a fixed K = 0's)
+    costs = CostModel(PassCost(fixed=9.5), DRAFT, overhead_ms=2.0)
+    assert costs.round_cost(0, 1, 1, steps=8) == pytest.approx(9.5 + 2.0 / 8)
+    assert costs.round_cost(0, 1, 1) == pytest.approx(9.5 + 2.0)
+    assert costs.round_cost(2, 1, 1, steps=8) == costs.round_cost(2, 1, 1)  # drafting rounds verify once
+
+
+def test_a_draft_barely_worth_it_one_token_a_call_is_not_worth_it_eight():
+    """Where a round trip is a large share of a plain step, a poor draft pays for itself against
+    one-token calls, not against calls that share the trip among several tokens."""
+    target = PassCost(fixed=9.5, per_token=0.5)
+    draft = PassCost(fixed=0.3, per_token=0.05)
+    picks = {}
+    for steps in (1, 8):
+        policy = AdaptiveK(CostModel(target, draft, alpha=0.3, overhead_ms=3.0), k_max=8, steps=steps)
+        for _ in range(20):  # alpha about 1/3: one of three tried accepted
+            rounds_of(policy, accepted=0, proposed=2, batch=1, n=1)
+            rounds_of(policy, accepted=1, proposed=2, batch=1, n=1)
+        assert policy.alpha == pytest.approx(1 / 3, abs=0.03)
+        policy.costs.overhead_ms = 3.0
+        picks[steps] = policy.choose(100)
+    assert picks[1] > 0 and picks[8] == 0
 
 
 

@@ -61,7 +61,8 @@ def test_the_default_limit_lets_the_same_request_through_to_the_coordinators_own
 def test_k_is_capped_by_what_the_services_take_a_call(pair):
     """Services taking at most 4 draft tokens a call (--max-tokens-per-call) report it; the
     coordinator (K up to 16 of its own) then offers K <= 4, refuses 5 itself, cuts its default
-    K to 4, and its pre-draft (K + 1 tokens) to 4."""
+    K to 4, and its pre-draft (K + 1 tokens) to 4. (Adaptive K may find no round of this
+    disagreeing pair worth drafting, so pre-drafts are counted at the fixed K.)"""
     from coordinator.launch import LocalStack
 
     draft, target = pair
@@ -80,4 +81,5 @@ def test_k_is_capped_by_what_the_services_take_a_call(pair):
             if k is not None:
                 request.num_speculative_tokens = k
             reply = stub.Generate(request)
-            assert len(reply.token_ids) == 24 and reply.stats.predrafts > 0
+            assert len(reply.token_ids) == 24 and reply.stats.num_speculative_tokens == 4
+            assert reply.stats.predrafts > 0 or k is None

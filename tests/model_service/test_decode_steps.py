@@ -1,0 +1,141 @@
+"""A target call with no proposal that decodes several tokens (VerifyRequest.decode_steps): the
+same tokens as that many one-token calls, greedy and seeded sampled, through the engine, the round
+and the gRPC service; its stops; what it refuses."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from model_service.engines import DraftEngine, TargetEngine
+from model_service.local import LocalDraft, LocalTarget
+from model_service.model_runner import ModelRunner
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from speculative.errors import InvalidRequest
+from speculative.protocol import Proposal, SamplingParams
+from speculative.round import FixedK, Stats, generate
+
+from .test_engines import one_hot_proposal
+
+GREEDY = SamplingParams(0.0)
+PROMPT = [5, 17, 42, 9, 100, 3]
+
+
+@pytest.fixture(scope="module")
+def target(pair):
+    _, target_dir = pair
+    return TargetEngine(ModelRunner(target_dir))
+
+
+def one_at_a_time(target: TargetEngine, session: str, params: SamplingParams, n: int) -> list[int]:
+    verdict, _ = target.verify(session, True, PROMPT, Proposal(), params)
+    tokens = [verdict.token]
+    while len(tokens) < n:
+        verdict, _ = target.verify(session, False, [], Proposal(), params)
+        tokens.append(verdict.token)
+    target.release(session)
+    return tokens
+
+
+def in_calls(target: TargetEngine, session: str, params: SamplingParams, n: int, steps: int) -> tuple[list[int], int]:
+    """n tokens, `steps` a call. -> (tokens, calls)"""
+    tokens, calls = [], 0
+    start = True
+    while len(tokens) < n:
+        verdict, _ = target.verify(session, start, PROMPT if start else [], Proposal(), params, steps)
+        got = [verdict.token, *verdict.decoded]
+        assert verdict.accepted == 0 and len(got) <= steps
+        if len(got) < steps and len(tokens) + len(got) < n:  # stopped short only after an EOS
+            assert got[-1] in target.runner.eos_token_ids
+        tokens += got
+        start, calls = False, calls + 1
+    target.release(session)
+    return tokens[:n], calls
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(1.0, seed=11), SamplingParams(0.8, top_k=20, seed=5)],
+                         ids=["greedy", "sampled", "top-k"])
+def test_several_steps_a_call_decode_what_one_step_a_call_does(target, params):
+    want = one_at_a_time(target, "one", params, 24)
+    got, calls = in_calls(target, "many", params, 24, steps=5)
+    assert got == want
+    assert calls <= len(want) // 2
+
+
+def test_decoding_stops_after_an_eos(target):
+    runner = target.runner
+    want = one_at_a_time(target, "ref", GREEDY, 12)
+    eos = want[4]  # a token the target decodes fifth: make it the end of a sequence
+    saved = runner.eos_token_ids
+    runner.eos_token_ids = [eos]
+    try:
+        verdict, _ = target.verify("eos", True, PROMPT, Proposal(), GREEDY, 8)
+    finally:
+        runner.eos_token_ids = saved
+        target.release("eos")
+    tokens = [verdict.token, *verdict.decoded]
+    assert tokens == want[: want.index(eos) + 1]
+
+
+def test_decoding_stops_at_the_context(pair):
+    _, target_dir = pair
+    target = TargetEngine(ModelRunner(target_dir, max_context=len(PROMPT) + 3))
+    verdict, _ = target.verify("ctx", True, PROMPT, Proposal(), GREEDY, 8)
+    assert 1 + len(verdict.decoded) == 3  # the prompt and 3 tokens fill the context
+    assert len(target.runner.sessions.get("ctx").tokens) == len(PROMPT) + 3
+
+
+def test_the_engine_refuses_steps_it_cannot_take(target):
+    with pytest.raises(InvalidRequest, match="decode_steps must lie in"):
+        target.verify("big", True, PROMPT, Proposal(), GREEDY, target.max_tokens + 1)
+    with pytest.raises(InvalidRequest, match="decode_steps=3"):
+        target.verify("mixed", True, PROMPT, one_hot_proposal([1, 2]), GREEDY, 3)
+    assert len(target.runner.sessions) == 0  # refused before touching a session
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(0.9, seed=7)], ids=["greedy", "sampled"])
+def test_a_round_without_drafting_decodes_steps_and_the_output_is_unchanged(pair, target, params):
+    draft_dir, _ = pair
+    draft = LocalDraft(DraftEngine(ModelRunner(draft_dir)))
+
+    def run(steps: int) -> tuple[list[int], Stats]:
+        stats = Stats()
+
+        async def go():
+            out = []
+            async for new in generate(draft, LocalTarget(target), PROMPT, max_new_tokens=30, k=FixedK(0, steps),
+                                      params=params, max_context=256, stats=stats, session_id=f"r{steps}"):
+                out.extend(new)
+            return out
+
+        return asyncio.run(go()), stats
+
+    one, one_stats = run(1)
+    many, many_stats = run(8)
+    assert many == one and len(many) == 30
+    assert one_stats.rounds == 30
+    assert many_stats.rounds == 5  # the first token alone (time to first token), then 8 + 8 + 8 + 5
+
+
+def test_the_service_decodes_steps_over_grpc(stack):
+    channel = grpc.insecure_channel(stack.target_addr)
+    stub = pb_grpc.TargetStub(channel)
+    greedy = pb.SamplingParams(temperature=0.0, top_p=1.0)
+    try:
+        first = stub.Verify(pb.VerifyRequest(session_id="g1", start=True, append=PROMPT, sampling=greedy,
+                                             decode_steps=6))
+        one = [stub.Verify(pb.VerifyRequest(session_id="g2", start=True, append=PROMPT, sampling=greedy)).token]
+        for _ in range(5):
+            one.append(stub.Verify(pb.VerifyRequest(session_id="g2", sampling=greedy)).token)
+        assert [first.token, *first.decoded] == one
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Verify(pb.VerifyRequest(session_id="g1", sampling=greedy, decode_steps=1000))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "decode_steps" in err.value.details()
+    finally:
+        for session in ("g1", "g2"):
+            stub.Release(pb.ReleaseRequest(session_id=session))
+        channel.close()
