@@ -22,8 +22,10 @@ chosen, the output is the target's: K only moves cost around.
 A round at K = 0 asks the target for several tokens in its one call (`decode_steps`, one pass
 each; speculative_round), as many as fit in DECODE_CHUNK_MS of passes (a fixed K = 0 too, from
 the costs when the request starts): its call overhead is shared by them, which K = 0's price here
-counts. (SmolLM2 int4 on 2 cores: a pass ~9.5 ms, a round trip ~1.4 ms more; a target alone
-through the services ran at 0.87x of its runner.)
+counts when this request is alone (with others in flight the target decodes on only in passes
+no one else waits on, so K = 0 is priced as one token a call). (SmolLM2 int4 on 2 cores: a pass
+~9.5 ms, a round trip ~1.4 ms more; a target alone through the services ran at 0.87x of its
+runner.)
 """
 
 from __future__ import annotations
@@ -180,7 +182,9 @@ class AdaptiveK:
         top = max(0, min(self.k, remaining - 1))
         alpha = min(self.alpha, 0.999)
         pipelined = self.costs.in_flight > 1
-        steps = self.decode_steps(remaining)
+        # several in flight: a K = 0 call shares its pass with others' verifications and gets one
+        # token (TargetEngine), so its overhead is not shared
+        steps = 1 if pipelined else self.decode_steps(remaining)
         best = max(range(top + 1), key=lambda k: expected_tokens(alpha, k)
                    / self.costs.round_cost(k, self.batch, self.draft_batch, pipelined, steps))
         if best == 0 and top > 0:

@@ -7,6 +7,7 @@ DraftEngine is the model drafting method (the contract: drafting.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -197,7 +198,17 @@ class DraftEngine(RunnerEngine):
 class TargetEngine(RunnerEngine):
     """Verifies proposals and applies rejection sampling: `verify_many` scores the proposals of
     several sessions (any lengths, any K) in one forward pass; calls with no proposal may go on
-    decoding on their own (`steps`), one pass per token over those still decoding."""
+    decoding on their own (`steps`), one pass per token over those still decoding.
+
+    A pass's calls are answered together, so decoding on never holds back another session: it
+    runs only where every call of the pass asked for it (a call in a pass with draft tokens to
+    verify gets its one token), and stops early once `busy()` says other calls wait for the model
+    (they join the next pass, not the end of this call's steps). A call always gets at least its
+    first token; the coordinator asks again for the rest."""
+
+    def __init__(self, runner: ModelRunner, max_tokens: int = 16):
+        super().__init__(runner, max_tokens)
+        self.busy: Callable[[], bool] | None = None  # other calls wait for the model (the service's batcher)
 
     def verify(
         self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams,
@@ -245,7 +256,8 @@ class TargetEngine(RunnerEngine):
                 session.tokens.append(token)  # sampled here; enters the cache next call
                 results[i] = Verdict(accepted, token)
             pass_ms = timer.ms
-            self._decode_on([(i, call, session) for i, call, session, *_ in live if call.steps > 1], results)
+            if live and all(call.steps > 1 for _, call, *_ in live):
+                self._decode_on([(i, call, session) for i, call, session, *_ in live], results)
             cost = Cost(timer.ms, batch_size=len(live),
                         batch_tokens=sum(len(c.proposal.tokens) + 1 for _, c, *_ in live), pass_ms=pass_ms)
             return [(r, cost) if isinstance(r, Verdict) else r for r in results]
@@ -261,7 +273,7 @@ class TargetEngine(RunnerEngine):
         nothing = torch.empty(0, dtype=torch.long, device=runner.device)
         decoding = [(i, call, session) for i, call, session in calls
                     if isinstance(results[i], Verdict) and results[i].token not in eos]
-        while decoding:
+        while decoding and not (self.busy is not None and self.busy()):
             fits = []  # sessions with room for one more token
             for i, call, session in decoding:
                 try:

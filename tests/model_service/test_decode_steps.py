@@ -88,6 +88,29 @@ def test_decoding_stops_at_the_context(pair):
     assert len(target.runner.sessions.get("ctx").tokens) == len(PROMPT) + 3
 
 
+def test_decoding_on_never_holds_back_another_session(target):
+    """In a pass with draft tokens to verify, a call asking for several tokens gets one; and the
+    steps stop once other calls wait for the model (busy), after at least the first token."""
+    from model_service.engines import VerifyCall
+
+    want = one_at_a_time(target, "ref", GREEDY, 6)
+    target.verify("spec", True, PROMPT, Proposal(), GREEDY)
+    mixed = target.verify_many([VerifyCall("plain", True, PROMPT, Proposal(), GREEDY, 6),
+                                VerifyCall("spec", False, [], one_hot_proposal([1, 2]), GREEDY)])
+    (plain, _), (spec, _) = mixed
+    assert plain.token == want[0] and plain.decoded == [] and spec.decoded == []
+    target.release("plain")
+    answers = iter([False, False])  # nothing waits before the next two passes, then something does
+    target.busy = lambda: next(answers, True)
+    try:
+        verdict, _ = target.verify("yield", True, PROMPT, Proposal(), GREEDY, 6)
+    finally:
+        target.busy = None
+        for session in ("spec", "yield"):
+            target.release(session)
+    assert [verdict.token, *verdict.decoded] == want[:3]  # two more passes, then others wait
+
+
 def test_the_engine_refuses_steps_it_cannot_take(target):
     with pytest.raises(InvalidRequest, match="decode_steps must lie in"):
         target.verify("big", True, PROMPT, Proposal(), GREEDY, target.max_tokens + 1)
