@@ -63,7 +63,7 @@ class Limits:
     predraft: bool = False  # draft the next round while the target verifies this one
     lockstep_ms: float = 0.0  # > 0: calls reach the models in turns (coordinator/lockstep.py), held this long at most
     # a round that drafts nothing asks the target for up to this many tokens in one call (one pass
-    # each): the round trips of a plain decode are paid once per call, not per token (1: off)
+    # each): the round trips of a plain decode are paid once per call, not per token (>= 1; 1: off)
     decode_steps: int = 8
 
 
@@ -349,8 +349,7 @@ class Coordinator:
             max_k=max_k,
             default_k=min(default_k, max_k),
             max_draft_call=least(own, draft_info.max_tokens_per_call),  # a pre-draft asks the draft alone
-            decode_steps=(least(self.limits.decode_steps, target_info.max_tokens_per_call)
-                          if self.limits.decode_steps > 1 else 1),
+            decode_steps=least(self.limits.decode_steps, target_info.max_tokens_per_call),
             max_token_chars=prompt_bound(tokenizer),
             costs=CostModel(pass_cost_from_info(target_info), draft_cost),
             name=target_info.model_name,

@@ -206,18 +206,16 @@ class TargetEngine(RunnerEngine):
     (they join the next pass, not the end of this call's steps). A call always gets at least its
     first token; the coordinator asks again for the rest."""
 
-    def __init__(self, runner: ModelRunner, max_tokens: int = 16):
-        super().__init__(runner, max_tokens)
-        self.busy: Callable[[], bool] | None = None  # other calls wait for the model (the service's batcher)
-
     def verify(
         self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams,
         steps: int = 1,
     ) -> tuple[Verdict, Cost]:
         return one_result(self.verify_many([VerifyCall(session_id, start, append, proposal, params, steps)]))
 
-    def verify_many(self, calls: list[VerifyCall]) -> list[tuple[Verdict, Cost] | Exception]:
-        """-> per call, (verdict, the pass's cost) or the error that call alone met. Distinct sessions only."""
+    def verify_many(self, calls: list[VerifyCall],
+                    busy: Callable[[], bool] | None = None) -> list[tuple[Verdict, Cost] | Exception]:
+        """-> per call, (verdict, the pass's cost) or the error that call alone met. Distinct sessions only.
+        busy() -> whether other calls wait for the model (the service's model thread): decoding on stops."""
         runner = self.runner
         with runner.lock:
             timer = Timer()
@@ -257,12 +255,13 @@ class TargetEngine(RunnerEngine):
                 results[i] = Verdict(accepted, token)
             pass_ms = timer.ms
             if live and all(call.steps > 1 for _, call, *_ in live):
-                self._decode_on([(i, call, session) for i, call, session, *_ in live], results)
+                self._decode_on([(i, call, session) for i, call, session, *_ in live], results, busy)
             cost = Cost(timer.ms, batch_size=len(live),
                         batch_tokens=sum(len(c.proposal.tokens) + 1 for _, c, *_ in live), pass_ms=pass_ms)
             return [(r, cost) if isinstance(r, Verdict) else r for r in results]
 
-    def _decode_on(self, calls: list[tuple[int, VerifyCall, Session]], results: list) -> None:
+    def _decode_on(self, calls: list[tuple[int, VerifyCall, Session]], results: list,
+                   busy: Callable[[], bool] | None) -> None:
         """Go on decoding for the calls that asked for more than one token (no proposal): one pass
         per step over the sessions still decoding, each token drawn as a call with no proposal
         draws its own (the bonus of greedy_verify / rejection_sample with nothing proposed, on the
@@ -273,7 +272,7 @@ class TargetEngine(RunnerEngine):
         nothing = torch.empty(0, dtype=torch.long, device=runner.device)
         decoding = [(i, call, session) for i, call, session in calls
                     if isinstance(results[i], Verdict) and results[i].token not in eos]
-        while decoding and not (self.busy is not None and self.busy()):
+        while decoding and not (busy is not None and busy()):
             fits = []  # sessions with room for one more token
             for i, call, session in decoding:
                 try:

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -78,6 +78,8 @@ def set_threads(threads: int) -> None:
 class PassSource(Protocol):
     """What the model thread takes its passes from (batcher.Batcher)."""
 
+    waiting: Sized  # the calls queued for a pass
+
     def ready(self, now: float) -> list | float | None: ...
 
     def pass_for(self, batch: list) -> tuple[Callable[[], Any], asyncio.AbstractEventLoop, Callable]: ...
@@ -114,6 +116,10 @@ class ModelThread:
         with self.cond:
             self.jobs.append((fn, loop, future))
             self.wake()
+
+    def waiting(self) -> bool:
+        """Whether calls wait for a pass in any of its batchers (read without the lock: a hint)."""
+        return any(batcher.waiting for batcher in self.batchers)
 
     def wake(self) -> None:
         """Under self.cond: there is new work (the thread starts with the first)."""

@@ -13,9 +13,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Target"].full_name
 
 class TargetServicer(ModelServicer, pb_grpc.TargetServicer):
     def run_many(self, calls: list[VerifyCall]) -> list:
-        if self.engine.busy is None:  # decoding on gives way to calls waiting for this thread
-            self.engine.busy = lambda: any(batcher.waiting for batcher in self.thread.batchers)
-        return self.engine.verify_many(calls)
+        return self.engine.verify_many(calls, self.thread.waiting)  # decoding on gives way to waiting calls
 
     async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
         await self.ready(context)

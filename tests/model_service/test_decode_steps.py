@@ -101,11 +101,10 @@ def test_decoding_on_never_holds_back_another_session(target):
     assert plain.token == want[0] and plain.decoded == [] and spec.decoded == []
     target.release("plain")
     answers = iter([False, False])  # nothing waits before the next two passes, then something does
-    target.busy = lambda: next(answers, True)
     try:
-        verdict, _ = target.verify("yield", True, PROMPT, Proposal(), GREEDY, 6)
+        [(verdict, _)] = target.verify_many([VerifyCall("yield", True, PROMPT, Proposal(), GREEDY, 6)],
+                                            busy=lambda: next(answers, True))
     finally:
-        target.busy = None
         for session in ("spec", "yield"):
             target.release(session)
     assert [verdict.token, *verdict.decoded] == want[:3]  # two more passes, then others wait
