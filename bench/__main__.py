@@ -28,7 +28,10 @@ sweeping K:
      (`--only ngram` runs these rows alone)
 Also: each service's peak RSS, how many of d's greedy outputs equal a's, each a' row's distance
 from its memory-bandwidth floor (the weight bytes one pass reads / the bandwidth this process
-measures), and the issues' bars.
+measures), and the issues' bars. Where a bar sets two systems within a few percent of each other
+(d int4 with adaptive K against l), they run --repeat times (default 3) turn about, and their
+tok/s is the median of their runs (all kept in latest.json's tokens_per_s_runs): this machine's
+speed drifts by 5-10% over minutes, more than such a bar's margin.
 Writes a table to stdout, bench/results/latest.json and bench/results/speedup.png.
 """
 
@@ -189,6 +192,19 @@ def grpc_run(stack: LocalStack, prompts, temperature: float, new_tokens: int, k:
     return stats, seconds
 
 
+def interleaved(first: dict, second: dict, again_first, again_second, runs: int) -> None:
+    """Run two rows' systems runs - 1 more times each, turn about (first, second, first, ...); each
+    row's tokens_per_s becomes the median of its runs (its first tokens/s and what again_* return),
+    all of them kept in tokens_per_s_runs."""
+    for row in (first, second):
+        row.setdefault("tokens_per_s_runs", [row["tokens_per_s"]])
+    for _ in range(runs - 1):
+        first["tokens_per_s_runs"].append(again_first())
+        second["tokens_per_s_runs"].append(again_second())
+    for row in (first, second):
+        row["tokens_per_s"] = statistics.median(row["tokens_per_s_runs"])
+
+
 def source_gguf(target_dir) -> Path | None:
     """The GGUF file `target_dir` was converted from (training.convert), where it is installed."""
     record = Path(target_dir) / "conversion.json"
@@ -331,6 +347,9 @@ def main(argv=None) -> None:
     parser.add_argument("--quantize", default="int4",
                         help="rows a' and d again with the target's and the draft's --quantize (e.g. int4; '' skips)")
     parser.add_argument("--quant-k", type=int, default=4, help="the fixed K of the quantized d row (adaptive K too)")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="rows one bar sets against another system's (l and d int4 with adaptive K; best n and"
+                             " best p on grounded prompts) run this many times, interleaved; their tok/s: the median")
     parser.add_argument("--ngram-ks", default="8,16", help="rows n and p (bench/ngram.py): K values")
     parser.add_argument("--only", choices=["ngram", "pair"],
                         help="run only these rows: ngram (the n rows, bench/ngram.py) or pair (all but those)")
@@ -352,7 +371,7 @@ def main(argv=None) -> None:
 
         return ngram.run(target, tokenizer, target_dir, modes=modes, n_prompts=args.prompts,
                          new_tokens=args.new_tokens, ks=[int(k) for k in args.ngram_ks.split(",")],
-                         threads=args.threads, out=args.out, progress=progress)
+                         threads=args.threads, out=args.out, progress=progress, repeat=args.repeat)
 
     if args.only == "ngram":
         with tqdm(desc="bench n-gram rows", unit="run") as progress:
@@ -455,6 +474,22 @@ def main(argv=None) -> None:
                     rows.append({**row_from_stats(name, mode, k or round(mean_k), stats, seconds), "quantize": quantize,
                                  **({"adaptive": True, "mean_k": mean_k} if k is None else {})})
                     bar.update()
+                llama = next((r for r in rows if r["name"].startswith("l ") and r["mode"] == mode), None)
+                if llama is not None and args.repeat > 1:
+                    # the bar d int4 >= l sets two systems within a few % of each other, while this
+                    # machine's speed drifts by ~5-10% over minutes: each runs again, turn about
+                    bar.set_postfix_str(f"{mode}: l and d {quantize} adaptive K, {args.repeat - 1} more times each")
+                    adaptive_row = rows[-1]
+
+                    def again_l(temperature=temperature) -> float:
+                        ran = llama_row.run(gguf, prompts, temperature, args.new_tokens, args.threads, args.out)
+                        return sum(map(len, ran[0])) / ran[1] if ran else float("nan")
+
+                    def again_d(temperature=temperature) -> float:
+                        stats, seconds = grpc_run(stack, prompts, temperature, args.new_tokens, None)
+                        return stats.generated_tokens / seconds
+
+                    interleaved(llama, adaptive_row, again_l, again_d, args.repeat)
             rss.update({f"{name} ({quantize})": rss_mb(proc.pid) for name, proc in stack.procs.items()})
         if references is not None:
             stack.stop()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 
+from bench.__main__ import interleaved
 from bench.__main__ import main as bench_main
 
 KEYS = {"name", "mode", "k", "tokens_per_s", "speedup", "acceptance_rate", "mean_accepted", "ideal_speedup",
@@ -150,3 +152,21 @@ def test_tiny_ngram_rows(pair, tmp_path, capsys):
     assert all(r["tokens_per_s"] > 0 and math.isfinite(r["speedup"]) for r in rows)
     out = capsys.readouterr().out
     assert "bar n >= 1.5x p on input-grounded prompts (greedy" in out and "bar n (adaptive K) >= 0.95x a'" in out
+    # the bar's two rows ran 3 times each (--repeat's default), and read the median of their runs
+    repeated = [r for r in rows if "tokens_per_s_runs" in r and not r["name"].startswith("a'")]
+    assert sorted(r["name"][0] for r in repeated) == ["n", "p"] and {r["prompts"] for r in repeated} == {"g"}
+    for r in repeated:
+        assert len(r["tokens_per_s_runs"]) == 3 and r["tokens_per_s"] == statistics.median(r["tokens_per_s_runs"])
+
+
+def test_interleaved_runs_two_systems_turn_about_and_keeps_the_median():
+    calls = []
+    first, second = {"tokens_per_s": 10.0}, {"tokens_per_s": 50.0}
+    speeds = iter([30.0, 20.0, 12.0, 60.0])
+    interleaved(first, second, lambda: calls.append("first") or next(speeds),
+                lambda: calls.append("second") or next(speeds), 3)
+    assert calls == ["first", "second", "first", "second"]
+    assert first == {"tokens_per_s": 12.0, "tokens_per_s_runs": [10.0, 30.0, 12.0]}
+    assert second == {"tokens_per_s": 50.0, "tokens_per_s_runs": [50.0, 20.0, 60.0]}
+    interleaved(first, second, lambda: 1 / 0, lambda: 1 / 0, 1)  # one run: nothing again, nothing changes
+    assert first["tokens_per_s"] == 12.0 and len(first["tokens_per_s_runs"]) == 3
