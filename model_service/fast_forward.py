@@ -129,14 +129,18 @@ class FastForward:
         return cls(model, max_context, pool_capacity)
 
     def pack(self) -> None:
-        """On CPU, also keep the wide weights (q/k/v, gate/up, lm_head) in oneDNN's packed layout.
+        """On CPU, also keep the wide weights (each layer's linears, lm_head) in oneDNN's packed layout.
 
         MKL's sgemm is slow for the few rows of a verify step: on the 2-core AVX2 machine this was
         measured on, x @ w with a [384, 8192] lm_head takes 2.0 ms for 4 rows and 2.8 ms for 14,
         against 1.0 and 1.8 ms packed; for q/k/v and gate/up, 1.3-1.4x at 2-14 rows. One row
-        stays on x @ w, which is faster there (0.4 vs 0.8 ms for that lm_head). The cost is a
-        second copy of these weights in memory. Weights under `pack_min` elements stay unpacked
-        (see PACK_MIN_ELEMENTS). Elsewhere (CUDA, no oneDNN, half precision) nothing is packed.
+        stays on x @ w, which is faster there (0.4 vs 0.8 ms for that lm_head). o and down too
+        since 2026-11-25: SmolLM2-135M's verify pass (2 threads, AMX Xeon, 200 cached positions,
+        three interleaved medians) at K = 4 / 8 / 16 took 34.7 / 41.2 / 47.0 ms with them
+        unpacked and 32.4 / 37.6 / 45.7 packed (0.93x / 0.91x / 0.97x). The cost is a second copy
+        of these weights in memory (o and down: 146 MB more for SmolLM2 in float32). Weights under
+        `pack_min` elements stay unpacked (see PACK_MIN_ELEMENTS). Elsewhere (CUDA, no oneDNN,
+        half precision) nothing is packed.
         """
         if self.int4_group:
             self._pack_int4()
@@ -150,9 +154,10 @@ class FastForward:
                 return torch.ops.mkldnn._reorder_linear_weight(w.t().contiguous(), 16)
 
             for layer in self.layers:
-                layer["qkv_packed"], layer["gate_up_packed"] = packed(layer["qkv"]), packed(layer["gate_up"])
-                layer["o_packed"] = layer["down_packed"] = None
+                for name in ("qkv", "o", "gate_up", "down"):
+                    layer[f"{name}_packed"] = packed(layer[name])
             self.lm_head_packed = packed(self.lm_head)
+        self._script_args = None  # (the TorchScript loop's weight lists hold the packed copies)
 
     # the transformers weights each fused linear of layer i is made of (_fuse), in order
     PARTS: ClassVar[dict[str, tuple[str, ...]]] = {
