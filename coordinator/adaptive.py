@@ -37,6 +37,7 @@ from speculative.round import Round
 EMA = 0.1  # weight of a new observation in the running scales
 ALPHA_EMA = 0.02  # ... in the coordinator-wide acceptance, once it has seen enough rounds
 ALPHA_PRIOR_ROUNDS = 4  # the starting acceptance counts as this many drafted rounds
+DEFAULT_ALPHA = 0.6  # the acceptance assumed of a draft whose own (ModelInfo.acceptance_prior) is not known
 DECODE_CHUNK_MS = 100.0  # a round that drafts nothing decodes at most about this long before its tokens stream
 
 
@@ -50,7 +51,7 @@ def expected_tokens(alpha: float, k: int) -> float:
 class CostModel:
     """Round costs, shared by all of a coordinator's requests and updated from every round."""
 
-    def __init__(self, target: PassCost, draft: PassCost, alpha: float = 0.6, overhead_ms: float = 0.5):
+    def __init__(self, target: PassCost, draft: PassCost, alpha: float = DEFAULT_ALPHA, overhead_ms: float = 0.5):
         self.target, self.draft = target, draft
         self.target_scale = 1.0  # measured / calibrated pass time: contention, other hardware states
         self.draft_scale = 1.0   # the same for the draft (reported; see round_cost)
@@ -75,7 +76,7 @@ class CostModel:
         self.overhead_ms += EMA * (outside - self.overhead_ms)
         if r.proposed:
             # the mean of the rounds seen (the starting figure counting as ALPHA_PRIOR_ROUNDS) until
-            # that weighs less than ALPHA_EMA, then a moving average: a guess (0.6 by default) made
+            # that weighs less than ALPHA_EMA, then a moving average: a prior (the draft's card's, else 0.6) made
             # before the pair has drafted anything gives way within a few requests' rounds, not
             # after ~100 of them (SmolLM2's draft: 0.2-0.3; at 0.6 the first requests drafted where
             # it did not pay)

@@ -38,7 +38,7 @@ from speculative.protocol import SamplingParams, pass_cost_from_info
 from speculative.round import FixedK, KPolicy, Stats
 from speculative.round import generate as speculative_rounds
 
-from .adaptive import AcceptanceK, AdaptiveK, CostModel
+from .adaptive import DEFAULT_ALPHA, AcceptanceK, AdaptiveK, CostModel
 from .failover import FailoverDraft, FailoverTarget
 from .lockstep import GatedDraft, GatedTarget, PhaseGate
 from .metrics import CoordinatorMetrics, TokenClock
@@ -351,7 +351,9 @@ class Coordinator:
             max_draft_call=least(own, draft_info.max_tokens_per_call),  # a pre-draft asks the draft alone
             decode_steps=least(self.limits.decode_steps, target_info.max_tokens_per_call),
             max_token_chars=prompt_bound(tokenizer),
-            costs=CostModel(pass_cost_from_info(target_info), draft_cost),
+            # until rounds are seen, adaptive K assumes the acceptance the draft's card measured
+            costs=CostModel(pass_cost_from_info(target_info), draft_cost,
+                            alpha=draft_info.acceptance_prior or DEFAULT_ALPHA),
             name=target_info.model_name,
         )
 

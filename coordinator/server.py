@@ -122,4 +122,5 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             default_speculative_tokens=models.default_k,
             adaptive_speculation=coordinator.limits.adaptive,
             replicas=coordinator.draft.describe() + coordinator.target.describe(),
+            acceptance=models.costs.alpha,
         )

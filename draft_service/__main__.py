@@ -47,6 +47,9 @@ def parse_args(argv=None, prog: str = "python -m draft_service"):
                         help="score only the N most frequent tokens (FR-Spec: the rest get q = 0, which keeps the"
                              " output exact) from the model's draft_vocab.json; auto: its recommended size where the"
                              " file exists, else the full vocabulary; full (or 0): every token")
+    parser.add_argument("--acceptance-prior", default="auto",
+                        help="the draft's acceptance (alpha, 0..1) the coordinator's adaptive K assumes until it has"
+                             " seen rounds; auto: the one its card (distill.json) measured against its target, if any")
     parser.add_argument("--oracle", default=None,
                         help="benchmark only: JSON list of token sequences to replay instead of drafting")
     args = parser.parse_args(argv)
@@ -59,6 +62,7 @@ def parse_args(argv=None, prog: str = "python -m draft_service"):
     if not 1 <= args.ngram_min <= args.ngram_max:
         parser.error(f"need 1 <= --ngram-min <= --ngram-max, not {args.ngram_min} and {args.ngram_max}")
     args.vocab_subset = vocab_subset(args.draft_vocab, args.model) if args.method == "model" else 0
+    args.acceptance_prior = acceptance_prior(args.acceptance_prior, args.model) if args.method == "model" else 0.0
     return args
 
 
@@ -76,6 +80,26 @@ def vocab_subset(flag: str, model_dir: str | None) -> int:
     if size < 0:
         raise SystemExit(f"--draft-vocab must be >= 0, not {size}")
     return size
+
+
+def acceptance_prior(flag: str, model_dir: str | None) -> float:
+    """--acceptance-prior -> alpha (0: not known). auto: what `python -m training distill` measured
+    and wrote into the model's distill.json: alpha in specdec's own rounds on held-out chat prompts
+    where it ran them (--acceptance), else greedy agreement on held-out answers."""
+    if flag == "auto":
+        card = Path(model_dir or "") / "distill.json"
+        if not card.is_file():
+            return 0.0
+        info = json.loads(card.read_text())
+        measured = (info.get("acceptance") or {}).get("alpha_pooled") or (info.get("final") or {}).get("heldout_agreement")
+        return float(measured or 0.0)
+    try:
+        alpha = float(flag)
+    except ValueError:
+        raise SystemExit(f"--acceptance-prior must be auto or a number, not {flag!r}") from None
+    if not 0.0 <= alpha <= 1.0:
+        raise SystemExit(f"--acceptance-prior must be within 0..1, not {alpha}")
+    return alpha
 
 
 def main(argv=None, prog: str = "python -m draft_service") -> None:
@@ -96,7 +120,7 @@ def make_engine(args, load_model) -> DraftMethod:
     if args.oracle:
         references = json.loads(Path(args.oracle).read_text())
         return OracleDraftEngine(load_model(), references, args.max_tokens_per_call)
-    return DraftEngine(load_model(), args.max_support, args.max_tokens_per_call)
+    return DraftEngine(load_model(), args.max_support, args.max_tokens_per_call, args.acceptance_prior)
 
 
 if __name__ == "__main__":

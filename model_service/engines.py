@@ -84,12 +84,14 @@ class DraftEngine(RunnerEngine):
 
     method = "model"  # ModelInfo.draft_method
 
-    def __init__(self, runner: ModelRunner, max_support: int = 64, max_tokens: int = 16):
+    def __init__(self, runner: ModelRunner, max_support: int = 64, max_tokens: int = 16,
+                 acceptance_prior: float = 0.0):
         super().__init__(runner, max_tokens)
         self.max_support = max_support
+        self.acceptance_prior = acceptance_prior  # ModelInfo.acceptance_prior (0: not known)
 
     def info(self) -> dict:
-        return {**self.runner.info(), "draft_method": self.method}
+        return {**self.runner.info(), "draft_method": self.method, "acceptance_prior": self.acceptance_prior}
 
     def propose(
         self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams,

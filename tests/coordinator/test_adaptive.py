@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from coordinator.adaptive import DECODE_CHUNK_MS, AcceptanceK, AdaptiveK, CostModel, expected_tokens
@@ -192,3 +195,50 @@ def test_the_shared_acceptance_leaves_its_starting_guess_within_a_few_rounds():
     for _ in range(600):
         costs.observe(Round([], 4, 4, Cost(), Cost(batch_size=1), asked=4), 10.0)  # 4 of 4
     assert costs.alpha > 0.99  # past 1 / ALPHA_EMA rounds, a moving average that follows the draft
+
+
+# ----------------------------------------------------------------- the prior from the draft's card
+
+def test_acceptance_prior_flag(tmp_path):
+    from draft_service.__main__ import acceptance_prior
+
+    card = tmp_path / "distill.json"
+    card.write_text(json.dumps({"final": {"heldout_agreement": 0.49}}))
+    assert acceptance_prior("auto", str(tmp_path)) == 0.49  # agreement on held-out answers, where no rounds ran
+    card.write_text(json.dumps({"final": {"heldout_agreement": 0.49}, "acceptance": {"alpha_pooled": 0.33}}))
+    assert acceptance_prior("auto", str(tmp_path)) == 0.33  # alpha in specdec's own rounds comes first
+    assert acceptance_prior("auto", str(tmp_path / "none")) == 0.0 and acceptance_prior("auto", None) == 0.0
+    assert acceptance_prior("0.7", None) == 0.7
+    with pytest.raises(SystemExit, match="auto or a number"):
+        acceptance_prior("high", None)
+    with pytest.raises(SystemExit, match="within 0..1"):
+        acceptance_prior("1.5", None)
+
+
+def test_adaptive_k_starts_from_the_drafts_card(pair, tmp_path):
+    """A draft whose card measured alpha 0.2: its service reports it (ModelInfo.acceptance_prior), the
+    coordinator's acceptance starts there instead of at 0.6 (ServerInfo.acceptance), and moves once
+    rounds are seen. A draft without a card reports 0 and the coordinator keeps 0.6."""
+    import grpc
+
+    from coordinator.launch import LocalStack
+    from specdec.v1 import specdec_pb2 as pb
+    from specdec.v1 import specdec_pb2_grpc as pb_grpc
+
+    draft_dir, target_dir = pair
+    carded = shutil.copytree(draft_dir, tmp_path / "draft")
+    (carded / "distill.json").write_text(json.dumps({"acceptance": {"alpha_pooled": 0.2}}))
+    with LocalStack(carded, target_dir) as stack, grpc.insecure_channel(stack.addr) as channel:
+        client = pb_grpc.GenerationStub(channel)
+        info = client.GetInfo(pb.GetInfoRequest())
+        assert info.draft.acceptance_prior == pytest.approx(0.2) and info.target.acceptance_prior == 0.0
+        assert info.acceptance == pytest.approx(0.2)
+        # a seeded sampled request without K: its K comes from its acceptance alone (AcceptanceK), so it
+        # drafts whatever the prior, and its rounds count in the coordinator's acceptance
+        reply = client.Generate(pb.GenerateRequest(prompt="def f(x):", max_new_tokens=24, temperature=1.0, seed=3))
+        assert reply.stats.draft_tokens > 0
+        assert client.GetInfo(pb.GetInfoRequest()).acceptance != pytest.approx(0.2)  # the rounds' own figure
+    with LocalStack(draft_dir, target_dir, draft_args=["--acceptance-prior", "auto"]) as stack, \
+            grpc.insecure_channel(stack.addr) as channel:
+        info = pb_grpc.GenerationStub(channel).GetInfo(pb.GetInfoRequest())
+        assert info.draft.acceptance_prior == 0.0 and info.acceptance == pytest.approx(0.6)
