@@ -32,8 +32,9 @@ stubs: $(STUBS)
 specdec/%_pb2.py: protos/specdec/%.proto $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $<
 
+# RUN_ARGS: more launcher flags, e.g. make run RUN_ARGS='--quantize int4'
 run: setup
-	$(PY) -m coordinator.launch --demo
+	$(PY) -m coordinator.launch --demo $(RUN_ARGS)
 
 # a local pool: 1 coordinator, 2 draft and 2 target replicas on loopback, until Ctrl-C
 cluster: setup
