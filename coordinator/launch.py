@@ -275,11 +275,9 @@ def main(argv=None, prog: str = "python -m coordinator.launch") -> int:
                        target_args=["--tensor-parallel-size", str(args.tensor_parallel_size), *quantize],
                        draft_args=quantize if args.draft_method == "model" else [],
                        http_port=args.http_port or None, draft_method=args.draft_method)
-    drafting = "n-gram lookup" if args.draft_method == "ngram" else draft
-    if quantize:
-        target = f"{target}, {args.quantize}"
-        drafting += f", {args.quantize}" if args.draft_method == "model" else ""
-    print(f"starting target ({target}) on {', '.join(stack.target_addrs)}, draft ({drafting}) on "
+    weights = f", {args.quantize}" if quantize else ""
+    drafting = "n-gram lookup" if args.draft_method == "ngram" else f"{draft}{weights}"
+    print(f"starting target ({target}{weights}) on {', '.join(stack.target_addrs)}, draft ({drafting}) on "
           f"{', '.join(stack.draft_addrs)}, coordinator on {stack.addr}; logs in {stack.log_dir}; replicas listed in"
           f" {stack.discovery['draft']} and {stack.discovery['target']} (edit them to add or remove some)", flush=True)
     with stack:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import coordinator.launch as launch
@@ -15,12 +17,23 @@ class Started(Exception):
 def stacks(monkeypatch) -> list[dict]:
     made = []
 
-    def local_stack(*args, **kwargs):
-        made.append(kwargs)
-        raise Started
+    class LocalStack:
+        """Takes the flags, says where it would serve, and starts nothing."""
 
-    monkeypatch.setattr(launch, "LocalStack", local_stack)
-    monkeypatch.setattr(launch, "default_models", lambda: ("models/draft", "models/target"))
+        addr, target_addrs, draft_addrs, log_dir = "127.0.0.1:1", ["127.0.0.1:2"], ["127.0.0.1:3"], Path("logs")
+        discovery = {"draft": Path("draft.txt"), "target": Path("target.txt")}
+
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs)
+
+        def __enter__(self):
+            raise Started
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(launch, "LocalStack", LocalStack)
+    monkeypatch.setattr(launch, "default_models", lambda: (Path("models/draft"), Path("models/target")))
     return made
 
 
@@ -30,8 +43,11 @@ def stacks(monkeypatch) -> list[dict]:
     # the n-gram method loads no model: nothing to quantize there
     (["--quantize", "int4", "--draft-method", "ngram"], ["--tensor-parallel-size", "1", "--quantize", "int4"], []),
 ])
-def test_quantize_reaches_both_model_services(stacks, argv, target_tail, draft_args):
+def test_quantize_reaches_both_model_services(stacks, capsys, argv, target_tail, draft_args):
     with pytest.raises(Started):
         launch.main(argv)
     (kwargs,) = stacks
     assert kwargs["target_args"] == target_tail and list(kwargs.get("draft_args", [])) == draft_args
+    said = capsys.readouterr().out  # what it starts, with the weights it serves
+    assert "starting target (models/target" + (", int4)" if "int4" in argv else ")") in said
+    assert ("draft (n-gram lookup)" if "ngram" in argv else "draft (models/draft" + (", int4)" if draft_args else ")")) in said
