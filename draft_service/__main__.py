@@ -49,7 +49,8 @@ def parse_args(argv=None, prog: str = "python -m draft_service"):
                              " file exists, else the full vocabulary; full (or 0): every token")
     parser.add_argument("--acceptance-prior", default="auto",
                         help="the draft's acceptance (alpha, 0..1) the coordinator's adaptive K assumes until it has"
-                             " seen rounds; auto: the one its card (distill.json) measured against its target, if any")
+                             " seen rounds; auto: the one its card (distill.json) measured against its target, if any;"
+                             " 0: not known (the coordinator then assumes 0.6)")
     parser.add_argument("--oracle", default=None,
                         help="benchmark only: JSON list of token sequences to replay instead of drafting")
     args = parser.parse_args(argv)
@@ -91,8 +92,8 @@ def acceptance_prior(flag: str, model_dir: str | None) -> float:
         if not card.is_file():
             return 0.0
         info = json.loads(card.read_text())
-        measured = (info.get("acceptance") or {}).get("alpha_pooled") or (info.get("final") or {}).get("heldout_agreement")
-        return float(measured or 0.0)
+        in_rounds = (info.get("acceptance") or {}).get("alpha_pooled")
+        return float(in_rounds or (info.get("final") or {}).get("heldout_agreement") or 0.0)
     try:
         alpha = float(flag)
     except ValueError:

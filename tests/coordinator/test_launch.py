@@ -50,4 +50,5 @@ def test_quantize_reaches_both_model_services(stacks, capsys, argv, target_tail,
     assert kwargs["target_args"] == target_tail and list(kwargs.get("draft_args", [])) == draft_args
     said = capsys.readouterr().out  # what it starts, with the weights it serves
     assert "starting target (models/target" + (", int4)" if "int4" in argv else ")") in said
-    assert ("draft (n-gram lookup)" if "ngram" in argv else "draft (models/draft" + (", int4)" if draft_args else ")")) in said
+    drafting = "n-gram lookup" if "ngram" in argv else "models/draft" + (", int4" if draft_args else "")
+    assert f"draft ({drafting})" in said
