@@ -51,8 +51,10 @@ def expected_tokens(alpha: float, k: int) -> float:
 class CostModel:
     """Round costs, shared by all of a coordinator's requests and updated from every round."""
 
-    def __init__(self, target: PassCost, draft: PassCost, alpha: float = DEFAULT_ALPHA, overhead_ms: float = 0.5):
+    def __init__(self, target: PassCost, draft: PassCost, alpha: float = DEFAULT_ALPHA, overhead_ms: float = 0.5,
+                 shared_cpus: bool = False):
         self.target, self.draft = target, draft
+        self.shared_cpus = shared_cpus  # the draft and the target compute on the same cores (peers.share_cpus)
         self.target_scale = 1.0  # measured / calibrated pass time: contention, other hardware states
         self.draft_scale = 1.0   # the same for the draft (reported; see round_cost)
         self.overhead_ms = overhead_ms  # per peer call, outside both services (wire, coordinator)
@@ -101,7 +103,10 @@ class CostModel:
         flight): the two services work at once, each on other sessions' rounds, so the round
         costs the larger share, not the sum. Measured at 8 streams on 2 cores, the sum picked
         K = 1.5 on average and ran 0.87x of fixed K = 4; the larger share picks about 3 and
-        matches it (median of 3 runs, 439 vs 432 tokens/s)."""
+        matches it (median of 3 runs, 439 vs 432 tokens/s; the 14 M toy pair, whose draft paid).
+        Unless the two share cores (`shared_cpus`): then every ms the draft computes is one the
+        target's passes wait for, and a round costs the sum even when pipelined (SmolLM2 and its
+        weak draft on 2 cores, 8 streams: 85.7-87.4 tokens/s against 61.0 with the larger share)."""
         target = self.target_scale * (self.target.fixed / batch + self.target.per_token * (k + 1)
                                       + self.target.per_session
                                       + (self.target.multi_row / batch if (k + 1) * batch > 1 else 0.0))
@@ -113,7 +118,7 @@ class CostModel:
             # when it drafts while the target verifies others
             draft = min(self.draft_scale, 1.0) * k * step
         overhead = self.overhead_ms * (1 + (k > 0)) / batch / (steps if k == 0 else 1)
-        if pipelined:
+        if pipelined and not self.shared_cpus:
             return max(target, draft) + overhead
         return target + draft + overhead
 

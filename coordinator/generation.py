@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import logging
 import random
 import time
 import uuid
@@ -42,9 +43,11 @@ from .adaptive import DEFAULT_ALPHA, AcceptanceK, AdaptiveK, CostModel
 from .failover import FailoverDraft, FailoverTarget
 from .lockstep import GatedDraft, GatedTarget, PhaseGate
 from .metrics import CoordinatorMetrics, TokenClock
-from .peers import PeerError, check_compatible
+from .peers import PeerError, check_compatible, share_cpus
 from .pool import Pool
 from .text import TextStream
+
+log = logging.getLogger("specdec.coordinator")
 
 MAX_STOP_STRINGS = 16
 ADAPTIVE_MAX_K = 8  # Limits.default_speculative_tokens for a draft model
@@ -334,6 +337,10 @@ class Coordinator:
         own = self.limits.max_speculative_tokens
         max_k = least(own, draft_info.max_tokens_per_call, target_info.max_tokens_per_call)
         draft_cost = pass_cost_from_info(draft_info)
+        shared = share_cpus(draft_info, target_info)
+        if shared:
+            log.info("the draft and the target share CPUs (host %s): adaptive K prices a round as the sum of"
+                     " their work", draft_info.host_id[:8])
         default_k = self.limits.default_speculative_tokens
         if default_k is None:
             # a draft that costs nothing per token (the n-gram method) may propose as far as the
@@ -353,7 +360,7 @@ class Coordinator:
             max_token_chars=prompt_bound(tokenizer),
             # until rounds are seen, adaptive K assumes the acceptance the draft's card measured
             costs=CostModel(pass_cost_from_info(target_info), draft_cost,
-                            alpha=draft_info.acceptance_prior or DEFAULT_ALPHA),
+                            alpha=draft_info.acceptance_prior or DEFAULT_ALPHA, shared_cpus=shared),
             name=target_info.model_name,
         )
 

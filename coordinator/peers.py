@@ -383,3 +383,10 @@ def check_compatible(draft: pb.ModelInfo, target: pb.ModelInfo) -> None:
             f"draft model {draft.model_name!r} and target model {target.model_name!r} cannot be paired: "
             + "; ".join(problems)
         )
+
+
+def share_cpus(draft: pb.ModelInfo, target: pb.ModelInfo) -> bool:
+    """Whether the two services compute on the same cores: one machine (host_id), both on CPU, CPUs
+    in common. Then the draft's work takes CPU time from the target's, whatever the pipelining."""
+    return (bool(draft.host_id) and draft.host_id == target.host_id and draft.device == target.device == "cpu"
+            and not set(draft.cpus).isdisjoint(target.cpus))

@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 
+from runtime.host import host_facts
 from specdec.v1 import specdec_pb2 as pb
 from speculative.errors import CapacityExceeded, InvalidRequest, SessionExists, SessionNotFound, WorkerLost
 
@@ -191,7 +192,7 @@ class ModelServicer:
 
     async def GetModelInfo(self, request, context):
         engine = await self.ready(context)
-        return pb.ModelInfo(**engine.info(), max_tokens_per_call=engine.max_tokens)
+        return pb.ModelInfo(**engine.info(), max_tokens_per_call=engine.max_tokens, **host_facts())
 
     async def GetTokenizer(self, request, context):
         engine = await self.ready(context)

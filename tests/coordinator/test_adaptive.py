@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -233,6 +234,9 @@ def test_adaptive_k_starts_from_the_drafts_card(pair, tmp_path):
         info = client.GetInfo(pb.GetInfoRequest())
         assert info.draft.acceptance_prior == pytest.approx(0.2) and info.target.acceptance_prior == 0.0
         assert info.acceptance == pytest.approx(0.2)
+        # both on this machine's CPUs: they say so, and adaptive K prices their rounds as sharing cores
+        assert info.draft.host_id and info.draft.host_id == info.target.host_id
+        assert set(info.draft.cpus) == set(info.target.cpus) == set(os.sched_getaffinity(0))
         # a seeded sampled request without K: its K comes from its acceptance alone (AcceptanceK), so it
         # drafts whatever the prior, and its rounds count in the coordinator's acceptance
         reply = client.Generate(pb.GenerateRequest(prompt="def f(x):", max_new_tokens=24, temperature=1.0, seed=3))
@@ -242,3 +246,24 @@ def test_adaptive_k_starts_from_the_drafts_card(pair, tmp_path):
             grpc.insecure_channel(stack.addr) as channel:
         info = pb_grpc.GenerationStub(channel).GetInfo(pb.GetInfoRequest())
         assert info.draft.acceptance_prior == 0.0 and info.acceptance == pytest.approx(0.6)
+
+
+def test_a_draft_on_the_targets_cores_is_paid_for_under_load():
+    """Pipelined (several requests in flight), a round costs the larger of the two services' shares:
+    on separate hardware they work at once. On shared cores the draft's work delays the target's
+    passes, so the round costs the sum, and K backs off sooner."""
+    draft = PassCost(fixed=1.2, per_token=0.3, per_session=0.3)
+    apart, shared = CostModel(TARGET, draft), CostModel(TARGET, draft, shared_cpus=True)
+    for k in (1, 4):
+        assert shared.round_cost(k, 4.0, 4.0, pipelined=True) > apart.round_cost(k, 4.0, 4.0, pipelined=True)
+        assert shared.round_cost(k, 4.0, 4.0, pipelined=True) == pytest.approx(
+            shared.round_cost(k, 4.0, 4.0, pipelined=False))  # the sum, as for a lone request
+    assert shared.round_cost(0, 4.0, 4.0, pipelined=True) == apart.round_cost(0, 4.0, 4.0, pipelined=True)
+    chosen = {}
+    for name, costs in (("apart", apart), ("shared", shared)):
+        costs.in_flight = 8
+        policy = AdaptiveK(costs, k_max=8)
+        for _ in range(20):  # half the draft tokens tried accepted, target passes of 4 sessions
+            policy.observe(Round([], 4, 2, Cost(), Cost(batch_size=4), asked=4), 1.0)
+        chosen[name] = policy.choose(100)
+    assert chosen["shared"] < chosen["apart"], chosen

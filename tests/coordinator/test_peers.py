@@ -142,3 +142,23 @@ def test_a_connection_dropped_mid_call_is_unavailable(details, expected):
 
     error = asyncio.run(go())
     assert error.code == expected and details in str(error)
+
+
+def _info(host: str, device: str, cpus: list[int]):
+    from specdec.v1 import specdec_pb2 as pb
+
+    return pb.ModelInfo(host_id=host, device=device, cpus=cpus)
+
+
+@pytest.mark.parametrize("draft, target, shared", [
+    (("boot-a", "cpu", [0, 1]), ("boot-a", "cpu", [0, 1]), True),      # one machine, the same cores
+    (("boot-a", "cpu", [0]), ("boot-a", "cpu", [0, 1]), True),         # some in common
+    (("boot-a", "cpu", [0]), ("boot-a", "cpu", [1]), False),           # pinned apart
+    (("boot-a", "cpu", [0, 1]), ("boot-b", "cpu", [0, 1]), False),     # two machines
+    (("boot-a", "cuda:0", [0, 1]), ("boot-a", "cuda:1", [0, 1]), False),  # GPUs compute, not the cores
+    (("", "cpu", [0]), ("", "cpu", [0]), False),                       # a service that does not say
+])
+def test_share_cpus(draft, target, shared):
+    from coordinator.peers import share_cpus
+
+    assert share_cpus(_info(*draft), _info(*target)) is shared
