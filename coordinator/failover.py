@@ -47,6 +47,8 @@ MOVE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.Sta
 RESTART = MOVE | {grpc.StatusCode.NOT_FOUND}
 TRIES = 3
 MISSES = 3  # late draft calls in a row that take a replica out
+FORGET_WAIT = 120.0  # s: how long a release that failed waits for its hung replica to serve again
+FORGET_POLL = 0.5    # s: how often it looks
 # work left to the background: releases on replicas a request moved away from (see _lost), late
 # calls awaited to drop their answers (see FailoverDraft._late)
 FORGETTING: set[asyncio.Task] = set()
@@ -106,10 +108,24 @@ class _Failover:
 
     @staticmethod
     async def _forget(replica: Replica, session: str) -> None:
-        try:
-            await replica.peer.release(session)
-        except Exception as e:  # gone, never to answer, or since removed from the pool: nothing is held there then
-            log.debug("%s: releasing %s on %s failed: %s", replica.peer.name, session, replica.address, e)
+        """Release `session` on a replica the request left. One that hung (stopped, swapping) does not
+        answer within the call's timeout: then wait until its health check passes again (it woke up,
+        its copy of the session with it), up to FORGET_WAIT, and try once more. A replica gone or
+        removed from the pool holds nothing; one that never comes back frees the session itself,
+        after its idle timeout."""
+        deadline = time.monotonic() + FORGET_WAIT
+        while True:
+            try:
+                await replica.peer.release(session)
+                return
+            except Exception as e:  # noqa: BLE001 - gone, hung, or never to answer
+                log.debug("%s: releasing %s on %s failed: %s", replica.peer.name, session, replica.address, e)
+            while True:  # until the pool's health checks say it serves again
+                if replica.removed or time.monotonic() > deadline:
+                    return
+                await asyncio.sleep(FORGET_POLL)
+                if replica.healthy:
+                    break
 
     async def release(self, session_id: str) -> None:
         if self.replica is not None:

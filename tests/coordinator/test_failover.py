@@ -268,3 +268,50 @@ def test_the_late_bound_follows_the_replica():
     recent.add(0.100, False, 0)
     assert recent.bound(False, 0) == pytest.approx(0.4)  # two stalls in a hundred: they are the 99th percentile
     assert recent.bound(True, 500) == pytest.approx(4 * 0.002 * 500)
+
+
+def test_a_release_on_a_hung_replica_is_made_again_once_it_serves(monkeypatch):
+    """The release of a session left on a replica that hung (a stopped process: the call times out)
+    waits for the replica's health check to pass again and is made once more, so the woken replica
+    does not keep the session until its idle timeout. A replica removed from the pool meanwhile is
+    let go."""
+    import asyncio
+
+    import coordinator.failover as failover
+    from coordinator.failover import _Failover
+    from coordinator.peers import PeerError
+    from coordinator.pool import Replica
+
+    monkeypatch.setattr(failover, "FORGET_POLL", 0.01)
+
+    class Peer:
+        address, name = "t0", "target"
+
+        def __init__(self):
+            self.hung, self.released, self.calls = True, [], 0
+
+        async def release(self, session):
+            self.calls += 1
+            if self.hung:
+                raise PeerError(self, grpc.StatusCode.DEADLINE_EXCEEDED, "no answer")
+            self.released.append(session)
+
+    async def go():
+        peer = Peer()
+        replica = Replica(peer)  # taken out of the pool by the failed call: not healthy
+        forgetting = asyncio.ensure_future(_Failover._forget(replica, "s.1"))
+        await asyncio.sleep(0.1)
+        assert not forgetting.done() and peer.calls == 1 and not peer.released  # waits, does not hammer
+        peer.hung, replica.healthy = False, True  # woken up; its health check passes
+        await asyncio.wait_for(forgetting, 5)
+        assert peer.released == ["s.1"] and peer.calls == 2
+
+        gone = Peer()
+        replica = Replica(gone)
+        forgetting = asyncio.ensure_future(_Failover._forget(replica, "s.2"))
+        await asyncio.sleep(0.05)
+        replica.removed = True
+        await asyncio.wait_for(forgetting, 5)
+        assert gone.calls == 1 and not gone.released
+
+    asyncio.run(go())
