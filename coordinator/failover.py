@@ -54,6 +54,16 @@ FORGET_POLL = 0.5    # s: how often it looks
 FORGETTING: set[asyncio.Task] = set()
 
 
+async def _serving_again(replica: Replica, deadline: float) -> bool:
+    """Wait until the pool's health checks find `replica` serving again: False once it is removed
+    from the pool or `deadline` (time.monotonic()) passes first."""
+    while not replica.removed and time.monotonic() < deadline:
+        await asyncio.sleep(FORGET_POLL)
+        if replica.healthy:
+            return True
+    return False
+
+
 class _Failover:
     def __init__(self, pool: Pool):
         self.pool = pool
@@ -120,12 +130,8 @@ class _Failover:
                 return
             except Exception as e:  # noqa: BLE001 - gone, hung, or never to answer
                 log.debug("%s: releasing %s on %s failed: %s", replica.peer.name, session, replica.address, e)
-            while True:  # until the pool's health checks say it serves again
-                if replica.removed or time.monotonic() > deadline:
-                    return
-                await asyncio.sleep(FORGET_POLL)
-                if replica.healthy:
-                    break
+            if not await _serving_again(replica, deadline):
+                return
 
     async def release(self, session_id: str) -> None:
         if self.replica is not None:
