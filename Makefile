@@ -6,11 +6,11 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: setup stubs run cluster test test-all bench-deps bench bench-concurrency bench-ceiling soak draft clean
+.PHONY: setup stubs kernel run cluster test test-all bench-deps bench bench-concurrency bench-ceiling soak draft clean
 
 TARGET := models/target/conversion.json
 
-setup: $(STAMP) stubs $(TARGET)
+setup: $(STAMP) stubs $(TARGET) kernel
 
 # editable_mode=compat: the checkout itself is on the path, so packages made after the install (the
 # protobuf stubs, `make stubs`) import from anywhere, as the `specdec` command needs.
@@ -28,6 +28,11 @@ $(TARGET): $(STAMP) training/convert.py
 	$(PY) -m training convert
 
 stubs: $(STUBS)
+
+# specdec's int4 CPU kernel, compiled for this CPU (~10 s once; a no-op after). Without a C++
+# compiler it says so and --quantize int4 runs on torch's kernel instead
+kernel: $(STAMP)
+	$(PY) -m model_service.q4_kernel
 
 specdec/%_pb2.py: protos/specdec/%.proto $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. $<

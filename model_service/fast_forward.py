@@ -18,6 +18,7 @@ returns None for them and `ModelRunner` falls back.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -25,8 +26,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from . import scripted
-from .int4 import Int4, groups_pack, int4_pack
+from . import q4_kernel, scripted
+from .int4 import Int4, Q4Tiles, groups_pack, int4_pack, q4_groups
 from .kv_cache import POOL_CAPACITY, KVCache, KVPool
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # --dtype
@@ -92,6 +93,7 @@ class FastForward:
         self.head_ids: torch.Tensor | None = None  # restrict_head: the ids the output layer scores, [N]
         self.pack_min = PACK_MIN_ELEMENTS
         self.int4_group = 0  # quantize(): weight-only int4 in groups of this many inputs (0: off)
+        self.int4_kernel = "torch"  # quantize(): whose kernel runs it, "specdec" (q4_kernel) or "torch"
         # the layer loop through TorchScript (scripted.py) on CPU; CUDA keeps the eager
         # loop, which has not been measured against it there
         self.scripted = scripted.LAYERS is not None and self.embed.device.type == "cpu"
@@ -164,7 +166,7 @@ class FastForward:
         "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
         "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
 
-    def quantize(self, group_size: int = 32, blocks: dict | None = None) -> int:
+    def quantize(self, group_size: int = 32, blocks: dict | None = None, kernel: str = "auto") -> int:
         """Weight-only int4 (CPU): every linear of every layer and the output layer, in asymmetric
         groups of `group_size` inputs, w = (q - 8) * scale + zero with q in 0..15 (scale and zero in
         bf16; the layout of torch's `_weight_int4pack_mm_for_cpu`, and of a GGUF Q4_1 block of 32:
@@ -177,7 +179,13 @@ class FastForward:
         they shipped). With groups of 32, a linear whose parts all have blocks takes them as they
         are (scale = d, zero = m + 8 d) instead of groups derived from its float weights: the same
         groups where a block spans its 0..15 (min/max quantizers), and the file's own where it
-        does not (error-minimising ones). -> how many linears came from blocks."""
+        does not (error-minimising ones). -> how many linears came from blocks.
+
+        kernel: "specdec" runs the products through specdec's own kernel (q4_kernel: activations
+        in int8 blocks of 32 against the 4-bit weights, d and m in float16, groups of 32 only),
+        "torch" through torch's (bf16 activations, bf16 scales), "auto" specdec's where it is
+        built and the groups are 32. The two are different models (their activations and scales
+        are rounded differently); the service runs the one chosen."""
         if self.embed.device.type != "cpu":
             raise ValueError("--quantize int4 runs on CPU only (torch's int4 CPU kernel)")
         if group_size not in (32, 64, 128, 256):
@@ -186,7 +194,18 @@ class FastForward:
                                                                  layer["down"])} | {self.lm_head.shape[0]}
         if any(width % group_size for width in widths):
             raise ValueError(f"--quant-group {group_size} does not divide the model's widths {sorted(widths)}")
-        self.int4_group = group_size
+        if kernel not in ("auto", "specdec", "torch"):
+            raise ValueError(f"--int4-kernel must be auto, specdec or torch, not {kernel!r}")
+        if kernel == "specdec" and group_size != 32:
+            raise ValueError("--int4-kernel specdec runs groups of 32 only")
+        if kernel == "specdec" and not q4_kernel.available():
+            raise ValueError(f"--int4-kernel specdec: the kernel is {q4_kernel.path()}")
+        if kernel == "auto":
+            kernel = "specdec" if group_size == 32 and q4_kernel.available() else "torch"
+            if group_size == 32 and kernel == "torch":
+                warnings.warn(f"specdec's int4 kernel is {q4_kernel.path()}; int4 runs on torch's", RuntimeWarning,
+                              stacklevel=2)
+        self.int4_group, self.int4_kernel = group_size, kernel
         empty = torch.empty(0, dtype=self.embed.dtype)
         from_blocks = 0
         if blocks and group_size == 32 and self.world == 1:
@@ -198,7 +217,8 @@ class FastForward:
                         if tuple(q.shape) != tuple(layer[name].shape[::-1]):
                             raise ValueError(f"Q4_1 blocks of layer {i}'s {name} are {tuple(q.shape)},"
                                              f" its weight {tuple(layer[name].shape[::-1])}")
-                        layer[f"{name}_packed"] = groups_pack(q, d, m + 8 * d, 32)
+                        layer[f"{name}_packed"] = (Q4Tiles(q4_kernel.tile(q, d, m), q.shape[0]) if kernel == "specdec"
+                                                   else groups_pack(q, d, m + 8 * d, 32))
                         layer[name] = empty  # so pack() leaves it as it is
                         from_blocks += 1
         self.pack()
@@ -217,13 +237,19 @@ class FastForward:
         return from_blocks
 
     def _pack_int4(self) -> None:
+        def packed(w: torch.Tensor) -> Int4 | Q4Tiles:  # w [in, out]
+            if self.int4_kernel == "specdec":
+                q, d, m = q4_groups(w)
+                return Q4Tiles(q4_kernel.tile(q, d, m), w.shape[1])
+            return int4_pack(w, self.int4_group)
+
         with torch.inference_mode():
             for layer in self.layers:
                 for name in ("qkv", "o", "gate_up", "down"):
                     if layer[name].numel():
-                        layer[f"{name}_packed"] = int4_pack(layer[name], self.int4_group)
+                        layer[f"{name}_packed"] = packed(layer[name])
             if self.lm_head.numel():
-                self.lm_head_packed = int4_pack(self.lm_head, self.int4_group)
+                self.lm_head_packed = packed(self.lm_head)
 
     def restrict_head(self, ids: torch.Tensor) -> None:
         """Score only `ids` ([N], distinct): the output layer keeps their columns and every other
@@ -244,24 +270,29 @@ class FastForward:
         """Bytes of weights one single-token pass reads (every layer's linears and norms, the final
         norm, the output layer as it runs: int4-packed with its scales, or float; one embedding row):
         a decode pass can be no faster than this over the memory bandwidth."""
-        def size(w: torch.Tensor | Int4 | None) -> int:
+        def size(w: torch.Tensor | Int4 | Q4Tiles | None) -> int:
             if isinstance(w, Int4):
                 return size(w.weight) + size(w.scales_and_zeros)
+            if isinstance(w, Q4Tiles):
+                return size(w.tiles)
             return 0 if w is None else w.numel() * w.element_size()
 
         total = self.embed.shape[1] * self.embed.element_size() + size(self.final_norm.weight)
         for layer in self.layers:
             for name in ("qkv", "o", "gate_up", "down"):
                 packed = layer.get(f"{name}_packed")
-                total += size(packed if isinstance(packed, Int4) else layer[name])
+                total += size(packed if isinstance(packed, (Int4, Q4Tiles)) else layer[name])
             total += size(layer["in_norm"]) + size(layer["post_norm"]) + size(layer["qkv_bias"])
-        return total + size(self.lm_head_packed if isinstance(self.lm_head_packed, Int4) else self.lm_head)
+        return total + size(self.lm_head_packed if isinstance(self.lm_head_packed, (Int4, Q4Tiles)) else self.lm_head)
 
     @staticmethod
-    def _mm(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | Int4 | None,
+    def _mm(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | Int4 | Q4Tiles | None,
             bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ w (+ bias): x [rows, in], w [in, out]; through `packed` (w's packed copy, if any) for
-        several rows; through an Int4 (quantize) for every row (scripted.mm, which both loops run)."""
+        several rows; through an Int4 or Q4Tiles (quantize) for every row (scripted.mm, which both
+        loops run)."""
+        if isinstance(packed, Q4Tiles):
+            return scripted.mm(x, w, None, packed.tiles, None, 32, packed.out, bias)
         if isinstance(packed, Int4):
             return scripted.mm(x, w, None, packed.weight, packed.scales_and_zeros, packed.group, packed.out, bias)
         return scripted.mm(x, w, packed, None, None, 0, 0, bias)
@@ -421,10 +452,10 @@ class FastForward:
                 [layer["in_norm"] for layer in self.layers], [layer["post_norm"] for layer in self.layers],
                 [layer["half"] for layer in self.layers], [layer["qkv_bias"] for layer in self.layers],
                 [w for w, _ in linears],
-                [None if isinstance(p, Int4) else p for _, p in linears],
-                [p.weight if isinstance(p, Int4) else None for _, p in linears],
+                [None if isinstance(p, (Int4, Q4Tiles)) else p for _, p in linears],
+                [p.weight if isinstance(p, Int4) else p.tiles if isinstance(p, Q4Tiles) else None for _, p in linears],
                 [p.scales_and_zeros if isinstance(p, Int4) else None for _, p in linears],
-                [p.out if isinstance(p, Int4) else w.shape[1] for w, p in linears],
+                [p.out if isinstance(p, (Int4, Q4Tiles)) else w.shape[1] for w, p in linears],
                 self.int4_group,
             )
         return self._script_args

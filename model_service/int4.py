@@ -9,6 +9,29 @@ from typing import NamedTuple
 import torch
 
 
+class Q4Tiles(NamedTuple):
+    """A weight [in, out] in specdec's int4 kernel's layout (q4_kernel.tile): w = d * q + m per
+    group of 32 inputs, q in 0..15, d and m float16 (GGUF Q4_1's numbers)."""
+
+    tiles: torch.Tensor  # [ceil(out / 16), in / 32 * 320] uint8
+    out: int
+
+
+def q4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [in, out] -> asymmetric groups of 32 in GGUF Q4_1's form: q [out, in] in 0..15, d, m
+    [out, in / 32] float16 with w ~ d * q + m: m = the group's min, d = (max - min) / 15 (both
+    rounded to float16 first; q = round((w - m) / d), 0 where d is 0)."""
+    wt = w.t().float()
+    out, inp = wt.shape
+    g = wt.reshape(out, inp // 32, 32)
+    m = g.amin(-1).to(torch.float16)
+    d = ((g.amax(-1) - m.float()) / 15).to(torch.float16)
+    df = d.float()
+    safe = torch.where(df > 0, df, torch.ones_like(df))
+    q = torch.where(df[..., None] > 0, ((g - m.float()[..., None]) / safe[..., None]).round(), torch.zeros_like(g))
+    return q.clamp(0, 15).to(torch.uint8).reshape(out, inp), d, m
+
+
 class Int4(NamedTuple):
     """A weight [in, out] in torch's int4 CPU layout (FastForward.quantize)."""
 

@@ -26,6 +26,7 @@ from transformers import AutoTokenizer, DynamicCache
 from speculative.protocol import PassCost
 from speculative.errors import CapacityExceeded, InvalidRequest
 from .fast_forward import DTYPES, POOL_CAPACITY, FastForward, check_shardable
+from . import q4_kernel
 from .int4 import read_q4_1_blocks
 from .loading import LoadMeter, describe, import_model_code, load_model, release_checkpoint_maps, return_freed_memory
 from .sessions import Session, SessionTable, check_session_id
@@ -99,6 +100,7 @@ class ModelRunner:
         on_forward: Callable[[], None] | None = None,
         quantize: str = "none",
         quant_group: int = 32,
+        int4_kernel: str = "auto",
     ):
         """vocab_subset N > 0 (a draft's only): score only the N most frequent ids of the model
         directory's draft_vocab.json (FastForward.restrict_head); every other id gets probability 0.
@@ -106,7 +108,8 @@ class ModelRunner:
         batched_threads: torch threads for passes over several sessions (0: the same as for one);
         on_forward: called as each forward starts (ModelThread.flush).
         quantize "int4": weight-only int4 in groups of quant_group inputs on the lean forward, CPU
-        (FastForward.quantize); the service then runs that model."""
+        (FastForward.quantize), through int4_kernel's products (auto, specdec or torch); the
+        service then runs that model."""
         if quantize not in QUANTIZATIONS:
             raise ValueError(f"--quantize must be one of {QUANTIZATIONS}, not {quantize!r}")
         if quantize != "none" and (forward != "auto" or tensor_parallel > 1):
@@ -150,8 +153,10 @@ class ModelRunner:
             if self.fast is None:
                 raise ValueError(f"--quantize int4 needs the lean forward, which {self.name} has not")
             linears = 4 * len(self.fast.layers)
-            from_blocks = self.fast.quantize(quant_group, read_q4_1_blocks(path))
-            self.quantization = f"int4 (weights in groups of {quant_group}, bf16 scales" + (
+            from_blocks = self.fast.quantize(quant_group, read_q4_1_blocks(path), int4_kernel)
+            kernel = (f"specdec's kernel ({q4_kernel.path()}), float16 d and m, int8 activation blocks"
+                      if self.fast.int4_kernel == "specdec" else "torch's kernel, bf16 scales")
+            self.quantization = f"int4 (weights in groups of {quant_group}, {kernel}" + (
                 f"; {from_blocks} of {linears} layer linears from the GGUF's Q4_1 blocks as shipped)"
                 if from_blocks else ")")
         release_checkpoint_maps(self.model)

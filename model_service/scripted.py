@@ -27,6 +27,10 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
+from . import q4_kernel
+
+q4_kernel.load()  # torch.ops.specdec.q4_mm, which mm names (the reference where the kernel is not built)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as transformers computes it: in float32, scaled by the weight in the model's dtype
@@ -38,10 +42,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def mm(x: torch.Tensor, w: torch.Tensor, packed: Optional[torch.Tensor], q4: Optional[torch.Tensor],
        q4_scales: Optional[torch.Tensor], group: int, out: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """x @ w (+ bias), x [rows, in], w [in, out] (both loops'; FastForward._mm): through the int4
-    layout where there is one (q4, q4_scales: torch's int4 CPU kernel, activations in bf16; the
-    first `out` of its padded outputs), else through oneDNN's packed copy of w for several rows,
-    else as it is."""
+    """x @ w (+ bias), x [rows, in], w [in, out] (both loops'; FastForward._mm): through an int4
+    layout where there is one (q4 alone: specdec's kernel's tiles, q4_kernel; q4 and q4_scales:
+    torch's int4 CPU kernel, activations in bf16; the first `out` of its padded outputs), else
+    through oneDNN's packed copy of w for several rows, else as it is."""
+    if q4 is not None and q4_scales is None:
+        y = torch.ops.specdec.q4_mm(x, q4, out)
+        if bias is not None:
+            y = y + bias
+        return y
     if q4 is not None and q4_scales is not None:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), q4, group, q4_scales).to(x.dtype)
         if y.shape[1] != out:

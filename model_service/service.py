@@ -47,10 +47,15 @@ def add_model_flags(parser: EnvArgumentParser, role: str, model_required: bool =
                         help="weights and activations dtype")
     parser.add_argument("--quantize", default="none", choices=["none", "int4"],
                         help="int4: weight-only int4 linears and output layer (CPU, lean forward, one rank), through"
-                             " torch's int4 CPU kernel; about 4x less weight memory, faster passes where memory-bound."
+                             " --int4-kernel; about 4x less weight memory, faster passes where memory-bound."
                              " The service then serves that model (its greedy output is the int4 model's)")
     parser.add_argument("--quant-group", type=int, default=32, choices=[32, 64, 128, 256],
                         help="inputs per int4 group (each has its own scale and zero)")
+    parser.add_argument("--int4-kernel", default="auto", choices=["auto", "specdec", "torch"],
+                        help="whose products run --quantize int4: specdec's (int8 activation blocks against the 4-bit"
+                             " weights, GGUF Q4_1's float16 d and m; groups of 32; built for this CPU by make setup),"
+                             " torch's (bf16 activations and scales), auto: specdec's where it is built and the groups"
+                             " are 32. Each is its own model: greedy output may differ between them")
     parser.add_argument("--forward", default="auto", choices=["auto", "transformers"],
                         help="auto: the lean forward for Llama/Mistral/Qwen2 models, transformers' own for others;"
                              " transformers: always transformers' own")
@@ -153,7 +158,7 @@ def run_model_service(name: str, args: argparse.Namespace, make_servicer: Callab
                                  args.kv_pool_capacity, getattr(args, "vocab_subset", 0),
                                  max_kv_tokens=args.max_kv_tokens, batched_threads=args.batched_threads,
                                  on_forward=servicer.thread.flush, quantize=args.quantize,
-                                 quant_group=args.quant_group)
+                                 quant_group=args.quant_group, int4_kernel=args.int4_kernel)
             runner.calibrate()
             log.info("%s loaded %s (%d parameters) on %s, %s forward, %d threads (%d for batched passes); pass %s",
                      name, runner.name, runner.num_parameters, runner.device, runner.forward_kind, args.threads,

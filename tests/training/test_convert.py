@@ -187,27 +187,35 @@ def test_the_q4_1_blocks_are_kept_beside_the_model(tiny_gguf, tmp_path):
     assert len(read_q4_1_blocks(tmp_path)) == 0 and not read_q4_1_blocks(tmp_path)  # no file: nothing
 
 
-def test_int4_runs_the_gguf_blocks_as_shipped(narrow_gguf):
+@pytest.mark.parametrize("kernel", ["specdec", "torch"])
+def test_int4_runs_the_gguf_blocks_as_shipped(narrow_gguf, kernel):
     """Blocks no min/max quantizer makes (q in 3..12): --quantize int4 runs them as they are
-    (scale = d, zero = m + 8 d in the kernel's bf16), so the weights its kernel multiplies by are
-    the float model's (the blocks decoded) to within bf16 rounding, where groups re-derived from
-    the floats (steps of 9 d / 15) are off by up to 0.3 d."""
+    (specdec's kernel: q, d and m as the file holds them; torch's: scale = d, zero = m + 8 d in its
+    bf16), so the weights its kernel multiplies by are the float model's (the blocks decoded) to
+    within rounding, where groups re-derived from the floats (steps of 9 d / 15) are off by up to 0.3 d."""
+    from model_service import q4_kernel
     from model_service.fast_forward import FastForward
     from model_service.int4 import read_q4_1_blocks
     from model_service.model_runner import ModelRunner
 
+    if kernel == "specdec" and not q4_kernel.available():
+        pytest.skip(f"specdec's int4 kernel: {q4_kernel.path()}")
     blocks = read_q4_1_blocks(narrow_gguf)
-    shipped = ModelRunner(narrow_gguf, "cpu", quantize="int4")
+    shipped = ModelRunner(narrow_gguf, "cpu", quantize="int4", int4_kernel=kernel)
     assert f"{4 * LAYERS} of {4 * LAYERS} layer linears from the GGUF's Q4_1 blocks" in shipped.info()["quantization"]
     layer = shipped.fast.layers[0]["qkv_packed"]
     q, d, m = (torch.cat(t) for t in zip(*(blocks[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")))
-    assert torch.equal(layer.scales_and_zeros[..., 0].t(), d.bfloat16())
-    assert torch.equal(layer.scales_and_zeros[..., 1].t(), (m + 8 * d).bfloat16())
-    assert torch.equal(layer.weight, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+    if kernel == "specdec":
+        tq, td, tm = q4_kernel.untile(layer.tiles, HIDDEN, layer.out)
+        assert torch.equal(tq, q.to(torch.uint8)) and torch.equal(td.float(), d) and torch.equal(tm.float(), m)
+    else:
+        assert torch.equal(layer.scales_and_zeros[..., 0].t(), d.bfloat16())
+        assert torch.equal(layer.scales_and_zeros[..., 1].t(), (m + 8 * d).bfloat16())
+        assert torch.equal(layer.weight, torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
 
     model = AutoModelForCausalLM.from_pretrained(narrow_gguf).eval()
     rederived = FastForward.build(AutoModelForCausalLM.from_pretrained(narrow_gguf).eval(), 64)
-    assert rederived.quantize(32) == 0
+    assert rederived.quantize(32, kernel=kernel) == 0
     eye = torch.eye(HIDDEN)
     for i, layer in enumerate(model.model.layers):
         for name, module in (("o", layer.self_attn.o_proj), ("gate_up", layer.mlp.gate_proj)):

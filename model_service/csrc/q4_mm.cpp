@@ -1,0 +1,235 @@
+// specdec::q4_mm: y = x @ W^T for weights in 4-bit blocks of 32 (GGUF Q4_1's shape: w = d * q + m,
+// q in 0..15, d and m in float16), with x quantized per row and block of 32 to int8 (as llama.cpp
+// quantizes activations against its Q4 weights), so each block's dot product is integer arithmetic:
+// y = sum over blocks of d * s * sum(q * a) + m * sum(x), with s the activation block's scale.
+//
+// One pass over the weights serves every row of x (a verify pass's K + 1 rows cost little more
+// than one), and each row's output is computed by the same operations whatever the number of rows
+// or threads: a row's result does not depend on what it is batched with.
+//
+// Weights (model_service/int4.py packs them: q4_tiles): outputs in tiles of 16 (the last padded with
+// zero weights), each tile's blocks in order, each block 320 bytes: d [16] and m [16] float16 (one
+// per output), then 4 chunks of 64 bytes in which byte 4 i + j of chunk c holds q[i][4 c + j] in its
+// low nibble and q[i][16 + 4 c + j] in its high one (output i of the tile, input of the block). A
+// 64-byte chunk's nibbles are then 16 outputs x 4 inputs, the shape of one vpdpbusd against four
+// activations broadcast: no horizontal sums, no shuffles.
+//
+// Paths, chosen when compiled (-march=native, for the machine that builds it): AVX-512 VNNI, AVX2 +
+// FMA + F16C (vpmaddubsw + vpmaddwd for vpdpbusd), plain C++.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t QK = 32;   // weights a block
+constexpr int MAX_ROWS = 8;  // rows a tile (the row loop's accumulators); more rows take more tiles
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define Q4_AVX512 1
+const char* const kPath = "avx512_vnni";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define Q4_AVX2 1
+const char* const kPath = "avx2";
+#else
+const char* const kPath = "scalar";
+#endif
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+
+constexpr int64_t TILE = 16;          // outputs a tile
+constexpr int64_t BLOCK_BYTES = 320;  // one block of a tile: d, m (16 float16 each), 4 x 64 bytes of q
+
+// x quantized: a = round(x / s) per block of 32 (int8, in order), s = max|x| / 127 (0 for a block of
+// zeros), and each block's float sum of x (the m term's).
+struct Rows {
+  int64_t M, K, nb;
+  std::vector<int8_t> a;     // [M, K]
+  std::vector<float> scale;  // [M, nb]
+  std::vector<float> sum;    // [M, nb]
+};
+
+Rows quantize(const float* x, int64_t M, int64_t K) {
+  const int64_t nb = K / QK;
+  Rows rows{M, K, nb, std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * K + b * QK;
+      float amax = 0.f, total = 0.f;
+      for (int j = 0; j < QK; ++j) {
+        amax = std::max(amax, std::fabs(xb[j]));
+        total += xb[j];
+      }
+      const float s = amax / 127.f;
+      const float inv = s > 0.f ? 1.f / s : 0.f;
+      rows.scale[r * nb + b] = s;
+      rows.sum[r * nb + b] = total;
+      int8_t* a = rows.a.data() + r * K + b * QK;
+      for (int j = 0; j < QK; ++j) a[j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+    }
+  }
+  return rows;
+}
+
+// rows r0..r0+MR of one tile's 16 outputs -> out [MR][16]
+template <int MR>
+void tile(const uint8_t* W, const Rows& x, int64_t r0, float* out) {
+  const int64_t nb = x.nb, K = x.K;
+#if defined(Q4_AVX512)
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = W + b * BLOCK_BYTES;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+    __m512i lo[4], hi[4];
+    for (int c = 0; c < 4; ++c) {
+      const __m512i raw = _mm512_loadu_si512(blk + 64 + 64 * c);
+      lo[c] = _mm512_and_si512(raw, low4);
+      hi[c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const int32_t* a4 = reinterpret_cast<const int32_t*>(x.a.data() + (r0 + r) * K + b * QK);
+      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], _mm512_set1_epi32(a4[0]));
+      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], _mm512_set1_epi32(a4[4]));
+      for (int c = 1; c < 4; ++c) {
+        s0 = _mm512_dpbusd_epi32(s0, lo[c], _mm512_set1_epi32(a4[c]));
+        s1 = _mm512_dpbusd_epi32(s1, hi[c], _mm512_set1_epi32(a4[4 + c]));
+      }
+      const int64_t rb = (r0 + r) * nb + b;
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
+                               _mm512_mul_ps(d, _mm512_set1_ps(x.scale[rb])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.sum[rb]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * TILE, acc[r]);
+#elif defined(Q4_AVX2)
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {  // outputs 8 h .. 8 h + 7: the halves of each chunk
+    __m256 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = W + b * BLOCK_BYTES;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * h)));
+      __m256i sums[MR];
+      for (int r = 0; r < MR; ++r) sums[r] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 + 64 * c + 32 * h));
+        const __m256i lo = _mm256_and_si256(raw, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+        for (int r = 0; r < MR; ++r) {
+          const int32_t* a4 = reinterpret_cast<const int32_t*>(x.a.data() + (r0 + r) * K + b * QK);
+          sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a4[c])), ones));
+          sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(a4[4 + c])), ones));
+        }
+      }
+      for (int r = 0; r < MR; ++r) {
+        const int64_t rb = (r0 + r) * nb + b;
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), _mm256_mul_ps(d, _mm256_set1_ps(x.scale[rb])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sum[rb]), acc[r]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * TILE + 8 * h, acc[r]);
+  }
+#else
+  for (int r = 0; r < MR; ++r)
+    for (int i = 0; i < TILE; ++i) out[r * TILE + i] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = W + b * BLOCK_BYTES;
+    const uint16_t* dh = reinterpret_cast<const uint16_t*>(blk);
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* a = x.a.data() + (r0 + r) * K + b * QK;
+      const int64_t rb = (r0 + r) * nb + b;
+      for (int i = 0; i < TILE; ++i) {
+        int32_t dot = 0;
+        for (int c = 0; c < 4; ++c)
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t byte = blk[64 + 64 * c + 4 * i + j];
+            dot += static_cast<int32_t>(byte & 15) * a[4 * c + j] + static_cast<int32_t>(byte >> 4) * a[16 + 4 * c + j];
+          }
+        float& o = out[r * TILE + i];
+        o = static_cast<float>(dot) * (half_to_float(dh[i]) * x.scale[rb]) + o;
+        o = half_to_float(dh[TILE + i]) * x.sum[rb] + o;
+      }
+    }
+  }
+#endif
+}
+
+// tiles t0..t1 for every row, into Y [M, N] (a padded tile's extra outputs are dropped)
+void tiles(const uint8_t* W, const Rows& x, float* Y, int64_t N, int64_t t0, int64_t t1) {
+  float out[MAX_ROWS * TILE];
+  const int64_t tile_bytes = x.nb * BLOCK_BYTES;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t width = std::min<int64_t>(TILE, N - t * TILE);
+    for (int64_t r0 = 0; r0 < x.M; r0 += MAX_ROWS) {
+      const int rows = static_cast<int>(std::min<int64_t>(MAX_ROWS, x.M - r0));
+      const uint8_t* w = W + t * tile_bytes;
+      switch (rows) {
+        case 1: tile<1>(w, x, r0, out); break;
+        case 2: tile<2>(w, x, r0, out); break;
+        case 3: tile<3>(w, x, r0, out); break;
+        case 4: tile<4>(w, x, r0, out); break;
+        case 5: tile<5>(w, x, r0, out); break;
+        case 6: tile<6>(w, x, r0, out); break;
+        case 7: tile<7>(w, x, r0, out); break;
+        default: tile<8>(w, x, r0, out); break;
+      }
+      for (int r = 0; r < rows; ++r) std::memcpy(Y + (r0 + r) * N + t * TILE, out + r * TILE, width * sizeof(float));
+    }
+  }
+}
+
+// x [M, K] (any float dtype) @ the weights of `blocks` ([ceil(N / 16), K / 32 * 320] uint8) -> [M, N]
+at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t N) {
+  TORCH_CHECK(x_in.dim() == 2, "q4_mm: x must be [rows, in], not ", x_in.sizes());
+  TORCH_CHECK(x_in.device().is_cpu() && blocks.device().is_cpu(), "q4_mm runs on CPU");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte, "q4_mm: blocks must be uint8 [tiles, in / 32 * 320]");
+  const int64_t M = x_in.size(0), K = x_in.size(1);
+  TORCH_CHECK(K % QK == 0, "q4_mm: in (", K, ") must be a multiple of 32");
+  const int64_t nb = K / QK;
+  TORCH_CHECK(blocks.size(0) == (N + TILE - 1) / TILE && blocks.size(1) == nb * BLOCK_BYTES, "q4_mm: blocks are ",
+              blocks.sizes(), "; ", N, " outputs of ", K, " inputs need [", (N + TILE - 1) / TILE, ", ", nb * BLOCK_BYTES, "]");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const at::Tensor w = blocks.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const Rows rows = quantize(x.data_ptr<float>(), M, K);
+  const uint8_t* W = w.data_ptr<uint8_t>();
+  float* Y = y.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (K * TILE));  // >= 64 k weights a task
+  at::parallel_for(0, blocks.size(0), grain, [&](int64_t t0, int64_t t1) { tiles(W, rows, Y, N, t0, t1); });
+  return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+}
+
+std::string q4_path() { return kPath; }
+
+}  // namespace
+
+TORCH_LIBRARY(specdec, m) {
+  m.def("q4_mm(Tensor x, Tensor blocks, int n) -> Tensor");
+  m.def("q4_path() -> str", &q4_path);
+}
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) { m.impl("q4_mm", &q4_mm); }

@@ -1,0 +1,139 @@
+"""specdec's int4 CPU kernel (model_service/q4_kernel.py, csrc/q4_mm.cpp): it computes what its
+reference computes (int8 activation blocks against 4-bit weights in GGUF Q4_1's form), a row's
+result does not depend on the rows or threads beside it, the layout round-trips, bad shapes get a
+clear error, and where it cannot be built int4 keeps torch's kernel."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from model_service import q4_kernel
+from model_service.int4 import q4_groups
+
+pytestmark = pytest.mark.skipif(not q4_kernel.available(), reason="specdec's int4 kernel is not built here")
+
+
+def weights(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    d = (torch.rand(n, k // 32, generator=g) * 0.02).half()
+    m = (-torch.rand(n, k // 32, generator=g) * 0.15).half()
+    return q, d, m
+
+
+@pytest.mark.parametrize("n, k", [(16, 32), (40, 96), (960, 576), (100, 1536), (7, 64)])
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 17])
+def test_the_kernel_computes_its_reference(n, k, rows):
+    q, d, m = weights(n, k)
+    tiles = q4_kernel.tile(q, d, m)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)) * 3
+    x[0, :32] = 0  # a block of zeros: scale 0, only its m term
+    y = torch.ops.specdec.q4_mm(x, tiles, n)
+    expected = q4_kernel.reference_mm(x, tiles, n).double()
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+    # and the reference is the product with the dequantized weights, to within int8 activations
+    full = x.double() @ q4_kernel.dequantized(tiles, k, n).double()
+    assert (y.double() - full).abs().max() <= 0.02 * full.abs().max() + 1e-9
+
+
+def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads():
+    q, d, m = weights(1000, 576)
+    tiles = q4_kernel.tile(q, d, m)
+    x = torch.randn(13, 576, generator=torch.Generator().manual_seed(2))
+    together = torch.ops.specdec.q4_mm(x, tiles, 1000)
+    for i in range(13):
+        assert torch.equal(torch.ops.specdec.q4_mm(x[i:i + 1], tiles, 1000)[0], together[i]), i
+    assert torch.equal(torch.ops.specdec.q4_mm(x[3:9], tiles, 1000), together[3:9])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(torch.ops.specdec.q4_mm(x, tiles, 1000), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_other_dtypes_come_back_in_their_own():
+    q, d, m = weights(32, 64)
+    tiles = q4_kernel.tile(q, d, m)
+    x = torch.randn(3, 64)
+    y = torch.ops.specdec.q4_mm(x.bfloat16(), tiles, 32)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), torch.ops.specdec.q4_mm(x.bfloat16().float(), tiles, 32).bfloat16().float())
+
+
+def test_the_layout_round_trips():
+    q, d, m = weights(37, 96)
+    tiles = q4_kernel.tile(q, d, m)
+    assert tiles.shape == (3, 3 * 320) and tiles.dtype == torch.uint8
+    back = q4_kernel.untile(tiles, 96, 37)
+    assert torch.equal(back[0], q.to(torch.uint8)) and torch.equal(back[1], d) and torch.equal(back[2], m)
+    w = q4_kernel.dequantized(tiles, 96, 37)  # [in, out]
+    expected = (q.reshape(37, 3, 32).float() * d.float()[..., None] + m.float()[..., None]).reshape(37, 96).t()
+    assert torch.equal(w, expected)
+
+
+def test_groups_from_float_weights_hold_them_to_half_a_step():
+    w = torch.randn(96, 48) * 0.05  # [in, out]
+    w[:32, 0] = 0.25  # a constant group: d = 0, every q 0, w = m
+    q, d, m = q4_groups(w)
+    assert q.dtype == torch.uint8 and q.max() <= 15 and d.dtype == m.dtype == torch.float16
+    approx = q4_kernel.dequantized(q4_kernel.tile(q, d, m), 96, 48)
+    step = d.float().repeat_interleave(32, dim=1).t()  # [in, out]
+    assert ((approx - w).abs() <= step / 2 + 1e-3 * w.abs().max()).all()  # (+ float16 rounding of d and m)
+    assert approx[:32, 0].eq(torch.tensor(0.25).half().float()).all()
+
+
+@pytest.mark.parametrize("x, tiles, n, message", [
+    (torch.zeros(2, 48), torch.zeros(1, 320, dtype=torch.uint8), 16, "multiple of 32"),
+    (torch.zeros(2, 64), torch.zeros(1, 320, dtype=torch.uint8), 16, "need"),
+    (torch.zeros(2, 32), torch.zeros(1, 320, dtype=torch.uint8), 40, "need"),
+    (torch.zeros(2, 32), torch.zeros(1, 320), 16, "uint8"),
+    (torch.zeros(32), torch.zeros(1, 320, dtype=torch.uint8), 16, "rows, in"),
+])
+def test_bad_shapes_get_a_clear_error(x, tiles, n, message):
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.specdec.q4_mm(x, tiles, n)
+
+
+def test_without_a_compiler_int4_keeps_torchs_kernel(tmp_path):
+    """No compiler: load() says why, the op's name still resolves (to the reference) for
+    TorchScript, auto picks torch's kernel and says so, asking for specdec's is refused."""
+    code = """
+import warnings, torch
+from model_service import q4_kernel
+assert not q4_kernel.load()
+print(q4_kernel.path())
+from model_service.int4 import q4_groups
+q, d, m = q4_groups(torch.randn(64, 16))
+t = q4_kernel.tile(q, d, m)
+assert torch.ops.specdec.q4_mm(torch.randn(2, 64), t, 16).shape == (2, 16)
+from model_service import scripted
+assert scripted.LAYERS is not None
+from model_service.fast_forward import FastForward
+from speculative.tiny import make_model, make_tokenizer
+import tempfile, pathlib
+from model_service.model_runner import ModelRunner
+out = pathlib.Path(tempfile.mkdtemp())
+model = make_model(out / "m", make_tokenizer(out / "t"), hidden=64, layers=1, heads=2, kv_heads=1, intermediate=96,
+                   vocab_size=None, max_context=64)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    runner = ModelRunner(model, "cpu", quantize="int4")
+assert runner.fast.int4_kernel == "torch" and any("runs on torch's" in str(w.message) for w in caught)
+try:
+    ModelRunner(model, "cpu", quantize="int4", int4_kernel="specdec")
+    raise SystemExit("specdec's kernel was not refused")
+except ValueError as error:
+    assert "not built" in str(error), error
+"""
+    env = dict(os.environ, CXX=str(tmp_path / "no-compiler"), SPECDEC_EXTENSIONS=str(tmp_path / "ext"))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("not built:"), done.stdout
