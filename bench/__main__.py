@@ -13,7 +13,8 @@ sweeping K:
   c  specdec's speculative round in one process (no gRPC)
   d  specdec as three processes over gRPC on loopback (coordinator + draft + target), for each
      K and with adaptive K (its K column: the mean K it chose)
-  a' int4, d int4  a' and d again with --quantize int4 (weight-only int4, torch's CPU kernel) on
+  a' int4, d int4  a' and d again with --quantize int4 (weight-only int4: specdec's CPU kernel
+     where make setup built it, else torch's; ModelInfo's quantization says which) on
      the target and the draft (--quantize; d at --quant-k and adaptive K): the model those
      services then run is the int4 one, so their greedy text is its own
   e  d with an oracle draft replaying the target's own greedy continuation (acceptance 1.0):
@@ -53,6 +54,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench import llama_row  # noqa: E402
 from coordinator.launch import LocalStack, default_models  # noqa: E402
+from model_service import q4_kernel  # noqa: E402
 from model_service.engines import DraftEngine, TargetEngine  # noqa: E402
 from model_service.local import LocalDraft, LocalTarget  # noqa: E402
 from model_service.model_runner import ModelRunner  # noqa: E402
@@ -521,7 +523,8 @@ def main(argv=None) -> None:
     bandwidth = memory_bandwidth_gbs(args.threads)
     floor_lines = floors(rows, bandwidth)
     meta = {"machine": machine(), "threads": args.threads, "rss_mb_peak_and_now": rss, "greedy_identical_to_a": identical,
-            "memory_bandwidth_gbs": bandwidth,
+            "memory_bandwidth_gbs": bandwidth, "int4_kernel": f"specdec {q4_kernel.path()}" if q4_kernel.available()
+            else f"torch (specdec's: {q4_kernel.path()})",
             "draft_threads": args.draft_threads,
             "draft": str(draft_dir), "target": str(target_dir), "prompts": len(prompts),
             "new_tokens": args.new_tokens, "date": time.strftime("%Y-%m-%d %H:%M")}
