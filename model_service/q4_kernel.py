@@ -10,11 +10,14 @@ multiplies 4-bit by 8-bit integers in one instruction (vpdpbusd), 16 outputs at 
 against one read of the weights: the same products 1.8 ms for one row and 5.1 for five there (see
 docs/performance.md). The weights keep GGUF Q4_1's numbers as they shipped (d and m in float16).
 
-`make setup` builds it (`python -m model_service.q4_kernel`); a process loads what was built, or
-builds it the first time (~10 s). The build is keyed by this CPU's instruction sets (it is
-compiled with -march=native): a machine of another kind builds its own. Where there is no
-compiler (the deploy image has none), `load()` records why, the reference stands in under the
-same op name (`available()` is then False), and `--quantize int4` keeps torch's kernel, saying so.
+The op's schema is defined here on import, so TorchScript code that names it compiles whether or
+not the kernel is loaded; `load()` adds the kernel, and is called only where int4 asks for it
+(FastForward.quantize), so a service without int4 neither builds nor loads it. `make setup`
+builds it (`python -m model_service.q4_kernel`); a process loads what was built, or builds it the
+first time (~10 s). The build is keyed by this CPU's instruction sets (it is compiled with
+-march=native): a machine of another kind builds its own. Where there is no compiler, `load()`
+records why, the reference becomes the op's CPU kernel (`available()` is then False), and
+`--quantize int4` keeps torch's kernel, saying so.
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ BLOCK_BYTES = 320  # a tile's block of 32 inputs: d, m (16 float16 each) and 256
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "built": bool, "why": str (when not), "path": the CPU path compiled
+
+# the schema (csrc/q4_mm.cpp adds the CPU kernel to it); kept alive with the module
+_library = torch.library.Library("specdec", "FRAGMENT")
+_library.define("q4_mm(Tensor x, Tensor blocks, int n) -> Tensor")
 
 
 def _cpu_key() -> str:
@@ -67,8 +74,7 @@ def build_directory() -> Path:
 
 def load() -> bool:
     """Load (building first where needed) the kernel into this process; -> whether it runs.
-    Idempotent; a failure is recorded (path() says why) and registers the reference under the
-    same name."""
+    Idempotent; a failure is recorded (path() says why) and makes the reference the op's kernel."""
     with _lock:
         if "built" in _state:
             return bool(_state["built"])
@@ -86,7 +92,7 @@ def load() -> bool:
         except Exception as error:  # noqa: BLE001 - no compiler, no ninja, an unknown CPU: torch's kernel stays
             lines = str(error).strip().splitlines() or [""]
             _state.update(built=False, why=f"{type(error).__name__}: {lines[-1][:300]}")
-            _register_reference()
+            _library.impl("q4_mm", reference_mm, "CPU")
         return bool(_state["built"])
 
 
@@ -154,17 +160,6 @@ def dequantized(tiles: torch.Tensor, k: int, n: int) -> torch.Tensor:
     q, d, m = untile(tiles, k, n)
     w = q.reshape(n, -1, 32).float() * d.float()[..., None] + m.float()[..., None]
     return w.reshape(n, k).t()
-
-
-def _register_reference() -> None:
-    """torch.ops.specdec.q4_mm as reference_mm, so TorchScript code naming it compiles where the
-    kernel was not built (FastForward does not use the layout then)."""
-    if hasattr(torch.ops.specdec, "q4_mm"):
-        return
-    library = torch.library.Library("specdec", "DEF")
-    library.define("q4_mm(Tensor x, Tensor blocks, int n) -> Tensor")
-    library.impl("q4_mm", reference_mm, "CPU")
-    _state["library"] = library  # (the registration lasts as long as this object)
 
 
 if __name__ == "__main__":  # make setup: build it now rather than at a service's start

@@ -27,9 +27,7 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
-from . import q4_kernel
-
-q4_kernel.load()  # torch.ops.specdec.q4_mm, which mm names (the reference where the kernel is not built)
+from . import q4_kernel  # noqa: F401 - defines torch.ops.specdec.q4_mm's schema, which mm names
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

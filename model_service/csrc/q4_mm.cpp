@@ -73,6 +73,19 @@ Rows quantize(const float* x, int64_t M, int64_t K) {
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + r * K + b * QK;
+      int8_t* a = rows.a.data() + r * K + b * QK;
+#if defined(Q4_AVX512)
+      const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+      const float total = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+      const float s = amax / 127.f;
+      const __m512 inv = _mm512_set1_ps(s > 0.f ? 1.f / s : 0.f);
+      constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // half to even, as torch.round
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(x0, inv), nearest));
+      const __m512i q1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(x1, inv), nearest));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(a), _mm512_cvtsepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(a + 16), _mm512_cvtsepi32_epi8(q1));
+#else
       float amax = 0.f, total = 0.f;
       for (int j = 0; j < QK; ++j) {
         amax = std::max(amax, std::fabs(xb[j]));
@@ -80,10 +93,10 @@ Rows quantize(const float* x, int64_t M, int64_t K) {
       }
       const float s = amax / 127.f;
       const float inv = s > 0.f ? 1.f / s : 0.f;
+      for (int j = 0; j < QK; ++j) a[j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
+#endif
       rows.scale[r * nb + b] = s;
       rows.sum[r * nb + b] = total;
-      int8_t* a = rows.a.data() + r * K + b * QK;
-      for (int j = 0; j < QK; ++j) a[j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
     }
   }
   return rows;
@@ -227,9 +240,8 @@ std::string q4_path() { return kPath; }
 
 }  // namespace
 
-TORCH_LIBRARY(specdec, m) {
-  m.def("q4_mm(Tensor x, Tensor blocks, int n) -> Tensor");
-  m.def("q4_path() -> str", &q4_path);
-}
+// q4_mm's schema is defined by model_service/q4_kernel.py (so TorchScript code naming it compiles
+// before this library is loaded, or where it cannot be built); this adds its CPU kernel
+TORCH_LIBRARY_FRAGMENT(specdec, m) { m.def("q4_path() -> str", &q4_path); }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) { m.impl("q4_mm", &q4_mm); }
