@@ -94,6 +94,9 @@ class FastForward:
         self.pack_min = PACK_MIN_ELEMENTS
         self.int4_group = 0  # quantize(): weight-only int4 in groups of this many inputs (0: off)
         self.int4_kernel = "torch"  # quantize(): whose kernel runs it, "specdec" (q4_kernel) or "torch"
+        # with specdec's kernel, one sequence's layers run in its C++ loop (q4_kernel: q4_layers) rather
+        # than TorchScript's; off: TorchScript's loop over the same products (A/B, tests)
+        self.fused_layers = True
         # the layer loop through TorchScript (scripted.py) on CPU; CUDA keeps the eager
         # loop, which has not been measured against it there
         self.scripted = scripted.LAYERS is not None and self.embed.device.type == "cpu"
@@ -385,7 +388,12 @@ class FastForward:
                                     dtype=torch.long).to(device)
         last = len(self.layers) - 1
         if self.scripted and self.reduce is None:  # the same layers, run by TorchScript (see scripted.py)
-            if len(feeds) == 1:
+            if len(feeds) == 1 and self._runs_q4_layers():
+                scaling, in_norm, post_norm, half, qkv_bias, _, _, tiles, _, outs, _ = self._scripted_args()
+                x = torch.ops.specdec.q4_layers(x, cos, sin, feeds[0][1].data, spans[0][2], feeds[0][2], heads,
+                                                kv_heads, head_dim, self.eps, scaling, in_norm, post_norm, half,
+                                                qkv_bias, tiles, outs)
+            elif len(feeds) == 1:
                 x = scripted.LAYERS(x, cos, sin, feeds[0][1].data, spans[0][2], masks[0], feeds[0][2], heads,
                                     kv_heads, head_dim, self.eps, *self._scripted_args())
             elif slots is not None:
@@ -441,6 +449,13 @@ class FastForward:
             full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
             logits = full.index_copy_(1, self.head_ids, logits)
         return list(logits.split([n for _, _, n in feeds]))
+
+    def _runs_q4_layers(self) -> bool:
+        """Whether a one-sequence pass runs its layers in specdec's C++ loop (q4_kernel's q4_layers):
+        every linear in its int4 tiles, float32 activations, `fused_layers` on."""
+        return (self.fused_layers and self.int4_kernel == "specdec" and self.embed.dtype == torch.float32
+                and all(isinstance(layer.get(f"{name}_packed"), Q4Tiles) for layer in self.layers
+                        for name in ("qkv", "o", "gate_up", "down")))
 
     def _scripted_args(self) -> tuple:
         """The weights as scripted.LAYERS takes them (from `scaling` on), made once per weight change."""

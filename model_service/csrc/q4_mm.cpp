@@ -56,7 +56,8 @@ inline float half_to_float(uint16_t h) {
 }
 
 constexpr int64_t TILE = 16;          // outputs a tile
-constexpr int64_t BLOCK_BYTES = 320;  // one block of a tile: d, m (16 float16 each), 4 x 64 bytes of q
+constexpr int64_t BLOCK_BYTES = 320;
+  // one block of a tile: d, m (16 float16 each), 4 x 64 bytes of q
 
 // x quantized: a = round(x / s) per block of 32 (int8, in order), s = max|x| / 127 (0 for a block of
 // zeros), and each block's float sum of x (the m term's).
@@ -214,26 +215,197 @@ void tiles(const uint8_t* W, const Rows& x, float* Y, int64_t N, int64_t t0, int
   }
 }
 
+// y [M, N] = x [M, K] @ the weights of W ([ceil(N / 16)] tiles of K / 32 blocks), float32
+void q4_matmul(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_t N, float* Y) {
+  if (M == 0 || N == 0) return;
+  const Rows rows = quantize(x, M, K);
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (K * TILE));  // >= 64 k weights a task
+  at::parallel_for(0, (N + TILE - 1) / TILE, grain, [&](int64_t t0, int64_t t1) { tiles(W, rows, Y, N, t0, t1); });
+}
+
+void check_tiles(const at::Tensor& blocks, int64_t K, int64_t N) {
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
+              "q4_mm: blocks must be contiguous uint8 [tiles, in / 32 * 320] on CPU");
+  TORCH_CHECK(K % QK == 0, "q4_mm: in (", K, ") must be a multiple of 32");
+  TORCH_CHECK(blocks.size(0) == (N + TILE - 1) / TILE && blocks.size(1) == K / QK * BLOCK_BYTES, "q4_mm: blocks are ",
+              blocks.sizes(), "; ", N, " outputs of ", K, " inputs need [", (N + TILE - 1) / TILE, ", ",
+              K / QK * BLOCK_BYTES, "]");
+}
+
 // x [M, K] (any float dtype) @ the weights of `blocks` ([ceil(N / 16), K / 32 * 320] uint8) -> [M, N]
 at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t N) {
   TORCH_CHECK(x_in.dim() == 2, "q4_mm: x must be [rows, in], not ", x_in.sizes());
-  TORCH_CHECK(x_in.device().is_cpu() && blocks.device().is_cpu(), "q4_mm runs on CPU");
+  TORCH_CHECK(x_in.device().is_cpu(), "q4_mm runs on CPU");
   TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte, "q4_mm: blocks must be uint8 [tiles, in / 32 * 320]");
   const int64_t M = x_in.size(0), K = x_in.size(1);
-  TORCH_CHECK(K % QK == 0, "q4_mm: in (", K, ") must be a multiple of 32");
-  const int64_t nb = K / QK;
-  TORCH_CHECK(blocks.size(0) == (N + TILE - 1) / TILE && blocks.size(1) == nb * BLOCK_BYTES, "q4_mm: blocks are ",
-              blocks.sizes(), "; ", N, " outputs of ", K, " inputs need [", (N + TILE - 1) / TILE, ", ", nb * BLOCK_BYTES, "]");
+  check_tiles(blocks.contiguous(), K, N);
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const at::Tensor w = blocks.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  const Rows rows = quantize(x.data_ptr<float>(), M, K);
-  const uint8_t* W = w.data_ptr<uint8_t>();
-  float* Y = y.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (K * TILE));  // >= 64 k weights a task
-  at::parallel_for(0, blocks.size(0), grain, [&](int64_t t0, int64_t t1) { tiles(W, rows, Y, N, t0, t1); });
+  q4_matmul(x.data_ptr<float>(), M, K, w.data_ptr<uint8_t>(), N, y.data_ptr<float>());
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+}
+
+// ----------------------------------------------------------------------------- the layer loop
+// FastForward's layers for one sequence (scripted._layers' arithmetic) with every linear in
+// these tiles: RMSNorm, q/k/v, RoPE, the cache write, causal attention, o, RMSNorm, gate/up, SiLU,
+// down and the residual adds as plain loops between the kernel's products, so a pass makes ~5
+// calls a layer instead of TorchScript's ~40 dispatched ones (each of which cost more than its
+// arithmetic at these sizes).
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float total = 0.f;
+#if defined(Q4_AVX512)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  total = _mm512_reduce_add_ps(acc);
+#elif defined(Q4_AVX2)
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  total = _mm_cvtss_f32(h);
+#endif
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+inline void axpy(float a, const float* x, float* y, int64_t n) {  // y += a x
+  int64_t i = 0;
+#if defined(Q4_AVX512)
+  const __m512 av = _mm512_set1_ps(a);
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#elif defined(Q4_AVX2)
+  const __m256 av = _mm256_set1_ps(a);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+// out = x / sqrt(mean(x^2) + eps) * w, row by row (float32, as F.rms_norm)
+void rms_norm(const float* x, const float* w, float* out, int64_t T, int64_t D, float eps) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xr = x + t * D;
+    const float inv = 1.f / std::sqrt(dot(xr, xr, D) / static_cast<float>(D) + eps);
+    for (int64_t i = 0; i < D; ++i) out[t * D + i] = xr[i] * inv * w[i];
+  }
+}
+
+at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, const at::Tensor& kv,
+                     int64_t start, int64_t keep, int64_t H, int64_t Hkv, int64_t hd, double eps_in,
+                     at::ArrayRef<double> scaling, at::TensorList in_norm, at::TensorList post_norm,
+                     at::IntArrayRef half, const c10::List<std::optional<at::Tensor>>& qkv_bias,
+                     at::TensorList weights, at::IntArrayRef outs) {
+  const int64_t L = static_cast<int64_t>(in_norm.size());
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && kv.scalar_type() == at::kFloat,
+              "q4_layers: float32 x [T, D] and cache");
+  TORCH_CHECK(kv.dim() == 6 && kv.size(0) >= L && kv.size(1) == 2 && kv.size(2) == 1 && kv.size(3) == Hkv &&
+              kv.size(5) == hd && kv.stride(5) == 1, "q4_layers: the cache must be [L, 2, 1, H_kv, capacity, head_dim]");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 4 * L && static_cast<int64_t>(outs.size()) == 4 * L &&
+              static_cast<int64_t>(post_norm.size()) == L && static_cast<int64_t>(half.size()) == L &&
+              static_cast<int64_t>(scaling.size()) == L && static_cast<int64_t>(qkv_bias.size()) == L,
+              "q4_layers: per-layer lists must match the layers");
+  TORCH_CHECK(H % Hkv == 0 && hd % 2 == 0, "q4_layers: heads, kv heads, head_dim");
+  const int64_t T = x_in.size(0), D = x_in.size(1), end = start + T;
+  TORCH_CHECK(end <= kv.size(4), "q4_layers: the cache holds ", kv.size(4), " positions, the pass needs ", end);
+  const at::Tensor cos = cos_in.reshape({T, hd}).contiguous(), sin = sin_in.reshape({T, hd}).contiguous();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const float eps = static_cast<float>(eps_in);
+  const int64_t qdim = H * hd, kdim = Hkv * hd, qkv_n = qdim + 2 * kdim, group = H / Hkv, rot = hd / 2;
+  at::Tensor x = x_in.contiguous().clone();
+  float* kvp = kv.data_ptr<float>();
+  const int64_t s_layer = kv.stride(0), s_kv = kv.stride(1), s_head = kv.stride(3), s_pos = kv.stride(4);
+  std::vector<float> h(T * D), qkv(T * qkv_n), att(T * qdim), scores(end);
+  int64_t rows = T;  // rows carried (the last layer keeps only the last `keep`)
+  for (int64_t i = 0; i < L; ++i) {
+    const at::Tensor& w_qkv = weights[4 * i];
+    TORCH_CHECK(outs[4 * i] == qkv_n, "q4_layers: layer ", i, "'s q/k/v has ", outs[4 * i], " outputs, not ", qkv_n);
+    check_tiles(w_qkv, D, qkv_n);
+    float* xp = x.data_ptr<float>();
+    rms_norm(xp, in_norm[i].contiguous().data_ptr<float>(), h.data(), T, D, eps);
+    q4_matmul(h.data(), T, D, w_qkv.data_ptr<uint8_t>(), qkv_n, qkv.data());
+    const std::optional<at::Tensor> bias = qkv_bias.get(i);
+    if (bias.has_value() && bias->defined()) {
+      const at::Tensor b = bias->contiguous();
+      const float* bp = b.data_ptr<float>();
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t j = 0; j < qkv_n; ++j) qkv[t * qkv_n + j] += bp[j];
+    }
+    // RoPE on the q and k heads (x cos + rotate_half(x) sin), then k and v into the cache
+    float* keys = kvp + i * s_layer;
+    float* values = keys + s_kv;
+    for (int64_t t = 0; t < T; ++t) {
+      const float* c = cp + t * hd;
+      const float* sn = sp + t * hd;
+      for (int64_t head = 0; head < H + Hkv; ++head) {
+        float* v = qkv.data() + t * qkv_n + head * hd;
+        for (int64_t j = 0; j < rot; ++j) {
+          const float a = v[j], b = v[j + rot];
+          v[j] = a * c[j] + (-b) * sn[j];
+          v[j + rot] = b * c[j + rot] + a * sn[j + rot];
+        }
+      }
+      for (int64_t g = 0; g < Hkv; ++g) {
+        std::memcpy(keys + g * s_head + (start + t) * s_pos, qkv.data() + t * qkv_n + qdim + g * hd, hd * sizeof(float));
+        std::memcpy(values + g * s_head + (start + t) * s_pos, qkv.data() + t * qkv_n + qdim + kdim + g * hd,
+                    hd * sizeof(float));
+      }
+    }
+    const int64_t first = (i == L - 1 && keep > 0 && keep < T) ? T - keep : 0;  // rows whose output is kept
+    rows = T - first;
+    // causal attention: row t (position start + t) sees keys 0..start + t
+    const float scale = static_cast<float>(scaling[i]);
+    for (int64_t t = first; t < T; ++t) {
+      const int64_t seen = start + t + 1;
+      for (int64_t head = 0; head < H; ++head) {
+        const float* q = qkv.data() + t * qkv_n + head * hd;
+        const float* kh = keys + (head / group) * s_head;
+        const float* vh = values + (head / group) * s_head;
+        float top = -INFINITY;
+        for (int64_t j = 0; j < seen; ++j) {
+          scores[j] = dot(q, kh + j * s_pos, hd) * scale;
+          top = std::max(top, scores[j]);
+        }
+        float total = 0.f;
+        for (int64_t j = 0; j < seen; ++j) {
+          scores[j] = std::exp(scores[j] - top);
+          total += scores[j];
+        }
+        float* out = att.data() + (t - first) * qdim + head * hd;
+        std::fill(out, out + hd, 0.f);
+        const float inv = 1.f / total;
+        for (int64_t j = 0; j < seen; ++j) axpy(scores[j] * inv, vh + j * s_pos, out, hd);
+      }
+    }
+    if (first > 0) x = x.narrow(0, first, rows).contiguous();
+    xp = x.data_ptr<float>();
+    // o, residual
+    const at::Tensor& w_o = weights[4 * i + 1];
+    check_tiles(w_o, qdim, D);
+    std::vector<float> y(rows * D);
+    q4_matmul(att.data(), rows, qdim, w_o.data_ptr<uint8_t>(), D, y.data());
+    for (int64_t j = 0; j < rows * D; ++j) xp[j] += y[j];
+    // RMSNorm, gate/up, SiLU(gate) * up, down, residual
+    const int64_t hh = half[i];
+    const at::Tensor& w_gu = weights[4 * i + 2];
+    const at::Tensor& w_down = weights[4 * i + 3];
+    check_tiles(w_gu, D, 2 * hh);
+    check_tiles(w_down, hh, D);
+    rms_norm(xp, post_norm[i].contiguous().data_ptr<float>(), h.data(), rows, D, eps);
+    std::vector<float> gu(rows * 2 * hh), hidden(rows * hh);
+    q4_matmul(h.data(), rows, D, w_gu.data_ptr<uint8_t>(), 2 * hh, gu.data());
+    for (int64_t t = 0; t < rows; ++t)
+      for (int64_t j = 0; j < hh; ++j) {
+        const float g = gu[t * 2 * hh + j];
+        hidden[t * hh + j] = g / (1.f + std::exp(-g)) * gu[t * 2 * hh + hh + j];
+      }
+    q4_matmul(hidden.data(), rows, hh, w_down.data_ptr<uint8_t>(), D, y.data());
+    for (int64_t j = 0; j < rows * D; ++j) xp[j] += y[j];
+  }
+  return x;
 }
 
 std::string q4_path() { return kPath; }
@@ -244,4 +416,7 @@ std::string q4_path() { return kPath; }
 // before this library is loaded, or where it cannot be built); this adds its CPU kernel
 TORCH_LIBRARY_FRAGMENT(specdec, m) { m.def("q4_path() -> str", &q4_path); }
 
-TORCH_LIBRARY_IMPL(specdec, CPU, m) { m.impl("q4_mm", &q4_mm); }
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("q4_mm", &q4_mm);
+  m.impl("q4_layers", &q4_layers);
+}

@@ -137,3 +137,55 @@ except ValueError as error:
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("not built:"), done.stdout
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_the_c_layer_loop_computes_what_the_torchscript_loop_does(tmp_path, arch):
+    """One sequence's pass through q4_layers (the C++ loop) against TorchScript's loop over the same
+    int4 products: a prompt (keeping 2 rows' logits), decode steps, a verify pass of 4, over the
+    lean forward's pooled KV cache. Their float sums (norms, attention) differ in order, and with
+    int8 activations a last-bit difference can flip a rounding that later layers carry: scaling
+    the embedding by 1 + 1e-6 moves TorchScript's own logits by ~2% (relative L2) on this model.
+    So: within 8% of each other, where a wrong step (a dropped bias, a wrong head) is off by
+    ~100%, and the same greedy token in all but at most one of the 9 rows."""
+    from transformers import AutoModelForCausalLM
+
+    from model_service.model_runner import ModelRunner
+    from speculative.tiny import make_model, make_tokenizer
+
+    model = make_model(tmp_path / "m", make_tokenizer(tmp_path / "t"), arch=arch, hidden=128, layers=3, heads=4,
+                       kv_heads=2, intermediate=160, max_context=128)
+    if arch == "qwen2":  # its biases start at zero: give them weight
+        loaded = AutoModelForCausalLM.from_pretrained(model)
+        g = torch.Generator().manual_seed(0)
+        for layer in loaded.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.data = torch.randn(proj.bias.shape, generator=g) * 0.5
+        loaded.save_pretrained(model)
+    fast = ModelRunner(model, "cpu", quantize="int4", int4_kernel="specdec").fast
+    assert fast._runs_q4_layers()
+    feeds = [(list(range(3, 40)), 2), ([41], 1), ([42], 1), ([43, 44, 45, 46], 4), ([50], 1)]
+    logits = {}
+    for fused in (True, False):
+        fast.fused_layers = fused
+        cache = fast.new_cache()
+        logits[fused] = torch.cat([fast(ids, cache, n) for ids, n in feeds])
+        assert cache.length == sum(len(ids) for ids, _ in feeds)
+    c_loop, scripted_loop = logits[True], logits[False]
+    assert c_loop.shape == (9, scripted_loop.shape[1])
+    assert (c_loop - scripted_loop).norm() < 0.08 * scripted_loop.norm()
+    assert (c_loop.argmax(-1) == scripted_loop.argmax(-1)).sum() >= 8
+    torch_kernel = ModelRunner(model, "cpu", quantize="int4", int4_kernel="torch").fast
+    assert not torch_kernel._runs_q4_layers()
+
+
+def test_the_c_layer_loop_refuses_what_it_cannot_run():
+    x = torch.zeros(1, 64)
+    kv = torch.zeros(1, 2, 1, 2, 8, 32)
+    tiles = [torch.zeros(1, 2 * 320, dtype=torch.uint8)] * 4
+    with pytest.raises(RuntimeError, match="cache holds 8 positions"):
+        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), kv, 8, 0, 2, 2, 32, 1e-5, [1.0],
+                                    [torch.ones(64)], [torch.ones(64)], [64], [None], tiles, [128, 64, 128, 64])
+    with pytest.raises(RuntimeError, match="per-layer lists"):
+        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), kv, 0, 0, 2, 2, 32, 1e-5, [1.0, 1.0],
+                                    [torch.ones(64)], [torch.ones(64)], [64], [None], tiles, [128, 64, 128, 64])
