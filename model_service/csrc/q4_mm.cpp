@@ -284,6 +284,60 @@ inline void axpy(float a, const float* x, float* y, int64_t n) {  // y += a x
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
+#if defined(Q4_AVX512)
+// exp of 16 floats: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 polynomial (~1 ulp)
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-103.972077f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// v[i] = exp(v[i] - shift) for i < n; -> their sum
+inline float exp_sum(float* v, int64_t n, float shift) {
+  int64_t i = 0;
+  float total = 0.f;
+#if defined(Q4_AVX512)
+  const __m512 sh = _mm512_set1_ps(shift);
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(v + i), sh));
+    _mm512_storeu_ps(v + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  total = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) {
+    v[i] = std::exp(v[i] - shift);
+    total += v[i];
+  }
+  return total;
+}
+
+// out[j] = SiLU(gate[j]) * up[j] = gate / (1 + exp(-gate)) * up, j < n
+inline void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
+  int64_t j = 0;
+#if defined(Q4_AVX512)
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (; j + 16 <= n; j += 16) {
+    const __m512 g = _mm512_loadu_ps(gate + j);
+    const __m512 sig = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    _mm512_storeu_ps(out + j, _mm512_mul_ps(sig, _mm512_loadu_ps(up + j)));
+  }
+#endif
+  for (; j < n; ++j) out[j] = gate[j] / (1.f + std::exp(-gate[j])) * up[j];
+}
+
 // out = x / sqrt(mean(x^2) + eps) * w, row by row (float32, as F.rms_norm)
 void rms_norm(const float* x, const float* w, float* out, int64_t T, int64_t D, float eps) {
   for (int64_t t = 0; t < T; ++t) {
@@ -318,7 +372,7 @@ at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at:
   at::Tensor x = x_in.contiguous().clone();
   float* kvp = kv.data_ptr<float>();
   const int64_t s_layer = kv.stride(0), s_kv = kv.stride(1), s_head = kv.stride(3), s_pos = kv.stride(4);
-  std::vector<float> h(T * D), qkv(T * qkv_n), att(T * qdim), scores(end);
+  std::vector<float> h(T * D), qkv(T * qkv_n), att(T * qdim);
   int64_t rows = T;  // rows carried (the last layer keeps only the last `keep`)
   for (int64_t i = 0; i < L; ++i) {
     const at::Tensor& w_qkv = weights[4 * i];
@@ -356,11 +410,15 @@ at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at:
     }
     const int64_t first = (i == L - 1 && keep > 0 && keep < T) ? T - keep : 0;  // rows whose output is kept
     rows = T - first;
-    // causal attention: row t (position start + t) sees keys 0..start + t
+    // causal attention: row t (position start + t) sees keys 0..start + t; each (row, head) on its
+    // own, so the result is the same on any number of threads
     const float scale = static_cast<float>(scaling[i]);
-    for (int64_t t = first; t < T; ++t) {
-      const int64_t seen = start + t + 1;
-      for (int64_t head = 0; head < H; ++head) {
+    const int64_t tasks = (T - first) * H;
+    const int64_t work = tasks * (end + 1) * hd;  // multiply-adds, about
+    at::parallel_for(0, tasks, work > (int64_t(1) << 20) ? 1 : tasks, [&](int64_t k0, int64_t k1) {
+      std::vector<float> scores(end);
+      for (int64_t k = k0; k < k1; ++k) {
+        const int64_t t = first + k / H, head = k % H, seen = start + t + 1;
         const float* q = qkv.data() + t * qkv_n + head * hd;
         const float* kh = keys + (head / group) * s_head;
         const float* vh = values + (head / group) * s_head;
@@ -369,17 +427,12 @@ at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at:
           scores[j] = dot(q, kh + j * s_pos, hd) * scale;
           top = std::max(top, scores[j]);
         }
-        float total = 0.f;
-        for (int64_t j = 0; j < seen; ++j) {
-          scores[j] = std::exp(scores[j] - top);
-          total += scores[j];
-        }
+        const float inv = 1.f / exp_sum(scores.data(), seen, top);
         float* out = att.data() + (t - first) * qdim + head * hd;
         std::fill(out, out + hd, 0.f);
-        const float inv = 1.f / total;
         for (int64_t j = 0; j < seen; ++j) axpy(scores[j] * inv, vh + j * s_pos, out, hd);
       }
-    }
+    });
     if (first > 0) x = x.narrow(0, first, rows).contiguous();
     xp = x.data_ptr<float>();
     // o, residual
@@ -397,11 +450,7 @@ at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at:
     rms_norm(xp, post_norm[i].contiguous().data_ptr<float>(), h.data(), rows, D, eps);
     std::vector<float> gu(rows * 2 * hh), hidden(rows * hh);
     q4_matmul(h.data(), rows, D, w_gu.data_ptr<uint8_t>(), 2 * hh, gu.data());
-    for (int64_t t = 0; t < rows; ++t)
-      for (int64_t j = 0; j < hh; ++j) {
-        const float g = gu[t * 2 * hh + j];
-        hidden[t * hh + j] = g / (1.f + std::exp(-g)) * gu[t * 2 * hh + hh + j];
-      }
+    for (int64_t t = 0; t < rows; ++t) silu_mul(gu.data() + t * 2 * hh, gu.data() + t * 2 * hh + hh, hidden.data() + t * hh, hh);
     q4_matmul(hidden.data(), rows, hh, w_down.data_ptr<uint8_t>(), D, y.data());
     for (int64_t j = 0; j < rows * D; ++j) xp[j] += y[j];
   }

@@ -367,6 +367,7 @@ def test_scripted_layers_compute_the_eager_loop(tmp_path, tokenizer, monkeypatch
                            max_context=512, init_std=0.1)
     runner = ModelRunner(model_dir, "cpu", quantize="int4" if weights == "int4" else "none")
     fast = runner.fast
+    fast.fused_layers = False  # TorchScript's loop, not specdec's C++ one (tests/model_service/test_q4_kernel.py)
     if weights == "packed":
         fast.pack_min = 0
         fast.pack()
@@ -405,6 +406,7 @@ def test_scripted_batched_layers_compute_the_eager_loop(tmp_path, tokenizer, mon
                            init_std=0.1)
     runner = ModelRunner(model_dir, "cpu", quantize="int4" if weights == "int4" else "none")
     fast = runner.fast
+    fast.fused_layers = False  # TorchScript's loop, not specdec's C++ one (tests/model_service/test_q4_kernel.py)
     if weights == "packed":
         fast.pack_min = 0
         fast.pack()
