@@ -47,9 +47,16 @@ _library.define("q4_layers(Tensor x, Tensor cos, Tensor sin, Tensor kv, int star
                 " Tensor?[] qkv_bias, Tensor[] tiles, int[] outs) -> Tensor")
 
 
+def cflags() -> list[str]:
+    """What the kernel is compiled with: for this CPU, plus $SPECDEC_Q4_CFLAGS (e.g. "-mno-avx512f"
+    builds the AVX2 path on an AVX-512 machine: the tests build every path so)."""
+    return ["-O3", "-march=native", "-ffp-contract=off", *os.environ.get("SPECDEC_Q4_CFLAGS", "").split()]
+
+
 def _cpu_key() -> str:
-    """A digest of this CPU's model and instruction sets (what -march=native compiles for)."""
-    flags = ""
+    """A digest of this CPU's model and instruction sets (what -march=native compiles for) and the
+    flags."""
+    flags = " ".join(cflags()) + "\n"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "model name", "Features", "CPU part")):
@@ -59,7 +66,7 @@ def _cpu_key() -> str:
     except OSError:
         import platform
 
-        flags = platform.processor() + platform.machine()
+        flags += platform.processor() + platform.machine()
     return hashlib.sha256(flags.encode()).hexdigest()[:12]
 
 
@@ -90,7 +97,7 @@ def load() -> bool:
 
             directory = build_directory()
             load_extension(name=directory.name, sources=[str(SOURCE)], build_directory=str(directory),
-                           extra_cflags=["-O3", "-march=native", "-ffp-contract=off"], is_python_module=False,
+                           extra_cflags=cflags(), is_python_module=False,
                            verbose=False)
             _state.update(built=True, path=torch.ops.specdec.q4_path())
         except Exception as error:  # noqa: BLE001 - no compiler, no ninja, an unknown CPU: torch's kernel stays

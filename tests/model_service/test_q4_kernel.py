@@ -189,3 +189,37 @@ def test_the_c_layer_loop_refuses_what_it_cannot_run():
     with pytest.raises(RuntimeError, match="per-layer lists"):
         torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), kv, 0, 0, 2, 2, 32, 1e-5, [1.0, 1.0],
                                     [torch.ones(64)], [torch.ones(64)], [64], [None], tiles, [128, 64, 128, 64])
+
+
+def _cpu_flags() -> set[str]:
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.slow  # builds the kernel twice more (~10 s each)
+@pytest.mark.parametrize("extra", ["-mno-avx512f", "-mno-avx512f -mno-avx2 -mno-fma -mno-f16c"])
+def test_every_path_of_the_kernel_computes_the_same(tmp_path, extra):
+    """The kernel's other paths, built here with the wider instruction sets turned off (AVX2; plain
+    C++), pass the same checks as the one this machine builds by default: machines of this kind
+    differ (some have AVX2 only)."""
+    expected = "avx2" if "-mno-avx2" not in extra and {"avx2", "fma", "f16c"} <= _cpu_flags() else "scalar"
+    code = f"""
+import pathlib, tempfile
+from model_service import q4_kernel
+assert q4_kernel.load(), q4_kernel.path()
+assert q4_kernel.path() == {expected!r}, q4_kernel.path()
+from tests.model_service import test_q4_kernel as t
+for n, k in [(40, 96), (960, 576)]:
+    for rows in (1, 9):
+        t.test_the_kernel_computes_its_reference(n, k, rows)
+t.test_a_rows_result_does_not_depend_on_its_batch_or_the_threads()
+t.test_the_c_layer_loop_computes_what_the_torchscript_loop_does(pathlib.Path(tempfile.mkdtemp()), "qwen2")
+print("ok", q4_kernel.path())
+"""
+    env = dict(os.environ, SPECDEC_Q4_CFLAGS=extra, SPECDEC_EXTENSIONS=str(tmp_path / "ext"))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith(f"ok {expected}"), done.stdout
