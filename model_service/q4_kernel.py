@@ -27,12 +27,14 @@ import os
 import shutil
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "q4_mm.cpp"
 TILE = 16  # outputs a tile
+STALE_LOCK_S = 300  # a build takes ~10 s: a build lock this old was left by a killed build
 BLOCK_BYTES = 320  # a tile's block of 32 inputs: d, m (16 float16 each) and 256 bytes of nibbles
 
 _lock = threading.Lock()
@@ -42,7 +44,7 @@ _state: dict[str, object] = {}  # "built": bool, "why": str (when not), "path": 
 _library = torch.library.Library("specdec", "FRAGMENT")
 _library.define("q4_mm(Tensor x, Tensor blocks, int n) -> Tensor")
 # FastForward's layer loop for one sequence whose every linear is in tiles (csrc/q4_mm.cpp)
-_library.define("q4_layers(Tensor x, Tensor cos, Tensor sin, Tensor kv, int start, int keep, int heads, int kv_heads,"
+_library.define("q4_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!) kv, int start, int keep, int heads, int kv_heads,"
                 " int head_dim, float eps, float[] scaling, Tensor[] in_norm, Tensor[] post_norm, int[] half,"
                 " Tensor?[] qkv_bias, Tensor[] tiles, int[] outs) -> Tensor")
 
@@ -59,10 +61,10 @@ def _cpu_key() -> str:
     flags = " ".join(cflags()) + "\n"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if not line.strip() and flags.count("\n") > 1:
+                break  # the first processor's block is read
             if line.startswith(("flags", "model name", "Features", "CPU part")):
                 flags += line + "\n"
-                if line.startswith(("flags", "Features")):
-                    break
     except OSError:
         import platform
 
@@ -96,6 +98,9 @@ def load() -> bool:
                 os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
             directory = build_directory()
+            lock = directory / "lock"  # torch's build lock: one a killed build left would make this wait forever
+            if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+                lock.unlink(missing_ok=True)
             load_extension(name=directory.name, sources=[str(SOURCE)], build_directory=str(directory),
                            extra_cflags=cflags(), is_python_module=False,
                            verbose=False)

@@ -47,6 +47,19 @@ const char* const kPath = "avx2";
 const char* const kPath = "scalar";
 #endif
 
+// 4 activations (int8) as one int32, and a float16's bits, read without aliasing another type
+inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline uint16_t load_half(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
 inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
   return _cvtsh_ss(h);
@@ -122,12 +135,12 @@ void tile(const uint8_t* W, const Rows& x, int64_t r0, float* out) {
       hi[c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
     }
     for (int r = 0; r < MR; ++r) {
-      const int32_t* a4 = reinterpret_cast<const int32_t*>(x.a.data() + (r0 + r) * K + b * QK);
-      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], _mm512_set1_epi32(a4[0]));
-      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], _mm512_set1_epi32(a4[4]));
+      const int8_t* a4 = x.a.data() + (r0 + r) * K + b * QK;
+      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], _mm512_set1_epi32(load4(a4)));
+      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], _mm512_set1_epi32(load4(a4 + 16)));
       for (int c = 1; c < 4; ++c) {
-        s0 = _mm512_dpbusd_epi32(s0, lo[c], _mm512_set1_epi32(a4[c]));
-        s1 = _mm512_dpbusd_epi32(s1, hi[c], _mm512_set1_epi32(a4[4 + c]));
+        s0 = _mm512_dpbusd_epi32(s0, lo[c], _mm512_set1_epi32(load4(a4 + 4 * c)));
+        s1 = _mm512_dpbusd_epi32(s1, hi[c], _mm512_set1_epi32(load4(a4 + 16 + 4 * c)));
       }
       const int64_t rb = (r0 + r) * nb + b;
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
@@ -153,9 +166,9 @@ void tile(const uint8_t* W, const Rows& x, int64_t r0, float* out) {
         const __m256i lo = _mm256_and_si256(raw, low4);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
         for (int r = 0; r < MR; ++r) {
-          const int32_t* a4 = reinterpret_cast<const int32_t*>(x.a.data() + (r0 + r) * K + b * QK);
-          sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a4[c])), ones));
-          sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(a4[4 + c])), ones));
+          const int8_t* a4 = x.a.data() + (r0 + r) * K + b * QK;
+          sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load4(a4 + 4 * c))), ones));
+          sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(load4(a4 + 16 + 4 * c))), ones));
         }
       }
       for (int r = 0; r < MR; ++r) {
@@ -171,7 +184,6 @@ void tile(const uint8_t* W, const Rows& x, int64_t r0, float* out) {
     for (int i = 0; i < TILE; ++i) out[r * TILE + i] = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = W + b * BLOCK_BYTES;
-    const uint16_t* dh = reinterpret_cast<const uint16_t*>(blk);
     for (int r = 0; r < MR; ++r) {
       const int8_t* a = x.a.data() + (r0 + r) * K + b * QK;
       const int64_t rb = (r0 + r) * nb + b;
@@ -183,8 +195,8 @@ void tile(const uint8_t* W, const Rows& x, int64_t r0, float* out) {
             dot += static_cast<int32_t>(byte & 15) * a[4 * c + j] + static_cast<int32_t>(byte >> 4) * a[16 + 4 * c + j];
           }
         float& o = out[r * TILE + i];
-        o = static_cast<float>(dot) * (half_to_float(dh[i]) * x.scale[rb]) + o;
-        o = half_to_float(dh[TILE + i]) * x.sum[rb] + o;
+        o = static_cast<float>(dot) * (half_to_float(load_half(blk + 2 * i)) * x.scale[rb]) + o;
+        o = half_to_float(load_half(blk + 2 * (TILE + i))) * x.sum[rb] + o;
       }
     }
   }
@@ -226,7 +238,7 @@ void q4_matmul(const float* x, int64_t M, int64_t K, const uint8_t* W, int64_t N
 void check_tiles(const at::Tensor& blocks, int64_t K, int64_t N) {
   TORCH_CHECK(blocks.device().is_cpu() && blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous(),
               "q4_mm: blocks must be contiguous uint8 [tiles, in / 32 * 320] on CPU");
-  TORCH_CHECK(K % QK == 0, "q4_mm: in (", K, ") must be a multiple of 32");
+  TORCH_CHECK(K > 0 && K % QK == 0, "q4_mm: in (", K, ") must be a positive multiple of 32");
   TORCH_CHECK(blocks.size(0) == (N + TILE - 1) / TILE && blocks.size(1) == K / QK * BLOCK_BYTES, "q4_mm: blocks are ",
               blocks.sizes(), "; ", N, " outputs of ", K, " inputs need [", (N + TILE - 1) / TILE, ", ",
               K / QK * BLOCK_BYTES, "]");
@@ -361,7 +373,8 @@ at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at:
               static_cast<int64_t>(post_norm.size()) == L && static_cast<int64_t>(half.size()) == L &&
               static_cast<int64_t>(scaling.size()) == L && static_cast<int64_t>(qkv_bias.size()) == L,
               "q4_layers: per-layer lists must match the layers");
-  TORCH_CHECK(H % Hkv == 0 && hd % 2 == 0, "q4_layers: heads, kv heads, head_dim");
+  TORCH_CHECK(start >= 0 && H > 0 && Hkv > 0 && H % Hkv == 0 && hd > 0 && hd % 2 == 0,
+              "q4_layers: start >= 0, heads a multiple of kv heads, an even head_dim");
   const int64_t T = x_in.size(0), D = x_in.size(1), end = start + T;
   TORCH_CHECK(end <= kv.size(4), "q4_layers: the cache holds ", kv.size(4), " positions, the pass needs ", end);
   const at::Tensor cos = cos_in.reshape({T, hd}).contiguous(), sin = sin_in.reshape({T, hd}).contiguous();
@@ -375,6 +388,8 @@ at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at:
   std::vector<float> h(T * D), qkv(T * qkv_n), att(T * qdim);
   int64_t rows = T;  // rows carried (the last layer keeps only the last `keep`)
   for (int64_t i = 0; i < L; ++i) {
+    TORCH_CHECK(in_norm[i].numel() == D && post_norm[i].numel() == D, "q4_layers: layer ", i, "'s norms must have ", D,
+                " weights");
     const at::Tensor& w_qkv = weights[4 * i];
     TORCH_CHECK(outs[4 * i] == qkv_n, "q4_layers: layer ", i, "'s q/k/v has ", outs[4 * i], " outputs, not ", qkv_n);
     check_tiles(w_qkv, D, qkv_n);
@@ -384,6 +399,7 @@ at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at:
     const std::optional<at::Tensor> bias = qkv_bias.get(i);
     if (bias.has_value() && bias->defined()) {
       const at::Tensor b = bias->contiguous();
+      TORCH_CHECK(b.numel() == qkv_n, "q4_layers: layer ", i, "'s q/k/v bias must have ", qkv_n, " values");
       const float* bp = b.data_ptr<float>();
       for (int64_t t = 0; t < T; ++t)
         for (int64_t j = 0; j < qkv_n; ++j) qkv[t * qkv_n + j] += bp[j];

@@ -91,6 +91,7 @@ def test_groups_from_float_weights_hold_them_to_half_a_step():
 
 @pytest.mark.parametrize("x, tiles, n, message", [
     (torch.zeros(2, 48), torch.zeros(1, 320, dtype=torch.uint8), 16, "multiple of 32"),
+    (torch.zeros(2, 0), torch.zeros(1, 0, dtype=torch.uint8), 16, "positive multiple of 32"),
     (torch.zeros(2, 64), torch.zeros(1, 320, dtype=torch.uint8), 16, "need"),
     (torch.zeros(2, 32), torch.zeros(1, 320, dtype=torch.uint8), 40, "need"),
     (torch.zeros(2, 32), torch.zeros(1, 320), 16, "uint8"),
@@ -186,6 +187,16 @@ def test_the_c_layer_loop_refuses_what_it_cannot_run():
     with pytest.raises(RuntimeError, match="cache holds 8 positions"):
         torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), kv, 8, 0, 2, 2, 32, 1e-5, [1.0],
                                     [torch.ones(64)], [torch.ones(64)], [64], [None], tiles, [128, 64, 128, 64])
+    with pytest.raises(RuntimeError, match="start >= 0"):
+        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), kv, -1, 0, 2, 2, 32, 1e-5, [1.0],
+                                    [torch.ones(64)], [torch.ones(64)], [64], [None], tiles, [128, 64, 128, 64])
+    with pytest.raises(RuntimeError, match="norms must have 64"):
+        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), kv, 0, 0, 2, 2, 32, 1e-5, [1.0],
+                                    [torch.ones(32)], [torch.ones(64)], [64], [None], tiles, [128, 64, 128, 64])
+    with pytest.raises(RuntimeError, match="bias must have 192"):  # q/k/v: (2 + 2 + 2) x 32 outputs
+        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), kv, 0, 0, 2, 2, 32, 1e-5, [1.0],
+                                    [torch.ones(64)], [torch.ones(64)], [64], [torch.zeros(5)],
+                                    [torch.zeros(12, 2 * 320, dtype=torch.uint8), *tiles[1:]], [192, 64, 128, 64])
     with pytest.raises(RuntimeError, match="per-layer lists"):
         torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), kv, 0, 0, 2, 2, 32, 1e-5, [1.0, 1.0],
                                     [torch.ones(64)], [torch.ones(64)], [64], [None], tiles, [128, 64, 128, 64])
