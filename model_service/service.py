@@ -160,9 +160,9 @@ def run_model_service(name: str, args: argparse.Namespace, make_servicer: Callab
                                  on_forward=servicer.thread.flush, quantize=args.quantize,
                                  quant_group=args.quant_group, int4_kernel=args.int4_kernel)
             runner.calibrate()
-            log.info("%s loaded %s (%d parameters) on %s, %s forward, %d threads (%d for batched passes); pass %s",
-                     name, runner.name, runner.num_parameters, runner.device, runner.forward_kind, args.threads,
-                     args.batched_threads, runner.pass_cost)
+            log.info("%s loaded %s (%d parameters) on %s, %s forward, quantization %s, %d threads (%d for batched"
+                     " passes); pass %s", name, runner.name, runner.num_parameters, runner.device, runner.forward_kind,
+                     runner.quantization, args.threads, args.batched_threads, runner.pass_cost)
             return runner
 
         async def load() -> asyncio.Future | None:
