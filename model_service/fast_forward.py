@@ -101,6 +101,7 @@ class FastForward:
         # loop, which has not been measured against it there
         self.scripted = scripted.LAYERS is not None and self.embed.device.type == "cpu"
         self._script_args: tuple | None = None  # its weight lists, made by the first pass that uses them
+        self._all_tiles = False  # made with them: every linear in specdec's int4 tiles, float32 activations
         self.pack()
         self.pool_capacity = pool_capacity  # 0: every session's cache on its own (no batched attention)
         self.pool: KVPool | None = None  # made by the first new_cache (after to() and shard())
@@ -220,8 +221,7 @@ class FastForward:
                         if tuple(q.shape) != tuple(layer[name].shape[::-1]):
                             raise ValueError(f"Q4_1 blocks of layer {i}'s {name} are {tuple(q.shape)},"
                                              f" its weight {tuple(layer[name].shape[::-1])}")
-                        layer[f"{name}_packed"] = (Q4Tiles(q4_kernel.tile(q, d, m), q.shape[0]) if kernel == "specdec"
-                                                   else groups_pack(q, d, m + 8 * d, 32))
+                        layer[f"{name}_packed"] = self._q4_1_packed(q, d, m)
                         layer[name] = empty  # so pack() leaves it as it is
                         from_blocks += 1
         self.pack()
@@ -239,11 +239,16 @@ class FastForward:
         self._script_args = None
         return from_blocks
 
+    def _q4_1_packed(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Int4 | Q4Tiles:
+        """Groups of 32 in Q4_1's form (w = d * q + m, q [out, in]) in the quantize kernel's layout."""
+        if self.int4_kernel == "specdec":
+            return Q4Tiles(q4_kernel.tile(q, d, m), q.shape[0])
+        return groups_pack(q, d, m + 8 * d, 32)
+
     def _pack_int4(self) -> None:
         def packed(w: torch.Tensor) -> Int4 | Q4Tiles:  # w [in, out]
             if self.int4_kernel == "specdec":
-                q, d, m = q4_groups(w)
-                return Q4Tiles(q4_kernel.tile(q, d, m), w.shape[1])
+                return self._q4_1_packed(*q4_groups(w))
             return int4_pack(w, self.int4_group)
 
         with torch.inference_mode():
@@ -453,12 +458,14 @@ class FastForward:
     def _runs_q4_layers(self) -> bool:
         """Whether a one-sequence pass runs its layers in specdec's C++ loop (q4_kernel's q4_layers):
         every linear in its int4 tiles, float32 activations, `fused_layers` on."""
-        return (self.fused_layers and self.int4_kernel == "specdec" and self.embed.dtype == torch.float32
-                and all(isinstance(layer.get(f"{name}_packed"), Q4Tiles) for layer in self.layers
-                        for name in ("qkv", "o", "gate_up", "down")))
+        if not self.fused_layers:
+            return False
+        self._scripted_args()  # (which finds _all_tiles when the weights changed)
+        return self._all_tiles
 
     def _scripted_args(self) -> tuple:
-        """The weights as scripted.LAYERS takes them (from `scaling` on), made once per weight change."""
+        """The weights as scripted.LAYERS takes them (from `scaling` on), made once per weight change
+        (with `_all_tiles`: whether they all suit q4_layers, _runs_q4_layers)."""
         if self._script_args is None:
             linears = [(layer[name], layer.get(f"{name}_packed")) for layer in self.layers
                        for name in ("qkv", "o", "gate_up", "down")]
@@ -473,6 +480,7 @@ class FastForward:
                 [p.out if isinstance(p, (Int4, Q4Tiles)) else w.shape[1] for w, p in linears],
                 self.int4_group,
             )
+            self._all_tiles = self.embed.dtype == torch.float32 and all(isinstance(p, Q4Tiles) for _, p in linears)
         return self._script_args
 
     def _slot_batch(self, feeds, spans) -> SlotBatch | None:

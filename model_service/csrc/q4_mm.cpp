@@ -385,7 +385,8 @@ at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at:
   at::Tensor x = x_in.contiguous().clone();
   float* kvp = kv.data_ptr<float>();
   const int64_t s_layer = kv.stride(0), s_kv = kv.stride(1), s_head = kv.stride(3), s_pos = kv.stride(4);
-  std::vector<float> h(T * D), qkv(T * qkv_n), att(T * qdim);
+  const int64_t widest = half.empty() ? 0 : *std::max_element(half.begin(), half.end());  // MLP buffers, made once for every layer
+  std::vector<float> h(T * D), qkv(T * qkv_n), att(T * qdim), y(T * D), gu(T * 2 * widest), hidden(T * widest);
   int64_t rows = T;  // rows carried (the last layer keeps only the last `keep`)
   for (int64_t i = 0; i < L; ++i) {
     TORCH_CHECK(in_norm[i].numel() == D && post_norm[i].numel() == D, "q4_layers: layer ", i, "'s norms must have ", D,
@@ -454,7 +455,6 @@ at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at:
     // o, residual
     const at::Tensor& w_o = weights[4 * i + 1];
     check_tiles(w_o, qdim, D);
-    std::vector<float> y(rows * D);
     q4_matmul(att.data(), rows, qdim, w_o.data_ptr<uint8_t>(), D, y.data());
     for (int64_t j = 0; j < rows * D; ++j) xp[j] += y[j];
     // RMSNorm, gate/up, SiLU(gate) * up, down, residual
@@ -464,7 +464,6 @@ at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at:
     check_tiles(w_gu, D, 2 * hh);
     check_tiles(w_down, hh, D);
     rms_norm(xp, post_norm[i].contiguous().data_ptr<float>(), h.data(), rows, D, eps);
-    std::vector<float> gu(rows * 2 * hh), hidden(rows * hh);
     q4_matmul(h.data(), rows, D, w_gu.data_ptr<uint8_t>(), 2 * hh, gu.data());
     for (int64_t t = 0; t < rows; ++t) silu_mul(gu.data() + t * 2 * hh, gu.data() + t * 2 * hh + hh, hidden.data() + t * hh, hh);
     q4_matmul(hidden.data(), rows, hh, w_down.data_ptr<uint8_t>(), D, y.data());
