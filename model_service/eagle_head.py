@@ -1,0 +1,324 @@
+"""An EAGLE-3 draft head in the checkpoint layout of vLLM and the `speculators` library.
+
+    head = Eagle3Head.load("models/eagle", target_dir="models/target")
+    cache = head.new_cache()
+    hidden = head.fuse(features)                            # features: [S, len(aux) * Ht] -> [S, H]
+    out_hidden, logits = head.step(next_ids, hidden, positions, cache)
+    tokens = head.draft_to_target(logits.argmax(-1))
+
+The words, once:
+  feature     the target's hidden states at the aux layers, concatenated: features[t] =
+              cat(h_i[t] for i in aux_layer_ids), where h_i is the INPUT of the target's decoder layer i
+              (transformers' output_hidden_states[i]; vLLM collects `hidden_states + residual` before layer i).
+  row         one input of the head's decoder layer: row t pairs the (fused) feature of target position t
+              with the embedding of token t+1, at position t; its logits predict token t+2.
+  draft step  the next rows are the head's own: its out_hidden (pre-norm) with the embedding of the token
+              it proposed, one position further; a row attends to the cache (earlier rows) and causally
+              to the rows given with it.
+  d2t, t2d    the draft vocabulary (the lm_head's rows): target_id = draft_id + d2t[draft_id];
+              t2d[target_id] is True where the target id has a draft id.
+
+The layer (EAGLE-3, as vLLM's llama_eagle3.py and speculators' Eagle3 first layer):
+  x = cat(input_layernorm(embed), hidden_norm(hidden))              # [S, 2H] into q/k/v
+  h = residual + o_proj(attention(x))                               # residual = hidden, or hidden_norm(hidden)
+  out = h + mlp(post_attention_layernorm(h))                        #   where norm_before_residual
+  logits = lm_head(norm(out))
+
+Checkpoint (speculators): config.json with speculators_model_type "eagle3", transformer_layer_config
+(a one-layer Llama config), draft_vocab_size, norm_before_residual, target_hidden_size,
+eagle_aux_hidden_state_layer_ids; model.safetensors with fc.weight, layers.0.* (or midlayer.*),
+norm.weight, lm_head.weight, d2t, t2d and, optionally, embed_tokens.weight. vLLM's older flat configs
+(architectures LlamaForCausalLMEagle3 / Eagle3LlamaForCausalLM) load too.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from transformers import LlamaConfig
+from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "rms_norm_eps", "max_position_embeddings", "hidden_act", "attention_bias", "vocab_size")
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """vLLM's and speculators' default: early, middle and late (2, L // 2, L - 3)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+@dataclass
+class Eagle3Config:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    aux_layer_ids: list[int] | None  # None: the target's defaults, resolved at load
+    target_hidden_size: int | None = None  # None: hidden_size
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # as transformers' legacy rope_scaling (llama3, yarn, linear...)
+    max_position_embeddings: int = 8192
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    norm_before_residual: bool = False
+    verifier: str | None = None  # the target's name or path
+    speculative_tokens: int = 3
+    extra: dict = field(default_factory=dict)  # the rest of transformer_layer_config, kept as read
+
+    @property
+    def fused_size(self) -> int:
+        return len(self.aux_layer_ids or [0, 0, 0]) * (self.target_hidden_size or self.hidden_size)
+
+    def llama_config(self) -> LlamaConfig:
+        return LlamaConfig(**{**self.extra, **{k: getattr(self, k) for k in LAYER_KEYS}, "num_hidden_layers": 1,
+                              "rope_theta": self.rope_theta,
+                              "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None})  # it is edited
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Eagle3Config:
+        """A speculators config (speculators_model_type eagle3), or vLLM's older flat Llama-style one."""
+        if d.get("speculators_model_type", "eagle3") != "eagle3":
+            raise ValueError(f"not an EAGLE-3 config: speculators_model_type {d['speculators_model_type']!r}")
+        speculators = "transformer_layer_config" in d
+        layer = d["transformer_layer_config"] if speculators else d
+        lc = LlamaConfig(**{k: v for k, v in layer.items() if k not in ("architectures", "draft_vocab_size")})
+        rope = dict(lc.rope_parameters or {})
+        theta = rope.pop("rope_theta", 10000.0)
+        scaling = rope if rope.get("rope_type", "default") != "default" else None
+        aux = d.get("eagle_aux_hidden_state_layer_ids") or (d.get("eagle_config") or {}).get(
+            "eagle_aux_hidden_state_layer_ids")
+        spec = d.get("speculators_config") or {}
+        methods = spec.get("proposal_methods") or [{}]
+        return cls(
+            **{k: getattr(lc, k) for k in LAYER_KEYS}, draft_vocab_size=d.get("draft_vocab_size") or lc.vocab_size,
+            aux_layer_ids=list(aux) if aux else None, target_hidden_size=d.get("target_hidden_size"),
+            rope_theta=theta, rope_scaling=scaling,
+            # vLLM reads a speculators config without the key as True, an older flat one as False
+            norm_before_residual=d.get("norm_before_residual", speculators),
+            verifier=(spec.get("verifier") or {}).get("name_or_path"),
+            speculative_tokens=methods[0].get("speculative_tokens", 3),
+            extra={k: v for k, v in layer.items() if k in ("bos_token_id", "eos_token_id", "pad_token_id", "mlp_bias")},
+        )
+
+    def to_dict(self) -> dict:
+        layer = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **self.extra,
+                 **{k: getattr(self, k) for k in LAYER_KEYS}, "num_hidden_layers": 1, "rope_theta": self.rope_theta,
+                 "rope_scaling": self.rope_scaling, "tie_word_embeddings": False}
+        return {
+            "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "speculators_config": {
+                "algorithm": "eagle3", "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": self.speculative_tokens,
+                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                "verifier": {"name_or_path": self.verifier, "architectures": ["LlamaForCausalLM"]},
+            },
+            "transformer_layer_config": layer, "draft_vocab_size": self.draft_vocab_size,
+            "norm_before_residual": self.norm_before_residual, "target_hidden_size": self.target_hidden_size,
+            "eagle_aux_hidden_state_layer_ids": self.aux_layer_ids, "torch_dtype": "bfloat16",
+        }
+
+
+class RMSNorm(nn.Module):
+    """as Llama's: normalised in float32, scaled in the input's dtype."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(size)), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class Eagle3Layer(nn.Module):
+    """The one decoder layer, in two halves around attention (the serving step and training's
+    multi-step attention share them): project -> (q, k, v, residual); finish(attention, residual)."""
+
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        H, hd, bias = c.hidden_size, c.head_dim, c.attention_bias
+        self.heads, self.kv_heads, self.head_dim, self.norm_before_residual = (c.num_attention_heads,
+                                                                             c.num_key_value_heads, hd,
+                                                                             c.norm_before_residual)
+        self.self_attn = nn.ModuleDict({"q_proj": nn.Linear(2 * H, self.heads * hd, bias=bias),
+                                        "k_proj": nn.Linear(2 * H, self.kv_heads * hd, bias=bias),
+                                        "v_proj": nn.Linear(2 * H, self.kv_heads * hd, bias=bias),
+                                        "o_proj": nn.Linear(self.heads * hd, H, bias=bias)})
+        self.mlp = nn.ModuleDict({"gate_proj": nn.Linear(H, c.intermediate_size, bias=False),
+                                  "up_proj": nn.Linear(H, c.intermediate_size, bias=False),
+                                  "down_proj": nn.Linear(c.intermediate_size, H, bias=False)})
+        self.act = ACT2FN[c.hidden_act]
+        self.input_layernorm, self.hidden_norm, self.post_attention_layernorm = (
+            RMSNorm(H, c.rms_norm_eps) for _ in range(3))
+
+    def project(self, embeds, hidden, cos, sin):
+        """embeds, hidden: [B, S, H]; cos, sin: [B, S, hd] -> q [B, heads, S, hd], k, v [B, kv, S, hd], residual."""
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, S, 2H]
+        B, S, _ = x.shape
+        a = self.self_attn
+        q = a["q_proj"](x).view(B, S, self.heads, self.head_dim).transpose(1, 2)
+        k = a["k_proj"](x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = a["v_proj"](x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v, residual
+
+    def finish(self, attention: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """attention: [B, heads, S, hd] -> out_hidden [B, S, H] (pre-norm)."""
+        B, _, S, _ = attention.shape
+        h = residual + self.self_attn["o_proj"](attention.transpose(1, 2).reshape(B, S, -1))
+        m, x = self.mlp, self.post_attention_layernorm(h)
+        return h + m["down_proj"](self.act(m["gate_proj"](x)) * m["up_proj"](x))
+
+
+@dataclass
+class HeadCache:
+    """One session's keys and values of the head's layer: k, v [kv_heads, T_alloc, head_dim], rows [0, length)."""
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int = 0
+
+    def crop(self, length: int) -> None:
+        self.length = max(0, min(length, self.length))
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [kv_heads, S, head_dim]; the allocation doubles when full."""
+        end = self.length + k.shape[1]
+        if end > self.k.shape[1] or self.k.dtype != k.dtype:
+            size = max(end, 2 * self.k.shape[1])
+            grown = [torch.zeros(t.shape[0], size, t.shape[2], dtype=k.dtype, device=k.device) for t in (self.k, self.v)]
+            for new, old in zip(grown, (self.k, self.v)):
+                new[:, : self.length] = old[:, : self.length]
+            self.k, self.v = grown
+        self.k[:, self.length : end], self.v[:, self.length : end] = k, v
+        self.length = end
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, config: Eagle3Config):
+        super().__init__()
+        c = self.config = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's
+        self.embeddings_from_target = False
+        self.fc = nn.Linear(c.fused_size, c.hidden_size, bias=False)
+        self.layers = nn.ModuleList([Eagle3Layer(c)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.rotary = LlamaRotaryEmbedding(c.llama_config())
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+        self.t2d[: c.draft_vocab_size] = True
+
+    @property
+    def layer(self) -> Eagle3Layer:
+        return self.layers[0]
+
+    def set_vocab(self, target_ids: torch.Tensor) -> None:
+        """The draft vocabulary: draft id i scores target id target_ids[i] (ascending ids, by convention)."""
+        self.d2t.copy_(target_ids.long() - torch.arange(len(target_ids)))
+        self.t2d.zero_()
+        self.t2d[target_ids.long()] = True
+
+    def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids + self.d2t[ids]
+
+    def new_cache(self) -> HeadCache:
+        c, p = self.config, self.fc.weight
+        empty = torch.zeros(c.num_key_value_heads, 64, c.head_dim, dtype=p.dtype, device=p.device)
+        return HeadCache(empty, empty.clone())
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """features: [S, len(aux) * Ht] -> [S, H]."""
+        return self.fc(features.to(self.fc.weight.dtype))
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor):
+        """positions: [B, S] -> cos, sin [B, S, head_dim]."""
+        return self.rotary(x, positions)
+
+    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: HeadCache):
+        """input_ids [S], hidden [S, H], positions [S] -> (out_hidden [S, H], logits [S, Vd]); the rows attend
+        to the cache's rows and causally to each other, then their k/v are appended to the cache."""
+        S, past = len(input_ids), cache.length
+        hidden = hidden.to(self.fc.weight.dtype)[None]
+        cos, sin = self.rope(hidden, positions[None])
+        q, k, v, residual = self.layer.project(self.embed_tokens(input_ids)[None].to(hidden.dtype), hidden, cos, sin)
+        cache.append(k[0], v[0])
+        mask = torch.ones(S, past + S, dtype=torch.bool, device=hidden.device)
+        mask[:, past:] = torch.ones(S, S, dtype=torch.bool, device=hidden.device).tril()
+        attention = F.scaled_dot_product_attention(q, cache.k[None, :, : past + S], cache.v[None, :, : past + S],
+                                                   attn_mask=mask, enable_gqa=True)
+        out = self.layer.finish(attention, residual)[0]
+        return out, self.lm_head(self.norm(out))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @classmethod
+    def load(cls, directory, target_dir=None, device="cpu", dtype=torch.float32) -> Eagle3Head:
+        directory = Path(directory)
+        config = Eagle3Config.from_dict(json.loads((directory / "config.json").read_text()))
+        target_dir = Path(target_dir) if target_dir else (Path(config.verifier) if config.verifier else None)
+        if config.aux_layer_ids is None:
+            if target_dir is None or not (target_dir / "config.json").exists():
+                raise ValueError(f"{directory}: no eagle_aux_hidden_state_layer_ids and no target to default them")
+            config.aux_layer_ids = default_aux_layer_ids(
+                json.loads((target_dir / "config.json").read_text())["num_hidden_layers"])
+        state = {}
+        for path in sorted(directory.glob("*.safetensors")):
+            with safe_open(path, "pt") as f:
+                state.update({k.replace("midlayer.", "layers.0.").removeprefix("model."): f.get_tensor(k)
+                              for k in f.keys()})  # noqa: SIM118 (a safe_open handle)
+        head = cls(config)
+        if "embed_tokens.weight" not in state:
+            if target_dir is None or not target_dir.is_dir():
+                raise ValueError(f"{directory} has no embed_tokens.weight: give the target's directory")
+            state["embed_tokens.weight"] = read_target_tensor(target_dir, "model.embed_tokens.weight")
+            head.embeddings_from_target = True
+        state.setdefault("d2t", head.d2t)  # none: the draft vocabulary is the target's
+        if "t2d" not in state:
+            state["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool)
+            state["t2d"][state["d2t"] + torch.arange(len(state["d2t"]))] = True
+        state["t2d"] = state["t2d"].bool()
+        missing, unexpected = head.load_state_dict(state, strict=False)
+        if [m for m in missing if not m.startswith("rotary.")] or unexpected:
+            raise ValueError(f"{directory}: missing {missing}, unexpected {unexpected}")
+        head = head.to(device=device, dtype=dtype).eval()
+        head.rotary = LlamaRotaryEmbedding(config.llama_config()).to(device)  # inv_freq stays float32
+        return head
+
+    def save(self, directory, dtype=torch.bfloat16, embeddings: bool | None = None) -> None:
+        """config.json + model.safetensors; the embedding only where it did not come from the target
+        (embeddings=None) or where asked."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        keep = (not self.embeddings_from_target) if embeddings is None else embeddings
+        state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in self.state_dict().items()
+                 if not k.startswith("rotary.") and (keep or k != "embed_tokens.weight")}
+        save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+        (directory / "config.json").write_text(json.dumps(self.config.to_dict(), indent=1) + "\n")
+
+
+def read_target_tensor(target_dir, name: str) -> torch.Tensor:
+    """One tensor of a transformers checkpoint (read alone with safe_open); for tied-embedding
+    targets lm_head.weight is model.embed_tokens.weight."""
+    target_dir = Path(target_dir)
+    for path in sorted(target_dir.glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            if name in f.keys():  # noqa: SIM118 (a safe_open handle)
+                return f.get_tensor(name)
+    if name == "lm_head.weight":
+        return read_target_tensor(target_dir, "model.embed_tokens.weight")
+    raise KeyError(f"{target_dir}: no tensor {name}")

@@ -1,0 +1,126 @@
+"""training.eagle end to end at toy scale on a tiny random Llama target (the answer stages skipped by a
+hand-written generations dir), and its training-time test checked against the head's serving step."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from model_service.eagle_head import Eagle3Head
+from speculative.tiny import make_model, make_tokenizer
+from training import eagle
+
+VOCAB = 3000  # embedding rows; the answers use the first 300 ids, so the draft vocabulary is 1024 of them
+TINY = ["--top-k", "4", "--steps", "40", "--train-batch", "4", "--ttt-steps", "3", "--lr", "3e-3", "--warmup", "4",
+        "--eval-every", "20", "--heldout-rows", "4", "--heldout-share", "0.1", "--threads", "1",
+        "--feature-batch-tokens", "256"]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    out = tmp_path_factory.mktemp("eagle")
+    tokenizer = make_tokenizer(out / "tok", "bpe")
+    return make_model(out / "target", tokenizer, hidden=32, layers=8, heads=4, kv_heads=2, vocab_size=VOCAB,
+                      init_std=0.1)
+
+
+def write_generations(work, shards=2, rows=24):
+    """distill's generation output, as if its stages had run: a periodic answer per prompt, so there is
+    something to learn."""
+    rng = random.Random(0)
+    (work / "generations").mkdir(parents=True)
+    (work / "prompts.json").write_text("[]")
+    tokens = 0
+    for s in range(shards):
+        shard = []
+        for _ in range(rows):
+            cycle = rng.sample(range(300), 5)
+            answer = [cycle[i % 5] for i in range(rng.randint(12, 24))]
+            shard.append({"prompt": [rng.randrange(300) for _ in range(rng.randint(3, 8))], "answer": answer,
+                          "top_ids": None, "top_logp": None, "temperature": 0.0})
+            tokens += len(answer)
+        torch.save(shard, work / "generations" / f"{s:05d}.pt")
+    (work / "generations" / "done.json").write_text(json.dumps(
+        {"sequences": shards * rows, "answer_tokens": tokens, "minutes": 0.0}))
+
+
+def test_eagle_trains_a_loadable_head_and_resumes(target, tmp_path):
+    out, work = tmp_path / "head", tmp_path / "work"
+    write_generations(work)
+    argv = ["--target", str(target), "--out", str(out), "--work", str(work), *TINY]
+    eagle.main(argv)
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and config["draft_vocab_size"] == 1024
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM's default for 8 layers
+    with safe_open(out / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+        assert f.get_tensor("fc.weight").dtype == torch.bfloat16 and tuple(f.get_tensor("fc.weight").shape) == (32, 96)
+    assert "embed_tokens.weight" not in names and {"d2t", "t2d", "lm_head.weight", "norm.weight"} <= names
+    head = Eagle3Head.load(out, target_dir=target)
+    assert head.draft_to_target(torch.arange(1024)).max() < VOCAB and int(head.t2d.sum()) == 1024
+    info = json.loads((out / "eagle.json").read_text())
+    assert set(info["heldout"]) >= {"agree_0", "agree_2", "chain_2", "expected_accepted"}
+    assert info["training"]["steps"] == 40 and len(info["curve"]) == 2
+    assert "held-out agreement per step" in (out / "README.md").read_text()
+    curve = json.loads((work / "train" / "curve.json").read_text())
+    assert [c["step"] for c in curve] == [20, 40]
+
+    # training lowered the loss on what it saw
+    rows = [r for i, r in enumerate(eagle.load_features(eagle.Config(target, out, work))) if not eagle.held_out(i, 0.1)]
+    cfg = eagle.Config(target, out, work, aux_layers="2,4,5")
+    vocab = json.loads((work / "vocab.json").read_text())
+    fresh = eagle.build_head(cfg, vocab["ids"], init=True)
+    trained = eagle.loop.load_trained(eagle.build_head(cfg, vocab["ids"], init=False), work / "train")
+    batch = eagle.collate(rows[:16], fresh, 512)
+    with torch.no_grad():
+        before, after = (float(eagle.ttt_loss(h, batch, 3, 0.8)) for h in (fresh, trained))
+    assert after < 0.8 * before, (before, after)
+
+    # a second run finds every stage done and only exports again
+    stamps = {p: p.stat().st_mtime_ns for p in (work / "train" / "checkpoint.pt", work / "features" / "index.json")}
+    eagle.main(argv)
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+
+
+def test_training_time_test_is_the_serving_step(target, tmp_path):
+    """Step k of the training-time test at row t equals drafting at inference: the target-feature rows
+    0..t in the cache, then the head's own rows one position further each step."""
+    torch.manual_seed(0)
+    cfg = eagle.Config(target, tmp_path, tmp_path)
+    head = eagle.build_head(cfg, list(range(0, 2048, 2)), init=True).eval()
+    with torch.no_grad():
+        for p in head.fc.parameters():
+            p.normal_(0, 0.2)
+    T, steps = 9, 4
+    ids = torch.randint(0, 2048, (1, T))
+    batch = {"features": torch.randn(1, T, 96), "inputs": ids}
+    with torch.no_grad():
+        trained = list(eagle.ttt(head, batch, steps))  # [1, T, Vd] per step
+        hidden = head.fuse(batch["features"][0])
+        for t in (0, 4, T - 1):
+            cache = head.new_cache()
+            out, logits = head.step(ids[0, : t + 1], hidden[: t + 1], torch.arange(t + 1), cache)
+            out, logits = out[-1:], logits[-1:]
+            for k in range(steps):
+                torch.testing.assert_close(logits[0], trained[k][0, t], atol=2e-4, rtol=2e-4)
+                token = head.draft_to_target(logits.argmax(-1))
+                out, logits = head.step(token, out, torch.tensor([t + 1 + k]), cache)
+
+
+def test_labels_are_the_targets_top_k_in_the_draft_vocabulary(target, tmp_path):
+    head = eagle.build_head(eagle.Config(target, tmp_path, tmp_path), [5, 7, 9, 11], init=False)
+    row = {"ids": torch.tensor([1, 2, 3, 7, 9]), "prompt": 3, "hidden": torch.zeros(5, 96).half(),
+           "top_ids": torch.tensor([[7, 5, 100], [9, 200, 300]], dtype=torch.int32),
+           "top_logp": torch.tensor([[-0.1, -3.0, -2.5], [-1.0, -0.9, -3.0]]).half()}
+    batch = eagle.collate([row], head, 512)
+    assert batch["inputs"].tolist() == [[2, 3, 7, 9, 0]]  # row t: token t + 1
+    assert batch["weight"].tolist() == [[0, 0, 1, 1, 0]]  # positions 2, 3 predict the answer tokens 3, 4
+    assert batch["columns"][0, 2, :2].tolist() == [1, 0] and batch["columns"][0, 3, 0].tolist() == 2
+    p = batch["p"][0, 2]
+    torch.testing.assert_close(p.sum(), torch.tensor(1.0))  # 100 is outside the draft vocabulary: renormalised
+    assert p[2] == 0 and p[0] > p[1] > 0
+    assert batch["top1"][0, 3].item() == 9

@@ -1,0 +1,509 @@
+"""Train an EAGLE-3 draft head for any local transformers Llama-family target, on the target's own answers.
+
+    python -m training eagle --target models/target --out models/eagle
+    python -m training eagle --target DIR --out DIR --work .cache/eagle-data --feature-minutes 60 --steps 6000
+
+Stages, each resumable from --work (default .cache/eagle/<out's name>); the same command starts and
+resumes the run, and a stage already done is skipped:
+
+  answers    distill's prompt and generation stages (training/distill.py), unchanged: prompts.json
+             and generations/*.pt with done.json. A --work where they are done is used as it is.
+  features   the float32 target teacher-forced over prompt + answer, batched: at every position the
+             hidden states at the aux layers (the INPUTS of decoder layers --aux-layers, vLLM's
+             convention; default 2, L // 2, L - 3), float16 [T, len(aux) * H]; at every position
+             predicting an answer token, the target's --top-k next-token log-probabilities (the soft
+             labels). One shard per generation shard (features/*.pt, index.json); bounded by
+             --feature-minutes and --max-tokens over all runs.
+  vocab      the draft vocabulary: the most frequent answer ids covering --vocab-coverage of the
+             answer tokens (a multiple of 1024; d2t / t2d), held-out answers excluded.
+  train      the head (model_service/eagle_head.py) learns the target's distribution with training-time
+             test: --ttt-steps steps in which a row is fed the head's own out_hidden and its own
+             proposed token, one position further, attending as at inference (the target-feature rows up
+             to its position, then its own chain); step k's loss is weighted --ttt-decay ** k. The soft
+             labels are restricted to the draft vocabulary and renormalised. The decoder layer starts as
+             the target's last layer (q/k/v's hidden half; the embedding half is random), norm as the
+             target's final norm, lm_head as the target's output rows of the draft vocabulary; the
+             embedding is the target's, frozen. AdamW, warmup + cosine (training/loop.py); every
+             --eval-every steps the held-out answers (every 50th) give the agreement per step (the
+             head's argmax, fed its own states, equals the target's argmax) and the chain (all steps up
+             to k agree): train/curve.json.
+  export     --out: config.json + model.safetensors in the speculators layout (bf16, no embedding: the
+             server reads the target's), eagle.json and a model card with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from model_service.eagle_head import Eagle3Config, Eagle3Head, default_aux_layer_ids, read_target_tensor
+
+from . import distill, loop
+from .distill import log
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Config:
+    target: Path
+    out: Path
+    work: Path
+    # answers (distill's stages)
+    stdlib_prompts: int = 2500
+    own_questions: int = 4000
+    new_tokens: int = 192
+    batch: int = 48
+    temperature: float = 0.8
+    generate_minutes: float = 30.0
+    generate_dtype: str = "bfloat16"
+    # features
+    aux_layers: str = ""  # comma-separated layer ids; empty: vLLM's default
+    top_k: int = 16
+    feature_batch_tokens: int = 2048
+    feature_minutes: float = 120.0
+    max_tokens: int = 0  # 0: no bound
+    # vocab
+    vocab_coverage: float = 0.995
+    # train
+    steps: int = 4000
+    train_batch: int = 8
+    max_length: int = 512
+    lr: float = 6e-4
+    warmup: int = 100
+    ttt_steps: int = 5
+    ttt_decay: float = 0.8
+    heldout_share: float = 0.02
+    heldout_rows: int = 64
+    eval_every: int = 250
+    seed: int = 0
+    threads: int = 2
+
+
+# ------------------------------------------------------------------ answers
+
+
+def stage_answers(cfg: Config) -> None:
+    """distill's prompts and generations, in --work."""
+    if (cfg.work / "generations" / "done.json").exists():
+        log(f"answers: done ({json.loads((cfg.work / 'generations' / 'done.json').read_text())})")
+        return
+    # top_k 1: the generation stage's smallest label set; the features stage takes the target's top-k itself
+    gen = distill.Config(target=cfg.target, out=cfg.out, work=cfg.work, top_k=1,
+                         **{f.name: getattr(cfg, f.name) for f in fields(distill.Config)
+                            if f.name in ("stdlib_prompts", "own_questions", "new_tokens", "batch", "temperature",
+                                          "generate_minutes", "generate_dtype", "seed", "threads")})
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+    model = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=getattr(torch, cfg.generate_dtype)).eval()
+    distill.stage_generations(gen, model, tokenizer, distill.stage_prompts(gen, model, tokenizer))
+
+
+def generation_shards(cfg: Config) -> list[Path]:
+    return sorted((cfg.work / "generations").glob("*.pt"))
+
+
+# ------------------------------------------------------------------ features
+
+
+def aux_layer_ids(cfg: Config, target_config) -> list[int]:
+    layers = target_config.num_hidden_layers
+    ids = [int(i) for i in cfg.aux_layers.split(",")] if cfg.aux_layers else default_aux_layer_ids(layers)
+    if not all(0 <= i < layers for i in ids):
+        raise SystemExit(f"--aux-layers {ids}: a target of {layers} layers has decoder-layer inputs 0..{layers - 1}")
+    return ids
+
+
+@torch.inference_mode()
+def featurize(model, rows: list[dict], aux: list[int], top_k: int, batch_tokens: int) -> list[dict]:
+    """Per row: ids [T], prompt (its length), hidden float16 [T, len(aux) * H] (the inputs of the aux
+    layers), top_ids int32 / top_logp float16 [A, k] at the A positions p-1 .. T-2 predicting answer tokens."""
+    seqs = [r["prompt"] + r["answer"] for r in rows]
+    order = sorted(range(len(rows)), key=lambda i: len(seqs[i]))
+    out: list[dict | None] = [None] * len(rows)
+    start = 0
+    while start < len(order):
+        width, end = len(seqs[order[start]]), start
+        while end < len(order) and (end - start + 1) * len(seqs[order[end]]) <= max(batch_tokens, width):
+            width, end = len(seqs[order[end]]), end + 1
+        picks = order[start:end]
+        ids = torch.zeros(len(picks), width, dtype=torch.long)
+        mask = torch.zeros(len(picks), width, dtype=torch.long)
+        for b, i in enumerate(picks):  # right-padded: a row's positions never see the padding
+            ids[b, : len(seqs[i])], mask[b, : len(seqs[i])] = torch.tensor(seqs[i]), 1
+        result = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        hidden = torch.cat([result.hidden_states[i] for i in aux], dim=-1).half()  # [B, T, len(aux) * H]
+        for b, i in enumerate(picks):
+            n, p = len(seqs[i]), len(rows[i]["prompt"])
+            logp = model.lm_head(result.last_hidden_state[b, p - 1 : n - 1]).float().log_softmax(-1)  # [A, V]
+            top_logp, top_ids = logp.topk(top_k, dim=-1)
+            out[i] = {"ids": torch.tensor(seqs[i]), "prompt": p, "hidden": hidden[b, :n].clone(),
+                      "top_ids": top_ids.int(), "top_logp": top_logp.half()}
+        start = end
+    return out
+
+
+def stage_features(cfg: Config) -> dict:
+    root = cfg.work / "features"
+    root.mkdir(parents=True, exist_ok=True)
+    if (root / "done.json").exists():
+        info = json.loads((root / "done.json").read_text())
+        log(f"features: done ({info})")
+        return info
+    index_path = root / "index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else {}
+    model = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=torch.float32).eval()
+    aux = aux_layer_ids(cfg, model.config)
+    shards = generation_shards(cfg)
+    log(f"features: {len(shards)} generation shards ({len(index)} done), aux layers {aux}, top-{cfg.top_k}")
+    session_tokens, session_start = 0, time.perf_counter()
+    for shard in shards:
+        if shard.name in index:
+            continue
+        tokens, seconds = sum(v["tokens"] for v in index.values()), sum(v["seconds"] for v in index.values())
+        if seconds / 60 >= cfg.feature_minutes or (cfg.max_tokens and tokens >= cfg.max_tokens):
+            log(f"features: bound reached ({tokens:,} tokens, {seconds / 60:.1f} min)")
+            break
+        tick = time.perf_counter()
+        rows = featurize(model, torch.load(shard, weights_only=False), aux, cfg.top_k, cfg.feature_batch_tokens)
+        loop.save_atomic(rows, root / shard.name)
+        n = sum(len(r["ids"]) for r in rows)
+        index[shard.name] = {"rows": len(rows), "tokens": n, "seconds": round(time.perf_counter() - tick, 2)}
+        index_path.write_text(json.dumps(index))
+        session_tokens += n
+        log(f"features: {shard.name} {n:,} tokens, {session_tokens / (time.perf_counter() - session_start):,.0f}"
+            f" tokens/s; {sum(v['tokens'] for v in index.values()):,} in all")
+    seconds = sum(v["seconds"] for v in index.values())
+    info = {"shards": len(index), "sequences": sum(v["rows"] for v in index.values()),
+            "tokens": sum(v["tokens"] for v in index.values()), "minutes": round(seconds / 60, 1),
+            "tokens_per_s": round(sum(v["tokens"] for v in index.values()) / max(seconds, 1e-9)),
+            "aux_layer_ids": aux, "top_k": cfg.top_k, "hidden_dtype": "float16"}
+    (root / "done.json").write_text(json.dumps(info))
+    return info
+
+
+def load_features(cfg: Config) -> list[dict]:
+    """All feature rows, in generation order, memory-mapped (pages are read as rows are drawn)."""
+    index = json.loads((cfg.work / "features" / "index.json").read_text())
+    rows = []
+    for name in sorted(index):
+        rows.extend(torch.load(cfg.work / "features" / name, weights_only=False, mmap=True))
+    return rows
+
+
+def held_out(i: int, share: float) -> bool:
+    """Every round(1 / share)-th answer (by its index over all generation shards, in order) is held out."""
+    return i % max(2, round(1 / share)) == 0
+
+
+# ------------------------------------------------------------------ vocab
+
+
+def stage_vocab(cfg: Config, vocab_size: int) -> dict:
+    path = cfg.work / "vocab.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    rows = [r for i, r in enumerate(distill.load_generations(cfg)) if not held_out(i, cfg.heldout_share)]
+    counts = distill.draft_vocab(rows, vocab_size, cfg.vocab_coverage)
+    size = counts["recommended"] or vocab_size
+    chosen = counts["ids"][:size]
+    chosen += [i for i in range(vocab_size) if i not in set(chosen)][: size - len(chosen)]  # ids never seen
+    info = {"ids": sorted(chosen), "size": size, **{k: v for k, v in counts.items() if k != "ids"}}
+    path.write_text(json.dumps(info))
+    log(f"vocab: {size:,} ids cover {cfg.vocab_coverage:.1%}+ of {counts['answer_tokens']:,} answer tokens")
+    return info
+
+
+# ------------------------------------------------------------------ the head and its training-time test
+
+
+def build_head(cfg: Config, vocab_ids: list[int], init: bool) -> Eagle3Head:
+    """A head shaped as the target's layers; with init, started from the target (see the module's docstring)."""
+    t = AutoConfig.from_pretrained(cfg.target)
+    rope = dict(t.rope_parameters or {})
+    theta = rope.pop("rope_theta", 10000.0)
+    config = Eagle3Config(
+        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads, head_dim=getattr(t, "head_dim", None)
+        or t.hidden_size // t.num_attention_heads, vocab_size=t.vocab_size, draft_vocab_size=len(vocab_ids),
+        aux_layer_ids=aux_layer_ids(cfg, t), target_hidden_size=t.hidden_size, rms_norm_eps=t.rms_norm_eps,
+        rope_theta=theta, rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
+        max_position_embeddings=t.max_position_embeddings, hidden_act=t.hidden_act,
+        attention_bias=getattr(t, "attention_bias", False), verifier=str(cfg.target), speculative_tokens=cfg.ttt_steps,
+        extra={k: getattr(t, k) for k in ("bos_token_id", "eos_token_id") if getattr(t, k, None) is not None})
+    torch.manual_seed(cfg.seed)
+    head = Eagle3Head(config)
+    ids = torch.tensor(vocab_ids)
+    head.set_vocab(ids)
+    head.embed_tokens.weight.data.copy_(read_target_tensor(cfg.target, "model.embed_tokens.weight"))
+    head.embeddings_from_target = True
+    if init:
+        last = f"model.layers.{t.num_hidden_layers - 1}."
+        layer = head.layer
+        with torch.no_grad():
+            for kind, linears in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
+                for name, linear in linears.items():
+                    w = read_target_tensor(cfg.target, f"{last}{kind}.{name}.weight")
+                    linear.weight[:, -w.shape[1] :].copy_(w)  # q/k/v: the hidden half [.., H:2H]
+            layer.hidden_norm.weight.copy_(read_target_tensor(cfg.target, f"{last}input_layernorm.weight"))
+            layer.post_attention_layernorm.weight.copy_(
+                read_target_tensor(cfg.target, f"{last}post_attention_layernorm.weight"))
+            head.norm.weight.copy_(read_target_tensor(cfg.target, "model.norm.weight"))
+            head.lm_head.weight.copy_(read_target_tensor(cfg.target, "lm_head.weight")[ids])
+    return head
+
+
+def collate(rows: list[dict], head: Eagle3Head, max_length: int) -> dict[str, torch.Tensor]:
+    """Right-padded rows. Row t: feature t, token t+1 (`inputs`), position t. Labels indexed by the
+    position they belong to: at position s the target's top-k for token s+1, as draft columns
+    (`columns`, clamped), renormalised over the draft vocabulary (`p`), weight 1 where s predicts an
+    answer token and some label mass is in the draft vocabulary; `top1`: the target's argmax id."""
+    width = min(max_length, max(len(r["ids"]) for r in rows))
+    k = rows[0]["top_ids"].shape[1]
+    B = len(rows)
+    features = torch.zeros(B, width, rows[0]["hidden"].shape[1])
+    inputs = torch.zeros(B, width, dtype=torch.long)
+    top_ids = torch.zeros(B, width, k, dtype=torch.long)
+    top_logp = torch.full((B, width, k), -1e4)
+    weight = torch.zeros(B, width)
+    for b, r in enumerate(rows):
+        n, p = min(len(r["ids"]), width), r["prompt"]
+        features[b, :n] = r["hidden"][:n].float()
+        inputs[b, : n - 1] = r["ids"][1:n]
+        a = max(0, n - p)  # labels at p-1 .. n-2
+        top_ids[b, p - 1 : p - 1 + a] = r["top_ids"][:a].long()
+        top_logp[b, p - 1 : p - 1 + a] = r["top_logp"][:a].float()
+        weight[b, p - 1 : p - 1 + a] = 1
+    column = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
+    column[head.draft_to_target(torch.arange(head.config.draft_vocab_size))] = torch.arange(
+        head.config.draft_vocab_size)
+    columns = column[top_ids]
+    p = top_logp.exp() * (columns >= 0)
+    mass = p.sum(-1, keepdim=True)
+    weight *= (mass[..., 0] > 0).float()
+    return {"features": features, "inputs": inputs, "columns": columns.clamp(min=0), "p": p / mass.clamp(min=1e-9),
+            "top1": top_ids[..., 0], "weight": weight}
+
+
+def chain_attention(q, k0, v0, ks, vs):
+    """Training-time test's attention for step >= 1: row t attends causally to the target-feature rows
+    (k0, v0: step 0, [B, kv, T, hd]) and to row t of every later step (ks, vs: steps 1..k), as at
+    inference. q: [B, heads, T, hd] -> [B, heads, T, hd]."""
+    groups, T = q.shape[1] // k0.shape[1], q.shape[2]
+    k0, v0 = k0.repeat_interleave(groups, 1), v0.repeat_interleave(groups, 1)
+    kd = torch.stack([k.repeat_interleave(groups, 1) for k in ks], dim=3)  # [B, heads, T, steps, hd]
+    vd = torch.stack([v.repeat_interleave(groups, 1) for v in vs], dim=3)
+    scale = q.shape[-1] ** -0.5
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    s0 = (q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))  # [B, heads, T, T]
+    sd = (q.unsqueeze(3) * kd).sum(-1) * scale  # [B, heads, T, steps]: the row's own chain
+    w = torch.cat([s0, sd], dim=-1).float().softmax(-1).to(q.dtype)
+    return w[..., :T] @ v0 + (w[..., T:].unsqueeze(-1) * vd).sum(3)
+
+
+def ttt(head: Eagle3Head, batch: dict, steps: int):
+    """Yields each step's logits [B, T, Vd]: step 0 from the target's features, step k from step k-1's
+    out_hidden and proposed tokens at positions t + k."""
+    hidden = head.fc(batch["features"])  # [B, T, H]
+    inputs = batch["inputs"]
+    positions = torch.arange(inputs.shape[1]).expand_as(inputs)
+    ks, vs = [], []
+    for k in range(steps):
+        cos, sin = head.rope(hidden, positions + k)
+        q, key, value, residual = head.layer.project(head.embed_tokens(inputs).to(hidden.dtype), hidden, cos, sin)
+        if k == 0:
+            k0, v0 = key, value
+            attention = F.scaled_dot_product_attention(q, key, value, is_causal=True, enable_gqa=True)
+        else:
+            ks.append(key)
+            vs.append(value)
+            attention = chain_attention(q, k0, v0, ks, vs)
+        hidden = head.layer.finish(attention, residual)
+        logits = head.lm_head(head.norm(hidden))
+        yield logits
+        inputs = head.draft_to_target(logits.detach().argmax(-1))
+
+
+def shifted(x: torch.Tensor, by: int) -> torch.Tensor:
+    """x[:, by:] padded with zeros to x's width: row t gets what belongs to position t + by."""
+    return torch.cat([x[:, by:], x.new_zeros(x.shape[0], min(by, x.shape[1]), *x.shape[2:])], dim=1)
+
+
+def ttt_loss(head: Eagle3Head, batch: dict, steps: int, decay: float) -> torch.Tensor:
+    """sum_k decay^k * mean over rows of -sum_v p(v) log q_k(v), step k's row t scored against position t+1+k."""
+    total = 0.0
+    for k, logits in enumerate(ttt(head, batch, steps)):
+        w = shifted(batch["weight"], 1 + k) > 0
+        if not w.any():
+            break
+        logq = logits[w].float().log_softmax(-1)  # [N, Vd]
+        total = total + decay**k * -(shifted(batch["p"], 1 + k)[w] * logq.gather(-1, shifted(
+            batch["columns"], 1 + k)[w])).sum(-1).mean()
+    return total
+
+
+@torch.no_grad()
+def evaluate(head: Eagle3Head, rows: list[dict], cfg: Config) -> dict:
+    """Per step k: agreement (the head's argmax, mapped to target ids, equals the target's argmax at the
+    position it predicts) and chain (steps 0..k all agree, over chains starting in the answer)."""
+    agree, chain, counted, started = ([0.0] * cfg.ttt_steps for _ in range(4))
+    for i in range(0, len(rows), 8):
+        batch = collate(rows[i : i + 8], head, cfg.max_length)
+        alive = shifted(batch["weight"], 1) > 0
+        for k, logits in enumerate(ttt(head, batch, cfg.ttt_steps)):
+            w = shifted(batch["weight"], 1 + k) > 0
+            right = head.draft_to_target(logits.argmax(-1)) == shifted(batch["top1"], 1 + k)
+            agree[k] += (right & w).sum().item()
+            counted[k] += w.sum().item()
+            alive &= right
+            chain[k] += (alive & w).sum().item()
+            started[k] += (shifted(batch["weight"], 1).bool() & w).sum().item()
+    metrics = {f"agree_{k}": agree[k] / max(counted[k], 1) for k in range(cfg.ttt_steps)}
+    metrics.update({f"chain_{k}": chain[k] / max(started[k], 1) for k in range(cfg.ttt_steps)})
+    metrics["expected_accepted"] = sum(metrics[f"chain_{k}"] for k in range(cfg.ttt_steps))
+    return metrics
+
+
+def stage_train(cfg: Config, vocab: dict) -> dict:
+    ckpt = cfg.work / "train"
+    if (ckpt / "result.json").exists() and json.loads((ckpt / "result.json").read_text())["steps"] >= cfg.steps:
+        return json.loads((ckpt / "result.json").read_text())
+    rows = load_features(cfg)
+    train_rows = [r for i, r in enumerate(rows) if not held_out(i, cfg.heldout_share)]
+    heldout = [r for i, r in enumerate(rows) if held_out(i, cfg.heldout_share)][: cfg.heldout_rows]
+    head = build_head(cfg, vocab["ids"], init=True)
+    answer_tokens = sum(len(r["top_ids"]) for r in train_rows)
+    log(f"train: {sum(p.numel() for p in head.parameters() if p.requires_grad):,} trainable parameters,"
+        f" {len(train_rows)} answers ({answer_tokens:,} answer tokens), {len(heldout)} held out, {cfg.steps} steps"
+        f" of {cfg.train_batch}, {cfg.ttt_steps} TTT steps; draft vocabulary {vocab['size']:,}")
+    # loop counts steps x batch x length tokens: length is the mean answer, so tokens_seen estimates answer tokens
+    schedule = loop.Schedule(steps=cfg.steps, peak_lr=cfg.lr, warmup=cfg.warmup, batch=cfg.train_batch,
+                             length=round(answer_tokens / max(1, len(train_rows))))
+    step = [torch.load(ckpt / "checkpoint.pt", weights_only=False)["step"] if (ckpt / "checkpoint.pt").exists() else 0]
+    curve_path = ckpt / "curve.json"
+
+    def sample(g: torch.Generator):
+        step[0] += 1
+        picks = torch.randint(0, len(train_rows), (cfg.train_batch,), generator=g).tolist()
+        return collate([train_rows[i] for i in picks], head, cfg.max_length)
+
+    def held_out_metrics(model) -> dict:
+        metrics = evaluate(model, heldout, cfg)
+        curve = json.loads(curve_path.read_text()) if curve_path.exists() else []
+        curve = [c for c in curve if c["step"] < step[0]] + [
+            {"step": step[0], "answer_tokens": step[0] * schedule.batch * schedule.length, **metrics}]
+        curve_path.write_text(json.dumps(curve, indent=1))
+        return metrics
+
+    return loop.train("eagle", head, lambda m, batch: ttt_loss(m, batch, cfg.ttt_steps, cfg.ttt_decay),
+                      held_out_metrics, schedule, ckpt, seed=cfg.seed,
+                      precision="bf16" if loop.bf16_is_fast() else "fp32", checkpoint_minutes=3.0,
+                      eval_every=cfg.eval_every, sample=sample)
+
+
+# ------------------------------------------------------------------ export
+
+
+def stage_export(cfg: Config, vocab: dict, features: dict, result: dict) -> dict:
+    head = loop.load_trained(build_head(cfg, vocab["ids"], init=False), cfg.work / "train")
+    head.embeddings_from_target = True
+    tmp = cfg.out.with_name(cfg.out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    head.save(tmp)
+    final = {k: round(v, 4) for k, v in result["final"].items() if k not in ("step", "tokens_seen")}
+    info = {
+        "target": str(cfg.target),
+        "aux_layer_ids": head.config.aux_layer_ids,
+        "trainable_parameters": sum(p.numel() for n, p in head.named_parameters() if n != "embed_tokens.weight"),
+        "generations": json.loads((cfg.work / "generations" / "done.json").read_text()),
+        "features": features,
+        "draft_vocab": {k: v for k, v in vocab.items() if k != "ids"},
+        "training": {"steps": result["steps"], "answer_tokens_seen": result["tokens_seen"],
+                     "minutes": round(result["train_wall_s"] / 60, 1), "precision": result["precision"],
+                     "ttt_steps": cfg.ttt_steps, "ttt_decay": cfg.ttt_decay},
+        "heldout": final,
+        "curve": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in e.items()} for e in result["evals"]],
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items() if k not in ("out", "work")},
+    }
+    (tmp / "eagle.json").write_text(json.dumps(info, indent=1) + "\n")
+    (tmp / "README.md").write_text(model_card(info))
+    shutil.rmtree(cfg.out, ignore_errors=True)
+    os.replace(tmp, cfg.out)
+    return info
+
+
+def model_card(info: dict) -> str:
+    g, f, t, h, v = info["generations"], info["features"], info["training"], info["heldout"], info["draft_vocab"]
+    steps = range(t["ttt_steps"])
+    lines = [
+        f"# EAGLE-3 head for {info['target']} (trained by specdec)\n",
+        ("One Llama decoder layer fed the target's hidden states at the inputs of its layers"
+         f" {info['aux_layer_ids']} (fused by `fc`) and the next token's embedding (the target's, not stored here:"
+         f" pass the target's directory). {info['trainable_parameters']:,} trainable parameters, bf16, in the"
+         " `speculators` layout that vLLM loads (`config.json`, `model.safetensors`: fc, layers.0.*, norm, lm_head,"
+         " d2t, t2d).\n"),
+        ("Made by `python -m training eagle`: the target answered prompts built from the Python standard library and"
+         " questions it wrote itself (held-out bench prompts excluded); its float32 hidden states and top-k next-token"
+         " distributions on those answers, teacher-forced, were the training data; training-time test over"
+         f" {t['ttt_steps']} steps.\n"),
+        "| figure | value |\n|---|---|",
+        f"| target answers | {g['sequences']:,} ({g['answer_tokens']:,} tokens, {g['minutes']} min) |",
+        (f"| features | {f['sequences']:,} sequences, {f['tokens']:,} tokens, {f['minutes']} min"
+         f" ({f['tokens_per_s']:,} tokens/s) |"),
+        f"| draft vocabulary | {v['size']:,} ids ({100 * v['target_coverage']:.1f}% of answer tokens) |",
+        (f"| training | {t['steps']:,} steps, ~{t['answer_tokens_seen']:,} answer tokens, {t['minutes']} min,"
+         f" {t['precision']} |"),
+        "| held-out agreement per step (argmax = the target's argmax, fed its own states) | "
+        + " / ".join(f"{h[f'agree_{k}']:.3f}" for k in steps) + " |",
+        "| held-out chain (steps 0..k all agree) | " + " / ".join(f"{h[f'chain_{k}']:.3f}" for k in steps) + " |",
+        (f"| expected accepted tokens per round at K = {t['ttt_steps']} (sum of the chain) |"
+         f" {h['expected_accepted']:.2f} |"),
+        "\nHeld-out agreement per step against answer tokens seen:\n",
+        "| answer tokens | " + " | ".join(f"step {k}" for k in steps) + " |",
+        "|---|" + "---|" * len(steps),
+    ]
+    lines += [f"| {e['tokens_seen']:,} | " + " | ".join(f"{e[f'agree_{k}']:.3f}" for k in steps) + " |"
+              for e in info["curve"]]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------ main
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m training eagle", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", type=Path, required=True, help="a local transformers Llama-family model directory")
+    parser.add_argument("--out", type=Path, required=True, help="where the head's directory is written")
+    parser.add_argument("--work", type=Path, help="scratch and checkpoints (default .cache/eagle/<out's name>)")
+    for f in fields(Config):
+        if f.name not in ("target", "out", "work"):
+            parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    args = vars(parser.parse_args(argv))
+    args["work"] = args["work"] or REPO / ".cache" / "eagle" / args["out"].name
+    cfg = Config(**args)
+    torch.set_num_threads(cfg.threads)
+    cfg.work.mkdir(parents=True, exist_ok=True)
+    log(f"eagle: target {cfg.target}, out {cfg.out}, work {cfg.work}")
+    stage_answers(cfg)
+    features = stage_features(cfg)
+    vocab = stage_vocab(cfg, AutoConfig.from_pretrained(cfg.target).vocab_size)
+    result = stage_train(cfg, vocab)
+    info = stage_export(cfg, vocab, features, result)
+    log(f"export: {cfg.out}: held-out agreement per step "
+        + " / ".join(f"{info['heldout'][f'agree_{k}']:.3f}" for k in range(cfg.ttt_steps))
+        + f", expected accepted {info['heldout']['expected_accepted']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
