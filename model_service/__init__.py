@@ -2,8 +2,11 @@
 per-call engines, batching on one model thread, and the servicer and main body both share.
 
   model_runner.py    one model, its tokenizer and the sessions it serves (KV caches, rollback)
-  fast_forward.py    the lean batched forward (Llama, Mistral, Qwen2); int4.py: its --quantize int4
+  fast_forward.py    the lean batched forward (Llama, Mistral, Qwen2); scripted.py: its layer loop in TorchScript
+  int4.py            its --quantize int4 (q4_kernel.py: specdec's int4 kernel)
   kv_cache.py        its KV caches: a session's own, or a slot of a shared pool
+  slot_attention.py  a pass's attention as one call over the pool's slots
+  sharding.py        the lean forward's weights split over tensor-parallel ranks (Megatron's)
   loading.py         a tensor-parallel rank loads only its own slices of the checkpoint
   tensor_parallel.py that forward sharded over Ray ranks
   sessions.py        the session table (idle eviction, capacity)

@@ -1,71 +1,55 @@
 """A lean decoder forward for Llama-family models, over a preallocated KV cache.
 
-At the sizes speculative decoding drafts with, a transformers forward costs more in
-Python than in arithmetic: the shipped 2 M-parameter draft spends ~2.7 ms per token
-in `LlamaForCausalLM.forward` on one CPU core, most of it module dispatch, mask
-building and cache bookkeeping. This module runs the same weights with the fewest
-torch calls: q/k/v and gate/up each in one matmul (the HF modules' weights become
-views into the fused tensors, so nothing is stored twice), RMSNorm as one
-`F.rms_norm`, attention as one `scaled_dot_product_attention` over a KV cache that
-grows in place and rolls back by moving an index.
+    fast = FastForward.build(model, max_context)     # None: the model keeps transformers' forward
+    cache = fast.new_cache()
+    logits = fast(prompt_ids, cache, 1)              # [1, V]; then a step: fast([token], cache, 1)
+    fast.many([(ids_a, cache_a, 1), (ids_b, cache_b, 5)])   # one pass over several sequences
 
-It takes the rotary embedding from the HF model itself, so every RoPE variant
-transformers implements is computed the same way. Architectures it does not know,
-or features it does not implement (a sliding window shorter than the context,
-attention soft-capping...), keep the transformers forward: `FastForward.build`
-returns None for them and `ModelRunner` falls back.
+At the sizes speculative decoding runs, a transformers forward costs more in Python than in
+arithmetic (module dispatch, mask building, cache bookkeeping), most of all for the draft. This
+forward runs the same weights with the fewest torch calls: q/k/v and gate/up each in one matmul
+(the HF modules' weights become views into the fused tensors, so nothing is stored twice), RMSNorm
+as one `F.rms_norm`, attention as one `scaled_dot_product_attention` over a KV cache that grows in
+place and rolls back by moving an index; on CPU the layer loop runs in TorchScript (scripted.py).
+
+It takes the rotary embedding from the HF model itself, so every RoPE variant transformers
+implements is computed the same way. Architectures it does not know, or features it does not
+implement (a sliding window shorter than the context, attention soft-capping...), keep the
+transformers forward: `FastForward.build` returns None for them and `ModelRunner` falls back.
+
+Beside it: int4.py quantizes its weights (--quantize int4), sharding.py splits them over
+tensor-parallel ranks, slot_attention.py runs a pass's attention over a KV pool's slots, and
+kv_cache.py holds the caches.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from . import q4_kernel, scripted
-from .int4 import Int4, Q4Tiles, groups_pack, int4_pack, q4_groups
+from . import scripted
+from .int4 import Int4, Q4Tiles, pack_int4
 from .kv_cache import POOL_CAPACITY, KVCache, KVPool
+from .slot_attention import slot_attention, slot_batch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # --dtype
 
 SUPPORTED = {"llama", "mistral", "qwen2"}
-# weights with fewer elements stay unpacked (see FastForward.pack): oneDNN's ~25-40 us per call
-# outweighs its gain on them. Measured on the shipped pair: the draft's [160, 480] q/k/v takes
-# 17 us for 2 rows through x @ w and 44 packed, and its draft step over 2 sessions 1.32 ms with
-# it and gate/up unpacked against 1.50 all packed; the target's [384, 1152] q/k/v is even alone
-# but its verify pass is ~10% slower with it unpacked; its [160, 8192] lm_head: 293 vs 170 us.
+# weights with fewer elements stay unpacked (see FastForward.pack): oneDNN's fixed cost per call
+# (tens of us) outweighs what packing gains on them (docs/performance.md)
 PACK_MIN_ELEMENTS = 1 << 18
-# a pass over several pooled sessions runs attention as one call over their slots when its padded
-# work (slots spanned x longest feed x furthest position) is at most this many times the feeds'
-# own (each feed's tokens x its positions); else per session
-POOL_PADDING = 2.0
-
-
-@dataclass
-class SlotBatch:
-    """One attention call over a pool's slots lo..hi-1 (see FastForward._slot_batch)."""
-    lo: int
-    hi: int
-    width: int  # queries per row
-    keys: int  # positions each row's keys span
-    rows: torch.Tensor  # [T]: each new token's row (its slot - lo)
-    cols: torch.Tensor  # [T]: its query within the row
-    pos: torch.Tensor  # [T]: its position
-    mask: torch.Tensor  # [B, 1, width, keys]: 0 where a query sees a key, -inf elsewhere
 
 
 class FastForward:
     """The forward pass of one loaded HF Llama/Mistral/Qwen2 causal LM.
 
     Weights are kept as [in, out] (transposed) and applied as `x @ w`: for the few rows a
-    decode or verify step multiplies, that runs 25-60% faster than `F.linear` on the
-    [out, in] layout on the CPUs measured (the lm_head of the shipped target: 1.0 -> 0.4 ms
-    for one row), and no slower for many rows. The HF modules' weights become views of
-    these tensors, so nothing is stored twice.
+    decode or verify step multiplies, that runs faster than `F.linear` on the [out, in]
+    layout on the CPUs measured, and no slower for many rows. The HF modules' weights become
+    views of these tensors, so nothing is stored twice.
     """
 
     def __init__(self, model, max_context: int, pool_capacity: int = POOL_CAPACITY):
@@ -83,7 +67,7 @@ class FastForward:
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.layers = [self._fuse(layer) for layer in model.model.layers]
-        # tensor parallelism (see shard()): the ranks the weights are split over, the sum of the ranks'
+        # tensor parallelism (sharding.py): the ranks the weights are split over, the sum of the ranks'
         # partial products, the ranks' logits side by side
         self.world = 1
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -92,8 +76,8 @@ class FastForward:
         self.lm_head_packed: torch.Tensor | None = None
         self.head_ids: torch.Tensor | None = None  # restrict_head: the ids the output layer scores, [N]
         self.pack_min = PACK_MIN_ELEMENTS
-        self.int4_group = 0  # quantize(): weight-only int4 in groups of this many inputs (0: off)
-        self.int4_kernel = "torch"  # quantize(): whose kernel runs it, "specdec" (q4_kernel) or "torch"
+        self.int4_group = 0  # int4.quantize: weight-only int4 in groups of this many inputs (0: off)
+        self.int4_kernel = "torch"  # int4.quantize: whose kernel runs it, "specdec" (q4_kernel) or "torch"
         # with specdec's kernel, one sequence's layers run in its C++ loop (q4_kernel: q4_layers) rather
         # than TorchScript's; off: TorchScript's loop over the same products (A/B, tests)
         self.fused_layers = True
@@ -104,7 +88,7 @@ class FastForward:
         self._all_tiles = False  # made with them: every linear in specdec's int4 tiles, float32 activations
         self.pack()
         self.pool_capacity = pool_capacity  # 0: every session's cache on its own (no batched attention)
-        self.pool: KVPool | None = None  # made by the first new_cache (after to() and shard())
+        self.pool: KVPool | None = None  # made by the first new_cache (after to() and sharding)
 
     def _rope_table(self, max_context: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """cos and sin of every position, [max_context, head_dim] each, from the HF rotary module
@@ -137,19 +121,15 @@ class FastForward:
     def pack(self) -> None:
         """On CPU, also keep the wide weights (each layer's linears, lm_head) in oneDNN's packed layout.
 
-        MKL's sgemm is slow for the few rows of a verify step: on the 2-core AVX2 machine this was
-        measured on, x @ w with a [384, 8192] lm_head takes 2.0 ms for 4 rows and 2.8 ms for 14,
-        against 1.0 and 1.8 ms packed; for q/k/v and gate/up, 1.3-1.4x at 2-14 rows. One row
-        stays on x @ w, which is faster there (0.4 vs 0.8 ms for that lm_head). o and down too
-        since 2026-11-25: SmolLM2-135M's verify pass (2 threads, AMX Xeon, 200 cached positions,
-        three interleaved medians) at K = 4 / 8 / 16 took 34.7 / 41.2 / 47.0 ms with them
-        unpacked and 32.4 / 37.6 / 45.7 packed (0.93x / 0.91x / 0.97x). The cost is a second copy
-        of these weights in memory (o and down: 146 MB more for SmolLM2 in float32). Weights under
-        `pack_min` elements stay unpacked (see PACK_MIN_ELEMENTS). Elsewhere (CUDA, no oneDNN,
-        half precision) nothing is packed.
+        MKL's sgemm is slow for the few rows of a verify step, and oneDNN's packed product faster
+        there for every layer linear and the output layer; one row stays on `x @ w`, which is
+        faster (scripted.mm picks by rows). The cost is a second copy of these weights in memory.
+        Weights under `pack_min` elements stay unpacked (see PACK_MIN_ELEMENTS). Elsewhere (CUDA,
+        no oneDNN, half precision) nothing is packed; once quantized (int4.quantize) the linears are
+        packed in int4 instead. Measurements: docs/performance.md.
         """
         if self.int4_group:
-            self._pack_int4()
+            pack_int4(self)
             return
         on = (self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
               and torch.backends.mkldnn.is_available())
@@ -169,95 +149,6 @@ class FastForward:
     PARTS: ClassVar[dict[str, tuple[str, ...]]] = {
         "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
         "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
-
-    def quantize(self, group_size: int = 32, blocks: dict | None = None, kernel: str = "auto") -> int:
-        """Weight-only int4 (CPU): every linear of every layer and the output layer, in asymmetric
-        groups of `group_size` inputs, w = (q - 8) * scale + zero with q in 0..15 (scale and zero in
-        bf16; the layout of torch's `_weight_int4pack_mm_for_cpu`, and of a GGUF Q4_1 block of 32:
-        d * q + m). Activations enter each product in bf16 and leave in the model's dtype; norms,
-        attention and the residual stream stay as they were. The float copies of those weights are
-        dropped (the embedding stays: the input lookup reads it). From here on this IS the model the
-        service runs: its greedy output is this forward's, not the float model's.
-
-        blocks: Q4_1 blocks by transformers weight name (int4.read_q4_1_blocks: a GGUF's weights as
-        they shipped). With groups of 32, a linear whose parts all have blocks takes them as they
-        are (scale = d, zero = m + 8 d) instead of groups derived from its float weights: the same
-        groups where a block spans its 0..15 (min/max quantizers), and the file's own where it
-        does not (error-minimising ones). -> how many linears came from blocks.
-
-        kernel: "specdec" runs the products through specdec's own kernel (q4_kernel: activations
-        in int8 blocks of 32 against the 4-bit weights, d and m in float16, groups of 32 only),
-        "torch" through torch's (bf16 activations, bf16 scales), "auto" specdec's where it is
-        built and the groups are 32. The two are different models (their activations and scales
-        are rounded differently); the service runs the one chosen."""
-        if self.embed.device.type != "cpu":
-            raise ValueError("--quantize int4 runs on CPU only (torch's int4 CPU kernel)")
-        if group_size not in (32, 64, 128, 256):
-            raise ValueError(f"--quant-group must be 32, 64, 128 or 256, not {group_size}")
-        widths = {w.shape[0] for layer in self.layers for w in (layer["qkv"], layer["o"], layer["gate_up"],
-                                                                 layer["down"])} | {self.lm_head.shape[0]}
-        if any(width % group_size for width in widths):
-            raise ValueError(f"--quant-group {group_size} does not divide the model's widths {sorted(widths)}")
-        if kernel not in ("auto", "specdec", "torch"):
-            raise ValueError(f"--int4-kernel must be auto, specdec or torch, not {kernel!r}")
-        if kernel == "specdec" and group_size != 32:
-            raise ValueError("--int4-kernel specdec runs groups of 32 only")
-        if kernel == "specdec" and not q4_kernel.available():
-            raise ValueError(f"--int4-kernel specdec: the kernel is {q4_kernel.path()}")
-        if kernel == "auto":
-            kernel = "specdec" if group_size == 32 and q4_kernel.available() else "torch"
-            if group_size == 32 and kernel == "torch":
-                warnings.warn(f"specdec's int4 kernel is {q4_kernel.path()}; int4 runs on torch's", RuntimeWarning,
-                              stacklevel=2)
-        self.int4_group, self.int4_kernel = group_size, kernel
-        empty = torch.empty(0, dtype=self.embed.dtype)
-        from_blocks = 0
-        if blocks and group_size == 32 and self.world == 1:
-            for i, layer in enumerate(self.layers):
-                for name, parts in self.PARTS.items():
-                    found = [blocks.get(f"model.layers.{i}.{part}.weight") for part in parts]
-                    if all(b is not None for b in found):
-                        q, d, m = (torch.cat(t) for t in zip(*found))  # outputs of the parts, in _fuse's order
-                        if tuple(q.shape) != tuple(layer[name].shape[::-1]):
-                            raise ValueError(f"Q4_1 blocks of layer {i}'s {name} are {tuple(q.shape)},"
-                                             f" its weight {tuple(layer[name].shape[::-1])}")
-                        layer[f"{name}_packed"] = self._q4_1_packed(q, d, m)
-                        layer[name] = empty  # so pack() leaves it as it is
-                        from_blocks += 1
-        self.pack()
-        for layer in self.layers:  # (the HF modules' weights were views of these: they go too)
-            for name in ("qkv", "o", "gate_up", "down"):
-                layer[name] = empty
-        for layer in self.model.model.layers:
-            for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                           layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-                linear.weight.data = empty
-        head = self.model.get_output_embeddings()
-        if head.weight.data_ptr() != self.embed.data_ptr():
-            head.weight.data = empty
-        self.lm_head = empty
-        self._script_args = None
-        return from_blocks
-
-    def _q4_1_packed(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> Int4 | Q4Tiles:
-        """Groups of 32 in Q4_1's form (w = d * q + m, q [out, in]) in the quantize kernel's layout."""
-        if self.int4_kernel == "specdec":
-            return Q4Tiles(q4_kernel.tile(q, d, m), q.shape[0])
-        return groups_pack(q, d, m + 8 * d, 32)
-
-    def _pack_int4(self) -> None:
-        def packed(w: torch.Tensor) -> Int4 | Q4Tiles:  # w [in, out]
-            if self.int4_kernel == "specdec":
-                return self._q4_1_packed(*q4_groups(w))
-            return int4_pack(w, self.int4_group)
-
-        with torch.inference_mode():
-            for layer in self.layers:
-                for name in ("qkv", "o", "gate_up", "down"):
-                    if layer[name].numel():
-                        layer[f"{name}_packed"] = packed(layer[name])
-            if self.lm_head.numel():
-                self.lm_head_packed = packed(self.lm_head)
 
     def restrict_head(self, ids: torch.Tensor) -> None:
         """Score only `ids` ([N], distinct): the output layer keeps their columns and every other
@@ -297,7 +188,7 @@ class FastForward:
     def _mm(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | Int4 | Q4Tiles | None,
             bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ w (+ bias): x [rows, in], w [in, out]; through `packed` (w's packed copy, if any) for
-        several rows; through an Int4 or Q4Tiles (quantize) for every row (scripted.mm, which both
+        several rows; through an Int4 or Q4Tiles (int4.quantize) for every row (scripted.mm, which both
         loops run)."""
         if isinstance(packed, Q4Tiles):
             return scripted.mm(x, w, None, packed.tiles, None, 32, packed.out, bias)
@@ -353,7 +244,7 @@ class FastForward:
         The sequences' new tokens are laid end to end ("ragged" batching: no padding), so
         every matrix multiply runs once for all of them. Attention runs per sequence, each
         over its own cache with its own positions, or, where the caches are slots of this
-        forward's pool, as one call over those slots (see `_slot_batch`). -> each feed's
+        forward's pool, as one call over those slots (slot_attention.py). -> each feed's
         [num_logits, V].
         """
         device = self.embed.device
@@ -368,7 +259,7 @@ class FastForward:
             ids.extend(input_ids)
             offset += n
         total = offset
-        slots = self._slot_batch(feeds, spans)
+        slots = slot_batch(self.pool, feeds, spans)
         masks = []
         if slots is None:  # query i of a sequence sits at position start+i and sees keys 0..start+i
             masks = [torch.ones(b - a, end, dtype=torch.bool, device=device).tril(diagonal=start) if b - a > 1 else None
@@ -421,7 +312,7 @@ class FastForward:
             qk = qk * cos + _rotate_half(qk) * sin
             v = qkv[:, (heads + kv_heads) * head_dim :].view(total, kv_heads, head_dim)  # [T, H_kv, head_dim]
             if slots is not None:
-                att = self._slot_attention(i, layer, slots, qk, v)
+                att = slot_attention(self.pool.data[i], slots, qk, v, heads, layer["scaling"])
             else:
                 q = qk[:, :heads].transpose(0, 1)[None]  # [1, H, T, head_dim]
                 k = qk[:, heads:].transpose(0, 1)[None]  # [1, H_kv, T, head_dim]
@@ -483,60 +374,8 @@ class FastForward:
             self._all_tiles = self.embed.dtype == torch.float32 and all(isinstance(p, Q4Tiles) for _, p in linears)
         return self._script_args
 
-    def _slot_batch(self, feeds, spans) -> SlotBatch | None:
-        """How one attention call per layer covers these feeds, or None where it would not pay.
-
-        It covers the pool's slots lo..hi-1 (those of the feeds and any between them) as a batch
-        of hi - lo rows of `width` queries each, the longest feed's new tokens: query j of a feed
-        that starts at position `start` sees keys 0..start+j, padding queries (past a feed's
-        tokens, or in a slot no feed has) see what its last query sees or key 0, and their
-        outputs are dropped. Measured on the shipped pair, 2 threads, 8 sessions of 100-256
-        positions, 30 interleaved pairs: a target pass of 5 tokens each 19.30 -> 17.64 ms, a
-        draft step 2.30 -> 1.89 ms; on one thread the target gains nothing and the draft 14%.
-        """
-        if len(feeds) < 2 or self.pool is None or not all(c.pooled and c.pool is self.pool for _, c, _ in feeds):
-            return None
-        taken = [c.slot for _, c, _ in feeds]
-        lo, hi = min(taken), max(taken) + 1
-        width = max(b - a for a, b, _, _ in spans)
-        keys = max(end for _, _, _, end in spans)
-        # the call's work, queries x keys, against the feeds' own
-        if (hi - lo) * width * keys > POOL_PADDING * sum((b - a) * end for a, b, _, end in spans):
-            return None
-        device = self.embed.device
-        rows, cols, pos = [], [], []
-        starts, last = [0] * (hi - lo), [0] * (hi - lo)  # each row's first and last query position
-        for slot, (a, b, start, end) in zip(taken, spans):
-            rows.extend([slot - lo] * (b - a))
-            cols.extend(range(b - a))
-            pos.extend(range(start, end))
-            starts[slot - lo], last[slot - lo] = start, end - 1  # (a slot no feed has: key 0)
-        # built on the host and sent as two tensors: on a GPU each copy is a wait
-        tokens = torch.tensor([rows, cols, pos], dtype=torch.long).to(device)  # [3, T]
-        per_row = torch.tensor([starts, last], dtype=torch.long).to(device)  # [2, B]
-        # the position each padded query sits at: start + j, at most its row's last
-        at = torch.minimum(per_row[0][:, None] + torch.arange(width, device=device)[None], per_row[1][:, None])
-        mask = torch.zeros(hi - lo, 1, width, keys, dtype=self.embed.dtype, device=device)
-        mask.masked_fill_((torch.arange(keys, device=device)[None, None] > at[:, :, None])[:, None], float("-inf"))
-        return SlotBatch(lo, hi, width, keys, *tokens, mask)
-
-    def _slot_attention(self, i: int, layer: dict, batch: SlotBatch, qk: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Layer i's attention over the pool's slots: qk [T, H + H_kv, head_dim] (after RoPE),
-        v [T, H_kv, head_dim] -> [T, H, head_dim]."""
-        heads = self.heads
-        keys, values = self.pool.data[i, :, batch.lo : batch.hi]  # [B, H_kv, capacity, head_dim] each
-        keys[batch.rows, :, batch.pos] = qk[:, heads:]
-        values[batch.rows, :, batch.pos] = v
-        q = qk.new_zeros(batch.hi - batch.lo, batch.width, heads, self.head_dim)
-        q[batch.rows, batch.cols] = qk[:, :heads]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys[:, :, : batch.keys], values[:, :, : batch.keys],
-            attn_mask=batch.mask, scale=layer["scaling"], enable_gqa=self.kv_heads != heads,
-        )  # [B, H, width, head_dim]
-        return out.transpose(1, 2)[batch.rows, batch.cols]
-
     def to(self, device: torch.device) -> FastForward:
-        """Move the model to `device`; for a sharded forward (see shard), whose tensors no longer
+        """Move the model to `device`; for a sharded forward (sharding.shard), whose tensors no longer
         alias the HF modules' weights. -> self"""
         self.model.to(device)
         self.lm_head = self.lm_head.to(device)
@@ -556,74 +395,8 @@ class FastForward:
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
         return partial if self.reduce is None else self.reduce(partial)
 
-    def shard(self, rank: int, world: int) -> None:
-        """Keep this rank's 1/world of every layer (Megatron's split, as gpt-fast's `apply_tp`).
-
-        q/k/v and gate/up are split by output columns: rank r computes heads r*H/world..
-        and the matching MLP columns. o and down are split by input rows, so each rank's
-        product is a partial sum of x's update and `reduce` (an all-reduce) completes it.
-        lm_head is split by vocabulary columns and `gather` lays the ranks' logits side by
-        side. The embedding and the norms stay whole. The HF modules' weights are emptied:
-        only this forward runs a sharded model. (A tensor-parallel rank reads the same split
-        straight from the checkpoint instead: loading.load_model, then `adopt_shard`.)
-        """
-        check_shardable(self.model.config, world)
-        if self.world != 1:
-            raise ValueError(f"this forward is sharded over {self.world} ranks already")
-
-        def cols(w: torch.Tensor, size: int) -> torch.Tensor:  # [in, size] block of rank r
-            return w[..., rank * size : (rank + 1) * size]
-
-        for layer in self.layers:
-            q, k, v = layer["qkv"].split(layer["sizes"], dim=-1)
-            sizes = [s // world for s in layer["sizes"]]
-            layer["qkv"] = torch.cat([cols(q, sizes[0]), cols(k, sizes[1]), cols(v, sizes[2])], dim=-1)
-            if layer["qkv_bias"] is not None:
-                bq, bk, bv = layer["qkv_bias"].split(layer["sizes"])
-                layer["qkv_bias"] = torch.cat([cols(bq, sizes[0]), cols(bk, sizes[1]), cols(bv, sizes[2])])
-            layer["sizes"] = sizes
-            layer["o"] = layer["o"][rank * sizes[0] : (rank + 1) * sizes[0]].contiguous()
-            gate, up = layer["gate_up"].split(layer["half"], dim=-1)
-            half = layer["half"] // world
-            layer["gate_up"] = torch.cat([cols(gate, half), cols(up, half)], dim=-1)
-            layer["half"] = half
-            layer["down"] = layer["down"][rank * half : (rank + 1) * half].contiguous()
-        vocab = self.lm_head.shape[1]
-        width = -(-vocab // world)  # ceil: the last rank's block is padded with zero columns
-        head = torch.zeros(self.lm_head.shape[0], width, dtype=self.lm_head.dtype, device=self.lm_head.device)
-        block = self.lm_head[:, rank * width : (rank + 1) * width]
-        head[:, : block.shape[1]] = block
-        self.lm_head = head
-        self.adopt_shard(world, vocab)
-        for layer in self.model.model.layers:
-            for module in (*layer.self_attn.children(), *layer.mlp.children()):
-                if isinstance(module, torch.nn.Linear):
-                    module.weight.data = torch.empty(0, dtype=module.weight.dtype, device=module.weight.device)
-        head_module = self.model.get_output_embeddings()
-        if head_module.weight.data_ptr() != self.embed.data_ptr():
-            head_module.weight.data = torch.empty(0, dtype=self.lm_head.dtype, device=self.lm_head.device)
-        self.pack()
-
-    def adopt_shard(self, world: int, vocab: int) -> None:
-        """Count heads as one rank of `world` does, for a model whose weights hold that rank's split
-        already: made by `shard`, or loaded so (loading.load_model). `vocab`: the whole output
-        layer's width, which `gather` cuts the ranks' padded logits back to."""
-        self.world, self.vocab_size = world, vocab
-        self.heads //= world
-        self.kv_heads //= world
-        self.pool = None  # caches made from now on hold this rank's heads
-
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return scripted.rms_norm(x, weight, self.eps)
-
-
-def check_shardable(config, world: int) -> None:
-    """Raise ValueError unless the model's heads and MLP columns split evenly over `world` ranks."""
-    heads = config.num_attention_heads
-    for count, what in ((heads, "attention heads"), (getattr(config, "num_key_value_heads", None) or heads,
-                        "key/value heads"), (config.intermediate_size, "MLP columns")):
-        if count % world:
-            raise ValueError(f"tensor-parallel size {world} does not divide the model's {count} {what}")
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

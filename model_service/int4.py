@@ -1,12 +1,24 @@
-"""Weight-only int4 for the lean forward (FastForward.quantize): asymmetric groups in torch's int4
-CPU layout, and the weights they stand for."""
+"""Weight-only int4 for the lean forward (--quantize int4): `quantize` turns a FastForward's linears
+into asymmetric groups of 4-bit weights, in torch's int4 CPU layout (Int4) or specdec's kernel's
+(Q4Tiles, q4_kernel), from its float weights or from a GGUF's Q4_1 blocks as they shipped; and the
+weights such groups stand for.
+
+    fast = FastForward.build(model, max_context)
+    from_blocks = quantize(fast, 32, read_q4_1_blocks(model_dir), kernel="auto")
+"""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+from . import q4_kernel
+
+if TYPE_CHECKING:
+    from .fast_forward import FastForward
 
 
 class Q4Tiles(NamedTuple):
@@ -33,7 +45,7 @@ def q4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 
 class Int4(NamedTuple):
-    """A weight [in, out] in torch's int4 CPU layout (FastForward.quantize)."""
+    """A weight [in, out] in torch's int4 CPU layout (quantize)."""
 
     weight: torch.Tensor            # [out', in / 2] uint8: two 4-bit q per byte
     scales_and_zeros: torch.Tensor  # [in / group, out', 2] bf16
@@ -123,3 +135,96 @@ def int4_dequantized(w: torch.Tensor, group: int) -> torch.Tensor:
     out, inp = q.shape
     g = (q.reshape(out, inp // group, group).float() - 8) * scale.float()[..., None] + zero.float()[..., None]
     return g.reshape(out, inp).t()
+
+
+def quantize(fast: FastForward, group_size: int = 32, blocks: Mapping | None = None, kernel: str = "auto") -> int:
+    """Weight-only int4 (CPU): every linear of every layer of `fast` and its output layer, in
+    asymmetric groups of `group_size` inputs, w = (q - 8) * scale + zero with q in 0..15 (scale and
+    zero in bf16; the layout of torch's `_weight_int4pack_mm_for_cpu`, and of a GGUF Q4_1 block of
+    32: d * q + m). Activations enter each product in bf16 and leave in the model's dtype; norms,
+    attention and the residual stream stay as they were. The float copies of those weights are
+    dropped (the embedding stays: the input lookup reads it). From here on this IS the model the
+    service runs: its greedy output is this forward's, not the float model's.
+
+    blocks: Q4_1 blocks by transformers weight name (read_q4_1_blocks: a GGUF's weights as they
+    shipped). With groups of 32, a linear whose parts all have blocks takes them as they are
+    (scale = d, zero = m + 8 d) instead of groups derived from its float weights: the same groups
+    where a block spans its 0..15 (min/max quantizers), and the file's own where it does not
+    (error-minimising ones). -> how many linears came from blocks.
+
+    kernel: "specdec" runs the products through specdec's own kernel (q4_kernel: activations in
+    int8 blocks of 32 against the 4-bit weights, d and m in float16, groups of 32 only), "torch"
+    through torch's (bf16 activations, bf16 scales), "auto" specdec's where it is built and the
+    groups are 32. The two are different models (their activations and scales are rounded
+    differently); the service runs the one chosen."""
+    if fast.embed.device.type != "cpu":
+        raise ValueError("--quantize int4 runs on CPU only (torch's int4 CPU kernel)")
+    if group_size not in (32, 64, 128, 256):
+        raise ValueError(f"--quant-group must be 32, 64, 128 or 256, not {group_size}")
+    widths = {layer[name].shape[0] for layer in fast.layers for name in fast.PARTS} | {fast.lm_head.shape[0]}
+    if any(width % group_size for width in widths):
+        raise ValueError(f"--quant-group {group_size} does not divide the model's widths {sorted(widths)}")
+    if kernel not in ("auto", "specdec", "torch"):
+        raise ValueError(f"--int4-kernel must be auto, specdec or torch, not {kernel!r}")
+    if kernel == "specdec" and group_size != 32:
+        raise ValueError("--int4-kernel specdec runs groups of 32 only")
+    if kernel == "specdec" and not q4_kernel.available():
+        raise ValueError(f"--int4-kernel specdec: the kernel is {q4_kernel.path()}")
+    if kernel == "auto":
+        kernel = "specdec" if group_size == 32 and q4_kernel.available() else "torch"
+        if group_size == 32 and kernel == "torch":
+            warnings.warn(f"specdec's int4 kernel is {q4_kernel.path()}; int4 runs on torch's", RuntimeWarning,
+                          stacklevel=2)
+    fast.int4_group, fast.int4_kernel = group_size, kernel
+    empty = torch.empty(0, dtype=fast.embed.dtype)
+    from_blocks = 0
+    if blocks and group_size == 32 and fast.world == 1:
+        for i, layer in enumerate(fast.layers):
+            for name, parts in fast.PARTS.items():
+                found = [blocks.get(f"model.layers.{i}.{part}.weight") for part in parts]
+                if all(b is not None for b in found):
+                    q, d, m = (torch.cat(t) for t in zip(*found))  # outputs of the parts, in _fuse's order
+                    if tuple(q.shape) != tuple(layer[name].shape[::-1]):
+                        raise ValueError(f"Q4_1 blocks of layer {i}'s {name} are {tuple(q.shape)},"
+                                         f" its weight {tuple(layer[name].shape[::-1])}")
+                    layer[f"{name}_packed"] = q4_1_packed(q, d, m, kernel)
+                    layer[name] = empty  # so pack() leaves it as it is
+                    from_blocks += 1
+    fast.pack()  # (pack_int4, for the rest)
+    for layer in fast.layers:  # (the HF modules' weights were views of these: they go too)
+        for name in fast.PARTS:
+            layer[name] = empty
+    for layer in fast.model.model.layers:
+        for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                       layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            linear.weight.data = empty
+    head = fast.model.get_output_embeddings()
+    if head.weight.data_ptr() != fast.embed.data_ptr():
+        head.weight.data = empty
+    fast.lm_head = empty
+    fast._script_args = None
+    return from_blocks
+
+
+def q4_1_packed(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kernel: str) -> Int4 | Q4Tiles:
+    """Groups of 32 in Q4_1's form (w = d * q + m, q [out, in]) in `kernel`'s layout."""
+    if kernel == "specdec":
+        return Q4Tiles(q4_kernel.tile(q, d, m), q.shape[0])
+    return groups_pack(q, d, m + 8 * d, 32)
+
+
+def pack_int4(fast: FastForward) -> None:
+    """Every float linear `fast` still holds (each layer's, the output layer) in its int4 layout
+    (FastForward.pack, once quantized)."""
+    def packed(w: torch.Tensor) -> Int4 | Q4Tiles:  # w [in, out]
+        if fast.int4_kernel == "specdec":
+            return q4_1_packed(*q4_groups(w), "specdec")
+        return int4_pack(w, fast.int4_group)
+
+    with torch.inference_mode():
+        for layer in fast.layers:
+            for name in fast.PARTS:
+                if layer[name].numel():
+                    layer[f"{name}_packed"] = packed(layer[name])
+        if fast.lm_head.numel():
+            fast.lm_head_packed = packed(fast.lm_head)

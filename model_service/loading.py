@@ -2,7 +2,7 @@
 
     loaded = load_model(model_dir, torch.bfloat16, torch.device("cuda", 0), rank=1, world=4)
     fast = FastForward.build(loaded.model, max_context)
-    fast.adopt_shard(loaded.world, loaded.logits_size)   # where loaded.world > 1
+    adopt_shard(fast, loaded.world, loaded.logits_size)   # where loaded.world > 1 (sharding.py)
 
 A tensor-parallel target is sharded because it does not fit one device; a rank that read the
 whole checkpoint before sharding it would need the whole model's host memory, once per rank. So
@@ -11,7 +11,7 @@ dtype on its device, and its peak host memory is its shard plus one tensor. The 
 is built on the meta device (no memory), its parameters then replaced by the slices and its
 rotary embedding, whose frequencies are not in the checkpoint, built again for real.
 
-The split is Megatron's, as `FastForward.shard` makes it from a whole model, written here in the
+The split is Megatron's, as `sharding.shard` makes it from a whole model, written here in the
 checkpoint's names (a weight is [out, in]):
 
     q_proj, k_proj, v_proj, gate_proj, up_proj   rows (output features): 1/world each
@@ -154,7 +154,7 @@ def _load_slices(path: Path, files: dict[str, Path], dtype: torch.dtype, device:
                  world: int) -> Loaded:
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from .fast_forward import check_shardable
+    from .sharding import check_shardable
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     check_shardable(config, world)

@@ -25,11 +25,12 @@ from transformers import AutoTokenizer, DynamicCache
 
 from speculative.protocol import PassCost
 from speculative.errors import CapacityExceeded, InvalidRequest
-from .fast_forward import DTYPES, POOL_CAPACITY, FastForward, check_shardable
-from . import q4_kernel
-from .int4 import read_q4_1_blocks
+from .fast_forward import DTYPES, FastForward
+from . import int4, q4_kernel
+from .kv_cache import POOL_CAPACITY
 from .loading import LoadMeter, describe, import_model_code, load_model, release_checkpoint_maps, return_freed_memory
 from .sessions import Session, SessionTable, check_session_id
+from .sharding import adopt_shard, check_shardable
 
 log = logging.getLogger("specdec")
 
@@ -108,7 +109,7 @@ class ModelRunner:
         batched_threads: torch threads for passes over several sessions (0: the same as for one);
         on_forward: called as each forward starts (ModelThread.flush).
         quantize "int4": weight-only int4 in groups of quant_group inputs on the lean forward, CPU
-        (FastForward.quantize), through int4_kernel's products (auto, specdec or torch); the
+        (int4.quantize), through int4_kernel's products (auto, specdec or torch); the
         service then runs that model."""
         if quantize not in QUANTIZATIONS:
             raise ValueError(f"--quantize must be one of {QUANTIZATIONS}, not {quantize!r}")
@@ -153,7 +154,7 @@ class ModelRunner:
             if self.fast is None:
                 raise ValueError(f"--quantize int4 needs the lean forward, which {self.name} has not")
             linears = 4 * len(self.fast.layers)
-            from_blocks = self.fast.quantize(quant_group, read_q4_1_blocks(path), int4_kernel)
+            from_blocks = int4.quantize(self.fast, quant_group, int4.read_q4_1_blocks(path), int4_kernel)
             kernel = (f"specdec's kernel ({q4_kernel.path()}), float16 d and m, int8 activation blocks"
                       if self.fast.int4_kernel == "specdec" else "torch's kernel, bf16 scales")
             self.quantization = f"int4 (weights in groups of {quant_group}, {kernel}" + (
@@ -189,7 +190,7 @@ class ModelRunner:
             pool_capacity = POOL_CAPACITY if kv_pool_capacity is None else kv_pool_capacity
             self.fast = FastForward.build(self.model, self.max_context, pool_capacity) if forward == "auto" else None
             if self.fast is not None and loaded.world > 1:
-                self.fast.adopt_shard(loaded.world, loaded.logits_size)
+                adopt_shard(self.fast, loaded.world, loaded.logits_size)
         self.logits_size = loaded.logits_size
         pairing = tokenizer_fields(self.tokenizer, self.logits_size)
         self.vocab_size = pairing["vocab_size"]  # ids a tokenizer can produce and the model can score

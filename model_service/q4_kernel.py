@@ -12,7 +12,7 @@ docs/performance.md). The weights keep GGUF Q4_1's numbers as they shipped (d an
 
 The op's schema is defined here on import, so TorchScript code that names it compiles whether or
 not the kernel is loaded; `load()` adds the kernel, and is called only where int4 asks for it
-(FastForward.quantize), so a service without int4 neither builds nor loads it. `make setup`
+(int4.quantize), so a service without int4 neither builds nor loads it. `make setup`
 builds it (`python -m model_service.q4_kernel`); a process loads what was built, or builds it the
 first time (~10 s). The build is keyed by this CPU's instruction sets (it is compiled with
 -march=native): a machine of another kind builds its own. Where there is no compiler, `load()`

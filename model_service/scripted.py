@@ -132,7 +132,7 @@ def _layers_batched(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kvs: 
     per sequence (pool None): sequence f is rows spans[f] = [a, b, start, end) of x, its cache kvs[f]
     [L, 2, 1, H_kv, capacity, head_dim], its mask masks[f]; or as one call over the pool's slots
     (pool: the pool's [L, 2, slots, H_kv, capacity, head_dim]; slot = [lo, hi, width, keys],
-    slot_index = [rows, cols, pos, mask]: FastForward's SlotBatch). keep: the rows the last layer's
+    slot_index = [rows, cols, pos, mask]: slot_attention.SlotBatch). keep: the rows the last layer's
     attention output and MLP are computed for (None: all). Weights as for _layers. -> x after the
     last layer."""
     total = x.shape[0]

@@ -76,7 +76,7 @@ def add_model_flags(parser: EnvArgumentParser, role: str, model_required: bool =
     parser.add_argument("--kv-pool-capacity", type=int, default=None,
                         help="the lean forward keeps sessions' KV caches as slots of one tensor, so a pass over"
                              " several sessions runs attention once per layer; the tensor holds slots x the longest"
-                             " pooled session, at most this many positions (default 1024, fast_forward.POOL_CAPACITY);"
+                             " pooled session, at most this many positions (default 1024, kv_cache.POOL_CAPACITY);"
                              " a longer session moves to a cache of its own. 0: every session's cache on its own")
     parser.add_argument("--batched-threads", type=int, default=0,
                         help="torch threads for passes over several sessions (0: --threads; see"

@@ -3,7 +3,7 @@
     ModelRunner(dir, tensor_parallel=2)                  # a local Ray instance, started and stopped with it
     ModelRunner(dir, tensor_parallel=4, ray_address="head:6379")   # an existing Ray cluster (this node in it)
 
-The split is Megatron's (`FastForward.shard`): attention heads and MLP columns are divided
+The split is Megatron's (`sharding.shard`): attention heads and MLP columns are divided
 between the ranks, and one all-reduce after each attention and each MLP block completes
 the residual update; the vocabulary of lm_head is divided too and the logits all-gathered.
 Each rank reads only its own slices of a safetensors checkpoint (`loading.load_model`).
@@ -39,6 +39,8 @@ import torch
 from runtime.ports import free_port
 from speculative.errors import WorkerLost
 
+from .sharding import adopt_shard, shard
+
 log = logging.getLogger("specdec.tp")
 
 PG_TIMEOUT = timedelta(seconds=120)  # a collective of a pass that waits longer than this raises
@@ -65,7 +67,7 @@ def attach(fast, rank: int, world: int) -> None:
     import torch.distributed as dist
 
     if fast.world == 1:
-        fast.shard(rank, world)
+        shard(fast, rank, world)
     vocab = fast.vocab_size
 
     def reduce(partial: torch.Tensor) -> torch.Tensor:
@@ -115,7 +117,7 @@ class Worker:
             if self.fast is None:
                 raise ValueError(f"{loaded.model.config.model_type} has no lean forward to shard")
             if loaded.world > 1:
-                self.fast.adopt_shard(loaded.world, loaded.logits_size)
+                adopt_shard(self.fast, loaded.world, loaded.logits_size)
         return os.getpid(), meter.record()
 
     def _device(self) -> torch.device:

@@ -97,7 +97,7 @@ def q4_1_blocks(gguf_path: Path, model) -> dict:
     q and k rows permuted for its RoPE layout, which transformers undoes on reading. A weight is
     kept only where its blocks decode to exactly the converted weight (checked here, as its rows'
     order), so `--quantize int4` can run the weights as they shipped instead of re-deriving groups
-    from floats (model_service.fast_forward.FastForward.quantize)."""
+    from floats (model_service.int4.quantize)."""
     import gguf
     import numpy as np
     import torch

@@ -10,7 +10,7 @@ from functools import partial
 import pytest
 import torch
 
-from model_service import scripted
+from model_service import fast_forward, scripted
 from model_service.fast_forward import FastForward
 from model_service.kv_cache import KVCache, KVPool
 from model_service.model_runner import ModelRunner
@@ -180,15 +180,15 @@ def test_slot_attention_matches_transformers(tmp_path, tokenizer, monkeypatch, s
     fast.fast.pool_capacity = 40  # sessions past 40 positions move out of the pool
     fast.fast.scripted = script
     calls = []  # passes that took the one-call path
-    slot_batch = FastForward._slot_batch
+    slot_batch = fast_forward.slot_batch
 
-    def counted(self, *args):
-        batch = slot_batch(self, *args)
+    def counted(*args):
+        batch = slot_batch(*args)
         if batch is not None:
             calls.append(1)
         return batch
 
-    monkeypatch.setattr(FastForward, "_slot_batch", counted)
+    monkeypatch.setattr(fast_forward, "slot_batch", counted)
     rng = random.Random(3)
     live: dict[str, tuple] = {}
     moved = started = 0
@@ -414,15 +414,15 @@ def test_scripted_batched_layers_compute_the_eager_loop(tmp_path, tokenizer, mon
     sessions = {flag: [fast.new_cache() for _ in range(3)] for flag in (True, False)}
     assert all(c.pooled == pooled for c in sessions[True])
     slotted = []  # scripted passes that took the one-call path
-    slot_batch = FastForward._slot_batch
+    slot_batch = fast_forward.slot_batch
 
-    def counted(self, *args):
-        batch = slot_batch(self, *args)
-        if batch is not None and self.scripted:
+    def counted(*args):
+        batch = slot_batch(*args)
+        if batch is not None and fast.scripted:
             slotted.append(1)
         return batch
 
-    monkeypatch.setattr(FastForward, "_slot_batch", counted)
+    monkeypatch.setattr(fast_forward, "slot_batch", counted)
     rng = random.Random(2)
     for _ in range(20):
         width = rng.randint(1, 5)  # mostly alike, as draft steps and verifies of one K are

@@ -1,4 +1,4 @@
-"""--quantize int4: weight-only int4 on the lean forward (FastForward.quantize). The kernel computes
+"""--quantize int4: weight-only int4 on the lean forward (int4.quantize). The kernel computes
 the product of the dequantized weights; a quantized service serves the int4 model exactly (greedy
 output through the round is that model's own, sampled tokens follow its distribution)."""
 

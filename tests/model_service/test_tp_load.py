@@ -1,5 +1,5 @@
 """Tensor-parallel ranks load only their own shard (model_service/loading.py): a rank's slices are
-exactly the shard the whole model gives (`FastForward.shard`), tensor for tensor; a rank's peak
+exactly the shard the whole model gives (`sharding.shard`), tensor for tensor; a rank's peak
 resident memory while loading is a fraction of a whole load's; the sharded model's logits are
 TP = 1's."""
 
@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from model_service.fast_forward import FastForward
 from model_service.loading import load_model
+from model_service.sharding import adopt_shard, shard
 from speculative.tiny import make_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,10 +51,10 @@ def forward(path: Path, rank: int, world: int, sliced: bool) -> FastForward:
         loaded = load_model(path, torch.float32, CPU, rank, world)
         assert loaded.world == world
         fast = FastForward.build(loaded.model, 128)
-        fast.adopt_shard(loaded.world, loaded.logits_size)
+        adopt_shard(fast, loaded.world, loaded.logits_size)
     else:
         fast = FastForward.build(AutoModelForCausalLM.from_pretrained(path).eval(), 128)
-        fast.shard(rank, world)
+        shard(fast, rank, world)
     return fast
 
 
@@ -112,10 +113,10 @@ def test_a_checkpoint_that_is_not_safetensors_loads_whole(tmp_path, caplog):
     path = save_model(tmp_path / "bin", bin=True)
     with caplog.at_level(logging.WARNING, logger="specdec.load"):
         loaded = load_model(path, torch.float32, CPU, 1, 2)
-    assert loaded.world == 1  # the caller shards it (FastForward.shard)
+    assert loaded.world == 1  # the caller shards it (sharding.shard)
     assert "has no safetensors checkpoint: rank 1 loads the whole model" in caplog.text
     fast = FastForward.build(loaded.model, 128)
-    fast.shard(1, 2)
+    shard(fast, 1, 2)
     assert_same_shard(fast, forward(save_model(tmp_path / "st"), 1, 2, sliced=True))  # the same weights
 
 
@@ -128,6 +129,7 @@ from pathlib import Path
 import torch
 from model_service.fast_forward import FastForward
 from model_service.loading import LoadMeter, import_model_code, load_model
+from model_service.sharding import adopt_shard
 path, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 import_model_code(path)  # as a service does: the meter measures the weights
 Path("/proc/self/clear_refs").write_text("5")  # the high-water mark from here (LoadMeter is then exact)
@@ -135,7 +137,7 @@ with LoadMeter() as meter:
     loaded = load_model(path, torch.float32, torch.device("cpu"), rank, world)
     fast = FastForward.build(loaded.model, 512)
     if loaded.world > 1:
-        fast.adopt_shard(loaded.world, loaded.logits_size)
+        adopt_shard(fast, loaded.world, loaded.logits_size)
 print(json.dumps(meter.record()))
 """
 

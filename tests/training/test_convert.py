@@ -195,7 +195,7 @@ def test_int4_runs_the_gguf_blocks_as_shipped(narrow_gguf, kernel):
     within rounding, where groups re-derived from the floats (steps of 9 d / 15) are off by up to 0.3 d."""
     from model_service import q4_kernel
     from model_service.fast_forward import FastForward
-    from model_service.int4 import read_q4_1_blocks
+    from model_service.int4 import quantize, read_q4_1_blocks
     from model_service.model_runner import ModelRunner
 
     if kernel == "specdec" and not q4_kernel.available():
@@ -215,7 +215,7 @@ def test_int4_runs_the_gguf_blocks_as_shipped(narrow_gguf, kernel):
 
     model = AutoModelForCausalLM.from_pretrained(narrow_gguf).eval()
     rederived = FastForward.build(AutoModelForCausalLM.from_pretrained(narrow_gguf).eval(), 64)
-    assert rederived.quantize(32, kernel=kernel) == 0
+    assert quantize(rederived, 32, kernel=kernel) == 0
     eye = torch.eye(HIDDEN)
     for i, layer in enumerate(model.model.layers):
         for name, module in (("o", layer.self_attn.o_proj), ("gate_up", layer.mlp.gate_proj)):
