@@ -41,7 +41,8 @@ from tqdm import tqdm
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.__main__ import RESULTS, add_pair_flags, heldout_prompts, hf_generate, pair_of  # noqa: E402
+from bench.pair import RESULTS, add_pair_flags, heldout_prompts, pair_of  # noqa: E402
+from bench.systems import hf_generate  # noqa: E402
 from coordinator.launch import LocalStack  # noqa: E402
 
 

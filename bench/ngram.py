@@ -4,7 +4,7 @@ prompt lookup, on input-grounded and on ordinary prompts.
     python -m bench --only ngram [--prompts 8] [--new-tokens 128] [--ngram-ks 8,16]
 
 One run, same machine, same threads, same target; for each mode and prompt set (its first
---prompts; g: bench/prompts.py GROUNDED, 8 requests that hold what their answer copies; o: the
+--prompts; g: assets/prompts.py GROUNDED, 8 requests that hold what their answer copies; o: the
 held-out CHAT prompts):
   a   target alone: transformers `generate`
   a'  target alone on specdec's model runner, measured before and after the set's other rows
@@ -25,20 +25,21 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.__main__ import (chat_prompts, grpc_run, hf_generate, interleaved, machine, print_table, row_from_stats,
-                            runner_alone)
-from bench.prompts import CHAT, GROUNDED
+from assets.prompts import CHAT, GROUNDED
+from bench.pair import chat_prompts
+from bench.rows import print_table, row_from_stats
+from bench.systems import grpc_run, hf_generate, interleaved, machine, runner_alone
 from coordinator.launch import LocalStack
 
-SETS = {"g": ("input-grounded prompts (bench/prompts.py GROUNDED)", GROUNDED),
-        "o": ("ordinary held-out prompts (bench/prompts.py CHAT)", CHAT)}
+SETS = {"g": ("input-grounded prompts (assets/prompts.py GROUNDED)", GROUNDED),
+        "o": ("ordinary held-out prompts (assets/prompts.py CHAT)", CHAT)}
 
 
 def run(target, tokenizer, target_dir, *, modes: dict[str, float], n_prompts: int, new_tokens: int, ks: list[int],
         threads: int, out: Path, progress=None, repeat: int = 1) -> list[dict]:
     """Every n-gram row (module docstring); `target` is the HF model of target_dir. -> rows, each
     with its prompt set ("prompts": g or o) and its speedup over a of its set and mode. repeat > 1:
-    the best n and the best p on g run that many times in all, turn about (bench.interleaved)."""
+    the best n and the best p on g run that many times in all, turn about (bench.systems.interleaved)."""
     eos_ids = target.generation_config.eos_token_id
     eos = set(eos_ids) if isinstance(eos_ids, list) else {eos_ids}
     rows: list[dict] = []

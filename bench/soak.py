@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.__main__ import add_pair_flags, pair_of  # noqa: E402
+from bench.pair import add_pair_flags, pair_of  # noqa: E402
 from coordinator.launch import LocalStack  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def push(self, item):", "import os\n\nfor name in",

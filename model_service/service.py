@@ -8,11 +8,11 @@ import argparse
 import asyncio
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
 
+from assets.models import MODELS
 from runtime.cli import EnvArgumentParser, setup_logging
 from runtime.metrics import add_metrics_flag, start as start_metrics
 from runtime.server import serve
@@ -26,12 +26,9 @@ from .threads import ModelThread, resolve_threads, set_threads
 log = logging.getLogger("specdec")
 
 
-SHIPPED_MODELS = Path(__file__).resolve().parent.parent / "models"
-
-
 def shipped_model(role: str) -> str | None:
-    """models/<role> where the checkout has it."""
-    shipped = SHIPPED_MODELS / role
+    """models/<role> (assets.models) where the checkout has it."""
+    shipped = MODELS / role
     return str(shipped) if (shipped / "config.json").is_file() else None
 
 
@@ -47,8 +44,9 @@ def add_model_flags(parser: EnvArgumentParser, role: str, model_required: bool =
                         help="weights and activations dtype")
     parser.add_argument("--quantize", default="none", choices=["none", "int4"],
                         help="int4: weight-only int4 linears and output layer (CPU, lean forward, one rank), through"
-                             " --int4-kernel; about 4x less weight memory, faster passes where memory-bound."
-                             " The service then serves that model (its greedy output is the int4 model's)")
+                             " --int4-kernel: ~0.6 bytes a weight with its group's scale and zero (float32: 4), faster"
+                             " passes where memory-bound (docs/performance.md). The service then serves that model"
+                             " (its greedy output is the int4 model's)")
     parser.add_argument("--quant-group", type=int, default=32, choices=[32, 64, 128, 256],
                         help="inputs per int4 group (each has its own scale and zero)")
     parser.add_argument("--int4-kernel", default="auto", choices=["auto", "specdec", "torch"],

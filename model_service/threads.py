@@ -36,14 +36,11 @@ def available_cpus() -> int:
 def default_threads(role: str, cpus: int) -> tuple[int, int]:
     """(threads, batched threads) for a service of `role` that may use `cpus` CPUs.
 
-    Measured on 2 cores with the toy pair: with every service at torch's default (all cores each),
-    8 concurrent requests made 335 tok/s; with target 2 / batched 1 and draft 1, 1,100 tok/s. Each
-    process's OpenMP workers spin for cores the others hold: the draft takes one. The target takes
-    every CPU, for passes over several sessions too: with SmolLM2-135M and its 16 M draft on 2
-    cores (2026-11-25, 16 requests x 64 tokens, adaptive K), batched passes on 2 threads made 77.6
-    tok/s at 8 streams and 110.7 at 16, on 1 thread (one core left to the draft, as before) 62.7
-    and 89.2; one stream 35.1 and 35.6. A small draft's work under load is a fraction of the
-    target's, and the target's memory-bound passes gain from both cores' bandwidth."""
+    With every service at torch's default (all cores each), each process's OpenMP workers spin for
+    cores the others hold and concurrent requests run far slower: the draft, whose small matrices
+    gain little from more threads, takes one. The target takes every CPU, for passes over several
+    sessions too: a small draft's work under load is a fraction of the target's, and the target's
+    memory-bound passes gain from every core's bandwidth. (Measurements: docs/performance.md.)"""
     if role == "draft":
         return 1, 1
     return cpus, cpus
@@ -62,10 +59,9 @@ def set_threads(threads: int) -> None:
 
     # The model thread and the event loop take turns at the GIL; a thread that wants it waits up
     # to this interval (Python's default: 5 ms) for the other to give it up. Between two passes
-    # the loop answers and reads calls while the model thread waits to start the next pass:
-    # on the shipped pair at 8 streams the target idled 2.9 ms between passes with 5 ms and
-    # 1.9 ms with 0.5 ms, and served 376 against 337 tok/s (medians of 8 interleaved runs; one
-    # stream unchanged, 160 against 157); in three more pairs 0.5 ms won each time.
+    # the loop answers and reads calls while the model thread waits to start the next pass, and
+    # a shorter interval shortens the target's idle gap between passes under load (0.5 ms: more
+    # tokens/s at 8 streams, none fewer at one; docs/performance.md).
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)
     if threads > 0:
         torch.set_num_threads(threads)
@@ -91,8 +87,8 @@ class ModelThread:
     It runs two kinds of work: jobs (`run`, `submit`: loading, releasing sessions...), first and
     in order, and the passes of the batchers attached to it. Between two passes it
     takes the next batch itself, under its own lock, instead of waiting for the event loop to
-    hand it over: at 8 streams the loop is answering the last pass's calls just then, and the
-    target sat idle ~1-2 ms per pass for its turn.
+    hand it over: under load the loop is answering the last pass's calls just then, and the
+    target would sit idle for its turn.
     """
 
     def __init__(self) -> None:

@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
-from bench.__main__ import interleaved
 from bench.__main__ import main as bench_main
+from bench.systems import interleaved
 
 KEYS = {"name", "mode", "k", "tokens_per_s", "speedup", "acceptance_rate", "mean_accepted", "ideal_speedup",
         "efficiency", "alpha", "draft_ms_per_call", "target_ms_per_call", "overhead_ms_per_round",

