@@ -93,6 +93,11 @@ class Eagle3Config:
             raise ValueError(f"not an EAGLE-3 config: speculators_model_type {d['speculators_model_type']!r}")
         speculators = "transformer_layer_config" in d
         layer = d["transformer_layer_config"] if speculators else d
+        for key, ok in (("num_hidden_layers", 1), ("mlp_bias", False)):
+            if layer.get(key, ok) != ok:
+                raise ValueError(f"an EAGLE-3 head with {key} {layer[key]} is not supported (one layer, no MLP bias)")
+        if d.get("norm_before_fc"):
+            raise ValueError("an EAGLE-3 head with norm_before_fc (input_norm before fc) is not supported")
         lc = LlamaConfig(**{k: v for k, v in layer.items() if k not in ("architectures", "draft_vocab_size")})
         rope = dict(lc.rope_parameters or {})
         theta = rope.pop("rope_theta", 10000.0)
@@ -109,7 +114,7 @@ class Eagle3Config:
             norm_before_residual=d.get("norm_before_residual", speculators),
             verifier=(spec.get("verifier") or {}).get("name_or_path"),
             speculative_tokens=methods[0].get("speculative_tokens", 3),
-            extra={k: v for k, v in layer.items() if k in ("bos_token_id", "eos_token_id", "pad_token_id", "mlp_bias")},
+            extra={k: v for k, v in layer.items() if k in ("bos_token_id", "eos_token_id", "pad_token_id")},
         )
 
     def to_dict(self) -> dict:

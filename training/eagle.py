@@ -45,6 +45,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from model_service.eagle_head import Eagle3Config, Eagle3Head, default_aux_layer_ids, read_target_tensor
@@ -77,16 +78,16 @@ class Config:
     # vocab
     vocab_coverage: float = 0.995
     # train
-    steps: int = 4000
+    steps: int = 1000
     train_batch: int = 8
     max_length: int = 512
     lr: float = 6e-4
-    warmup: int = 100
+    warmup: int = 50
     ttt_steps: int = 5
     ttt_decay: float = 0.8
     heldout_share: float = 0.02
     heldout_rows: int = 64
-    eval_every: int = 250
+    eval_every: int = 100
     seed: int = 0
     threads: int = 2
 
@@ -100,17 +101,12 @@ def stage_answers(cfg: Config) -> None:
         log(f"answers: done ({json.loads((cfg.work / 'generations' / 'done.json').read_text())})")
         return
     # top_k 1: the generation stage's smallest label set; the features stage takes the target's top-k itself
-    gen = distill.Config(target=cfg.target, out=cfg.out, work=cfg.work, top_k=1,
-                         **{f.name: getattr(cfg, f.name) for f in fields(distill.Config)
-                            if f.name in ("stdlib_prompts", "own_questions", "new_tokens", "batch", "temperature",
-                                          "generate_minutes", "generate_dtype", "seed", "threads")})
+    gen = distill.Config(target=cfg.target, out=cfg.out, work=cfg.work, top_k=1, **{
+        k: getattr(cfg, k) for k in ("stdlib_prompts", "own_questions", "new_tokens", "batch", "temperature",
+                                     "generate_minutes", "generate_dtype", "seed", "threads")})
     tokenizer = AutoTokenizer.from_pretrained(cfg.target)
     model = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=getattr(torch, cfg.generate_dtype)).eval()
     distill.stage_generations(gen, model, tokenizer, distill.stage_prompts(gen, model, tokenizer))
-
-
-def generation_shards(cfg: Config) -> list[Path]:
-    return sorted((cfg.work / "generations").glob("*.pt"))
 
 
 # ------------------------------------------------------------------ features
@@ -164,9 +160,9 @@ def stage_features(cfg: Config) -> dict:
     index = json.loads(index_path.read_text()) if index_path.exists() else {}
     model = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=torch.float32).eval()
     aux = aux_layer_ids(cfg, model.config)
-    shards = generation_shards(cfg)
+    shards = sorted((cfg.work / "generations").glob("*.pt"))
     log(f"features: {len(shards)} generation shards ({len(index)} done), aux layers {aux}, top-{cfg.top_k}")
-    session_tokens, session_start = 0, time.perf_counter()
+    bar = tqdm(total=len(shards), initial=len(index), desc="features", mininterval=10)
     for shard in shards:
         if shard.name in index:
             continue
@@ -177,12 +173,13 @@ def stage_features(cfg: Config) -> dict:
         tick = time.perf_counter()
         rows = featurize(model, torch.load(shard, weights_only=False), aux, cfg.top_k, cfg.feature_batch_tokens)
         loop.save_atomic(rows, root / shard.name)
-        n = sum(len(r["ids"]) for r in rows)
-        index[shard.name] = {"rows": len(rows), "tokens": n, "seconds": round(time.perf_counter() - tick, 2)}
+        index[shard.name] = {"rows": len(rows), "tokens": sum(len(r["ids"]) for r in rows),
+                             "seconds": round(time.perf_counter() - tick, 2)}
         index_path.write_text(json.dumps(index))
-        session_tokens += n
-        log(f"features: {shard.name} {n:,} tokens, {session_tokens / (time.perf_counter() - session_start):,.0f}"
-            f" tokens/s; {sum(v['tokens'] for v in index.values()):,} in all")
+        bar.update(1)
+        bar.set_postfix(tok_s=f"{(tokens + index[shard.name]['tokens']) / (seconds + index[shard.name]['seconds']):.0f}",
+                        refresh=False)
+    bar.close()
     seconds = sum(v["seconds"] for v in index.values())
     info = {"shards": len(index), "sequences": sum(v["rows"] for v in index.values()),
             "tokens": sum(v["tokens"] for v in index.values()), "minutes": round(seconds / 60, 1),

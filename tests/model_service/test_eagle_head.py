@@ -157,3 +157,12 @@ def test_vllms_older_flat_config_with_midlayer_names(tmp_path):
     torch.testing.assert_close(loaded.layer.self_attn["q_proj"].weight, head.layer.self_attn["q_proj"].weight)
     with pytest.raises(ValueError, match="target"):  # neither aux ids nor embeddings without it
         Eagle3Head.load(tmp_path / "old")
+
+
+def test_heads_this_module_cannot_run_are_refused():
+    config = Eagle3Config.to_dict(tiny_config())
+    for change in ({"norm_before_fc": True}, {"transformer_layer_config": {**config["transformer_layer_config"],
+                                                                         "num_hidden_layers": 2}}):
+        with pytest.raises(ValueError, match="not supported"):
+            Eagle3Config.from_dict({**config, **change})
+    assert Eagle3Config.from_dict(config) == tiny_config()
