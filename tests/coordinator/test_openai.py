@@ -6,8 +6,10 @@ that hangs up freeing its sessions on the model services."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -308,9 +310,52 @@ def test_grpc_without_the_key_is_unauthenticated_but_health_is_open(api, stub):
 
 
 # ------------------------------------------------------------------ hanging up
+#
+# The request is held by construction, not by hoping it is slow: the target is stopped (SIGSTOP)
+# before it comes, so it gets as far as its first round (the draft proposes, the verification
+# waits for the stopped target, well inside the 60 s --call-timeout) and no further, however fast
+# the machine. The client hangs up there; the coordinator must cancel the generation and release
+# the draft's session while the target is still stopped, and the target's once it is continued.
 
-LONG = {"prompt": PROMPT, "max_tokens": 300, "temperature": 0}
-ONE_TOKEN_ROUNDS = {"num_speculative_tokens": 0, "ignore_eos": True}  # 300 rounds: long enough to hang up in the middle
+HELD = {"prompt": PROMPT, "max_tokens": 64, "temperature": 0, "num_speculative_tokens": 2}  # K > 0: the draft first
+
+
+def stopped(pid: int) -> bool:
+    """Whether SIGSTOP has landed: the process's state in /proc is T."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+def draft_sessions(api) -> float:
+    return value(scrape(api.metrics_ports["draft"]), "specdec_active_sessions")
+
+
+def targets(stub) -> list[tuple[str, int]]:
+    """(state, requests leased) of each target replica, as the coordinator sees them."""
+    replicas = stub.GetInfo(pb.GetInfoRequest(), metadata=BEARER, timeout=10).replicas
+    return [(r.state, r.outstanding) for r in replicas if r.role == "target"]
+
+
+def until(what: str, condition, timeout: float = 30.0) -> None:
+    """Wait for condition() (a state, polled) to hold; fail naming `what` after `timeout` s."""
+    def check():
+        assert condition(), f"not {what} after {timeout:.0f} s"
+
+    eventually(check, timeout)
+
+
+@contextlib.contextmanager
+def target_stopped(api, stub):
+    """The target stopped for the block; then continued, and serving in the coordinator's pool again
+    (its health checks may have failed meanwhile) before the next test."""
+    target = api.procs["target"]
+    target.send_signal(signal.SIGSTOP)
+    try:
+        until("stopped", lambda: stopped(target.pid))
+        yield
+    finally:
+        target.send_signal(signal.SIGCONT)
+        until("serving again", lambda: targets(stub) == [("serving", 0)])
 
 
 def cancelled_and_released(api, before: float) -> None:
@@ -318,25 +363,21 @@ def cancelled_and_released(api, before: float) -> None:
     assert sessions(api) == (0, 0)
 
 
-def test_a_stream_whose_client_hangs_up_is_cancelled_and_frees_its_sessions(api, client):
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_whose_client_hangs_up_is_cancelled_and_frees_its_sessions(api, stub, stream):
+    """Unary, and streamed before its first event (the response starts after the first round)."""
+    until("free of sessions", lambda: sessions(api) == (0, 0))  # what earlier tests held is released
     before = cancelled(api, "/v1/completions")
-    stream = client.completions.create(model="target", stream=True, extra_body=ONE_TOKEN_ROUNDS, **LONG)
-    next(iter(stream))
-    stream.close()
-    eventually(lambda: cancelled_and_released(api, before))
-
-
-def test_a_unary_request_whose_client_hangs_up_is_cancelled_and_frees_its_sessions(api):
-    before = cancelled(api, "/v1/completions")
-    body = json.dumps({**LONG, **ONE_TOKEN_ROUNDS}).encode()
+    body = json.dumps({**HELD, "stream": stream}).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
             f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
     host, port = api.http_url.removeprefix("http://").split(":")
-
-    def generating():
-        assert sessions(api)[1] == 1
-
-    with socket.create_connection((host, int(port))) as conn:
-        conn.sendall(head + body)
-        eventually(generating)
-    eventually(lambda: cancelled_and_released(api, before))
+    with target_stopped(api, stub):
+        with socket.create_connection((host, int(port))) as conn:
+            conn.sendall(head + body)
+            # in flight: the draft holds its session, the target replica is leased to it (its call on the way)
+            until("in the draft", lambda: draft_sessions(api) == 1)
+            until("leased the target", lambda: [leased for _, leased in targets(stub)] == [1])
+        # hung up: the generation is cancelled while the target still cannot answer
+        until("released on the draft", lambda: draft_sessions(api) == 0)
+    eventually(lambda: cancelled_and_released(api, before), timeout=30)

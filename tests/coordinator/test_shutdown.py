@@ -1,5 +1,8 @@
 """Graceful shutdown: SIGTERM turns the coordinator NOT_SERVING at once, lets the request in
-flight finish (within the grace period) with its whole, exact answer, then the process exits 0."""
+flight finish (within the grace period) with its whole, exact answer, then the process exits 0.
+
+The request is in flight by construction: the target is stopped (SIGSTOP) before it comes, so it
+waits at its first verification until the test continues the target, after SIGTERM."""
 
 from __future__ import annotations
 
@@ -15,40 +18,57 @@ from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
 
+def until(what: str, condition, timeout: float = 30.0) -> None:
+    """Poll condition() (a state) until it holds; fail naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not {what} after {timeout:.0f} s"
+        time.sleep(0.05)
+
+
+def serving(health) -> bool:
+    """Whether the coordinator takes new work: SERVING; not once NOT_SERVING, or refused outright
+    (UNAVAILABLE) once the server stopped accepting."""
+    try:
+        return health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError as err:
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+        return False
+
+
 def test_sigterm_finishes_the_request_in_flight_then_exits(pair, reference):
     draft, target = pair
     prompt, n = "def speculative_round(draft, target):", 120
     with LocalStack(draft, target, coordinator_args=["--shutdown-grace", "20"]) as stack:
         channel = grpc.insecure_channel(stack.addr)
         stub, health = pb_grpc.GenerationStub(channel), health_pb2_grpc.HealthStub(channel)
-        first_chunk = threading.Event()
         tokens: list[int] = []
         outcome: list = []
 
         def stream() -> None:
             try:
-                # K = 1 against a disagreeing draft: many short rounds, a request that takes a while
                 for chunk in stub.GenerateStream(pb.GenerateRequest(prompt=prompt, max_new_tokens=n, temperature=0.0,
                                                                     num_speculative_tokens=1), timeout=60):
                     tokens.extend(chunk.token_ids)
-                    first_chunk.set()
-                    time.sleep(0.02)  # a slow reader: the stream is still open when SIGTERM arrives
                 outcome.append("ok")
             except grpc.RpcError as err:
                 outcome.append(err)
 
-        reader = threading.Thread(target=stream)
-        reader.start()
-        assert first_chunk.wait(30)
-        coordinator = stack.procs["coordinator"]
-        coordinator.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        # no new work: NOT_SERVING, or refused outright once the server stopped accepting
+        def leased() -> bool:  # the target replica is the request's: its first verification is on the way
+            return [r.outstanding for r in stub.GetInfo(pb.GetInfoRequest(), timeout=10).replicas
+                    if r.role == "target"] == [1]
+
+        target_service, coordinator = stack.procs["target"], stack.procs["coordinator"]
+        target_service.send_signal(signal.SIGSTOP)
         try:
-            status = health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
-            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
-        except grpc.RpcError as err:
-            assert err.code() == grpc.StatusCode.UNAVAILABLE
+            reader = threading.Thread(target=stream)
+            reader.start()
+            until("in flight", leased)
+            coordinator.send_signal(signal.SIGTERM)
+            until("NOT_SERVING", lambda: not serving(health))  # no new work, the request still held
+            assert reader.is_alive() and not outcome
+        finally:
+            target_service.send_signal(signal.SIGCONT)
         reader.join(60)
         assert outcome == ["ok"], outcome
         assert tokens == reference(prompt, n)  # the whole answer, exact

@@ -64,6 +64,8 @@ class FaultHook:
         self.armed = None  # (role, point, start, nth, strike)
         self.seen = 0
         self.struck: str | None = None  # the address struck
+        self.heard: list[tuple[str, str, bool]] = []  # every moment told, in order: (role, point, start)
+        self.struck_at: int | None = None  # the index in `heard` of the moment struck
         self.done = threading.Event()  # the strike is over (a late draft call's request may have finished first)
         self.errors: list[BaseException] = []
         threading.Thread(target=self._accept, daemon=True).start()
@@ -92,10 +94,12 @@ class FaultHook:
             if len(line) == 4:
                 role, address, point, start = line
                 with self.lock:
+                    self.heard.append((role, point, start == "1"))
                     if self.armed is not None and self.armed[:3] == (role, point, start == "1"):
                         self.seen += 1
                         if self.seen == self.armed[3]:
                             strike, self.armed, self.struck = self.armed[4], None, address
+                            self.struck_at = len(self.heard) - 1
             if strike is not None:
                 try:
                     strike(address)

@@ -1,8 +1,8 @@
 """A late draft gives way (coordinator/failover.py): the lone draft hung (SIGSTOP) mid-stream, with
 the coordinator's default per-call deadline (60 s). The stream completes with the faultless
-tokens at no worse than the target-alone rate: the round waits the draft's bound (a few times
-its recent calls' 99th percentile, at least 50 ms), not the deadline; a request started while
-the draft still hangs is not held up either."""
+tokens at about the target-alone rate: the round waits the draft's bound (a few times its recent
+calls' 99th percentile, at least 50 ms), not the deadline, once: then the request leaves the hung
+draft alone; a request started while the draft still hangs is not held up either."""
 
 from __future__ import annotations
 
@@ -13,7 +13,14 @@ from specdec.v1 import specdec_pb2 as pb
 from .conftest import PROMPT, FaultStack
 
 NEW_TOKENS = 120
-SLACK_S = 1.5  # over the target-alone time: the bounds waited, and a loaded machine's noise
+# over the target-alone time: a bound waited (a few times a draft call's time) and a loaded
+# machine's noise; a round that waited the call's deadline (60 s) is far past it
+SLACK_S = 15.0
+
+
+def draft_calls(moments) -> int:
+    """Calls to the draft among the fault hook's moments (one `write` each)."""
+    return sum(1 for role, point, _ in moments if role == "draft" and point == "write")
 
 
 def test_a_hung_lone_draft_costs_no_more_than_the_target_alone(pair):
@@ -27,7 +34,12 @@ def test_a_hung_lone_draft_costs_no_more_than_the_target_alone(pair):
         fs.hook.arm("draft", "read", False, 3, lambda address: fs.strike("stop", address))
         hung = fs.stream(request)
         assert fs.hook.struck == fs.stack.addresses["draft"]
+        heard = len(fs.hook.heard)
         again = fs.stream(request)  # the draft still hangs
+        # after the strike each request meets the hung draft once at most (the struck call's answer
+        # may have come before the stop landed), then leaves it alone: it waits no bound per round
+        assert draft_calls(fs.hook.heard[fs.hook.struck_at + 1 : heard]) <= 1
+        assert draft_calls(fs.hook.heard[heard:]) <= 1
         timings = f"target alone {alone.seconds:.2f} s, draft hung mid-stream {hung.seconds:.2f} s, " \
                   f"the next request {again.seconds:.2f} s"
         print(timings)

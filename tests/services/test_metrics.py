@@ -29,7 +29,7 @@ def value(samples, name: str, **labels) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def eventually(check, timeout: float = 10.0) -> None:
+def eventually(check, timeout: float = 30.0) -> None:
     """Retry check() until it passes: a status can reach the client a moment before the
     service has counted it (an abort is sent as it is raised; a stream's last message
     before its handler returns)."""

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import pytest
@@ -56,10 +57,10 @@ def test_not_serving_until_the_weights_are_loaded(pair):
         target.GetModelInfo(pb.ModelInfoRequest())
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     gate.set()
-    for _ in range(200):
-        if health.Check(health_pb2.HealthCheckRequest()).status == SERVING:
-            break
-        threading.Event().wait(0.05)
+    deadline = time.monotonic() + 60  # the weights load
+    while health.Check(health_pb2.HealthCheckRequest()).status != SERVING:
+        assert time.monotonic() < deadline, "not SERVING 60 s after the weights could load"
+        time.sleep(0.05)
     assert health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME)).status == SERVING
     assert target.GetModelInfo(pb.ModelInfoRequest()).vocab_size > 0
     loop.call_soon_threadsafe(stop.set)
