@@ -4,6 +4,7 @@ is token for token what a stack that lost nothing produces."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 
@@ -27,14 +28,38 @@ def cluster(pair, request):
     return stack
 
 
-def busy_replica(stub, role: str) -> str:
+def busy_replica(stub, role: str, timeout: float = 30.0) -> str:
     """The address of the `role` replica the one request in flight is pinned to."""
-    for _ in range(100):
+    deadline = time.monotonic() + timeout
+    while True:
         busy = [r.address for r in stub.GetInfo(pb.GetInfoRequest()).replicas if r.role == role and r.outstanding]
         if busy:
             return busy[0]
-        time.sleep(0.01)
-    raise AssertionError("no replica is serving the request")
+        assert time.monotonic() < deadline, "no replica is serving the request"
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def targets_stopped(stack: LocalStack):
+    """Every target replica stopped (SIGSTOP) for the block: the request in flight goes no further
+    than its next verification (inside the coordinator's 60 s per-call deadline) until they are
+    continued, however fast the rest of the stack. Stopped as its first chunk arrives, it cannot
+    end before a replica is killed."""
+    targets = [proc for name, proc in stack.procs.items() if name.startswith("target")]
+    for proc in targets:
+        proc.send_signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for proc in targets:
+            if proc.poll() is None:  # (not the one killed)
+                proc.send_signal(signal.SIGCONT)
+
+
+def kill(stack: LocalStack, address: str) -> None:
+    proc = stack.procs[next(n for n, a in stack.addresses.items() if a == address)]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
 
 
 @pytest.mark.parametrize("role", ["draft", "target"])
@@ -45,9 +70,9 @@ def test_a_replica_killed_mid_stream_costs_nothing(cluster, stack, role):
         stub = pb_grpc.GenerationStub(channel)
         stream = stub.GenerateStream(pb.GenerateRequest(**REQUEST), timeout=120)
         first = next(stream)
-        victim = busy_replica(stub, role)
-        name = next(n for n, a in cluster.addresses.items() if a == victim)
-        cluster.procs[name].send_signal(signal.SIGKILL)
+        with targets_stopped(cluster):
+            victim = busy_replica(stub, role)
+            kill(cluster, victim)
         rest = list(stream)  # no error: the request moved to the other replica
         tokens = list(first.token_ids) + [t for chunk in rest for t in chunk.token_ids]
         assert tokens == expected and rest[-1].stats.generated_tokens == len(expected)
@@ -73,9 +98,9 @@ def test_a_sampled_request_survives_its_target(pair, stack):
         stub = pb_grpc.GenerationStub(channel)
         stream = stub.GenerateStream(pb.GenerateRequest(**sampled), timeout=120)
         first = next(stream)
-        victim = busy_replica(stub, "target")
-        name = next(n for n, a in two.addresses.items() if a == victim)
-        two.procs[name].send_signal(signal.SIGKILL)
+        with targets_stopped(two):
+            victim = busy_replica(stub, "target")
+            kill(two, victim)
         rest = list(stream)
         before = list(first.token_ids)
         tokens = before + [t for chunk in rest for t in chunk.token_ids]
@@ -184,7 +209,6 @@ def test_a_late_draft_gives_way(pair):
     alone while it owes the answer. When the answer comes it is dropped and the session it was
     for released. A replica late three requests in a row is taken out of the pool."""
     import asyncio
-    import time
 
     from coordinator.failover import FORGETTING, MISSES, FailoverDraft, FailoverTarget
     from model_service.engines import DraftEngine, TargetEngine
@@ -212,25 +236,26 @@ def test_a_late_draft_gives_way(pair):
     target = LocalTarget(TargetEngine(ModelRunner(target_dir)))
     target.address, target.name = "t0", "target"
 
-    async def run(draft: Hanging, pools=None) -> tuple[list[int], Stats, float]:
+    async def run(draft: Hanging, pools=None) -> tuple[list[int], Stats]:
         draft_pool, target_pool = pools or (local_pool("draft", [draft]), local_pool("target", [target]))
-        out, stats, start = [], Stats(), time.perf_counter()
+        out, stats = [], Stats()
         failover = FailoverDraft(draft_pool)
         async for new in generate(failover, FailoverTarget(target_pool), PROMPT, max_new_tokens=60, k=3,
                                   params=SamplingParams(0.0), max_context=512, stats=stats):
             out += new
         failover.close()
-        return out, stats, time.perf_counter() - start
+        return out, stats
 
     async def go():
-        expected, _, _ = await run(Hanging(None))
+        expected, _ = await run(Hanging(None))
         # 12 calls answered: the replica's bound is now its own (4 x p99, at least 50 ms), not the first 1 s
         hung = Hanging(12)
         pools = local_pool("draft", [hung]), local_pool("target", [target])
-        tokens, stats, seconds = await run(hung, pools)
+        # (the 13th call's answer never comes before `wake`: a run that waited for it would not end)
+        tokens, stats = await asyncio.wait_for(run(hung, pools), 120)
         assert tokens == expected and len(expected) == 60
-        assert hung.calls == 13  # one late call, then the request left the replica alone
-        assert stats.draft_calls >= 12 and seconds < 1.0 + 60 * 0.05
+        assert hung.calls == 13  # one late call (one bound waited), then the request left the replica alone
+        assert stats.draft_calls >= 12
         replica = pools[0].replicas["d0"]
         assert replica.missed == 1 and replica.healthy
         hung.wake.set()  # the late answer comes: dropped, its session released
@@ -244,7 +269,7 @@ def test_a_late_draft_gives_way(pair):
         replica.recent.starts.extend([1e-4] * replica.recent.MIN_CALLS)  # a history: bound 50 ms
         for i in range(MISSES):
             assert replica.healthy
-            tokens, stats, _ = await run(stuck, pools)
+            tokens, stats = await asyncio.wait_for(run(stuck, pools), 120)
             assert tokens == expected and stats.draft_tokens == 0
         assert not replica.healthy and replica.missed == MISSES and stuck.calls == MISSES
         stuck.wake.set()
@@ -284,6 +309,24 @@ def test_a_release_on_a_hung_replica_is_made_again_once_it_serves(monkeypatch):
 
     monkeypatch.setattr(failover, "FORGET_POLL", 0.01)
 
+    class Watched(Replica):
+        """A replica whose health the release's wait reads: `looked` is set once it has read it thrice."""
+
+        def __init__(self, peer):
+            self.looks, self.looked = 0, asyncio.Event()
+            super().__init__(peer)
+
+        @property
+        def healthy(self) -> bool:
+            self.looks += 1
+            if self.looks >= 3:
+                self.looked.set()
+            return self._healthy
+
+        @healthy.setter
+        def healthy(self, value: bool) -> None:
+            self._healthy = value
+
     class Peer:
         address, name = "t0", "target"
 
@@ -298,20 +341,20 @@ def test_a_release_on_a_hung_replica_is_made_again_once_it_serves(monkeypatch):
 
     async def go():
         peer = Peer()
-        replica = Replica(peer)  # taken out of the pool by the failed call: not healthy
+        replica = Watched(peer)  # taken out of the pool by the failed call: not healthy
         forgetting = asyncio.ensure_future(_Failover._forget(replica, "s.1"))
-        await asyncio.sleep(0.1)
-        assert not forgetting.done() and peer.calls == 1 and not peer.released  # waits, does not hammer
+        await asyncio.wait_for(replica.looked.wait(), 30)  # it waits for the health check, looking again and again
+        assert not forgetting.done() and peer.calls == 1 and not peer.released  # ... and does not hammer
         peer.hung, replica.healthy = False, True  # woken up; its health check passes
-        await asyncio.wait_for(forgetting, 5)
+        await asyncio.wait_for(forgetting, 30)
         assert peer.released == ["s.1"] and peer.calls == 2
 
         gone = Peer()
-        replica = Replica(gone)
+        replica = Watched(gone)
         forgetting = asyncio.ensure_future(_Failover._forget(replica, "s.2"))
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(replica.looked.wait(), 30)  # waiting for the health check
         replica.removed = True
-        await asyncio.wait_for(forgetting, 5)
+        await asyncio.wait_for(forgetting, 30)
         assert gone.calls == 1 and not gone.released
 
     asyncio.run(go())

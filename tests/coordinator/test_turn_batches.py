@@ -25,18 +25,24 @@ def reply(session_id: str, batch_size: int) -> pb.ProposeResponse:
 class FakeDraftStub:
     """ProposeBatch answers each call with its session's number as the one token, or NOT_FOUND
     for sessions named in `missing`; `fail` makes the whole RPC fail (a grpc status code, or any
-    other exception). `events` records the calls in the order they were answered."""
+    other exception). `events` records the calls in the order they were answered. `sent` is set
+    as a batch RPC comes; with `hold`, its answer waits until `answer` is set."""
 
-    def __init__(self, missing=(), fail=None):
+    def __init__(self, missing=(), fail=None, hold: bool = False):
         self.batches: list[list[str]] = []
         self.unary: list[str] = []
         self.events: list[str] = []
         self.missing = set(missing)
         self.fail = fail
+        self.sent, self.answer = asyncio.Event(), asyncio.Event()
+        if not hold:
+            self.answer.set()
 
     async def ProposeBatch(self, request, timeout=None):
         self.batches.append([call.session_id for call in request.calls])
-        await asyncio.sleep(0.01)
+        self.sent.set()
+        await self.answer.wait()
+        await asyncio.sleep(0)  # answered in a later pass of the event loop, as an RPC is
         if isinstance(self.fail, grpc.StatusCode):
             raise grpc.aio.AioRpcError(self.fail, grpc.aio.Metadata(), grpc.aio.Metadata(), "the fake failed")
         if self.fail is not None:
@@ -70,20 +76,22 @@ def peer(stub: FakeDraftStub) -> GrpcDraft:
     return made
 
 
-async def propose(draft: GrpcDraft, session: str, turn: tuple[int, int], delay: float = 0.0):
-    if delay:
-        await asyncio.sleep(delay)
+async def propose(draft: GrpcDraft, session: str, turn: tuple[int, int], after: asyncio.Event | None = None):
+    """`after`: the call is made once that is set."""
+    if after is not None:
+        await after.wait()
     proposal, cost = await draft.propose(session, False, 0, [], 1, GREEDY, turn=turn)
     return proposal.tokens, cost.batch_size
 
 
 def run(stub: FakeDraftStub, calls, batch_turns: bool = True):
-    """Run `calls(draft)` (-> awaitables) on a peer over `stub`. -> their results or errors"""
+    """Run `calls(draft)` (-> awaitables) on a peer over `stub`. -> their results or errors
+    (30 s: calls that wait for each other for ever fail)"""
 
     async def main():
         draft = peer(stub)
         draft.batch_turns = batch_turns
-        results = await asyncio.gather(*calls(draft), return_exceptions=True)
+        results = await asyncio.wait_for(asyncio.gather(*calls(draft), return_exceptions=True), 30)
         await draft.close()
         return results
 
@@ -106,7 +114,7 @@ def test_a_turn_split_over_replicas_goes_without_waiting_for_the_rest():
     stub = FakeDraftStub()
     results = run(stub, lambda draft: [
         propose(draft, "s0", (7, 5)), propose(draft, "s1", (7, 5)), propose(draft, "s2", (8, 2)),
-        propose(draft, "s3", (7, 5)), propose(draft, "s4", (7, 5), delay=0.005)])
+        propose(draft, "s3", (7, 5)), propose(draft, "s4", (7, 5), after=stub.sent)])  # s4: after the batch left
     assert stub.batches == [["s0", "s1", "s3"]] and sorted(stub.unary) == ["s2", "s4"]
     assert results == [([0], 3), ([1], 3), ([2], 1), ([3], 3), ([4], 1)]
 
@@ -133,17 +141,22 @@ def test_a_service_without_batch_rpcs_gets_the_calls_one_by_one():
 
 
 def test_a_cancelled_caller_leaves_the_rest_of_its_batch_answered_and_is_released_after_it():
-    stub = FakeDraftStub()
+    stub = FakeDraftStub(hold=True)
 
     async def main(draft):
         tasks = [asyncio.ensure_future(propose(draft, f"s{i}", (5, 3))) for i in range(3)]
-        await asyncio.sleep(0.002)  # the batch is on its way
+        await stub.sent.wait()  # the batch is on its way (its answer held)
         tasks[1].cancel()
-        await asyncio.sleep(0)
-        await draft.release("s1")  # the generation ends: its call is still in the batch
-        return await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0)  # (one pass of the loop: the cancel lands)
+        releasing = asyncio.ensure_future(draft.release("s1"))  # the generation ends: its call is still in the batch
+        await asyncio.sleep(0)  # (one pass: the release goes as far as it can)
+        before_the_answer = list(stub.events), releasing.done()
+        stub.answer.set()
+        await releasing
+        return before_the_answer, await asyncio.gather(*tasks, return_exceptions=True)
 
-    [results] = run(stub, lambda draft: [main(draft)])
+    [(before_the_answer, results)] = run(stub, lambda draft: [main(draft)])
+    assert before_the_answer == ([], False)  # the release waits for the batch its call is in
     assert stub.batches == [["s0", "s1", "s2"]]
     assert results[0] == ([0], 3) and results[2] == ([2], 3)
     assert isinstance(results[1], asyncio.CancelledError)
@@ -166,11 +179,13 @@ def test_a_cancel_as_the_stream_answers_is_not_lost():
     class FakeStream:
         def __init__(self):
             self.answer = asyncio.get_running_loop().create_future()
+            self.reading = asyncio.Event()
 
         async def write(self, request):
             pass
 
         def read(self):
+            self.reading.set()
             return self.answer
 
         def cancel(self):  # as a grpc.aio stream call's: the coordinator drops a stream whose call gave up
@@ -180,7 +195,7 @@ def test_a_cancel_as_the_stream_answers_is_not_lost():
         draft = GrpcDraft("127.0.0.1:1")  # streaming; the channel never connects
         stream = FakeStream()
         task = asyncio.create_task(draft._step(None, lambda: stream, "s0", pb.ProposeRequest(session_id="s0")))
-        await asyncio.sleep(0.01)  # the call waits for its answer
+        await stream.reading.wait()  # the call waits for its answer
         stream.answer.set_result(reply("s0", 1))
         task.cancel()  # in the same pass of the loop
         try:

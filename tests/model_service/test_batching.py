@@ -15,6 +15,7 @@ from speculative.errors import InvalidRequest
 from model_service.model_runner import ModelRunner
 from speculative.protocol import Proposal
 from speculative.protocol import SamplingParams
+from model_service import threads
 from model_service.batcher import Batcher, Batching
 from model_service.threads import ModelThread
 
@@ -104,13 +105,13 @@ def held_first_pass(run_many):
         if first[0]:
             first[0] = False
             started.set()
-            assert release.wait(10)
+            assert release.wait(60)
         return run_many(calls)
 
     return started, release, run
 
 
-async def until(condition, timeout: float = 10.0) -> None:
+async def until(condition, timeout: float = 30.0) -> None:
     """Return once condition() holds (the event a step waits for, polled), failing after `timeout` s."""
     deadline = time.monotonic() + timeout
     while not condition():
@@ -182,12 +183,37 @@ def test_batcher_fails_every_call_of_a_failed_pass_and_goes_on():
     assert after == ("fine", None) and job == 42
 
 
+class FrozenClock:
+    """The model thread's clock (model_service.threads.time), moved only by `advance`: a pass that
+    waits for calls to come waits until they come, or until the test moves the clock past its
+    deadline, however slow the machine. `reads` counts the thread's looks at it."""
+
+    def __init__(self):
+        self.now, self.reads = 1000.0, 0
+
+    def monotonic(self) -> float:
+        self.reads += 1
+        return self.now
+
+    def advance(self, thread: ModelThread, seconds: float) -> None:
+        self.now += seconds
+        with thread.cond:
+            thread.cond.notify()  # look again now, not at the end of its (real) wait
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FrozenClock:
+    frozen = FrozenClock()
+    monkeypatch.setattr(threads, "time", frozen)
+    return frozen
+
+
 @pytest.mark.parametrize("wait, at_work, first_pass", [
     (0.0, 3, ["a1"]),                # no wait: the first call runs at once, alone
     (0.3, 3, ["a1", "b1", "c1"]),    # waits for the sessions at work, which come within the wait
     (0.3, 1, ["a1"]),                # one session at work: nothing to wait for
 ])
-def test_batcher_waits_for_sessions_at_work(wait, at_work, first_pass):
+def test_batcher_waits_for_sessions_at_work(wait, at_work, first_pass, clock):
     passes, run_many = recording_run_many()
 
     async def main():
@@ -196,7 +222,8 @@ def test_batcher_waits_for_sessions_at_work(wait, at_work, first_pass):
         # the model thread has taken a1 up: its pass ran (alone), or it waits for the others
         await until(lambda: passes or batcher.deadline is not None)
         rest = [batcher.submit(s, f"{s}1") for s in ("b", "c")]
-        return await asyncio.gather(first, *rest)
+        # (the clock stands still: a pass that waited for its deadline would never come)
+        return await asyncio.wait_for(asyncio.gather(first, *rest), 30)
 
     results = asyncio.run(main())
     assert [r for r, _ in results] == ["a1", "b1", "c1"]
@@ -208,23 +235,36 @@ def test_batcher_waits_for_sessions_at_work(wait, at_work, first_pass):
     (3, False),  # a turn of three: the pass starts as the third call comes, not at the end of the wait
     (5, True),   # two of its five calls never come: it waits turn_wait, then goes with the three
 ])
-def test_batcher_waits_for_the_rest_of_a_lockstep_turn(size, waits):
+def test_batcher_waits_for_the_rest_of_a_lockstep_turn(size, waits, clock):
     passes, run_many = recording_run_many()
+    passed_at = []  # the clock at each pass
+
+    def timed_run_many(calls):
+        passed_at.append(clock.now)
+        return run_many(calls)
 
     async def main():
+        thread = ModelThread()
         # (wait and at_work are unset: only the turn holds the pass)
-        batcher = Batcher(ModelThread(), run_many, Batching(max_batch=8, turn_wait=0.4))
-        start = time.perf_counter()
+        batcher = Batcher(thread, timed_run_many, Batching(max_batch=8, turn_wait=0.4))
         first = asyncio.ensure_future(batcher.submit("a", "a1", (7, size)))
         await until(lambda: batcher.deadline is not None)  # a1's pass waits for the rest of its turn
-        rest = [batcher.submit(s, f"{s}1", (7, size)) for s in ("b", "c")]
-        results = await asyncio.gather(first, *rest)
-        return results, time.perf_counter() - start
+        deadline = batcher.deadline
+        rest = [asyncio.ensure_future(batcher.submit(s, f"{s}1", (7, size))) for s in ("b", "c")]
+        if waits:
+            await until(lambda: len(batcher.waiting) == 3)
+            looked = clock.reads
+            await until(lambda: clock.reads >= looked + 2)  # it has looked since: it waits on (a real 0.4 s)
+            assert passes == []
+            clock.advance(thread, 0.4)  # the turn's wait runs out: the two missing calls never come
+        # (the clock stands still otherwise: a pass that waited for its deadline would never come)
+        results = await asyncio.wait_for(asyncio.gather(first, *rest), 30)
+        return results, deadline
 
-    results, seconds = asyncio.run(main())
+    results, deadline = asyncio.run(main())
     assert [r for r, _ in results] == ["a1", "b1", "c1"]
     assert passes == [["a1", "b1", "c1"]]
-    assert (seconds >= 0.4) == waits and seconds < 2.0
+    assert (passed_at[0] >= deadline) == waits
 
 
 def test_a_pass_serves_one_lockstep_turn():
