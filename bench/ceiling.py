@@ -43,10 +43,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.__main__ import RESULTS, add_pair_flags, heldout_prompts, pair_of  # noqa: E402
 from coordinator.lockstep import DRAFT, TARGET, GatedDraft, GatedTarget, PhaseGate  # noqa: E402
-from model_service.engines import DraftEngine, ProposeCall, TargetEngine, VerifyCall  # noqa: E402
+from model_service.engines import DraftEngine, TargetEngine  # noqa: E402
 from model_service.local import LocalDraft, LocalTarget  # noqa: E402
 from model_service.model_runner import ModelRunner  # noqa: E402
-from speculative.protocol import Cost, Proposal, SamplingParams, Verdict  # noqa: E402
+from speculative.protocol import Cost, Proposal, ProposeCall, SamplingParams, Verdict, VerifyCall  # noqa: E402
 from speculative.round import Stats, generate  # noqa: E402
 
 # The gate's hold: how long calls wait for a live session that is not waiting. A session here does
@@ -98,10 +98,8 @@ class TurnDraft(LocalDraft):
         super().__init__(engine)
         self.passes = passes
 
-    async def propose(self, session_id: str, start: bool, rollback: int, append: list[int], k: int,
-                      params: SamplingParams, p_min: float = 0.0, *,
-                      turn: tuple[int, int] = (0, 0)) -> tuple[Proposal, Cost]:
-        return await self.passes.call(ProposeCall(session_id, start, rollback, append, k, params, p_min), turn)
+    async def propose(self, call: ProposeCall, *, turn: tuple[int, int] = (0, 0)) -> tuple[Proposal, Cost]:
+        return await self.passes.call(call, turn)
 
 
 class TurnTarget(LocalTarget):
@@ -111,10 +109,8 @@ class TurnTarget(LocalTarget):
         super().__init__(engine)
         self.passes = passes
 
-    async def verify(self, session_id: str, start: bool, append: list[int], proposal: Proposal,
-                     params: SamplingParams, steps: int = 1, *,
-                     turn: tuple[int, int] = (0, 0)) -> tuple[Verdict, Cost]:
-        return await self.passes.call(VerifyCall(session_id, start, append, proposal, params, steps), turn)
+    async def verify(self, call: VerifyCall, *, turn: tuple[int, int] = (0, 0)) -> tuple[Verdict, Cost]:
+        return await self.passes.call(call, turn)
 
 
 class Lockstep:

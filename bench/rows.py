@@ -45,6 +45,7 @@ def row_from_stats(name, mode, k, stats: Stats, seconds):
         "c": c, "round_ms": round_ms, "overhead_ms_per_round": overhead_ms,
         "overhead_fraction": overhead_ms / round_ms if round_ms else 0.0,
         "wire_bytes_per_round": stats.wire_bytes / rounds, "ideal_speedup": ideal,
+        "feature_bytes_per_round": stats.feature_bytes / rounds,
     }
 
 
@@ -134,6 +135,34 @@ def bars(rows: list[dict]) -> list[str]:
         if dq and lo:
             lines.append(f"bar d {quantize} >= l llama.cpp (greedy): {dq['tokens_per_s'] / lo['tokens_per_s']:.2f}x"
                          f" ({dq['tokens_per_s']:.1f} vs {lo['tokens_per_s']:.1f} tok/s)")
+    return lines + eagle_bars(rows, best)
+
+
+def eagle_bars(rows: list[dict], best) -> list[str]:
+    """[eagle]'s bars, on row g (the EAGLE-3 head): acceptance at K = 4 >= 0.5; g float32 >= 2.5x a
+    and >= 1.6x a' (floor: 1.3x a'); sampled g >= 1.8x a; g int4 >= 1.3x a' int4 and >= 1.5x l."""
+    lines = []
+    for r in rows:
+        if r["name"].startswith("g ") and r["k"] == 4 and not r.get("adaptive"):
+            lines.append(f"bar eagle acceptance at K = 4 >= 0.5 ({r['mode']}, {r.get('quantize', 'none')}):"
+                         f" {r['acceptance_rate']:.3f} (alpha {r['alpha']:.3f}; features"
+                         f" {r.get('feature_bytes_per_round', 0) / 1e3:.1f} kB a round)")
+    g, a, a2, lo = best("g ", "greedy"), best("a ", "greedy"), best("a' ", "greedy"), best("l ", "greedy")
+    if g and a:
+        lines.append(f"bar g eagle >= 2.5x a (greedy): {g['tokens_per_s'] / a['tokens_per_s']:.2f}x")
+    if g and a2:
+        lines.append(f"bar g eagle >= 1.6x a' (greedy; floor 1.3x): {g['tokens_per_s'] / a2['tokens_per_s']:.2f}x")
+    gs, as_ = best("g ", "sampling"), best("a ", "sampling")
+    if gs and as_:
+        lines.append(f"bar g eagle >= 1.8x a (sampled): {gs['tokens_per_s'] / as_['tokens_per_s']:.2f}x")
+    for quantize in sorted({r["quantize"] for r in rows if r.get("quantize", "none") != "none"}):
+        gq, aq = best("g ", "greedy", quantize), best("a' ", "greedy", quantize)
+        if gq and aq:
+            lines.append(f"bar g eagle {quantize} >= 1.3x a' {quantize} (greedy):"
+                         f" {gq['tokens_per_s'] / aq['tokens_per_s']:.2f}x")
+        if gq and lo:
+            lines.append(f"bar g eagle {quantize} >= 1.5x l llama.cpp (greedy):"
+                         f" {gq['tokens_per_s'] / lo['tokens_per_s']:.2f}x")
     return lines
 
 

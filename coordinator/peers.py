@@ -15,8 +15,8 @@ import grpc
 from runtime.transport import CHANNEL_OPTIONS, open_channel
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from speculative.protocol import (Cost, Proposal, SamplingParams, Verdict, params_to_proto, proposal_from_proto,
-                                  proposal_to_proto)
+from speculative.protocol import (Cost, Proposal, ProposeCall, Verdict, VerifyCall, propose_call_to_proto,
+                                  proposal_from_proto, verdict_from_proto, verify_call_to_proto)
 
 
 CODES = {code.value[0]: code for code in grpc.StatusCode}  # a batched call's status (an int) -> its code
@@ -214,7 +214,7 @@ class Peer:
         in one batch RPC: a batch goes once all the turn's calls are in, or at the event loop's next
         pass (the gate lets a turn's callers go together; the rest went to other replicas). A batch
         of one call goes as any other call. One unary RPC for the turn instead of a message per
-        call saves ~0.45 ms of CPU per call (see README, Lockstep)."""
+        call saves CPU time on both ends (docs/architecture.md, Lockstep)."""
         start = time.perf_counter()
         turn_id, size = turn
         pending = self.turns.get(turn_id)
@@ -335,14 +335,9 @@ class GrpcDraft(Peer):
     name = "draft"
     stub_class = pb_grpc.DraftStub
 
-    async def propose(
-        self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams,
-        p_min: float = 0.0, *, turn: tuple[int, int] = (0, 0),
-    ) -> tuple[Proposal, Cost]:
+    async def propose(self, call: ProposeCall, *, turn: tuple[int, int] = (0, 0)) -> tuple[Proposal, Cost]:
         """`turn`: the lockstep turn (id, calls) the call was let through in ((0, 0): not gated)."""
-        request = pb.ProposeRequest(session_id=session_id, start=start, rollback=rollback, append=append,
-                                    num_tokens=k, sampling=params_to_proto(params), p_min=p_min,
-                                    turn_id=turn[0], turn_size=turn[1])
+        request = propose_call_to_proto(call, turn)
         reply = await self.round_call(TurnMethods(self.stub.ProposeBatch, pb.ProposeBatchRequest, self.stub.Propose,
                                                   self.stub.ProposeStream), request, turn)
         proposal = proposal_from_proto(reply.proposal)
@@ -354,19 +349,14 @@ class GrpcTarget(Peer):
     name = "target"
     stub_class = pb_grpc.TargetStub
 
-    async def verify(
-        self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams,
-        steps: int = 1, *, turn: tuple[int, int] = (0, 0),
-    ) -> tuple[Verdict, Cost]:
+    async def verify(self, call: VerifyCall, *, turn: tuple[int, int] = (0, 0)) -> tuple[Verdict, Cost]:
         """`turn`: as GrpcDraft.propose's."""
-        request = pb.VerifyRequest(session_id=session_id, start=start, append=append,
-                                   proposal=proposal_to_proto(proposal), sampling=params_to_proto(params),
-                                   turn_id=turn[0], turn_size=turn[1], decode_steps=steps if steps > 1 else 0)
+        request = verify_call_to_proto(call, turn)
         reply = await self.round_call(TurnMethods(self.stub.VerifyBatch, pb.VerifyBatchRequest, self.stub.Verify,
                                                   self.stub.VerifyStream), request, turn)
         cost = Cost(reply.service_ms, request.ByteSize() + reply.ByteSize(), reply.batch_size, reply.batch_tokens,
                     reply.pass_ms)
-        return Verdict(reply.accepted, reply.token, list(reply.decoded)), cost
+        return verdict_from_proto(reply), cost
 
 
 def check_compatible(draft: pb.ModelInfo, target: pb.ModelInfo) -> None:
@@ -378,6 +368,19 @@ def check_compatible(draft: pb.ModelInfo, target: pb.ModelInfo) -> None:
         problems.append(
             f"tokenizers differ (fingerprints {draft.tokenizer_fingerprint[:12]} vs {target.tokenizer_fingerprint[:12]})"
         )
+    if draft.feature_layers:  # a draft that reads the target's hidden states (an EAGLE head)
+        layers = list(draft.feature_layers)
+        if target.tensor_parallel_size > 1:
+            problems.append("the draft reads the target's hidden states, which a tensor-parallel target does not send")
+        elif not target.num_hidden_layers or not target.hidden_size:
+            problems.append("the draft reads the target's hidden states; this target does not say its layers (an older"
+                            " service)")
+        elif max(layers) >= target.num_hidden_layers:
+            problems.append(f"the draft reads target layers {layers}, the target has {target.num_hidden_layers}")
+        elif draft.feature_width != len(layers) * target.hidden_size:
+            problems.append(f"the draft reads {draft.feature_width} feature values a position, the target's"
+                            f" {len(layers)} layers give {len(layers) * target.hidden_size} (hidden size"
+                            f" {target.hidden_size}): the head was made for another target")
     if problems:
         raise ValueError(
             f"draft model {draft.model_name!r} and target model {target.model_name!r} cannot be paired: "

@@ -57,6 +57,7 @@ def stats_proto(summary: Summary) -> pb.GenerationStats:
         adaptive=summary.adaptive,
         predrafts=stats.predrafts,
         predraft_hits=stats.predraft_hits,
+        feature_bytes=stats.feature_bytes,
     )
 
 

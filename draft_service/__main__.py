@@ -2,10 +2,13 @@
 
     python -m draft_service --model DIR --port 50052      # or: specdec draft ...
     python -m draft_service --method ngram --port 50052   # no model: copies n-grams of the context
+    python -m draft_service --method eagle --model HEAD_DIR --target-model TARGET_DIR
 
 --method picks the drafting method (model_service/drafting.py): model (a small model drafts,
-the default) or ngram (prompt lookup, model_service/ngram.py: no --model; --tokenizer, the
-target's, answers GetModelInfo's pairing check).
+the default), ngram (prompt lookup, model_service/ngram.py: no --model; --tokenizer, the
+target's, answers GetModelInfo's pairing check) or eagle (an EAGLE-3 head, model_service/eagle.py:
+--model is the head's directory, --target-model the target's, whose tokenizer and, where the head
+has none, token embeddings it reads; the target sends it its hidden states each round).
 
 Every flag can also be set from the environment (SPECDEC_DRAFT_<FLAG>); see --help.
 """
@@ -33,9 +36,13 @@ def parse_args(argv=None, prog: str = "python -m draft_service"):
     parser = EnvArgumentParser("SPECDEC_DRAFT", prog=prog, description=__doc__)
     add_common_flags(parser, DEFAULT_PORT)
     add_model_flags(parser, "draft", model_required=False)
-    parser.add_argument("--method", default="model", choices=["model", "ngram"],
-                        help="drafting method: model (--model drafts) or ngram (copies what followed the context's"
-                             " last n-gram earlier in it; no model)")
+    parser.add_argument("--method", default="model", choices=["model", "ngram", "eagle"],
+                        help="drafting method: model (--model drafts), ngram (copies what followed the context's"
+                             " last n-gram earlier in it; no model) or eagle (--model is an EAGLE-3 head that drafts"
+                             " from the target's hidden states)")
+    parser.add_argument("--target-model", default=shipped_model("target"),
+                        help="eagle: the target's model directory (its tokenizer, and its token embeddings where the"
+                             " head has none; only that tensor is read); default: the shipped models/target")
     parser.add_argument("--ngram-max", type=int, default=4, help="ngram: the longest suffix matched (tried first)")
     parser.add_argument("--ngram-min", type=int, default=2, help="ngram: the shortest suffix matched")
     parser.add_argument("--tokenizer", default=shipped_model("target"),
@@ -58,12 +65,17 @@ def parse_args(argv=None, prog: str = "python -m draft_service"):
         parser.error("--method model needs --model DIR (the checkout has no models/draft), or use --method ngram")
     if args.method == "ngram" and not args.tokenizer:
         parser.error("--method ngram needs --tokenizer (the checkout has no models/target)")
-    if args.method == "ngram" and args.oracle:
-        parser.error("--oracle replaces the model method's drafting, not ngram's")
+    if args.method == "eagle" and not args.model:
+        parser.error("--method eagle needs --model HEAD_DIR (an EAGLE-3 head)")
+    if args.method != "model" and args.oracle:
+        parser.error(f"--oracle replaces the model method's drafting, not {args.method}'s")
     if not 1 <= args.ngram_min <= args.ngram_max:
         parser.error(f"need 1 <= --ngram-min <= --ngram-max, not {args.ngram_min} and {args.ngram_max}")
     args.vocab_subset = vocab_subset(args.draft_vocab, args.model) if args.method == "model" else 0
-    args.acceptance_prior = acceptance_prior(args.acceptance_prior, args.model) if args.method == "model" else 0.0
+    if args.method == "eagle":  # None: auto, from the head's card (eagle.json), read where the head loads
+        args.acceptance_prior = None if args.acceptance_prior == "auto" else acceptance_prior(args.acceptance_prior, None)
+    else:
+        args.acceptance_prior = acceptance_prior(args.acceptance_prior, args.model) if args.method == "model" else 0.0
     return args
 
 
@@ -114,6 +126,17 @@ def main(argv=None, prog: str = "python -m draft_service") -> None:
 def make_engine(args, load_model) -> DraftMethod:
     """The drafting method the flags pick: ngram (no model loaded), the oracle (--oracle), else
     the model's own draft. load_model() -> the ModelRunner of --model."""
+    if args.method == "eagle":
+        from model_service.eagle import EagleDraft
+        from model_service.fast_forward import DTYPES
+
+        prior = {} if args.acceptance_prior is None else {"acceptance_prior": args.acceptance_prior}
+        eagle = EagleDraft.load(args.model, args.target_model, args.device, DTYPES[args.dtype],
+                                max_support=args.max_support, max_tokens=args.max_tokens_per_call,
+                                max_sessions=args.max_sessions, idle_timeout=args.session_idle_timeout,
+                                max_context=args.max_context or None, **prior)
+        eagle.calibrate()
+        return eagle
     if args.method == "ngram":
         return NgramDraft.load(args.tokenizer, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
                                max_tokens=args.max_tokens_per_call, max_sessions=args.max_sessions,

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from model_service.engines import ProposeCall
 from model_service.servicer import ModelServicer
-from speculative.protocol import params_from_proto, proposal_to_proto
+from speculative.protocol import ProposeCall, propose_call_from_proto, proposal_to_proto
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Draft"].full_name
 
@@ -18,7 +17,8 @@ class DraftServicer(ModelServicer, pb_grpc.DraftServicer):
 
     async def Propose(self, request: pb.ProposeRequest, context) -> pb.ProposeResponse:
         await self.ready(context)
-        return self._reply(*await self.call(context, "propose", request.session_id, self._call(request),
+        call = propose_call_from_proto(request)
+        return self._reply(*await self.call(context, "propose", request.session_id, call,
                                             (request.turn_id, request.turn_size)))
 
     async def ProposeStream(self, requests, context):
@@ -26,14 +26,9 @@ class DraftServicer(ModelServicer, pb_grpc.DraftServicer):
             yield reply
 
     async def ProposeBatch(self, request: pb.ProposeBatchRequest, context) -> pb.ProposeBatchResponse:
-        replies, statuses = await self.batch(context, "propose", request.calls, self._call, self._reply,
+        replies, statuses = await self.batch(context, "propose", request.calls, propose_call_from_proto, self._reply,
                                              pb.ProposeResponse())
         return pb.ProposeBatchResponse(replies=replies, statuses=statuses)
-
-    @staticmethod
-    def _call(request: pb.ProposeRequest) -> ProposeCall:
-        return ProposeCall(request.session_id, request.start, request.rollback, list(request.append),
-                           request.num_tokens, params_from_proto(request.sampling), request.p_min)
 
     @staticmethod
     def _reply(proposal, cost) -> pb.ProposeResponse:

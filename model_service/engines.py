@@ -8,12 +8,11 @@ DraftEngine is the model drafting method (the contract: drafting.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from speculative.errors import CapacityExceeded, InvalidRequest
-from speculative.protocol import Cost, Proposal, SamplingParams, Verdict
+from speculative.protocol import Cost, Features, Proposal, ProposeCall, Verdict, VerifyCall
 from speculative.sampling import (
     check_supports,
     draft_support,
@@ -26,22 +25,10 @@ from speculative.sampling import (
     supports_to_tensors,
 )
 
-from .drafting import ProposeCall, one_result
+from . import features
+from .drafting import advance, one_result
 from .model_runner import ModelRunner, Timer
 from .sessions import Session, SessionTable
-
-DRAFT_SEED_SALT = 0x9E3779B97F4A7C15  # the draft's generator differs from the target's
-
-
-@dataclass
-class VerifyCall:
-    session_id: str
-    start: bool
-    append: list[int]
-    proposal: Proposal
-    params: SamplingParams
-    steps: int = 1  # with no proposal: tokens to decode in this call (VerifyRequest.decode_steps)
-
 
 class RunnerEngine:
     """What a model service asks of its engine besides the per-round calls (drafting.py's
@@ -93,11 +80,8 @@ class DraftEngine(RunnerEngine):
     def info(self) -> dict:
         return {**self.runner.info(), "draft_method": self.method, "acceptance_prior": self.acceptance_prior}
 
-    def propose(
-        self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams,
-        p_min: float = 0.0,
-    ) -> tuple[Proposal, Cost]:
-        return one_result(self.propose_many([ProposeCall(session_id, start, rollback, append, k, params, p_min)]))
+    def propose(self, call: ProposeCall) -> tuple[Proposal, Cost]:
+        return one_result(self.propose_many([call]))
 
     def propose_many(self, calls: list[ProposeCall]) -> list[tuple[Proposal, Cost] | Exception]:
         """-> per call, (proposal, the pass's cost) or the error that call alone met. Distinct sessions only."""
@@ -108,7 +92,7 @@ class DraftEngine(RunnerEngine):
             pending = 0  # tokens the calls admitted so far will draft (the KV-token cap counts them)
             for i, call in enumerate(calls):
                 try:
-                    live.append((i, call, self._advance(call, pending)))
+                    live.append((i, call, advance(call, self.max_tokens, self.runner, pending)))
                     pending += call.k
                 except Exception as exc:
                     results[i] = exc
@@ -129,36 +113,6 @@ class DraftEngine(RunnerEngine):
             ms = timer.ms
             cost = Cost(ms, batch_size=len(live), batch_tokens=sum(len(t) for t, _, _ in drafted), pass_ms=ms)
             return [(r, cost) if isinstance(r, Proposal) else r for r in results]
-
-    def _advance(self, call: ProposeCall, pending: int = 0) -> Session:
-        """Validate a call, then roll back the rejected proposals and append the new tokens.
-        pending: tokens the pass's calls admitted before this one will draft."""
-        runner, k = self.runner, call.k
-        runner.check_session_id(call.session_id)
-        call.params.validate()
-        if not 0 <= k <= self.max_tokens:
-            raise InvalidRequest(f"num_tokens must lie in [0, {self.max_tokens}], not {k}")
-        if not 0.0 <= call.p_min <= 1.0:  # also rejects NaN
-            raise InvalidRequest(f"p_min must lie in [0, 1], not {call.p_min}")
-        runner.check_tokens(call.append, "appended")
-        if call.start:
-            if call.rollback or not call.append:
-                raise InvalidRequest("a new session needs its prompt in `append` and nothing to roll back")
-            runner.check_context(call.session_id, len(call.append) + k, pending=pending)
-            session = runner.start_session(call.session_id, call.params.seed ^ DRAFT_SEED_SALT)
-        else:
-            session = runner.sessions.get(call.session_id)
-            if call.rollback > session.proposed:
-                raise InvalidRequest(
-                    f"cannot roll back {call.rollback} tokens: only {session.proposed} were proposed")
-            runner.check_context(call.session_id, len(session.tokens) - call.rollback + len(call.append) + k,
-                                 len(session.tokens), pending)
-        session.truncate(len(session.tokens) - call.rollback)
-        # proposals not rolled back stay unconfirmed until tokens are appended (a call appending
-        # nothing drafts on from its own last proposal: pre-drafting)
-        session.proposed = 0 if call.append else session.proposed - call.rollback
-        session.tokens.extend(call.append)
-        return session
 
     def _draft(self, live: list[tuple[int, ProposeCall, Session]]) -> list[tuple[list[int], list, list]]:
         """Sample each session's k tokens autoregressively, each from its q; one forward per step
@@ -208,11 +162,8 @@ class TargetEngine(RunnerEngine):
     (they join the next pass, not the end of this call's steps). A call always gets at least its
     first token; the coordinator asks again for the rest."""
 
-    def verify(
-        self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams,
-        steps: int = 1,
-    ) -> tuple[Verdict, Cost]:
-        return one_result(self.verify_many([VerifyCall(session_id, start, append, proposal, params, steps)]))
+    def verify(self, call: VerifyCall) -> tuple[Verdict, Cost]:
+        return one_result(self.verify_many([call]))
 
     def verify_many(self, calls: list[VerifyCall],
                     busy: Callable[[], bool] | None = None) -> list[tuple[Verdict, Cost] | Exception]:
@@ -229,15 +180,16 @@ class TargetEngine(RunnerEngine):
                     live.append((i, call, *self._advance(call, pending=len(live) + 1)))
                 except Exception as exc:
                     results[i] = exc
+            capture = _feature_layers([session for _, _, session, *_ in live])
             try:
-                logits = runner.forward_many([(session, len(call.proposal.tokens) + 1)
-                                              for _, call, session, *_ in live])
+                logits, states = runner.forward_capturing([(session, len(call.proposal.tokens) + 1)
+                                                           for _, call, session, *_ in live], capture)
             except Exception as exc:
                 for i, call, *_ in live:
                     runner.sessions.release(call.session_id)  # its cache may be half-written
                     results[i] = exc
                 return results
-            for (i, call, session, committed, q_ids, q_probs), rows in zip(live, logits):
+            for j, ((i, call, session, committed, q_ids, q_probs), rows) in enumerate(zip(live, logits)):
                 # rows: positions of x_1..x_K and the bonus, over the ids the tokenizer can produce (an
                 # output layer padded past the vocabulary scores ids no text maps to and no draft holds)
                 rows = rows[:, : runner.vocab_size]
@@ -254,7 +206,7 @@ class TargetEngine(RunnerEngine):
                     continue
                 session.truncate(committed + accepted)  # roll back the rejected draft tokens
                 session.tokens.append(token)  # sampled here; enters the cache next call
-                results[i] = Verdict(accepted, token)
+                results[i] = Verdict(accepted, token, features=_committed_features(session, capture, states, j))
             pass_ms = timer.ms
             if live and all(call.steps > 1 for _, call, *_ in live):
                 self._decode_on([(i, call, session) for i, call, session, *_ in live], results, busy)
@@ -284,15 +236,16 @@ class TargetEngine(RunnerEngine):
                 fits.append((i, call, session))
             if not fits:
                 return
+            capture = _feature_layers([session for _, _, session in fits])
             try:
-                logits = runner.forward_many([(session, 1) for _, _, session in fits])
+                logits, states = runner.forward_capturing([(session, 1) for _, _, session in fits], capture)
             except Exception as exc:
                 for i, call, _ in fits:
                     runner.sessions.release(call.session_id)  # its cache may be half-written
                     results[i] = exc
                 return
             decoding = []
-            for (i, call, session), rows in zip(fits, logits):
+            for j, ((i, call, session), rows) in enumerate(zip(fits, logits)):
                 rows = rows[:, : runner.vocab_size]
                 if call.params.greedy:
                     _, token = greedy_verify(rows, [])
@@ -300,6 +253,9 @@ class TargetEngine(RunnerEngine):
                     _, token = rejection_sample(logits_to_probs(rows, call.params), nothing, [], [], session.generator)
                 session.tokens.append(token)
                 results[i].decoded.append(token)
+                step = _committed_features(session, capture, states, j)
+                if step is not None:
+                    results[i].features = Features.join([results[i].features, step]) if results[i].features else step
                 if len(results[i].decoded) + 1 < call.steps and token not in eos:
                     decoding.append((i, call, session))
 
@@ -327,8 +283,12 @@ class TargetEngine(RunnerEngine):
         if call.start:
             if not call.append:
                 raise InvalidRequest("a new session needs its prompt in `append`")
+            layers = features.check_layers(tuple(call.feature_layers), runner.num_hidden_layers)
+            if layers and runner.tp is not None:
+                raise InvalidRequest("this target is tensor-parallel: it cannot send feature layers to a draft")
             runner.check_context(call.session_id, len(call.append) + k, pending=pending)
             session = runner.start_session(call.session_id, call.params.seed)
+            session.feature_layers = layers
         else:
             session = runner.sessions.get(call.session_id)
             runner.check_context(call.session_id, len(session.tokens) + len(call.append) + k, len(session.tokens),
@@ -337,3 +297,22 @@ class TargetEngine(RunnerEngine):
         session.tokens.extend(call.append)
         session.tokens.extend(proposal.tokens)
         return session, committed, q_ids, q_probs
+
+
+def _feature_layers(sessions: list[Session]) -> tuple[int, ...]:
+    """The layers a pass captures: every one some session of it asks for (usually all the same)."""
+    layers: dict[int, None] = {}
+    for session in sessions:
+        layers.update(dict.fromkeys(session.feature_layers))
+    return tuple(layers)
+
+
+def _committed_features(session: Session, capture: tuple[int, ...], states: list, j: int) -> Features | None:
+    """The feature rows of feed j's session for the positions the pass fed and the session kept
+    (all its tokens but the last, which was sampled and is fed next call), in its layers' order."""
+    if not session.feature_layers:
+        return None
+    start, captured = states[j]  # [fed, len(capture), D]
+    kept = min(captured.shape[0], len(session.tokens) - 1 - start)
+    order = [capture.index(layer) for layer in session.feature_layers]
+    return features.pack(start, captured[: max(kept, 0), order])

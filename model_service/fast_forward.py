@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from . import scripted
 from .int4 import Int4, Q4Tiles, pack_int4
 from .kv_cache import POOL_CAPACITY, KVCache, KVPool
-from .slot_attention import slot_attention, slot_batch
+from .slot_attention import SlotBatch, slot_attention, slot_batch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # --dtype
 
@@ -237,7 +237,6 @@ class FastForward:
         """Append `input_ids` to `cache`; -> logits of the last `num_logits` of them, [num_logits, V]."""
         return self.many([(input_ids, cache, num_logits)])[0]
 
-    @torch.inference_mode()
     def many(self, feeds: list[tuple[list[int], KVCache, int]]) -> list[torch.Tensor]:
         """One forward pass over several sequences, each (input_ids, its cache, num_logits).
 
@@ -247,6 +246,15 @@ class FastForward:
         forward's pool, as one call over those slots (slot_attention.py). -> each feed's
         [num_logits, V].
         """
+        return self.many_capturing(feeds, ())[0]
+
+    @torch.inference_mode()
+    def many_capturing(self, feeds: list[tuple[list[int], KVCache, int]],
+                       capture: tuple[int, ...]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """`many`, and the hidden states at the `capture` layers for every token fed: layer i's is
+        the input of decoder layer i (0: the embeddings), as EAGLE-3's feature layers are counted.
+        The layers run in segments between the captured ones, each by the path it would take
+        anyway. -> (each feed's logits, states [T, len(capture), D] in feed order, or None)."""
         device = self.embed.device
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         spans, positions, ids = [], [], []
@@ -283,28 +291,24 @@ class FastForward:
                 keep = torch.tensor([r for (_, _, n), (_, b, _, _) in zip(feeds, spans) for r in range(b - n, b)],
                                     dtype=torch.long).to(device)
         last = len(self.layers) - 1
+        wanted = sorted(set(capture))
+        if wanted and not 0 <= wanted[0] <= wanted[-1] <= last:
+            raise ValueError(f"feature layers must lie in [0, {last}], not {list(capture)}")
+        states: dict[int, torch.Tensor] = {}
         if self.scripted and self.reduce is None:  # the same layers, run by TorchScript (see scripted.py)
-            if len(feeds) == 1 and self._runs_q4_layers():
-                scaling, in_norm, post_norm, half, qkv_bias, _, _, tiles, _, outs, _ = self._scripted_args()
-                x = torch.ops.specdec.q4_layers(x, cos, sin, feeds[0][1].data, spans[0][2], feeds[0][2], heads,
-                                                kv_heads, head_dim, self.eps, scaling, in_norm, post_norm, half,
-                                                qkv_bias, tiles, outs)
-            elif len(feeds) == 1:
-                x = scripted.LAYERS(x, cos, sin, feeds[0][1].data, spans[0][2], masks[0], feeds[0][2], heads,
-                                    kv_heads, head_dim, self.eps, *self._scripted_args())
-            elif slots is not None:
-                x = scripted.LAYERS_BATCHED(
-                    x, cos, sin, [], [], [], self.pool.data, [slots.lo, slots.hi, slots.width, slots.keys],
-                    [slots.rows, slots.cols, slots.pos, slots.mask], keep, heads, kv_heads, head_dim, self.eps,
-                    *self._scripted_args())
-            else:
-                x = scripted.LAYERS_BATCHED(
-                    x, cos, sin, [cache.data for _, cache, _ in feeds], [list(span) for span in spans], masks, None,
-                    [], [], keep, heads, kv_heads, head_dim, self.eps, *self._scripted_args())
+            lo = 0
+            for hi in [*wanted, last + 1]:  # segments between the captured layers
+                if hi > lo:
+                    x = self._scripted_layers(x, cos, sin, feeds, spans, masks, slots, keep, lo, hi, hi == last + 1)
+                if hi <= last:
+                    states[hi] = x.clone()
+                lo = hi
             layers = []  # done
         else:
             layers = self.layers
         for i, layer in enumerate(layers):
+            if i in wanted:
+                states[i] = x.clone()
             h = self._norm(x, layer["in_norm"])
             qkv = self._mm(h, layer["qkv"], layer["qkv_packed"], layer["qkv_bias"])  # [T, (H + 2 H_kv) head_dim]
             # RoPE on q and k at once: they are the first H + H_kv heads of qkv
@@ -344,7 +348,34 @@ class FastForward:
         if self.head_ids is not None:  # [rows, N] -> [rows, V], -inf where the head does not score
             full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
             logits = full.index_copy_(1, self.head_ids, logits)
-        return list(logits.split([n for _, _, n in feeds]))
+        captured = torch.stack([states[i] for i in capture], dim=1) if capture else None  # [T, layers, D]
+        return list(logits.split([n for _, _, n in feeds])), captured
+
+    def _scripted_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, feeds, spans, masks,
+                         slots: SlotBatch | None, keep, lo: int, hi: int, final: bool) -> torch.Tensor:
+        """Layers lo..hi-1 by TorchScript or specdec's C++ loop (scripted.py, q4_kernel.py): their
+        cache and weights are the layer-sliced views of the whole model's; only the `final` segment
+        keeps just the asked rows at its last layer."""
+        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
+        args = self._scripted_args()
+        if lo or hi < len(self.layers):
+            args = tuple(a[lo:hi] if n < 5 else a[4 * lo : 4 * hi] for n, a in enumerate(args[:-1])) + (args[-1],)
+        if len(feeds) == 1 and self._runs_q4_layers():
+            scaling, in_norm, post_norm, half, qkv_bias, _, _, tiles, _, outs, _ = args
+            return torch.ops.specdec.q4_layers(x, cos, sin, feeds[0][1].data[lo:hi], spans[0][2],
+                                               feeds[0][2] if final else 0, heads, kv_heads, head_dim, self.eps,
+                                               scaling, in_norm, post_norm, half, qkv_bias, tiles, outs)
+        if len(feeds) == 1:
+            return scripted.LAYERS(x, cos, sin, feeds[0][1].data[lo:hi], spans[0][2], masks[0],
+                                   feeds[0][2] if final else 0, heads, kv_heads, head_dim, self.eps, *args)
+        keep = keep if final else None
+        if slots is not None:
+            return scripted.LAYERS_BATCHED(
+                x, cos, sin, [], [], [], self.pool.data[lo:hi], [slots.lo, slots.hi, slots.width, slots.keys],
+                [slots.rows, slots.cols, slots.pos, slots.mask], keep, heads, kv_heads, head_dim, self.eps, *args)
+        return scripted.LAYERS_BATCHED(
+            x, cos, sin, [cache.data[lo:hi] for _, cache, _ in feeds], [list(span) for span in spans], masks, None,
+            [], [], keep, heads, kv_heads, head_dim, self.eps, *args)
 
     def _runs_q4_layers(self) -> bool:
         """Whether a one-sequence pass runs its layers in specdec's C++ loop (q4_kernel's q4_layers):

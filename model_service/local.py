@@ -7,9 +7,10 @@ engine's pass is the call's own.
 
 from __future__ import annotations
 
-from .drafting import DraftMethod, ProposeCall, one_result
+from speculative.protocol import Cost, Proposal, ProposeCall, Verdict, VerifyCall
+
+from .drafting import DraftMethod, one_result
 from .engines import TargetEngine
-from speculative.protocol import Cost, Proposal, SamplingParams, Verdict
 
 
 class LocalDraft:
@@ -18,11 +19,8 @@ class LocalDraft:
     def __init__(self, engine: DraftMethod):
         self.engine = engine
 
-    async def propose(
-        self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams,
-        p_min: float = 0.0, *, turn: tuple[int, int] = (0, 0),
-    ) -> tuple[Proposal, Cost]:
-        return one_result(self.engine.propose_many([ProposeCall(session_id, start, rollback, append, k, params, p_min)]))
+    async def propose(self, call: ProposeCall, *, turn: tuple[int, int] = (0, 0)) -> tuple[Proposal, Cost]:
+        return one_result(self.engine.propose_many([call]))
 
     async def release(self, session_id: str) -> None:
         self.engine.release(session_id)
@@ -32,11 +30,8 @@ class LocalTarget:
     def __init__(self, engine: TargetEngine):
         self.engine = engine
 
-    async def verify(
-        self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams,
-        steps: int = 1, *, turn: tuple[int, int] = (0, 0),
-    ) -> tuple[Verdict, Cost]:
-        return self.engine.verify(session_id, start, append, proposal, params, steps)
+    async def verify(self, call: VerifyCall, *, turn: tuple[int, int] = (0, 0)) -> tuple[Verdict, Cost]:
+        return one_result(self.engine.verify_many([call]))
 
     async def release(self, session_id: str) -> None:
         self.engine.release(session_id)

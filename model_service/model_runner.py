@@ -310,7 +310,18 @@ class ModelRunner:
             "pass_ms_multi_row": self.pass_cost.multi_row,
             "tensor_parallel_size": self.tensor_parallel,
             "rank_loads": self.loads,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
         }
+
+    @property
+    def hidden_size(self) -> int:
+        return int(getattr(self.model.config.get_text_config(), "hidden_size", 0) or 0)
+
+    @property
+    def num_hidden_layers(self) -> int:
+        """Decoder layers: the feature layers a session may ask for are 0 .. this - 1."""
+        return int(getattr(self.model.config.get_text_config(), "num_hidden_layers", 0) or 0)
 
     def tokenizer_files(self) -> list[tuple[str, bytes]]:
         """saved_tokenizer_files, once."""
@@ -363,6 +374,15 @@ class ModelRunner:
         The lean forward batches them (one matrix multiply per weight for all their tokens);
         transformers' forward runs them one after another.
         """
+        return self.forward_capturing(feeds, ())[0]
+
+    @torch.inference_mode()
+    def forward_capturing(self, feeds: list[tuple[Session, int]], capture: tuple[int, ...]
+                          ) -> tuple[list[torch.Tensor], list[tuple[int, torch.Tensor]]]:
+        """`forward_many`, and each session's hidden states at the `capture` layers (the input of
+        decoder layer i, FastForward.many_capturing) for the tokens the pass fed it. -> (logits,
+        per feed (the position of its first fed token, states [fed, len(capture), D]); none
+        where capture is empty)."""
         news = []
         for session, num_logits in feeds:
             short = num_logits - (len(session.tokens) - session.cached)
@@ -386,21 +406,32 @@ class ModelRunner:
                 torch.set_num_threads(threads)
         if self.on_forward is not None:
             self.on_forward()
+        starts = [session.cached for session, _ in feeds]
+        states: list[tuple[int, torch.Tensor]] = []
         if self.fast is not None:
-            logits = self.fast.many([(new, s.cache, n) for new, (s, n) in zip(news, feeds)])
+            passes = [(new, s.cache, n) for new, (s, n) in zip(news, feeds)]
+            if not capture:
+                logits = self.fast.many(passes)
+            elif self.tp is not None:  # the ranks' forward does not hand back its layers' inputs (yet)
+                raise InvalidRequest("this target is tensor-parallel: it cannot send feature layers to a draft")
+            else:
+                logits, captured = self.fast.many_capturing(passes, capture)
+                states = list(zip(starts, captured.split([len(new) for new in news])))
         else:
             logits = []
-            for new, (session, num_logits) in zip(news, feeds):
+            for new, start, (session, num_logits) in zip(news, starts, feeds):
                 input_ids = torch.tensor([new], dtype=torch.long, device=self.device)  # [1, S]
                 out = self.model(input_ids=input_ids, past_key_values=session.cache, use_cache=True,
-                                 logits_to_keep=num_logits)
+                                 logits_to_keep=num_logits, output_hidden_states=bool(capture))
                 row = out.logits[0]
                 if self.head_ids is not None:  # as the lean forward's restricted head: -inf elsewhere
                     row = torch.full_like(row, float("-inf")).index_copy_(1, self.head_ids, row[:, self.head_ids])
                 logits.append(row)
+                if capture:  # hidden_states[i]: the input of layer i, as the lean forward counts
+                    states.append((start, torch.stack([out.hidden_states[i][0] for i in capture], dim=1)))
         for session, _ in feeds:
             session.cached = len(session.tokens)
-        return [row.float() for row in logits]
+        return [row.float() for row in logits], states
 
 
 class Timer:

@@ -38,13 +38,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from speculative.errors import InvalidRequest
-from speculative.protocol import Cost, Proposal
+from speculative.protocol import Cost, Proposal, ProposeCall
 from speculative.sampling import one_hot_supports
 
-from .drafting import ProposeCall
+from .drafting import MethodSessions, advance
 from .model_runner import Timer, saved_tokenizer_files, tokenizer_fields
-from .sessions import Session, SessionTable, check_session_id
+from .sessions import SessionTable
 
 NGRAM_CONTEXT = 1 << 20  # tokens a session may hold unless --max-context says fewer (the coordinator
 # takes the smaller of the draft's and the target's)
@@ -120,6 +119,7 @@ class NgramDraft:
         self.max_tokens = max_tokens
         self.max_context = max_context
         self.sessions = SessionTable(max_sessions, idle_timeout, lambda: NgramIndex(self.sizes))
+        self.host = MethodSessions(self.sessions, self.vocab_size, max_context)
         self.at_work = 0  # a call costs microseconds: the batcher never waits for others
         self._tokenizer_files: list[tuple[str, bytes]] | None = None
 
@@ -143,7 +143,7 @@ class NgramDraft:
         results: list = []
         for call in calls:
             try:
-                session = self._advance(call)
+                session = advance(call, self.max_tokens, self.host)
             except Exception as exc:
                 results.append(exc)
                 continue
@@ -158,42 +158,6 @@ class NgramDraft:
         live = [r for r in results if isinstance(r, Proposal)]
         cost = Cost(ms, batch_size=len(live), batch_tokens=sum(len(p.tokens) for p in live), pass_ms=ms)
         return [(r, cost) if isinstance(r, Proposal) else r for r in results]
-
-    def _advance(self, call: ProposeCall) -> Session:
-        """Validate a call, then roll back the rejected proposals and append the new tokens (as
-        DraftEngine._advance: a refused call leaves its session as it was)."""
-        check_session_id(call.session_id)
-        call.params.validate()
-        if not 0 <= call.k <= self.max_tokens:
-            raise InvalidRequest(f"num_tokens must lie in [0, {self.max_tokens}], not {call.k}")
-        if not 0.0 <= call.p_min <= 1.0:  # also rejects NaN
-            raise InvalidRequest(f"p_min must lie in [0, 1], not {call.p_min}")
-        bad = [t for t in call.append if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequest(f"appended token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if call.start:
-            if not call.session_id:
-                raise InvalidRequest("session_id is empty")
-            if call.rollback or not call.append:
-                raise InvalidRequest("a new session needs its prompt in `append` and nothing to roll back")
-            self._check_context(call.session_id, len(call.append) + call.k)
-            session = self.sessions.create(call.session_id, None)
-        else:
-            session = self.sessions.get(call.session_id)
-            if call.rollback > session.proposed:
-                raise InvalidRequest(
-                    f"cannot roll back {call.rollback} tokens: only {session.proposed} were proposed")
-            self._check_context(call.session_id, len(session.tokens) - call.rollback + len(call.append) + call.k)
-        session.truncate(len(session.tokens) - call.rollback)
-        # proposals not rolled back stay unconfirmed until tokens are appended (drafting.py)
-        session.proposed = 0 if call.append else session.proposed - call.rollback
-        session.tokens.extend(call.append)
-        return session
-
-    def _check_context(self, session_id: str, length: int) -> None:
-        if length > self.max_context:
-            raise InvalidRequest(
-                f"session {session_id!r} would hold {length} tokens, beyond the context of {self.max_context}")
 
     def release(self, session_id: str) -> bool:
         return self.sessions.release(session_id)

@@ -34,6 +34,7 @@ class Session:
     tokens: list[int] = field(default_factory=list)
     cached: int = 0
     proposed: int = 0  # draft only: tokens of the last proposal, which a rollback may drop
+    feature_layers: tuple[int, ...] = ()  # target only: the layers whose hidden states its answers return
     last_used: float = field(default_factory=time.monotonic)
 
     def truncate(self, length: int) -> None:

@@ -3,17 +3,28 @@
 The round (round.py), both model services and the coordinator share these words:
 
   SamplingParams   how a request samples (temperature 0 = greedy); `validate` is the one check
+  ProposeCall      one session's call to the draft: the delta (roll back, append), then up to k tokens
   Proposal         K draft tokens and the sparse q each was sampled from (wire layout below)
+  VerifyCall       one session's call to the target: the delta and the proposal to verify
   Verdict          how many of them the target accepted, and its own next token (or tokens: a
                    call with no proposal may ask the target to decode several on its own)
+  Features         the target's hidden states at some layers for consecutive committed
+                   positions: what goes the other way, from the target to a draft that reads
+                   them (an EAGLE head), as packed bytes (wire layout below)
   Cost             what one peer call cost (time in the service, bytes on the wire, its batch)
   PassCost         a model pass's time as a service measured it (adaptive K reads it)
   DraftPeer, TargetPeer   the two interfaces the round calls: in-process engines
                    (model_service/local.py) or gRPC stubs (coordinator/peers.py)
 
-and the to/from-protobuf pairs, written once. A Proposal's q travels as bytes: for token i,
+and the to/from-protobuf pairs, written once. Every layer between the round and a service (the
+gRPC peers, failover, the lockstep gate, the in-process peers, the servicers) passes the call
+objects on whole: a new field is added here and where it is used, not in each layer.
+
+A Proposal's q travels as bytes: for token i,
 `support_sizes[i]` (id, probability) pairs, ids int32 and probabilities float32, little-endian,
-concatenated in `support_ids` / `support_probs` (specdec.proto, DraftProposal).
+concatenated in `support_ids` / `support_probs` (specdec.proto, DraftProposal). Features travel
+as `rows` x `width` values of `dtype` (float16, or bfloat16 where a value is beyond float16's
+range), row-major, little-endian: row r is position start + r (specdec.proto, Features).
 """
 
 from __future__ import annotations
@@ -21,6 +32,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Protocol
+
+import numpy as np
 
 from specdec.v1 import specdec_pb2 as pb
 
@@ -67,6 +80,108 @@ class Proposal:
                         self.support_probs[a:b])
 
 
+FEATURE_DTYPES = ("float16", "bfloat16")
+
+
+@dataclass
+class Features:
+    """The target's hidden states for positions start .. start + rows - 1 of a session, each row
+    its feature layers' states side by side (`width` values), packed (module docstring)."""
+
+    start: int
+    rows: int
+    width: int
+    dtype: str = "float16"
+    data: bytes = b""
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows
+
+    @property
+    def row_bytes(self) -> int:
+        return self.width * 2  # both dtypes are 2 bytes a value
+
+    def check(self) -> "Features":
+        """Raise InvalidRequest unless the fields agree with each other; return self."""
+        if self.dtype not in FEATURE_DTYPES:
+            raise InvalidRequest(f"features dtype must be one of {', '.join(FEATURE_DTYPES)}, not {self.dtype!r}")
+        if len(self.data) != self.rows * self.row_bytes:
+            raise InvalidRequest(f"features hold {len(self.data)} bytes, not rows x width x 2 = "
+                                 f"{self.rows} x {self.width} x 2")
+        return self
+
+    def since(self, position: int) -> "Features":
+        """The rows from `position` on (none where it is past the end)."""
+        skip = min(max(0, position - self.start), self.rows)
+        return Features(self.start + skip, self.rows - skip, self.width, self.dtype, self.data[skip * self.row_bytes:])
+
+    def last(self, rows: int) -> "Features":
+        """The last `rows` rows."""
+        return self.since(self.end - rows)
+
+    def as_bfloat16(self) -> "Features":
+        """The same rows as bfloat16 (rounded to nearest even): what float16 and bfloat16 parts join as."""
+        if self.dtype == "bfloat16":
+            return self
+        bits = np.frombuffer(self.data, dtype="<f2").astype("<f4").view("<u4").astype(np.uint64)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return Features(self.start, self.rows, self.width, "bfloat16", bits.astype("<u2").tobytes())
+
+    @staticmethod
+    def join(parts: "list[Features]") -> "Features | None":
+        """Parts that overlap or follow each other as one (a later part's rows replace an earlier
+        one's); a part after a gap replaces what came before it."""
+        parts = [p for p in parts if p.rows]
+        if not parts:
+            return None
+        out = parts[0]
+        for part in parts[1:]:
+            if part.width != out.width:
+                raise ValueError(f"features do not join: rows {out.start}..{out.end} then {part.start}..{part.end}"
+                                 f" (widths {out.width}, {part.width})")
+            if part.start > out.end:  # a gap: the rows before it no longer lead up to these
+                out = part
+                continue
+            if part.end < out.start:  # older rows than those held, with a gap: nothing to add
+                continue
+            if part.dtype != out.dtype:  # one dtype a message: bfloat16 keeps the range of both
+                out, part = out.as_bfloat16(), part.as_bfloat16()
+            start = min(out.start, part.start)
+            head = out.data[: max(0, part.start - out.start) * out.row_bytes]
+            tail = out.since(part.end).data if out.end > part.end else b""
+            out = Features(start, max(out.end, part.end) - start, out.width, out.dtype, head + part.data + tail)
+        return out
+
+
+@dataclass
+class ProposeCall:
+    """One session's propose call (model_service/drafting.py's contract): the delta (roll back the
+    last `rollback` proposals, append the committed tokens), then up to k tokens."""
+
+    session_id: str
+    start: bool          # a new session: `append` is its prompt, `rollback` 0
+    rollback: int
+    append: list[int]
+    k: int
+    params: SamplingParams
+    p_min: float = 0.0   # stop drafting at a token whose top probability is below this
+    features: Features | None = None  # the target's rows new since the last call (feature-reading drafts)
+
+
+@dataclass
+class VerifyCall:
+    """One session's verify call: append the committed tokens, then score the proposal in one pass."""
+
+    session_id: str
+    start: bool          # a new session: `append` is its prompt
+    append: list[int]
+    proposal: Proposal
+    params: SamplingParams
+    steps: int = 1       # with no proposal: tokens to decode in this call (VerifyRequest.decode_steps)
+    feature_layers: tuple[int, ...] = ()  # on start: the layers whose hidden states each answer returns
+
+
 @dataclass
 class Cost:
     """What one peer call cost: time inside the service, and bytes on the wire (0 in one process);
@@ -84,6 +199,7 @@ class Verdict:
     accepted: int  # draft tokens accepted, a prefix of the proposal
     token: int     # recovered (accepted < K) or bonus (accepted == K) token
     decoded: list[int] = field(default_factory=list)  # tokens after `token` the target decoded on its own
+    features: Features | None = None  # a session with feature layers: the rows this call fed and committed
 
 
 @dataclass(frozen=True)
@@ -105,21 +221,15 @@ class PassCost:
 
 
 class DraftPeer(Protocol):
-    async def propose(
-        self, session_id: str, start: bool, rollback: int, append: list[int], k: int, params: SamplingParams,
-        p_min: float = 0.0,
-    ) -> tuple[Proposal, Cost]: ...
+    async def propose(self, call: ProposeCall) -> tuple[Proposal, Cost]: ...
 
     async def release(self, session_id: str) -> None: ...
 
 
 class TargetPeer(Protocol):
-    async def verify(
-        self, session_id: str, start: bool, append: list[int], proposal: Proposal, params: SamplingParams,
-        steps: int = 1,
-    ) -> tuple[Verdict, Cost]:
-        """steps > 1 (no proposal only): the target decodes up to that many tokens on its own in this
-        one call (Verdict.decoded holds those after the first), a pass each, stopping after an EOS."""
+    async def verify(self, call: VerifyCall) -> tuple[Verdict, Cost]:
+        """call.steps > 1 (no proposal only): the target decodes up to that many tokens on its own in
+        this one call (Verdict.decoded holds those after the first), a pass each, stopping after an EOS."""
 
     async def release(self, session_id: str) -> None: ...
 
@@ -143,6 +253,53 @@ def proposal_to_proto(proposal: Proposal) -> pb.DraftProposal:
 
 def proposal_from_proto(msg: pb.DraftProposal) -> Proposal:
     return Proposal(list(msg.tokens), list(msg.support_sizes), msg.support_ids, msg.support_probs)
+
+
+def features_to_proto(features: Features | None) -> pb.Features | None:
+    if features is None:
+        return None
+    return pb.Features(start=features.start, rows=features.rows, width=features.width, dtype=features.dtype,
+                       data=features.data)
+
+
+def features_from_proto(msg: pb.Features) -> Features:
+    return Features(msg.start, msg.rows, msg.width, msg.dtype, msg.data)
+
+
+def propose_call_to_proto(call: ProposeCall, turn: tuple[int, int] = (0, 0)) -> pb.ProposeRequest:
+    """`turn`: the lockstep turn (id, calls) the call was let through in ((0, 0): not gated)."""
+    return pb.ProposeRequest(session_id=call.session_id, start=call.start, rollback=call.rollback, append=call.append,
+                             num_tokens=call.k, sampling=params_to_proto(call.params), p_min=call.p_min,
+                             turn_id=turn[0], turn_size=turn[1], features=features_to_proto(call.features))
+
+
+def propose_call_from_proto(msg: pb.ProposeRequest) -> ProposeCall:
+    return ProposeCall(msg.session_id, msg.start, msg.rollback, list(msg.append), msg.num_tokens,
+                       params_from_proto(msg.sampling), msg.p_min,
+                       features_from_proto(msg.features) if msg.HasField("features") else None)
+
+
+def verify_call_to_proto(call: VerifyCall, turn: tuple[int, int] = (0, 0)) -> pb.VerifyRequest:
+    return pb.VerifyRequest(session_id=call.session_id, start=call.start, append=call.append,
+                            proposal=proposal_to_proto(call.proposal), sampling=params_to_proto(call.params),
+                            turn_id=turn[0], turn_size=turn[1], decode_steps=call.steps if call.steps > 1 else 0,
+                            feature_layers=call.feature_layers)
+
+
+def verify_call_from_proto(msg: pb.VerifyRequest) -> VerifyCall:
+    return VerifyCall(msg.session_id, msg.start, list(msg.append), proposal_from_proto(msg.proposal),
+                      params_from_proto(msg.sampling), max(1, msg.decode_steps), tuple(msg.feature_layers))
+
+
+def verdict_to_proto(verdict: Verdict, cost: Cost) -> pb.VerifyResponse:
+    return pb.VerifyResponse(accepted=verdict.accepted, token=verdict.token, service_ms=cost.service_ms,
+                             batch_size=cost.batch_size, batch_tokens=cost.batch_tokens, pass_ms=cost.pass_ms,
+                             decoded=verdict.decoded, features=features_to_proto(verdict.features))
+
+
+def verdict_from_proto(msg: pb.VerifyResponse) -> Verdict:
+    return Verdict(msg.accepted, msg.token, list(msg.decoded),
+                   features_from_proto(msg.features) if msg.HasField("features") else None)
 
 
 def pass_cost_from_info(info: pb.ModelInfo) -> PassCost:

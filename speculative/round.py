@@ -11,6 +11,12 @@ deltas only:
           not yet in its KV cache); each call appends what is new (normally
           nothing) plus the K draft tokens, scored in one forward pass.
 
+A draft that reads the target's hidden states (an EAGLE head: `feature_layers`) gets them the
+other way: the target session, asked for those layers when it starts, returns with every answer
+the rows of the positions it fed and committed (protocol.Features), and the next call to the
+draft carries the rows new to it with the tokens they belong to. Such a draft cannot draft before
+the target's first pass, so a round before it drafts nothing.
+
 A peer that no longer holds the session (its replica was lost: coordinator/failover.py)
 raises SessionLost; the round then counts nothing as held there and calls again as a new
 session carrying every committed token. A draft that cannot start one either leaves the
@@ -26,7 +32,9 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .protocol import Cost, DraftPeer, Proposal, SamplingParams, TargetPeer, Verdict
+from .protocol import Cost, DraftPeer, Features, Proposal, ProposeCall, SamplingParams, TargetPeer, Verdict, VerifyCall
+
+FEATURE_WINDOW = 128  # feature rows a sequence keeps for a draft session started again (see FeatureLog)
 
 
 class SessionLost(Exception):
@@ -63,6 +71,45 @@ class FixedK:
         pass
 
 
+class FeatureLog:
+    """The target's feature rows a sequence has received and still needs: those not yet sent to
+    the draft (all of a prompt's, for its first call), and the last `window` rows, from which a
+    draft session started again (its replica was lost) drafts: it attends to those rows only, so
+    the restart costs `window` rows on the wire, not the whole prefix. It holds at most
+    `max_bytes` (rounds that call no draft keep adding rows): a draft that falls further behind
+    starts its rows again after the gap (model_service/eagle.py)."""
+
+    def __init__(self, window: int = FEATURE_WINDOW, max_bytes: int = 8 << 20):
+        self.window = window
+        self.max_bytes = max_bytes
+        self.rows: Features | None = None
+
+    @property
+    def end(self) -> int:
+        return self.rows.end if self.rows is not None else 0
+
+    def add(self, features: Features | None, sent: int) -> None:
+        """Take an answer's rows in; `sent`: the draft holds the rows before this position."""
+        if features is not None and features.rows:
+            self.rows = Features.join([self.rows, features]) if self.rows is not None else features
+            self.sent(sent)
+
+    def since(self, position: int) -> Features | None:
+        """The rows from `position` on, None if there are none."""
+        out = self.rows.since(position) if self.rows is not None else None
+        return out if out is not None and out.rows else None
+
+    def held(self) -> Features | None:
+        """Every row held (a draft session's start: the prompt's, or a restart's last window)."""
+        return self.since(0)
+
+    def sent(self, position: int) -> None:
+        """The draft holds the rows before `position`: keep only what a restart or it still needs."""
+        if self.rows is not None:
+            cap = self.max_bytes // max(1, self.rows.row_bytes)
+            self.rows = self.rows.since(max(min(position, self.end - self.window), self.end - cap))
+
+
 @dataclass
 class Sequence:
     """The coordinator's view of one generation: what each peer already holds."""
@@ -73,10 +120,13 @@ class Sequence:
     draft_unconfirmed: int = 0   # proposals the draft session holds beyond them
     target_seen: int = 0         # committed tokens in the target session
     ready: Proposal | None = None  # pre-drafted, still valid: the first draft_unconfirmed it holds
+    feature_layers: tuple[int, ...] = ()  # the target layers the draft reads (none: it reads no features)
+    features: FeatureLog = field(default_factory=FeatureLog)
+    draft_featured: int = 0      # the draft session holds feature rows up to this position
 
     def draft_lost(self) -> None:
         """The draft session is gone: the next draft call starts it again."""
-        self.draft_seen = self.draft_unconfirmed = 0
+        self.draft_seen = self.draft_unconfirmed = self.draft_featured = 0
         self.ready = None
 
 
@@ -91,6 +141,7 @@ class Round:
     draft_calls: int = 0  # calls to the draft this round (a pre-draft counts)
     predrafted: bool = False   # the draft drafted ahead while the target verified
     predraft_hit: bool = False  # ... and that draft is the next round's proposal
+    feature_bytes: int = 0     # the target's feature rows this round (a feature-reading draft's)
 
 
 async def speculative_round(
@@ -113,6 +164,8 @@ async def speculative_round(
     cut to what the draft session's context (max_context) and one call (max_call_tokens) allow,
     and skipped where that is nothing.
     """
+    if seq.feature_layers and not seq.features.end:
+        k = 0  # the draft drafts from the target's features: none yet before its first pass
     proposal, draft_cost = Proposal(), Cost()
     ready, seq.ready = seq.ready, None
     held = 0  # proposals the draft holds past what is committed
@@ -135,7 +188,7 @@ async def speculative_round(
             ahead_k = min(ahead_k, max_context - len(seq.tokens) - held)
     if ahead_k > 0:
         (verdict, target_cost), predrafted = await asyncio.gather(
-            verify, _unless_lost(draft.propose(seq.session_id, False, 0, [], ahead_k, params, p_min)))
+            verify, _unless_lost(draft.propose(ProposeCall(seq.session_id, False, 0, [], ahead_k, params, p_min))))
         lost = predrafted is None  # a miss
         ahead, ahead_cost = predrafted or (Proposal(), Cost())
         draft_cost = Cost(draft_cost.service_ms + ahead_cost.service_ms, draft_cost.wire_bytes + ahead_cost.wire_bytes,
@@ -148,6 +201,7 @@ async def speculative_round(
     seq.tokens.append(verdict.token)
     seq.tokens.extend(verdict.decoded)
     seq.target_seen = len(seq.tokens)
+    seq.features.add(verdict.features, seq.draft_featured)
     hit = False
     if k > 0:
         # the draft keeps the accepted proposals; the rest are rolled back next call
@@ -163,20 +217,37 @@ async def speculative_round(
         seq.draft_lost()
     calls = (k > 0 and ready is None) + (ahead is not None)
     return Round(accepted + [verdict.token] + verdict.decoded, len(proposal.tokens), verdict.accepted, draft_cost,
-                 target_cost, k, calls, ahead is not None, hit)
+                 target_cost, k, calls, ahead is not None, hit,
+                 len(verdict.features.data) if verdict.features is not None else 0)
 
 
 async def _propose(draft: DraftPeer, seq: Sequence, k: int, params: SamplingParams,
                    p_min: float) -> tuple[Proposal, Cost] | None:
     """The draft's proposal after the committed tokens, from a session started again if the draft
-    lost it; None if it cannot start one."""
+    lost it; None if it cannot start one. A feature-reading draft gets the rows new to it (a new
+    session: those the sequence holds, FeatureLog)."""
+    reads = bool(seq.feature_layers)
     if seq.draft_seen:
         try:
-            return await draft.propose(seq.session_id, False, seq.draft_unconfirmed, seq.tokens[seq.draft_seen :],
-                                       k, params, p_min)
+            answer = await draft.propose(ProposeCall(
+                seq.session_id, False, seq.draft_unconfirmed, seq.tokens[seq.draft_seen :], k, params, p_min,
+                seq.features.since(seq.draft_featured) if reads else None))
+            _featured(seq)
+            return answer
         except SessionLost:
             seq.draft_lost()
-    return await _unless_lost(draft.propose(seq.session_id, True, 0, seq.tokens[:], k, params, p_min))
+    answer = await _unless_lost(draft.propose(ProposeCall(seq.session_id, True, 0, seq.tokens[:], k, params, p_min,
+                                                          seq.features.held() if reads else None)))
+    if answer is not None:
+        _featured(seq)
+    return answer
+
+
+def _featured(seq: Sequence) -> None:
+    """The draft session took every feature row the sequence has."""
+    if seq.feature_layers:
+        seq.draft_featured = seq.features.end
+        seq.features.sent(seq.draft_featured)
 
 
 async def _verify(target: TargetPeer, seq: Sequence, proposal: Proposal, params: SamplingParams,
@@ -184,10 +255,12 @@ async def _verify(target: TargetPeer, seq: Sequence, proposal: Proposal, params:
     """The target's verdict on the proposal, from a session started again if the target lost it."""
     if seq.target_seen:
         try:
-            return await target.verify(seq.session_id, False, seq.tokens[seq.target_seen :], proposal, params, steps)
+            return await target.verify(VerifyCall(seq.session_id, False, seq.tokens[seq.target_seen :], proposal,
+                                                  params, steps))
         except SessionLost:
             seq.target_seen = 0
-    return await target.verify(seq.session_id, True, seq.tokens[:], proposal, params, steps)
+    return await target.verify(VerifyCall(seq.session_id, True, seq.tokens[:], proposal, params, steps,
+                                          seq.feature_layers))
 
 
 async def _unless_lost(call: Awaitable[tuple[Proposal, Cost]]) -> tuple[Proposal, Cost] | None:
@@ -213,12 +286,14 @@ class Stats:
     verify_batch_sessions: int = 0  # summed over rounds: sessions in the target pass each round rode in
     predrafts: int = 0      # rounds that drafted ahead during verification
     predraft_hits: int = 0  # ... whose draft became the next proposal
+    feature_bytes: int = 0  # the target's feature rows sent for the draft (a feature-reading draft)
 
     def add(self, r: Round) -> None:
         self.rounds += 1
         self.verify_batch_sessions += r.target.batch_size
         self.predrafts += r.predrafted
         self.predraft_hits += r.predraft_hit
+        self.feature_bytes += r.feature_bytes
         self.rejected_rounds += r.accepted < r.proposed
         self.draft_tokens += r.proposed
         self.accepted_tokens += r.accepted
@@ -234,7 +309,8 @@ class Stats:
     def merge(self, other: "Stats") -> None:
         """Add another generation's counts to these (for totals over requests)."""
         for name in ("rounds", "draft_tokens", "accepted_tokens", "draft_calls", "draft_ms", "target_ms",
-                     "wire_bytes", "generated_tokens", "rejected_rounds", "predrafts", "predraft_hits"):
+                     "wire_bytes", "generated_tokens", "rejected_rounds", "predrafts", "predraft_hits",
+                     "feature_bytes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         # (`other` may be a GenerationStats message, which carries the mean instead)
         self.verify_batch_sessions += getattr(other, "verify_batch_sessions", None) or round(
@@ -279,19 +355,24 @@ async def generate(
     p_min: float = 0.0,
     predraft: bool = False,
     max_call_tokens: int | None = None,
+    feature_layers: tuple[int, ...] = (),
+    feature_window: int = FEATURE_WINDOW,
 ) -> AsyncIterator[list[int]]:
     """Yield each round's new tokens until max_new_tokens, the context or an EOS.
 
     k is a fixed number of draft tokens per round or a policy choosing it per round
     (coordinator/adaptive.py); max_call_tokens caps the tokens one call asks the draft for (a
-    pre-draft asks k + 1). Tokens past an EOS or past max_new_tokens are dropped. Both
+    pre-draft asks k + 1); feature_layers: the target layers a feature-reading draft reads (its
+    ModelInfo.feature_layers), feature_window: the rows kept for a draft session started again
+    (FeatureLog). Tokens past an EOS or past max_new_tokens are dropped. Both
     sessions are released when the generator ends or is closed early.
     """
     if isinstance(k, int):
         k = FixedK(k)
     asked_draft = False  # whether any round has called the draft (its session may exist)
     stats = stats if stats is not None else Stats()
-    seq = Sequence(session_id or uuid.uuid4().hex, list(prompt))
+    seq = Sequence(session_id or uuid.uuid4().hex, list(prompt), feature_layers=tuple(feature_layers),
+                   features=FeatureLog(feature_window))
     limit = min(max_new_tokens, max_context - len(prompt))
     try:
         while stats.generated_tokens < limit:

@@ -3,7 +3,10 @@
 specdec's own in-process speculative round (speculative.round.generate over LocalDraft /
 LocalTarget) on the given prompts, greedy, K draft tokens per round; per prompt accepted /
 proposed, reported as the mean over prompts and pooled. `python -m training distill
---acceptance` writes it into the draft's card.
+--acceptance` writes it into the draft's card; for an EAGLE-3 head (the target's features
+handed to it each round, as over gRPC):
+
+    python -m training.acceptance --eagle models/eagle --target models/target [--write]
 """
 
 from __future__ import annotations
@@ -19,9 +22,17 @@ from speculative.round import Stats, generate
 from speculative.protocol import SamplingParams
 
 
-async def _acceptance(draft_dir: Path, target_dir: Path, prompts, k: int, new_tokens: int, vocab_subset: int) -> dict:
-    draft = LocalDraft(DraftEngine(ModelRunner(draft_dir, device="cpu", vocab_subset=vocab_subset)))
-    target_runner = ModelRunner(target_dir, device="cpu")
+async def _acceptance(draft_dir: Path, target_dir: Path, prompts, k: int, new_tokens: int, vocab_subset: int,
+                      eagle: bool = False, quantize: str = "none") -> dict:
+    if eagle:
+        from model_service.eagle import EagleDraft
+
+        method = EagleDraft.load(draft_dir, target_dir, "cpu")
+        layers = method.layers
+    else:
+        method, layers = DraftEngine(ModelRunner(draft_dir, device="cpu", vocab_subset=vocab_subset)), ()
+    draft = LocalDraft(method)
+    target_runner = ModelRunner(target_dir, device="cpu", quantize=quantize)
     target = LocalTarget(TargetEngine(target_runner))
     rates, total, start = [], Stats(), time.perf_counter()
     for i, prompt in enumerate(prompts):
@@ -37,6 +48,7 @@ async def _acceptance(draft_dir: Path, target_dir: Path, prompts, k: int, new_to
             max_context=target_runner.max_context,
             stats=stats,
             session_id=f"prompt-{i}",
+            feature_layers=layers,
         ):
             pass
         rates.append(stats.acceptance_rate)
@@ -56,11 +68,49 @@ async def _acceptance(draft_dir: Path, target_dir: Path, prompts, k: int, new_to
         "prompt_tokens": len(prompts[0]),
         "new_tokens": new_tokens,
         "k": k,
+        "target_quantize": quantize,
         "sampling": "greedy (temperature 0)",
         "per_prompt": [round(r, 4) for r in rates],
     }
 
 
-def acceptance(draft_dir: Path, target_dir: Path, prompts, k: int, new_tokens: int, vocab_subset: int = 0) -> dict:
-    """vocab_subset: the draft's output layer over its draft_vocab.json's first N ids (0: all)."""
-    return asyncio.run(_acceptance(draft_dir, target_dir, prompts, k, new_tokens, vocab_subset))
+def acceptance(draft_dir: Path, target_dir: Path, prompts, k: int, new_tokens: int, vocab_subset: int = 0,
+               eagle: bool = False, quantize: str = "none") -> dict:
+    """vocab_subset: the draft's output layer over its draft_vocab.json's first N ids (0: all);
+    eagle: draft_dir is an EAGLE-3 head (fed the target's features); quantize: the target's."""
+    return asyncio.run(_acceptance(draft_dir, target_dir, prompts, k, new_tokens, vocab_subset, eagle, quantize))
+
+
+def main(argv=None) -> None:
+    import argparse
+    import json
+
+    from transformers import AutoTokenizer
+
+    from assets.prompts import CHAT
+
+    parser = argparse.ArgumentParser(prog="python -m training.acceptance", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--eagle", type=Path, required=True, help="an EAGLE-3 head's directory")
+    parser.add_argument("--target", type=Path, required=True)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--quantize", default="none", choices=["none", "int4"], help="the target's")
+    parser.add_argument("--write", action="store_true", help="write it into the head's eagle.json (acceptance)")
+    args = parser.parse_args(argv)
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=True)["input_ids"]) for p in CHAT]
+    result = acceptance(args.eagle, args.target, prompts, args.k, args.new_tokens, eagle=True, quantize=args.quantize)
+    print(json.dumps({k: v for k, v in result.items() if k != "per_prompt"}, indent=1))
+    if args.write:
+        card = args.eagle / "eagle.json"
+        info = json.loads(card.read_text()) if card.is_file() else {}
+        info.setdefault("acceptance", {})[args.quantize] = result
+        if args.quantize == "none":
+            info["acceptance"].update(result)
+        card.write_text(json.dumps(info, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -288,8 +288,9 @@ def stage_generations(cfg: Config, model, tokenizer, prompts: list[str]) -> None
         temperature = cfg.temperature if b % 2 else 0.0
         rows = [chat_ids(tokenizer, prompts[i]) for i in batch]
         results = generate_batch(model, tokenizer, rows, cfg.new_tokens, temperature, cfg.seed + b, cfg.top_k)
-        shard = [{"prompt": row, "answer": ans, "top_ids": lab[0], "top_logp": lab[1], "temperature": temperature}
-                 for row, (ans, lab) in zip(rows, results) if ans]
+        shard = [{"prompt": row, "answer": ans, "top_ids": lab[0] if lab else None,
+                  "top_logp": lab[1] if lab else None, "temperature": temperature}
+                 for row, (ans, lab) in zip(rows, results) if ans]  # (top_k 0: answers alone, no soft labels)
         tokens += sum(len(s["answer"]) for s in shard)
         torch.save(shard, path.with_suffix(".tmp"))
         os.replace(path.with_suffix(".tmp"), path)

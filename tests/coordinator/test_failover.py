@@ -133,12 +133,12 @@ def test_a_draft_lost_on_a_pre_draft_costs_nothing(pair):
             super().__init__(DraftEngine(ModelRunner(draft_dir)))
             self.address, self.name, self.pre_drafts, self.fail_on = address, "draft", 0, fail_on
 
-        async def propose(self, session_id, start, rollback, append, k, params, p_min=0.0, *, turn=(0, 0)):
-            if not start and not rollback and not append:
+        async def propose(self, call, *, turn=(0, 0)):
+            if not call.start and not call.rollback and not call.append:
                 self.pre_drafts += 1
                 if self.pre_drafts == self.fail_on:
                     raise PeerError(self, grpc.StatusCode.UNAVAILABLE, "killed")
-            return await super().propose(session_id, start, rollback, append, k, params, p_min)
+            return await super().propose(call)
 
     target = LocalTarget(TargetEngine(ModelRunner(target_dir)))
     target.address, target.name = "t0", "target"
@@ -227,11 +227,11 @@ def test_a_late_draft_gives_way(pair):
             self.address, self.name, self.answered, self.calls = "d0", "draft", answered, 0
             self.wake = asyncio.Event()
 
-        async def propose(self, session_id, start, rollback, append, k, params, p_min=0.0, *, turn=(0, 0)):
+        async def propose(self, call, *, turn=(0, 0)):
             self.calls += 1
             if self.answered is not None and self.calls > self.answered:
                 await self.wake.wait()
-            return await super().propose(session_id, start, rollback, append, k, params, p_min)
+            return await super().propose(call)
 
     target = LocalTarget(TargetEngine(ModelRunner(target_dir)))
     target.address, target.name = "t0", "target"

@@ -45,8 +45,8 @@ class RecordedDraft:
     def __init__(self, rec: Recorder):
         self.rec = rec
 
-    async def propose(self, *args, turn=(0, 0), **kwargs):
-        return await self.rec.timed(DRAFT, args[0], turn, lambda: self.rec.draft.engine.propose(*args, **kwargs))
+    async def propose(self, call, turn=(0, 0)):
+        return await self.rec.timed(DRAFT, call.session_id, turn, lambda: self.rec.draft.engine.propose(call))
 
     async def release(self, session_id: str) -> None:
         await self.rec.draft.release(session_id)
@@ -56,8 +56,8 @@ class RecordedTarget:
     def __init__(self, rec: Recorder):
         self.rec = rec
 
-    async def verify(self, *args, turn=(0, 0), **kwargs):
-        return await self.rec.timed(TARGET, args[0], turn, lambda: self.rec.target.engine.verify(*args, **kwargs))
+    async def verify(self, call, turn=(0, 0)):
+        return await self.rec.timed(TARGET, call.session_id, turn, lambda: self.rec.target.engine.verify(call))
 
     async def release(self, session_id: str) -> None:
         await self.rec.target.release(session_id)

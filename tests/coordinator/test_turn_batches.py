@@ -11,7 +11,7 @@ import pytest
 
 from coordinator.peers import GrpcDraft, PeerError
 from specdec.v1 import specdec_pb2 as pb
-from speculative.protocol import SamplingParams
+from speculative.protocol import ProposeCall, SamplingParams
 
 GREEDY = SamplingParams(0.0, 0, 1.0, 0)
 
@@ -80,7 +80,7 @@ async def propose(draft: GrpcDraft, session: str, turn: tuple[int, int], after: 
     """`after`: the call is made once that is set."""
     if after is not None:
         await after.wait()
-    proposal, cost = await draft.propose(session, False, 0, [], 1, GREEDY, turn=turn)
+    proposal, cost = await draft.propose(ProposeCall(session, False, 0, [], 1, GREEDY), turn=turn)
     return proposal.tokens, cost.batch_size
 
 

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from model_service.engines import DraftEngine, ProposeCall, TargetEngine, VerifyCall
+from model_service.engines import DraftEngine, TargetEngine
 from speculative.errors import InvalidRequest
 from model_service.model_runner import ModelRunner
-from speculative.protocol import Proposal
+from speculative.protocol import Proposal, ProposeCall, VerifyCall
 from speculative.protocol import SamplingParams
 from model_service import threads
 from model_service.batcher import Batcher, Batching
@@ -77,11 +77,11 @@ def test_a_bad_call_fails_alone(pair):
 def test_draft_stops_below_p_min(pair):
     draft, _ = engines(pair)
     greedy = SamplingParams(0.0)
-    full, _ = draft.propose("a", True, 0, [5, 6, 7], 8, greedy)
-    none, _ = draft.propose("b", True, 0, [5, 6, 7], 8, greedy, p_min=1.0)  # nothing is that sure
+    full, _ = draft.propose(ProposeCall("a", True, 0, [5, 6, 7], 8, greedy))
+    none, _ = draft.propose(ProposeCall("b", True, 0, [5, 6, 7], 8, greedy, p_min=1.0))  # nothing is that sure
     assert len(full.tokens) == 8 and none.tokens == []
     with pytest.raises(InvalidRequest):
-        draft.propose("c", True, 0, [5], 2, greedy, p_min=1.5)
+        draft.propose(ProposeCall("c", True, 0, [5], 2, greedy, p_min=1.5))
 
 
 def recording_run_many():

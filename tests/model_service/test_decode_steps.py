@@ -15,7 +15,7 @@ from model_service.model_runner import ModelRunner
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from speculative.errors import InvalidRequest
-from speculative.protocol import Proposal, SamplingParams
+from speculative.protocol import Proposal, SamplingParams, VerifyCall
 from speculative.round import FixedK, Stats, generate
 
 from .test_engines import one_hot_proposal
@@ -31,10 +31,10 @@ def target(pair):
 
 
 def one_at_a_time(target: TargetEngine, session: str, params: SamplingParams, n: int) -> list[int]:
-    verdict, _ = target.verify(session, True, PROMPT, Proposal(), params)
+    verdict, _ = target.verify(VerifyCall(session, True, PROMPT, Proposal(), params))
     tokens = [verdict.token]
     while len(tokens) < n:
-        verdict, _ = target.verify(session, False, [], Proposal(), params)
+        verdict, _ = target.verify(VerifyCall(session, False, [], Proposal(), params))
         tokens.append(verdict.token)
     target.release(session)
     return tokens
@@ -45,7 +45,7 @@ def in_calls(target: TargetEngine, session: str, params: SamplingParams, n: int,
     tokens, calls = [], 0
     start = True
     while len(tokens) < n:
-        verdict, _ = target.verify(session, start, PROMPT if start else [], Proposal(), params, steps)
+        verdict, _ = target.verify(VerifyCall(session, start, PROMPT if start else [], Proposal(), params, steps))
         got = [verdict.token, *verdict.decoded]
         assert verdict.accepted == 0 and len(got) <= steps
         if len(got) < steps and len(tokens) + len(got) < n:  # stopped short only after an EOS
@@ -72,7 +72,7 @@ def test_decoding_stops_after_an_eos(target):
     saved = runner.eos_token_ids
     runner.eos_token_ids = [eos]
     try:
-        verdict, _ = target.verify("eos", True, PROMPT, Proposal(), GREEDY, 8)
+        verdict, _ = target.verify(VerifyCall("eos", True, PROMPT, Proposal(), GREEDY, 8))
     finally:
         runner.eos_token_ids = saved
         target.release("eos")
@@ -83,7 +83,7 @@ def test_decoding_stops_after_an_eos(target):
 def test_decoding_stops_at_the_context(pair):
     _, target_dir = pair
     target = TargetEngine(ModelRunner(target_dir, max_context=len(PROMPT) + 3))
-    verdict, _ = target.verify("ctx", True, PROMPT, Proposal(), GREEDY, 8)
+    verdict, _ = target.verify(VerifyCall("ctx", True, PROMPT, Proposal(), GREEDY, 8))
     assert 1 + len(verdict.decoded) == 3  # the prompt and 3 tokens fill the context
     assert len(target.runner.sessions.get("ctx").tokens) == len(PROMPT) + 3
 
@@ -91,10 +91,9 @@ def test_decoding_stops_at_the_context(pair):
 def test_decoding_on_never_holds_back_another_session(target):
     """In a pass with draft tokens to verify, a call asking for several tokens gets one; and the
     steps stop once other calls wait for the model (busy), after at least the first token."""
-    from model_service.engines import VerifyCall
 
     want = one_at_a_time(target, "ref", GREEDY, 6)
-    target.verify("spec", True, PROMPT, Proposal(), GREEDY)
+    target.verify(VerifyCall("spec", True, PROMPT, Proposal(), GREEDY))
     mixed = target.verify_many([VerifyCall("plain", True, PROMPT, Proposal(), GREEDY, 6),
                                 VerifyCall("spec", False, [], one_hot_proposal([1, 2]), GREEDY)])
     (plain, _), (spec, _) = mixed
@@ -112,9 +111,9 @@ def test_decoding_on_never_holds_back_another_session(target):
 
 def test_the_engine_refuses_steps_it_cannot_take(target):
     with pytest.raises(InvalidRequest, match="decode_steps must lie in"):
-        target.verify("big", True, PROMPT, Proposal(), GREEDY, target.max_tokens + 1)
+        target.verify(VerifyCall("big", True, PROMPT, Proposal(), GREEDY, target.max_tokens + 1))
     with pytest.raises(InvalidRequest, match="decode_steps=3"):
-        target.verify("mixed", True, PROMPT, one_hot_proposal([1, 2]), GREEDY, 3)
+        target.verify(VerifyCall("mixed", True, PROMPT, one_hot_proposal([1, 2]), GREEDY, 3))
     assert len(target.runner.sessions) == 0  # refused before touching a session
 
 

@@ -8,7 +8,7 @@ import torch
 from model_service.engines import DraftEngine, TargetEngine
 from speculative.errors import CapacityExceeded, InvalidRequest, SessionExists, SessionNotFound
 from model_service.model_runner import PREFILL_TOKENS, ModelRunner
-from speculative.protocol import Proposal
+from speculative.protocol import Proposal, ProposeCall, VerifyCall
 from speculative.sampling import encode_supports
 from speculative.protocol import SamplingParams
 
@@ -41,12 +41,12 @@ def test_target_rollback_matches_fresh_prefill(runners):
     _, runner = runners
     target = TargetEngine(runner)
     prompt = [5, 17, 42, 9, 100]
-    target.verify("rb", True, prompt, Proposal(), GREEDY)
+    target.verify(VerifyCall("rb", True, prompt, Proposal(), GREEDY))
     rejected = 0
     for round_ in range(6):
         # propose tokens the greedy target will mostly reject
-        verdict, _ = target.verify("rb", False, [], one_hot_proposal([(7 * round_ + i) % 300 for i in range(4)]),
-                                   GREEDY)
+        proposal = one_hot_proposal([(7 * round_ + i) % 300 for i in range(4)])
+        verdict, _ = target.verify(VerifyCall("rb", False, [], proposal, GREEDY))
         rejected += 4 - verdict.accepted
     assert rejected > 0
     session = runner.sessions.get("rb")
@@ -61,14 +61,14 @@ def test_draft_rollback_matches_fresh_prefill(runners):
     runner, _ = runners
     draft = DraftEngine(runner)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    proposal, _ = draft.propose("d", True, 0, prompt, 5, SamplingParams(1.0, seed=3))
+    proposal, _ = draft.propose(ProposeCall("d", True, 0, prompt, 5, SamplingParams(1.0, seed=3)))
     assert len(proposal.tokens) == 5
     # keep two proposals, reject three, append a correction
-    proposal2, _ = draft.propose("d", False, 3, [77], 4, SamplingParams(1.0, seed=3))
+    proposal2, _ = draft.propose(ProposeCall("d", False, 3, [77], 4, SamplingParams(1.0, seed=3)))
     session = runner.sessions.get("d")
     expected = prompt + proposal.tokens[:2] + [77] + proposal2.tokens
     assert session.tokens == expected
-    draft.propose("d", False, 4, [11], 0, GREEDY)  # roll back everything proposed, append, no proposal
+    draft.propose(ProposeCall("d", False, 4, [11], 0, GREEDY))  # roll back everything proposed, append, no proposal
     tokens = prompt + proposal.tokens[:2] + [77, 11]
     assert session.tokens == tokens
     assert torch.allclose(session_logits(runner, "d"), fresh_logits(runner, tokens), atol=1e-4)
@@ -79,23 +79,23 @@ def test_sessions_cap_and_idle_eviction(pair):
     _, target_dir = pair
     runner = ModelRunner(target_dir, max_sessions=2, idle_timeout=60.0)
     target = TargetEngine(runner)
-    target.verify("a", True, [1, 2], Proposal(), GREEDY)
-    target.verify("b", True, [1, 2], Proposal(), GREEDY)
+    target.verify(VerifyCall("a", True, [1, 2], Proposal(), GREEDY))
+    target.verify(VerifyCall("b", True, [1, 2], Proposal(), GREEDY))
     with pytest.raises(CapacityExceeded):
-        target.verify("c", True, [1, 2], Proposal(), GREEDY)
+        target.verify(VerifyCall("c", True, [1, 2], Proposal(), GREEDY))
     with pytest.raises(SessionExists):
-        target.verify("a", True, [1, 2], Proposal(), GREEDY)
+        target.verify(VerifyCall("a", True, [1, 2], Proposal(), GREEDY))
     runner.sessions.get("a").last_used -= 120  # abandoned two minutes ago
-    target.verify("c", True, [1, 2], Proposal(), GREEDY)  # evicts "a"
+    target.verify(VerifyCall("c", True, [1, 2], Proposal(), GREEDY))  # evicts "a"
     with pytest.raises(SessionNotFound):
-        target.verify("a", False, [], Proposal(), GREEDY)
+        target.verify(VerifyCall("a", False, [], Proposal(), GREEDY))
     assert len(runner.sessions) == 2
 
 
 def test_engines_refuse_bad_input_and_leave_no_trace(runners):
     draft_runner, runner = runners
     target, draft = TargetEngine(runner), DraftEngine(draft_runner)
-    target.verify("ok", True, [1, 2, 3], Proposal(), GREEDY)
+    target.verify(VerifyCall("ok", True, [1, 2, 3], Proposal(), GREEDY))
     before = list(runner.sessions.get("ok").tokens)
     good = one_hot_proposal([4, 5])
     cases = [
@@ -115,15 +115,15 @@ def test_engines_refuse_bad_input_and_leave_no_trace(runners):
     for error, change in cases:
         call = dict(session_id="ok", start=False, append=[], proposal=good, params=GREEDY) | change
         with pytest.raises(error):
-            target.verify(**call)
+            target.verify(VerifyCall(**call))
         assert runner.sessions.get("ok").tokens == before, change
     with pytest.raises(InvalidRequest):
-        draft.propose("x", True, 0, [1], 17, GREEDY)  # K beyond the limit
+        draft.propose(ProposeCall("x", True, 0, [1], 17, GREEDY))  # K beyond the limit
     with pytest.raises(InvalidRequest):
-        draft.propose("x", True, 1, [1], 2, GREEDY)  # rollback on a new session
-    draft.propose("x", True, 0, [1, 2], 2, GREEDY)
+        draft.propose(ProposeCall("x", True, 1, [1], 2, GREEDY))  # rollback on a new session
+    draft.propose(ProposeCall("x", True, 0, [1, 2], 2, GREEDY))
     with pytest.raises(InvalidRequest):
-        draft.propose("x", False, 3, [], 2, GREEDY)  # more than was proposed
+        draft.propose(ProposeCall("x", False, 3, [], 2, GREEDY))  # more than was proposed
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "mistral"])
@@ -247,22 +247,21 @@ def test_oracle_draft_replays_the_reference(runners):
 def test_kv_token_cap_refuses_growth_and_leaves_sessions_alone(pair):
     target = TargetEngine(ModelRunner(pair[1]))
     target.runner.max_kv_tokens = 50
-    target.verify("a", True, list(range(1, 31)), Proposal(), GREEDY)  # 30 tokens, then the sampled one
+    target.verify(VerifyCall("a", True, list(range(1, 31)), Proposal(), GREEDY))  # 30 tokens, then the sampled one
     with pytest.raises(CapacityExceeded, match="--max-kv-tokens"):
-        target.verify("b", True, list(range(1, 31)), Proposal(), GREEDY)
+        target.verify(VerifyCall("b", True, list(range(1, 31)), Proposal(), GREEDY))
     assert "b" not in target.runner.sessions
     held = list(target.runner.sessions.get("a").tokens)
     with pytest.raises(CapacityExceeded):
-        target.verify("a", False, list(range(1, 21)), Proposal(), GREEDY)
+        target.verify(VerifyCall("a", False, list(range(1, 21)), Proposal(), GREEDY))
     assert target.runner.sessions.get("a").tokens == held
-    target.verify("a", False, [], one_hot_proposal([5, 6]), GREEDY)  # growth within the cap is fine
+    target.verify(VerifyCall("a", False, [], one_hot_proposal([5, 6]), GREEDY))  # growth within the cap is fine
 
 
 def test_kv_token_cap_counts_what_calls_sharing_a_pass_will_add(pair):
     """Calls admitted to one pass grow their sessions only in it (the draft's K tokens, the
     target's sampled token): the cap must count that growth for the calls after them, as it
     would had they come one by one."""
-    from model_service.engines import ProposeCall, VerifyCall
 
     draft = DraftEngine(ModelRunner(pair[0]))
     draft.runner.max_kv_tokens = 20
@@ -291,19 +290,19 @@ def test_a_lone_session_gets_every_thread_only_while_no_other_is_at_work(pair, m
     seen = []
     monkeypatch.setattr(torch, "set_num_threads", seen.append)
     monkeypatch.setattr(torch, "get_num_threads", lambda: seen[-1] if seen else 0)
-    target.verify("a", True, [1, 2], Proposal(), GREEDY)
+    target.verify(VerifyCall("a", True, [1, 2], Proposal(), GREEDY))
     assert seen[-1] == 2  # alone
-    target.verify("b", True, [3, 4], Proposal(), GREEDY)
+    target.verify(VerifyCall("b", True, [3, 4], Proposal(), GREEDY))
     assert seen[-1] == 1  # "a" was used a moment ago
-    target.verify("a", False, [], Proposal(), GREEDY)
+    target.verify(VerifyCall("a", False, [], Proposal(), GREEDY))
     assert seen[-1] == 1
     runner.sessions.get("b").last_used -= 2.0  # "b" idle since
-    target.verify("a", False, [], Proposal(), GREEDY)
+    target.verify(VerifyCall("a", False, [], Proposal(), GREEDY))
     assert seen[-1] == 2
     assert runner.sessions.recently_used(1.0) == 1 and runner.sessions.recently_used(5.0) == 2
-    target.verify("b", False, [], Proposal(), GREEDY)
+    target.verify(VerifyCall("b", False, [], Proposal(), GREEDY))
     assert seen[-1] == 1 and runner.at_work == 2
-    target.verify("c", True, list(range(1, 1 + PREFILL_TOKENS)), Proposal(), GREEDY)
+    target.verify(VerifyCall("c", True, list(range(1, 1 + PREFILL_TOKENS)), Proposal(), GREEDY))
     assert seen[-1] == 2  # a prompt's pass: every thread, others at work or not
 
 

@@ -21,7 +21,7 @@ from model_service.ngram import NgramDraft, NgramIndex
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from speculative.errors import CapacityExceeded, InvalidRequest, SessionExists, SessionNotFound
-from speculative.protocol import PassCost, SamplingParams
+from speculative.protocol import PassCost, ProposeCall, SamplingParams
 from speculative.round import Stats, generate
 from speculative.sampling import check_supports
 from tests.stats import chi2_stat, fits
@@ -35,7 +35,7 @@ def ngram(pair):
 
 
 def propose(draft: NgramDraft, session_id, start, rollback, append, k, params=GREEDY):
-    return LocalDraft(draft).propose(session_id, start, rollback, append, k, params)
+    return LocalDraft(draft).propose(ProposeCall(session_id, start, rollback, append, k, params))
 
 
 def proposed(draft, *args, **kwargs) -> list[int]:

@@ -1,0 +1,309 @@
+"""The EAGLE drafting method: an EAGLE-3 head drafts from the target's own hidden states, which the
+target sends across machines (speculative/protocol.py's Features).
+
+    python -m draft_service --method eagle --model HEAD_DIR --target-model TARGET_DIR
+
+The head (eagle_head.py: one decoder layer over a fusion of three target layers, the checkpoint
+layout vLLM and the speculators library use) is small; what makes it agree with the target is
+that it reads the target's hidden states, not text alone. The target session, asked for the
+head's feature layers (ModelInfo.feature_layers) when it starts, returns with every answer the
+rows of the positions it committed, and the coordinator hands them over with the next call's
+tokens: only what is new crosses the wire.
+
+Rows (eagle_head.py's words). Row p of a session pairs a hidden state for position p with the
+embedding of token p + 1, at position p; its logits predict token p + 2. The hidden state is the
+fused target feature of position p where the target has sent it (rows base .. featured - 1), and
+otherwise the head's own out_hidden of row p - 1 (the chain: rows for tokens the target has not
+scored yet, and for the tokens it drafts). A session keeps its rows' keys and values (HeadCache)
+and out_hidden, so that
+
+  rollback   drops the rows that read a rolled-back token (row p reads token p + 1);
+  features   replace the chain's rows from their first position on: a row the target has scored
+             is recomputed from its feature, once;
+  drafting   extends the chain to the last token, then drafts k tokens, a head step each.
+
+A session drafts only from features: none held (a session started before the target's first
+pass) proposes nothing. A session started again on another replica gets the last window of
+rows (speculative/round.py's FeatureLog) and attends to those only (`base`); so does one whose
+rows come after a gap (a long prompt's prefill sends its last rows only, features.py).
+
+q and exactness (speculative/sampling.py's terms): the head scores its draft vocabulary only
+(d2t maps a draft id to the target's), each token is drawn from the head's p over it after the
+request's temperature / top-k / top-p, cut to its top `max_support` and renormalised, and ships
+exactly that q (greedy: one-hot), so the target's rejection sampling keeps the output exact
+whatever the head is.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from speculative.errors import InvalidRequest
+from speculative.protocol import Cost, Features, PassCost, Proposal, ProposeCall
+from speculative.sampling import draft_support, encode_supports, logits_to_probs, one_hot_supports, sample
+
+from . import features as wire
+from .drafting import MethodSessions, advance, one_result
+from .eagle_head import Eagle3Head, HeadCache
+from .model_runner import Timer, saved_tokenizer_files, tokenizer_fields
+from .sessions import Session, SessionTable
+
+
+@dataclass
+class Rows:
+    """A session's rows (the module docstring): keys and values in `cache`, row p at index p - base."""
+
+    cache: HeadCache
+    base: int = 0          # the position of the first row held
+    featured: int = 0      # rows base .. featured - 1 read the target's features
+    hidden: list[torch.Tensor] = field(default_factory=list)  # out_hidden [H] of each row held
+
+    @property
+    def end(self) -> int:
+        """The position after the last row held."""
+        return self.base + len(self.hidden)
+
+    def crop(self, end: int) -> None:
+        """Keep the rows before position `end`."""
+        keep = max(0, min(end, self.end) - self.base)
+        del self.hidden[keep:]
+        self.cache.crop(keep)
+        self.featured = min(self.featured, self.base + keep)
+
+    def get_seq_length(self) -> int:  # (the SessionTable's cache interface)
+        return len(self.hidden)
+
+
+class EagleDraft:
+    """A drafting method (drafting.py): an EAGLE-3 head reading the target's hidden states."""
+
+    method = "eagle"  # ModelInfo.draft_method
+
+    def __init__(self, head: Eagle3Head, tokenizer, logits_size: int | None = None, *, max_support: int = 64,
+                 max_tokens: int = 16, max_sessions: int = 256, idle_timeout: float = 600.0,
+                 max_context: int | None = None, acceptance_prior: float = 0.0, name: str = "eagle"):
+        self.head = head
+        self.device = head.fc.weight.device
+        self.tokenizer = tokenizer
+        self.logits_size = logits_size or head.config.vocab_size
+        self.pairing = tokenizer_fields(tokenizer, self.logits_size)
+        self.vocab_size = self.pairing["vocab_size"]
+        self.max_support = max_support
+        self.max_tokens = max_tokens
+        self.max_context = max_context or head.config.max_position_embeddings
+        self.acceptance_prior = acceptance_prior
+        self.name = name
+        self.layers = tuple(head.config.aux_layer_ids)
+        self.width = head.config.fused_size
+        self.sessions = SessionTable(max_sessions, idle_timeout, lambda: Rows(head.new_cache()))
+        self.host = MethodSessions(self.sessions, self.vocab_size, self.max_context, self.device)
+        self.at_work = 0
+        self.pass_cost = PassCost()
+        self._tokenizer_files: list[tuple[str, bytes]] | None = None
+
+    @classmethod
+    def load(cls, head_dir: str | Path, target_dir: str | Path | None = None, device: str | None = None,
+             dtype: torch.dtype = torch.float32, **kwargs) -> "EagleDraft":
+        """The head of `head_dir`; the tokenizer (and, where the head has none, the embeddings) from
+        the target's directory (the head's own directory where it holds a tokenizer)."""
+        from transformers import AutoConfig, AutoTokenizer
+
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        head = Eagle3Head.load(head_dir, target_dir, device=device, dtype=dtype)
+        source = Path(head_dir) if (Path(head_dir) / "tokenizer_config.json").is_file() else Path(target_dir or "")
+        if not (source / "tokenizer_config.json").is_file():
+            raise ValueError(f"no tokenizer in {head_dir} or the target directory {target_dir!r}: give --target-model")
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        logits_size = None
+        if target_dir and (Path(target_dir) / "config.json").is_file():
+            logits_size = AutoConfig.from_pretrained(target_dir, local_files_only=True).get_text_config().vocab_size
+        card = Path(head_dir) / "eagle.json"
+        if "acceptance_prior" not in kwargs and card.is_file():
+            kwargs["acceptance_prior"] = acceptance_of(json.loads(card.read_text()))
+        return cls(head, tokenizer, logits_size, name=Path(head_dir).name, **kwargs)
+
+    # ------------------------------------------------------------ drafting.py's contract
+
+    def propose(self, call: ProposeCall) -> tuple[Proposal, Cost]:
+        return one_result(self.propose_many([call]))
+
+    @torch.inference_mode()
+    def propose_many(self, calls: list[ProposeCall]) -> list[tuple[Proposal, Cost] | Exception]:
+        """-> per call, (proposal, cost) or the error that call alone met."""
+        timer = Timer()
+        results: list = []
+        for call in calls:
+            try:
+                rows = self._check_features(call)
+                held = None if call.start else len(self.sessions.get(call.session_id).tokens) - call.rollback
+                session = advance(call, self.max_tokens, self.host)
+            except Exception as exc:
+                results.append(exc)
+                continue
+            try:
+                results.append(self._propose(session, call, rows, held))
+            except Exception as exc:
+                self.sessions.release(call.session_id)  # its rows may be half-written
+                results.append(exc)
+        ms = timer.ms
+        live = [r for r in results if isinstance(r, Proposal)]
+        cost = Cost(ms, batch_size=len(live), batch_tokens=sum(len(p.tokens) for p in live), pass_ms=ms)
+        return [(r, cost) if isinstance(r, Proposal) else r for r in results]
+
+    def _check_features(self, call: ProposeCall) -> torch.Tensor | None:
+        """The call's feature rows as a tensor [rows, width], checked against the head and the
+        session before the session is touched."""
+        f = call.features
+        if f is None or not f.rows:
+            return None
+        f.check()
+        if f.width != self.width:
+            raise InvalidRequest(f"features have {f.width} values a row; this head reads {self.width}"
+                                 f" (layers {list(self.layers)})")
+        if call.start:
+            committed = len(call.append)
+        else:  # tokens that may be committed: rows for the proposals kept say the target took them
+            session = self.sessions.get(call.session_id)
+            committed = len(session.tokens) - call.rollback + len(call.append)
+        if f.end > committed - 1:
+            raise InvalidRequest(f"features reach position {f.end - 1}, past the committed tokens' last but one"
+                                 f" ({committed - 2})")
+        return wire.unpack(f, self.device, self.head.fc.weight.dtype)
+
+    def _propose(self, session: Session, call: ProposeCall, features: torch.Tensor | None,
+                 held: int | None) -> Proposal:
+        head, state, tokens = self.head, session.cache, session.tokens
+        if held is not None:
+            state.crop(held - 1)  # row p reads token p + 1: those that read a rolled-back token go
+        f = call.features
+        if features is not None:
+            if not state.hidden or f.start > state.featured:  # none held, or a gap: the rows start again here
+                state.crop(state.base)
+                state.base = state.featured = f.start
+            first = max(f.start, state.featured)
+            new = features[first - f.start :]
+            if len(new):
+                state.crop(first)  # the chain's rows from there on are recomputed from the features
+                positions = torch.arange(first, first + len(new), device=self.device)
+                ids = torch.tensor(tokens[first + 1 : first + 1 + len(new)], device=self.device)
+                out, _ = head.step(ids, head.fuse(new), positions, state.cache)
+                state.hidden.extend(out)
+                state.featured = state.end
+        if call.k == 0 or not state.hidden:
+            return Proposal()
+        # the chain up to the last token: row p from row p - 1's out_hidden and token p + 1
+        while state.end < len(tokens) - 1:
+            self._step(state, tokens[state.end + 1])
+        drafted: list[int] = []
+        q_ids, q_probs = [], []
+        params = call.params
+        logits = head.lm_head(head.norm(state.hidden[-1]))  # row len - 2: the token after the last
+        while True:
+            if params.greedy:
+                if call.p_min > 0 and float(torch.softmax(logits.float(), -1).max()) < call.p_min:
+                    break
+                x = int(logits.argmax())
+            else:
+                probs = logits_to_probs(logits, params)
+                if call.p_min > 0 and float(probs.max()) < call.p_min:
+                    break
+                ids, q = draft_support(probs, self.max_support)
+                x = int(ids[sample(q, session.generator)])
+                q_ids.append(head.draft_to_target(ids))
+                q_probs.append(q)
+            token = int(head.draft_to_target(torch.tensor(x, device=self.device)))
+            drafted.append(token)
+            tokens.append(token)
+            if len(drafted) == call.k:
+                break
+            logits = self._step(state, token)
+        session.proposed += len(drafted)
+        if params.greedy:
+            return Proposal(drafted, *one_hot_supports(drafted))
+        return Proposal(drafted, *encode_supports(q_ids, q_probs))
+
+    def _step(self, state: Rows, token: int) -> torch.Tensor:
+        """One chain row: the last row's out_hidden with `token`'s embedding. -> its logits."""
+        head, position = self.head, state.end
+        out, logits = head.step(torch.tensor([token], device=self.device), state.hidden[-1][None],
+                                torch.tensor([position], device=self.device), state.cache)
+        state.hidden.append(out[0])
+        return logits[0]
+
+    def release(self, session_id: str) -> bool:
+        return self.sessions.release(session_id)
+
+    def info(self) -> dict:
+        eos = self.tokenizer.eos_token_id
+        return {
+            "model_name": self.name,
+            "draft_method": self.method,
+            **self.pairing,
+            "max_context": self.max_context,
+            "eos_token_ids": [] if eos is None else [eos],
+            "device": str(self.device),
+            "dtype": str(self.head.fc.weight.dtype).removeprefix("torch."),
+            "num_parameters": sum(p.numel() for n, p in self.head.named_parameters() if not n.startswith("embed")),
+            "logits_size": self.logits_size,
+            "active_sessions": len(self.sessions),
+            "max_sessions": self.sessions.max_sessions,
+            "pass_ms_fixed": self.pass_cost.fixed,
+            "pass_ms_per_token": self.pass_cost.per_token,
+            "pass_ms_per_session": self.pass_cost.per_session,
+            "pass_ms_multi_row": self.pass_cost.multi_row,
+            "tensor_parallel_size": 1,
+            "acceptance_prior": self.acceptance_prior,
+            "feature_layers": list(self.layers),
+            "feature_width": self.width,
+        }
+
+    @torch.inference_mode()
+    def calibrate(self, context: int = 64, reps: int = 3) -> PassCost:
+        """Time a call's head steps on a scratch session: fixed (the call, the features' rows)
+        plus per_token (a drafted token); adaptive K reads the fit (ModelInfo.pass_ms_*)."""
+        head, state = self.head, Rows(self.head.new_cache())
+        features = torch.zeros(context, self.width, dtype=head.fc.weight.dtype, device=self.device)
+        ids = torch.zeros(context, dtype=torch.long, device=self.device)
+
+        def call(k: int) -> float:
+            state.crop(0)
+            start = time.perf_counter()
+            out, _ = head.step(ids, head.fuse(features), torch.arange(context, device=self.device), state.cache)
+            state.hidden.extend(out)
+            for _ in range(k):
+                self._step(state, 0)
+            return (time.perf_counter() - start) * 1e3
+
+        call(1)  # warm
+        one = min(call(1) for _ in range(reps))
+        five = min(call(5) for _ in range(reps))
+        per_token = max(0.0, (five - one) / 4)
+        self.pass_cost = PassCost(fixed=max(0.0, one - per_token), per_token=per_token)
+        return self.pass_cost
+
+    # ------------------------------------------------------------ serving (drafting.py)
+
+    def evict_idle(self) -> int:
+        return self.sessions.evict_idle()
+
+    def tokenizer_files(self) -> list[tuple[str, bytes]]:
+        if self._tokenizer_files is None:
+            self._tokenizer_files = saved_tokenizer_files(self.tokenizer)
+        return self._tokenizer_files
+
+
+def acceptance_of(card: dict) -> float:
+    """The acceptance (alpha) a head's card (eagle.json) measured against its target, else its
+    held-out agreement one step ahead; 0 where it has neither."""
+    measured = (card.get("acceptance") or {}).get("alpha_pooled")
+    if measured:
+        return float(measured)
+    steps = card.get("heldout_agreement") or (card.get("final") or {}).get("heldout_agreement") or []
+    if isinstance(steps, (int, float)):
+        return float(steps)
+    return float(steps[0]) if steps else 0.0

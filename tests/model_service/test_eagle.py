@@ -1,0 +1,210 @@
+"""The eagle drafting method (model_service/eagle.py) in the speculative round, in one process: the
+target's features reach the head at the right positions, greedy output is the target's and
+sampled output follows the target's distribution, whatever the head; bad features are refused."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from model_service import features as wire
+from model_service.eagle import EagleDraft
+from model_service.eagle_head import Eagle3Config, Eagle3Head
+from model_service.engines import TargetEngine
+from model_service.local import LocalDraft, LocalTarget
+from model_service.model_runner import ModelRunner
+from speculative.errors import InvalidRequest
+from speculative.protocol import Features, Proposal, ProposeCall, SamplingParams, VerifyCall
+from speculative.round import Stats, generate
+from speculative.sampling import logits_to_probs
+from tests.stats import chi2_stat, fits
+
+GREEDY = SamplingParams(0.0)
+LAYERS = (1, 0, 1)  # any order, repeats allowed: the head concatenates what it is given
+
+
+def make_head(target_dir: Path, out: Path, seed: int = 0, std: float = 0.2, draft_vocab: int | None = None) -> Path:
+    """A random EAGLE-3 head for `target_dir`'s model, saved in the speculators layout."""
+    config = AutoModelForCausalLM.from_pretrained(target_dir).config
+    vocab = config.vocab_size
+    torch.manual_seed(seed)
+    head = Eagle3Head(Eagle3Config(hidden_size=config.hidden_size, intermediate_size=96, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, vocab_size=vocab,
+                                   draft_vocab_size=draft_vocab or vocab, aux_layer_ids=list(LAYERS)))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, std)
+    head.set_vocab(torch.randperm(vocab)[: draft_vocab or vocab].sort().values)
+    head.embeddings_from_target = True  # saved without them: they load from the target's directory
+    head.save(out)
+    return out
+
+
+def run(draft, target, prompt, n, k, params, predraft=False, stats=None, p_min=0.0) -> list[int]:
+    stats = stats if stats is not None else Stats()
+
+    async def go():
+        out = []
+        async for new in generate(LocalDraft(draft), LocalTarget(target), prompt, max_new_tokens=n, k=k,
+                                  params=params, max_context=256, stats=stats, predraft=predraft, p_min=p_min,
+                                  feature_layers=draft.layers, eos_token_ids=set(target.runner.eos_token_ids)):
+            out += new
+        return out
+
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def eagle(pair, tmp_path_factory):
+    _, target_dir = pair
+    return EagleDraft.load(make_head(target_dir, tmp_path_factory.mktemp("head")), target_dir, "cpu")
+
+
+@pytest.mark.parametrize("vocab", ["bpe", "chars"])
+def test_greedy_output_is_the_targets_with_and_without_predrafting(pair, small_vocab_pair, tmp_path, vocab):
+    """On the 12-token vocabulary a random head's tokens are often accepted, on the BPE one seldom:
+    both paths of every round (kept, rolled back) run."""
+    _, target_dir = pair if vocab == "bpe" else small_vocab_pair
+    eagle = EagleDraft.load(make_head(target_dir, tmp_path / "head", std=0.5), target_dir, "cpu")
+    target = TargetEngine(ModelRunner(target_dir))
+    prompt = [5, 1, 4, 9, 10, 7]
+    with torch.inference_mode():
+        expected = target.runner.model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)
+    expected = expected[0, len(prompt):].tolist()
+    # p_min: pre-drafts cut short, so that a hit's next call appends nothing and brings rows for
+    # tokens the head proposed itself
+    for predraft, p_min in ((False, 0.0), (True, 0.0), (True, 0.1)):
+        stats = Stats()
+        assert run(eagle, target, prompt, 40, 4, GREEDY, predraft, stats, p_min) == expected
+        assert stats.draft_tokens > (len(expected) if p_min == 0 else 0)
+        assert vocab == "bpe" or stats.accepted_tokens > 0
+    assert len(target.runner.sessions) == 0 and len(eagle.sessions) == 0
+
+
+def test_the_head_drafts_from_the_targets_hidden_states_at_the_right_positions(pair, eagle):
+    """Each round's first draft token is what the head gives when fed, offline, the target's own
+    hidden states (transformers' output_hidden_states) for every committed position but the last,
+    row p with token p + 1: an off-by-one anywhere on the way changes it."""
+    _, target_dir = pair
+    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    target = TargetEngine(ModelRunner(target_dir))
+    draft, head = LocalDraft(eagle), eagle.head
+    prompt = [5, 17, 42, 9, 100, 7, 61]
+
+    def expected_first(tokens: list[int]) -> int:
+        with torch.inference_mode():
+            states = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+            feats = torch.cat([states[i][0, :-1] for i in LAYERS], dim=-1)  # positions 0 .. n-2
+            n = len(tokens)
+            _, logits = head.step(torch.tensor(tokens[1:]), head.fuse(feats), torch.arange(n - 1), head.new_cache())
+            return int(head.draft_to_target(logits[-1].argmax()))
+
+    async def go():
+        verdict, _ = await LocalTarget(target).verify(VerifyCall("s", True, prompt, Proposal(), GREEDY, 1, LAYERS))
+        tokens = prompt + [verdict.token]
+        f = verdict.features
+        assert (f.start, f.rows, f.width) == (0, len(prompt), len(LAYERS) * model.config.hidden_size)
+        proposal, _ = await draft.propose(ProposeCall("s", True, 0, tokens, 3, GREEDY, features=f))
+        checked = 0
+        for _ in range(4):
+            assert proposal.tokens[0] == expected_first(tokens)
+            checked += 1
+            verdict, _ = await LocalTarget(target).verify(VerifyCall("s", False, [], proposal, GREEDY))
+            f = verdict.features
+            assert f.start == len(tokens) - 1 and f.rows == verdict.accepted + 1  # the last token, then those kept
+            rejected = len(proposal.tokens) - verdict.accepted
+            tokens += proposal.tokens[: verdict.accepted] + [verdict.token]
+            proposal, _ = await draft.propose(ProposeCall("s", False, rejected, [verdict.token], 3, GREEDY,
+                                                          features=f))
+        return checked
+
+    assert asyncio.run(go()) == 4
+
+
+def test_features_are_the_targets_hidden_states_in_position_order(pair):
+    _, target_dir = pair
+    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    target = TargetEngine(ModelRunner(target_dir))
+    prompt = [3, 14, 15, 92, 65, 35]
+    verdict, _ = target.verify(VerifyCall("f", True, prompt, Proposal(), GREEDY, 1, (1, 0)))
+    got = wire.unpack(verdict.features)
+    with torch.inference_mode():
+        states = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    want = torch.cat([states[1][0], states[0][0]], dim=-1)
+    assert verdict.features.dtype == "float16" and got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+    # decoding on: one row a step, each position after the last
+    verdict, _ = target.verify(VerifyCall("f", False, [], Proposal(), GREEDY, 4))
+    assert verdict.features.start == len(prompt) and verdict.features.rows == 1 + len(verdict.decoded)
+    # a session that asks for none gets none
+    verdict, _ = target.verify(VerifyCall("g", True, prompt, Proposal(), GREEDY))
+    assert verdict.features is None
+
+
+def test_bad_feature_requests_are_refused_and_leave_no_trace(pair, eagle):
+    _, target_dir = pair
+    target = TargetEngine(ModelRunner(target_dir))
+    with pytest.raises(InvalidRequest, match="feature layer 9"):
+        target.verify(VerifyCall("t", True, [1, 2, 3], Proposal(), GREEDY, 1, (0, 9)))
+    assert len(target.runner.sessions) == 0
+    width = eagle.width
+    rows = lambda start, n, w=width: Features(start, n, w, "float16", bytes(2 * w * n))  # noqa: E731
+    tokens = [4, 5, 6, 7, 8]
+    for features, message in ((rows(0, 4, width - 1), "values a row"), (rows(0, 5), "past the committed"),
+                              (Features(0, 2, width, "float16", b"\0"), "bytes"),
+                              (Features(0, 1, width, "int8", bytes(2 * width)), "dtype")):
+        with pytest.raises(InvalidRequest, match=message):
+            eagle.propose(ProposeCall("e", True, 0, tokens, 2, GREEDY, features=features))
+        assert "e" not in eagle.sessions
+    proposal, _ = eagle.propose(ProposeCall("e", True, 0, tokens, 2, GREEDY, features=rows(1, 3)))
+    assert len(proposal.tokens) == 2  # drafts from a window that starts past 0
+    with pytest.raises(InvalidRequest, match="past the committed"):  # row 7 would read token 8, not committed
+        eagle.propose(ProposeCall("e", False, 2, [9, 10, 11], 2, GREEDY, features=rows(6, 2)))
+    assert eagle.sessions.get("e").tokens == tokens + proposal.tokens
+    # a gap (rows 4 and 5 never came: a long prefill's last rows only): the rows start again at 6
+    proposal, _ = eagle.propose(ProposeCall("e", False, 2, [9, 10, 11], 2, GREEDY, features=rows(6, 1)))
+    state = eagle.sessions.get("e").cache
+    assert len(proposal.tokens) == 2 and state.base == 6 and state.featured == 7
+    # no features at all: nothing to draft from
+    proposal, _ = eagle.propose(ProposeCall("n", True, 0, tokens, 2, GREEDY))
+    assert proposal.tokens == []
+
+
+def next_probs(model, ids, params):
+    with torch.inference_mode():
+        return logits_to_probs(model(input_ids=torch.tensor([ids])).logits[0, -1], params).double()
+
+
+def test_sampled_tokens_drafted_from_features_follow_the_target(small_vocab_pair, tmp_path):
+    """k=2, 3 tokens: the first round has no features and decodes the first token alone; the
+    second verifies the head's two tokens, so the second token's marginal is the head's doing."""
+    _, target_dir = small_vocab_pair
+    params = SamplingParams(1.0)
+    eagle = EagleDraft.load(make_head(target_dir, tmp_path / "head", seed=3, std=0.5, draft_vocab=8), target_dir,
+                            "cpu")
+    target = TargetEngine(ModelRunner(target_dir))
+    model = target.runner.model
+    prompt = [3, 5, 4, 7]
+    eos = model.config.eos_token_id
+    first = next_probs(model, prompt, params)
+    v = first.shape[0]
+    second = torch.zeros(v + 1, dtype=torch.float64)
+    for x in range(v):
+        if first[x] > 0:
+            if x == eos:
+                second[v] += first[x]
+            else:
+                second[:v] += first[x] * next_probs(model, prompt + [x], params)
+    counts = torch.zeros(v + 1, dtype=torch.float64)
+    stats = Stats()
+    for seed in range(800):
+        one = Stats()
+        out = run(eagle, target, prompt, 3, 2, SamplingParams(1.0, seed=seed), stats=one)
+        stats.merge(one)
+        counts[out[1] if len(out) > 1 else v] += 1
+    assert stats.draft_tokens > 500 and stats.accepted_tokens > 50  # the head's tokens were verified
+    assert fits(counts, second), chi2_stat(counts, second)

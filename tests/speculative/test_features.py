@@ -1,0 +1,69 @@
+"""Features (speculative/protocol.py) and the coordinator's FeatureLog (speculative/round.py): rows
+join in position order, overlaps take the later rows, a gap starts the rows again, float16 and
+bfloat16 parts join as bfloat16, and the log keeps what a draft still needs and no more."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from model_service import features as wire
+from speculative.errors import InvalidRequest
+from speculative.protocol import Features
+from speculative.round import FeatureLog
+
+W = 6
+
+
+def rows(start: int, n: int, dtype: str = "float16") -> Features:
+    """Rows whose every value is its position (exact in both dtypes)."""
+    values = np.repeat(np.arange(start, start + n, dtype=np.float32), W)
+    if dtype == "float16":
+        data = values.astype("<f2").tobytes()
+    else:
+        data = (values.view("<u4") >> 16).astype("<u2").tobytes()
+    return Features(start, n, W, dtype, data)
+
+
+def positions(f: Features) -> list[int]:
+    values = wire.unpack(f)
+    assert bool((values == values[:, :1]).all())
+    return values[:, 0].int().tolist()
+
+
+def test_join_keeps_position_order_and_takes_the_later_rows():
+    joined = Features.join([rows(0, 4), rows(4, 2), rows(3, 4)])
+    assert (joined.start, joined.rows) == (0, 7) and positions(joined) == list(range(7))
+    assert positions(Features.join([rows(5, 3), rows(2, 4)])) == [2, 3, 4, 5, 6, 7]  # a target started again
+    assert Features.join([rows(0, 2), rows(5, 2)]).start == 5  # a gap: the rows start again
+    assert Features.join([rows(5, 2), rows(0, 2)]).start == 5  # older rows past a gap add nothing
+    assert Features.join([]) is None
+
+
+def test_float16_and_bfloat16_parts_join_as_bfloat16():
+    joined = Features.join([rows(0, 3, "float16"), rows(3, 2, "bfloat16")])
+    assert joined.dtype == "bfloat16" and positions(joined) == [0, 1, 2, 3, 4]
+    big = wire.pack(0, torch.tensor([[1e5] * W, [0.5] * W]))  # beyond float16's range: bfloat16
+    assert big.dtype == "bfloat16" and wire.unpack(big)[0, 0] == 99840.0  # 1e5 to bfloat16's 8 bits
+    assert wire.pack(0, torch.zeros(0, W)).rows == 0
+
+
+def test_check_refuses_inconsistent_rows():
+    with pytest.raises(InvalidRequest, match="bytes"):
+        Features(0, 2, W, "float16", b"\0" * 3).check()
+    with pytest.raises(InvalidRequest, match="dtype"):
+        Features(0, 1, W, "float32", b"\0" * 2 * W).check()
+
+
+def test_the_log_keeps_unsent_rows_and_a_window_and_is_bounded():
+    log = FeatureLog(window=4, max_bytes=20 * W * 2)
+    log.add(rows(0, 10), sent=0)  # a prompt's rows: all kept for the draft's first call
+    assert positions(log.held()) == list(range(10))
+    log.sent(10)
+    assert positions(log.held()) == [6, 7, 8, 9]  # the window a restarted draft gets
+    log.add(rows(10, 3), sent=10)
+    assert positions(log.since(10)) == [10, 11, 12] and log.held().start == 9
+    for start in range(13, 60, 3):  # rounds that call no draft: at most 20 rows kept
+        log.add(rows(start, 3), sent=10)
+    assert log.held().rows == 20 and log.end == 61
