@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: setup stubs kernel run cluster test test-all bench-deps bench bench-concurrency bench-ceiling soak draft clean
+.PHONY: setup stubs kernel run cluster test test-all bench-deps bench bench-eagle bench-concurrency bench-ceiling soak draft eagle clean
 
 TARGET := models/target/conversion.json
 
@@ -55,6 +55,12 @@ test-all: setup
 draft: setup
 	$(PY) -m training distill --target models/target --out models/draft --acceptance
 
+# the shipped EAGLE-3 head for the default target (resumable from .cache/eagle/eagle; hours on 2 cores:
+# its card, models/eagle/README.md, says what it was trained on), then its acceptance in specdec's round
+eagle: setup
+	$(PY) -m training eagle --target models/target --out models/eagle
+	$(PY) -m training.acceptance --eagle models/eagle --target models/target --write
+
 # row l of `make bench`: llama.cpp on the target's GGUF. It builds from source (~5 min, once) for
 # this CPU, less its AMX kernels: with them a multi-token batch crashed (SIGSEGV) on an AMX machine
 # here, in a VM (tile state not granted); AVX-512 / AVX2 paths are kept
@@ -68,6 +74,10 @@ bench-deps: setup
 
 bench: bench-deps
 	$(PY) -m bench
+
+# rows a, a', l and g (the EAGLE-3 head drafting from the target's hidden states), float32 and int4
+bench-eagle: bench-deps
+	$(PY) -m bench --only eagle
 
 # 32 clients for 60 s of mixed greedy / sampled / cancelled / deadline-bound requests on loopback;
 # `make soak SOAK_ARGS=--chaos`: on 2 draft and 2 target replicas killed, hung and restarted at random meanwhile

@@ -134,25 +134,38 @@ class EagleDraft:
 
     @torch.inference_mode()
     def propose_many(self, calls: list[ProposeCall]) -> list[tuple[Proposal, Cost] | Exception]:
-        """-> per call, (proposal, cost) or the error that call alone met."""
+        """-> per call, (proposal, cost) or the error that call alone met. Each session takes its
+        delta in (its features' rows in one head step), then the sessions draft together, one
+        head step for all of them per drafted token."""
         timer = Timer()
-        results: list = []
-        for call in calls:
+        results: list = [None] * len(calls)
+        live: list[tuple[int, ProposeCall, Session]] = []
+        for i, call in enumerate(calls):
             try:
                 rows = self._check_features(call)
                 held = None if call.start else len(self.sessions.get(call.session_id).tokens) - call.rollback
                 session = advance(call, self.max_tokens, self.host)
             except Exception as exc:
-                results.append(exc)
+                results[i] = exc
                 continue
             try:
-                results.append(self._propose(session, call, rows, held))
+                self._take_in(session, call, rows, held)
             except Exception as exc:
                 self.sessions.release(call.session_id)  # its rows may be half-written
-                results.append(exc)
+                results[i] = exc
+                continue
+            live.append((i, call, session))
+        try:
+            drafted = self._draft(live)
+        except Exception as exc:
+            for i, call, _ in live:
+                self.sessions.release(call.session_id)
+                results[i] = exc
+            return results
+        for (i, _, _), proposal in zip(live, drafted):
+            results[i] = proposal
         ms = timer.ms
-        live = [r for r in results if isinstance(r, Proposal)]
-        cost = Cost(ms, batch_size=len(live), batch_tokens=sum(len(p.tokens) for p in live), pass_ms=ms)
+        cost = Cost(ms, batch_size=len(live), batch_tokens=sum(len(p.tokens) for p in drafted), pass_ms=ms)
         return [(r, cost) if isinstance(r, Proposal) else r for r in results]
 
     def _check_features(self, call: ProposeCall) -> torch.Tensor | None:
@@ -175,8 +188,10 @@ class EagleDraft:
                                  f" ({committed - 2})")
         return wire.unpack(f, self.device, self.head.fc.weight.dtype)
 
-    def _propose(self, session: Session, call: ProposeCall, features: torch.Tensor | None,
-                 held: int | None) -> Proposal:
+    def _take_in(self, session: Session, call: ProposeCall, features: torch.Tensor | None, held: int | None) -> None:
+        """The delta into the session's rows: drop those that read a rolled-back token, compute the
+        features' rows (replacing the chain's from their first position on), extend the chain to
+        the last token."""
         head, state, tokens = self.head, session.cache, session.tokens
         if held is not None:
             state.crop(held - 1)  # row p reads token p + 1: those that read a rolled-back token go
@@ -194,38 +209,57 @@ class EagleDraft:
                 out, _ = head.step(ids, head.fuse(new), positions, state.cache)
                 state.hidden.extend(out)
                 state.featured = state.end
-        if call.k == 0 or not state.hidden:
-            return Proposal()
-        # the chain up to the last token: row p from row p - 1's out_hidden and token p + 1
-        while state.end < len(tokens) - 1:
-            self._step(state, tokens[state.end + 1])
-        drafted: list[int] = []
-        q_ids, q_probs = [], []
-        params = call.params
-        logits = head.lm_head(head.norm(state.hidden[-1]))  # row len - 2: the token after the last
-        while True:
-            if params.greedy:
-                if call.p_min > 0 and float(torch.softmax(logits.float(), -1).max()) < call.p_min:
-                    break
-                x = int(logits.argmax())
-            else:
-                probs = logits_to_probs(logits, params)
-                if call.p_min > 0 and float(probs.max()) < call.p_min:
-                    break
-                ids, q = draft_support(probs, self.max_support)
-                x = int(ids[sample(q, session.generator)])
-                q_ids.append(head.draft_to_target(ids))
-                q_probs.append(q)
-            token = int(head.draft_to_target(torch.tensor(x, device=self.device)))
-            drafted.append(token)
-            tokens.append(token)
-            if len(drafted) == call.k:
+        if call.k and state.hidden:
+            while state.end < len(tokens) - 1:  # row p from row p - 1's out_hidden and token p + 1
+                self._step(state, tokens[state.end + 1])
+
+    def _draft(self, live: list[tuple[int, ProposeCall, Session]]) -> list[Proposal]:
+        """Each session's up to k tokens, each drawn from the head's distribution after its last
+        row; one head step for every session still drafting per token. -> per session, its proposal."""
+        head = self.head
+        picked: list[tuple[list[int], list, list]] = [([], [], []) for _ in live]
+        drafting = [j for j, (_, call, session) in enumerate(live) if call.k and session.cache.hidden]
+        logits = head.lm_head(head.norm(torch.stack([live[j][2].cache.hidden[-1] for j in drafting]))) if drafting \
+            else None  # each session's last row: the token after its last
+        while drafting:
+            still = []
+            for j, row in zip(drafting, logits):
+                _, call, session = live[j]
+                tokens, q_ids, q_probs = picked[j]
+                params = call.params
+                if params.greedy:
+                    if call.p_min > 0 and float(torch.softmax(row.float(), -1).max()) < call.p_min:
+                        continue
+                    x = int(row.argmax())
+                else:
+                    probs = logits_to_probs(row, params)
+                    if call.p_min > 0 and float(probs.max()) < call.p_min:
+                        continue
+                    ids, q = draft_support(probs, self.max_support)
+                    x = int(ids[sample(q, session.generator)])
+                    q_ids.append(head.draft_to_target(ids))
+                    q_probs.append(q)
+                token = int(head.draft_to_target(torch.tensor(x, device=self.device)))
+                tokens.append(token)
+                session.tokens.append(token)
+                if len(tokens) < call.k:
+                    still.append(j)
+            if not still:
                 break
-            logits = self._step(state, token)
-        session.proposed += len(drafted)
-        if params.greedy:
-            return Proposal(drafted, *one_hot_supports(drafted))
-        return Proposal(drafted, *encode_supports(q_ids, q_probs))
+            states = [live[j][2].cache for j in still]
+            out, logits = head.step_many(torch.tensor([picked[j][0][-1] for j in still], device=self.device),
+                                         torch.stack([state.hidden[-1] for state in states]),
+                                         torch.tensor([state.end for state in states], device=self.device),
+                                         [state.cache for state in states])
+            for state, row in zip(states, out):
+                state.hidden.append(row)
+            drafting = still
+        proposals = []
+        for (_, call, session), (tokens, q_ids, q_probs) in zip(live, picked):
+            session.proposed += len(tokens)
+            proposals.append(Proposal(tokens, *one_hot_supports(tokens)) if call.params.greedy or not tokens
+                             else Proposal(tokens, *encode_supports(q_ids, q_probs)))
+        return proposals
 
     def _step(self, state: Rows, token: int) -> torch.Tensor:
         """One chain row: the last row's out_hidden with `token`'s embedding. -> its logits."""
@@ -298,12 +332,10 @@ class EagleDraft:
 
 
 def acceptance_of(card: dict) -> float:
-    """The acceptance (alpha) a head's card (eagle.json) measured against its target, else its
-    held-out agreement one step ahead; 0 where it has neither."""
+    """The acceptance (alpha) a head's card (eagle.json) measured against its target in specdec's
+    round (training.acceptance --write), else its held-out agreement one step ahead (training
+    eagle's); 0 where it has neither."""
     measured = (card.get("acceptance") or {}).get("alpha_pooled")
     if measured:
         return float(measured)
-    steps = card.get("heldout_agreement") or (card.get("final") or {}).get("heldout_agreement") or []
-    if isinstance(steps, (int, float)):
-        return float(steps)
-    return float(steps[0]) if steps else 0.0
+    return float((card.get("heldout") or {}).get("agree_0") or 0.0)

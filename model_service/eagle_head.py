@@ -269,6 +269,22 @@ class Eagle3Head(nn.Module):
         out = self.layer.finish(attention, residual)[0]
         return out, self.lm_head(self.norm(out))
 
+    def step_many(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                  caches: list[HeadCache]):
+        """One row for each of B sessions at once: input_ids [B], hidden [B, H], positions [B], each
+        row attending to its own session's cache -> (out_hidden [B, H], logits [B, Vd]); the linear
+        layers run once for all rows (step's arithmetic, row by row)."""
+        hidden = hidden.to(self.fc.weight.dtype)[:, None]  # [B, 1, H]
+        cos, sin = self.rope(hidden, positions[:, None])
+        q, k, v, residual = self.layer.project(self.embed_tokens(input_ids)[:, None].to(hidden.dtype), hidden, cos, sin)
+        outs = []
+        for b, cache in enumerate(caches):  # q [B, heads, 1, hd]; each row sees its cache and itself
+            cache.append(k[b], v[b])
+            outs.append(F.scaled_dot_product_attention(q[b : b + 1], cache.k[None, :, : cache.length],
+                                                       cache.v[None, :, : cache.length], enable_gqa=True))
+        out = self.layer.finish(torch.cat(outs), residual)[:, 0]
+        return out, self.lm_head(self.norm(out))
+
     # ------------------------------------------------------------------ checkpoints
 
     @classmethod

@@ -208,3 +208,78 @@ def test_sampled_tokens_drafted_from_features_follow_the_target(small_vocab_pair
         counts[out[1] if len(out) > 1 else v] += 1
     assert stats.draft_tokens > 500 and stats.accepted_tokens > 50  # the head's tokens were verified
     assert fits(counts, second), chi2_stat(counts, second)
+
+
+@pytest.mark.parametrize("fail_on", [2, 5])
+def test_a_lost_eagle_replica_leaves_the_output_unchanged(small_vocab_pair, tmp_path, fail_on):
+    """Two eagle replicas behind failover (coordinator/failover.py), in one process: the one the
+    request is on fails (UNAVAILABLE) on its `fail_on`-th call; the request starts a session on the
+    other with the last window of feature rows, drafts on from them, and decodes what a faultless
+    run decodes."""
+    import grpc
+
+    from coordinator.failover import FailoverDraft, FailoverTarget
+    from coordinator.peers import PeerError
+    from tests.coordinator.test_failover import local_pool
+
+    _, target_dir = small_vocab_pair
+    head = make_head(target_dir, tmp_path / "head", std=0.5)
+
+    class Flaky(LocalDraft):
+        def __init__(self, address: str, fail_on: int | None):
+            super().__init__(EagleDraft.load(head, target_dir, "cpu"))
+            self.address, self.name, self.calls, self.fail_on = address, "draft", 0, fail_on
+
+        async def propose(self, call, *, turn=(0, 0)):
+            self.calls += 1
+            if self.calls == self.fail_on:
+                raise PeerError(self, grpc.StatusCode.UNAVAILABLE, "killed")
+            return await super().propose(call)
+
+    target = LocalTarget(TargetEngine(ModelRunner(target_dir)))
+    target.address, target.name = "t0", "target"
+
+    def go(fail_on: int | None) -> tuple[list[int], list[Flaky]]:
+        replicas = [Flaky("d0", fail_on), Flaky("d1", None)]
+
+        async def run():
+            out = []
+            async for new in generate(FailoverDraft(local_pool("draft", replicas)),
+                                      FailoverTarget(local_pool("target", [target])), [5, 1, 4, 9, 10, 7],
+                                      max_new_tokens=60, k=3, params=GREEDY, max_context=256, predraft=True,
+                                      feature_layers=LAYERS):
+                out += new
+            return out
+
+        return asyncio.run(run()), replicas
+
+    expected, _ = go(None)
+    got, replicas = go(fail_on)
+    assert got == expected and len(got) == 60
+    assert replicas[1].calls > 2  # the request moved there and drafted on
+    assert [len(r.engine.sessions) for r in replicas] == [0, 0]
+
+
+def test_sessions_drafted_together_propose_what_each_would_alone(pair, tmp_path):
+    """propose_many drafts every session's tokens in one head step per token (step_many): the same
+    proposals, greedy and sampled, as each session drafted in a call of its own."""
+    _, target_dir = pair
+    head = make_head(target_dir, tmp_path / "head", std=0.5)
+    target = TargetEngine(ModelRunner(target_dir))
+    prompts = {"a": [5, 1, 4, 9, 10, 7], "b": [3, 14, 15, 92, 65, 35, 89, 79], "c": [2, 7, 1]}
+    calls = []
+    for name, prompt in prompts.items():
+        verdict, _ = target.verify(VerifyCall(name, True, prompt, Proposal(), GREEDY, 1, LAYERS))
+        params = GREEDY if name != "b" else SamplingParams(0.8, seed=5)
+        calls.append(ProposeCall(name, True, 0, prompt + [verdict.token], 2 + len(name) * 2, params,
+                                 features=verdict.features))
+    together = EagleDraft.load(head, target_dir, "cpu").propose_many(calls)
+    alone = EagleDraft.load(head, target_dir, "cpu")
+    for call, (proposal, cost) in zip(calls, together):
+        single, _ = alone.propose(call)
+        assert proposal.tokens == single.tokens and len(proposal.tokens) == call.k
+        assert (proposal.support_sizes, proposal.support_ids) == (single.support_sizes, single.support_ids)
+        # (q to float rounding: a product over three rows sums in another order than over one)
+        torch.testing.assert_close(torch.frombuffer(bytearray(proposal.support_probs), dtype=torch.float32),
+                                   torch.frombuffer(bytearray(single.support_probs), dtype=torch.float32))
+        assert cost.batch_size == 3

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from model_service.eagle import EagleDraft
 from model_service.eagle_head import Eagle3Head
 from speculative.tiny import make_model, make_tokenizer
 from training import eagle
@@ -63,6 +64,8 @@ def test_eagle_trains_a_loadable_head_and_resumes(target, tmp_path):
     head = Eagle3Head.load(out, target_dir=target)
     assert head.draft_to_target(torch.arange(1024)).max() < VOCAB and int(head.t2d.sum()) == 1024
     info = json.loads((out / "eagle.json").read_text())
+    served = EagleDraft.load(out, target, "cpu")  # the draft service's method loads it as it is
+    assert served.info()["feature_layers"] == [2, 4, 5] and served.acceptance_prior == info["heldout"]["agree_0"]
     assert set(info["heldout"]) >= {"agree_0", "agree_2", "chain_2", "expected_accepted"}
     assert info["training"]["steps"] == 40 and len(info["curve"]) == 2
     assert "held-out agreement per step" in (out / "README.md").read_text()
