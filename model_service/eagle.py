@@ -86,9 +86,16 @@ class EagleDraft:
 
     def __init__(self, head: Eagle3Head, tokenizer, logits_size: int | None = None, *, max_support: int = 64,
                  max_tokens: int = 16, max_sessions: int = 256, idle_timeout: float = 600.0,
-                 max_context: int | None = None, acceptance_prior: float = 0.0, name: str = "eagle"):
+                 max_context: int | None = None, acceptance_prior: float = 0.0, name: str = "eagle",
+                 quantization: str = "none"):
         self.head = head
-        self.device = head.fc.weight.device
+        self.quantization = quantization
+        c = head.config  # (counted from the shapes: a quantized linear holds no parameters)
+        attention = (2 * c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+                     + c.num_attention_heads * c.head_dim * c.hidden_size)
+        self.num_parameters = (c.fused_size * c.hidden_size + attention + 3 * c.hidden_size * c.intermediate_size
+                               + c.draft_vocab_size * c.hidden_size + 4 * c.hidden_size)
+        self.device = head.norm.weight.device
         self.tokenizer = tokenizer
         self.logits_size = logits_size or head.config.vocab_size
         self.pairing = tokenizer_fields(tokenizer, self.logits_size)
@@ -108,13 +115,19 @@ class EagleDraft:
 
     @classmethod
     def load(cls, head_dir: str | Path, target_dir: str | Path | None = None, device: str | None = None,
-             dtype: torch.dtype = torch.float32, **kwargs) -> "EagleDraft":
+             dtype: torch.dtype = torch.float32, quantize: str = "none", **kwargs) -> "EagleDraft":
         """The head of `head_dir`; the tokenizer (and, where the head has none, the embeddings) from
-        the target's directory (the head's own directory where it holds a tokenizer)."""
+        the target's directory (the head's own directory where it holds a tokenizer). quantize
+        int8: its linears in int8 (Eagle3Head.quantize_int8; CPU)."""
         from transformers import AutoConfig, AutoTokenizer
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         head = Eagle3Head.load(head_dir, target_dir, device=device, dtype=dtype)
+        if quantize == "int8":
+            if torch.device(device).type != "cpu" or dtype != torch.float32:
+                raise ValueError("--head-quantize int8 runs on the CPU, in float32")
+            head = head.quantize_int8()
+            kwargs["quantization"] = "int8 (linears, dynamic activation scales)"
         source = Path(head_dir) if (Path(head_dir) / "tokenizer_config.json").is_file() else Path(target_dir or "")
         if not (source / "tokenizer_config.json").is_file():
             raise ValueError(f"no tokenizer in {head_dir} or the target directory {target_dir!r}: give --target-model")
@@ -186,7 +199,7 @@ class EagleDraft:
         if f.end > committed - 1:
             raise InvalidRequest(f"features reach position {f.end - 1}, past the committed tokens' last but one"
                                  f" ({committed - 2})")
-        return wire.unpack(f, self.device, self.head.fc.weight.dtype)
+        return wire.unpack(f, self.device, self.head.dtype)
 
     def _take_in(self, session: Session, call: ProposeCall, features: torch.Tensor | None, held: int | None) -> None:
         """The delta into the session's rows: drop those that read a rolled-back token, compute the
@@ -281,8 +294,9 @@ class EagleDraft:
             "max_context": self.max_context,
             "eos_token_ids": [] if eos is None else [eos],
             "device": str(self.device),
-            "dtype": str(self.head.fc.weight.dtype).removeprefix("torch."),
-            "num_parameters": sum(p.numel() for n, p in self.head.named_parameters() if not n.startswith("embed")),
+            "dtype": str(self.head.dtype).removeprefix("torch."),
+            "num_parameters": self.num_parameters,
+            "quantization": self.quantization,
             "logits_size": self.logits_size,
             "active_sessions": len(self.sessions),
             "max_sessions": self.sessions.max_sessions,
@@ -301,7 +315,7 @@ class EagleDraft:
         """Time a call's head steps on a scratch session: fixed (the call, the features' rows)
         plus per_token (a drafted token); adaptive K reads the fit (ModelInfo.pass_ms_*)."""
         head, state = self.head, Rows(self.head.new_cache())
-        features = torch.zeros(context, self.width, dtype=head.fc.weight.dtype, device=self.device)
+        features = torch.zeros(context, self.width, dtype=head.dtype, device=self.device)
         ids = torch.zeros(context, dtype=torch.long, device=self.device)
 
         def call(k: int) -> float:

@@ -229,6 +229,11 @@ class Eagle3Head(nn.Module):
         self.t2d[: c.draft_vocab_size] = True
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the norms': the linears may be quantized, quantize_int8)."""
+        return self.norm.weight.dtype
+
+    @property
     def layer(self) -> Eagle3Layer:
         return self.layers[0]
 
@@ -242,13 +247,13 @@ class Eagle3Head(nn.Module):
         return ids + self.d2t[ids]
 
     def new_cache(self) -> HeadCache:
-        c, p = self.config, self.fc.weight
+        c, p = self.config, self.norm.weight
         empty = torch.zeros(c.num_key_value_heads, 64, c.head_dim, dtype=p.dtype, device=p.device)
         return HeadCache(empty, empty.clone())
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """features: [S, len(aux) * Ht] -> [S, H]."""
-        return self.fc(features.to(self.fc.weight.dtype))
+        return self.fc(features.to(self.dtype))
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor):
         """positions: [B, S] -> cos, sin [B, S, head_dim]."""
@@ -258,7 +263,7 @@ class Eagle3Head(nn.Module):
         """input_ids [S], hidden [S, H], positions [S] -> (out_hidden [S, H], logits [S, Vd]); the rows attend
         to the cache's rows and causally to each other, then their k/v are appended to the cache."""
         S, past = len(input_ids), cache.length
-        hidden = hidden.to(self.fc.weight.dtype)[None]
+        hidden = hidden.to(self.dtype)[None]
         cos, sin = self.rope(hidden, positions[None])
         q, k, v, residual = self.layer.project(self.embed_tokens(input_ids)[None].to(hidden.dtype), hidden, cos, sin)
         cache.append(k[0], v[0])
@@ -274,7 +279,7 @@ class Eagle3Head(nn.Module):
         """One row for each of B sessions at once: input_ids [B], hidden [B, H], positions [B], each
         row attending to its own session's cache -> (out_hidden [B, H], logits [B, Vd]); the linear
         layers run once for all rows (step's arithmetic, row by row)."""
-        hidden = hidden.to(self.fc.weight.dtype)[:, None]  # [B, 1, H]
+        hidden = hidden.to(self.dtype)[:, None]  # [B, 1, H]
         cos, sin = self.rope(hidden, positions[:, None])
         q, k, v, residual = self.layer.project(self.embed_tokens(input_ids)[:, None].to(hidden.dtype), hidden, cos, sin)
         outs = []
@@ -284,6 +289,17 @@ class Eagle3Head(nn.Module):
                                                        cache.v[None, :, : cache.length], enable_gqa=True))
         out = self.layer.finish(torch.cat(outs), residual)[:, 0]
         return out, self.lm_head(self.norm(out))
+
+    def quantize_int8(self) -> "Eagle3Head":
+        """Its linears (fc, the layer's, lm_head) as int8 with dynamic activation scales (torch's
+        CPU dynamic quantization): a draft step reads a quarter of the weight bytes, which on a
+        CPU is most of its time. The head is then another, slightly different drafter; the
+        output stays the target's (q is what the head sampled from)."""
+        import warnings
+
+        with warnings.catch_warnings():  # (torch marks its quantized tensors deprecated; they still run)
+            warnings.simplefilter("ignore")
+            return torch.ao.quantization.quantize_dynamic(self, {nn.Linear}, dtype=torch.qint8)
 
     # ------------------------------------------------------------------ checkpoints
 

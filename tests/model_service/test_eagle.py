@@ -64,12 +64,13 @@ def eagle(pair, tmp_path_factory):
     return EagleDraft.load(make_head(target_dir, tmp_path_factory.mktemp("head")), target_dir, "cpu")
 
 
-@pytest.mark.parametrize("vocab", ["bpe", "chars"])
-def test_greedy_output_is_the_targets_with_and_without_predrafting(pair, small_vocab_pair, tmp_path, vocab):
+@pytest.mark.parametrize("vocab,quantize", [("bpe", "none"), ("chars", "none"), ("chars", "int8")])
+def test_greedy_output_is_the_targets_with_and_without_predrafting(pair, small_vocab_pair, tmp_path, vocab,
+                                                                   quantize):
     """On the 12-token vocabulary a random head's tokens are often accepted, on the BPE one seldom:
-    both paths of every round (kept, rolled back) run."""
+    both paths of every round (kept, rolled back) run; the head's linears in int8 too."""
     _, target_dir = pair if vocab == "bpe" else small_vocab_pair
-    eagle = EagleDraft.load(make_head(target_dir, tmp_path / "head", std=0.5), target_dir, "cpu")
+    eagle = EagleDraft.load(make_head(target_dir, tmp_path / "head", std=0.5), target_dir, "cpu", quantize=quantize)
     target = TargetEngine(ModelRunner(target_dir))
     prompt = [5, 1, 4, 9, 10, 7]
     with torch.inference_mode():
