@@ -23,7 +23,8 @@ one side of the ratio only.
 With greedy decoding (the default) every request's tokens are checked against the first run of
 its prompt, across systems and levels: greedy output is the target's own at any concurrency
 and batch, so the bench prints how many requests matched and names any that did not.
-Writes a table to stdout, bench/results/concurrency.json and bench/results/concurrency.png.
+Writes a table to stdout, bench/results/concurrency.json and bench/results/concurrency.png (with
+--draft-method eagle: concurrency-eagle.json and .png).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.pair import RESULTS, add_pair_flags, heldout_prompts, pair_of  # noqa: E402
 from bench.systems import hf_generate  # noqa: E402
+from assets.models import EAGLE  # noqa: E402
 from coordinator.launch import LocalStack  # noqa: E402
 
 
@@ -159,12 +161,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
                         help="torch threads of the target service (and of HF generate)")
     parser.add_argument("--draft-threads", type=int, default=1)
+    parser.add_argument("--draft-method", default="model", choices=["model", "eagle"],
+                        help="the drafts' method: model (--draft-model) or eagle (--draft-model: an EAGLE-3 head,"
+                             " default models/eagle; the target sends it its hidden states)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     draft_dir, target_dir = pair_of(args)
+    if args.draft_method == "eagle":
+        draft_dir = args.draft_model or EAGLE
     levels = [int(c) for c in args.levels.split(",")]
     systems = [s.strip() for s in args.systems.split(",")]
     prompts = heldout_prompts(AutoTokenizer.from_pretrained(target_dir), args.prompts)
@@ -205,7 +212,8 @@ def main(argv=None) -> dict:
         with LocalStack(draft_dir, target_dir, threads=None if kind == "defaults" else args.threads,
                         draft_threads=args.threads if lockstep else args.draft_threads,
                         batched_threads=args.threads,
-                        draft_args=extra, target_args=extra, coordinator_args=coordinator_args) as stack:
+                        draft_args=extra, target_args=extra, coordinator_args=coordinator_args,
+                        draft_method=args.draft_method) as stack:
             for i, c in enumerate(levels + again):
                 for name in names:
                     bar.set_postfix_str(f"{name} C={c}")
@@ -234,13 +242,15 @@ def main(argv=None) -> dict:
             r["vs_single"] = r["tokens_per_s"] / statistics.fmean(singles)
 
     meta = {"machine": f"{os.cpu_count()} cores, {torch.__version__}", "threads": args.threads,
-            "draft_threads": args.draft_threads, "draft": str(draft_dir), "target": str(target_dir),
+            "draft_threads": args.draft_threads, "draft": str(draft_dir), "draft_method": args.draft_method,
+            "target": str(target_dir),
             "prompts": len(prompts), "new_tokens": args.new_tokens, "temperature": args.temperature,
             "k": args.k if args.k is not None else "adaptive", "date": time.strftime("%Y-%m-%d %H:%M"),
             "greedy_requests_checked": checked, "greedy_requests_differing": differ}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "concurrency.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    plot(rows, args.out / "concurrency.png")
+    name = "concurrency" if args.draft_method == "model" else f"concurrency-{args.draft_method}"
+    (args.out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    plot(rows, args.out / f"{name}.png")
     print(f"\n{meta}\n")
     print_table(rows)
     by = {(r["system"], r["concurrency"]): r for r in rows if not r.get("again")}
@@ -258,7 +268,7 @@ def main(argv=None) -> dict:
     if checked:
         print(f"greedy: {checked - len(differ)} of {checked} requests decoded their prompt's first run's tokens"
               + (f"; differing: {', '.join(differ[:8])}" if differ else " (every system, every level)"))
-    print(f"\nwrote {args.out / 'concurrency.json'} and {args.out / 'concurrency.png'}")
+    print(f"\nwrote {args.out / (name + '.json')} and {args.out / (name + '.png')}")
     return {"meta": meta, "rows": rows}
 
 

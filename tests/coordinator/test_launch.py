@@ -14,8 +14,11 @@ class Started(Exception):
 
 
 @pytest.fixture
-def stacks(monkeypatch) -> list[dict]:
+def stacks(monkeypatch, tmp_path) -> list[dict]:
+    """The launcher's stacks, started nowhere; no EAGLE head in the checkout unless a test makes
+    one at tmp_path / "eagle"."""
     made = []
+    monkeypatch.setattr(launch, "EAGLE", tmp_path / "eagle")
 
     class LocalStack:
         """Takes the flags, says where it would serve, and starts nothing."""
@@ -52,3 +55,21 @@ def test_quantize_reaches_both_model_services(stacks, capsys, argv, target_tail,
     assert "starting target (models/target" + (", int4)" if "int4" in argv else ")") in said
     drafting = "n-gram lookup" if "ngram" in argv else "models/draft" + (", int4" if draft_args else "")
     assert f"draft ({drafting})" in said
+
+
+@pytest.mark.parametrize("argv, method", [([], "eagle"), (["--quantize", "int4"], "eagle"),
+                                          (["--tensor-parallel-size", "3"], "model"),
+                                          (["--draft-model", "elsewhere"], "model"),
+                                          (["--draft-method", "model"], "model")])
+def test_auto_drafts_with_the_eagle_head_where_the_checkout_has_one(stacks, capsys, tmp_path, argv, method):
+    """models/eagle present: the head drafts, from the target's hidden states (not for a
+    tensor-parallel target, which sends none, nor where another draft is named)."""
+    (tmp_path / "eagle").mkdir()
+    (tmp_path / "eagle" / "config.json").write_text("{}")
+    with pytest.raises(Started):
+        launch.main(argv)
+    (kwargs,) = stacks
+    assert kwargs["draft_method"] == method
+    said = capsys.readouterr().out
+    if method == "eagle":
+        assert "draft (EAGLE-3 head models/eagle)" in said and list(kwargs.get("draft_args", [])) == []
