@@ -90,8 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="rows one bar sets against another system's (l and d int4 with adaptive K; best n and"
                              " best p on grounded prompts) run this many times, interleaved; their tok/s: the median")
     parser.add_argument("--ngram-ks", default="8,16", help="rows n and p (bench/ngram.py): K values")
-    parser.add_argument("--eagle", default=str(EAGLE) if (EAGLE / "config.json").is_file() else "",
-                        help="row g: the EAGLE-3 head's directory (default models/eagle where it exists; '' skips)")
+    parser.add_argument("--eagle", default=None,
+                        help="row g: the EAGLE-3 head's directory (default: models/eagle where it exists and the target"
+                             " is the default one; '' skips)")
     parser.add_argument("--only", choices=["ngram", "pair", "eagle"],
                         help="run only these rows: ngram (the n rows, bench/ngram.py), pair (all but those) or eagle"
                              " (a, a', g, l)")
@@ -119,6 +120,8 @@ class PairRun:
             print("row l skipped: llama-cpp-python is not installed (make bench-deps builds it)", flush=True)
             self.gguf = None
         self.quantized = [q for q in args.quantize.split(",") if q and q != "none"]
+        if args.eagle is None:  # the shipped head is the default target's
+            args.eagle = str(EAGLE) if args.target_model is None and (EAGLE / "config.json").is_file() else ""
         self.eagle = Path(args.eagle) if args.eagle else None
         self.eagle_only = args.only == "eagle"
         if self.eagle_only:

@@ -10,6 +10,7 @@ import pytest
 
 from bench.__main__ import main as bench_main
 from bench.systems import interleaved
+from tests.model_service.test_eagle import make_head
 
 KEYS = {"name", "mode", "k", "tokens_per_s", "speedup", "acceptance_rate", "mean_accepted", "ideal_speedup",
         "efficiency", "alpha", "draft_ms_per_call", "target_ms_per_call", "overhead_ms_per_round",
@@ -18,9 +19,10 @@ KEYS = {"name", "mode", "k", "tokens_per_s", "speedup", "acceptance_rate", "mean
 
 def test_tiny_bench_writes_every_row(pair, tmp_path, capsys):
     draft, target = pair
+    head = make_head(target, tmp_path / "head")
     bench_main(["--draft-model", str(draft), "--target-model", str(target), "--prompts", "2", "--new-tokens", "12",
                 "--ks", "1,3", "--tp", "2", "--tp-k", "3", "--modes", "greedy,sampling", "--threads", "1",
-                "--out", str(tmp_path)])
+                "--eagle", str(head), "--out", str(tmp_path)])
     results = json.loads((tmp_path / "latest.json").read_text())
     rows = results["rows"]
     assert (tmp_path / "speedup.png").stat().st_size > 1000
@@ -28,18 +30,24 @@ def test_tiny_bench_writes_every_row(pair, tmp_path, capsys):
     assert "best d (greedy)" in out
 
     names = {r["name"][:2].strip() for r in rows}
-    assert names == {"a", "a'", "b", "c", "d", "e", "f"}
+    assert names == {"a", "a'", "b", "c", "d", "e", "f", "g"}
+    # row g: the EAGLE head at --quant-k and adaptive K, float and int4, each mode; features each round
+    eagle = {(r["name"], r["mode"]) for r in rows if r["name"].startswith("g ")}
+    assert eagle == {(f"g specdec gRPC, eagle{q}{a}", m) for q in ("", ", int4") for a in ("", ", adaptive K")
+                     for m in ("greedy", "sampling")}
+    assert all(r["feature_bytes_per_round"] > 0 for r in rows if r["name"].startswith("g ") and r["k"])
+    assert "bar eagle acceptance at K = 4 >= 0.5" in out and "bar g eagle >= 2.5x a (greedy)" in out
     tp_rows = {(r["mode"], r["tensor_parallel"]): r for r in rows if r["name"].startswith("f ")}
     assert set(tp_rows) == {(m, 2) for m in ("greedy", "sampling")}  # (TP = 1 would be row d on one thread)
     a_rows = [r for r in rows if r["name"].startswith("a ")]
     assert all(len(r["tokens_per_s_runs"]) == 3 and r["speedup"] == 1.0 for r in a_rows)  # start + after each K
     for row in rows:
         assert row["tokens_per_s"] > 0 and math.isfinite(row["speedup"])
-        if row["name"][0] in "cdef":
+        if row["name"][0] in "cdefg":
             assert KEYS <= row.keys(), row["name"]
             assert 0.0 <= row["acceptance_rate"] <= row["alpha"] <= 1.0
             assert row["ideal_speedup"] > 0
-            assert (row["wire_bytes_per_round"] > 0) == (row["name"][0] in "def")  # c makes no calls
+            assert (row["wire_bytes_per_round"] > 0) == (row["name"][0] in "defg")  # c makes no calls
             if row.get("adaptive"):  # k: the mean K it chose (0 where drafting never paid); positions: as
                 # many as its largest K
                 assert row["mean_k"] >= 0 and len(row["acceptance_per_position"]) >= row["k"]
