@@ -24,6 +24,7 @@ The three processes are stopped with SIGTERM when it exits.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -68,13 +69,24 @@ def model_pair(draft: str | Path | None, target: str | Path | None,
 
 
 def draft_method(flag: str, draft_model: str | Path | None, tensor_parallel_size: int = 1) -> str:
-    """--draft-method: auto is eagle where no --draft-model is named, models/eagle exists and the
-    target is not tensor-parallel (its ranks do not send hidden states): a head drafting from the
-    target's hidden states agrees with it far more than the distilled draft; else model."""
+    """--draft-method: auto is eagle where no --draft-model is named, the target is not
+    tensor-parallel (its ranks do not send hidden states) and models/eagle exists and beats the
+    distilled draft: its card's acceptance at K = 4 in specdec's round (eagle.json, written by
+    `python -m training.acceptance --write`) at least the distilled draft's (distill.json), on the
+    same held-out prompts (the head costs less per drafted token); else model."""
     if flag != "auto":
         return flag
-    eagle = draft_model is None and tensor_parallel_size == 1 and (EAGLE / "config.json").is_file()
-    return "eagle" if eagle else "model"
+    if draft_model is not None or tensor_parallel_size != 1 or not (EAGLE / "config.json").is_file():
+        return "model"
+    return "eagle" if card_acceptance(EAGLE / "eagle.json") >= max(card_acceptance(DRAFT / "distill.json"), 1e-9) \
+        else "model"
+
+
+def card_acceptance(card: Path) -> float:
+    """The pooled acceptance rate a model card measured in specdec's round (0 where none)."""
+    if not card.is_file():
+        return 0.0
+    return float((json.loads(card.read_text()).get("acceptance") or {}).get("acceptance_rate_pooled") or 0.0)
 
 
 def wait_serving(address: str, timeout: float, procs: dict[str, subprocess.Popen], logs: dict[str, Path],

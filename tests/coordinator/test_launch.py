@@ -19,6 +19,9 @@ def stacks(monkeypatch, tmp_path) -> list[dict]:
     one at tmp_path / "eagle"."""
     made = []
     monkeypatch.setattr(launch, "EAGLE", tmp_path / "eagle")
+    monkeypatch.setattr(launch, "DRAFT", tmp_path / "draft")
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "distill.json").write_text('{"acceptance": {"acceptance_rate_pooled": 0.12}}')
 
     class LocalStack:
         """Takes the flags, says where it would serve, and starts nothing."""
@@ -57,15 +60,20 @@ def test_quantize_reaches_both_model_services(stacks, capsys, argv, target_tail,
     assert f"draft ({drafting})" in said
 
 
-@pytest.mark.parametrize("argv, method", [([], "eagle"), (["--quantize", "int4"], "eagle"),
-                                          (["--tensor-parallel-size", "3"], "model"),
-                                          (["--draft-model", "elsewhere"], "model"),
-                                          (["--draft-method", "model"], "model")])
-def test_auto_drafts_with_the_eagle_head_where_the_checkout_has_one(stacks, capsys, tmp_path, argv, method):
-    """models/eagle present: the head drafts, from the target's hidden states (not for a
-    tensor-parallel target, which sends none, nor where another draft is named)."""
+@pytest.mark.parametrize("argv, acceptance, method", [([], 0.3, "eagle"), (["--quantize", "int4"], 0.3, "eagle"),
+                                                      ([], 0.1, "model"), ([], None, "model"),
+                                                      (["--tensor-parallel-size", "3"], 0.3, "model"),
+                                                      (["--draft-model", "elsewhere"], 0.3, "model"),
+                                                      (["--draft-method", "model"], 0.3, "model")])
+def test_auto_drafts_with_the_eagle_head_where_it_beats_the_draft(stacks, capsys, tmp_path, argv, acceptance,
+                                                                  method):
+    """models/eagle present and its card's acceptance at least the distilled draft's: the head
+    drafts, from the target's hidden states (not for a tensor-parallel target, which sends none,
+    nor where another draft is named); a head that accepts less, or never measured, does not."""
     (tmp_path / "eagle").mkdir()
     (tmp_path / "eagle" / "config.json").write_text("{}")
+    if acceptance is not None:
+        (tmp_path / "eagle" / "eagle.json").write_text(f'{{"acceptance": {{"acceptance_rate_pooled": {acceptance}}}}}')
     with pytest.raises(Started):
         launch.main(argv)
     (kwargs,) = stacks
