@@ -211,9 +211,11 @@ class PairRun:
                                                          self.eos, quantize)
             rows.append({"name": "a' target alone (runner)" + ("" if quantize == "none" else f", {quantize}"),
                          "mode": mode, "k": 0, "tokens": tokens, "tokens_per_s": tokens / seconds,
-                         "quantize": quantize, "ms_per_pass": seconds * 1e3 / tokens, "weight_mb": weight_bytes / 1e6})
+                         "quantize": quantize, "ms_per_pass": seconds * 1e3 / tokens,
+                         "weight_mb": weight_bytes / 1e6})
             self.bar.update()
-        ran = llama_row.run(self.gguf, prompts, temperature, args.new_tokens, args.threads, args.out) if self.gguf else None
+        ran = (llama_row.run(self.gguf, prompts, temperature, args.new_tokens, args.threads, args.out)
+               if self.gguf else None)
         if ran is not None:
             outputs, seconds = ran
             rows.append({"name": "l llama.cpp (GGUF)", "mode": mode, "k": 0, "tokens": sum(map(len, outputs)),

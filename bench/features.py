@@ -84,11 +84,12 @@ def main(argv=None) -> None:
                 msg = features_to_proto(f).SerializeToString()
                 wire.unpack(features_from_proto(type(features_to_proto(f)).FromString(msg)))
             codec_ms = (time.perf_counter() - start) * 10
-            rows.append({"quantize": quantize, "tokens": tokens, "pass_ms": plain, "pass_ms_with_features": with_features,
-                         "added_ms": with_features - plain, "bytes": len(f.data), "message_bytes": len(msg),
-                         "codec_ms": codec_ms})
-            print(f"{quantize:>5} {tokens:>2} tokens: pass {plain:6.2f} ms, with layers {list(layers)} {with_features:6.2f}"
-                  f" ms (+{with_features - plain:5.2f}), rows {len(f.data):,} B ({len(msg):,} B as a message),"
+            rows.append({"quantize": quantize, "tokens": tokens, "pass_ms": plain,
+                         "pass_ms_with_features": with_features, "added_ms": with_features - plain,
+                         "bytes": len(f.data), "message_bytes": len(msg), "codec_ms": codec_ms})
+            print(f"{quantize:>5} {tokens:>2} tokens: pass {plain:6.2f} ms, with layers {list(layers)}"
+                  f" {with_features:6.2f} ms (+{with_features - plain:5.2f}), rows {len(f.data):,} B"
+                  f" ({len(msg):,} B as a message),"
                   f" pack + message + unpack {codec_ms:.3f} ms", flush=True)
         runner.close()
     args.out.write_text(json.dumps({"meta": {"machine": machine(), "threads": args.threads, "layers": list(layers),
