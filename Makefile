@@ -55,10 +55,15 @@ test-all: setup
 draft: setup
 	$(PY) -m training distill --target models/target --out models/draft --acceptance
 
-# the shipped EAGLE-3 head for the default target (resumable from .cache/eagle/eagle; hours on 2 cores:
-# its card, models/eagle/README.md, says what it was trained on), then its acceptance in specdec's round
+# the shipped EAGLE-3 head for the default target, trained on from the committed head where there is
+# one (resumable from .cache/eagle/eagle; an hour on 2 cores per ~1,300 steps; the committed answers save
+# the hour of generation; its card, models/eagle/README.md, says what it was trained on; EAGLE_ARGS: e.g.
+# --steps 2000 --lr 3e-4), then its acceptance in specdec's round
+EAGLE_ANSWERS := training/answers/smollm2-135m-instruct.tar.gz
+
 eagle: setup
-	$(PY) -m training eagle --target models/target --out models/eagle
+	$(PY) -m training eagle --target models/target --out models/eagle --answers $(EAGLE_ANSWERS) \
+		$(if $(wildcard models/eagle/eagle.json),--init models/eagle) $(EAGLE_ARGS)
 	$(PY) -m training.acceptance --eagle models/eagle --target models/target --write
 
 # row l of `make bench`: llama.cpp on the target's GGUF. It builds from source (~5 min, once) for

@@ -54,10 +54,11 @@ def test_tiny_bench_writes_every_row(pair, tmp_path, capsys):
             else:
                 assert len(row["acceptance_per_position"]) == row["k"]
 
-    # the int4 rows (--quantize int4 on the target and the draft): a' and d, each mode
+    # the int4 rows (--quantize int4 on the target and the draft): a', d and g, each mode
     int4 = {(r["name"], r["mode"]) for r in rows if r.get("quantize") == "int4"}
     assert int4 == {(name, mode) for mode in ("greedy", "sampling") for name in (
-        "a' target alone (runner), int4", "d specdec gRPC, int4", "d specdec gRPC, int4, adaptive K")}
+        "a' target alone (runner), int4", "d specdec gRPC, int4", "d specdec gRPC, int4, adaptive K",
+        "g specdec gRPC, eagle, int4", "g specdec gRPC, eagle, int4, adaptive K")}
     floors = [r for r in rows if "floor_ms" in r]  # each a' row against its memory-bandwidth floor
     assert len(floors) == 4 and all(0 < r["floor_ms"] < r["ms_per_pass"] for r in floors)
     assert all(r["weight_mb"] < f["weight_mb"] / 3 for r in floors if r["quantize"] == "int4"

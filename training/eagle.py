@@ -7,7 +7,10 @@ Stages, each resumable from --work (default .cache/eagle/<out's name>); the same
 resumes the run, and a stage already done is skipped:
 
   answers    distill's prompt and generation stages (training/distill.py), unchanged: prompts.json
-             and generations/*.pt with done.json. A --work where they are done is used as it is.
+             and generations/*.pt with done.json. A --work where they are done is used as it is;
+             --answers ARCHIVE unpacks a finished stage into an empty one (made with
+             `tar czf ARCHIVE -C WORK prompts.json generations`: token ids, ~0.6 MB for 460 k answer
+             tokens; training/answers/ holds the default target's, an hour of generation saved).
   features   the float32 target teacher-forced over prompt + answer, batched: at every position the
              hidden states at the aux layers (the INPUTS of decoder layers --aux-layers, vLLM's
              convention; default 2, L // 2, L - 3), float16 [T, len(aux) * H]; at every position
@@ -23,7 +26,10 @@ resumes the run, and a stage already done is skipped:
              labels are restricted to the draft vocabulary and renormalised. The decoder layer starts as
              the target's last layer (q/k/v's hidden half; the embedding half is random), norm as the
              target's final norm, lm_head as the target's output rows of the draft vocabulary; the
-             embedding is the target's, frozen. AdamW, warmup + cosine (training/loop.py); every
+             embedding is the target's, frozen; or, with --init HEAD_DIR (a head this module exported
+             for the same target and draft vocabulary), that head's weights: a run of one session
+             goes on in the next without the checkpoint (fresh optimizer and schedule). AdamW, warmup
+             + cosine (training/loop.py); every
              --eval-every steps the held-out answers (every 50th) give the agreement per step (the
              head's argmax, fed its own states, equals the target's argmax) and the chain (all steps up
              to k agree): train/curve.json.
@@ -37,6 +43,7 @@ import argparse
 import json
 import os
 import shutil
+import tarfile
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -62,6 +69,7 @@ class Config:
     out: Path
     work: Path
     # answers (distill's stages)
+    answers: str = ""  # a tar.gz of a finished answers stage, unpacked into an empty --work
     stdlib_prompts: int = 2500
     own_questions: int = 4000
     new_tokens: int = 192
@@ -76,14 +84,15 @@ class Config:
     feature_minutes: float = 120.0
     max_tokens: int = 0  # 0: no bound
     # vocab
-    vocab_coverage: float = 0.995
+    vocab_coverage: float = 0.99
     # train
+    init: str = ""  # an exported head to start from (same target and draft vocabulary)
     steps: int = 1000
     train_batch: int = 8
     max_length: int = 512
     lr: float = 6e-4
     warmup: int = 50
-    ttt_steps: int = 5
+    ttt_steps: int = 4
     ttt_decay: float = 0.8
     heldout_share: float = 0.02
     heldout_rows: int = 64
@@ -97,6 +106,11 @@ class Config:
 
 def stage_answers(cfg: Config) -> None:
     """distill's prompts and generations, in --work."""
+    if cfg.answers and not (cfg.work / "generations").exists():
+        with tarfile.open(cfg.answers) as archive:
+            archive.extractall(cfg.work, filter="data")
+        if not (cfg.work / "generations" / "done.json").exists():
+            raise SystemExit(f"--answers {cfg.answers}: no generations/done.json in the archive")
     if (cfg.work / "generations" / "done.json").exists():
         log(f"answers: done ({json.loads((cfg.work / 'generations' / 'done.json').read_text())})")
         return
@@ -260,6 +274,17 @@ def build_head(cfg: Config, vocab_ids: list[int], init: bool) -> Eagle3Head:
     return head
 
 
+def start_from(head: Eagle3Head, directory: Path, target: Path) -> None:
+    """head's weights from an exported head of the same shape and draft vocabulary (--init)."""
+    trained = Eagle3Head.load(directory, target_dir=target)
+    mine, theirs = head.config.to_dict(), trained.config.to_dict()
+    differ = sorted(k for k in mine.keys() | theirs.keys() if k != "speculators_config" and mine.get(k) != theirs.get(k))
+    if differ or not torch.equal(head.d2t, trained.d2t):
+        raise SystemExit(f"--init {directory}: another shape or draft vocabulary ({differ or 'd2t'})")
+    head.load_state_dict(trained.state_dict())
+    log(f"train: starting from {directory}")
+
+
 def collate(rows: list[dict], head: Eagle3Head, max_length: int) -> dict[str, torch.Tensor]:
     """Right-padded rows. Row t: feature t, token t+1 (`inputs`), position t. Labels indexed by the
     position they belong to: at position s the target's top-k for token s+1, as draft columns
@@ -379,6 +404,8 @@ def stage_train(cfg: Config, vocab: dict) -> dict:
     train_rows = [r for i, r in enumerate(rows) if not held_out(i, cfg.heldout_share)]
     heldout = [r for i, r in enumerate(rows) if held_out(i, cfg.heldout_share)][: cfg.heldout_rows]
     head = build_head(cfg, vocab["ids"], init=True)
+    if cfg.init and not (ckpt / "checkpoint.pt").exists():
+        start_from(head, Path(cfg.init), cfg.target)
     answer_tokens = sum(len(r["top_ids"]) for r in train_rows)
     log(f"train: {sum(p.numel() for p in head.parameters() if p.requires_grad):,} trainable parameters,"
         f" {len(train_rows)} answers ({answer_tokens:,} answer tokens), {len(heldout)} held out, {cfg.steps} steps"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import tarfile
 
 import pytest
 import torch
@@ -87,6 +88,39 @@ def test_eagle_trains_a_loadable_head_and_resumes(target, tmp_path):
     stamps = {p: p.stat().st_mtime_ns for p in (work / "train" / "checkpoint.pt", work / "features" / "index.json")}
     eagle.main(argv)
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+
+
+def test_a_run_goes_on_in_another_session_from_the_answers_archive_and_the_exported_head(target, tmp_path):
+    """What survives a session is what is committed: the answers (an archive of token ids) and the
+    exported head; a new --work built from them trains on from that head, not from the target's init."""
+    first, work = tmp_path / "first", tmp_path / "work"
+    write_generations(work)
+    eagle.main(["--target", str(target), "--out", str(first), "--work", str(work), *TINY])
+    archive = tmp_path / "answers.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for name in ("prompts.json", "generations"):
+            tar.add(work / name, arcname=name)
+
+    second, fresh = tmp_path / "second", tmp_path / "fresh"
+    argv = ["--target", str(target), "--out", str(second), "--work", str(fresh), "--answers", str(archive),
+            *TINY[:TINY.index("--steps")], "--steps", "2", *TINY[TINY.index("--steps") + 2 :]]
+    eagle.main([*argv, "--init", str(first)])
+    assert json.loads((fresh / "vocab.json").read_text()) == json.loads((work / "vocab.json").read_text())
+    cfg = eagle.Config(target, second, fresh, aux_layers="2,4,5")
+    ids = json.loads((fresh / "vocab.json").read_text())["ids"]
+    rows = [r for i, r in enumerate(eagle.load_features(cfg)) if not eagle.held_out(i, 0.1)]
+    batch = eagle.collate(rows[:16], eagle.build_head(cfg, ids, init=True), 512)
+    with torch.no_grad():
+        exported, went_on, from_scratch = (float(eagle.ttt_loss(h, batch, 3, 0.8)) for h in (
+            Eagle3Head.load(first, target_dir=target), Eagle3Head.load(second, target_dir=target),
+            eagle.build_head(cfg, ids, init=True)))
+    # two more steps from the first head: about where it ended, far below a head at the target's init
+    assert went_on < 0.8 * from_scratch and abs(went_on - exported) < 0.2 * exported, (exported, went_on, from_scratch)
+
+    other = tmp_path / "other"  # a head of another shape (its aux layers) is refused
+    with pytest.raises(SystemExit, match="another shape"):
+        eagle.main(["--target", str(target), "--out", str(other), "--work", str(tmp_path / "w4"), "--answers",
+                    str(archive), "--init", str(first), "--aux-layers", "1,4,5", *TINY])
 
 
 def test_training_time_test_is_the_serving_step(target, tmp_path):
