@@ -56,10 +56,11 @@ draft: setup
 	$(PY) -m training distill --target models/target --out models/draft --acceptance
 
 # the shipped EAGLE-3 head for the default target, trained on from the committed head where there is
-# one (resumable from .cache/eagle/eagle; an hour on 2 cores per ~1,300 steps; the committed answers save
-# the hour of generation; its card, models/eagle/README.md, says what it was trained on; EAGLE_ARGS: e.g.
-# --steps 2000 --lr 3e-4), then its acceptance in specdec's round
+# one (resumable from .cache/eagle/eagle; on 2 cores ~30 min of features, then ~1,300 steps an hour;
+# the committed answers save the hour of generation; its card, models/eagle/README.md, says what it
+# was trained on; EAGLE_ARGS: the run's flags), then its acceptance in specdec's round
 EAGLE_ANSWERS := training/answers/smollm2-135m-instruct.tar.gz
+EAGLE_ARGS ?= --steps 1300 --lr 3e-4
 
 eagle: setup
 	$(PY) -m training eagle --target models/target --out models/eagle --answers $(EAGLE_ANSWERS) \

@@ -110,6 +110,10 @@ def main(argv=None) -> None:
         if args.quantize == "none":
             info["acceptance"].update(result)
         card.write_text(json.dumps(info, indent=1) + "\n")
+        if {"generations", "features", "training", "heldout", "draft_vocab"} <= info.keys():  # the trainer's card
+            from training.eagle import model_card
+
+            (args.eagle / "README.md").write_text(model_card(info))
 
 
 if __name__ == "__main__":

@@ -191,8 +191,8 @@ def stage_features(cfg: Config) -> dict:
                              "seconds": round(time.perf_counter() - tick, 2)}
         index_path.write_text(json.dumps(index))
         bar.update(1)
-        bar.set_postfix(tok_s=f"{(tokens + index[shard.name]['tokens']) / (seconds + index[shard.name]['seconds']):.0f}",
-                        refresh=False)
+        done = index[shard.name]
+        bar.set_postfix(tok_s=f"{(tokens + done['tokens']) / (seconds + done['seconds']):.0f}", refresh=False)
     bar.close()
     seconds = sum(v["seconds"] for v in index.values())
     info = {"shards": len(index), "sequences": sum(v["rows"] for v in index.values()),
@@ -278,7 +278,8 @@ def start_from(head: Eagle3Head, directory: Path, target: Path) -> None:
     """head's weights from an exported head of the same shape and draft vocabulary (--init)."""
     trained = Eagle3Head.load(directory, target_dir=target)
     mine, theirs = head.config.to_dict(), trained.config.to_dict()
-    differ = sorted(k for k in mine.keys() | theirs.keys() if k != "speculators_config" and mine.get(k) != theirs.get(k))
+    differ = sorted(k for k in mine.keys() | theirs.keys()
+                    if k != "speculators_config" and mine.get(k) != theirs.get(k))
     if differ or not torch.equal(head.d2t, trained.d2t):
         raise SystemExit(f"--init {directory}: another shape or draft vocabulary ({differ or 'd2t'})")
     head.load_state_dict(trained.state_dict())
@@ -476,10 +477,11 @@ def model_card(info: dict) -> str:
          f" pass the target's directory). {info['trainable_parameters']:,} trainable parameters, bf16, in the"
          " `speculators` layout that vLLM loads (`config.json`, `model.safetensors`: fc, layers.0.*, norm, lm_head,"
          " d2t, t2d).\n"),
-        ("Made by `python -m training eagle`: the target answered prompts built from the Python standard library and"
-         " questions it wrote itself (held-out bench prompts excluded); its float32 hidden states and top-k next-token"
+        ("Made by `python -m training eagle`: the target answered prompts ("
+         + g.get("prompts", "built from the Python standard library and questions it wrote itself")
+         + "; held-out bench prompts excluded); its float32 hidden states and top-k next-token"
          " distributions on those answers, teacher-forced, were the training data; training-time test over"
-         f" {t['ttt_steps']} steps.\n"),
+         f" {t['ttt_steps']} steps" + (f"; {t['schedule']}" if t.get("schedule") else "") + ".\n"),
         "| figure | value |\n|---|---|",
         f"| target answers | {g['sequences']:,} ({g['answer_tokens']:,} tokens, {g['minutes']} min) |",
         (f"| features | {f['sequences']:,} sequences, {f['tokens']:,} tokens, {f['minutes']} min"
@@ -492,6 +494,10 @@ def model_card(info: dict) -> str:
         "| held-out chain (steps 0..k all agree) | " + " / ".join(f"{h[f'chain_{k}']:.3f}" for k in steps) + " |",
         (f"| expected accepted tokens per round at K = {t['ttt_steps']} (sum of the chain) |"
          f" {h['expected_accepted']:.2f} |"),
+        *(f"| acceptance at K = {a['k']} in specdec's round, greedy, the bench's {a['prompts']} chat prompts, target"
+          f" {'float32' if q == 'none' else q} (`training.acceptance`) | {a['acceptance_rate_pooled']:.3f} pooled"
+          f" ({a['tokens_per_round']:.2f} tokens per round, α {a['alpha_pooled']:.3f}) |"
+          for q, a in info.get("acceptance", {}).items() if isinstance(a, dict)),
         "\nHeld-out agreement per step against answer tokens seen:\n",
         "| answer tokens | " + " | ".join(f"step {k}" for k in steps) + " |",
         "|---|" + "---|" * len(steps),
