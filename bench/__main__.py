@@ -36,7 +36,8 @@ measures), and the issues' bars. Where a bar sets two systems within a few perce
 (d int4 with adaptive K against l), they run --repeat times (default 3) turn about, and their
 tok/s is the median of their runs (all kept in latest.json's tokens_per_s_runs): this machine's
 speed drifts by 5-10% over minutes, more than such a bar's margin.
-Writes a table to stdout, bench/results/latest.json and bench/results/speedup.png.
+Writes a table to stdout, bench/results/latest.json and bench/results/speedup.png (`--only eagle`:
+bench/results/eagle.json and eagle.png).
 
 Here: the flags and the order the rows run in (PairRun); each row's system is in bench/systems.py,
 its figures and the report in bench/rows.py, the n rows in bench/ngram.py.
@@ -355,7 +356,7 @@ class PairRun:
             self.bar.update()
 
     def report(self) -> None:
-        """Speedups, floors and bars; latest.json, speedup.png and the table."""
+        """Speedups, floors and bars; latest.json and speedup.png (--only eagle: eagle.json, eagle.png); the table."""
         args, rows, rss, identical = self.args, self.rows, self.rss, self.identical
         with_speedups(rows, self.baselines)
         bandwidth = memory_bandwidth_gbs(args.threads)
@@ -367,8 +368,11 @@ class PairRun:
                 "draft_threads": args.draft_threads,
                 "draft": str(self.draft_dir), "target": str(self.target_dir), "prompts": len(self.prompts),
                 "new_tokens": args.new_tokens, "date": time.strftime("%Y-%m-%d %H:%M")}
-        (args.out / "latest.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        plot(rows, args.out / "speedup.png")
+        # --only eagle: a file of its own, so the whole bench's latest.json (the README's table) stays
+        results, figure = (args.out / "eagle.json", args.out / "eagle.png") if self.eagle_only else (
+            args.out / "latest.json", args.out / "speedup.png")
+        results.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        plot(rows, figure)
         print(f"\n{meta}\n")
         print_table(rows)
         best = {m: max((r for r in rows if r["mode"] == m and r["name"].startswith("d ")
@@ -390,7 +394,7 @@ class PairRun:
                   + ", ".join(f"{name} {n}" for name, n in identical.items()))
         for line in floor_lines + bars(rows):
             print(line)
-        print(f"\nwrote {args.out / 'latest.json'} and {args.out / 'speedup.png'}")
+        print(f"\nwrote {results} and {figure}")
 
 
 def main(argv=None) -> None:
