@@ -305,7 +305,13 @@ def main(argv=None, prog: str = "python -m coordinator.launch") -> int:
     parser.add_argument("--no-chat", action="store_true", help="send the demo prompt as plain text, not as a chat message")
     args = parser.parse_args(argv)
 
-    args.draft_method = draft_method(args.draft_method, args.draft_model, args.tensor_parallel_size)
+    chosen = draft_method(args.draft_method, args.draft_model, args.tensor_parallel_size)
+    if (args.draft_method == "auto" and chosen == "model" and (EAGLE / "eagle.json").is_file()
+            and not args.draft_model):
+        print(f"--draft-method auto: the distilled draft, not the EAGLE-3 head ({EAGLE}): its acceptance at K = 4"
+              f" {card_acceptance(EAGLE / 'eagle.json'):.3f} < the draft's {card_acceptance(DRAFT / 'distill.json'):.3f}"
+              " (--draft-method eagle runs it)", flush=True)
+    args.draft_method = chosen
     draft, target = model_pair(args.draft_model, args.target_model, args.draft_method)
     quantize = ["--quantize", args.quantize] if args.quantize != "none" else []
     stack = LocalStack(draft, target, port=args.port, threads=args.threads, draft_threads=args.draft_threads,
