@@ -308,9 +308,9 @@ def main(argv=None, prog: str = "python -m coordinator.launch") -> int:
     chosen = draft_method(args.draft_method, args.draft_model, args.tensor_parallel_size)
     if (args.draft_method == "auto" and chosen == "model" and (EAGLE / "eagle.json").is_file()
             and not args.draft_model and args.tensor_parallel_size == 1):  # (kept for the head's acceptance)
+        head, distilled = card_acceptance(EAGLE / "eagle.json"), card_acceptance(DRAFT / "distill.json")
         print(f"--draft-method auto: the distilled draft, not the EAGLE-3 head ({EAGLE}): its acceptance at K = 4"
-              f" {card_acceptance(EAGLE / 'eagle.json'):.3f} < the draft's {card_acceptance(DRAFT / 'distill.json'):.3f}"
-              " (--draft-method eagle runs it)", flush=True)
+              f" {head:.3f} < the draft's {distilled:.3f} (--draft-method eagle runs it)", flush=True)
     args.draft_method = chosen
     draft, target = model_pair(args.draft_model, args.target_model, args.draft_method)
     quantize = ["--quantize", args.quantize] if args.quantize != "none" else []
