@@ -55,8 +55,8 @@ test-all: setup
 draft: setup
 	$(PY) -m training distill --target models/target --out models/draft --acceptance
 
-# the shipped EAGLE-3 head for the default target, trained on from the committed head where there is
-# one (resumable from .cache/eagle/eagle; on 2 cores ~30 min of features, then ~1,300 steps an hour;
+# an EAGLE-3 head for the default target (models/eagle), trained on from the head already there, where
+# there is one (resumable from .cache/eagle/eagle; on 2 cores ~30 min of features, then ~1,300 steps an hour;
 # the committed answers save the hour of generation; its card, models/eagle/README.md, says what it
 # was trained on; EAGLE_ARGS: the run's flags), then its acceptance in specdec's round
 EAGLE_ANSWERS := training/answers/smollm2-135m-instruct.tar.gz

