@@ -45,7 +45,7 @@ import torch
 
 from speculative.errors import InvalidRequest
 from speculative.protocol import Cost, Features, PassCost, Proposal, ProposeCall
-from speculative.sampling import draft_support, encode_supports, logits_to_probs, one_hot_supports, sample
+from speculative.sampling import draft_token, encode_supports, one_hot_supports
 
 from . import features as wire
 from .drafting import MethodSessions, advance, one_result
@@ -239,17 +239,11 @@ class EagleDraft:
             for j, row in zip(drafting, logits):
                 _, call, session = live[j]
                 tokens, q_ids, q_probs = picked[j]
-                params = call.params
-                if params.greedy:
-                    if call.p_min > 0 and float(torch.softmax(row.float(), -1).max()) < call.p_min:
-                        continue
-                    x = int(row.argmax())
-                else:
-                    probs = logits_to_probs(row, params)
-                    if call.p_min > 0 and float(probs.max()) < call.p_min:
-                        continue
-                    ids, q = draft_support(probs, self.max_support)
-                    x = int(ids[sample(q, session.generator)])
+                drawn = draft_token(row, call.params, call.p_min, self.max_support, session.generator)
+                if drawn is None:
+                    continue
+                x, ids, q = drawn
+                if ids is not None:
                     q_ids.append(head.draft_to_target(ids))
                     q_probs.append(q)
                 token = int(head.draft_to_target(torch.tensor(x, device=self.device)))

@@ -15,13 +15,12 @@ from speculative.errors import CapacityExceeded, InvalidRequest
 from speculative.protocol import Cost, Features, Proposal, ProposeCall, Verdict, VerifyCall
 from speculative.sampling import (
     check_supports,
-    draft_support,
+    draft_token,
     encode_supports,
     greedy_verify,
     logits_to_probs,
     one_hot_supports,
     rejection_sample,
-    sample,
     supports_to_tensors,
 )
 
@@ -130,17 +129,11 @@ class DraftEngine(RunnerEngine):
                 if call.k == 0:
                     continue
                 tokens, q_ids, q_probs = out[j]
-                row, params = row[-1, :vocab], call.params
-                if params.greedy:
-                    if call.p_min > 0 and float(torch.softmax(row, -1).max()) < call.p_min:
-                        continue
-                    x = int(row.argmax())
-                else:
-                    probs = logits_to_probs(row, params)
-                    if call.p_min > 0 and float(probs.max()) < call.p_min:
-                        continue
-                    ids, q = draft_support(probs, self.max_support)
-                    x = int(ids[sample(q, session.generator)])
+                drawn = draft_token(row[-1, :vocab], call.params, call.p_min, self.max_support, session.generator)
+                if drawn is None:
+                    continue
+                x, ids, q = drawn
+                if ids is not None:
                     q_ids.append(ids)
                     q_probs.append(q)
                 tokens.append(x)

@@ -192,3 +192,19 @@ def decode_supports(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Inverse of encode_supports, checking everything a peer could get wrong."""
     return supports_to_tensors(*check_supports(num_tokens, sizes, ids, probs, vocab), device)
+
+
+def draft_token(row: torch.Tensor, params, p_min: float, max_support: int,
+                generator: torch.Generator | None) -> tuple[int, torch.Tensor | None, torch.Tensor | None] | None:
+    """A draft's next token from its logits `row` [V]: the argmax (greedy) or a draw from its sparse
+    support (draft_support) -> (token, support ids, q), ids and q None when greedy; None where the
+    draft's top probability is under p_min (drafting stops there)."""
+    if params.greedy:
+        if p_min > 0 and float(torch.softmax(row.float(), -1).max()) < p_min:
+            return None
+        return int(row.argmax()), None, None
+    probs = logits_to_probs(row, params)
+    if p_min > 0 and float(probs.max()) < p_min:
+        return None
+    ids, q = draft_support(probs, max_support)
+    return int(ids[sample(q, generator)]), ids, q
