@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: setup stubs kernel run cluster test test-all bench-deps bench bench-eagle bench-concurrency bench-ceiling soak draft eagle clean
+.PHONY: setup stubs kernel run cluster test test-all test-gpu bench-gpu bench-deps bench bench-eagle bench-concurrency bench-ceiling soak draft eagle clean
 
 TARGET := models/target/conversion.json
 
@@ -50,6 +50,17 @@ test: setup
 
 test-all: setup
 	$(PY) -m pytest -q -m ''
+
+# on a machine with an NVIDIA GPU (not in `make test`; CI has none): the GPU checks (tests/gpu, in
+# bf16) and the suites whose models then run on the GPU by default, with CUDA graphs captured
+GPU_TESTS := tests/gpu tests/model_service/test_cuda_graphs.py tests/model_service/test_batching.py \
+	tests/coordinator/test_sampling_distribution.py
+test-gpu: setup
+	$(PY) -m pytest -q --device cuda $(GPU_TESTS)
+
+# random weights at Llama-3.1-8B / Llama-3.2-1B shapes on one GPU (bench/gpu.py); bench/results/gpu.json
+bench-gpu: setup
+	$(PY) -m bench.gpu
 
 # the shipped draft, distilled for the default target (resumable; ~1.5 h on 2 cores)
 draft: setup

@@ -64,6 +64,10 @@ def parse_args(argv=None, prog: str = "python -m draft_service"):
                              " 0: not known (the coordinator then assumes 0.6)")
     parser.add_argument("--oracle", default=None,
                         help="benchmark only: JSON list of token sequences to replay instead of drafting")
+    parser.add_argument("--oracle-acceptance", type=float, default=1.0,
+                        help="benchmark only: --oracle corrupts each proposed token with probability 1 - this")
+    parser.add_argument("--oracle-cost", default="none", choices=["none", "model"],
+                        help="benchmark only: model: --oracle drafts with --model first (its cost), then replays")
     args = parser.parse_args(argv)
     if args.method == "model" and not args.model:
         parser.error("--method model needs --model DIR (the checkout has no models/draft), or use --method ngram")
@@ -71,6 +75,8 @@ def parse_args(argv=None, prog: str = "python -m draft_service"):
         parser.error("--method ngram needs --tokenizer (the checkout has no models/target)")
     if args.method == "eagle" and not args.model:
         parser.error("--method eagle needs --model HEAD_DIR (an EAGLE-3 head)")
+    if not 0.0 <= args.oracle_acceptance <= 1.0:
+        parser.error(f"--oracle-acceptance must lie in [0, 1], not {args.oracle_acceptance}")
     if args.method != "model" and args.oracle:
         parser.error(f"--oracle replaces the model method's drafting, not {args.method}'s")
     if not 1 <= args.ngram_min <= args.ngram_max:
@@ -151,7 +157,8 @@ def make_engine(args, load_model) -> DraftMethod:
                                idle_timeout=args.session_idle_timeout, max_context=args.max_context or NGRAM_CONTEXT)
     if args.oracle:
         references = json.loads(Path(args.oracle).read_text())
-        return OracleDraftEngine(load_model(), references, args.max_tokens_per_call)
+        return OracleDraftEngine(load_model(), references, args.max_tokens_per_call, args.oracle_acceptance,
+                                 args.oracle_cost == "model")
     return DraftEngine(load_model(), args.max_support, args.max_tokens_per_call, args.acceptance_prior)
 
 

@@ -86,6 +86,8 @@ class FastForward:
         self.scripted = scripted.LAYERS is not None and self.embed.device.type == "cpu"
         self._script_args: tuple | None = None  # its weight lists, made by the first pass that uses them
         self._all_tiles = False  # made with them: every linear in specdec's int4 tiles, float32 activations
+        # one session's one-token steps through CUDA graphs (cuda_graphs.py; use_graphs), None: eager
+        self.graphs = None
         self.pack()
         self.pool_capacity = pool_capacity  # 0: every session's cache on its own (no batched attention)
         self.pool: KVPool | None = None  # made by the first new_cache (after to() and sharding)
@@ -128,6 +130,8 @@ class FastForward:
         no oneDNN, half precision) nothing is packed; once quantized (int4.quantize) the linears are
         packed in int4 instead. Measurements: docs/performance.md.
         """
+        if self.graphs is not None:  # they recorded the weights' addresses: new ones (none for int4)
+            self.graphs = None if self.int4_group else self.use_graphs(self.graphs.capture)
         if self.int4_group:
             pack_int4(self)
             return
@@ -149,6 +153,14 @@ class FastForward:
     PARTS: ClassVar[dict[str, tuple[str, ...]]] = {
         "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
         "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+
+    def use_graphs(self, capture: bool = True):
+        """Run one session's one-token passes through CUDA graphs (cuda_graphs.GraphedSteps; capture
+        False: the same static-shape step, eager, as tests run it without a GPU)."""
+        from .cuda_graphs import GraphedSteps
+
+        self.graphs = GraphedSteps(self, capture)
+        return self.graphs
 
     def restrict_head(self, ids: torch.Tensor) -> None:
         """Score only `ids` ([N], distinct): the output layer keeps their columns and every other
@@ -255,6 +267,9 @@ class FastForward:
         the input of decoder layer i (0: the embeddings), as EAGLE-3's feature layers are counted.
         The layers run in segments between the captured ones, each by the path it would take
         anyway. -> (each feed's logits, states [T, len(capture), D] in feed order, or None)."""
+        if self.graphs is not None and not capture and len(feeds) == 1 and len(feeds[0][0]) == 1 and feeds[0][2] == 1:
+            # (a clone: the graph's output tensor is overwritten by its next replay)
+            return [self.graphs(feeds[0][0][0], feeds[0][1]).clone()], None
         device = self.embed.device
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         spans, positions, ids = [], [], []
@@ -421,6 +436,8 @@ class FastForward:
         self.pack()
         self.scripted = scripted.LAYERS is not None and torch.device(device).type == "cpu"
         self.pool = None  # the next session's cache starts a pool on `device`
+        if self.graphs is not None and torch.device(device).type != "cuda":
+            self.graphs = None
         return self
 
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:

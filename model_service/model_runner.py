@@ -102,6 +102,7 @@ class ModelRunner:
         quantize: str = "none",
         quant_group: int = 32,
         int4_kernel: str = "auto",
+        cuda_graphs: bool = False,
     ):
         """vocab_subset N > 0 (a draft's only): score only the N most frequent ids of the model
         directory's draft_vocab.json (FastForward.restrict_head); every other id gets probability 0.
@@ -110,7 +111,9 @@ class ModelRunner:
         on_forward: called as each forward starts (ModelThread.flush).
         quantize "int4": weight-only int4 in groups of quant_group inputs on the lean forward, CPU
         (int4.quantize), through int4_kernel's products (auto, specdec or torch); the
-        service then runs that model."""
+        service then runs that model.
+        cuda_graphs: on a GPU, one session's one-token passes replay CUDA graphs (cuda_graphs.py),
+        where the forward is the lean float one of one rank."""
         if quantize not in QUANTIZATIONS:
             raise ValueError(f"--quantize must be one of {QUANTIZATIONS}, not {quantize!r}")
         if quantize != "none" and (forward != "auto" or tensor_parallel > 1):
@@ -160,6 +163,10 @@ class ModelRunner:
             self.quantization = f"int4 (weights in groups of {quant_group}, {kernel}" + (
                 f"; {from_blocks} of {linears} layer linears from the GGUF's Q4_1 blocks as shipped)"
                 if from_blocks else ")")
+        if cuda_graphs and self.device.type == "cuda" and self.fast is not None and self.tp is None \
+                and self.quantization == "none" and self.fast.rope_table is not None:
+            self.fast.use_graphs()
+            self.forward_kind += ", CUDA graphs for one-token steps"
         release_checkpoint_maps(self.model)
         gc.collect()
         return_freed_memory()

@@ -54,6 +54,10 @@ def add_model_flags(parser: EnvArgumentParser, role: str, model_required: bool =
                              " weights, GGUF Q4_1's float16 d and m; groups of 32; built for this CPU by make setup),"
                              " torch's (bf16 activations and scales), auto: specdec's where it is built and the groups"
                              " are 32. Each is its own model: greedy output may differ between them")
+    parser.add_argument("--cuda-graphs", default="on", choices=["on", "off"],
+                        help="on a GPU, one session's one-token passes (a draft's steps, a target's decode) replay a"
+                             " CUDA graph per cache instead of launching each kernel (model_service/cuda_graphs.py);"
+                             " lean float forward, one rank")
     parser.add_argument("--forward", default="auto", choices=["auto", "transformers"],
                         help="auto: the lean forward for Llama/Mistral/Qwen2 models, transformers' own for others;"
                              " transformers: always transformers' own")
@@ -156,7 +160,8 @@ def run_model_service(name: str, args: argparse.Namespace, make_servicer: Callab
                                  args.kv_pool_capacity, getattr(args, "vocab_subset", 0),
                                  max_kv_tokens=args.max_kv_tokens, batched_threads=args.batched_threads,
                                  on_forward=servicer.thread.flush, quantize=args.quantize,
-                                 quant_group=args.quant_group, int4_kernel=args.int4_kernel)
+                                 quant_group=args.quant_group, int4_kernel=args.int4_kernel,
+                                 cuda_graphs=args.cuda_graphs == "on")
             runner.calibrate()
             log.info("%s loaded %s (%d parameters) on %s, %s forward, quantization %s, %d threads (%d for batched"
                      " passes); pass %s", name, runner.name, runner.num_parameters, runner.device, runner.forward_kind,

@@ -13,6 +13,11 @@ from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from speculative.tiny import make_model, make_pair, make_tokenizer
 
 
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu",
+                     help="where tests/gpu runs: cuda or cuda:N (make test-gpu); cpu (the default) skips it")
+
+
 @pytest.fixture(scope="session")
 def pair(tmp_path_factory):
     """(draft_dir, target_dir): byte-level BPE, a draft that mostly disagrees with its target."""

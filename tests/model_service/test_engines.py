@@ -24,7 +24,7 @@ def runners(pair):
 def fresh_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
     """Next-token logits after a fresh prefill of `tokens` (no cache reuse)."""
     with torch.inference_mode():
-        return runner.model(input_ids=torch.tensor([tokens])).logits[0, -1].float()
+        return runner.model(input_ids=torch.tensor([tokens], device=runner.device)).logits[0, -1].float().cpu()
 
 
 def session_logits(runner: ModelRunner, session_id: str) -> torch.Tensor:
@@ -138,7 +138,8 @@ def test_other_model_families_decode_exactly(tmp_path, arch):
     draft, target = ModelRunner(draft_dir), ModelRunner(target_dir)
     prompt = target.tokenizer("def f(x): return")["input_ids"]
     with torch.inference_mode():
-        expected = target.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):]
+        expected = target.model.generate(torch.tensor([prompt], device=target.device), max_new_tokens=24,
+                                         do_sample=False)[0, len(prompt):]
 
     async def run() -> list[int]:
         out = []
@@ -174,11 +175,12 @@ def test_an_output_layer_wider_than_the_vocabulary_emits_only_its_ids(tmp_path):
     expected, ids = [], list(prompt)
     with torch.inference_mode():
         for _ in range(n):
-            logits = target.model(input_ids=torch.tensor([ids])).logits[0, -1]
+            logits = target.model(input_ids=torch.tensor([ids], device=target.device)).logits[0, -1]
             expected.append(int(logits[:vocab].argmax()))
             ids.append(expected[-1])
-        assert any(int(target.model(input_ids=torch.tensor([prompt + expected[:i]])).logits[0, -1].argmax()) >= vocab
-                   for i in range(n))  # unmasked, the padded ids would have been chosen
+        # unmasked, the padded ids would have been chosen
+        assert any(int(target.model(input_ids=torch.tensor([prompt + expected[:i]], device=target.device))
+                       .logits[0, -1].argmax()) >= vocab for i in range(n))
 
     def run(drafter: ModelRunner, params: SamplingParams, stats: Stats) -> list[int]:
         async def go() -> list[int]:
@@ -229,7 +231,8 @@ def test_oracle_draft_replays_the_reference(runners):
     draft_runner, target = runners
     prompt = [4, 8, 15, 16, 23, 42]
     with torch.inference_mode():
-        reference = target.model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False)[0].tolist()
+        reference = target.model.generate(torch.tensor([prompt], device=target.device), max_new_tokens=30,
+                                          do_sample=False)[0].tolist()
     oracle = OracleDraftEngine(draft_runner, [[1, 2, 3], reference])
     stats = Stats()
 
@@ -242,6 +245,47 @@ def test_oracle_draft_replays_the_reference(runners):
 
     assert asyncio.run(run()) == reference[len(prompt):]
     assert stats.acceptance_rate == 1.0 and stats.rounds == 6  # 30 tokens, 5 per round
+
+
+@pytest.mark.parametrize("run_model", [False, True], ids=["free", "at the model's cost"])
+def test_a_corrupting_oracle_sets_the_acceptance_and_keeps_the_output(runners, run_model):
+    """--oracle-acceptance 0.7: each proposed token is accepted with probability ~0.7 given the ones
+    before it, and the output is still the target's (greedy); --oracle-cost model runs the
+    draft's passes too (its forwards counted), and its cache stays consistent with the replay."""
+    import asyncio
+
+    from model_service.local import LocalDraft, LocalTarget
+    from model_service.oracle import OracleDraftEngine
+    from speculative.round import Stats, generate
+
+    draft_runner, target = runners
+    prompts = [[4, 8, 15, 16, 23, 42], [7, 7, 1, 2], [3, 1, 4, 1, 5]]
+    with torch.inference_mode():
+        references = [target.model.generate(torch.tensor([p], device=target.device), max_new_tokens=120,
+                                            do_sample=False)[0].tolist() for p in prompts]
+    oracle = OracleDraftEngine(draft_runner, references, acceptance=0.7, run_model=run_model, seed=3)
+    forwards, runs = [], []
+    draft_runner.on_forward = lambda: forwards.append(1)
+
+    async def run(prompt, n) -> list[int]:  # (n: up to the reference's end, an EOS where generate stopped)
+        out, stats = [], Stats()
+        async for new in generate(LocalDraft(oracle), LocalTarget(TargetEngine(target)), prompt, max_new_tokens=n,
+                                  k=4, params=GREEDY, max_context=512, stats=stats):
+            out += new
+        runs.append(stats)
+        return out
+
+    try:
+        for prompt, reference in zip(prompts, references):
+            assert asyncio.run(run(prompt, len(reference) - len(prompt))) == reference[len(prompt):]
+    finally:
+        draft_runner.on_forward = None
+    # per-token acceptance a, K = 4: E[accepted] / K = (a + a^2 + a^3 + a^4) / 4 = 0.4375 at a = 0.7;
+    # over ~100 rounds a standard error of ~0.04 (the last rounds of a short reference propose less)
+    rounds = sum(s.rounds for s in runs)
+    rate = sum(s.acceptance_rate * s.rounds for s in runs) / rounds
+    assert rounds > 60 and 0.3 < rate < 0.58, (rounds, rate)
+    assert (len(forwards) >= 2 * rounds) == run_model  # the model's steps each round (or none)
 
 
 def test_kv_token_cap_refuses_growth_and_leaves_sessions_alone(pair):
@@ -314,7 +358,7 @@ def test_every_bit_of_a_seed_moves_the_session_generator(runners):
     def draws(seed: int) -> list[float]:
         session = target.start_session("seeded", seed)
         try:
-            return torch.rand(4, generator=session.generator).tolist()
+            return torch.rand(4, generator=session.generator, device=session.generator.device).tolist()
         finally:
             target.sessions.release("seeded")
 

@@ -1,0 +1,80 @@
+"""One-token steps through cuda_graphs.GraphedSteps compute the lean forward's eager step: through
+decode steps, multi-token feeds between them, rollbacks, pool slots and caches of their own, a
+cache that outgrows its storage, and a restricted output layer. Without a GPU the same static-shape
+body runs eagerly (capture=False); with one (the device machine) it is captured and replayed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from model_service import int4
+from model_service.model_runner import ModelRunner
+from speculative.tiny import make_model, make_tokenizer
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("graphs")
+    return make_model(out / "m", make_tokenizer(out / "tok"), hidden=64, layers=3, heads=4, kv_heads=2,
+                      max_context=1024, init_std=0.1)
+
+
+@pytest.mark.parametrize("pool", [None, 0], ids=["pool slots", "caches of their own"])
+def test_graphed_steps_compute_the_eager_steps(model_dir, pool):
+    eager = ModelRunner(model_dir, DEVICE, kv_pool_capacity=pool)
+    graphed = ModelRunner(model_dir, DEVICE, kv_pool_capacity=pool)
+    graphed.fast.use_graphs(capture=CUDA)
+    rng = random.Random(0)
+    pairs = [(eager.start_session(f"s{i}", i), graphed.start_session(f"s{i}", i)) for i in range(3)]
+    steps = 0
+    while len(pairs[0][0].tokens) < 300:  # past a cache's first capacity (256)
+        for a, b in pairs:
+            fed = [rng.randrange(eager.vocab_size) for _ in range(1 if rng.random() < 0.8 else rng.randint(2, 5))]
+            a.tokens.extend(fed)
+            b.tokens.extend(fed)
+            want, got = eager.forward(a, 1), graphed.forward(b, 1)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+            steps += len(fed) == 1
+            if rng.random() < 0.1:  # a rejected draft: roll both back
+                back = rng.randint(1, 4)
+                a.truncate(len(a.tokens) - back)
+                b.truncate(len(b.tokens) - back)
+    assert steps > 500
+    assert graphed.fast.graphs.steps  # the steps went through it
+    if pool == 0:
+        assert pairs[0][1].cache.data.shape[4] >= 512  # grown once at least
+    if CUDA:
+        assert graphed.fast.graphs.captures >= 3
+
+
+def test_graphed_steps_keep_a_restricted_head_and_follow_weight_changes(model_dir):
+    eager = ModelRunner(model_dir, DEVICE)
+    graphed = ModelRunner(model_dir, DEVICE)
+    graphed.fast.use_graphs(capture=CUDA)
+    ids = torch.arange(0, eager.vocab_size, 3)
+    for runner in (eager, graphed):
+        runner.fast.restrict_head(ids.to(runner.device))  # replaces the output layer: new graphs
+    assert graphed.fast.graphs is not None and not graphed.fast.graphs.steps
+    a, b = eager.start_session("a", 0), graphed.start_session("a", 0)
+    for token in [5, 9, 2, 7, 7, 1]:
+        a.tokens.append(token)
+        b.tokens.append(token)
+        want, got = eager.forward(a, 1), graphed.forward(b, 1)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert torch.isinf(got[0, 1]) and got[0, 0].isfinite()  # only the head's ids are scored
+
+
+def test_int4_weights_run_eager(model_dir):
+    """int4 products are CPU kernels: quantizing drops the graphs, and none can be asked for."""
+    runner = ModelRunner(model_dir, "cpu")
+    runner.fast.use_graphs(capture=False)
+    int4.quantize(runner.fast, 32, None, "torch")
+    assert runner.fast.graphs is None
+    with pytest.raises(ValueError, match="float forward"):
+        runner.fast.use_graphs(capture=False)
