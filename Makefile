@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: setup stubs kernel run cluster test test-all test-gpu bench-gpu bench-deps bench bench-eagle bench-concurrency bench-ceiling soak draft eagle clean
+.PHONY: setup stubs kernel run cluster test test-all test-gpu bench-gpu bench-passes bench-deps bench bench-eagle bench-concurrency bench-ceiling soak draft eagle clean
 
 TARGET := models/target/conversion.json
 
@@ -57,6 +57,11 @@ GPU_TESTS := tests/gpu tests/model_service/test_cuda_graphs.py tests/model_servi
 	tests/coordinator/test_sampling_distribution.py
 test-gpu: setup
 	$(PY) -m pytest -q --device cuda $(GPU_TESTS)
+
+# one target pass by the tokens it scores (1..17, 1 and 4 sessions), float32 and int4, beside the memory
+# floor (bench/passes.py); bench/results/passes.json
+bench-passes: setup
+	$(PY) -m bench.passes
 
 # random weights at Llama-3.1-8B / Llama-3.2-1B shapes on one GPU (bench/gpu.py); bench/results/gpu.json
 bench-gpu: setup

@@ -118,7 +118,7 @@ class EagleDraft:
              dtype: torch.dtype = torch.float32, quantize: str = "none", **kwargs) -> "EagleDraft":
         """The head of `head_dir`; the tokenizer (and, where the head has none, the embeddings) from
         the target's directory (the head's own directory where it holds a tokenizer). quantize
-        int8: its linears in int8 (Eagle3Head.quantize_int8; CPU)."""
+        int8: its layer's linears and lm_head in int8 (Eagle3Head.quantize_int8; CPU)."""
         from transformers import AutoConfig, AutoTokenizer
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -127,7 +127,7 @@ class EagleDraft:
             if torch.device(device).type != "cpu" or dtype != torch.float32:
                 raise ValueError("--head-quantize int8 runs on the CPU, in float32")
             head = head.quantize_int8()
-            kwargs["quantization"] = "int8 (linears, dynamic activation scales)"
+            kwargs["quantization"] = "int8 (the layer's linears and lm_head, dynamic activation scales; fc float)"
         source = Path(head_dir) if (Path(head_dir) / "tokenizer_config.json").is_file() else Path(target_dir or "")
         if not (source / "tokenizer_config.json").is_file():
             raise ValueError(f"no tokenizer in {head_dir} or the target directory {target_dir!r}: give --target-model")

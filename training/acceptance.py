@@ -23,11 +23,11 @@ from speculative.protocol import SamplingParams
 
 
 async def _acceptance(draft_dir: Path, target_dir: Path, prompts, k: int, new_tokens: int, vocab_subset: int,
-                      eagle: bool = False, quantize: str = "none") -> dict:
+                      eagle: bool = False, quantize: str = "none", head_quantize: str = "none") -> dict:
     if eagle:
         from model_service.eagle import EagleDraft
 
-        method = EagleDraft.load(draft_dir, target_dir, "cpu")
+        method = EagleDraft.load(draft_dir, target_dir, "cpu", quantize=head_quantize)
         layers = method.layers
     else:
         method, layers = DraftEngine(ModelRunner(draft_dir, device="cpu", vocab_subset=vocab_subset)), ()
@@ -75,10 +75,11 @@ async def _acceptance(draft_dir: Path, target_dir: Path, prompts, k: int, new_to
 
 
 def acceptance(draft_dir: Path, target_dir: Path, prompts, k: int, new_tokens: int, vocab_subset: int = 0,
-               eagle: bool = False, quantize: str = "none") -> dict:
+               eagle: bool = False, quantize: str = "none", head_quantize: str = "none") -> dict:
     """vocab_subset: the draft's output layer over its draft_vocab.json's first N ids (0: all);
     eagle: draft_dir is an EAGLE-3 head (fed the target's features); quantize: the target's."""
-    return asyncio.run(_acceptance(draft_dir, target_dir, prompts, k, new_tokens, vocab_subset, eagle, quantize))
+    return asyncio.run(_acceptance(draft_dir, target_dir, prompts, k, new_tokens, vocab_subset, eagle, quantize,
+                                   head_quantize))
 
 
 def main(argv=None) -> None:
@@ -96,12 +97,17 @@ def main(argv=None) -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--quantize", default="none", choices=["none", "int4"], help="the target's")
+    parser.add_argument("--head-quantize", default="none", choices=["none", "int8"],
+                        help="the head's, as the draft service's --head-quantize (the card records the float head)")
     parser.add_argument("--write", action="store_true", help="write it into the head's eagle.json (acceptance)")
     args = parser.parse_args(argv)
+    if args.write and args.head_quantize != "none":
+        parser.error("--write records the float head's acceptance: leave --head-quantize none")
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=True)["input_ids"]) for p in CHAT]
-    result = acceptance(args.eagle, args.target, prompts, args.k, args.new_tokens, eagle=True, quantize=args.quantize)
+    result = acceptance(args.eagle, args.target, prompts, args.k, args.new_tokens, eagle=True, quantize=args.quantize,
+                        head_quantize=args.head_quantize)
     print(json.dumps({k: v for k, v in result.items() if k != "per_prompt"}, indent=1))
     if args.write:
         card = args.eagle / "eagle.json"

@@ -284,3 +284,21 @@ def test_sessions_drafted_together_propose_what_each_would_alone(pair, tmp_path)
         torch.testing.assert_close(torch.frombuffer(bytearray(proposal.support_probs), dtype=torch.float32),
                                    torch.frombuffer(bytearray(single.support_probs), dtype=torch.float32))
         assert cost.batch_size == 3
+
+
+def test_the_int8_head_keeps_fc_float_and_computes_near_the_float_head(pair, tmp_path):
+    """--head-quantize int8 quantizes the decoder layer's linears and lm_head; fc, which takes the
+    target's hidden states side by side, stays float: one huge channel (as a middle layer's outliers
+    are) would take fc's per-row int8 scale and crush every other channel of the features."""
+    _, target_dir = pair
+    directory = make_head(target_dir, tmp_path / "head")
+    head = EagleDraft.load(directory, target_dir, "cpu").head
+    int8 = EagleDraft.load(directory, target_dir, "cpu", quantize="int8").head
+    assert isinstance(int8.fc, torch.nn.Linear) and int8.fc.weight.dtype == torch.float32
+    assert not isinstance(int8.lm_head, torch.nn.Linear)  # (a dynamically quantized one)
+    torch.manual_seed(0)
+    features = torch.randn(6, head.fc.in_features)
+    features[:, 3] = 400.0  # an outlier channel
+    with torch.inference_mode():
+        exact, fused = head.fuse(features), int8.fuse(features)
+    torch.testing.assert_close(fused, exact)

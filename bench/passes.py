@@ -1,0 +1,92 @@
+"""`make bench-passes`: what one target pass costs by the tokens it scores, beside the memory floor.
+
+    python -m bench.passes                               # models/target: float32, int4 (each kernel)
+    python -m bench.passes --tokens 1,5,9 --sessions 1 --weights float32
+
+Speculation pays only where verifying K + 1 tokens costs little more than decoding one. For each
+weight format of the real target (float32; int4 through specdec's kernel and through torch's) this
+times one pass of `tokens` new tokens per session over `sessions` sessions, each on --context
+cached tokens (median of --reps after two warm-up passes, the target service's own code:
+ModelRunner.forward_many), and prints beside it:
+
+  x 1 token   the pass against the same sessions' one-token pass (the bars of cheap verification:
+              int4 five tokens <= 1.3x, nine <= 1.6x; float32 five <= 1.2x)
+  floor       the bytes of weights one pass reads over this process's memory bandwidth (a sum over
+              256 MB), the least a memory-bound pass can take
+
+Writes a table to stdout and bench/results/passes.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from bench.systems import machine, memory_bandwidth_gbs  # noqa: E402
+from bench.verify_latency import time_passes  # noqa: E402
+from model_service import q4_kernel  # noqa: E402
+from model_service.model_runner import ModelRunner  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+WEIGHTS = {"float32": {}, "int4 specdec": {"quantize": "int4", "int4_kernel": "specdec"},
+           "int4 torch": {"quantize": "int4", "int4_kernel": "torch"}}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.passes", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="models/target")
+    parser.add_argument("--weights", default=",".join(WEIGHTS), help=f"any of {', '.join(WEIGHTS)}")
+    parser.add_argument("--tokens", default="1,2,5,9,17", help="new tokens per session in a pass")
+    parser.add_argument("--sessions", default="1,4")
+    parser.add_argument("--context", type=int, default=128, help="cached tokens per session")
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--out", default=str(RESULTS / "passes.json"))
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    weights = [w.strip() for w in args.weights.split(",") if w.strip()]
+    unknown = [w for w in weights if w not in WEIGHTS]
+    if unknown:
+        parser.error(f"--weights: unknown {unknown}; choose among {list(WEIGHTS)}")
+    if "int4 specdec" in weights and not q4_kernel.load():
+        print(f"specdec's int4 kernel: {q4_kernel.path()} (make kernel): its rows are skipped", flush=True)
+        weights.remove("int4 specdec")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    sessions = [int(s) for s in args.sessions.split(",")]
+    bandwidth = memory_bandwidth_gbs(torch.get_num_threads())
+    report = {"machine": machine(), "threads": torch.get_num_threads(), "bandwidth_gbs": bandwidth,
+              "context": args.context, "rows": []}
+    print(f"{report['machine']}; {report['threads']} threads; memory {bandwidth:.1f} GB/s (a sum over 256 MB)\n")
+    print("| weights | sessions | tokens each | ms | x 1 token | floor ms |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name in weights:
+        start = time.perf_counter()
+        runner = ModelRunner(args.target, "cpu", max_context=args.context + max(tokens) + 8, **WEIGHTS[name])
+        floor = runner.fast.weight_bytes() / (bandwidth * 1e9) * 1e3
+        for s in sessions:
+            one = None
+            for t in tokens:
+                ms = time_passes(runner, s, t - 1, args.context, args.reps)
+                one = ms if t == 1 else one
+                ratio = ms / one if one else None
+                report["rows"].append({"weights": name, "sessions": s, "tokens": t, "ms": ms, "x_one_token": ratio,
+                                       "floor_ms": floor, "weight_bytes": runner.fast.weight_bytes()})
+                shown = f"{ratio:.2f}" if ratio is not None else "-"
+                print(f"| {name} | {s} | {t} | {ms:.2f} | {shown} | {floor:.2f} |", flush=True)
+        del runner
+        report.setdefault("load_s", {})[name] = time.perf_counter() - start
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
