@@ -186,6 +186,8 @@ class FailoverDraft(_Failover):
               prefix: int) -> None:
         """`call` is late: the round goes on without it; the request leaves `replica` alone until it answers."""
         replica.missed += 1
+        if self.pool.late is not None:
+            self.pool.late.inc()
         log.info("draft replica %s is late (no answer in %.0f ms, %d in a row): the round goes on without it",
                  replica.address, bound * 1e3, replica.missed)
         if replica.missed >= MISSES:

@@ -321,6 +321,7 @@ class Coordinator:
         self.gate = PhaseGate(limits.lockstep_ms / 1e3) if limits.lockstep_ms > 0 else None
         if metrics is not None:
             draft.latency, target.latency = metrics.propose, metrics.verify
+            draft.late = metrics.late_drafts
             if self.gate is not None:
                 self.gate.on_turn = metrics.lockstep_turn
 

@@ -34,6 +34,9 @@ class CoordinatorMetrics:
                                  buckets=LATENCY, registry=r)
         self.verify = Histogram("specdec_verify_seconds", "target call, as the coordinator sees it",
                                 buckets=LATENCY, registry=r)
+        self.late_drafts = Counter("specdec_late_draft_calls", "draft calls the round stopped waiting for (a"
+                                   " replica's latency bound ran out: failover.py); their answers are dropped",
+                                   registry=r)
         self.active = Gauge("specdec_active_requests", "requests in progress", registry=r)
         # --lockstep only (coordinator/lockstep.py)
         self.lockstep_turns = Counter("specdec_lockstep_turns", "lockstep turns, by model and by what started"

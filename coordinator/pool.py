@@ -109,6 +109,7 @@ class Pool:
         self.replicas: dict[str, Replica] = {}
         self.reference: pb.ModelInfo | None = None  # the model every replica must serve
         self.latency = None  # a prometheus Histogram handed to every replica's peer
+        self.late = None  # a prometheus Counter of calls the round stopped waiting for (draft pool: failover.py)
         self._turn = itertools.count()
         self._task: asyncio.Task | None = None
         self._rechecked = float("-inf")

@@ -68,12 +68,16 @@ def test_lockstep_equals_one_at_a_time(pair, calls, target_replicas):
         samples = scrape(port)
         batches = value(scrape(draft_port), "specdec_batch_rpcs_total", method="propose")
     assert (batches > 0) == (calls == "batch"), batches
-    # every call went through exactly one turn; the concurrent ones shared turns
+    # every call went through exactly one turn; the concurrent ones shared turns. A draft call the
+    # round stopped waiting for (late: a loaded machine) may not have answered yet: its time is not
+    # observed when the metrics are read
+    late = value(samples, "specdec_late_draft_calls_total")
     for model, count in (("draft", "specdec_propose_seconds_count"), ("target", "specdec_verify_seconds_count")):
         turns = sum(value(samples, "specdec_lockstep_turns_total", model=model, start=start)
                     for start in ("all_waiting", "hold_expired"))
         assert turns == value(samples, "specdec_lockstep_turn_calls_count", model=model) > 0
-        assert value(samples, "specdec_lockstep_turn_calls_sum", model=model) == value(samples, count)
+        let_through, observed = value(samples, "specdec_lockstep_turn_calls_sum", model=model), value(samples, count)
+        assert observed <= let_through <= observed + (late if model == "draft" else 0), (model, late)
         assert value(samples, count) > turns, (model, samples)
     assert value(samples, "specdec_lockstep_turns_total", model="target", start="all_waiting") > 0
 
