@@ -76,6 +76,7 @@ class FastForward:
         self.lm_head_packed: torch.Tensor | None = None
         self.head_ids: torch.Tensor | None = None  # restrict_head: the ids the output layer scores, [N]
         self.pack_min = PACK_MIN_ELEMENTS
+        self.packed_rows = 2  # pack(): the rows from which the packed copies are used (scripted.mm)
         self.int4_group = 0  # int4.quantize: weight-only int4 in groups of this many inputs (0: off)
         self.int4_kernel = "torch"  # int4.quantize: whose kernel runs it, "specdec" (q4_kernel) or "torch"
         # with specdec's kernel, one sequence's layers run in its C++ loop (q4_kernel: q4_layers) rather
@@ -124,8 +125,11 @@ class FastForward:
         """On CPU, also keep the wide weights (each layer's linears, lm_head) in oneDNN's packed layout.
 
         MKL's sgemm is slow for the few rows of a verify step, and oneDNN's packed product faster
-        there for every layer linear and the output layer; one row stays on `x @ w`, which is
-        faster (scripted.mm picks by rows). The cost is a second copy of these weights in memory.
+        there for every layer linear and the output layer. For one row it depends on the machine:
+        `x @ w` was faster on the CPUs first measured, the packed product 1.45x faster for a whole
+        decode pass of SmolLM2 on an AMD EPYC with AVX-512; so the pack times both on one row
+        (_one_row_path) and sets `packed_rows`, the rows from which scripted.mm takes the packed
+        copy (1 or 2). The cost is a second copy of these weights in memory.
         Weights under `pack_min` elements stay unpacked (see PACK_MIN_ELEMENTS). Elsewhere (CUDA,
         no oneDNN, half precision) nothing is packed; once quantized (int4.quantize) the linears are
         packed in int4 instead. Measurements: docs/performance.md.
@@ -147,7 +151,37 @@ class FastForward:
                 for name in ("qkv", "o", "gate_up", "down"):
                     layer[f"{name}_packed"] = packed(layer[name])
             self.lm_head_packed = packed(self.lm_head)
+        self.packed_rows = self._one_row_path() if on else 2
         self._script_args = None  # (the TorchScript loop's weight lists hold the packed copies)
+
+    @torch.inference_mode()
+    def _one_row_path(self, reps: int = 5) -> int:
+        """1 where one row through the packed weights beats `x @ w` over a decode pass's products
+        (the output layer and the first layer's four, times the layers; medians of `reps` after
+        two warm-ups, at this process's threads), else 2. A few tens of ms, at each pack."""
+        import statistics
+        import time
+
+        def ms(run) -> float:
+            samples = []
+            for rep in range(reps + 2):
+                start = time.perf_counter()
+                run()
+                if rep >= 2:
+                    samples.append(time.perf_counter() - start)
+            return statistics.median(samples)
+
+        first = self.layers[0]
+        weights = [(self.lm_head, self.lm_head_packed, 1)] + [
+            (first[name], first.get(f"{name}_packed"), len(self.layers)) for name in ("qkv", "o", "gate_up", "down")]
+        plain = packed = 0.0
+        for w, p, times in weights:
+            if p is None:
+                continue
+            x = torch.randn(1, w.shape[0], dtype=w.dtype)
+            plain += times * ms(lambda: x @ w)
+            packed += times * ms(lambda: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
+        return 1 if packed and packed < plain else 2
 
     # the transformers weights each fused linear of layer i is made of (_fuse), in order
     PARTS: ClassVar[dict[str, tuple[str, ...]]] = {
@@ -198,7 +232,7 @@ class FastForward:
 
     @staticmethod
     def _mm(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | Int4 | Q4Tiles | None,
-            bias: torch.Tensor | None = None) -> torch.Tensor:
+            bias: torch.Tensor | None = None, packed_rows: int = 2) -> torch.Tensor:
         """x @ w (+ bias): x [rows, in], w [in, out]; through `packed` (w's packed copy, if any) for
         several rows; through an Int4 or Q4Tiles (int4.quantize) for every row (scripted.mm, which both
         loops run)."""
@@ -206,7 +240,7 @@ class FastForward:
             return scripted.mm(x, w, None, packed.tiles, None, 32, packed.out, bias)
         if isinstance(packed, Int4):
             return scripted.mm(x, w, None, packed.weight, packed.scales_and_zeros, packed.group, packed.out, bias)
-        return scripted.mm(x, w, packed, None, None, 0, 0, bias)
+        return scripted.mm(x, w, packed, None, None, 0, 0, bias, packed_rows)
 
     def new_cache(self) -> KVCache:
         args = (len(self.layers), self.kv_heads, self.head_dim, self.embed.dtype, self.embed.device)
@@ -321,11 +355,12 @@ class FastForward:
             layers = []  # done
         else:
             layers = self.layers
+        rows = self.packed_rows
         for i, layer in enumerate(layers):
             if i in wanted:
                 states[i] = x.clone()
             h = self._norm(x, layer["in_norm"])
-            qkv = self._mm(h, layer["qkv"], layer["qkv_packed"], layer["qkv_bias"])  # [T, (H + 2 H_kv) head_dim]
+            qkv = self._mm(h, layer["qkv"], layer["qkv_packed"], layer["qkv_bias"], rows)  # [T, (H + 2 H_kv) head_dim]
             # RoPE on q and k at once: they are the first H + H_kv heads of qkv
             qk = qkv[:, : (heads + kv_heads) * head_dim].view(total, heads + kv_heads, head_dim)
             qk = qk * cos + _rotate_half(qk) * sin
@@ -350,14 +385,15 @@ class FastForward:
             att = att.reshape(total, -1)  # [T, H * head_dim]
             if i == last and keep is not None:
                 att, x = att[keep], x[keep]  # [rows, ...] from here on
-            x = x + self._reduced(self._mm(att, layer["o"], layer.get("o_packed")))
+            x = x + self._reduced(self._mm(att, layer["o"], layer.get("o_packed"), None, rows))
             h = self._norm(x, layer["post_norm"])
-            gate, up = self._mm(h, layer["gate_up"], layer["gate_up_packed"]).split(layer["half"], dim=-1)
-            x = x + self._reduced(self._mm(F.silu(gate) * up, layer["down"], layer.get("down_packed")))
+            gate, up = self._mm(h, layer["gate_up"], layer["gate_up_packed"], None, rows).split(layer["half"], dim=-1)
+            x = x + self._reduced(self._mm(F.silu(gate) * up, layer["down"], layer.get("down_packed"), None, rows))
         for (_, cache, _), (_, _, _, end) in zip(feeds, spans):
             cache.length = end
         # x: the asked rows only (see keep), each feed's last num_logits in feed order
-        logits = self._mm(self._norm(x, self.final_norm.weight), self.lm_head, self.lm_head_packed)  # [rows, V / world]
+        logits = self._mm(self._norm(x, self.final_norm.weight), self.lm_head, self.lm_head_packed, None,
+                          rows)  # [rows, V / world]
         if self.gather is not None:
             logits = self.gather(logits)  # [rows, V]
         if self.head_ids is not None:  # [rows, N] -> [rows, V], -inf where the head does not score
@@ -374,9 +410,9 @@ class FastForward:
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         args = self._scripted_args()
         if lo or hi < len(self.layers):
-            args = tuple(a[lo:hi] if n < 5 else a[4 * lo : 4 * hi] for n, a in enumerate(args[:-1])) + (args[-1],)
+            args = tuple(a[lo:hi] if n < 5 else a[4 * lo : 4 * hi] for n, a in enumerate(args[:-2])) + args[-2:]
         if len(feeds) == 1 and self._runs_q4_layers():
-            scaling, in_norm, post_norm, half, qkv_bias, _, _, tiles, _, outs, _ = args
+            scaling, in_norm, post_norm, half, qkv_bias, _, _, tiles, _, outs, _, _ = args
             return torch.ops.specdec.q4_layers(x, cos, sin, feeds[0][1].data[lo:hi], spans[0][2],
                                                feeds[0][2] if final else 0, heads, kv_heads, head_dim, self.eps,
                                                scaling, in_norm, post_norm, half, qkv_bias, tiles, outs)
@@ -415,7 +451,7 @@ class FastForward:
                 [p.weight if isinstance(p, Int4) else p.tiles if isinstance(p, Q4Tiles) else None for _, p in linears],
                 [p.scales_and_zeros if isinstance(p, Int4) else None for _, p in linears],
                 [p.out if isinstance(p, (Int4, Q4Tiles)) else w.shape[1] for w, p in linears],
-                self.int4_group,
+                self.int4_group, self.packed_rows,
             )
             self._all_tiles = self.embed.dtype == torch.float32 and all(isinstance(p, Q4Tiles) for _, p in linears)
         return self._script_args

@@ -37,11 +37,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def mm(x: torch.Tensor, w: torch.Tensor, packed: Optional[torch.Tensor], q4: Optional[torch.Tensor],
-       q4_scales: Optional[torch.Tensor], group: int, out: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
+       q4_scales: Optional[torch.Tensor], group: int, out: int, bias: Optional[torch.Tensor],
+       packed_rows: int = 2) -> torch.Tensor:
     """x @ w (+ bias), x [rows, in], w [in, out] (both loops'; FastForward._mm): through an int4
     layout where there is one (q4 alone: specdec's kernel's tiles, q4_kernel; q4 and q4_scales:
     torch's int4 CPU kernel, activations in bf16; the first `out` of its padded outputs), else
-    through oneDNN's packed copy of w for several rows, else as it is."""
+    through oneDNN's packed copy of w from `packed_rows` rows on (FastForward.packed_rows: 1 or 2,
+    whichever its load measured faster for one row), else as it is."""
     if q4 is not None and q4_scales is None:
         y = torch.ops.specdec.q4_mm(x, q4, out)
         if bias is not None:
@@ -54,7 +56,7 @@ def mm(x: torch.Tensor, w: torch.Tensor, packed: Optional[torch.Tensor], q4: Opt
         if bias is not None:
             y = y + bias
         return y
-    if packed is not None and x.shape[0] > 1:
+    if packed is not None and x.shape[0] >= packed_rows:
         no_scalars: list[Optional[Union[int, float, complex]]] = []  # (TorchScript reads this union as Scalar)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", no_scalars, "")
     if bias is None:
@@ -65,11 +67,13 @@ def mm(x: torch.Tensor, w: torch.Tensor, packed: Optional[torch.Tensor], q4: Opt
 def _qkv(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, i: int, heads: int, kv_heads: int, head_dim: int,
          eps: float, in_norm: list[torch.Tensor], qkv_bias: list[Optional[torch.Tensor]], w: list[torch.Tensor],
          packed: list[Optional[torch.Tensor]], q4: list[Optional[torch.Tensor]],
-         q4_scales: list[Optional[torch.Tensor]], outs: list[int], group: int) -> tuple[torch.Tensor, torch.Tensor]:
+         q4_scales: list[Optional[torch.Tensor]], outs: list[int], group: int,
+         packed_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer i's RMSNorm, q/k/v and RoPE: -> qk [T, H + H_kv, head_dim] (rotated), v [T, H_kv, head_dim]."""
     total, split, rotate = x.shape[0], (heads + kv_heads) * head_dim, head_dim // 2
     j = 4 * i
-    qkv = mm(rms_norm(x, in_norm[i], eps), w[j], packed[j], q4[j], q4_scales[j], group, outs[j], qkv_bias[i])
+    qkv = mm(rms_norm(x, in_norm[i], eps), w[j], packed[j], q4[j], q4_scales[j], group, outs[j], qkv_bias[i],
+             packed_rows)
     qk = qkv[:, :split].view(total, heads + kv_heads, head_dim)
     qk = qk * cos + torch.cat((-qk[..., rotate:], qk[..., :rotate]), dim=-1) * sin
     return qk, qkv[:, split:].view(total, kv_heads, head_dim)
@@ -77,14 +81,16 @@ def _qkv(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, i: int, heads: i
 
 def _rest(x: torch.Tensor, att: torch.Tensor, i: int, eps: float, post_norm: list[torch.Tensor], half: list[int],
           w: list[torch.Tensor], packed: list[Optional[torch.Tensor]], q4: list[Optional[torch.Tensor]],
-          q4_scales: list[Optional[torch.Tensor]], outs: list[int], group: int) -> torch.Tensor:
+          q4_scales: list[Optional[torch.Tensor]], outs: list[int], group: int,
+          packed_rows: int) -> torch.Tensor:
     """Layer i after attention (att [T, H * head_dim]): o, residual, RMSNorm, gate/up, SiLU, down, residual."""
     j = 4 * i
-    x = x + mm(att, w[j + 1], packed[j + 1], q4[j + 1], q4_scales[j + 1], group, outs[j + 1], None)
+    x = x + mm(att, w[j + 1], packed[j + 1], q4[j + 1], q4_scales[j + 1], group, outs[j + 1], None, packed_rows)
     gate_up = mm(rms_norm(x, post_norm[i], eps), w[j + 2], packed[j + 2], q4[j + 2], q4_scales[j + 2], group,
-                 outs[j + 2], None)
+                 outs[j + 2], None, packed_rows)
     hidden = F.silu(gate_up[:, : half[i]]) * gate_up[:, half[i]:]
-    return x + mm(hidden, w[j + 3], packed[j + 3], q4[j + 3], q4_scales[j + 3], group, outs[j + 3], None)
+    return x + mm(hidden, w[j + 3], packed[j + 3], q4[j + 3], q4_scales[j + 3], group, outs[j + 3], None,
+                  packed_rows)
 
 
 def _layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, start: int,
@@ -92,7 +98,7 @@ def _layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Ten
             in_norm: list[torch.Tensor], post_norm: list[torch.Tensor], half: list[int],
             qkv_bias: list[Optional[torch.Tensor]], w: list[torch.Tensor], packed: list[Optional[torch.Tensor]],
             q4: list[Optional[torch.Tensor]], q4_scales: list[Optional[torch.Tensor]], outs: list[int],
-            group: int) -> torch.Tensor:
+            group: int, packed_rows: int) -> torch.Tensor:
     """Every layer of FastForward.many for one sequence of T new tokens at positions start..start+T-1:
     x [T, D] (embedded), cos/sin [T, 1, head_dim], kv the sequence's cache [L, 2, 1, H_kv, capacity,
     head_dim] (its positions past start are written), mask [T, start+T] (query i sees keys
@@ -104,7 +110,7 @@ def _layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Ten
     last = len(in_norm) - 1
     for i in range(len(in_norm)):
         qk, v = _qkv(x, cos, sin, i, heads, kv_heads, head_dim, eps, in_norm, qkv_bias, w, packed, q4, q4_scales,
-                     outs, group)
+                     outs, group, packed_rows)
         keys, values = kv[i, 0], kv[i, 1]  # [1, H_kv, capacity, head_dim]
         keys[:, :, start:end] = qk[:, heads:].transpose(0, 1).unsqueeze(0)
         values[:, :, start:end] = v.transpose(0, 1).unsqueeze(0)
@@ -114,7 +120,7 @@ def _layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Ten
         att = att[0].transpose(0, 1).reshape(total, -1)  # [T, H * head_dim]
         if i == last and keep > 0 and keep < total:
             att, x = att[total - keep:], x[total - keep:]
-        x = _rest(x, att, i, eps, post_norm, half, w, packed, q4, q4_scales, outs, group)
+        x = _rest(x, att, i, eps, post_norm, half, w, packed, q4, q4_scales, outs, group, packed_rows)
     return x
 
 
@@ -125,7 +131,8 @@ def _layers_batched(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kvs: 
                     in_norm: list[torch.Tensor], post_norm: list[torch.Tensor], half: list[int],
                     qkv_bias: list[Optional[torch.Tensor]], w: list[torch.Tensor],
                     packed: list[Optional[torch.Tensor]], q4: list[Optional[torch.Tensor]],
-                    q4_scales: list[Optional[torch.Tensor]], outs: list[int], group: int) -> torch.Tensor:
+                    q4_scales: list[Optional[torch.Tensor]], outs: list[int], group: int,
+                    packed_rows: int) -> torch.Tensor:
     """Every layer of FastForward.many for several sequences laid end to end in x [T, D]. Attention
     per sequence (pool None): sequence f is rows spans[f] = [a, b, start, end) of x, its cache kvs[f]
     [L, 2, 1, H_kv, capacity, head_dim], its mask masks[f]; or as one call over the pool's slots
@@ -137,7 +144,7 @@ def _layers_batched(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kvs: 
     last = len(in_norm) - 1
     for i in range(len(in_norm)):
         qk, v = _qkv(x, cos, sin, i, heads, kv_heads, head_dim, eps, in_norm, qkv_bias, w, packed, q4, q4_scales,
-                     outs, group)
+                     outs, group, packed_rows)
         if pool is not None:
             lo, hi, width, reach = slot[0], slot[1], slot[2], slot[3]
             rows, cols, pos, mask = slot_index[0], slot_index[1], slot_index[2], slot_index[3]
@@ -165,7 +172,7 @@ def _layers_batched(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kvs: 
             att = torch.cat(parts, dim=2)[0].transpose(0, 1).reshape(total, -1)  # [T, H * head_dim]
         if i == last and keep is not None:
             att, x = att[keep], x[keep]
-        x = _rest(x, att, i, eps, post_norm, half, w, packed, q4, q4_scales, outs, group)
+        x = _rest(x, att, i, eps, post_norm, half, w, packed, q4, q4_scales, outs, group, packed_rows)
     return x
 
 

@@ -442,3 +442,25 @@ def test_scripted_batched_layers_compute_the_eager_loop(tmp_path, tokenizer, mon
             for c in caches:
                 c.crop(c.length - back)
     assert (len(slotted) > 5) == pooled, len(slotted)
+
+
+@pytest.mark.parametrize("script", [True, False], ids=["scripted", "eager"])
+def test_one_row_through_either_product_computes_transformers_logits(tmp_path, tokenizer, monkeypatch, script):
+    """pack() measures whether one row runs faster through the packed weights or `x @ w` and sets
+    packed_rows; whichever it picks on the machine at hand, both give transformers' logits."""
+    if not script:
+        monkeypatch.setattr(scripted, "LAYERS", None)
+    monkeypatch.setattr(fast_forward, "PACK_MIN_ELEMENTS", 0)  # (a toy model's weights are packed too)
+    model_dir = make_model(tmp_path / "m", tokenizer, hidden=64, layers=2, heads=4, kv_heads=2, init_std=0.1)
+    fast, slow = ModelRunner(model_dir, "cpu"), ModelRunner(model_dir, "cpu", forward="transformers")
+    assert fast.fast.packed_rows in (1, 2) and fast.fast.lm_head_packed is not None
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    for rows in (1, 2):
+        fast.fast.packed_rows, fast.fast._script_args = rows, None
+        sessions = [r.start_session(f"one-row-{rows}", 0) for r in (fast, slow)]
+        for token in prompt:
+            outs = []
+            for runner, session in zip((fast, slow), sessions):
+                session.tokens.append(token)
+                outs.append(runner.forward(session))
+            torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
