@@ -39,7 +39,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench.systems import grpc_run  # noqa: E402
+from bench.systems import grpc_run, hf_generate  # noqa: E402
+from bench.verify_latency import time_passes  # noqa: E402
 from coordinator.launch import LocalStack  # noqa: E402
 from model_service.fast_forward import DTYPES  # noqa: E402
 from model_service.model_runner import ModelRunner  # noqa: E402
@@ -131,28 +132,14 @@ def peaked(model, tokens: int, eos: int, seed: int = 1234) -> None:
 
 def step_times(runner: ModelRunner, context: int, reps: int, ks: list[int]) -> dict:
     """Median ms of one session's one-token pass (graphs off, and on where the runner can) and of
-    its K + 1-token passes, on `context` cached tokens."""
-    vocab = runner.vocab_size
-    session = runner.start_session("steps", 0)
-    session.tokens = [(7 * j) % vocab for j in range(context)]
-    runner.forward(session)
-
-    def one_pass(tokens: int):
-        def run():
-            session.tokens.extend([(j * 13) % vocab for j in range(tokens)])
-            runner.forward(session, tokens)
-            session.truncate(context)
-        return run
-
+    its K + 1-token passes, on `context` cached tokens (verify_latency.time_passes)."""
     out = {"weight_bytes": runner.fast.weight_bytes()}
-    graphs = runner.fast.graphs
-    runner.fast.graphs = None
-    out["step_ms_eager"] = median_ms(one_pass(1), runner.device, reps)
-    out["verify_ms"] = {k: median_ms(one_pass(k + 1), runner.device, reps) for k in ks}
+    graphs, runner.fast.graphs = runner.fast.graphs, None
+    out["step_ms_eager"] = time_passes(runner, 1, 0, context, reps)
+    out["verify_ms"] = {k: time_passes(runner, 1, k, context, reps) for k in ks}
     if runner.device.type == "cuda":
         runner.fast.graphs = graphs or runner.fast.use_graphs()
-        out["step_ms_graphs"] = median_ms(one_pass(1), runner.device, reps)
-    runner.sessions.release(session.id)
+        out["step_ms_graphs"] = time_passes(runner, 1, 0, context, reps)
     return out
 
 
@@ -189,27 +176,12 @@ def hf_rows(target_dir: Path, draft_dir: Path, prompts, new_tokens: int, k: int,
 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
     draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).to(device).eval()
-    draft.generation_config.num_assistant_tokens = k
-    draft.generation_config.num_assistant_tokens_schedule = "constant"
-    draft.generation_config.assistant_confidence_threshold = 0.0
     rows = {}
-    for name, extra in (("alone", {}), ("assisted", {"assistant_model": draft})):
-        def run(prompts, n):
-            generated = 0
-            for prompt in prompts:
-                with torch.inference_mode():
-                    ids = torch.tensor([prompt], device=device)
-                    out = target.generate(ids, max_new_tokens=n, do_sample=False,
-                                          pad_token_id=target.config.eos_token_id, **extra)
-                generated += out.shape[1] - len(prompt)
-            return generated
-
-        run(prompts[:1], 8)  # warm-up
-        sync(torch.device(device))
-        start = time.perf_counter()
-        generated = run(prompts, new_tokens)
-        sync(torch.device(device))
-        rows[name] = {"tokens_per_s": generated / (time.perf_counter() - start), "tokens": generated}
+    for name, assistant in (("alone", None), ("assisted", draft)):
+        hf_generate(target, prompts[:1], 0.0, 8, assistant, k)  # warm-up
+        outputs, seconds = hf_generate(target, prompts, 0.0, new_tokens, assistant, k)
+        generated = sum(map(len, outputs))
+        rows[name] = {"tokens_per_s": generated / seconds, "tokens": generated}
     del target, draft
     gc.collect()
     return rows

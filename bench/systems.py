@@ -49,7 +49,7 @@ def hf_generate(target, prompts, temperature: float, new_tokens: int, assistant=
         if prompt_lookup:
             kwargs["prompt_lookup_num_tokens"] = prompt_lookup
         with torch.inference_mode():
-            out = target.generate(torch.tensor([prompt]), **kwargs)
+            out = target.generate(torch.tensor([prompt], device=target.device), **kwargs)
         outputs.append(out[0, len(prompt):].tolist())
     return outputs, time.perf_counter() - start
 

@@ -76,10 +76,16 @@ def draft_method(flag: str, draft_model: str | Path | None, tensor_parallel_size
     same held-out prompts (the head costs less per drafted token); else model."""
     if flag != "auto":
         return flag
+    cards = auto_cards(draft_model, tensor_parallel_size)
+    return "eagle" if cards is not None and cards[0] >= max(cards[1], 1e-9) else "model"
+
+
+def auto_cards(draft_model: str | Path | None, tensor_parallel_size: int = 1) -> tuple[float, float] | None:
+    """(the head's card acceptance, the distilled draft's) where --draft-method auto weighs
+    models/eagle against models/draft; None where it cannot pick the head (see draft_method)."""
     if draft_model is not None or tensor_parallel_size != 1 or not (EAGLE / "config.json").is_file():
-        return "model"
-    return "eagle" if card_acceptance(EAGLE / "eagle.json") >= max(card_acceptance(DRAFT / "distill.json"), 1e-9) \
-        else "model"
+        return None
+    return card_acceptance(EAGLE / "eagle.json"), card_acceptance(DRAFT / "distill.json")
 
 
 def card_acceptance(card: Path) -> float:
@@ -306,13 +312,11 @@ def main(argv=None, prog: str = "python -m coordinator.launch") -> int:
     parser.add_argument("--no-chat", action="store_true", help="send the demo prompt as plain text, not as a chat message")
     args = parser.parse_args(argv)
 
-    chosen = draft_method(args.draft_method, args.draft_model, args.tensor_parallel_size)
-    if (args.draft_method == "auto" and chosen == "model" and (EAGLE / "eagle.json").is_file()
-            and not args.draft_model and args.tensor_parallel_size == 1):  # (kept for the head's acceptance)
-        head, distilled = card_acceptance(EAGLE / "eagle.json"), card_acceptance(DRAFT / "distill.json")
+    cards = auto_cards(args.draft_model, args.tensor_parallel_size) if args.draft_method == "auto" else None
+    args.draft_method = draft_method(args.draft_method, args.draft_model, args.tensor_parallel_size)
+    if cards is not None and cards[0] > 0 and args.draft_method == "model":  # (kept for the head's acceptance)
         print(f"--draft-method auto: the distilled draft, not the EAGLE-3 head ({EAGLE}): its acceptance at K = 4"
-              f" {head:.3f} < the draft's {distilled:.3f} (--draft-method eagle runs it)", flush=True)
-    args.draft_method = chosen
+              f" {cards[0]:.3f} < the draft's {cards[1]:.3f} (--draft-method eagle runs it)", flush=True)
     draft, target = model_pair(args.draft_model, args.target_model, args.draft_method)
     quantize = ["--quantize", args.quantize] if args.quantize != "none" else []
     stack = LocalStack(draft, target, port=args.port, threads=args.threads, draft_threads=args.draft_threads,

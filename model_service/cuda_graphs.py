@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .fast_forward import _rotate_half
 from .kv_cache import KVCache
 
 MAX_GRAPHS = 64
@@ -62,7 +63,7 @@ class GraphedSteps:
         key = (data.data_ptr(), data.shape, data.stride())
         step = self.steps.get(key)
         if step is None:
-            step = self._new(data, cache.length)
+            step = self._new(key, data, cache.length)
         else:
             self.steps.move_to_end(key)
         step.inputs.copy_(torch.tensor([token, cache.length], dtype=torch.long), non_blocking=True)
@@ -73,7 +74,7 @@ class GraphedSteps:
         cache.length += 1
         return step.logits
 
-    def _new(self, data: torch.Tensor, length: int) -> _Step:
+    def _new(self, key: tuple, data: torch.Tensor, length: int) -> _Step:
         step = _Step(data, torch.zeros(2, dtype=torch.long, device=data.device))
         # the step's attention reads every position of the storage (masked past its own): a masked
         # score still multiplies its value, and 0 x a NaN left in fresh memory is NaN
@@ -93,7 +94,7 @@ class GraphedSteps:
             self.captures += 1
         while len(self.steps) >= self.max_graphs:
             self.steps.popitem(last=False)
-        self.steps[(data.data_ptr(), data.shape, data.stride())] = step
+        self.steps[key] = step
         return step
 
     def _body(self, data: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
@@ -126,7 +127,3 @@ class GraphedSteps:
             logits = logits.new_full((1, fast.vocab_size), float("-inf")).index_copy_(1, fast.head_ids, logits)
         return logits
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
