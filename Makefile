@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: setup stubs kernel run cluster test test-all test-gpu bench-gpu bench-passes bench-deps bench bench-eagle bench-concurrency bench-ceiling soak draft eagle clean
+.PHONY: setup stubs kernel run cluster test test-all test-gpu bench-gpu bench-passes bench-structured bench-deps bench bench-eagle bench-concurrency bench-ceiling soak draft eagle clean
 
 TARGET := models/target/conversion.json
 
@@ -62,6 +62,10 @@ test-gpu: setup
 # floor (bench/passes.py); bench/results/passes.json
 bench-passes: setup
 	$(PY) -m bench.passes
+
+# structured output (a JSON schema) on the real pair beside the same requests unconstrained (bench/structured.py)
+bench-structured: setup
+	$(PY) -m bench.structured $(BENCH_ARGS)
 
 # random weights at Llama-3.1-8B / Llama-3.2-1B shapes on one GPU (bench/gpu.py); bench/results/gpu.json
 bench-gpu: setup

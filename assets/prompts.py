@@ -43,10 +43,34 @@ GROUNDED = [
     " headlines on the train and arrives at the office before nine.",
 ]
 
+# requests for a small JSON record (bench/structured.py: constrained by RECORD_SCHEMA, and not)
+RECORDS = [
+    "Give a short JSON record about the planet Mars: its name, category, a year linked to it and a one-sentence"
+    " summary.",
+    "Describe the violin as a JSON record with a name, a category, a year and a one-sentence summary.",
+    "Return a JSON record for the city of Kyoto with fields name, category, year and summary.",
+    "Write a JSON record about the telephone: name, category, the year it was invented and a short summary.",
+    "Make a JSON record for Marie Curie with her name, a category, a year from her life and a one-sentence summary.",
+    "Produce a JSON record about pizza: name, category, a year and a short summary.",
+    "Create a JSON record describing the African elephant: name, category, a year and a summary in one sentence.",
+    "Give me a JSON record for the sport of tennis with name, category, year and summary.",
+]
+RECORD_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "category": {"enum": ["planet", "instrument", "city", "invention", "person", "food", "animal", "sport"]},
+        "year": {"type": "integer"},
+        "summary": {"type": "string", "maxLength": 200},
+    },
+    "required": ["name", "category", "year", "summary"],
+    "additionalProperties": False,
+}
+
 
 def normalized(text: str) -> str:
     """The form two prompts are compared in to keep held-out prompts out of training."""
     return " ".join("".join(c for c in text.lower() if c.isalnum() or c.isspace()).split())
 
 
-HELD_OUT = frozenset(normalized(p) for p in CHAT + GROUNDED)
+HELD_OUT = frozenset(normalized(p) for p in CHAT + GROUNDED + RECORDS)

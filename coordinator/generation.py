@@ -34,8 +34,9 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from speculative import constraints
 from speculative.errors import InvalidRequest
-from speculative.protocol import SamplingParams, pass_cost_from_info
+from speculative.protocol import Constraint, SamplingParams, pass_cost_from_info
 from speculative.round import FixedK, KPolicy, Stats
 from speculative.round import generate as speculative_rounds
 
@@ -108,6 +109,7 @@ class GenerationRequest:
     num_speculative_tokens: int | None = None      # a fixed K; default: the server's (adaptive or not)
     draft_p_min: float | None = None
     ignore_eos: bool = False  # go on past end-of-sequence tokens (benchmarks; vLLM's ignore_eos)
+    constraint: Constraint | None = None  # structured output (JSON schema, regex, grammar, choice)
 
 
 class Finish(enum.Enum):
@@ -166,6 +168,7 @@ class Plan:
     policy: KPolicy
     p_min: float
     stop: list[str]
+    constraint: Constraint | None = None
 
 
 # ------------------------------------------------------------------ checking a request
@@ -287,7 +290,12 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
         policy = AcceptanceK(k, models.costs)  # reads no timings: the seed reproduces the output under any load
     else:
         policy = AdaptiveK(models.costs, k, steps)
-    return Plan(prompt, max_new, params, policy, p_min, list(request.stop))
+    if request.constraint is not None:
+        if request.ignore_eos:
+            raise InvalidRequest("ignore_eos cannot go with a structured-output constraint: the output ends where the"
+                                 " constraint is complete")
+        await asyncio.to_thread(constraints.check, request.constraint)  # the compiler's reason, before any service
+    return Plan(prompt, max_new, params, policy, p_min, list(request.stop), request.constraint)
 
 
 def outcome(error: BaseException, deadline: float | None = None) -> str:
@@ -418,7 +426,7 @@ class Coordinator:
             draft, target, plan.prompt, max_new_tokens=plan.max_new_tokens, k=plan.policy, params=plan.params,
             eos_token_ids=eos, max_context=models.max_context, stats=stats,
             session_id=uuid.uuid4().hex, p_min=plan.p_min, predraft=self.limits.predraft,
-            max_call_tokens=models.max_draft_call, feature_layers=models.feature_layers,
+            max_call_tokens=models.max_draft_call, feature_layers=models.feature_layers, constraint=plan.constraint,
         )
         models.costs.in_flight += 1
         try:

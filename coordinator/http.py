@@ -11,8 +11,12 @@ else 503) and GET /metrics (the coordinator's Prometheus metrics) need no API ke
 
 What OpenAI's API has no word for goes in an extra field, `specdec` (rounds, acceptance, K, seed;
 in a stream on the event with the finish_reason), and, unary, in x-specdec-* headers. Extra body
-fields read: num_speculative_tokens, draft_p_min, top_k, ignore_eos (as vLLM's: generate past end-of-sequence). A field specdec cannot honour (n > 1,
-logprobs, penalties, tools...) is refused, naming it; a field it does not know is ignored.
+fields read: num_speculative_tokens, draft_p_min, top_k, ignore_eos (as vLLM's: generate past end-of-sequence).
+Structured output (model_service/grammar.py): `response_format` (OpenAI's json_object and json_schema,
+which the official client's `chat.completions.parse` sends for a pydantic model) and vLLM's
+`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` and `structured_outputs`; one of
+them, else 400; one that does not compile is 400 with the compiler's reason. A field specdec cannot
+honour (n > 1, logprobs, penalties, tools...) is refused, naming it; a field it does not know is ignored.
 /v1/completions generates 16 tokens where max_tokens is not given, as OpenAI's does.
 
 Errors are OpenAI's error object, with the HTTP status of the core's canonical code
@@ -50,6 +54,7 @@ from starlette.routing import Mount, Route
 from runtime.auth import bearer_ok
 from runtime.transport import MAX_REQUEST_BYTES
 from speculative.errors import InvalidRequest
+from speculative.protocol import Constraint
 
 from .generation import Chunk, Coordinator, Finish, GenerationRequest, Message, NotPossible, NotReady, Summary, outcome
 from .peers import PeerError
@@ -126,6 +131,13 @@ class Body(Lenient):
     num_speculative_tokens: int | None = None
     draft_p_min: float | None = None
     ignore_eos: bool = False
+    # structured output (one of): OpenAI's response_format, vLLM's guided_* and structured_outputs
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
     # not honoured: refused unless neutral (UNSUPPORTED)
     n: int | None = None
     presence_penalty: float | None = None
@@ -139,7 +151,6 @@ class ChatBody(Body):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class CompletionBody(Body):
@@ -152,8 +163,7 @@ class CompletionBody(Body):
 
 # fields specdec cannot honour, with the one value (besides absent) it accepts
 UNSUPPORTED = {"n": 1, "logprobs": False, "top_logprobs": 0, "best_of": 1, "echo": False, "suffix": "",
-               "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": {}, "tools": [],
-               "response_format": {"type": "text"}}
+               "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": {}, "tools": []}
 
 B = TypeVar("B", bound=Body)
 
@@ -184,7 +194,7 @@ async def parse(request: Request, kind: type[B], limit: int) -> B:
         value = getattr(body, name, None)
         if value is not None and not (type(value) is type(neutral) and value == neutral):
             raise ApiError(400, f"{name}={value!r} is not supported (specdec answers with one choice, without"
-                                f" logprobs, penalties, tools or formats)", name, "unsupported_parameter")
+                                f" logprobs, penalties or tools)", name, "unsupported_parameter")
     return body
 
 
@@ -193,7 +203,61 @@ def generation_request(body: Body, max_new_tokens: int | None, **prompt) -> Gene
         **prompt, max_new_tokens=max_new_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         seed=body.seed, stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         num_speculative_tokens=body.num_speculative_tokens, draft_p_min=body.draft_p_min, ignore_eos=body.ignore_eos,
+        constraint=constraint_of(body),
     )
+
+
+def _schema_text(value: Any, param: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict | bool):
+        return json.dumps(value)
+    raise ApiError(400, f"{param}: a JSON schema is an object", param)
+
+
+def constraint_of(body: Body) -> Constraint | None:
+    """The body's structured-output constraint, from whichever field gives it (at most one):
+    response_format (OpenAI: text, json_object, json_schema), vLLM's guided_json / guided_regex /
+    guided_choice / guided_grammar, or its structured_outputs object (json, regex, choice, grammar)."""
+    found: list[tuple[str, Constraint]] = []
+    fmt = body.response_format
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            found.append(("response_format", Constraint("json_object")))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise ApiError(400, "response_format.json_schema.schema: a json_schema response format needs its schema",
+                               "response_format")
+            found.append(("response_format", Constraint("json_schema", _schema_text(spec["schema"], "response_format"))))
+        elif kind != "text":
+            raise ApiError(400, f"response_format.type must be text, json_object or json_schema, not {kind!r}",
+                           "response_format")
+    for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        value = getattr(body, name)
+        if value is not None:
+            text = json.dumps(value) if kind == "choice" else _schema_text(value, name) if kind == "json_schema" else value
+            found.append((name, Constraint(kind, text)))
+    for key, value in (body.structured_outputs or {}).items():
+        kind = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}.get(key)
+        if value is None:
+            continue
+        if kind is None:
+            raise ApiError(400, f"structured_outputs.{key} is not supported (json, regex, choice or grammar)",
+                           "structured_outputs", "unsupported_parameter")
+        if kind == "choice" and not (isinstance(value, list) and all(isinstance(c, str) for c in value)):
+            raise ApiError(400, "structured_outputs.choice: a list of strings", "structured_outputs")
+        if kind in ("regex", "grammar") and not isinstance(value, str):
+            raise ApiError(400, f"structured_outputs.{key}: a string", "structured_outputs")
+        text = json.dumps(value) if kind == "choice" else _schema_text(value, "structured_outputs") \
+            if kind == "json_schema" else value
+        found.append((f"structured_outputs.{key}", Constraint(kind, text)))
+    if len(found) > 1:
+        raise ApiError(400, f"give one structured-output constraint, not {' and '.join(n for n, _ in found)}",
+                       found[1][0])
+    return found[0][1] if found else None
 
 
 def chat_request(body: ChatBody) -> GenerationRequest:

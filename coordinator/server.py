@@ -11,6 +11,7 @@ import grpc
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from speculative.errors import InvalidRequest
+from speculative.protocol import constraint_from_proto
 
 from .generation import Chunk, Coordinator, Finish, GenerationRequest, Message, NotPossible, NotReady, Summary
 from .generation import prompt_bound as prompt_bound  # (re-exported: tests import it from here)
@@ -30,6 +31,7 @@ def request_from_proto(r: pb.GenerateRequest) -> GenerationRequest:
         max_new_tokens=optional("max_new_tokens"), temperature=optional("temperature"), top_p=optional("top_p"),
         top_k=optional("top_k"), seed=optional("seed"), stop=list(r.stop),
         num_speculative_tokens=optional("num_speculative_tokens"), draft_p_min=optional("draft_p_min"),
+        constraint=constraint_from_proto(r.constraint) if r.HasField("constraint") else None,
     )
 
 

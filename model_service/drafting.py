@@ -31,7 +31,10 @@ The proposed tokens stay in the session, unconfirmed, after the appended ones: t
 rolls back those the target rejected. A call that appends nothing drafts on after them
 (pre-drafting), and the next rollback may then span both proposals. A method that reads the
 target's hidden states (info()'s feature_layers) also gets, in `features`, the target's rows new
-to it; a method that reads none gets none.
+to it; a method that reads none gets none. A start call may carry a structured-output constraint
+(`constraint`): a method given the service's grammar.Grammars in `advance` gets the session's
+matcher (session.grammar) and drafts only tokens it allows (the model and EAGLE methods mask q, the
+n-gram method cuts its copy); a method that ignores it stays exact (the target masks p).
 
 q and exactness (speculative/sampling.py's terms). Each proposed token carries, sparsely, the q it
 was drawn from: support_sizes[i] (id, probability) pairs in support_ids / support_probs
@@ -108,12 +111,15 @@ class SessionHost(Protocol):
     def start_session(self, session_id: str, seed: int) -> Session: ...
 
 
-def advance(call: ProposeCall, max_tokens: int, host: SessionHost, pending: int = 0) -> Session:
+def advance(call: ProposeCall, max_tokens: int, host: SessionHost, pending: int = 0, grammars=None) -> Session:
     """The session bookkeeping every method does first: validate the call, then roll back the
     rejected proposals and append the committed tokens (the contract's start / rollback / append).
     A refused call leaves its session as it was. pending: tokens the calls admitted to the same
     pass before this one will draft (a KV-token cap counts them). -> the session, its proposals
-    not rolled back still unconfirmed unless tokens were appended."""
+    not rolled back still unconfirmed unless tokens were appended. grammars (grammar.Grammars): where
+    the method masks its q with a start call's constraint, the session gets its matcher (a
+    constraint that does not compile is the call's InvalidRequest); a method without one drafts
+    unmasked (the target still rejects what the constraint forbids)."""
     k = call.k
     host.check_session_id(call.session_id)
     call.params.validate()
@@ -126,7 +132,9 @@ def advance(call: ProposeCall, max_tokens: int, host: SessionHost, pending: int 
         if call.rollback or not call.append:
             raise InvalidRequest("a new session needs its prompt in `append` and nothing to roll back")
         host.check_context(call.session_id, len(call.append) + k, pending=pending)
+        ruled = grammars.session(call.constraint) if grammars is not None and call.constraint is not None else None
         session = host.start_session(call.session_id, call.params.seed ^ DRAFT_SEED_SALT)
+        session.grammar = ruled
     else:
         session = host.sessions.get(call.session_id)
         if call.rollback > session.proposed:

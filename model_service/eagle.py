@@ -50,6 +50,7 @@ from speculative.sampling import draft_token, encode_supports, one_hot_supports
 from . import features as wire
 from .drafting import MethodSessions, advance, one_result
 from .eagle_head import Eagle3Head, HeadCache
+from .grammar import Grammars
 from .model_runner import Timer, saved_tokenizer_files, tokenizer_fields
 from .sessions import Session, SessionTable
 
@@ -109,6 +110,9 @@ class EagleDraft:
         self.width = head.config.fused_size
         self.sessions = SessionTable(max_sessions, idle_timeout, lambda: Rows(head.new_cache()))
         self.host = MethodSessions(self.sessions, self.vocab_size, self.max_context, self.device)
+        eos = tokenizer.eos_token_id
+        self.grammars = Grammars(tokenizer, self.vocab_size, [] if eos is None else [eos])
+        self._target_ids = None  # per draft id, its target id (masks come in target ids)
         self.at_work = 0
         self.pass_cost = PassCost()
         self._tokenizer_files: list[tuple[str, bytes]] | None = None
@@ -157,7 +161,7 @@ class EagleDraft:
             try:
                 rows = self._check_features(call)
                 held = None if call.start else len(self.sessions.get(call.session_id).tokens) - call.rollback
-                session = advance(call, self.max_tokens, self.host)
+                session = advance(call, self.max_tokens, self.host, grammars=self.grammars)
             except Exception as exc:
                 results[i] = exc
                 continue
@@ -236,9 +240,13 @@ class EagleDraft:
             else None  # each session's last row: the token after its last
         while drafting:
             still = []
-            for j, row in zip(drafting, logits):
+            for j, row, allowed in zip(drafting, logits, self._masks([live[j][2] for j in drafting])):
                 _, call, session = live[j]
                 tokens, q_ids, q_probs = picked[j]
+                if allowed is not None:  # a structured output: q over the tokens the constraint allows
+                    if not allowed.any():
+                        continue  # none in the draft vocabulary: nothing to propose
+                    row = row.masked_fill(~allowed, float("-inf"))
                 drawn = draft_token(row, call.params, call.p_min, self.max_support, session.generator)
                 if drawn is None:
                     continue
@@ -267,6 +275,27 @@ class EagleDraft:
             proposals.append(Proposal(tokens, *one_hot_supports(tokens)) if call.params.greedy or not tokens
                              else Proposal(tokens, *encode_supports(q_ids, q_probs)))
         return proposals
+
+    def _masks(self, sessions: list[Session]) -> list[torch.Tensor | None]:
+        """Per session: the draft ids its constraint allows next, or None where it has none (one
+        that cannot follow its tokens drafts unmasked: the target rejects what it forbids)."""
+        if all(session.grammar is None for session in sessions):
+            return [None] * len(sessions)
+        if self._target_ids is None:
+            self._target_ids = self.head.draft_to_target(
+                torch.arange(self.head.config.draft_vocab_size, device=self.device)).cpu()
+        rows = []
+        for session in sessions:
+            if session.grammar is not None:
+                try:
+                    session.grammar.follow(session.tokens)
+                    rows.append((session.grammar, []))
+                except InvalidRequest:
+                    session.grammar = None
+        masks = iter(self.grammars.masks(rows))
+        ids = self._target_ids.clamp(max=self.vocab_size - 1)
+        return [next(masks)[0][ids].to(self.device) & (self._target_ids < self.vocab_size).to(self.device)
+                if session.grammar is not None else None for session in sessions]
 
     def _step(self, state: Rows, token: int) -> torch.Tensor:
         """One chain row: the last row's out_hidden with `token`'s embedding. -> its logits."""

@@ -24,18 +24,20 @@ from speculative.sampling import (
     supports_to_tensors,
 )
 
-from . import features
+from . import features, grammar
 from .drafting import advance, one_result
 from .model_runner import ModelRunner, Timer
 from .sessions import Session, SessionTable
 
 class RunnerEngine:
     """What a model service asks of its engine besides the per-round calls (drafting.py's
-    "Serving"), for an engine over one ModelRunner: its sessions, info, release."""
+    "Serving"), for an engine over one ModelRunner: its sessions, info, release; and the
+    structured-output constraints its sessions follow (grammar.py)."""
 
     def __init__(self, runner: ModelRunner, max_tokens: int = 16):
         self.runner = runner
         self.max_tokens = max_tokens
+        self.grammars = grammar.Grammars(runner.tokenizer, runner.vocab_size, runner.eos_token_ids)
 
     @property
     def sessions(self) -> SessionTable:
@@ -91,7 +93,7 @@ class DraftEngine(RunnerEngine):
             pending = 0  # tokens the calls admitted so far will draft (the KV-token cap counts them)
             for i, call in enumerate(calls):
                 try:
-                    live.append((i, call, advance(call, self.max_tokens, self.runner, pending)))
+                    live.append((i, call, advance(call, self.max_tokens, self.runner, pending, self.grammars)))
                     pending += call.k
                 except Exception as exc:
                     results[i] = exc
@@ -123,13 +125,15 @@ class DraftEngine(RunnerEngine):
         drafting = [j for j, (_, call, session) in enumerate(live) if call.k > 0 or len(session.tokens) > session.cached]
         while drafting:
             logits = runner.forward_many([(live[j][2], 1) for j in drafting])
+            masks = self._masks([live[j][2] for j in drafting])
             still = []
-            for j, row in zip(drafting, logits):
+            for j, row, mask in zip(drafting, logits, masks):
                 _, call, session = live[j]
                 if call.k == 0:
                     continue
                 tokens, q_ids, q_probs = out[j]
-                drawn = draft_token(row[-1, :vocab], call.params, call.p_min, self.max_support, session.generator)
+                row = row[-1:, :vocab] if mask is None else grammar.apply(row[-1:, :vocab], mask[None])
+                drawn = draft_token(row[0], call.params, call.p_min, self.max_support, session.generator)
                 if drawn is None:
                     continue
                 x, ids, q = drawn
@@ -142,6 +146,23 @@ class DraftEngine(RunnerEngine):
                     still.append(j)
             drafting = still
         return out
+
+    def _masks(self, sessions: list[Session]) -> list[torch.Tensor | None]:
+        """Per session: what its constraint allows next (its q is masked so that it proposes only
+        tokens the target can accept), or None where it has no constraint. A session whose tokens
+        the constraint cannot follow drafts unmasked (the target rejects what it forbids)."""
+        if all(session.grammar is None for session in sessions):
+            return [None] * len(sessions)
+        rows = []
+        for session in sessions:
+            if session.grammar is not None:
+                try:
+                    session.grammar.follow(session.tokens)
+                    rows.append((session.grammar, []))
+                except InvalidRequest:
+                    session.grammar = None
+        masks = iter(self.grammars.masks(rows))
+        return [next(masks)[0] if session.grammar is not None else None for session in sessions]
 
 
 class TargetEngine(RunnerEngine):
@@ -173,6 +194,8 @@ class TargetEngine(RunnerEngine):
                     live.append((i, call, *self._advance(call, pending=len(live) + 1)))
                 except Exception as exc:
                     results[i] = exc
+            masks = self._verify_masks(live, results)
+            live = [entry for entry in live if results[entry[0]] is None]
             capture = _feature_layers([session for _, _, session, *_ in live])
             try:
                 logits, states = runner.forward_capturing([(session, len(call.proposal.tokens) + 1)
@@ -186,6 +209,8 @@ class TargetEngine(RunnerEngine):
                 # rows: positions of x_1..x_K and the bonus, over the ids the tokenizer can produce (an
                 # output layer padded past the vocabulary scores ids no text maps to and no draft holds)
                 rows = rows[:, : runner.vocab_size]
+                if i in masks:  # the constraint's mask at each position (a forbidden draft token has p = 0)
+                    rows = grammar.apply(rows, masks[i])
                 try:
                     if call.params.greedy:
                         accepted, token = greedy_verify(rows, list(call.proposal.tokens))
@@ -206,6 +231,24 @@ class TargetEngine(RunnerEngine):
             cost = Cost(timer.ms, batch_size=len(live),
                         batch_tokens=sum(len(c.proposal.tokens) + 1 for _, c, *_ in live), pass_ms=pass_ms)
             return [(r, cost) if isinstance(r, Verdict) else r for r in results]
+
+    def _verify_masks(self, live: list, results: list) -> dict[int, torch.Tensor]:
+        """The constrained sessions' masks for this pass: call index -> bool [K + 1, V], row i what
+        the constraint allows after the committed tokens and the first i draft tokens. A session
+        whose committed tokens the constraint forbids gets the error (and is dropped)."""
+        rows, owners = [], []
+        for i, call, session, committed, *_ in live:
+            if session.grammar is None:
+                continue
+            try:
+                session.grammar.follow(session.tokens[:committed])
+            except InvalidRequest as exc:
+                self.runner.sessions.release(call.session_id)
+                results[i] = exc
+                continue
+            rows.append((session.grammar, list(call.proposal.tokens)))
+            owners.append(i)
+        return dict(zip(owners, self.grammars.masks(rows)))
 
     def _decode_on(self, calls: list[tuple[int, VerifyCall, Session]], results: list,
                    busy: Callable[[], bool] | None) -> None:
@@ -237,9 +280,15 @@ class TargetEngine(RunnerEngine):
                     runner.sessions.release(call.session_id)  # its cache may be half-written
                     results[i] = exc
                 return
+            ruled = [session for _, _, session in fits if session.grammar is not None]
+            for session in ruled:
+                session.grammar.follow(session.tokens)  # its own tokens, each drawn under the mask
+            masks = iter(self.grammars.masks([(session.grammar, []) for session in ruled]))
             decoding = []
             for j, ((i, call, session), rows) in enumerate(zip(fits, logits)):
                 rows = rows[:, : runner.vocab_size]
+                if session.grammar is not None:
+                    rows = grammar.apply(rows, next(masks))
                 if call.params.greedy:
                     _, token = greedy_verify(rows, [])
                 else:
@@ -280,8 +329,10 @@ class TargetEngine(RunnerEngine):
             if layers and runner.tp is not None:
                 raise InvalidRequest("this target is tensor-parallel: it cannot send feature layers to a draft")
             runner.check_context(call.session_id, len(call.append) + k, pending=pending)
+            ruled = self.grammars.session(call.constraint) if call.constraint is not None else None
             session = runner.start_session(call.session_id, call.params.seed)
             session.feature_layers = layers
+            session.grammar = ruled
         else:
             session = runner.sessions.get(call.session_id)
             runner.check_context(call.session_id, len(session.tokens) + len(call.append) + k, len(session.tokens),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 from runtime.metrics import LATENCY
 
@@ -27,11 +28,26 @@ class ModelMetrics:
         self.kv_pool = Gauge("specdec_kv_pool_positions", "positions the KV pool has room for (slots x"
                              " capacity: its memory; 0 without one)", registry=r)
 
-    def watch(self, table, pool_positions=None) -> None:
+    def watch(self, table, pool_positions=None, grammars=None) -> None:
         """Read the session gauges from a SessionTable at each scrape (list() of its values is one
-        atomic copy under the GIL, so the model thread can go on changing the table), and the pool's
-        size from `pool_positions()`."""
+        atomic copy under the GIL, so the model thread can go on changing the table), the pool's
+        size from `pool_positions()`, and the structured-output work from `grammars` (grammar.Grammars)."""
         self.sessions.set_function(lambda: len(table))
         self.kv_tokens.set_function(lambda: sum(s.cached for s in table))
         if pool_positions is not None:
             self.kv_pool.set_function(pool_positions)
+        if grammars is not None:
+            self.registry.register(_GrammarWork(grammars))
+
+
+class _GrammarWork:
+    """specdec_grammar_mask_seconds_total and specdec_grammar_compiles_total, read at each scrape."""
+
+    def __init__(self, grammars):
+        self.grammars = grammars
+
+    def collect(self):
+        yield CounterMetricFamily("specdec_grammar_mask_seconds", "time computing structured-output token masks"
+                                  " (on the model thread, beside the passes)", value=self.grammars.ms / 1e3)
+        yield CounterMetricFamily("specdec_grammar_compiles", "structured-output constraints compiled (cache misses)",
+                                  value=self.grammars.compiled)

@@ -38,10 +38,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from speculative.errors import InvalidRequest
 from speculative.protocol import Cost, Proposal, ProposeCall
 from speculative.sampling import one_hot_supports
 
 from .drafting import MethodSessions, advance
+from .grammar import Grammars
 from .model_runner import Timer, saved_tokenizer_files, tokenizer_fields
 from .sessions import SessionTable
 
@@ -120,6 +122,8 @@ class NgramDraft:
         self.max_context = max_context
         self.sessions = SessionTable(max_sessions, idle_timeout, lambda: NgramIndex(self.sizes))
         self.host = MethodSessions(self.sessions, self.vocab_size, max_context)
+        eos = tokenizer.eos_token_id
+        self.grammars = Grammars(tokenizer, self.vocab_size, [] if eos is None else [eos])
         self.at_work = 0  # a call costs microseconds: the batcher never waits for others
         self._tokenizer_files: list[tuple[str, bytes]] | None = None
 
@@ -143,7 +147,7 @@ class NgramDraft:
         results: list = []
         for call in calls:
             try:
-                session = advance(call, self.max_tokens, self.host)
+                session = advance(call, self.max_tokens, self.host, grammars=self.grammars)
             except Exception as exc:
                 results.append(exc)
                 continue
@@ -151,6 +155,12 @@ class NgramDraft:
             index.extend(session.tokens[session.cached :])
             session.cached = len(session.tokens)
             tokens = index.continuation(call.k)
+            if session.grammar is not None and tokens:  # a structured output: the copy stops where it would break it
+                try:
+                    session.grammar.follow(session.tokens)
+                    tokens = tokens[: session.grammar.prefix(tokens)]
+                except InvalidRequest:
+                    session.grammar = None
             session.tokens.extend(tokens)  # unconfirmed: indexed next call, if kept
             session.proposed += len(tokens)
             results.append(Proposal(tokens, *one_hot_supports(tokens)))

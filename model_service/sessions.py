@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +36,7 @@ class Session:
     cached: int = 0
     proposed: int = 0  # draft only: tokens of the last proposal, which a rollback may drop
     feature_layers: tuple[int, ...] = ()  # target only: the layers whose hidden states its answers return
+    grammar: Any = None  # a structured-output constraint's matcher (grammar.SessionGrammar), if it has one
     last_used: float = field(default_factory=time.monotonic)
 
     def truncate(self, length: int) -> None:

@@ -8,6 +8,8 @@ The round (round.py), both model services and the coordinator share these words:
   VerifyCall       one session's call to the target: the delta and the proposal to verify
   Verdict          how many of them the target accepted, and its own next token (or tokens: a
                    call with no proposal may ask the target to decode several on its own)
+  Constraint       a structured-output constraint (JSON schema, regex, grammar, choice) a session
+                   follows: the target masks p with it, the draft masks q (model_service/grammar.py)
   Features         the target's hidden states at some layers for consecutive committed
                    positions: what goes the other way, from the target to a draft that reads
                    them (an EAGLE head), as packed bytes (wire layout below)
@@ -29,6 +31,7 @@ range), row-major, little-endian: row r is position start + r (specdec.proto, Fe
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -61,6 +64,37 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:  # also NaN
             raise InvalidRequest(f"top_p must lie in (0, 1], not {self.top_p}")
         return self
+
+
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+MAX_CONSTRAINT_BYTES = 256 * 1024  # a constraint's text, at most (a larger one is refused, not compiled)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A structured-output constraint (specdec.proto's Constraint): `kind` one of CONSTRAINT_KINDS,
+    `text` the schema / regex / grammar, or the choices as a JSON list ("" for json_object).
+    `output_from`: the index in the session's tokens where the constrained output begins (the
+    prompt's length), so that a session started again with prompt + output follows it too."""
+
+    kind: str
+    text: str = ""
+    output_from: int = 0
+
+    def validate(self) -> "Constraint":
+        """Raise InvalidRequest where the kind is unknown or the text too large; return self.
+        (Whether it compiles is the grammar engine's to say: model_service/grammar.py.)"""
+        if self.kind not in CONSTRAINT_KINDS:
+            raise InvalidRequest(f"unknown constraint kind {self.kind!r}: one of {', '.join(CONSTRAINT_KINDS)}")
+        if len(self.text.encode()) > MAX_CONSTRAINT_BYTES:
+            raise InvalidRequest(f"the {self.kind} constraint has {len(self.text.encode()):,} bytes; at most"
+                                 f" {MAX_CONSTRAINT_BYTES:,}")
+        if self.output_from < 0:
+            raise InvalidRequest(f"constraint output_from must be >= 0, not {self.output_from}")
+        return self
+
+    def at(self, output_from: int) -> "Constraint":
+        return Constraint(self.kind, self.text, output_from)
 
 
 @dataclass
@@ -167,6 +201,7 @@ class ProposeCall:
     params: SamplingParams
     p_min: float = 0.0   # stop drafting at a token whose top probability is below this
     features: Features | None = None  # the target's rows new since the last call (feature-reading drafts)
+    constraint: Constraint | None = None  # on start: the structured output the session follows (the draft masks q)
 
 
 @dataclass
@@ -180,6 +215,7 @@ class VerifyCall:
     params: SamplingParams
     steps: int = 1       # with no proposal: tokens to decode in this call (VerifyRequest.decode_steps)
     feature_layers: tuple[int, ...] = ()  # on start: the layers whose hidden states each answer returns
+    constraint: Constraint | None = None  # on start: the structured output the session follows (p is masked)
 
 
 @dataclass
@@ -266,29 +302,61 @@ def features_from_proto(msg: pb.Features) -> Features:
     return Features(msg.start, msg.rows, msg.width, msg.dtype, msg.data)
 
 
+def constraint_to_proto(constraint: Constraint | None) -> pb.Constraint | None:
+    if constraint is None:
+        return None
+    msg = pb.Constraint(output_from=constraint.output_from)
+    if constraint.kind == "json_object":
+        msg.json_object = True
+    elif constraint.kind == "choice":
+        msg.choice.choices.extend(json.loads(constraint.text))
+    else:
+        setattr(msg, constraint.kind, constraint.text)
+    return msg
+
+
+def constraint_from_proto(msg: pb.Constraint) -> Constraint | None:
+    """None where the message sets no kind (a request without a constraint)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        if not msg.json_object:
+            return None
+        text = ""
+    elif kind == "choice":
+        text = json.dumps(list(msg.choice.choices))
+    else:
+        text = getattr(msg, kind)
+    return Constraint(kind, text, msg.output_from)
+
+
 def propose_call_to_proto(call: ProposeCall, turn: tuple[int, int] = (0, 0)) -> pb.ProposeRequest:
     """`turn`: the lockstep turn (id, calls) the call was let through in ((0, 0): not gated)."""
     return pb.ProposeRequest(session_id=call.session_id, start=call.start, rollback=call.rollback, append=call.append,
                              num_tokens=call.k, sampling=params_to_proto(call.params), p_min=call.p_min,
-                             turn_id=turn[0], turn_size=turn[1], features=features_to_proto(call.features))
+                             turn_id=turn[0], turn_size=turn[1], features=features_to_proto(call.features),
+                             constraint=constraint_to_proto(call.constraint))
 
 
 def propose_call_from_proto(msg: pb.ProposeRequest) -> ProposeCall:
     return ProposeCall(msg.session_id, msg.start, msg.rollback, list(msg.append), msg.num_tokens,
                        params_from_proto(msg.sampling), msg.p_min,
-                       features_from_proto(msg.features) if msg.HasField("features") else None)
+                       features_from_proto(msg.features) if msg.HasField("features") else None,
+                       constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None)
 
 
 def verify_call_to_proto(call: VerifyCall, turn: tuple[int, int] = (0, 0)) -> pb.VerifyRequest:
     return pb.VerifyRequest(session_id=call.session_id, start=call.start, append=call.append,
                             proposal=proposal_to_proto(call.proposal), sampling=params_to_proto(call.params),
                             turn_id=turn[0], turn_size=turn[1], decode_steps=call.steps if call.steps > 1 else 0,
-                            feature_layers=call.feature_layers)
+                            feature_layers=call.feature_layers, constraint=constraint_to_proto(call.constraint))
 
 
 def verify_call_from_proto(msg: pb.VerifyRequest) -> VerifyCall:
     return VerifyCall(msg.session_id, msg.start, list(msg.append), proposal_from_proto(msg.proposal),
-                      params_from_proto(msg.sampling), max(1, msg.decode_steps), tuple(msg.feature_layers))
+                      params_from_proto(msg.sampling), max(1, msg.decode_steps), tuple(msg.feature_layers),
+                      constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None)
 
 
 def verdict_to_proto(verdict: Verdict, cost: Cost) -> pb.VerifyResponse:

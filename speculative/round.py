@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .protocol import Cost, DraftPeer, Features, Proposal, ProposeCall, SamplingParams, TargetPeer, Verdict, VerifyCall
+from .protocol import Constraint, Cost, DraftPeer, Features, Proposal, ProposeCall, SamplingParams, TargetPeer, Verdict, VerifyCall
 
 FEATURE_WINDOW = 128  # feature rows a sequence keeps for a draft session started again (see FeatureLog)
 
@@ -123,6 +123,7 @@ class Sequence:
     feature_layers: tuple[int, ...] = ()  # the target layers the draft reads (none: it reads no features)
     features: FeatureLog = field(default_factory=FeatureLog)
     draft_featured: int = 0      # the draft session holds feature rows up to this position
+    constraint: Constraint | None = None  # the structured output both sessions follow (given on their start)
 
     def draft_lost(self) -> None:
         """The draft session is gone: the next draft call starts it again."""
@@ -237,7 +238,7 @@ async def _propose(draft: DraftPeer, seq: Sequence, k: int, params: SamplingPara
         except SessionLost:
             seq.draft_lost()
     answer = await _unless_lost(draft.propose(ProposeCall(seq.session_id, True, 0, seq.tokens[:], k, params, p_min,
-                                                          seq.features.held() if reads else None)))
+                                                          seq.features.held() if reads else None, seq.constraint)))
     if answer is not None:
         _featured(seq)
     return answer
@@ -260,7 +261,7 @@ async def _verify(target: TargetPeer, seq: Sequence, proposal: Proposal, params:
         except SessionLost:
             seq.target_seen = 0
     return await target.verify(VerifyCall(seq.session_id, True, seq.tokens[:], proposal, params, steps,
-                                          seq.feature_layers))
+                                          seq.feature_layers, seq.constraint))
 
 
 async def _unless_lost(call: Awaitable[tuple[Proposal, Cost]]) -> tuple[Proposal, Cost] | None:
@@ -357,6 +358,7 @@ async def generate(
     max_call_tokens: int | None = None,
     feature_layers: tuple[int, ...] = (),
     feature_window: int = FEATURE_WINDOW,
+    constraint: Constraint | None = None,
 ) -> AsyncIterator[list[int]]:
     """Yield each round's new tokens until max_new_tokens, the context or an EOS.
 
@@ -364,7 +366,8 @@ async def generate(
     (coordinator/adaptive.py); max_call_tokens caps the tokens one call asks the draft for (a
     pre-draft asks k + 1); feature_layers: the target layers a feature-reading draft reads (its
     ModelInfo.feature_layers), feature_window: the rows kept for a draft session started again
-    (FeatureLog). Tokens past an EOS or past max_new_tokens are dropped. Both
+    (FeatureLog); constraint: a structured output the generated tokens follow (both sessions get it
+    on their start; the target masks p with it). Tokens past an EOS or past max_new_tokens are dropped. Both
     sessions are released when the generator ends or is closed early.
     """
     if isinstance(k, int):
@@ -372,7 +375,8 @@ async def generate(
     asked_draft = False  # whether any round has called the draft (its session may exist)
     stats = stats if stats is not None else Stats()
     seq = Sequence(session_id or uuid.uuid4().hex, list(prompt), feature_layers=tuple(feature_layers),
-                   features=FeatureLog(feature_window))
+                   features=FeatureLog(feature_window),
+                   constraint=constraint.at(len(prompt)) if constraint is not None else None)
     limit = min(max_new_tokens, max_context - len(prompt))
     try:
         while stats.generated_tokens < limit:

@@ -179,3 +179,22 @@ def test_interleaved_runs_two_systems_turn_about_and_keeps_the_median():
     assert second == {"tokens_per_s": 50.0, "tokens_per_s_runs": [50.0, 20.0, 60.0]}
     interleaved(first, second, lambda: 1 / 0, lambda: 1 / 0, 1)  # one run: nothing again, nothing changes
     assert first["tokens_per_s"] == 12.0 and len(first["tokens_per_s_runs"]) == 3
+
+
+def test_tiny_structured_bench(pair, tmp_path, capsys):
+    """`make bench-structured`'s rows (u, c at adaptive K and K = 4 over gRPC; m, x in one process) and its bars."""
+    from bench import structured
+
+    draft, target = pair
+    out = tmp_path / "structured.json"
+    structured.main(["--draft", str(draft), "--target", str(target), "--prompts", "2", "--new-tokens", "24",
+                     "--threads", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert [(r["row"], r["k"]) for r in result["rows"]] == [("u", "adaptive"), ("c", "adaptive"), ("u", 4), ("c", 4),
+                                                           ("m", 4), ("x", 4)]
+    assert all(r["tokens"] > 0 and r["tokens_per_s"] > 0 for r in result["rows"])
+    constrained = [r for r in result["rows"] if r["row"] == "c"]
+    assert all(r["mask_ms_per_round"] > 0 for r in constrained)  # scraped from both services' metrics
+    assert result["rows"][-1]["same_output_as_m"]  # greedy: masking q changes acceptance, not the output
+    assert set(result["bars"]) >= {"all_valid", "c_vs_u_tokens_per_s_k_4", "masked_vs_unmasked_acceptance"}
+    assert "mask ms/rnd" in capsys.readouterr().out

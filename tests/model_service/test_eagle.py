@@ -302,3 +302,47 @@ def test_the_int8_head_keeps_fc_float_and_computes_near_the_float_head(pair, tmp
     with torch.inference_mode():
         exact, fused = head.fuse(features), int8.fuse(features)
     torch.testing.assert_close(fused, exact)
+
+
+def test_a_constrained_eagle_draft_proposes_only_allowed_tokens_and_keeps_the_output(small_vocab_pair, tmp_path):
+    """Structured output (model_service/grammar.py): the head's q is masked by the constraint, mapped
+    from target ids to its draft vocabulary (one smaller than the target's here), so every token it
+    proposes is one the regex allows; the output is the target's own under the constraint."""
+    from speculative.protocol import Constraint
+
+    _, target_dir = small_vocab_pair
+    eagle = EagleDraft.load(make_head(target_dir, tmp_path / "head", std=0.5, draft_vocab=9), target_dir, "cpu")
+    target = TargetEngine(ModelRunner(target_dir))
+    tokenizer = eagle.tokenizer
+    prompt = tokenizer.encode("ab ca bad")
+    rule = Constraint("regex", r"[abc][d-g]{3,12}\.")
+    proposed: list[list[int]] = []
+
+    class Watched(LocalDraft):
+        async def propose(self, call):
+            proposal, cost = await super().propose(call)
+            proposed.append(list(proposal.tokens))
+            return proposal, cost
+
+    def go(k: int, params: SamplingParams) -> list[int]:
+        async def collect():
+            out = []
+            async for new in generate(Watched(eagle), LocalTarget(target), prompt, max_new_tokens=20, k=k,
+                                      params=params, max_context=256, feature_layers=eagle.layers,
+                                      eos_token_ids=set(target.runner.eos_token_ids), constraint=rule):
+                out += new
+            return out
+
+        return asyncio.run(collect())
+
+    alone = go(0, GREEDY)
+    text = tokenizer.decode(alone, skip_special_tokens=True)
+    assert text[0] in "abc" and set(text[1:-1]) <= set("defg") and text.endswith("."), text
+    assert go(4, GREEDY) == alone
+    for seed in range(3):
+        sampled = tokenizer.decode(go(4, SamplingParams(1.0, seed=seed)), skip_special_tokens=True)
+        assert sampled[0] in "abc" and set(sampled[1:-1]) <= set("defg") and sampled.endswith("."), sampled
+    drafted = [t for p in proposed for t in p]
+    assert drafted, "the head proposed nothing"
+    for p in proposed:  # each proposal continues an output the regex allows
+        assert all(tokenizer.decode([t]) in set("abcdefg.") or t in target.runner.eos_token_ids for t in p)
