@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -331,6 +332,23 @@ def main(argv=None, prog: str = "python -m coordinator.launch") -> int:
     print(f"starting target ({target}{weights}) on {', '.join(stack.target_addrs)}, draft ({drafting}) on "
           f"{', '.join(stack.draft_addrs)}, coordinator on {stack.addr}; logs in {stack.log_dir}; replicas listed in"
           f" {stack.discovery['draft']} and {stack.discovery['target']} (edit them to add or remove some)", flush=True)
+    # SIGTERM (a container stop, systemd, `kill`) ends the launcher as Ctrl-C does: through the `with`,
+    # which stops the three services, at any moment from here on (the services, exec'd, keep the default)
+    before = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _serve(stack, args)
+    except KeyboardInterrupt:
+        print(f"services stopped (exit codes {stack.stop()})", flush=True)
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _serve(stack: LocalStack, args) -> int:
     with stack:
         print("all three services SERVING", flush=True)
         if stack.http_url:
@@ -338,11 +356,7 @@ def main(argv=None, prog: str = "python -m coordinator.launch") -> int:
                   """ -H 'Content-Type: application/json' -d '{"messages": [{"role": "user", "content": "Hi"}],"""
                   """ "stream": true}')""", flush=True)
         if not args.demo:
-            try:
-                signal.sigwait({signal.SIGINT, signal.SIGTERM})
-            except KeyboardInterrupt:
-                pass
-            return 0
+            threading.Event().wait()  # until Ctrl-C or SIGTERM (KeyboardInterrupt)
         flags = ["--addr", stack.addr, *stack.client_flags, *([] if args.no_chat else ["--chat"]), "--stream",
                  "--stats", "--temperature", "0", "--max-new-tokens", "128"]
         cmd = [sys.executable, "-m", "coordinator.client", *flags, args.prompt]

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 import coordinator.launch as launch
+from runtime.ports import free_port
 
 
 class Started(Exception):
@@ -81,3 +87,49 @@ def test_auto_drafts_with_the_eagle_head_where_it_beats_the_draft(stacks, capsys
     said = capsys.readouterr().out
     if method == "eagle":
         assert "draft (EAGLE-3 head models/eagle)" in said and list(kwargs.get("draft_args", [])) == []
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not yet reaped
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_the_launcher_stops_its_services_on_sigterm_and_ctrl_c(pair, sig):
+    """A launcher told to stop (a container stop, systemd, `kill`: SIGTERM; Ctrl-C: SIGINT) stops the
+    three services it started instead of leaving them running."""
+    draft, target = pair
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator.launch", "--draft-model", str(draft), "--target-model",
+                             str(target), "--port", str(free_port()), "--http-port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=launch.ROOT)
+    try:
+        for line in proc.stdout:
+            if "SERVING" in line:
+                break
+        services = _children(proc.pid)
+        assert len(services) == 3, services
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == 0
+        deadline = time.monotonic() + 60
+        while not all(_gone(pid) for pid in services) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(_gone(pid) for pid in services), [pid for pid in services if not _gone(pid)]
+    finally:
+        proc.kill()
+        for pid in _children(proc.pid):
+            os.kill(pid, signal.SIGKILL)
