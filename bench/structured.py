@@ -54,7 +54,7 @@ def mask_seconds(port: int) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def grpc_rows(stack, ports, prompts, new_tokens, temperature, tokenizer) -> list[dict]:
+def grpc_rows(stack, ports, prompts, new_tokens, temperature) -> list[dict]:
     rows = []
     schema = json.dumps(RECORD_SCHEMA)
     with grpc.insecure_channel(stack.addr) as channel:
@@ -152,7 +152,7 @@ def main(argv=None) -> None:
                        draft_args=[*quantize, "--metrics-port", str(ports[0])],
                        target_args=[*quantize, "--metrics-port", str(ports[1])]).start()
     try:
-        rows = grpc_rows(stack, ports, prompts, args.new_tokens, args.temperature, tokenizer)
+        rows = grpc_rows(stack, ports, prompts, args.new_tokens, args.temperature)
     finally:
         stack.stop()
     import torch

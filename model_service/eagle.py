@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from speculative.errors import InvalidRequest
-from speculative.protocol import Cost, Features, PassCost, Proposal, ProposeCall
+from speculative.protocol import Cost, PassCost, Proposal, ProposeCall
 from speculative.sampling import draft_token, encode_supports, one_hot_supports
 
 from . import features as wire

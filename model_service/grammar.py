@@ -40,7 +40,6 @@ from speculative.errors import InvalidRequest
 from speculative.protocol import Constraint
 
 
-
 class Grammars:
     """A service's grammar compiler: its tokenizer as llguidance sees it (built on first use,
     ~1 s), and the constraints compiled so far (LRU of `cache_size`)."""

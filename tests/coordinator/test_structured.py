@@ -26,7 +26,7 @@ from model_service.ngram import NgramDraft
 from runtime.ports import free_port
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from speculative.protocol import Constraint, Proposal, ProposeCall, SamplingParams, VerifyCall
+from speculative.protocol import Constraint, ProposeCall, SamplingParams, VerifyCall
 from speculative.sampling import logits_to_probs
 from tests.services.test_metrics import scrape, value
 from tests.stats import chi2_stat, fits
