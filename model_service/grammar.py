@@ -52,10 +52,15 @@ class Grammars:
         self._ll = None
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()
+        self._building = threading.Lock()  # the tokenizer is built once (the servicer's thread or the model's)
         self.compiled = 0  # constraints compiled (cache misses)
         self.ms = 0.0      # time computing masks
 
     def _tokenizer(self):
+        with self._building:
+            return self._build_tokenizer()
+
+    def _build_tokenizer(self):
         if self._ll is None:
             eos = self.eos_token_ids or None
             try:
@@ -68,30 +73,42 @@ class Grammars:
                     raise InvalidRequest(f"structured output is not available with this model's tokenizer: {e}") from e
         return self._ll
 
+    def compile(self, constraint: Constraint):
+        """The constraint compiled for this tokenizer, from the cache or now (a refusal is cached
+        too). The servicer calls it off the model thread as a start call arrives, so that a new
+        constraint's compilation (~0.4 s for a small JSON schema on SmolLM2's vocabulary) does not
+        hold up the pass the session's first call rides in. InvalidRequest with the compiler's reason."""
+        key = (constraint.kind, constraint.text)
+        with self._lock:
+            found = self._compiled.get(key)
+            if found is not None:
+                self._compiled.move_to_end(key)
+        if found is None:
+            try:
+                constraint.validate()
+                grammar = grammar_text(constraint)
+                tokenizer = self._tokenizer()
+                error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits())
+                if error:
+                    raise InvalidRequest(f"the {constraint.kind} constraint does not compile: {error.strip()}")
+                found = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits())
+                if found.is_error():
+                    raise InvalidRequest(f"the {constraint.kind} constraint does not compile: {found.get_error()}")
+            except InvalidRequest as e:
+                found = e
+            with self._lock:
+                self.compiled += 1
+                self._compiled[key] = found
+                while len(self._compiled) > self.cache_size:
+                    self._compiled.popitem(last=False)
+        if isinstance(found, InvalidRequest):
+            raise InvalidRequest(str(found))
+        return found
+
     def session(self, constraint: Constraint) -> "SessionGrammar":
         """A matcher for one session, at the start of its output. InvalidRequest where the constraint
         does not compile (with the compiler's reason)."""
-        constraint.validate()
-        key = (constraint.kind, constraint.text)
-        with self._lock:
-            template = self._compiled.get(key)
-            if template is not None:
-                self._compiled.move_to_end(key)
-        if template is None:
-            grammar = grammar_text(constraint)
-            tokenizer = self._tokenizer()
-            error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits())
-            if error:
-                raise InvalidRequest(f"the {constraint.kind} constraint does not compile: {error.strip()}")
-            template = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits())
-            if template.is_error():
-                raise InvalidRequest(f"the {constraint.kind} constraint does not compile: {template.get_error()}")
-            with self._lock:
-                self.compiled += 1
-                self._compiled[key] = template
-                while len(self._compiled) > self.cache_size:
-                    self._compiled.popitem(last=False)
-        return SessionGrammar(self, template.deep_copy(), constraint.output_from)
+        return SessionGrammar(self, self.compile(constraint).deep_copy(), constraint.output_from)
 
     def masks(self, rows: list[tuple["SessionGrammar", list[int]]]) -> list[torch.Tensor]:
         """For each (session grammar, draft tokens): bool [len(draft) + 1, vocab_size], row i the

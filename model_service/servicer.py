@@ -112,6 +112,8 @@ class ModelServicer:
         if metrics is not None:
             metrics.queue.inc()
         try:
+            if queued is None:
+                await self.compile_constraints([call])
             result, cost = await (queued if queued is not None else self.batcher.submit(session_id, call, turn))
             return result, dataclasses.replace(cost, service_ms=(time.perf_counter() - start) * 1e3)
         except asyncio.CancelledError:
@@ -126,6 +128,25 @@ class ModelServicer:
                 metrics.calls.labels(method, status.name).inc()
                 metrics.latency.labels(method).observe(time.perf_counter() - start)
 
+    async def compile_constraints(self, calls: list) -> None:
+        """Compile the structured-output constraints that start calls bring, off the model thread and
+        the event loop (grammar.Grammars.compile caches them, a refusal too): the pass then only
+        copies a compiled matcher. A refusal is the call's own error, raised when it runs."""
+        grammars = getattr(self.engine, "grammars", None)
+        starting = [call.constraint for call in calls if getattr(call, "start", False)
+                    and getattr(call, "constraint", None) is not None]
+        if grammars is None or not starting:
+            return
+
+        def compile_all() -> None:
+            for constraint in starting:
+                try:
+                    grammars.compile(constraint)
+                except InvalidRequest:
+                    pass
+
+        await asyncio.to_thread(compile_all)
+
     async def batch(self, context: grpc.aio.ServicerContext, method: str, requests: Sequence[Any],
                     make_call: Callable[[Any], Any], make_reply: Callable[..., Any], empty: Any) -> tuple[list, list]:
         """Answer a batch RPC's requests (one per session): queued together, each --max-batch of
@@ -138,6 +159,7 @@ class ModelServicer:
         if self.metrics is not None:
             self.metrics.batch_rpcs.labels(method).inc()
         calls = [(request.session_id, make_call(request)) for request in requests]
+        await self.compile_constraints([call for _, call in calls])
         size = self.batcher.max_batch
         try:
             queued = []
