@@ -362,3 +362,18 @@ def test_constrained_requests_in_one_process_round(pair):
 
     out = asyncio.run(go())
     assert tokenizer.decode(out[:-1]) in ("alpha", "beta") and out[-1] == tokenizer.eos_token_id
+
+
+def test_streamed_constrained_output_over_both_front_doors(api, stub):
+    chunks = list(stub.GenerateStream(pb.GenerateRequest(
+        prompt=PROMPT, max_new_tokens=40, temperature=0.8, seed=11, num_speculative_tokens=3,
+        constraint=pb.Constraint(choice=pb.ChoiceList(choices=["alpha beta gamma", "delta"]))), timeout=120))
+    assert "".join(c.text for c in chunks) in ("alpha beta gamma", "delta")
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_EOS
+    with openai.OpenAI(base_url=f"{api.http_url}/v1", api_key="none", max_retries=0, timeout=120) as client:
+        events = client.chat.completions.create(model="target", messages=MESSAGES, max_tokens=60, temperature=0.8,
+                                                seed=2, stream=True, extra_body={"guided_regex": "[a-e]{3}-[0-9]{2}"})
+        parts = [(e.choices[0].delta.content or "", e.choices[0].finish_reason) for e in events if e.choices]
+    text = "".join(p for p, _ in parts)
+    assert len(text) == 6 and set(text[:3]) <= set("abcde") and text[3] == "-" and text[4:].isdigit(), text
+    assert parts[-1][1] == "stop"
