@@ -50,7 +50,7 @@ from speculative.sampling import draft_token, encode_supports, one_hot_supports
 from . import features as wire
 from .drafting import MethodSessions, advance, one_result
 from .eagle_head import Eagle3Head, HeadCache
-from .grammar import Grammars
+from .grammar import Grammars, next_masks
 from .model_runner import Timer, saved_tokenizer_files, tokenizer_fields
 from .sessions import Session, SessionTable
 
@@ -284,18 +284,10 @@ class EagleDraft:
         if self._target_ids is None:
             self._target_ids = self.head.draft_to_target(
                 torch.arange(self.head.config.draft_vocab_size, device=self.device)).cpu()
-        rows = []
-        for session in sessions:
-            if session.grammar is not None:
-                try:
-                    session.grammar.follow(session.tokens)
-                    rows.append((session.grammar, []))
-                except InvalidRequest:
-                    session.grammar = None
-        masks = iter(self.grammars.masks(rows))
+        masks = next_masks(self.grammars, sessions)
         ids = self._target_ids.clamp(max=self.vocab_size - 1)
-        return [next(masks)[0][ids].to(self.device) & (self._target_ids < self.vocab_size).to(self.device)
-                if session.grammar is not None else None for session in sessions]
+        known = (self._target_ids < self.vocab_size).to(self.device)
+        return [None if mask is None else mask[ids].to(self.device) & known for mask in masks]
 
     def _step(self, state: Rows, token: int) -> torch.Tensor:
         """One chain row: the last row's out_hidden with `token`'s embedding. -> its logits."""

@@ -125,7 +125,7 @@ class DraftEngine(RunnerEngine):
         drafting = [j for j, (_, call, session) in enumerate(live) if call.k > 0 or len(session.tokens) > session.cached]
         while drafting:
             logits = runner.forward_many([(live[j][2], 1) for j in drafting])
-            masks = self._masks([live[j][2] for j in drafting])
+            masks = grammar.next_masks(self.grammars, [live[j][2] for j in drafting])  # q over what a constraint allows
             still = []
             for j, row, mask in zip(drafting, logits, masks):
                 _, call, session = live[j]
@@ -146,23 +146,6 @@ class DraftEngine(RunnerEngine):
                     still.append(j)
             drafting = still
         return out
-
-    def _masks(self, sessions: list[Session]) -> list[torch.Tensor | None]:
-        """Per session: what its constraint allows next (its q is masked so that it proposes only
-        tokens the target can accept), or None where it has no constraint. A session whose tokens
-        the constraint cannot follow drafts unmasked (the target rejects what it forbids)."""
-        if all(session.grammar is None for session in sessions):
-            return [None] * len(sessions)
-        rows = []
-        for session in sessions:
-            if session.grammar is not None:
-                try:
-                    session.grammar.follow(session.tokens)
-                    rows.append((session.grammar, []))
-                except InvalidRequest:
-                    session.grammar = None
-        masks = iter(self.grammars.masks(rows))
-        return [next(masks)[0] if session.grammar is not None else None for session in sessions]
 
 
 class TargetEngine(RunnerEngine):

@@ -212,6 +212,24 @@ class SessionGrammar:
         return self.matcher.is_stopped()
 
 
+def next_masks(grammars: Grammars | None, sessions: list) -> list[torch.Tensor | None]:
+    """Per session (drafting.py's Session): bool [vocab_size], the tokens its constraint allows after
+    its tokens, or None where it has none; one llguidance call for all. A session whose tokens its
+    constraint cannot follow loses it and drafts unmasked (the target rejects what it forbids)."""
+    rows = []
+    for session in sessions:
+        if session.grammar is not None:
+            try:
+                session.grammar.follow(session.tokens)
+                rows.append((session.grammar, []))
+            except InvalidRequest:
+                session.grammar = None
+    if not rows:
+        return [None] * len(sessions)
+    masks = iter(grammars.masks(rows))
+    return [next(masks)[0] if session.grammar is not None else None for session in sessions]
+
+
 def unpack(bitmask: torch.Tensor) -> torch.Tensor:
     """llguidance's bitmask (int32 [n, words], bit j of word w: token 32 w + j) as bool [n, 32 words]."""
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -106,7 +105,7 @@ def _gone(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not yet reaped
+    return False
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -124,10 +123,7 @@ def test_the_launcher_stops_its_services_on_sigterm_and_ctrl_c(pair, sig):
         services = _children(proc.pid)
         assert len(services) == 3, services
         proc.send_signal(sig)
-        assert proc.wait(timeout=60) == 0
-        deadline = time.monotonic() + 60
-        while not all(_gone(pid) for pid in services) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        assert proc.wait(timeout=60) == 0  # LocalStack.stop waited for each service before the launcher exited
         assert all(_gone(pid) for pid in services), [pid for pid in services if not _gone(pid)]
     finally:
         proc.kill()
