@@ -332,16 +332,18 @@ def main(argv=None, prog: str = "python -m coordinator.launch") -> int:
     print(f"starting target ({target}{weights}) on {', '.join(stack.target_addrs)}, draft ({drafting}) on "
           f"{', '.join(stack.draft_addrs)}, coordinator on {stack.addr}; logs in {stack.log_dir}; replicas listed in"
           f" {stack.discovery['draft']} and {stack.discovery['target']} (edit them to add or remove some)", flush=True)
-    # SIGTERM (a container stop, systemd, `kill`) ends the launcher as Ctrl-C does: through the `with`,
-    # which stops the three services, at any moment from here on (the services, exec'd, keep the default)
-    before = signal.signal(signal.SIGTERM, _interrupt)
+    # SIGTERM (a container stop, systemd, `kill`) and SIGINT (Ctrl-C) end the launcher through the `with`,
+    # which stops the three services, at any moment from here on. SIGINT is set explicitly, as the services
+    # do: a launcher started from a non-interactive shell's background job inherits it ignored
+    before = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         return _serve(stack, args)
     except KeyboardInterrupt:
         print(f"services stopped (exit codes {stack.stop()})", flush=True)
         return 0
     finally:
-        signal.signal(signal.SIGTERM, before)
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def _interrupt(signum, frame) -> None:

@@ -111,9 +111,12 @@ def _gone(pid: int) -> bool:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_the_launcher_stops_its_services_on_sigterm_and_ctrl_c(pair, sig):
     """A launcher told to stop (a container stop, systemd, `kill`: SIGTERM; Ctrl-C: SIGINT) stops the
-    three services it started instead of leaving them running."""
+    three services it started instead of leaving them running, also when it inherited SIGINT ignored (a
+    non-interactive shell's background job: how CI runs)."""
     draft, target = pair
-    proc = subprocess.Popen([sys.executable, "-m", "coordinator.launch", "--draft-model", str(draft), "--target-model",
+    ignoring_sigint = "import runpy, signal; signal.signal(signal.SIGINT, signal.SIG_IGN); " \
+                      "runpy.run_module('coordinator.launch', run_name='__main__', alter_sys=True)"
+    proc = subprocess.Popen([sys.executable, "-c", ignoring_sigint, "--draft-model", str(draft), "--target-model",
                              str(target), "--port", str(free_port()), "--http-port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=launch.ROOT)
     try:
