@@ -8,9 +8,11 @@ starts and resumes the run, and a stage already done is skipped:
 
   prompts      instructions built from what is on the machine: the standard library's
                modules, functions and classes (their names and docstrings, read with `ast`,
-               never imported) and questions the target itself writes when asked for one about
-               a subject (sampled, temperature 1). The benches' held-out chat prompts
-               (assets/prompts.py) are dropped, compared case- and punctuation-blind.
+               never imported), questions the target itself writes when asked for one about
+               a subject (sampled, temperature 1), and everyday requests composed from
+               templates (everyday.py: recipes, explanations, emails, code, advice). The benches'
+               held-out chat prompts (assets/prompts.py) are dropped, compared case- and
+               punctuation-blind (everyday.py leaves their topics out as well).
   generations  the target answers them through its chat template (on-policy data, as in
                DistillSpec): batches alternate greedy and temperature --temperature; at every
                answer position the target's --top-k most likely next tokens and their
@@ -55,7 +57,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from assets.prompts import CHAT, HELD_OUT, normalized  # noqa: E402
 
-from . import loop  # noqa: E402
+from . import everyday, loop  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -105,6 +107,7 @@ class Config:
     ffn: int = 768
     stdlib_prompts: int = 2500
     own_questions: int = 4000
+    requests: int = 2500  # everyday.py's
     question_tokens: int = 48
     new_tokens: int = 192
     batch: int = 48
@@ -220,15 +223,17 @@ def stage_prompts(cfg: Config, model, tokenizer) -> list[str]:
     from_stdlib = stdlib_prompts(cfg.stdlib_prompts, rng)
     log(f"prompts: {len(from_stdlib)} from the standard library; asking the target for {cfg.own_questions} questions")
     from_target = own_questions(model, tokenizer, cfg, rng)
+    from_requests = everyday.requests(cfg.requests, cfg.seed)
     seen, prompts = set(HELD_OUT), []
-    for p in from_stdlib + from_target:
+    for p in from_stdlib + from_target + from_requests:
         key = normalized(p)
         if key not in seen:
             seen.add(key)
             prompts.append(p)
     rng.shuffle(prompts)
     path.write_text(json.dumps(prompts, indent=0))
-    log(f"prompts: {len(prompts)} distinct ({len(from_target)} written by the target), held-out bench prompts excluded")
+    log(f"prompts: {len(prompts)} distinct ({len(from_target)} written by the target, {len(from_requests)} everyday"
+        " requests), held-out bench prompts excluded")
     return prompts
 
 
@@ -548,8 +553,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", type=Path, required=True, help="a local transformers causal LM directory")
     parser.add_argument("--out", type=Path, required=True, help="where the draft's directory is written")
     parser.add_argument("--work", type=Path, help="scratch and checkpoints (default .cache/distill/<out's name>)")
-    for field in ("hidden", "layers", "heads", "kv_heads", "ffn", "stdlib_prompts", "own_questions", "new_tokens",
-                  "batch", "top_k", "steps", "train_batch", "seed", "threads"):
+    for field in ("hidden", "layers", "heads", "kv_heads", "ffn", "stdlib_prompts", "own_questions", "requests",
+                  "new_tokens", "batch", "top_k", "steps", "train_batch", "seed", "threads"):
         parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=Config.__dataclass_fields__[field].default)
     for field in ("temperature", "generate_minutes", "lr", "vocab_coverage"):
         parser.add_argument(f"--{field.replace('_', '-')}", type=float, default=Config.__dataclass_fields__[field].default)

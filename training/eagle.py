@@ -72,6 +72,7 @@ class Config:
     answers: str = ""  # a tar.gz of a finished answers stage, unpacked into an empty --work
     stdlib_prompts: int = 2500
     own_questions: int = 4000
+    requests: int = 2500
     new_tokens: int = 192
     batch: int = 48
     temperature: float = 0.8
@@ -116,8 +117,8 @@ def stage_answers(cfg: Config) -> None:
         return
     # top_k 1: the generation stage's smallest label set; the features stage takes the target's top-k itself
     gen = distill.Config(target=cfg.target, out=cfg.out, work=cfg.work, top_k=1, **{
-        k: getattr(cfg, k) for k in ("stdlib_prompts", "own_questions", "new_tokens", "batch", "temperature",
-                                     "generate_minutes", "generate_dtype", "seed", "threads")})
+        k: getattr(cfg, k) for k in ("stdlib_prompts", "own_questions", "requests", "new_tokens", "batch",
+                                     "temperature", "generate_minutes", "generate_dtype", "seed", "threads")})
     tokenizer = AutoTokenizer.from_pretrained(cfg.target)
     model = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=getattr(torch, cfg.generate_dtype)).eval()
     distill.stage_generations(gen, model, tokenizer, distill.stage_prompts(gen, model, tokenizer))

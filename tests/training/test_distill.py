@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from assets.prompts import CHAT
 from training import distill
 
-TINY = ["--stdlib-prompts", "12", "--own-questions", "8", "--batch", "8", "--new-tokens", "12", "--steps", "6",
+TINY = ["--stdlib-prompts", "12", "--own-questions", "8", "--requests", "4", "--batch", "8", "--new-tokens", "12", "--steps", "6",
         "--train-batch", "4", "--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--ffn", "64",
         "--top-k", "4", "--generate-dtype", "float32", "--threads", "1"]
 
@@ -46,6 +46,8 @@ def test_held_out_prompts_are_dropped_however_written(pair, tmp_path, monkeypatc
     monkeypatch.setattr(distill, "stdlib_prompts", lambda count, rng: ["WHAT is the capital of France -- answer in one"
                                                                          " sentence", "Keep me."])
     monkeypatch.setattr(distill, "own_questions", lambda model, tokenizer, cfg, rng: ["why is the SKY blue"])
+    monkeypatch.setattr(distill.everyday, "requests", lambda count, seed: ["Explain how photosynthesis works to a"
+                                                                           " ten-year-old!"])
     cfg = distill.Config(target=target_dir, out=tmp_path / "o", work=tmp_path)
     assert distill.stage_prompts(cfg, None, None) == ["Keep me."]
 
