@@ -32,7 +32,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry import trace
+from opentelemetry.context import Context
 from transformers import AutoTokenizer
+
+from runtime import tracing
 
 from speculative import constraints
 from speculative.errors import InvalidRequest
@@ -382,17 +386,22 @@ class Coordinator:
         return self.models
 
     async def generate(self, request: GenerationRequest, method: str = "Generate",
-                       deadline: float | None = None) -> AsyncIterator[Chunk]:
+                       deadline: float | None = None, traceparent: str = "") -> AsyncIterator[Chunk]:
         """The request's chunks, one per speculative round, then the last with its finish and summary.
 
         `method` names the request in the metrics (the front door's word for it); `deadline`
-        (time.monotonic()) is when its caller gives up, if it does."""
+        (time.monotonic()) is when its caller gives up, if it does; `traceparent`: the caller's W3C
+        trace context (gRPC metadata, an HTTP header), the parent of the request's span if given."""
         metrics, start, stats = self.metrics, time.perf_counter(), Stats()
         status = "UNKNOWN"
         if metrics is not None:
             metrics.active.inc()
+        # not the current span: a generator's context is its consumer's between yields; rounds name it
+        span = tracing.tracer.start_span("generate", tracing.parent_of(traceparent), trace.SpanKind.SERVER, {
+            "specdec.method": method, "specdec.max_new_tokens": request.max_new_tokens or 0})
         try:
-            async with contextlib.aclosing(self._chunks(request, TokenClock(metrics), stats)) as chunks:
+            async with contextlib.aclosing(self._chunks(request, TokenClock(metrics), stats,
+                                                        trace.set_span_in_context(span))) as chunks:
                 async for chunk in chunks:
                     if chunk.summary is not None:
                         status = "OK"
@@ -402,14 +411,23 @@ class Coordinator:
                 status = outcome(e, deadline)
             raise
         finally:
+            if span.is_recording():
+                span.set_attributes({"specdec.status": status, "specdec.generated_tokens": stats.generated_tokens,
+                                     "specdec.rounds": stats.rounds, "specdec.draft_tokens": stats.draft_tokens,
+                                     "specdec.accepted_tokens": stats.accepted_tokens})
+                if status != "OK":
+                    span.set_status(trace.Status(trace.StatusCode.ERROR, status))
+            span.end()
             if metrics is not None:
                 metrics.add_stats(stats)  # the rounds it ran, whether it finished or not
                 metrics.active.dec()
                 metrics.requests.labels(method, status).inc()
                 metrics.request_latency.observe(time.perf_counter() - start)
 
-    async def _chunks(self, request: GenerationRequest, clock: TokenClock, stats: Stats) -> AsyncIterator[Chunk]:
-        """`generate`'s chunks; `stats` (empty) gathers the rounds as they run."""
+    async def _chunks(self, request: GenerationRequest, clock: TokenClock, stats: Stats,
+                      trace_context: Context | None = None) -> AsyncIterator[Chunk]:
+        """`generate`'s chunks; `stats` (empty) gathers the rounds as they run; `trace_context`: the
+        request's span."""
         start = time.perf_counter()
         models = self.ready()
         plan = await resolve(request, models, self.limits)
@@ -427,6 +445,7 @@ class Coordinator:
             eos_token_ids=eos, max_context=models.max_context, stats=stats,
             session_id=uuid.uuid4().hex, p_min=plan.p_min, predraft=self.limits.predraft,
             max_call_tokens=models.max_draft_call, feature_layers=models.feature_layers, constraint=plan.constraint,
+            trace_context=trace_context,
         )
         models.costs.in_flight += 1
         try:

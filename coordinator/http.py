@@ -410,7 +410,8 @@ class OpenAIApi:
         async def handle(request: Request) -> Response:
             body = await parse(request, endpoint.body, self.max_request_bytes)
             model = self.model_name(body.model)
-            chunks = self.coordinator.generate(endpoint.request(body), f"/v1{endpoint.path}")
+            chunks = self.coordinator.generate(endpoint.request(body), f"/v1{endpoint.path}",
+                                               traceparent=request.headers.get("traceparent", ""))
             head = {"id": f"{endpoint.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
             if not body.stream:
                 return await unless_hung_up(request, self.unary(chunks, endpoint, head))

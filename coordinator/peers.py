@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import grpc
 
+from runtime import tracing
 from runtime.transport import CHANNEL_OPTIONS, open_channel
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -337,10 +338,13 @@ class GrpcDraft(Peer):
 
     async def propose(self, call: ProposeCall, *, turn: tuple[int, int] = (0, 0)) -> tuple[Proposal, Cost]:
         """`turn`: the lockstep turn (id, calls) the call was let through in ((0, 0): not gated)."""
-        request = propose_call_to_proto(call, turn)
-        reply = await self.round_call(TurnMethods(self.stub.ProposeBatch, pb.ProposeBatchRequest, self.stub.Propose,
-                                                  self.stub.ProposeStream), request, turn)
-        proposal = proposal_from_proto(reply.proposal)
+        with tracing.client_span("propose", call, **{"specdec.replica": self.address, "specdec.session": call.session_id,
+                                                     "specdec.k": call.k}) as (span, call):
+            request = propose_call_to_proto(call, turn)
+            reply = await self.round_call(TurnMethods(self.stub.ProposeBatch, pb.ProposeBatchRequest,
+                                                      self.stub.Propose, self.stub.ProposeStream), request, turn)
+            proposal = proposal_from_proto(reply.proposal)
+            span.set_attribute("specdec.proposed", len(proposal.tokens))
         return proposal, Cost(reply.service_ms, request.ByteSize() + reply.ByteSize(), reply.batch_size,
                               len(proposal.tokens), reply.pass_ms)
 
@@ -351,9 +355,12 @@ class GrpcTarget(Peer):
 
     async def verify(self, call: VerifyCall, *, turn: tuple[int, int] = (0, 0)) -> tuple[Verdict, Cost]:
         """`turn`: as GrpcDraft.propose's."""
-        request = verify_call_to_proto(call, turn)
-        reply = await self.round_call(TurnMethods(self.stub.VerifyBatch, pb.VerifyBatchRequest, self.stub.Verify,
-                                                  self.stub.VerifyStream), request, turn)
+        with tracing.client_span("verify", call, **{"specdec.replica": self.address, "specdec.session": call.session_id,
+                                                    "specdec.proposed": len(call.proposal.tokens)}) as (span, call):
+            request = verify_call_to_proto(call, turn)
+            reply = await self.round_call(TurnMethods(self.stub.VerifyBatch, pb.VerifyBatchRequest, self.stub.Verify,
+                                                      self.stub.VerifyStream), request, turn)
+            span.set_attribute("specdec.accepted", reply.accepted)
         cost = Cost(reply.service_ms, request.ByteSize() + reply.ByteSize(), reply.batch_size, reply.batch_tokens,
                     reply.pass_ms)
         return verdict_from_proto(reply), cost

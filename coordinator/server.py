@@ -88,7 +88,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def _chunks(self, request: pb.GenerateRequest, context, method: str) -> AsyncIterator[Chunk]:
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
-        chunks = self.coordinator.generate(request_from_proto(request), method, deadline)
+        metadata = dict(context.invocation_metadata() or ())
+        chunks = self.coordinator.generate(request_from_proto(request), method, deadline,
+                                           traceparent=metadata.get("traceparent", ""))
         try:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:

@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 
+from runtime import tracing
 from runtime.host import host_facts
 from specdec.v1 import specdec_pb2 as pb
 from speculative.errors import CapacityExceeded, InvalidRequest, SessionExists, SessionNotFound, WorkerLost
@@ -115,12 +116,15 @@ class ModelServicer:
             if queued is None:
                 await self.compile_constraints([call])
             result, cost = await (queued if queued is not None else self.batcher.submit(session_id, call, turn))
-            return result, dataclasses.replace(cost, service_ms=(time.perf_counter() - start) * 1e3)
+            end = time.perf_counter()
+            tracing.record_call(method, call, start, end, cost)
+            return result, dataclasses.replace(cost, service_ms=(end - start) * 1e3)
         except asyncio.CancelledError:
             status = grpc.StatusCode.CANCELLED
             raise
         except Exception as exc:
             status = status_of(exc)
+            tracing.record_call(method, call, start, time.perf_counter(), error=exc)
             raise
         finally:
             if metrics is not None:

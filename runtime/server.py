@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from . import tracing
 from .interceptors import UndecodableRequests
 from .transport import MAX_MESSAGE_BYTES
 
@@ -55,6 +56,8 @@ async def serve(
     `credentials` (server_credentials) make it serve TLS; a message larger than `max_request_bytes`
     is refused with RESOURCE_EXHAUSTED. `interceptors` run before the server's own (auth.RequireApiKey).
     """
+    if tracing.configure(name):
+        log.info("%s: tracing on (OTEL_* variables)", name)
     server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_receive_message_length", max_request_bytes)],
                              interceptors=[*interceptors, UndecodableRequests()])
@@ -104,3 +107,4 @@ async def serve(
     await server.stop(grace)
     if on_stop is not None:
         await on_stop()
+    await asyncio.to_thread(tracing.shutdown)  # the spans still buffered

@@ -202,6 +202,7 @@ class ProposeCall:
     p_min: float = 0.0   # stop drafting at a token whose top probability is below this
     features: Features | None = None  # the target's rows new since the last call (feature-reading drafts)
     constraint: Constraint | None = None  # on start: the structured output the session follows (the draft masks q)
+    trace: str = ""      # W3C traceparent of the caller's span (runtime/tracing.py; empty: untraced)
 
 
 @dataclass
@@ -216,6 +217,7 @@ class VerifyCall:
     steps: int = 1       # with no proposal: tokens to decode in this call (VerifyRequest.decode_steps)
     feature_layers: tuple[int, ...] = ()  # on start: the layers whose hidden states each answer returns
     constraint: Constraint | None = None  # on start: the structured output the session follows (p is masked)
+    trace: str = ""      # as ProposeCall.trace
 
 
 @dataclass
@@ -336,27 +338,28 @@ def propose_call_to_proto(call: ProposeCall, turn: tuple[int, int] = (0, 0)) -> 
     return pb.ProposeRequest(session_id=call.session_id, start=call.start, rollback=call.rollback, append=call.append,
                              num_tokens=call.k, sampling=params_to_proto(call.params), p_min=call.p_min,
                              turn_id=turn[0], turn_size=turn[1], features=features_to_proto(call.features),
-                             constraint=constraint_to_proto(call.constraint))
+                             constraint=constraint_to_proto(call.constraint), traceparent=call.trace)
 
 
 def propose_call_from_proto(msg: pb.ProposeRequest) -> ProposeCall:
     return ProposeCall(msg.session_id, msg.start, msg.rollback, list(msg.append), msg.num_tokens,
                        params_from_proto(msg.sampling), msg.p_min,
                        features_from_proto(msg.features) if msg.HasField("features") else None,
-                       constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None)
+                       constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None, msg.traceparent)
 
 
 def verify_call_to_proto(call: VerifyCall, turn: tuple[int, int] = (0, 0)) -> pb.VerifyRequest:
     return pb.VerifyRequest(session_id=call.session_id, start=call.start, append=call.append,
                             proposal=proposal_to_proto(call.proposal), sampling=params_to_proto(call.params),
                             turn_id=turn[0], turn_size=turn[1], decode_steps=call.steps if call.steps > 1 else 0,
-                            feature_layers=call.feature_layers, constraint=constraint_to_proto(call.constraint))
+                            feature_layers=call.feature_layers, constraint=constraint_to_proto(call.constraint),
+                            traceparent=call.trace)
 
 
 def verify_call_from_proto(msg: pb.VerifyRequest) -> VerifyCall:
     return VerifyCall(msg.session_id, msg.start, list(msg.append), proposal_from_proto(msg.proposal),
                       params_from_proto(msg.sampling), max(1, msg.decode_steps), tuple(msg.feature_layers),
-                      constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None)
+                      constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None, msg.traceparent)
 
 
 def verdict_to_proto(verdict: Verdict, cost: Cost) -> pb.VerifyResponse:

@@ -32,7 +32,12 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from opentelemetry import trace
+from opentelemetry.context import Context
+
 from .protocol import Constraint, Cost, DraftPeer, Features, Proposal, ProposeCall, SamplingParams, TargetPeer, Verdict, VerifyCall
+
+tracer = trace.get_tracer("specdec")  # a no-op unless runtime/tracing.py configured one
 
 FEATURE_WINDOW = 128  # feature rows a sequence keeps for a draft session started again (see FeatureLog)
 
@@ -359,6 +364,7 @@ async def generate(
     feature_layers: tuple[int, ...] = (),
     feature_window: int = FEATURE_WINDOW,
     constraint: Constraint | None = None,
+    trace_context: Context | None = None,
 ) -> AsyncIterator[list[int]]:
     """Yield each round's new tokens until max_new_tokens, the context or an EOS.
 
@@ -367,8 +373,9 @@ async def generate(
     pre-draft asks k + 1); feature_layers: the target layers a feature-reading draft reads (its
     ModelInfo.feature_layers), feature_window: the rows kept for a draft session started again
     (FeatureLog); constraint: a structured output the generated tokens follow (both sessions get it
-    on their start; the target masks p with it). Tokens past an EOS or past max_new_tokens are dropped. Both
-    sessions are released when the generator ends or is closed early.
+    on their start; the target masks p with it); trace_context: the request's span, each round's span's
+    parent (runtime/tracing.py). Tokens past an EOS or past max_new_tokens are dropped. Both sessions are
+    released when the generator ends or is closed early.
     """
     if isinstance(k, int):
         k = FixedK(k)
@@ -386,8 +393,14 @@ async def generate(
             asked_draft = asked_draft or chosen > 0
             # the first token alone (time to first token); later rounds without drafting may ask for more
             steps = k.decode_steps(remaining) if chosen == 0 and stats.rounds else 1
-            r = await speculative_round(draft, target, seq, chosen, params, p_min, predraft, max_context,
-                                        max_call_tokens, steps)
+            with tracer.start_as_current_span("round", context=trace_context,
+                                              attributes={"specdec.k": chosen, "specdec.decode_steps": steps}) as span:
+                r = await speculative_round(draft, target, seq, chosen, params, p_min, predraft, max_context,
+                                            max_call_tokens, steps)
+                if span.is_recording():
+                    span.set_attributes({"specdec.proposed": r.proposed, "specdec.accepted": r.accepted,
+                                         "specdec.tokens": len(r.tokens), "specdec.predraft_hit": r.predraft_hit,
+                                         "specdec.feature_bytes": r.feature_bytes})
             k.observe(r, (time.perf_counter() - start) * 1e3)
             stats.add(r)
             new = r.tokens[:remaining]
