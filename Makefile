@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: setup stubs kernel run cluster test test-all test-gpu bench-gpu bench-passes bench-structured bench-deps bench bench-eagle bench-concurrency bench-ceiling soak draft eagle clean
+.PHONY: setup stubs kernel run cluster test test-all test-gpu bench-gpu bench-passes bench-structured bench-tracing bench-deps bench bench-eagle bench-concurrency bench-ceiling soak draft eagle clean
 
 TARGET := models/target/conversion.json
 
@@ -66,6 +66,10 @@ bench-passes: setup
 # structured output (a JSON schema) on the real pair beside the same requests unconstrained (bench/structured.py)
 bench-structured: setup
 	$(PY) -m bench.structured $(BENCH_ARGS)
+
+# what OpenTelemetry tracing adds to a round: off, on at sampler 0.0 and at 1.0 (bench/tracing.py)
+bench-tracing: setup
+	$(PY) -m bench.tracing $(BENCH_ARGS)
 
 # random weights at Llama-3.1-8B / Llama-3.2-1B shapes on one GPU (bench/gpu.py); bench/results/gpu.json
 bench-gpu: setup
