@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: setup stubs kernel run cluster test test-all test-gpu bench-gpu bench-passes bench-structured bench-tracing bench-deps bench bench-eagle bench-concurrency bench-ceiling soak draft eagle clean
+.PHONY: setup stubs kernel run cluster test test-all prometheus test-gpu bench-gpu bench-passes bench-structured bench-tracing bench-deps bench bench-eagle bench-concurrency bench-ceiling soak draft eagle clean
 
 TARGET := models/target/conversion.json
 
@@ -48,8 +48,14 @@ cluster: setup
 test: setup
 	$(PY) -m pytest -q
 
-test-all: setup
+test-all: setup prometheus
 	$(PY) -m pytest -q -m ''
+
+# Debian's prometheus package (prometheus, promtool): the slow suite scrapes a local stack with it
+# and checks the alert rules (tests/test_monitoring.py); those tests skip where it is absent
+prometheus:
+	command -v prometheus >/dev/null || apt-get install -y --no-install-recommends prometheus \
+		|| (apt-get update && apt-get install -y --no-install-recommends prometheus)
 
 # on a machine with an NVIDIA GPU (not in `make test`; CI has none): the GPU checks (tests/gpu, in
 # bf16) and the suites whose models then run on the GPU by default, with CUDA graphs captured
