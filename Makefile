@@ -46,7 +46,7 @@ cluster: setup
 	$(PY) -m coordinator.launch --draft-replicas 2 --target-replicas 2 --threads 1
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-all: setup prometheus
 	$(PY) -m pytest -q -m ''

@@ -1,8 +1,12 @@
 """Tracing across the three processes (runtime/tracing.py): a local stack whose services export OTLP
-to a receiver in the test gives one trace per request, with spans from the coordinator, the draft
-and the target, each under the span that caused it; with tracing turned off nothing is exported."""
+to a receiver in the test gives one trace per request, through either front door, with spans from
+the coordinator, the draft and the target, each under the span that caused it (the client's own
+traceparent at the top); with tracing turned off nothing is exported."""
 
 from __future__ import annotations
+
+import json
+import urllib.request
 
 import grpc
 import pytest
@@ -15,6 +19,7 @@ from speculative.protocol import ProposeCall, SamplingParams
 
 
 CLIENT_TRACE, CLIENT_SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+HTTP_TRACE = "0af7651916cd43dd8448eb211c80319c"
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +40,25 @@ def test_one_request_is_one_trace_over_the_three_services(pair, receiver, monkey
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
     draft, target = pair
-    stack = LocalStack(draft, target).start()
+    stack = LocalStack(draft, target, http_port=0).start()
     try:
         # the client's own trace context (W3C traceparent in the metadata): the request joins its trace
         reply = _one_request(stack, [("traceparent", f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01")], max_new_tokens=16,
                              temperature=0, num_speculative_tokens=3)
+        # and through the HTTP front door, its traceparent header
+        body = json.dumps({"prompt": "def f(x):", "max_tokens": 4, "temperature": 0}).encode()
+        urllib.request.urlopen(urllib.request.Request(
+            f"{stack.http_url}/v1/completions", body, {"Content-Type": "application/json",
+                                                       "traceparent": f"00-{HTTP_TRACE}-{CLIENT_SPAN}-01"}), timeout=60)
     finally:
         stack.stop()  # each service sends what it buffered as it stops
     spans = found.take()
+    (http,) = [s for s in spans if s["name"] == "generate" and s["trace"] == HTTP_TRACE]
+    assert http["parent"] == CLIENT_SPAN and http["attrs"]["specdec.method"] == "/v1/completions"
+    assert http["attrs"]["specdec.generated_tokens"] == 4
+    # (adaptive K, having seen the draft fail, may not draft at all here: the draft's spans are optional)
+    assert {s["service"] for s in spans if s["trace"] == HTTP_TRACE} >= {"specdec-coordinator", "specdec-target"}
+    spans = [s for s in spans if s["trace"] != HTTP_TRACE]
     print(trace_receiver.tree(spans))
     by_id = {s["id"]: s for s in spans}
     (request,) = [s for s in spans if s["name"] == "generate"]
