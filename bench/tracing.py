@@ -101,8 +101,8 @@ def main(argv=None) -> None:
         print(f"{r['setting']:>8} {r['requests']:>9} {r['ms_per_round_median']:>9.2f} {r['added_ms_per_round']:>+9.2f}"
               f" {r['spans']:>7}")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "tracing.json").write_text(json.dumps({"machine": machine(), "draft": str(args.draft),
-                                                      "target": str(args.target), "k": args.k,
+    (RESULTS / "tracing.json").write_text(json.dumps({"machine": machine(), "draft": os.path.relpath(args.draft),
+                                                      "target": os.path.relpath(args.target), "k": args.k,
                                                       "new_tokens": args.new_tokens, "rows": rows}, indent=1) + "\n")
 
 
