@@ -60,6 +60,7 @@ def stats_proto(summary: Summary) -> pb.GenerationStats:
         predrafts=stats.predrafts,
         predraft_hits=stats.predraft_hits,
         feature_bytes=stats.feature_bytes,
+        lost_draft_rounds=stats.lost_draft_rounds,
     )
 
 

@@ -148,6 +148,7 @@ class Round:
     predrafted: bool = False   # the draft drafted ahead while the target verified
     predraft_hit: bool = False  # ... and that draft is the next round's proposal
     feature_bytes: int = 0     # the target's feature rows this round (a feature-reading draft's)
+    draft_lost: bool = False   # a draft call failed or was late (failover): the round went on without it
 
 
 async def speculative_round(
@@ -224,7 +225,7 @@ async def speculative_round(
     calls = (k > 0 and ready is None) + (ahead is not None)
     return Round(accepted + [verdict.token] + verdict.decoded, len(proposal.tokens), verdict.accepted, draft_cost,
                  target_cost, k, calls, ahead is not None, hit,
-                 len(verdict.features.data) if verdict.features is not None else 0)
+                 len(verdict.features.data) if verdict.features is not None else 0, lost)
 
 
 async def _propose(draft: DraftPeer, seq: Sequence, k: int, params: SamplingParams,
@@ -293,9 +294,11 @@ class Stats:
     predrafts: int = 0      # rounds that drafted ahead during verification
     predraft_hits: int = 0  # ... whose draft became the next proposal
     feature_bytes: int = 0  # the target's feature rows sent for the draft (a feature-reading draft)
+    lost_draft_rounds: int = 0  # rounds that went on without a draft call that failed or was late
 
     def add(self, r: Round) -> None:
         self.rounds += 1
+        self.lost_draft_rounds += r.draft_lost
         self.verify_batch_sessions += r.target.batch_size
         self.predrafts += r.predrafted
         self.predraft_hits += r.predraft_hit
@@ -316,7 +319,7 @@ class Stats:
         """Add another generation's counts to these (for totals over requests)."""
         for name in ("rounds", "draft_tokens", "accepted_tokens", "draft_calls", "draft_ms", "target_ms",
                      "wire_bytes", "generated_tokens", "rejected_rounds", "predrafts", "predraft_hits",
-                     "feature_bytes"):
+                     "feature_bytes", "lost_draft_rounds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         # (`other` may be a GenerationStats message, which carries the mean instead)
         self.verify_batch_sessions += getattr(other, "verify_batch_sessions", None) or round(
@@ -400,7 +403,7 @@ async def generate(
                 if span.is_recording():
                     span.set_attributes({"specdec.proposed": r.proposed, "specdec.accepted": r.accepted,
                                          "specdec.tokens": len(r.tokens), "specdec.predraft_hit": r.predraft_hit,
-                                         "specdec.feature_bytes": r.feature_bytes})
+                                         "specdec.feature_bytes": r.feature_bytes, "specdec.draft_lost": r.draft_lost})
             k.observe(r, (time.perf_counter() - start) * 1e3)
             stats.add(r)
             new = r.tokens[:remaining]
