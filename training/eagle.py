@@ -9,8 +9,8 @@ resumes the run, and a stage already done is skipped:
   answers    distill's prompt and generation stages (training/distill.py), unchanged: prompts.json
              and generations/*.pt with done.json. A --work where they are done is used as it is;
              --answers ARCHIVE unpacks a finished stage into an empty one (made with
-             `tar czf ARCHIVE -C WORK prompts.json generations`: token ids, ~0.6 MB for 460 k answer
-             tokens; training/answers/ holds the default target's, an hour of generation saved).
+             `tar czf ARCHIVE -C WORK prompts.json generations`: token ids, ~1.2 MB for 940 k answer
+             tokens; training/answers/ holds the default target's, 2.5 hours of generation saved).
   features   the float32 target teacher-forced over prompt + answer, batched: at every position the
              hidden states at the aux layers (the INPUTS of decoder layers --aux-layers, vLLM's
              convention; default 2, L // 2, L - 3), float16 [T, len(aux) * H]; at every position
@@ -479,7 +479,8 @@ def model_card(info: dict) -> str:
          " `speculators` layout that vLLM loads (`config.json`, `model.safetensors`: fc, layers.0.*, norm, lm_head,"
          " d2t, t2d).\n"),
         ("Made by `python -m training eagle`: the target answered prompts ("
-         + g.get("prompts", "built from the Python standard library and questions it wrote itself")
+         + g.get("prompts", "built from the Python standard library, questions it wrote itself and everyday requests"
+                                 " (training/everyday.py)")
          + "; held-out bench prompts excluded); its float32 hidden states and top-k next-token"
          " distributions on those answers, teacher-forced, were the training data; training-time test over"
          f" {t['ttt_steps']} steps" + (f"; {t['schedule']}" if t.get("schedule") else "") + ".\n"),
