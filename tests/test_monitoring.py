@@ -25,6 +25,7 @@ from model_service.metrics import ModelMetrics
 from runtime.ports import free_port
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from tests.services.test_metrics import eventually
 
 MONITORING = Path(__file__).resolve().parent.parent / "deploy" / "k8s" / "base" / "monitoring"
 DASHBOARD = MONITORING / "specdec-dashboard.json"
@@ -149,16 +150,14 @@ def test_a_real_prometheus_answers_every_dashboard_query(pair, tmp_path):
         with ThreadPoolExecutor(2) as pool:
             for done in [pool.submit(_load, stack, stop_at) for _ in range(2)]:
                 done.result()
-        missing = dashboard_queries()
-        deadline = time.monotonic() + 60
-        while missing and time.monotonic() < deadline:  # until every query has seen a scrape after the load
+        def every_query_has_data() -> None:  # (once a scrape after the load has landed)
             try:
-                missing = [(title, expr) for title, expr in missing if not _query(web, expr)]
-            except OSError:  # (the server still starting)
-                pass
-            if missing:
-                time.sleep(1)
-        assert not missing, missing
+                missing = [(title, expr) for title, expr in dashboard_queries() if not _query(web, expr)]
+            except OSError as e:  # (the server still starting)
+                raise AssertionError(e) from e
+            assert not missing, missing
+
+        eventually(every_query_has_data, timeout=60)
         groups = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{web}/api/v1/rules", timeout=10).read())
         loaded = [r for g in groups["data"]["groups"] for r in g["rules"]]
         assert len(loaded) == len(rules()) and all(r["health"] in {"ok", "unknown"} for r in loaded), loaded
