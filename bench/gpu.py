@@ -6,7 +6,8 @@
 Weights are random (latency depends on shapes, not values), so no draft model would agree with
 the target: the system's draft is the oracle (model_service/oracle.py) replaying the target's own
 greedy output with each position corrupted at a set rate (--acceptances: per-token acceptance a),
-after running the draft model's own K steps each round (--oracle-cost model), so a round costs
+free (as the issue's synthetic draft: what is left of a round is the machinery's own cost) and,
+with --oracle-cost model, after running the draft model's own K steps each round, so a round costs
 what drafting with that model costs. Both services run as their own processes on the one GPU,
 with the coordinator in front, over gRPC on loopback.
 
@@ -14,19 +15,27 @@ It reports, each a median over repeated passes:
   copy bandwidth     a device-to-device copy, bytes read + written per second
   decode step        one token of one session on the target (and the draft), CUDA graphs off and
                      on, beside its roofline: the bytes of weights a step reads / the copy bandwidth
-  verify pass        K + 1 tokens of one session, K = 0..8 (eager)
+  verify pass        K + 1 tokens of one session, K = 0..8, eager and through CUDA graphs
   target alone       greedy decode on specdec's runner, one token a forward (graphs on)
-  system             the three services, K = 4 (and adaptive K), at each acceptance: tokens/s,
-                     x target alone, and the ceiling E[L] / T_verify(K + 1), E[L] = (1 - a^(K+1)) / (1 - a)
+  in one process     the speculative round over the engines themselves (no gRPC, no second
+                     process), the free oracle at the first acceptance, K = 4
+  system             the three services, K = 4 (and adaptive K), each draft: tokens/s, x target
+                     alone, the time a round spends inside each service and on its model, and the
+                     ceiling E[L] / T_verify(K + 1), E[L] = (1 - a^(K+1)) / (1 - a), T_verify the
+                     pass the target runs (graphed where graphs are on)
+  eagle              an EAGLE-3 head of the target's shape (random weights: its step time and the
+                     features' bytes and cost; acceptance is the oracle rows'), over gRPC
   HF                 transformers generate on the same target, alone and assisted by the same
                      draft model (its acceptance as measured: random weights agree on little)
 Greedy output of every system row must equal the target alone's (else the bench fails).
-Writes a table to stdout and bench/results/gpu.json.
+Writes a table to stdout and bench/results/gpu.json (after each part, so a run cut short keeps
+what it measured).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import os
@@ -131,8 +140,8 @@ def peaked(model, tokens: int, eos: int, seed: int = 1234) -> None:
 
 
 def step_times(runner: ModelRunner, context: int, reps: int, ks: list[int]) -> dict:
-    """Median ms of one session's one-token pass (graphs off, and on where the runner can) and of
-    its K + 1-token passes, on `context` cached tokens (verify_latency.time_passes)."""
+    """Median ms of one session's one-token pass and of its K + 1-token passes on `context` cached
+    tokens (verify_latency.time_passes), eager and, where the runner can, through CUDA graphs."""
     out = {"weight_bytes": runner.fast.weight_bytes()}
     graphs, runner.fast.graphs = runner.fast.graphs, None
     out["step_ms_eager"] = time_passes(runner, 1, 0, context, reps)
@@ -140,7 +149,14 @@ def step_times(runner: ModelRunner, context: int, reps: int, ks: list[int]) -> d
     if runner.device.type == "cuda":
         runner.fast.graphs = graphs or runner.fast.use_graphs()
         out["step_ms_graphs"] = time_passes(runner, 1, 0, context, reps)
+        out["verify_ms_graphs"] = {k: time_passes(runner, 1, k, context, reps) for k in ks}
     return out
+
+
+def verify_ms(report: dict, k: int) -> float:
+    """The target's pass over k + 1 tokens as the services run it: graphed where graphs ran."""
+    target = report["target"]
+    return target.get("verify_ms_graphs", target["verify_ms"])[k]
 
 
 def decode_alone(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
@@ -187,18 +203,85 @@ def hf_rows(target_dir: Path, draft_dir: Path, prompts, new_tokens: int, k: int,
     return rows
 
 
+def local_rows(target: ModelRunner, draft: ModelRunner, oracle: list[list[int]], prompts, references,
+               new_tokens: int, k: int, a: float, context: int) -> dict:
+    """The round in one process: the engines behind in-process peers (model_service/local.py), the
+    free oracle at acceptance a, K = k, greedy; no gRPC, no second process."""
+    from model_service.engines import TargetEngine
+    from model_service.local import LocalDraft, LocalTarget
+    from model_service.oracle import OracleDraftEngine
+    from speculative.protocol import SamplingParams
+    from speculative.round import Stats, generate
+
+    peers = LocalDraft(OracleDraftEngine(draft, oracle, acceptance=a)), LocalTarget(TargetEngine(target))
+
+    async def run(batch, stats) -> list[list[int]]:
+        outputs = []
+        for prompt in batch:
+            out, own = [], Stats()  # (generate counts a request's tokens in its stats)
+            async for new in generate(*peers, prompt, max_new_tokens=new_tokens, k=k, params=SamplingParams(0.0),
+                                      max_context=context, stats=own):
+                out += new
+            stats.merge(own)
+            outputs.append(out)
+        return outputs
+
+    asyncio.run(run(prompts[:1], Stats()))  # warm-up (graphs captured)
+    stats = Stats()
+    sync(target.device)
+    start = time.perf_counter()
+    outputs = asyncio.run(run(prompts, stats))
+    sync(target.device)
+    return row(f"oracle a={a}, one process", a, k, stats, time.perf_counter() - start, outputs == references)
+
+
+def row(name: str, a: float | None, k: int | None, stats, seconds: float, greedy_equal: bool) -> dict:
+    rounds = max(1, stats.rounds)
+    return {"draft": name, "acceptance_set": a, "k": k or "adaptive", "tokens_per_s": stats.generated_tokens / seconds,
+            "greedy_equal": greedy_equal, "acceptance_rate": stats.acceptance_rate, "alpha": stats.alpha,
+            "rounds": stats.rounds, "tokens_per_round": stats.generated_tokens / rounds,
+            "draft_ms_per_round": stats.draft_ms / rounds, "target_ms_per_round": stats.target_ms / rounds,
+            "draft_pass_ms_per_round": stats.draft_pass_ms / rounds,
+            "target_pass_ms_per_round": stats.target_pass_ms / rounds,
+            "round_ms": seconds * 1e3 / rounds, "feature_bytes_per_round": stats.feature_bytes / rounds}
+
+
+def random_head(target_dir: Path, out: Path, shapes: str, device: str, dtype: torch.dtype) -> Path:
+    """An EAGLE-3 head of the target's shape (random weights; a draft vocabulary of 32,000 ids, or the
+    target's if smaller), in the speculators layout, its embeddings read from the target's directory."""
+    from model_service.eagle_head import Eagle3Config, Eagle3Head, default_aux_layer_ids
+
+    hidden, layers, heads, kv_heads, intermediate, vocab = SHAPES[shapes]["target"]
+    config = Eagle3Config(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
+                          num_key_value_heads=kv_heads, head_dim=hidden // heads, vocab_size=vocab,
+                          draft_vocab_size=min(32000, vocab), aux_layer_ids=default_aux_layer_ids(layers),
+                          verifier=str(target_dir))
+    torch.manual_seed(7)
+    head = Eagle3Head(config).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        for parameter in head.parameters():
+            parameter.normal_(0, 0.02)
+    head.set_vocab(torch.randperm(vocab)[: config.draft_vocab_size].sort().values.to(device))
+    head.embeddings_from_target = True
+    head.save(out)
+    del head
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="llama", choices=sorted(SHAPES))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--acceptances", default="0.8,0.6")
+    parser.add_argument("--acceptances", default="0.8,0.6", help="the oracle's, each a row (free)")
+    parser.add_argument("--model-cost", default="0.8", help="acceptances of oracle rows at the draft model's cost")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--reps", type=int, default=20, help="passes per timed median")
     parser.add_argument("--skip-hf", action="store_true", help="no transformers rows")
+    parser.add_argument("--skip-eagle", action="store_true", help="no EAGLE-3 head row")
     parser.add_argument("--work", default=None,
                         help="where the random models are written (default: a temporary dir, in /dev/shm where it"
                              " has room)")
@@ -206,6 +289,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     acceptances = [float(a) for a in args.acceptances.split(",") if a]
+    costly = [float(a) for a in args.model_cost.split(",") if a]
     # the models go to memory where there is room (/dev/shm): 16 GB of target written and read twice
     shm = Path("/dev/shm")
     scratch = shm if shm.is_dir() and os.statvfs(shm).f_bavail * os.statvfs(shm).f_frsize > 40e9 else None
@@ -213,11 +297,14 @@ def main(argv=None) -> None:
     context = args.prompt_tokens + args.new_tokens + 2 * args.k + 64
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "dtype": args.dtype, "k": args.k,
-              "shapes": dict(zip(("target", "draft"), SHAPE_NAMES[args.shapes]))}
+              "shapes": dict(zip(("target", "draft"), SHAPE_NAMES[args.shapes])), "system": []}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
 
     def say(message: str) -> None:
         print(f"[{time.perf_counter() - t0:6.1f} s] {message}", flush=True)
+        out.write_text(json.dumps(report, indent=1) + "\n")  # what is measured so far
 
     report["copy_gbs"] = copy_bandwidth_gbs(device, 1024 if device.type == "cuda" else 256)
     say(f"copy bandwidth {report['copy_gbs']:.0f} GB/s (read + written)")
@@ -240,83 +327,131 @@ def main(argv=None) -> None:
     generated = sum(map(len, references))
     report["target_alone"] = {"tokens_per_s": generated / seconds, "tokens": generated}
     say(f"target alone: {report['target_alone']['tokens_per_s']:.1f} tok/s")
+    sequences = [p + r for p, r in zip(prompts, references)]
+    if acceptances:
+        drafter = ModelRunner(draft_dir, args.device, args.dtype, max_context=context, cuda_graphs=True)
+        local = local_rows(runner, drafter, sequences, prompts, references, args.new_tokens, args.k, acceptances[0],
+                           context)
+        report["system"].append(with_ceiling(local, report, args.k))
+        say(describe(local))
+        del drafter
     del runner
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
     oracle = work / "references.json"
-    oracle.write_text(json.dumps([p + r for p, r in zip(prompts, references)]))
+    oracle.write_text(json.dumps(sequences))
     on_device = ["--device", args.device, "--dtype", args.dtype, "--max-context", str(context)]
-    report["system"] = []
-    drafts = [(f"oracle a={a}", a, ["--oracle", str(oracle), "--oracle-cost", "model", "--oracle-acceptance", str(a)])
-              for a in acceptances] + [("model (peaked alike)", None, [])]
+    replay = ["--oracle", str(oracle), "--oracle-acceptance"]
+    drafts = ([(f"oracle a={a}", a, [*replay, str(a)], (args.k, None)) for a in acceptances]
+              + [(f"oracle a={a}, at the draft model's cost", a, [*replay, str(a), "--oracle-cost", "model"], (args.k,))
+                 for a in costly]
+              + [("model (peaked alike)", None, [], (args.k, None))])
     stack = LocalStack(draft_dir, target_dir, threads=None, target_args=on_device, draft_args=on_device + drafts[0][2])
     stack.start(timeout=600)
     try:
-        for i, (name, a, flags) in enumerate(drafts):
+        for i, (name, a, flags, ks) in enumerate(drafts):
             if i:
                 stack.draft_args = on_device + flags
                 stack.restart_replica("draft", timeout=600)
-            for k in (args.k, None):
-                outputs = []
-                stats, seconds = grpc_run(stack, prompts, 0.0, args.new_tokens, k, outputs)
-                alpha = stats.alpha if a is None else a
-                ceiling = expected_per_round(alpha, args.k) / report["target"]["verify_ms"][args.k] * 1e3
-                tps = stats.generated_tokens / seconds
-                row = {"draft": name, "acceptance_set": a, "k": k or "adaptive", "tokens_per_s": tps,
-                       "greedy_equal": outputs == references,
-                       "acceptance_rate": stats.acceptance_rate, "alpha": stats.alpha, "rounds": stats.rounds,
-                       "draft_ms_per_round": stats.draft_ms / max(1, stats.rounds),
-                       "target_ms_per_round": stats.target_ms / max(1, stats.rounds),
-                       "x_target_alone": tps / report["target_alone"]["tokens_per_s"],
-                       "ceiling_tokens_per_s": ceiling, "of_ceiling": tps / ceiling}
-                report["system"].append(row)
-                say(f"system, {name} draft, K={row['k']}: {tps:.1f} tok/s, acceptance {stats.acceptance_rate:.3f}"
-                    f" (alpha {stats.alpha:.2f}), {row['x_target_alone']:.2f}x alone, {row['of_ceiling']:.0%} of the"
-                    f" ceiling {ceiling:.1f}; greedy output {'equal to' if row['greedy_equal'] else 'DIFFERS from'}"
-                    " the target's")
+            for k in ks:
+                report["system"].append(system_row(stack, name, a, k, prompts, references, args, report))
+                say(describe(report["system"][-1]))
     finally:
         stack.stop()
+    if not args.skip_eagle:
+        try:
+            head = random_head(target_dir, work / "eagle", args.shapes, args.device, dtype)
+            stack = LocalStack(head, target_dir, threads=None, target_args=on_device, draft_args=on_device,
+                               draft_method="eagle")
+            stack.start(timeout=600)
+            try:
+                report["eagle"] = system_row(stack, "EAGLE-3 head (random weights)", None, args.k, prompts,
+                                             references, args, report)
+            finally:
+                stack.stop()
+            say(describe(report["eagle"]))
+        except Exception as exc:  # (the rows above are kept)
+            report["eagle"] = {"error": repr(exc)}
+            say(f"eagle row failed: {exc!r}")
     if not args.skip_hf:
         report["hf"] = hf_rows(target_dir, draft_dir, prompts, args.new_tokens, args.k, args.device, dtype)
-        say(f"HF: {report['hf']}")
-        ours = next(r for r in report["system"] if r["acceptance_set"] is None and r["k"] == args.k)
+        ours = next(r for r in report["system"] if r["draft"].startswith("model") and r["k"] == args.k)
         report["x_hf_assisted"] = ours["tokens_per_s"] / report["hf"]["assisted"]["tokens_per_s"]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        say(f"HF: {report['hf']}")
     print(table(report))
+    if not all(r["greedy_equal"] for r in report["system"] + ([report["eagle"]] if "greedy_equal" in
+                                                                report.get("eagle", {}) else [])):
+        raise SystemExit("a system row's greedy output differs from the target alone's")
+
+
+def system_row(stack: LocalStack, name: str, a: float | None, k: int | None, prompts, references, args,
+               report: dict) -> dict:
+    """One row of the three services: a warm-up request, then the prompts."""
+    grpc_run(stack, prompts[:1], 0.0, 32, k)  # warm-up: the passes' graphs are captured
+    outputs = []
+    stats, seconds = grpc_run(stack, prompts, 0.0, args.new_tokens, k, outputs)
+    return with_ceiling(row(name, a, k, stats, seconds, outputs == references), report, args.k)
+
+
+def with_ceiling(r: dict, report: dict, k: int) -> dict:
+    """The row beside the target alone and its ceiling E[L] / T_verify(k + 1) at its acceptance."""
+    alpha = r["alpha"] if r["acceptance_set"] is None else r["acceptance_set"]
+    r["ceiling_tokens_per_s"] = expected_per_round(alpha, k) / verify_ms(report, k) * 1e3
+    r["of_ceiling"] = r["tokens_per_s"] / r["ceiling_tokens_per_s"]
+    r["x_target_alone"] = r["tokens_per_s"] / report["target_alone"]["tokens_per_s"]
+    return r
+
+
+def describe(r: dict) -> str:
+    return (f"{r['draft']}, K={r['k']}: {r['tokens_per_s']:.1f} tok/s, acceptance {r['acceptance_rate']:.3f} (alpha"
+            f" {r['alpha']:.2f}), {r['x_target_alone']:.2f}x alone, {r['of_ceiling']:.0%} of the ceiling"
+            f" {r['ceiling_tokens_per_s']:.1f}; a round {r['round_ms']:.2f} ms: draft {r['draft_ms_per_round']:.2f}"
+            f" (model {r['draft_pass_ms_per_round']:.2f}), target {r['target_ms_per_round']:.2f} (model"
+            f" {r['target_pass_ms_per_round']:.2f}); greedy output {'equal to' if r['greedy_equal'] else 'DIFFERS from'}"
+            " the target's")
 
 
 def table(report: dict) -> str:
     bw = report["copy_gbs"]
     lines = [f"{report['device']}, torch {report['torch']}, {report['dtype']}; copy {bw:.0f} GB/s (read + written)",
-             "| pass | ms | roofline ms | x roofline |", "| --- | --- | --- | --- |"]
+             "| pass | eager ms | graphed ms | roofline ms | x roofline (graphed) |", "| --- | --- | --- | --- | --- |"]
     for role in ("target", "draft"):
         r = report[role]
         roof = r["weight_bytes"] / (bw * 1e9) * 1e3
         name = report["shapes"][role]
-        for kind in ("eager", "graphs"):
-            if f"step_ms_{kind}" in r:
-                ms = r[f"step_ms_{kind}"]
-                lines.append(f"| {name} decode step, {kind} | {ms:.2f} | {roof:.2f} | {ms / roof:.2f} |")
+        graphed = r.get("step_ms_graphs")
+        lines.append(f"| {name} decode step | {r['step_ms_eager']:.2f} | {fmt(graphed)} | {roof:.2f} |"
+                     f" {fmt(graphed and graphed / roof)} |")
         for k, ms in r["verify_ms"].items():
             tokens = f"{int(k) + 1} token{'s' if int(k) else ''}"
-            lines.append(f"| {name} pass of {tokens}, eager | {ms:.2f} | {roof:.2f} | {ms / roof:.2f} |")
+            graphed = r.get("verify_ms_graphs", {}).get(k)
+            lines.append(f"| {name} pass of {tokens} | {ms:.2f} | {fmt(graphed)} | {roof:.2f} |"
+                         f" {fmt(graphed and graphed / roof)} |")
     lines += ["", f"target alone: {report['target_alone']['tokens_per_s']:.1f} tok/s",
-              "| draft | K | tok/s | acceptance (alpha) | draft / target ms a round | x target alone | ceiling tok/s"
-              " | of ceiling | greedy = target's |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in report["system"]:
+              "| draft | K | tok/s | acceptance (alpha) | tokens a round | round ms | draft ms (on model) | target ms"
+              " (on model) | x target alone | ceiling tok/s | of ceiling | greedy = target's |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in report["system"] + ([report["eagle"]] if "tokens_per_s" in report.get("eagle", {}) else []):
         lines.append(f"| {r['draft']} | {r['k']} | {r['tokens_per_s']:.1f} | {r['acceptance_rate']:.3f}"
-                     f" ({r['alpha']:.2f}) | {r['draft_ms_per_round']:.2f} / {r['target_ms_per_round']:.2f} |"
+                     f" ({r['alpha']:.2f}) | {r['tokens_per_round']:.2f} | {r['round_ms']:.2f} |"
+                     f" {r['draft_ms_per_round']:.2f} ({r['draft_pass_ms_per_round']:.2f}) |"
+                     f" {r['target_ms_per_round']:.2f} ({r['target_pass_ms_per_round']:.2f}) |"
                      f" {r['x_target_alone']:.2f} | {r['ceiling_tokens_per_s']:.1f} | {r['of_ceiling']:.0%} |"
                      f" {'yes' if r['greedy_equal'] else 'NO'} |")
+    if "tokens_per_s" in report.get("eagle", {}):
+        lines.append(f"EAGLE-3 head: feature bytes a round {report['eagle']['feature_bytes_per_round']:,.0f}")
     if "hf" in report:
         hf = report["hf"]
         lines.append(f"HF generate: alone {hf['alone']['tokens_per_s']:.1f} tok/s, assisted by the same draft model"
                      f" (K = {report['k']}) {hf['assisted']['tokens_per_s']:.1f} tok/s; specdec with that draft at"
                      f" K = {report['k']}: {report['x_hf_assisted']:.2f}x HF assisted")
     return "\n".join(lines)
+
+
+def fmt(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.2f}"
 
 
 if __name__ == "__main__":

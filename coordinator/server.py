@@ -61,6 +61,8 @@ def stats_proto(summary: Summary) -> pb.GenerationStats:
         predraft_hits=stats.predraft_hits,
         feature_bytes=stats.feature_bytes,
         lost_draft_rounds=stats.lost_draft_rounds,
+        draft_pass_ms=stats.draft_pass_ms,
+        target_pass_ms=stats.target_pass_ms,
     )
 
 

@@ -113,6 +113,7 @@ class EagleDraft:
         eos = tokenizer.eos_token_id
         self.grammars = Grammars(tokenizer, self.vocab_size, [] if eos is None else [eos])
         self._target_ids = None  # per draft id, its target id (masks come in target ids)
+        self._known: torch.Tensor | None = None  # draft ids the tokenizer has a token for, where not all
         self.at_work = 0
         self.pass_cost = PassCost()
         self._tokenizer_files: list[tuple[str, bytes]] | None = None
@@ -243,7 +244,7 @@ class EagleDraft:
             for j, row, allowed in zip(drafting, logits, self._masks([live[j][2] for j in drafting])):
                 _, call, session = live[j]
                 tokens, q_ids, q_probs = picked[j]
-                if allowed is not None:  # a structured output: q over the tokens the constraint allows
+                if allowed is not None:  # q over the tokens the constraint (and the tokenizer) allows
                     if not allowed.any():
                         continue  # none in the draft vocabulary: nothing to propose
                     row = row.masked_fill(~allowed, float("-inf"))
@@ -277,17 +278,21 @@ class EagleDraft:
         return proposals
 
     def _masks(self, sessions: list[Session]) -> list[torch.Tensor | None]:
-        """Per session: the draft ids its constraint allows next, or None where it has none (one
-        that cannot follow its tokens drafts unmasked: the target rejects what it forbids)."""
-        if all(session.grammar is None for session in sessions):
-            return [None] * len(sessions)
+        """Per session: the draft ids it may draw next, or None where any will do. Ids that map to no
+        token of the tokenizer (a head over a target whose output layer is padded past it) are never
+        drawn; a session with a structured output draws what its constraint allows (one that cannot
+        follow its tokens drafts unmasked: the target rejects what it forbids)."""
         if self._target_ids is None:
             self._target_ids = self.head.draft_to_target(
                 torch.arange(self.head.config.draft_vocab_size, device=self.device)).cpu()
+            known = self._target_ids < self.vocab_size
+            self._known = None if known.all() else known.to(self.device)
+        if all(session.grammar is None for session in sessions):
+            return [self._known] * len(sessions)
         masks = next_masks(self.grammars, sessions)
         ids = self._target_ids.clamp(max=self.vocab_size - 1)
         known = (self._target_ids < self.vocab_size).to(self.device)
-        return [None if mask is None else mask[ids].to(self.device) & known for mask in masks]
+        return [self._known if mask is None else mask[ids].to(self.device) & known for mask in masks]
 
     def _step(self, state: Rows, token: int) -> torch.Tensor:
         """One chain row: the last row's out_hidden with `token`'s embedding. -> its logits."""

@@ -87,7 +87,7 @@ class FastForward:
         self.scripted = scripted.LAYERS is not None and self.embed.device.type == "cpu"
         self._script_args: tuple | None = None  # its weight lists, made by the first pass that uses them
         self._all_tiles = False  # made with them: every linear in specdec's int4 tiles, float32 activations
-        # one session's one-token steps through CUDA graphs (cuda_graphs.py; use_graphs), None: eager
+        # one session's passes of a few tokens through CUDA graphs (cuda_graphs.py; use_graphs), None: eager
         self.graphs = None
         self.pack()
         self.pool_capacity = pool_capacity  # 0: every session's cache on its own (no batched attention)
@@ -189,11 +189,12 @@ class FastForward:
         "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
 
     def use_graphs(self, capture: bool = True):
-        """Run one session's one-token passes through CUDA graphs (cuda_graphs.GraphedSteps; capture
-        False: the same static-shape step, eager, as tests run it without a GPU)."""
-        from .cuda_graphs import GraphedSteps
+        """Run one session's passes of up to cuda_graphs.MAX_TOKENS tokens (decode steps, verify
+        passes) through CUDA graphs (cuda_graphs.GraphedPasses; capture False: the same static-shape
+        pass, eager, as tests run it without a GPU)."""
+        from .cuda_graphs import GraphedPasses
 
-        self.graphs = GraphedSteps(self, capture)
+        self.graphs = GraphedPasses(self, capture)
         return self.graphs
 
     def restrict_head(self, ids: torch.Tensor) -> None:
@@ -301,9 +302,15 @@ class FastForward:
         the input of decoder layer i (0: the embeddings), as EAGLE-3's feature layers are counted.
         The layers run in segments between the captured ones, each by the path it would take
         anyway. -> (each feed's logits, states [T, len(capture), D] in feed order, or None)."""
-        if self.graphs is not None and not capture and len(feeds) == 1 and len(feeds[0][0]) == 1 and feeds[0][2] == 1:
-            # (a clone: the graph's output tensor is overwritten by its next replay)
-            return [self.graphs(feeds[0][0][0], feeds[0][1]).clone()], None
+        last = len(self.layers) - 1
+        wanted = sorted(set(capture))
+        if wanted and not 0 <= wanted[0] <= wanted[-1] <= last:
+            raise ValueError(f"feature layers must lie in [0, {last}], not {list(capture)}")
+        if self.graphs is not None and len(feeds) == 1 and self.graphs.takes(len(feeds[0][0])):
+            logits, states = self.graphs(feeds[0][0], feeds[0][1], tuple(wanted))
+            if states is not None:  # (the graph's layers in order: as asked)
+                states = states[:, [wanted.index(layer) for layer in capture]]
+            return [logits[logits.shape[0] - feeds[0][2] :]], states
         device = self.embed.device
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         spans, positions, ids = [], [], []
@@ -339,10 +346,6 @@ class FastForward:
             else:
                 keep = torch.tensor([r for (_, _, n), (_, b, _, _) in zip(feeds, spans) for r in range(b - n, b)],
                                     dtype=torch.long).to(device)
-        last = len(self.layers) - 1
-        wanted = sorted(set(capture))
-        if wanted and not 0 <= wanted[0] <= wanted[-1] <= last:
-            raise ValueError(f"feature layers must lie in [0, {last}], not {list(capture)}")
         states: dict[int, torch.Tensor] = {}
         if self.scripted and self.reduce is None:  # the same layers, run by TorchScript (see scripted.py)
             lo = 0

@@ -149,6 +149,7 @@ class Round:
     predraft_hit: bool = False  # ... and that draft is the next round's proposal
     feature_bytes: int = 0     # the target's feature rows this round (a feature-reading draft's)
     draft_lost: bool = False   # a draft call failed or was late (failover): the round went on without it
+    draft_pass_ms: float = 0.0  # the passes its draft calls rode in, on the draft's model (draft.pass_ms: the last's)
 
 
 async def speculative_round(
@@ -184,6 +185,7 @@ async def speculative_round(
         lost = proposed is None
         proposal, draft_cost = proposed or (Proposal(), Cost())
         held = len(proposal.tokens)
+    draft_pass_ms = draft_cost.pass_ms
     verify = _verify(target, seq, proposal, params, steps if k == 0 else 1)
     ahead = None
     ahead_k = 0
@@ -198,6 +200,7 @@ async def speculative_round(
             verify, _unless_lost(draft.propose(ProposeCall(seq.session_id, False, 0, [], ahead_k, params, p_min))))
         lost = predrafted is None  # a miss
         ahead, ahead_cost = predrafted or (Proposal(), Cost())
+        draft_pass_ms += ahead_cost.pass_ms
         draft_cost = Cost(draft_cost.service_ms + ahead_cost.service_ms, draft_cost.wire_bytes + ahead_cost.wire_bytes,
                           ahead_cost.batch_size, ahead_cost.batch_tokens, ahead_cost.pass_ms)
     else:
@@ -225,7 +228,7 @@ async def speculative_round(
     calls = (k > 0 and ready is None) + (ahead is not None)
     return Round(accepted + [verdict.token] + verdict.decoded, len(proposal.tokens), verdict.accepted, draft_cost,
                  target_cost, k, calls, ahead is not None, hit,
-                 len(verdict.features.data) if verdict.features is not None else 0, lost)
+                 len(verdict.features.data) if verdict.features is not None else 0, lost, draft_pass_ms)
 
 
 async def _propose(draft: DraftPeer, seq: Sequence, k: int, params: SamplingParams,
@@ -295,6 +298,8 @@ class Stats:
     predraft_hits: int = 0  # ... whose draft became the next proposal
     feature_bytes: int = 0  # the target's feature rows sent for the draft (a feature-reading draft)
     lost_draft_rounds: int = 0  # rounds that went on without a draft call that failed or was late
+    draft_pass_ms: float = 0.0   # of draft_ms, on the draft's model (the passes its calls rode in)
+    target_pass_ms: float = 0.0  # of target_ms, on the target's model
 
     def add(self, r: Round) -> None:
         self.rounds += 1
@@ -313,13 +318,15 @@ class Stats:
         self.draft_calls += r.draft_calls
         self.draft_ms += r.draft.service_ms
         self.target_ms += r.target.service_ms
+        self.draft_pass_ms += r.draft_pass_ms
+        self.target_pass_ms += r.target.pass_ms
         self.wire_bytes += r.draft.wire_bytes + r.target.wire_bytes
 
     def merge(self, other: "Stats") -> None:
         """Add another generation's counts to these (for totals over requests)."""
         for name in ("rounds", "draft_tokens", "accepted_tokens", "draft_calls", "draft_ms", "target_ms",
                      "wire_bytes", "generated_tokens", "rejected_rounds", "predrafts", "predraft_hits",
-                     "feature_bytes", "lost_draft_rounds"):
+                     "feature_bytes", "lost_draft_rounds", "draft_pass_ms", "target_pass_ms"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         # (`other` may be a GenerationStats message, which carries the mean instead)
         self.verify_batch_sessions += getattr(other, "verify_batch_sessions", None) or round(

@@ -71,6 +71,8 @@ def test_a_disagreeing_draft_is_mostly_rejected_but_exact(client, reference):
                                                num_speculative_tokens=4))
     assert reply.stats.acceptance_rate < 0.5  # different random weights
     assert list(reply.token_ids) == reference(PROMPTS[0], 48)
+    s = reply.stats  # each service's time, and the part of it on its model
+    assert 0 < s.target_pass_ms <= s.target_ms and 0 < s.draft_pass_ms <= s.draft_ms
 
 
 def test_stream_carries_each_round_and_matches_unary(client):

@@ -21,6 +21,7 @@ from speculative.errors import InvalidRequest
 from speculative.protocol import Features, Proposal, ProposeCall, SamplingParams, VerifyCall
 from speculative.round import Stats, generate
 from speculative.sampling import logits_to_probs
+from speculative.tiny import make_model, make_tokenizer
 from tests.stats import chi2_stat, fits
 
 GREEDY = SamplingParams(0.0)
@@ -346,3 +347,22 @@ def test_a_constrained_eagle_draft_proposes_only_allowed_tokens_and_keeps_the_ou
     assert drafted, "the head proposed nothing"
     for p in proposed:  # each proposal continues an output the regex allows
         assert all(tokenizer.decode([t]) in set("abcdefg.") or t in target.runner.eos_token_ids for t in p)
+
+
+def test_a_head_over_a_padded_output_layer_proposes_only_the_tokenizers_ids(tmp_path):
+    """A target whose output layer is padded past its tokenizer (as many are, to a multiple of 64 or
+    128) scores ids no text maps to, and the target refuses draft tokens there: a head whose draft
+    vocabulary holds such ids draws none of them, greedy or sampled."""
+    tokenizer = make_tokenizer(tmp_path / "tok", vocab="chars")
+    target_dir = make_model(tmp_path / "target", tokenizer, vocab_size=len(tokenizer) + 40, hidden=32, heads=4,
+                            kv_heads=2, layers=4)
+    head_dir = tmp_path / "head"
+    make_head(target_dir, head_dir, std=1.0)  # every target id, the padding's 40 too
+    draft = EagleDraft.load(head_dir, target_dir, "cpu")
+    target = TargetEngine(ModelRunner(target_dir))
+    for params in (GREEDY, SamplingParams(1.0, seed=3)):
+        stats = Stats()
+        out = run(draft, target, [3, 5, 4, 7, 2], 40, 4, params, stats=stats)
+        # every round after the first (no features yet) drafted its 4 (the last may ask fewer)
+        assert out and stats.rounds > 2 and stats.draft_tokens >= 4 * (stats.rounds - 2)
+    assert int(draft._target_ids.max()) >= len(tokenizer) and draft._known is not None
