@@ -243,7 +243,9 @@ def row(name: str, a: float | None, k: int | None, stats, seconds: float, greedy
             "draft_ms_per_round": stats.draft_ms / rounds, "target_ms_per_round": stats.target_ms / rounds,
             "draft_pass_ms_per_round": stats.draft_pass_ms / rounds,
             "target_pass_ms_per_round": stats.target_pass_ms / rounds,
-            "round_ms": seconds * 1e3 / rounds, "feature_bytes_per_round": stats.feature_bytes / rounds}
+            "round_ms": seconds * 1e3 / rounds, "feature_bytes_per_round": stats.feature_bytes / rounds,
+            "draft_tokens": stats.draft_tokens, "draft_calls": stats.draft_calls, "predrafts": stats.predrafts,
+            "predraft_hits": stats.predraft_hits, "lost_draft_rounds": stats.lost_draft_rounds}
 
 
 def random_head(target_dir: Path, out: Path, shapes: str, device: str, dtype: torch.dtype) -> Path:
@@ -357,6 +359,7 @@ def main(argv=None) -> None:
                 stack.restart_replica("draft", timeout=600)
             for k in ks:
                 report["system"].append(system_row(stack, name, a, k, prompts, references, args, report))
+                report["system"][-1]["pass_costs"] = logged_pass_costs(stack)
                 say(describe(report["system"][-1]))
     finally:
         stack.stop()
@@ -369,6 +372,7 @@ def main(argv=None) -> None:
             try:
                 report["eagle"] = system_row(stack, "EAGLE-3 head (random weights)", None, args.k, prompts,
                                              references, args, report)
+                report["eagle"]["pass_costs"] = logged_pass_costs(stack)
             finally:
                 stack.stop()
             say(describe(report["eagle"]))
@@ -395,6 +399,17 @@ def system_row(stack: LocalStack, name: str, a: float | None, k: int | None, pro
     return with_ceiling(row(name, a, k, stats, seconds, outputs == references), report, args.k)
 
 
+def logged_pass_costs(stack: LocalStack) -> dict:
+    """The pass costs each model service calibrated at load (its log's "pass PassCost(...)"), which
+    the coordinator's adaptive K prices rounds with."""
+    out = {}
+    for name in ("target", "draft"):
+        lines = [line for line in stack.logs[name].read_text().splitlines() if " pass PassCost(" in line]
+        if lines:
+            out[name] = lines[-1].split(" pass ", 1)[1]
+    return out
+
+
 def with_ceiling(r: dict, report: dict, k: int) -> dict:
     """The row beside the target alone and its ceiling E[L] / T_verify(k + 1) at its acceptance."""
     alpha = r["alpha"] if r["acceptance_set"] is None else r["acceptance_set"]
@@ -409,7 +424,9 @@ def describe(r: dict) -> str:
             f" {r['alpha']:.2f}), {r['x_target_alone']:.2f}x alone, {r['of_ceiling']:.0%} of the ceiling"
             f" {r['ceiling_tokens_per_s']:.1f}; a round {r['round_ms']:.2f} ms: draft {r['draft_ms_per_round']:.2f}"
             f" (model {r['draft_pass_ms_per_round']:.2f}), target {r['target_ms_per_round']:.2f} (model"
-            f" {r['target_pass_ms_per_round']:.2f}); greedy output {'equal to' if r['greedy_equal'] else 'DIFFERS from'}"
+            f" {r['target_pass_ms_per_round']:.2f}); {r['draft_tokens']} draft tokens in {r['rounds']} rounds,"
+            f" {r['predraft_hits']} of {r['predrafts']} pre-drafts hit, {r['lost_draft_rounds']} rounds without their"
+            f" draft; greedy output {'equal to' if r['greedy_equal'] else 'DIFFERS from'}"
             " the target's")
 
 

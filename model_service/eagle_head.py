@@ -239,9 +239,10 @@ class Eagle3Head(nn.Module):
 
     def set_vocab(self, target_ids: torch.Tensor) -> None:
         """The draft vocabulary: draft id i scores target id target_ids[i] (ascending ids, by convention)."""
-        self.d2t.copy_(target_ids.long() - torch.arange(len(target_ids)))
+        target_ids = target_ids.long().to(self.d2t.device)
+        self.d2t.copy_(target_ids - torch.arange(len(target_ids), device=target_ids.device))
         self.t2d.zero_()
-        self.t2d[target_ids.long()] = True
+        self.t2d[target_ids] = True
 
     def draft_to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return ids + self.d2t[ids]
