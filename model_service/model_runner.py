@@ -112,7 +112,7 @@ class ModelRunner:
         quantize "int4": weight-only int4 in groups of quant_group inputs on the lean forward, CPU
         (int4.quantize), through int4_kernel's products (auto, specdec or torch); the
         service then runs that model.
-        cuda_graphs: on a GPU, one session's one-token passes replay CUDA graphs (cuda_graphs.py),
+        cuda_graphs: on a GPU, one session's passes of up to 17 tokens replay CUDA graphs (cuda_graphs.py),
         where the forward is the lean float one of one rank."""
         if quantize not in QUANTIZATIONS:
             raise ValueError(f"--quantize must be one of {QUANTIZATIONS}, not {quantize!r}")
@@ -166,7 +166,7 @@ class ModelRunner:
         if cuda_graphs and self.device.type == "cuda" and self.fast is not None and self.tp is None \
                 and self.quantization == "none" and self.fast.rope_table is not None:
             self.fast.use_graphs()
-            self.forward_kind += ", CUDA graphs for one-token steps"
+            self.forward_kind += ", CUDA graphs for passes of up to 17 tokens"
         release_checkpoint_maps(self.model)
         gc.collect()
         return_freed_memory()

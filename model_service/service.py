@@ -55,9 +55,9 @@ def add_model_flags(parser: EnvArgumentParser, role: str, model_required: bool =
                              " torch's (bf16 activations and scales), auto: specdec's where it is built and the groups"
                              " are 32. Each is its own model: greedy output may differ between them")
     parser.add_argument("--cuda-graphs", default="on", choices=["on", "off"],
-                        help="on a GPU, one session's one-token passes (a draft's steps, a target's decode) replay a"
-                             " CUDA graph per cache instead of launching each kernel (model_service/cuda_graphs.py);"
-                             " lean float forward, one rank")
+                        help="on a GPU, one session's passes of up to 17 tokens (a draft's steps, a target's decode"
+                             " steps and verify passes) replay a CUDA graph per cache and pass length instead of"
+                             " launching each kernel (model_service/cuda_graphs.py); lean float forward, one rank")
     parser.add_argument("--forward", default="auto", choices=["auto", "transformers"],
                         help="auto: the lean forward for Llama/Mistral/Qwen2 models, transformers' own for others;"
                              " transformers: always transformers' own")
