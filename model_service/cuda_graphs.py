@@ -38,7 +38,6 @@ MAX_TOKENS = 17  # the longest pass graphed: a verify of 16 draft tokens (the se
 
 @dataclass
 class _Pass:
-    data: torch.Tensor  # the cache storage the pass writes (kept: the graph holds its address)
     inputs: torch.Tensor  # [2n] long: the tokens, then their positions (the replay reads them)
     logits: torch.Tensor | None = None  # [n, V]: the replay writes here
     states: torch.Tensor | None = None  # [n, len(capture), D]: the captured layers' inputs, or None
@@ -70,6 +69,9 @@ class GraphedPasses:
             cache.reserve(cache.length + n)
             data = cache.data
         key = (data.data_ptr(), data.shape, data.stride(), n, capture)
+        # (a graph holds no reference to the storage: one that is freed, a cache grown or a pool
+        # resized, is not kept alive by it; a replay writes where the live cache's storage is, since
+        # the key is that storage's address, shape and strides)
         step = self.passes.get(key)
         if step is None:
             step = self._new(key, data, cache.length, n, capture)
@@ -78,7 +80,7 @@ class GraphedPasses:
         inputs = torch.tensor([*tokens, *range(cache.length, cache.length + n)], dtype=torch.long)
         step.inputs.copy_(inputs, non_blocking=True)
         if step.graph is None:
-            step.logits, step.states = self._body(step.data, step.inputs, n, capture)
+            step.logits, step.states = self._body(data, step.inputs, n, capture)
         else:
             step.graph.replay()
         cache.length += n
@@ -86,7 +88,7 @@ class GraphedPasses:
         return step.logits.clone(), None if step.states is None else step.states.clone()
 
     def _new(self, key: tuple, data: torch.Tensor, length: int, n: int, capture: tuple[int, ...]) -> _Pass:
-        step = _Pass(data, torch.zeros(2 * n, dtype=torch.long, device=data.device))
+        step = _Pass(torch.zeros(2 * n, dtype=torch.long, device=data.device))
         # the pass's attention reads every position of the storage (masked past its own): a masked
         # score still multiplies its value, and 0 x a NaN left in fresh memory is NaN
         data[:, :, :, :, length:].nan_to_num_(0.0, 0.0, 0.0)

@@ -245,7 +245,7 @@ class EagleDraft:
                 _, call, session = live[j]
                 tokens, q_ids, q_probs = picked[j]
                 if allowed is not None:  # q over the tokens the constraint (and the tokenizer) allows
-                    if not allowed.any():
+                    if allowed is not self._known and not allowed.any():
                         continue  # none in the draft vocabulary: nothing to propose
                     row = row.masked_fill(~allowed, float("-inf"))
                 drawn = draft_token(row, call.params, call.p_min, self.max_support, session.generator)
@@ -291,7 +291,7 @@ class EagleDraft:
             return [self._known] * len(sessions)
         masks = next_masks(self.grammars, sessions)
         ids = self._target_ids.clamp(max=self.vocab_size - 1)
-        known = (self._target_ids < self.vocab_size).to(self.device)
+        known = True if self._known is None else self._known  # (ids past the tokenizer: clamped above)
         return [self._known if mask is None else mask[ids].to(self.device) & known for mask in masks]
 
     def _step(self, state: Rows, token: int) -> torch.Tensor:
