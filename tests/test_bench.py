@@ -17,6 +17,7 @@ KEYS = {"name", "mode", "k", "tokens_per_s", "speedup", "acceptance_rate", "mean
         "wire_bytes_per_round", "acceptance_per_position"}
 
 
+@pytest.mark.slow  # 90 s, the default suite's longest: `make bench` end to end (the n-gram and concurrency rows stay)
 def test_tiny_bench_writes_every_row(pair, tmp_path, capsys):
     draft, target = pair
     head = make_head(target, tmp_path / "head")

@@ -55,7 +55,7 @@ def test_concurrent_equals_one_at_a_time(stack):
     check_concurrent_equals_one_at_a_time(stack.addr)
 
 
-@pytest.mark.parametrize("calls, target_replicas", [("batch", 2), ("each", 1)])
+@pytest.mark.parametrize("calls, target_replicas", [pytest.param("batch", 2, marks=pytest.mark.slow), ("each", 1)])
 def test_lockstep_equals_one_at_a_time(pair, calls, target_replicas):
     """--lockstep (calls reach the models in turns) changes when calls run, not a token. The
     services serve each turn in one pass without being told to wait: a turn's calls to a service
