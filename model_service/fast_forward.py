@@ -18,7 +18,8 @@ implement (a sliding window shorter than the context, attention soft-capping...)
 transformers forward: `FastForward.build` returns None for them and `ModelRunner` falls back.
 
 Beside it: int4.py quantizes its weights (--quantize int4), sharding.py splits them over
-tensor-parallel ranks, slot_attention.py runs a pass's attention over a KV pool's slots, and
+tensor-parallel ranks, slot_attention.py runs a pass's attention over a KV pool's slots,
+cuda_graphs.py replays one session's passes of a few tokens from CUDA graphs on a GPU, and
 kv_cache.py holds the caches.
 """
 
