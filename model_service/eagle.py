@@ -113,6 +113,7 @@ class EagleDraft:
         eos = tokenizer.eos_token_id
         self.grammars = Grammars(tokenizer, self.vocab_size, [] if eos is None else [eos])
         self._target_ids = None  # per draft id, its target id (masks come in target ids)
+        self._d2t: list[int] = head.d2t.tolist()  # draft id i -> target id i + _d2t[i], on the host
         self._known: torch.Tensor | None = None  # draft ids the tokenizer has a token for, where not all
         self.at_work = 0
         self.pass_cost = PassCost()
@@ -224,7 +225,7 @@ class EagleDraft:
                 state.crop(first)  # the chain's rows from there on are recomputed from the features
                 positions = torch.arange(first, first + len(new), device=self.device)
                 ids = torch.tensor(tokens[first + 1 : first + 1 + len(new)], device=self.device)
-                out, _ = head.step(ids, head.fuse(new), positions, state.cache)
+                out, _ = head.step(ids, head.fuse(new), positions, state.cache, first + len(new))
                 state.hidden.extend(out)
                 state.featured = state.end
         if call.k and state.hidden:
@@ -255,7 +256,7 @@ class EagleDraft:
                 if ids is not None:
                     q_ids.append(head.draft_to_target(ids))
                     q_probs.append(q)
-                token = int(head.draft_to_target(torch.tensor(x, device=self.device)))
+                token = x + self._d2t[x]  # (a list: no device round trip per token)
                 tokens.append(token)
                 session.tokens.append(token)
                 if len(tokens) < call.k:
@@ -263,10 +264,11 @@ class EagleDraft:
             if not still:
                 break
             states = [live[j][2].cache for j in still]
+            ends = [state.end for state in states]
             out, logits = head.step_many(torch.tensor([picked[j][0][-1] for j in still], device=self.device),
                                          torch.stack([state.hidden[-1] for state in states]),
-                                         torch.tensor([state.end for state in states], device=self.device),
-                                         [state.cache for state in states])
+                                         torch.tensor(ends, device=self.device), [state.cache for state in states],
+                                         max(ends) + 1)
             for state, row in zip(states, out):
                 state.hidden.append(row)
             drafting = still
@@ -298,7 +300,7 @@ class EagleDraft:
         """One chain row: the last row's out_hidden with `token`'s embedding. -> its logits."""
         head, position = self.head, state.end
         out, logits = head.step(torch.tensor([token], device=self.device), state.hidden[-1][None],
-                                torch.tensor([position], device=self.device), state.cache)
+                                torch.tensor([position], device=self.device), state.cache, position + 1)
         state.hidden.append(out[0])
         return logits[0]
 
@@ -341,7 +343,8 @@ class EagleDraft:
         def call(k: int) -> float:
             state.crop(0)
             start = time.perf_counter()
-            out, _ = head.step(ids, head.fuse(features), torch.arange(context, device=self.device), state.cache)
+            out, _ = head.step(ids, head.fuse(features), torch.arange(context, device=self.device), state.cache,
+                               context)
             state.hidden.extend(out)
             for _ in range(k):
                 self._step(state, 0)

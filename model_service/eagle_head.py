@@ -143,8 +143,10 @@ class RMSNorm(nn.Module):
         self.weight, self.eps = nn.Parameter(torch.ones(size)), eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        # (one fused op where torch has one, instead of the five of x * rsqrt(mean(x^2) + eps); no
+        # conversions dispatched where x is float32 already)
+        y = F.rms_norm(x if x.dtype == torch.float32 else x.float(), self.weight.shape, eps=self.eps)
+        return self.weight * (y if y.dtype == x.dtype else y.to(x.dtype))
 
 
 class Eagle3Layer(nn.Module):
@@ -224,6 +226,7 @@ class Eagle3Head(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         self.rotary = LlamaRotaryEmbedding(c.llama_config())
+        self._rope_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin by position (rope)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
         self.t2d[: c.draft_vocab_size] = True
@@ -256,32 +259,53 @@ class Eagle3Head(nn.Module):
         """features: [S, len(aux) * Ht] -> [S, H]."""
         return self.fc(features.to(self.dtype))
 
-    def rope(self, x: torch.Tensor, positions: torch.Tensor):
-        """positions: [B, S] -> cos, sin [B, S, head_dim]."""
-        return self.rotary(x, positions)
+    def rope(self, x: torch.Tensor, positions: torch.Tensor, end: int | None = None):
+        """positions: [B, S] (all below `end` where given: no device sync to find it) -> cos, sin
+        [B, S, head_dim] in x's dtype: rows of a table of every position
+        so far, made by the rotary module itself and doubled as positions pass it (a step indexes two
+        rows instead of recomputing them); RoPE variants whose frequencies depend on the sequence's
+        length (dynamic, longrope) call the module."""
+        rope_type = getattr(self.rotary, "rope_type", "default")
+        if not isinstance(rope_type, str) or rope_type in ("dynamic", "longrope"):
+            return self.rotary(x, positions)
+        rows = self._rope_rows
+        if end is None:
+            end = int(positions.max()) + 1 if positions.numel() else 0
+        if rows is None or rows[0].shape[0] < end or rows[0].device != positions.device:
+            size = max(end, 2 * rows[0].shape[0] if rows is not None else 256)
+            probe = torch.zeros(1, 1, self.config.head_dim, device=positions.device)
+            with torch.no_grad():
+                cos, sin = self.rotary(probe, torch.arange(size, device=positions.device)[None])
+            rows = self._rope_rows = cos[0], sin[0]  # float32, [size, head_dim]
+        cos, sin = rows[0][positions], rows[1][positions]
+        return (cos, sin) if x.dtype == cos.dtype else (cos.to(x.dtype), sin.to(x.dtype))
 
-    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: HeadCache):
-        """input_ids [S], hidden [S, H], positions [S] -> (out_hidden [S, H], logits [S, Vd]); the rows attend
-        to the cache's rows and causally to each other, then their k/v are appended to the cache."""
+    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: HeadCache,
+             end: int | None = None):
+        """input_ids [S], hidden [S, H], positions [S] (below `end`, if given) -> (out_hidden [S, H], logits
+        [S, Vd]); the rows attend to the cache's rows and causally to each other, then their k/v are
+        appended to the cache."""
         S, past = len(input_ids), cache.length
         hidden = hidden.to(self.dtype)[None]
-        cos, sin = self.rope(hidden, positions[None])
+        cos, sin = self.rope(hidden, positions[None], end)
         q, k, v, residual = self.layer.project(self.embed_tokens(input_ids)[None].to(hidden.dtype), hidden, cos, sin)
         cache.append(k[0], v[0])
-        mask = torch.ones(S, past + S, dtype=torch.bool, device=hidden.device)
-        mask[:, past:] = torch.ones(S, S, dtype=torch.bool, device=hidden.device).tril()
+        mask = None  # one row sees every row before it and itself
+        if S > 1:
+            mask = torch.ones(S, past + S, dtype=torch.bool, device=hidden.device)
+            mask[:, past:] = torch.ones(S, S, dtype=torch.bool, device=hidden.device).tril()
         attention = F.scaled_dot_product_attention(q, cache.k[None, :, : past + S], cache.v[None, :, : past + S],
                                                    attn_mask=mask, enable_gqa=True)
         out = self.layer.finish(attention, residual)[0]
         return out, self.lm_head(self.norm(out))
 
     def step_many(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                  caches: list[HeadCache]):
+                  caches: list[HeadCache], end: int | None = None):
         """One row for each of B sessions at once: input_ids [B], hidden [B, H], positions [B], each
         row attending to its own session's cache -> (out_hidden [B, H], logits [B, Vd]); the linear
         layers run once for all rows (step's arithmetic, row by row)."""
         hidden = hidden.to(self.dtype)[:, None]  # [B, 1, H]
-        cos, sin = self.rope(hidden, positions[:, None])
+        cos, sin = self.rope(hidden, positions[:, None], end)
         q, k, v, residual = self.layer.project(self.embed_tokens(input_ids)[:, None].to(hidden.dtype), hidden, cos, sin)
         outs = []
         for b, cache in enumerate(caches):  # q [B, heads, 1, hd]; each row sees its cache and itself
