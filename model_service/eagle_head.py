@@ -274,7 +274,7 @@ class Eagle3Head(nn.Module):
         if rows is None or rows[0].shape[0] < end or rows[0].device != positions.device:
             size = max(end, 2 * rows[0].shape[0] if rows is not None else 256)
             probe = torch.zeros(1, 1, self.config.head_dim, device=positions.device)
-            with torch.no_grad():
+            with torch.inference_mode(False), torch.no_grad():  # (a plain tensor: training reads it too)
                 cos, sin = self.rotary(probe, torch.arange(size, device=positions.device)[None])
             rows = self._rope_rows = cos[0], sin[0]  # float32, [size, head_dim]
         cos, sin = rows[0][positions], rows[1][positions]

@@ -166,3 +166,22 @@ def test_heads_this_module_cannot_run_are_refused():
         with pytest.raises(ValueError, match="not supported"):
             Eagle3Config.from_dict({**config, **change})
     assert Eagle3Config.from_dict(config) == tiny_config()
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                                     {"rope_type": "dynamic", "factor": 2.0}])
+def test_rope_rows_are_the_rotary_modules_own(scaling):
+    """The head's RoPE (a table of rows it grows as positions pass it) gives what transformers' rotary
+    module computes, for any positions, in float32 and bf16, and with scaled variants (a dynamic
+    one, whose frequencies depend on the length, calls the module)."""
+    head = random_head(rope_scaling=scaling, max_position_embeddings=128)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.zeros(1, 1, 8, dtype=dtype)
+        for positions in (torch.tensor([[0, 5, 17]]), torch.arange(300, 700).reshape(2, 200),
+                          torch.tensor([[3]])):
+            got, want = head.rope(x, positions), head.rotary(x, positions)
+            for g, w in zip(got, want):
+                assert g.dtype == dtype and g.shape == w.shape
+                torch.testing.assert_close(g, w, atol=0, rtol=0)
+    assert (head._rope_rows is None) == (scaling is not None and scaling["rope_type"] == "dynamic")
