@@ -112,9 +112,12 @@ class EagleDraft:
         self.host = MethodSessions(self.sessions, self.vocab_size, self.max_context, self.device)
         eos = tokenizer.eos_token_id
         self.grammars = Grammars(tokenizer, self.vocab_size, [] if eos is None else [eos])
-        self._target_ids = None  # per draft id, its target id (masks come in target ids)
-        self._d2t: list[int] = head.d2t.tolist()  # draft id i -> target id i + _d2t[i], on the host
-        self._known: torch.Tensor | None = None  # draft ids the tokenizer has a token for, where not all
+        # per draft id, its target id, on the host (masks come in target ids; a drafted token is mapped
+        # without a device round trip)
+        self._target_ids = head.d2t.cpu() + torch.arange(len(head.d2t))
+        self._to_target: list[int] = self._target_ids.tolist()
+        known = self._target_ids < self.vocab_size  # draft ids the tokenizer has a token for (None: all)
+        self._known: torch.Tensor | None = None if known.all() else known.to(self.device)
         self.at_work = 0
         self.pass_cost = PassCost()
         self._tokenizer_files: list[tuple[str, bytes]] | None = None
@@ -256,7 +259,7 @@ class EagleDraft:
                 if ids is not None:
                     q_ids.append(head.draft_to_target(ids))
                     q_probs.append(q)
-                token = x + self._d2t[x]  # (a list: no device round trip per token)
+                token = self._to_target[x]
                 tokens.append(token)
                 session.tokens.append(token)
                 if len(tokens) < call.k:
@@ -284,11 +287,6 @@ class EagleDraft:
         token of the tokenizer (a head over a target whose output layer is padded past it) are never
         drawn; a session with a structured output draws what its constraint allows (one that cannot
         follow its tokens drafts unmasked: the target rejects what it forbids)."""
-        if self._target_ids is None:
-            self._target_ids = self.head.draft_to_target(
-                torch.arange(self.head.config.draft_vocab_size, device=self.device)).cpu()
-            known = self._target_ids < self.vocab_size
-            self._known = None if known.all() else known.to(self.device)
         if all(session.grammar is None for session in sessions):
             return [self._known] * len(sessions)
         masks = next_masks(self.grammars, sessions)
