@@ -4,7 +4,6 @@ is token for token what a stack that lost nothing produces."""
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import time
 
@@ -39,27 +38,32 @@ def busy_replica(stub, role: str, timeout: float = 30.0) -> str:
         time.sleep(0.05)
 
 
-@contextlib.contextmanager
-def targets_stopped(stack: LocalStack):
-    """Every target replica stopped (SIGSTOP) for the block: the request in flight goes no further
-    than its next verification (inside the coordinator's 60 s per-call deadline) until they are
-    continued, however fast the rest of the stack. Stopped as its first chunk arrives, it cannot
-    end before a replica is killed."""
-    targets = [proc for name, proc in stack.procs.items() if name.startswith("target")]
-    for proc in targets:
+def kill_mid_request(stack: LocalStack, stub, role: str) -> str:
+    """Kill the `role` replica the one request in flight is on, in the middle of it; its address.
+
+    Every target replica is stopped (SIGSTOP) first: the request goes no further than its next
+    verification (inside the coordinator's 60 s per-call deadline), however fast the rest of the
+    stack, so it cannot end before the kill. A target victim's peers are continued before the
+    kill: the failure the coordinator meets finds the target replicas left running (one still
+    stopped fails its health check and leaves the request nowhere to go); a draft victim's
+    targets after it."""
+    targets = {name: proc for name, proc in stack.procs.items() if name.startswith("target")}
+    for proc in targets.values():
         proc.send_signal(signal.SIGSTOP)
+    victim = busy_replica(stub, role)
+    victim_name = next(n for n, a in stack.addresses.items() if a == victim)
     try:
-        yield
-    finally:
-        for proc in targets:
-            if proc.poll() is None:  # (not the one killed)
+        for name, proc in targets.items():
+            if role == "target" and name != victim_name:
                 proc.send_signal(signal.SIGCONT)
-
-
-def kill(stack: LocalStack, address: str) -> None:
-    proc = stack.procs[next(n for n, a in stack.addresses.items() if a == address)]
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(30)
+        proc = stack.procs[victim_name]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        for proc in targets.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+    return victim
 
 
 @pytest.mark.parametrize("role", ["draft", "target"])
@@ -70,9 +74,7 @@ def test_a_replica_killed_mid_stream_costs_nothing(cluster, stack, role):
         stub = pb_grpc.GenerationStub(channel)
         stream = stub.GenerateStream(pb.GenerateRequest(**REQUEST), timeout=120)
         first = next(stream)
-        with targets_stopped(cluster):
-            victim = busy_replica(stub, role)
-            kill(cluster, victim)
+        victim = kill_mid_request(cluster, stub, role)
         rest = list(stream)  # no error: the request moved to the other replica
         tokens = list(first.token_ids) + [t for chunk in rest for t in chunk.token_ids]
         assert tokens == expected and rest[-1].stats.generated_tokens == len(expected)
@@ -98,9 +100,7 @@ def test_a_sampled_request_survives_its_target(pair, stack):
         stub = pb_grpc.GenerationStub(channel)
         stream = stub.GenerateStream(pb.GenerateRequest(**sampled), timeout=120)
         first = next(stream)
-        with targets_stopped(two):
-            victim = busy_replica(stub, "target")
-            kill(two, victim)
+        kill_mid_request(two, stub, "target")
         rest = list(stream)
         before = list(first.token_ids)
         tokens = before + [t for chunk in rest for t in chunk.token_ids]
