@@ -19,7 +19,7 @@ sweeping K:
      services then run is the int4 one, so their greedy text is its own
   g  d with the EAGLE-3 head (--eagle, default models/eagle) drafting from the target's hidden
      states, at --quant-k and adaptive K, float32 and each --quantize; its feature bytes a round
-     (`--only eagle`: rows a, a' and g, and l, alone)
+     (`--only eagle`: rows a, a', g and l, and d at --quant-k and adaptive K beside g)
   e  d with an oracle draft replaying the target's own greedy continuation (acceptance 1.0):
      the ceiling of the machinery (greedy only)
   f  d at K = --tp-k with the target tensor-parallel over 1 and 2 ranks (--tp), one torch
@@ -126,7 +126,7 @@ class PairRun:
         self.eagle = Path(args.eagle) if args.eagle else None
         self.eagle_only = args.only == "eagle"
         if self.eagle_only:
-            runs = len(modes) * (2 + len(self.quantized) + (self.gguf is not None) + 2 * (1 + len(self.quantized)))
+            runs = len(modes) * (2 + len(self.quantized) + (self.gguf is not None) + 4 * (1 + len(self.quantized)))
         else:
             runs = (len(modes) * (3 + 4 * len(ks) + len(tp_sizes) + (self.gguf is not None)
                                   + 3 * len(self.quantized) + (2 + 2 * len(self.quantized)) * (self.eagle is not None))
@@ -156,11 +156,12 @@ class PairRun:
         self.report()
 
     def eagle_only_rows(self) -> None:
-        """`--only eagle`: the baselines (a, a', l), then row g."""
+        """`--only eagle`: the baselines (a, a', l), then rows g and, beside them, d (the distilled draft)."""
         for mode, temperature in self.modes.items():
             self.alone_rows(mode, temperature)
         for quantize in ("none", *self.quantized):
             self.eagle_rows(quantize)
+            self.eagle_rows(quantize, head=False)
 
     def all_rows(self) -> None:
         """a, a', b, c, d, l; the quantized ones; e, f, g."""
@@ -223,27 +224,33 @@ class PairRun:
                          "tokens_per_s": sum(map(len, outputs)) / seconds})
             self.bar.update()
 
-    def eagle_rows(self, quantize: str) -> None:
+    def eagle_rows(self, quantize: str, head: bool = True) -> None:
         """Row g: d with the EAGLE-3 head drafting (the target's features over gRPC), the target on
-        `quantize`, at --quant-k and adaptive K, each mode; greedy outputs compared with row a's."""
+        `quantize`, at --quant-k and adaptive K, each mode; greedy outputs compared with row a's.
+        head=False: the same rows with the distilled draft (row d), for `--only eagle`'s comparison."""
         args, rows = self.args, self.rows
         flags = [] if quantize == "none" else ["--quantize", quantize]
-        self.restart(draft_model=self.eagle, draft_method="eagle", target_args=flags)
+        if head:
+            self.restart(draft_model=self.eagle, draft_method="eagle", target_args=flags)
+        else:  # (the draft on `quantize` too, as the whole bench's d rows)
+            self.restart(draft_args=flags, target_args=flags)
         suffix = "" if quantize == "none" else f", {quantize}"
+        row, label = ("g", f", eagle{suffix}") if head else ("d", suffix)
         for mode, temperature in self.modes.items():
             for k in (args.quant_k, None):
-                self.progress(f"{mode}: g eagle{suffix} K={k or 'adaptive'}")
+                self.progress(f"{mode}: {row}{label} K={k or 'adaptive'}")
                 served = []
                 stats, seconds = grpc_run(self.stack, self.prompts, temperature, args.new_tokens, k, served)
-                name = f"g specdec gRPC, eagle{suffix}" + (", adaptive K" if k is None else "")
+                name = f"{row} specdec gRPC{label}" + (", adaptive K" if k is None else "")
                 mean_k = stats.draft_tokens / max(1, stats.rounds)
                 rows.append({**row_from_stats(name, mode, k or round(mean_k), stats, seconds), "quantize": quantize,
                              **({"adaptive": True, "mean_k": mean_k} if k is None else {})})
                 if mode == "greedy" and self.hf_greedy is not None and quantize == "none":
-                    self.identical[f"g eagle{suffix} K={k or 'adaptive'}"] = sum(
+                    self.identical[f"{row}{label} K={k or 'adaptive'}"] = sum(
                         a == b for a, b in zip(served, self.hf_greedy))
                 self.bar.update()
-        self.rss.update({f"{name} (eagle{suffix})": rss_mb(proc.pid) for name, proc in self.stack.procs.items()})
+        if head:
+            self.rss.update({f"{name} (eagle{suffix})": rss_mb(proc.pid) for name, proc in self.stack.procs.items()})
 
     def float_rows(self, mode: str, temperature: float) -> None:
         """Rows a, a' (and a' quantized), b, c, d at each K (a again after each), d with adaptive K, l."""

@@ -140,7 +140,8 @@ def bars(rows: list[dict]) -> list[str]:
 
 def eagle_bars(rows: list[dict], best) -> list[str]:
     """[eagle]'s bars, on row g (the EAGLE-3 head): acceptance at K = 4 >= 0.5; g float32 >= 2.5x a
-    and >= 1.6x a' (floor: 1.3x a'); sampled g >= 1.8x a; g int4 >= 1.3x a' int4 and >= 1.5x l."""
+    and >= 1.6x a' (floor: 1.3x a', and g beats d, the distilled draft); sampled g >= 1.8x a; g int4
+    >= 1.3x a' int4 and >= 1.5x l."""
     lines = []
     for r in rows:
         if r["name"].startswith("g ") and r["k"] == 4 and not r.get("adaptive"):
@@ -155,6 +156,12 @@ def eagle_bars(rows: list[dict], best) -> list[str]:
     gs, as_ = best("g ", "sampling"), best("a ", "sampling")
     if gs and as_:
         lines.append(f"bar g eagle >= 1.8x a (sampled): {gs['tokens_per_s'] / as_['tokens_per_s']:.2f}x")
+    for quantize in ("none", *sorted({r["quantize"] for r in rows if r.get("quantize", "none") != "none"})):
+        gq, dq = best("g ", "greedy", quantize), best("d ", "greedy", quantize)
+        if gq and dq:
+            lines.append(f"(floor) g eagle beats d, the distilled draft ({quantize}, greedy, best of each):"
+                         f" {gq['tokens_per_s'] / dq['tokens_per_s']:.2f}x ({gq['tokens_per_s']:.1f} vs"
+                         f" {dq['tokens_per_s']:.1f} tok/s)")
     for quantize in sorted({r["quantize"] for r in rows if r.get("quantize", "none") != "none"}):
         gq, aq = best("g ", "greedy", quantize), best("a' ", "greedy", quantize)
         if gq and aq:

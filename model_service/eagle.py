@@ -331,29 +331,50 @@ class EagleDraft:
         }
 
     @torch.inference_mode()
-    def calibrate(self, context: int = 64, reps: int = 3) -> PassCost:
-        """Time a call's head steps on a scratch session: fixed (the call, the features' rows)
-        plus per_token (a drafted token); adaptive K reads the fit (ModelInfo.pass_ms_*)."""
-        head, state = self.head, Rows(self.head.new_cache())
-        features = torch.zeros(context, self.width, dtype=head.dtype, device=self.device)
+    def calibrate(self, context: int = 64, reps: int = 5, sessions: int = 4) -> PassCost:
+        """Time head steps on scratch sessions of `context` rows. Adaptive K prices each drafted
+        token as one draft pass (coordinator/adaptive.py: k x (fixed / sessions + per_token +
+        per_session)), and for this method a drafted token is one head step of every session
+        drafting (step_many, its logits and the pick): fixed is that step for one session,
+        per_session what each further session adds (from a step of `sessions`). The rows a call
+        takes in (the features of the ~1-5 tokens committed since the last) cost about one step
+        more, which the fit leaves to the call's overhead. (Before, fixed was a call feeding all
+        `context` rows: ~9 ms on SmolLM2's head against ~1.3 ms a step, and adaptive K, charging
+        it k times, hardly drafted with the head.)"""
+        head = self.head
+        states = [Rows(head.new_cache()) for _ in range(sessions)]
+        features = head.fuse(torch.zeros(context, self.width, dtype=head.dtype, device=self.device))
         ids = torch.zeros(context, dtype=torch.long, device=self.device)
-
-        def call(k: int) -> float:
-            state.crop(0)
-            start = time.perf_counter()
-            out, _ = head.step(ids, head.fuse(features), torch.arange(context, device=self.device), state.cache,
-                               context)
+        for state in states:
+            out, _ = head.step(ids, features, torch.arange(context, device=self.device), state.cache, context)
             state.hidden.extend(out)
-            for _ in range(k):
-                self._step(state, 0)
-            return (time.perf_counter() - start) * 1e3
 
-        call(1)  # warm
-        one = min(call(1) for _ in range(reps))
-        five = min(call(5) for _ in range(reps))
-        per_token = max(0.0, (five - one) / 4)
-        self.pass_cost = PassCost(fixed=max(0.0, one - per_token), per_token=per_token)
+        def step(batch: int) -> float:
+            chosen, samples = states[:batch], []
+            for rep in range(reps + 1):  # (rep 0: untimed, a first call of a shape)
+                for state in chosen:
+                    state.crop(context)
+                self._sync()
+                start = time.perf_counter()
+                out, logits = head.step_many(torch.zeros(batch, dtype=torch.long, device=self.device),
+                                             torch.stack([state.hidden[-1] for state in chosen]),
+                                             torch.full((batch,), context, device=self.device),
+                                             [state.cache for state in chosen], context + 1)
+                logits.argmax(-1).tolist()
+                if rep:
+                    samples.append((time.perf_counter() - start) * 1e3)
+                for state, row in zip(chosen, out):
+                    state.hidden.append(row)
+            return sorted(samples)[len(samples) // 2]
+
+        one = step(1)
+        per_session = max(0.0, (step(sessions) - one) / (sessions - 1)) if sessions > 1 else 0.0
+        self.pass_cost = PassCost(fixed=max(0.0, one - per_session), per_session=per_session)
         return self.pass_cost
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------ serving (drafting.py)
 

@@ -38,6 +38,7 @@ def test_tiny_bench_writes_every_row(pair, tmp_path, capsys):
                      for m in ("greedy", "sampling")}
     assert all(r["feature_bytes_per_round"] > 0 for r in rows if r["name"].startswith("g ") and r["k"])
     assert "bar eagle acceptance at K = 4 >= 0.5" in out and "bar g eagle >= 2.5x a (greedy)" in out
+    assert "(floor) g eagle beats d, the distilled draft (none, greedy" in out
     tp_rows = {(r["mode"], r["tensor_parallel"]): r for r in rows if r["name"].startswith("f ")}
     assert set(tp_rows) == {(m, 2) for m in ("greedy", "sampling")}  # (TP = 1 would be row d on one thread)
     a_rows = [r for r in rows if r["name"].startswith("a ")]

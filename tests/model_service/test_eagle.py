@@ -366,3 +366,34 @@ def test_a_head_over_a_padded_output_layer_proposes_only_the_tokenizers_ids(tmp_
         # every round after the first (no features yet) drafted its 4 (the last may ask fewer)
         assert out and stats.rounds > 2 and stats.draft_tokens >= 4 * (stats.rounds - 2)
     assert int(draft._target_ids.max()) >= len(tokenizer) and draft._known is not None
+
+
+def test_calibration_prices_a_drafted_token_as_one_head_step(eagle, monkeypatch):
+    """Adaptive K charges k drafted tokens k x (fixed / sessions + per_token + per_session): the
+    fit must be one head step's time (and what each further session adds to it), not a call's
+    that takes in a whole context of feature rows. On a fake clock a step costs 2 ms + 0.5 ms
+    a row: a 64-row take-in costs 34 ms, which the old fit charged for every drafted token."""
+    import types
+
+    from coordinator.adaptive import CostModel
+    from model_service import eagle as module
+    from speculative.protocol import PassCost
+
+    clock = [0.0]
+    monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    head = eagle.head
+    real_step, real_many = head.step, head.step_many
+
+    def timed(real):
+        def run(ids, *args, **kwargs):
+            clock[0] += (2.0 + 0.5 * len(ids)) / 1e3
+            return real(ids, *args, **kwargs)
+        return run
+
+    monkeypatch.setattr(head, "step", timed(real_step))
+    monkeypatch.setattr(head, "step_many", timed(real_many))
+    cost = eagle.calibrate(context=64)
+    assert cost.fixed == pytest.approx(2.0) and cost.per_session == pytest.approx(0.5) and cost.per_token == 0.0
+    costs = CostModel(PassCost(), cost, overhead_ms=0.0)
+    assert costs.round_cost(4, 1, 1) - costs.round_cost(0, 1, 1) == pytest.approx(4 * 2.5)  # four steps
+    assert costs.round_cost(4, 4, 4) - costs.round_cost(0, 4, 4) == pytest.approx(4 * (2.0 / 4 + 0.5))
