@@ -107,13 +107,11 @@ class CostModel:
         Unless the two share cores (`shared_cpus`): then every ms the draft computes is one the
         target's passes wait for, and a round costs the sum even when pipelined (SmolLM2 and its
         weak draft on 2 cores, 8 streams: 85.7-87.4 tokens/s against 61.0 with the larger share)."""
-        target = self.target_scale * (self.target.fixed / batch + self.target.per_token * (k + 1)
-                                      + self.target.per_session
-                                      + (self.target.multi_row / batch if (k + 1) * batch > 1 else 0.0))
+        # the pass of `batch` sessions of k + 1 tokens each, shared among them (its free rows too)
+        target = self.target_scale * self.target((k + 1) * batch, batch) / batch
         draft = 0.0
         if k:
-            step = (self.draft.fixed / draft_batch + self.draft.per_token + self.draft.per_session
-                    + (self.draft.multi_row / draft_batch if draft_batch > 1 else 0.0))
+            step = self.draft(draft_batch, draft_batch) / draft_batch  # a pass of a token per session
             # measured where it runs faster than calibrated; never charged for slowing down under load,
             # when it drafts while the target verifies others
             draft = min(self.draft_scale, 1.0) * k * step

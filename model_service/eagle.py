@@ -324,6 +324,7 @@ class EagleDraft:
             "pass_ms_per_token": self.pass_cost.per_token,
             "pass_ms_per_session": self.pass_cost.per_session,
             "pass_ms_multi_row": self.pass_cost.multi_row,
+            "pass_ms_free_rows": self.pass_cost.free_rows,
             "tensor_parallel_size": 1,
             "acceptance_prior": self.acceptance_prior,
             "feature_layers": list(self.layers),

@@ -59,6 +59,24 @@ def tokenizer_fields(tokenizer, logits_size: int) -> dict:
     return {"vocab_size": min(len(tokenizer), logits_size), "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer)}
 
 
+FREE_ROWS = (0, 1, 2, 4, 8, 16)  # the free_rows fit_pass_cost tries
+
+
+def fit_pass_cost(shapes: list[tuple[int, int]], times: list[float]) -> PassCost:
+    """PassCost from timed passes, (sessions, tokens each) -> ms: least squares for each free_rows
+    of FREE_ROWS (per_token counting the tokens past them), the one that fits best."""
+    best = None
+    y = torch.tensor(times, dtype=torch.float64)
+    for free in FREE_ROWS:
+        x = torch.tensor([[1.0, max(0.0, s * t - free), float(s), float(s * t > 1)] for s, t in shapes],
+                         dtype=torch.float64)
+        coef = torch.linalg.lstsq(x, y[:, None]).solution[:, 0].clamp(min=0.0)
+        error = float(((x @ coef - y) ** 2).sum())
+        if best is None or error < best[0] - 1e-9:
+            best = (error, PassCost(*(float(v) for v in coef), free_rows=float(free)))
+    return best[1]
+
+
 def saved_tokenizer_files(tokenizer) -> list[tuple[str, bytes]]:
     """The tokenizer as save_pretrained writes it (GetTokenizer), so a peer can load the same one."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -276,11 +294,9 @@ class ModelRunner:
                     samples.append((time.perf_counter() - start) * 1e3)
                 for session in feeds:
                     session.truncate(context)
-            rows.append([1.0, float(sessions * tokens), float(sessions), float(sessions * tokens > 1)])
+            rows.append((sessions, tokens))
             times.append(sorted(samples)[len(samples) // 2])
-        fit = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
-                                 torch.tensor(times, dtype=torch.float64)[:, None]).solution[:, 0]
-        self.pass_cost = PassCost(*(max(0.0, float(v)) for v in fit))
+        self.pass_cost = fit_pass_cost(rows, times)
         return self.pass_cost
 
     def _sync(self) -> None:
@@ -315,6 +331,7 @@ class ModelRunner:
             "pass_ms_per_token": self.pass_cost.per_token,
             "pass_ms_per_session": self.pass_cost.per_session,
             "pass_ms_multi_row": self.pass_cost.multi_row,
+            "pass_ms_free_rows": self.pass_cost.free_rows,
             "tensor_parallel_size": self.tensor_parallel,
             "rank_loads": self.loads,
             "hidden_size": self.hidden_size,

@@ -189,6 +189,7 @@ class NgramDraft:
             "pass_ms_per_token": 0.0,
             "pass_ms_per_session": 0.0,
             "pass_ms_multi_row": 0.0,
+            "pass_ms_free_rows": 0.0,
             "tensor_parallel_size": 1,
         }
 

@@ -242,19 +242,23 @@ class Verdict:
 
 @dataclass(frozen=True)
 class PassCost:
-    """A model pass's time: ms = fixed + per_token * tokens + per_session * sessions, + multi_row
-    where the pass feeds more than one token in all: a one-token pass multiplies each weight by a
-    vector, which on CPU streams the weights faster than any product over a few rows (SmolLM2,
-    float32, 2 threads: 27.6 ms for 1 token, 36.6 for 2, 42.2 for 5), so a linear fit alone would
-    price a round's first draft token far below what it costs."""
+    """A model pass's time: ms = fixed + per_token * max(0, tokens - free_rows) + per_session *
+    sessions, + multi_row where the pass feeds more than one token in all: a one-token pass
+    multiplies each weight by a vector, which on CPU can stream the weights faster than any product
+    over a few rows, so a linear fit alone would price a round's first draft token far below what
+    it costs. free_rows: the tokens a pass carries before its products, not its weight reads, set
+    its time (SmolLM2 float32 on 2 cores: one session's pass of 5 tokens costs what one of 1 does,
+    while 16 sessions of 8 cost ~1.3 ms a token more); a linear fit over both would charge a verify
+    of K + 1 tokens for rows it gets free, and adaptive K would draft too little."""
 
     fixed: float = 0.0
     per_token: float = 0.0
     per_session: float = 0.0
     multi_row: float = 0.0
+    free_rows: float = 0.0  # tokens (over all sessions) a pass carries at its fixed cost: per_token applies past them
 
     def __call__(self, tokens: float, sessions: float) -> float:
-        return (self.fixed + self.per_token * tokens + self.per_session * sessions
+        return (self.fixed + self.per_token * max(0.0, tokens - self.free_rows) + self.per_session * sessions
                 + (self.multi_row if tokens > 1 else 0.0))
 
 
@@ -374,4 +378,5 @@ def verdict_from_proto(msg: pb.VerifyResponse) -> Verdict:
 
 
 def pass_cost_from_info(info: pb.ModelInfo) -> PassCost:
-    return PassCost(info.pass_ms_fixed, info.pass_ms_per_token, info.pass_ms_per_session, info.pass_ms_multi_row)
+    return PassCost(info.pass_ms_fixed, info.pass_ms_per_token, info.pass_ms_per_session, info.pass_ms_multi_row,
+                    info.pass_ms_free_rows)

@@ -267,3 +267,17 @@ def test_a_draft_on_the_targets_cores_is_paid_for_under_load():
             policy.observe(Round([], 4, 2, Cost(), Cost(batch_size=4), asked=4), 1.0)
         chosen[name] = policy.choose(100)
     assert chosen["shared"] < chosen["apart"], chosen
+
+
+def test_rows_a_verify_carries_free_are_not_charged():
+    """SmolLM2 float32 on 2 cores: one session's pass of up to ~8 tokens costs what a pass of 1
+    does (the weights' reads set it), and past that ~1.5 ms a token. Priced so (free_rows), a
+    cheap draft at acceptance 0.35 drafts 3 a round, as K = 3-4 runs fastest there; priced
+    linearly it drafts 2 (the bench: adaptive K ran 0.85x of K = 4 with the EAGLE head)."""
+    head = PassCost(fixed=0.85, per_session=0.12)
+    free = PassCost(fixed=34.0, per_token=1.5, free_rows=8)
+    linear = PassCost(fixed=34.0, per_token=1.5)
+    assert free(5, 1) == free(1, 1) == 34.0 and free(16, 2) == pytest.approx(34.0 + 1.5 * 8)
+    chosen = {name: AdaptiveK(CostModel(target, head, alpha=0.35), k_max=8).choose(100)
+              for name, target in (("free", free), ("linear", linear))}
+    assert chosen == {"free": 3, "linear": 2}

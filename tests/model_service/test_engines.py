@@ -8,7 +8,7 @@ import torch
 from model_service.engines import DraftEngine, TargetEngine
 from speculative.errors import CapacityExceeded, InvalidRequest, SessionExists, SessionNotFound
 from model_service.model_runner import PREFILL_TOKENS, ModelRunner
-from speculative.protocol import Proposal, ProposeCall, VerifyCall
+from speculative.protocol import PassCost, Proposal, ProposeCall, VerifyCall
 from speculative.sampling import encode_supports
 from speculative.protocol import SamplingParams
 
@@ -376,8 +376,24 @@ def test_calibrate_fits_the_pass_and_reports_it(runners):
     assert min(cost.fixed, cost.per_token, cost.per_session, cost.multi_row) >= 0.0
     assert cost(9, 1) >= cost(2, 1) >= cost(1, 1) > 0.0
     info = target.info()
-    assert [info[f"pass_ms_{name}"] for name in ("fixed", "per_token", "per_session", "multi_row")] == [
-        cost.fixed, cost.per_token, cost.per_session, cost.multi_row]
+    assert [info[f"pass_ms_{name}"] for name in ("fixed", "per_token", "per_session", "multi_row", "free_rows")] == [
+        cost.fixed, cost.per_token, cost.per_session, cost.multi_row, cost.free_rows]
+
+
+@pytest.mark.parametrize("truth", [PassCost(fixed=34.0, per_token=1.3, per_session=0.1, multi_row=2.0, free_rows=8),
+                                   PassCost(fixed=8.0, per_token=0.2, per_session=0.4),
+                                   PassCost(fixed=7.0, per_token=1.4, free_rows=4)])
+def test_the_fit_finds_the_rows_a_pass_carries_free(truth):
+    """A pass that streams its weights once carries a few rows at its fixed cost (SmolLM2 float32,
+    one session: 5 tokens cost what 1 does; 16 sessions of 8 ~1.3 ms a token more): the fit tries
+    each FREE_ROWS and keeps the best, so timings made by such a cost give it back, and a linear
+    one stays linear."""
+    from model_service.model_runner import fit_pass_cost
+
+    shapes = [(1, 1), (1, 2), (1, 4), (1, 8), (4, 1), (4, 5), (8, 1), (8, 5), (16, 1), (16, 3), (16, 8)]
+    fit = fit_pass_cost(shapes, [truth(s * t, s) for s, t in shapes])
+    for name in ("fixed", "per_token", "per_session", "multi_row", "free_rows"):
+        assert getattr(fit, name) == pytest.approx(getattr(truth, name), abs=1e-6), name
 
 
 def test_calibrate_times_no_shape_cold(runners, monkeypatch):
