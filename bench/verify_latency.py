@@ -25,7 +25,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from model_service.model_runner import DTYPES, ModelRunner  # noqa: E402
+from model_service.model_runner import DTYPES, ModelRunner, synchronize  # noqa: E402
 from speculative.tiny import make_model, make_tokenizer  # noqa: E402
 
 
@@ -48,10 +48,10 @@ def time_passes(runner: ModelRunner, batch: int, k: int, context: int, reps: int
     for rep in range(reps + 2):
         for session in sessions:
             session.tokens.extend([(rep + j) % vocab for j in range(k + 1)])
-        runner._sync()
+        synchronize(runner.device)
         start = time.perf_counter()
         runner.forward_many([(s, k + 1) for s in sessions])
-        runner._sync()
+        synchronize(runner.device)
         if rep >= 2:  # warm-up passes dropped
             samples.append((time.perf_counter() - start) * 1e3)
         for session in sessions:

@@ -51,7 +51,7 @@ from . import features as wire
 from .drafting import MethodSessions, advance, one_result
 from .eagle_head import Eagle3Head, HeadCache
 from .grammar import Grammars, next_masks
-from .model_runner import Timer, saved_tokenizer_files, tokenizer_fields
+from .model_runner import Timer, saved_tokenizer_files, synchronize, tokenizer_fields
 from .sessions import Session, SessionTable
 
 
@@ -339,9 +339,9 @@ class EagleDraft:
         drafting (step_many, its logits and the pick): fixed is that step for one session,
         per_session what each further session adds (from a step of `sessions`). The rows a call
         takes in (the features of the ~1-5 tokens committed since the last) cost about one step
-        more, which the fit leaves to the call's overhead. (Before, fixed was a call feeding all
-        `context` rows: ~9 ms on SmolLM2's head against ~1.3 ms a step, and adaptive K, charging
-        it k times, hardly drafted with the head.)"""
+        more, which the fit leaves to the call's overhead. (A call feeding all `context` rows is
+        ~9 ms on SmolLM2's head against ~1.3 ms a step: charged for every drafted token, it would
+        keep adaptive K from drafting.)"""
         head = self.head
         states = [Rows(head.new_cache()) for _ in range(sessions)]
         features = head.fuse(torch.zeros(context, self.width, dtype=head.dtype, device=self.device))
@@ -355,7 +355,7 @@ class EagleDraft:
             for rep in range(reps + 1):  # (rep 0: untimed, a first call of a shape)
                 for state in chosen:
                     state.crop(context)
-                self._sync()
+                synchronize(self.device)
                 start = time.perf_counter()
                 out, logits = head.step_many(torch.zeros(batch, dtype=torch.long, device=self.device),
                                              torch.stack([state.hidden[-1] for state in chosen]),
@@ -372,10 +372,6 @@ class EagleDraft:
         per_session = max(0.0, (step(sessions) - one) / (sessions - 1)) if sessions > 1 else 0.0
         self.pass_cost = PassCost(fixed=max(0.0, one - per_session), per_session=per_session)
         return self.pass_cost
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------ serving (drafting.py)
 

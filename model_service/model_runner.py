@@ -84,6 +84,12 @@ def saved_tokenizer_files(tokenizer) -> list[tuple[str, bytes]]:
         return [(f.name, f.read_bytes()) for f in sorted(Path(tmp).iterdir()) if f.is_file()]
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a GPU's; nothing to wait for on a CPU): timings need it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def mix_seed(seed: int) -> int:
     """A request's 64-bit seed, mixed (splitmix64's finalizer) so that every bit of it moves the
     generator: torch's CPU generator (mt19937) keeps only the low 32 bits of its seed, so seeds
@@ -290,10 +296,10 @@ class ModelRunner:
                 feeds = scratch[:sessions]
                 for session in feeds:
                     session.tokens.extend([1] * tokens)
-                self._sync()
+                synchronize(self.device)
                 start = time.perf_counter()
                 self.forward_many([(session, tokens) for session in feeds])
-                self._sync()
+                synchronize(self.device)
                 if rep:
                     samples[(sessions, tokens)].append((time.perf_counter() - start) * 1e3)
                 for session in feeds:
@@ -301,10 +307,6 @@ class ModelRunner:
         rows, times = shapes, [min(samples[shape]) for shape in shapes]
         self.pass_cost = fit_pass_cost(rows, times)
         return self.pass_cost
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def _eos_ids(self) -> list[int]:
         ids: set[int] = set()
