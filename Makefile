@@ -6,14 +6,11 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: setup stubs kernel run cluster test test-all prometheus test-gpu bench-gpu bench-passes bench-structured bench-tracing bench-deps bench bench-eagle bench-concurrency bench-ceiling soak draft eagle clean
+.PHONY: setup stubs kernel models run cluster test test-all prometheus test-gpu bench-gpu bench-passes bench-structured bench-tracing bench-deps bench bench-eagle bench-concurrency bench-ceiling soak draft eagle clean
 
 TARGET := models/target/conversion.json
-# the committed models are stored at 8 bits a weight (assets/packed.py: models/ keeps to 40 MB);
-# make setup writes each one's model.safetensors from them (not committed), again when they change
-PACKED := $(wildcard models/*/model.int8.safetensors)
 
-setup: $(STAMP) stubs $(TARGET) kernel $(PACKED:.int8.safetensors=.safetensors)
+setup: $(STAMP) stubs $(TARGET) kernel models
 
 # editable_mode=compat: the checkout itself is on the path, so packages made after the install (the
 # protobuf stubs, `make stubs`) import from anywhere, as the `specdec` command needs.
@@ -32,8 +29,11 @@ $(TARGET): $(STAMP) training/convert.py
 
 stubs: $(STUBS)
 
-models/%/model.safetensors: models/%/model.int8.safetensors | $(STAMP)
-	$(PY) -m assets.packed unpack models/$*
+# the committed models are stored at 8 bits a weight (assets/packed.py: models/ keeps to 40 MB); each
+# one's model.safetensors (not committed) is written from them where it was not made from that very
+# file (a sha256 check, well under a second, without torch)
+models: $(STAMP)
+	$(PY) -m assets.packed unpack $(dir $(wildcard models/*/model.safetensors.int8))
 
 # specdec's int4 CPU kernel, compiled for this CPU (~10 s once; a no-op after). Without a C++
 # compiler it says so and --quantize int4 runs on torch's kernel instead
@@ -91,12 +91,14 @@ bench-gpu: setup
 draft: setup
 	$(PY) -m training distill --target models/target --out models/draft --acceptance
 	$(PY) -m assets.packed pack models/draft
+	$(PY) -m training.acceptance --draft models/draft --target models/target --write
 
 # an EAGLE-3 head for the default target (models/eagle), trained on from the head already there, where
 # there is one (resumable from .cache/eagle/eagle; on 2 cores ~30 min of features, then ~1,300 steps an hour;
 # the committed answers save the hour of generation; its card, models/eagle/README.md, says what it
 # was trained on; EAGLE_ARGS: the run's flags), then packed for committing (fc kept in bf16, see
-# assets/packed.py) and, as make setup unpacks it, its acceptance in specdec's round
+# assets/packed.py; model.safetensors is then the packed weights' as a clone gets them) and its
+# acceptance in specdec's round
 EAGLE_ANSWERS := training/answers/smollm2-135m-instruct.tar.gz
 EAGLE_ARGS ?= --steps 1300 --lr 3e-4
 
@@ -104,7 +106,6 @@ eagle: setup
 	$(PY) -m training eagle --target models/target --out models/eagle --answers $(EAGLE_ANSWERS) \
 		$(if $(wildcard models/eagle/eagle.json),--init models/eagle) $(EAGLE_ARGS)
 	$(PY) -m assets.packed pack models/eagle --keep fc.weight
-	$(PY) -m assets.packed unpack models/eagle
 	$(PY) -m training.acceptance --eagle models/eagle --target models/target --write
 
 # row l of `make bench`: llama.cpp on the target's GGUF. It builds from source (~5 min, once) for

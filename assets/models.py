@@ -3,7 +3,7 @@
     models/draft    the draft distilled for the target: committed (`make draft` makes it again)
     models/eagle    an EAGLE-3 head trained for the target (`make eagle`), without embeddings (it
                     reads the target's): committed
-                    Both are committed with their weights packed at 8 bits (model.int8.safetensors,
+                    Both are committed with their weights packed at 8 bits (model.safetensors.int8,
                     assets/packed.py: models/ keeps to 40 MB); `make setup` unpacks model.safetensors
     models/target   SmolLM2-135M-Instruct (Apache-2.0) as a transformers directory, not committed:
                     `make setup` converts it (`python -m training convert`) from the GGUF that the

@@ -351,25 +351,34 @@ class EagleDraft:
             state.hidden.extend(out)
 
         def step(batch: int) -> float:
-            chosen, samples = states[:batch], []
-            for rep in range(reps + 1):  # (rep 0: untimed, a first call of a shape)
-                for state in chosen:
-                    state.crop(context)
-                synchronize(self.device)
-                start = time.perf_counter()
-                out, logits = head.step_many(torch.zeros(batch, dtype=torch.long, device=self.device),
-                                             torch.stack([state.hidden[-1] for state in chosen]),
-                                             torch.full((batch,), context, device=self.device),
-                                             [state.cache for state in chosen], context + 1)
-                logits.argmax(-1).tolist()
-                if rep:
-                    samples.append((time.perf_counter() - start) * 1e3)
-                for state, row in zip(chosen, out):
-                    state.hidden.append(row)
-            return min(samples)  # contention only adds time (ModelRunner.calibrate)
+            """ms of one head step of the first `batch` sessions (their state kept at `context` rows)."""
+            chosen = states[:batch]
+            for state in chosen:
+                state.crop(context)
+            synchronize(self.device)
+            start = time.perf_counter()
+            out, logits = head.step_many(torch.zeros(batch, dtype=torch.long, device=self.device),
+                                         torch.stack([state.hidden[-1] for state in chosen]),
+                                         torch.full((batch,), context, device=self.device),
+                                         [state.cache for state in chosen], context + 1)
+            logits.argmax(-1).tolist()
+            synchronize(self.device)
+            elapsed = (time.perf_counter() - start) * 1e3
+            for state, row in zip(chosen, out):
+                state.hidden.append(row)
+            return elapsed
 
-        one = step(1)
-        per_session = max(0.0, (step(sessions) - one) / (sessions - 1)) if sessions > 1 else 0.0
+        # untimed first calls of each shape, then the two interleaved, each keeping its fastest:
+        # contention only adds time (ModelRunner.calibrate)
+        sizes = (1, sessions) if sessions > 1 else (1,)
+        for batch in sizes:
+            step(batch)
+        samples = {batch: [] for batch in sizes}
+        for _ in range(reps):
+            for batch in sizes:
+                samples[batch].append(step(batch))
+        one = min(samples[1])
+        per_session = max(0.0, (min(samples[sessions]) - one) / (sessions - 1)) if sessions > 1 else 0.0
         self.pass_cost = PassCost(fixed=max(0.0, one - per_session), per_session=per_session)
         return self.pass_cost
 

@@ -344,7 +344,7 @@ class Eagle3Head(nn.Module):
                 json.loads((target_dir / "config.json").read_text())["num_hidden_layers"])
         state = {}
         single = directory / "model.safetensors"
-        if not single.is_file() and (directory / "model.int8.safetensors").is_file():
+        if not single.is_file() and (directory / "model.safetensors.int8").is_file():
             raise ValueError(f"{directory} holds its weights packed: unpack them first (make setup, or"
                              f" python -m assets.packed unpack {directory})")
         for path in [single] if single.is_file() else sorted(directory.glob("*.safetensors")):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from assets.packed import PACKED, UNPACKED, pack, pack_tensors, unpack, unpack_tensors
@@ -49,6 +50,7 @@ def test_a_packed_model_unpacks_into_a_checkpoint_transformers_loads(tmp_path):
     assert (model_dir / PACKED).stat().st_size < 0.6 * size
     with safe_open(str(model_dir / PACKED), "pt") as f:
         assert sum(f.get_tensor(k).dtype == torch.int8 for k in f.keys()) >= 2 * 7  # each layer's linears
+    assert not unpack(model_dir)  # pack left model.safetensors as the packed file's rounding
     (model_dir / UNPACKED).unlink()
     assert unpack(model_dir) and not unpack(model_dir)  # written once, then up to date
     with safe_open(str(model_dir / UNPACKED), "pt") as f:
@@ -59,6 +61,24 @@ def test_a_packed_model_unpacks_into_a_checkpoint_transformers_loads(tmp_path):
         a, b = reference(ids).logits, model(ids).logits
     assert torch.allclose(a, b, atol=0.05 * a.abs().max().item())
     assert not torch.equal(a, b)
+
+
+def test_an_unpacked_file_not_made_from_the_packed_one_is_made_again(tmp_path):
+    """Whatever the files' times say (a copy that kept them, a cache restored): the unpacked file
+    records the sha256 of the packed one it came from, and one that does not match is rewritten."""
+    model_dir = make_model(tmp_path / "m", make_tokenizer(tmp_path / "tok"), hidden=64, layers=1,
+                           dtype=torch.bfloat16)
+    pack(model_dir)
+    made = load_file(model_dir / UNPACKED)
+    other = make_model(tmp_path / "other", make_tokenizer(tmp_path / "tok2"), hidden=64, layers=1, seed=1,
+                       dtype=torch.bfloat16)
+    os.replace(other / UNPACKED, model_dir / UNPACKED)  # stale weights, and the newer file of the two
+    assert (model_dir / UNPACKED).stat().st_mtime >= (model_dir / PACKED).stat().st_mtime
+    assert unpack(model_dir)
+    again = load_file(model_dir / UNPACKED)
+    assert again.keys() == made.keys() and all(torch.equal(again[k], made[k]) for k in made)
+    assert not unpack(model_dir)
+    assert unpack(model_dir, force=True)
 
 
 def test_unpack_refuses_what_pack_did_not_write(tmp_path):
@@ -78,4 +98,7 @@ def test_the_committed_models_keep_to_their_budget():
         pytest.skip("not a git checkout")
     sizes = {f: (ROOT / f).stat().st_size for f in files if f and (ROOT / f).is_file()}
     assert not [f for f in sizes if f.endswith("/" + UNPACKED)], "commit the packed weights (assets/packed.py)"
+    # what make setup unpacks (`python -m training distill|eagle --out` replaces the whole directory:
+    # `make draft` / `make eagle` pack it again)
+    assert {f"models/{m}/{PACKED}" for m in ("draft", "eagle")} <= sizes.keys()
     assert sum(sizes.values()) <= MODELS_BUDGET, f"{sum(sizes.values()) / 1e6:.1f} MB under models/"

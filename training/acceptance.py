@@ -3,10 +3,12 @@
 specdec's own in-process speculative round (speculative.round.generate over LocalDraft /
 LocalTarget) on the given prompts, greedy, K draft tokens per round; per prompt accepted /
 proposed, reported as the mean over prompts and pooled. `python -m training distill
---acceptance` writes it into the draft's card; for an EAGLE-3 head (the target's features
-handed to it each round, as over gRPC):
+--acceptance` writes it into the draft's card, and `--draft DIR --write` again (`make draft`, once
+the weights are packed as they are committed); for an EAGLE-3 head (the target's features handed
+to it each round, as over gRPC) `--eagle DIR`:
 
     python -m training.acceptance --eagle models/eagle --target models/target [--write]
+    python -m training.acceptance --draft models/draft --target models/target [--write]
 """
 
 from __future__ import annotations
@@ -92,35 +94,51 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m training.acceptance", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--eagle", type=Path, required=True, help="an EAGLE-3 head's directory")
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--eagle", type=Path, help="an EAGLE-3 head's directory")
+    model.add_argument("--draft", type=Path, help="a draft model's directory (one `training distill` wrote:"
+                                                  " its output layer over the card's recommended draft vocabulary)")
     parser.add_argument("--target", type=Path, required=True)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--quantize", default="none", choices=["none", "int4"], help="the target's")
     parser.add_argument("--head-quantize", default="none", choices=["none", "int8"],
                         help="the head's, as the draft service's --head-quantize (the card records the float head)")
-    parser.add_argument("--write", action="store_true", help="write it into the head's eagle.json (acceptance)")
+    parser.add_argument("--write", action="store_true",
+                        help="write it into the model's card (eagle.json, or distill.json for --draft) and README")
     args = parser.parse_args(argv)
     if args.write and args.head_quantize != "none":
         parser.error("--write records the float head's acceptance: leave --head-quantize none")
+    if args.write and args.draft and args.quantize != "none":
+        parser.error("--write records a draft's acceptance against the float target: leave --quantize none")
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=True)["input_ids"]) for p in CHAT]
-    result = acceptance(args.eagle, args.target, prompts, args.k, args.new_tokens, eagle=True, quantize=args.quantize,
-                        head_quantize=args.head_quantize)
+    directory = args.eagle or args.draft
+    card = directory / ("eagle.json" if args.eagle else "distill.json")
+    info = json.loads(card.read_text()) if card.is_file() else {}
+    subset = 0 if args.eagle else info.get("draft_vocab", {}).get("recommended", 0)
+    result = acceptance(directory, args.target, prompts, args.k, args.new_tokens, vocab_subset=subset,
+                        eagle=bool(args.eagle), quantize=args.quantize, head_quantize=args.head_quantize)
     print(json.dumps({k: v for k, v in result.items() if k != "per_prompt"}, indent=1))
-    if args.write:
-        card = args.eagle / "eagle.json"
-        info = json.loads(card.read_text()) if card.is_file() else {}
-        info.setdefault("acceptance", {})[args.quantize] = result
-        if args.quantize == "none":
-            info["acceptance"].update(result)
+    if not args.write:
+        return
+    if args.draft:  # (as `training distill --acceptance` writes it)
+        info["acceptance"] = {k: v for k, v in result.items() if k not in ("prompt_tokens", "target_quantize")}
         card.write_text(json.dumps(info, indent=1) + "\n")
-        if {"generations", "features", "training", "heldout", "draft_vocab"} <= info.keys():  # the trainer's card
-            from training.eagle import model_card
+        if {"shape", "generations", "training", "final"} <= info.keys():  # the distiller's card
+            from training.distill import model_card
 
-            (args.eagle / "README.md").write_text(model_card(info))
+            (directory / "README.md").write_text(model_card(info))
+        return
+    info.setdefault("acceptance", {})[args.quantize] = result
+    if args.quantize == "none":
+        info["acceptance"].update(result)
+    card.write_text(json.dumps(info, indent=1) + "\n")
+    if {"generations", "features", "training", "heldout", "draft_vocab"} <= info.keys():  # the trainer's card
+        from training.eagle import model_card
 
+        (directory / "README.md").write_text(model_card(info))
 
 if __name__ == "__main__":
     main()

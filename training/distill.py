@@ -522,7 +522,9 @@ def model_card(info: dict) -> str:
     lines = [
         f"# Draft for {info['target']} (distilled by specdec)\n",
         f"Llama, {s['layers']} layers, hidden {s['hidden']}, {s['heads']} heads ({s['kv_heads']} KV), SwiGLU {s['ffn']},"
-        f" the target's tokenizer and vocabulary, tied embeddings: {info['parameters']:,} parameters, bf16 on disk.\n",
+        f" the target's tokenizer and vocabulary, tied embeddings: {info['parameters']:,} parameters, bf16 in"
+        " `model.safetensors`; where it is committed, as `model.safetensors.int8` (its matrices as int8 rows:"
+        " `python -m assets.packed`), from which `make setup` writes `model.safetensors`.\n",
         "Made by `python -m training distill`: the target answered prompts built from the Python standard library"
         " and from questions it wrote itself (held-out bench prompts excluded), half greedy, half sampled;"
         " the draft learnt its top-k next-token distributions on those answers.\n",

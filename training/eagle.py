@@ -477,7 +477,7 @@ def model_card(info: dict) -> str:
          f" {info['aux_layer_ids']} (fused by `fc`) and the next token's embedding (the target's, not stored here:"
          f" pass the target's directory). {info['trainable_parameters']:,} trainable parameters, bf16, in the"
          " `speculators` layout that vLLM loads (`config.json`, `model.safetensors`: fc, layers.0.*, norm, lm_head,"
-         " d2t, t2d); where it is committed, as `model.int8.safetensors` (its matrices as int8 rows, fc bf16:"
+         " d2t, t2d); where it is committed, as `model.safetensors.int8` (its matrices as int8 rows, fc bf16:"
          " `python -m assets.packed`), from which `make setup` writes `model.safetensors`.\n"),
         ("Made by `python -m training eagle`: the target answered prompts ("
          + g.get("prompts", "built from the Python standard library, questions it wrote itself and everyday requests"

@@ -397,10 +397,11 @@ def test_the_fit_finds_the_rows_a_pass_carries_free(truth):
 
 
 def test_a_spell_of_contention_does_not_skew_the_calibration(runners, monkeypatch):
-    """Services started together calibrate on shared cores: here 8 timed passes in a row run 30x
-    slower (another process's spell), and the fit still gives back the pass cost the clock was made
-    from, since every shape is timed once a rep, interleaved, and keeps its fastest. (Timed shape by
-    shape, the spell took all three reps of some shapes: fixed came out at 13.9 ms, not 8.)"""
+    """Services started together calibrate on shared cores: here 16 timed passes in a row run 30x
+    slower (another process's spell, longer than a rep of the 11 shapes), and the fit still gives
+    back the pass cost the clock was made from, since every shape is timed once a rep, interleaved,
+    and keeps its fastest. (Timed shape by shape, the median of 3, fixed came out at 13.9 ms, not 8;
+    a median of the interleaved reps would take the spell's time for the shapes it caught twice.)"""
     from types import SimpleNamespace
 
     from model_service import model_runner
@@ -412,13 +413,14 @@ def test_a_spell_of_contention_does_not_skew_the_calibration(runners, monkeypatc
 
     def contended(self, feeds):
         clock.passes += 1
-        slow = 30.0 if 20 <= clock.passes < 28 else 1.0  # after the 12 warm-up passes, timed ones 8..15
+        slow = 30.0 if 20 <= clock.passes < 36 else 1.0  # after the 12 warm-up passes, timed ones 8..23
         clock.now += slow * truth(sum(n for _, n in feeds), len(feeds)) / 1e3
         return forward_many(self, feeds)
 
     monkeypatch.setattr(ModelRunner, "forward_many", contended)
     monkeypatch.setattr(model_runner, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     cost = target.calibrate(context=16, reps=3)
+    assert clock.passes == 1 + 11 * 4  # a pass of all scratch sessions, then the warm-up and 3 timed reps
     for name in ("fixed", "per_token", "per_session", "free_rows"):
         assert getattr(cost, name) == pytest.approx(getattr(truth, name), abs=1e-6), name
 
