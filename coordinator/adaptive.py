@@ -106,15 +106,24 @@ class CostModel:
         matches it (median of 3 runs, 439 vs 432 tokens/s; the 14 M toy pair, whose draft paid).
         Unless the two share cores (`shared_cpus`): then every ms the draft computes is one the
         target's passes wait for, and a round costs the sum even when pipelined (SmolLM2 and its
-        weak draft on 2 cores, 8 streams: 85.7-87.4 tokens/s against 61.0 with the larger share)."""
+        weak draft on 2 cores, 8 streams: 85.7-87.4 tokens/s against 61.0 with the larger share), and
+        the draft is charged what it measures, not only what it calibrated (the EAGLE head on 2
+        cores, 8 streams: 68.0 tokens/s at mean K 0.18 against 55.2 at K 0.81 with the calibrated
+        price; the target alone 62.7). A lone request keeps the calibrated price: charged its
+        measured time there too (~2x the calibrated steps: the call's take-in of features), the head
+        stopped drafting at one stream (mean K 0.23, 18.9 tokens/s against the target alone's 20.2),
+        where K = 4 runs ~10% faster than no drafting: a round of decode steps through the services
+        costs more than its price (a' 30.2 tokens/s alone, 24.5 through them)."""
         # the pass of `batch` sessions of k + 1 tokens each, shared among them (its free rows too)
         target = self.target_scale * self.target((k + 1) * batch, batch) / batch
         draft = 0.0
         if k:
             step = self.draft(draft_batch, draft_batch) / draft_batch  # a pass of a token per session
             # measured where it runs faster than calibrated; never charged for slowing down under load,
-            # when it drafts while the target verifies others
-            draft = min(self.draft_scale, 1.0) * k * step
+            # when it drafts while the target verifies others; unless the two share cores, where
+            # every ms it computes under load is one the target's passes wait for
+            scale = self.draft_scale if pipelined and self.shared_cpus else min(self.draft_scale, 1.0)
+            draft = scale * k * step
         overhead = self.overhead_ms * (1 + (k > 0)) / batch / (steps if k == 0 else 1)
         if pipelined and not self.shared_cpus:
             return max(target, draft) + overhead

@@ -269,6 +269,29 @@ def test_a_draft_on_the_targets_cores_is_paid_for_under_load():
     assert chosen["shared"] < chosen["apart"], chosen
 
 
+def test_a_draft_slower_than_calibrated_is_charged_for_it_on_shared_cores():
+    """The draft's measured slowness (draft_scale > 1: taking in the new tokens' features, running
+    beside the target) is hidden on its own hardware, where it drafts while the target verifies
+    others; on the target's cores every ms of it is one the target waits for. There, at 8 streams
+    (the EAGLE head on 2 cores, adaptive K 0.81 at 55.2 tok/s against the target alone's 62.7), K
+    backs off; apart, or for a lone request, it does not move."""
+    draft = PassCost(fixed=1.2, per_token=0.3, per_session=0.3)
+    chosen = {}
+    for shared in (False, True):
+        for scale in (1.0, 3.0):
+            costs = CostModel(TARGET, draft, alpha=0.5, shared_cpus=shared)
+            costs.in_flight, costs.draft_scale = 8, scale
+            chosen[shared, scale] = AdaptiveK(costs, k_max=8).choose(100)
+    assert chosen[False, 3.0] == chosen[False, 1.0] > 0
+    assert chosen[True, 3.0] < chosen[True, 1.0], chosen
+    alone = {}
+    for scale in (1.0, 3.0):
+        costs = CostModel(TARGET, draft, alpha=0.5, shared_cpus=True)
+        costs.draft_scale = scale  # (in_flight 0: no other request)
+        alone[scale] = AdaptiveK(costs, k_max=8).choose(100)
+    assert alone[3.0] == alone[1.0] > 0
+
+
 def test_rows_a_verify_carries_free_are_not_charged():
     """SmolLM2 float32 on 2 cores: one session's pass of up to ~8 tokens costs what a pass of 1
     does (the weights' reads set it), and past that ~1.5 ms a token. Priced so (free_rows), a
