@@ -32,8 +32,9 @@ stubs: $(STUBS)
 # the committed models are stored at 8 bits a weight (assets/packed.py: models/ keeps to 40 MB); each
 # one's model.safetensors (not committed) is written from them where it was not made from that very
 # file (a sha256 check, well under a second, without torch)
+PACKED := $(wildcard models/*/model.safetensors.int8)
 models: $(STAMP)
-	$(PY) -m assets.packed unpack $(dir $(wildcard models/*/model.safetensors.int8))
+	$(if $(PACKED),$(PY) -m assets.packed unpack $(dir $(PACKED)))
 
 # specdec's int4 CPU kernel, compiled for this CPU (~10 s once; a no-op after). Without a C++
 # compiler it says so and --quantize int4 runs on torch's kernel instead
@@ -87,9 +88,10 @@ bench-tracing: setup
 bench-gpu: setup
 	$(PY) -m bench.gpu
 
-# the shipped draft, distilled for the default target (resumable; ~1.5 h on 2 cores)
+# the shipped draft, distilled for the default target (resumable; ~1.5 h on 2 cores), packed for
+# committing, and its acceptance in specdec's round (of the packed weights, as a clone gets them)
 draft: setup
-	$(PY) -m training distill --target models/target --out models/draft --acceptance
+	$(PY) -m training distill --target models/target --out models/draft
 	$(PY) -m assets.packed pack models/draft
 	$(PY) -m training.acceptance --draft models/draft --target models/target --write
 
