@@ -37,7 +37,6 @@ whatever the head is.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,7 +50,7 @@ from . import features as wire
 from .drafting import MethodSessions, advance, one_result
 from .eagle_head import Eagle3Head, HeadCache
 from .grammar import Grammars, next_masks
-from .model_runner import Timer, saved_tokenizer_files, synchronize, tokenizer_fields
+from .model_runner import Timer, fastest_ms, saved_tokenizer_files, tokenizer_fields
 from .sessions import Session, SessionTable
 
 
@@ -350,35 +349,23 @@ class EagleDraft:
             out, _ = head.step(ids, features, torch.arange(context, device=self.device), state.cache, context)
             state.hidden.extend(out)
 
-        def step(batch: int) -> float:
-            """ms of one head step of the first `batch` sessions (their state kept at `context` rows)."""
-            chosen = states[:batch]
-            for state in chosen:
+        def prepare(batch: int) -> None:  # the first `batch` sessions back at `context` rows
+            for state in states[:batch]:
                 state.crop(context)
-            synchronize(self.device)
-            start = time.perf_counter()
+
+        def step(batch: int) -> None:  # one head step of them: step_many, its logits and the pick
+            chosen = states[:batch]
             out, logits = head.step_many(torch.zeros(batch, dtype=torch.long, device=self.device),
                                          torch.stack([state.hidden[-1] for state in chosen]),
                                          torch.full((batch,), context, device=self.device),
                                          [state.cache for state in chosen], context + 1)
             logits.argmax(-1).tolist()
-            synchronize(self.device)
-            elapsed = (time.perf_counter() - start) * 1e3
             for state, row in zip(chosen, out):
                 state.hidden.append(row)
-            return elapsed
 
-        # untimed first calls of each shape, then the two interleaved, each keeping its fastest:
-        # contention only adds time (ModelRunner.calibrate)
-        sizes = (1, sessions) if sessions > 1 else (1,)
-        for batch in sizes:
-            step(batch)
-        samples = {batch: [] for batch in sizes}
-        for _ in range(reps):
-            for batch in sizes:
-                samples[batch].append(step(batch))
-        one = min(samples[1])
-        per_session = max(0.0, (min(samples[sessions]) - one) / (sessions - 1)) if sessions > 1 else 0.0
+        times = fastest_ms([1, sessions] if sessions > 1 else [1], prepare, step, self.device, reps)
+        one = times[1]
+        per_session = max(0.0, (times[sessions] - one) / (sessions - 1)) if sessions > 1 else 0.0
         self.pass_cost = PassCost(fixed=max(0.0, one - per_session), per_session=per_session)
         return self.pass_cost
 

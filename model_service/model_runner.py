@@ -90,6 +90,28 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def fastest_ms(shapes: list, prepare: Callable, run: Callable, device: torch.device, reps: int) -> dict:
+    """shape -> the fastest of `reps` timings of run(shape) in ms (prepare(shape) before each, untimed).
+
+    Each shape runs once untimed first (a first call compiles: TorchScript, oneDNN's primitive for a
+    shape), then every rep times each shape once, the shapes interleaved, and a shape keeps its
+    fastest: a spell of contention (a service starting beside this one on the same cores) only adds
+    time, and falls on one rep of several shapes rather than on all of one shape's (timed shape by
+    shape, the median of 3, SmolLM2 float32 calibrated while another process computed on its 2 cores
+    fitted a fixed cost of 563 ms against ~37)."""
+    samples: dict = {shape: [] for shape in shapes}
+    for rep in range(reps + 1):  # (rep 0: the untimed warm-up)
+        for shape in shapes:
+            prepare(shape)
+            synchronize(device)
+            start = time.perf_counter()
+            run(shape)
+            synchronize(device)
+            if rep:
+                samples[shape].append((time.perf_counter() - start) * 1e3)
+    return {shape: min(times) for shape, times in samples.items()}
+
+
 def mix_seed(seed: int) -> int:
     """A request's 64-bit seed, mixed (splitmix64's finalizer) so that every bit of it moves the
     generator: torch's CPU generator (mt19937) keeps only the low 32 bits of its seed, so seeds
@@ -285,27 +307,15 @@ class ModelRunner:
         for i, session in enumerate(scratch):
             session.tokens = [(7 * i + j) % vocab for j in range(context)]
         self.forward_many([(session, 1) for session in scratch])
-        samples: dict[tuple[int, int], list[float]] = {shape: [] for shape in shapes}
-        # rep 0 is the untimed warm-up; then each rep times every shape once, the shapes interleaved,
-        # and a shape's time is its fastest: a spell of contention (a service starting beside this
-        # one on the same cores) only adds time, and falls on one rep of several shapes rather than
-        # on all of one shape's (timed shape by shape, the median of 3, SmolLM2 float32 calibrated while
-        # another process computed on its 2 cores fitted a fixed cost of 563 ms against ~37)
-        for rep in range(reps + 1):
-            for sessions, tokens in shapes:
-                feeds = scratch[:sessions]
-                for session in feeds:
-                    session.tokens.extend([1] * tokens)
-                synchronize(self.device)
-                start = time.perf_counter()
-                self.forward_many([(session, tokens) for session in feeds])
-                synchronize(self.device)
-                if rep:
-                    samples[(sessions, tokens)].append((time.perf_counter() - start) * 1e3)
-                for session in feeds:
-                    session.truncate(context)
-        rows, times = shapes, [min(samples[shape]) for shape in shapes]
-        self.pass_cost = fit_pass_cost(rows, times)
+
+        def prepare(shape: tuple[int, int]) -> None:  # the shape's sessions at `context`, then its new tokens
+            for session in scratch[: shape[0]]:
+                session.truncate(context)
+                session.tokens.extend([1] * shape[1])
+
+        times = fastest_ms(shapes, prepare, lambda shape: self.forward_many(
+            [(session, shape[1]) for session in scratch[: shape[0]]]), self.device, reps)
+        self.pass_cost = fit_pass_cost(shapes, [times[shape] for shape in shapes])
         return self.pass_cost
 
     def _eos_ids(self) -> list[int]:

@@ -124,12 +124,10 @@ def main(argv=None) -> None:
     if not args.write:
         return
     if args.draft:  # (as `training distill --acceptance` writes it)
-        info["acceptance"] = {k: v for k, v in result.items() if k not in ("prompt_tokens", "target_quantize")}
-        card.write_text(json.dumps(info, indent=1) + "\n")
-        if {"shape", "generations", "training", "final"} <= info.keys():  # the distiller's card
-            from training.distill import model_card
+        from training.distill import save_card
 
-            (directory / "README.md").write_text(model_card(info))
+        info["acceptance"] = result
+        save_card(directory, info)
         return
     info.setdefault("acceptance", {})[args.quantize] = result
     if args.quantize == "none":

@@ -511,10 +511,18 @@ def stage_export(cfg: Config, target, tokenizer, result: dict, acceptance: bool)
         prompts = [chat_ids(tokenizer, p) for p in CHAT]
         info["acceptance"] = measure(cfg.out, cfg.target, prompts, k=4, new_tokens=128,
                                      vocab_subset=vocab["recommended"])
-        info["acceptance"].pop("prompt_tokens", None)
-        (cfg.out / "distill.json").write_text(json.dumps(info, indent=1) + "\n")
-    (cfg.out / "README.md").write_text(model_card(info))
+    save_card(cfg.out, info)
     return info
+
+
+def save_card(directory: Path, info: dict) -> None:
+    """The draft's card: distill.json (its acceptance as measured, less the prompts' length) and, where
+    it is the distiller's whole card, the README made from it."""
+    if "acceptance" in info:
+        info["acceptance"] = {k: v for k, v in info["acceptance"].items() if k != "prompt_tokens"}
+    (directory / "distill.json").write_text(json.dumps(info, indent=1) + "\n")
+    if {"shape", "generations", "training", "final"} <= info.keys():
+        (directory / "README.md").write_text(model_card(info))
 
 
 def model_card(info: dict) -> str:

@@ -376,7 +376,7 @@ def test_calibration_prices_a_drafted_token_as_one_head_step(eagle, monkeypatch)
     import types
 
     from coordinator.adaptive import CostModel
-    from model_service import eagle as module
+    from model_service import model_runner as module  # (whose clock the calibration reads: fastest_ms)
     from speculative.protocol import PassCost
 
     clock = [0.0]
