@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from . import tracing
-from .interceptors import UndecodableRequests
+from .interceptors import Drain, UndecodableRequests
 from .transport import MAX_MESSAGE_BYTES
 
 log = logging.getLogger("specdec")
@@ -58,9 +58,10 @@ async def serve(
     """
     if tracing.configure(name):
         log.info("%s: tracing on (OTEL_* variables)", name)
+    drain = Drain()
     server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_receive_message_length", max_request_bytes)],
-                             interceptors=[*interceptors, UndecodableRequests()])
+                             interceptors=[drain, *interceptors, UndecodableRequests()])
     service_names = add_servicers(server)
     checks = Health(service_names)
     health_pb2_grpc.add_HealthServicer_to_server(checks.servicer, server)
@@ -103,8 +104,15 @@ async def serve(
     else:
         loader.cancel()
     log.info("%s stopping", name)
+    # NOT_SERVING and new calls refused at once; the calls in flight get up to `grace` to finish
     await checks.set(False)
-    await server.stop(grace)
+    drain.close()
+    began = asyncio.get_running_loop().time()
+    try:
+        await asyncio.wait_for(drain.idle(), grace)
+    except TimeoutError:
+        log.warning("%s: %d calls still in flight after the %.0f s grace: cancelled", name, drain.active, grace)
+    await server.stop(max(0.0, grace - (asyncio.get_running_loop().time() - began)))
     if on_stop is not None:
         await on_stop()
     await asyncio.to_thread(tracing.shutdown)  # the spans still buffered

@@ -28,7 +28,10 @@ resumes the run, and a stage already done is skipped:
              target's final norm, lm_head as the target's output rows of the draft vocabulary; the
              embedding is the target's, frozen; or, with --init HEAD_DIR (a head this module exported
              for the same target and draft vocabulary), that head's weights: a run of one session
-             goes on in the next without the checkpoint (fresh optimizer and schedule). AdamW, warmup
+             goes on in the next without the checkpoint (fresh optimizer and schedule). A head wider
+             than the target's layer (--intermediate-size) starts its MLP's first units as the
+             target's (or --init's narrower head's) and the rest with no say (their down_proj columns
+             zero), so it begins as the function it starts from. AdamW, warmup
              + cosine (training/loop.py); every
              --eval-every steps the held-out answers (every 50th) give the agreement per step (the
              head's argmax, fed its own states, equals the target's argmax) and the chain (all steps up
@@ -88,6 +91,7 @@ class Config:
     vocab_coverage: float = 0.99
     # train
     init: str = ""  # an exported head to start from (same target and draft vocabulary)
+    intermediate_size: int = 0  # the head's MLP width; 0: the target's
     steps: int = 1000
     train_batch: int = 8
     max_length: int = 512
@@ -245,7 +249,8 @@ def build_head(cfg: Config, vocab_ids: list[int], init: bool) -> Eagle3Head:
     rope = dict(t.rope_parameters or {})
     theta = rope.pop("rope_theta", 10000.0)
     config = Eagle3Config(
-        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_attention_heads=t.num_attention_heads,
+        hidden_size=t.hidden_size, intermediate_size=cfg.intermediate_size or t.intermediate_size,
+        num_attention_heads=t.num_attention_heads,
         num_key_value_heads=t.num_key_value_heads, head_dim=getattr(t, "head_dim", None)
         or t.hidden_size // t.num_attention_heads, vocab_size=t.vocab_size, draft_vocab_size=len(vocab_ids),
         aux_layer_ids=aux_layer_ids(cfg, t), target_hidden_size=t.hidden_size, rms_norm_eps=t.rms_norm_eps,
@@ -263,10 +268,10 @@ def build_head(cfg: Config, vocab_ids: list[int], init: bool) -> Eagle3Head:
         last = f"model.layers.{t.num_hidden_layers - 1}."
         layer = head.layer
         with torch.no_grad():
-            for kind, linears in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
-                for name, linear in linears.items():
-                    w = read_target_tensor(cfg.target, f"{last}{kind}.{name}.weight")
-                    linear.weight[:, -w.shape[1] :].copy_(w)  # q/k/v: the hidden half [.., H:2H]
+            for name, linear in layer.self_attn.items():
+                w = read_target_tensor(cfg.target, f"{last}self_attn.{name}.weight")
+                linear.weight[:, -w.shape[1] :].copy_(w)  # q/k/v: the hidden half [.., H:2H]
+            widen(layer.mlp, {name: read_target_tensor(cfg.target, f"{last}mlp.{name}.weight") for name in layer.mlp})
             layer.hidden_norm.weight.copy_(read_target_tensor(cfg.target, f"{last}input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(
                 read_target_tensor(cfg.target, f"{last}post_attention_layernorm.weight"))
@@ -275,16 +280,37 @@ def build_head(cfg: Config, vocab_ids: list[int], init: bool) -> Eagle3Head:
     return head
 
 
+def widen(mlp: torch.nn.ModuleDict, weights: dict[str, torch.Tensor]) -> None:
+    """mlp's first units from `weights` (an MLP as wide or narrower); its other units' down_proj
+    columns zero, so that mlp computes what `weights` do until training gives them a say. Where mlp
+    is the narrower, it keeps `weights`' first units."""
+    units = min(weights["down_proj"].shape[1], mlp["down_proj"].weight.shape[1])
+    with torch.no_grad():
+        for name in ("gate_proj", "up_proj"):
+            mlp[name].weight[:units].copy_(weights[name][:units])
+        mlp["down_proj"].weight.zero_()
+        mlp["down_proj"].weight[:, :units].copy_(weights["down_proj"][:, :units])
+
+
 def start_from(head: Eagle3Head, directory: Path, target: Path) -> None:
-    """head's weights from an exported head of the same shape and draft vocabulary (--init)."""
+    """head's weights from an exported head of the same shape and draft vocabulary (--init), or
+    one whose MLP is narrower (widened: `widen`)."""
     trained = Eagle3Head.load(directory, target_dir=target)
     mine, theirs = head.config.to_dict(), trained.config.to_dict()
     differ = sorted(k for k in mine.keys() | theirs.keys()
-                    if k != "speculators_config" and mine.get(k) != theirs.get(k))
+                    if k not in ("speculators_config", "transformer_layer_config") and mine.get(k) != theirs.get(k))
+    layer, trained_layer = mine["transformer_layer_config"], theirs["transformer_layer_config"]
+    differ += sorted(k for k in layer.keys() | trained_layer.keys()
+                     if k != "intermediate_size" and layer.get(k) != trained_layer.get(k))
+    if layer["intermediate_size"] < trained_layer["intermediate_size"]:
+        differ.append("intermediate_size (narrower than --init's)")
     if differ or not torch.equal(head.d2t, trained.d2t):
         raise SystemExit(f"--init {directory}: another shape or draft vocabulary ({differ or 'd2t'})")
-    head.load_state_dict(trained.state_dict())
-    log(f"train: starting from {directory}")
+    state = {k: v for k, v in trained.state_dict().items() if ".mlp." not in k}
+    head.load_state_dict(state, strict=False)
+    widen(head.layer.mlp, {name: linear.weight for name, linear in trained.layer.mlp.items()})
+    log(f"train: starting from {directory}" + (f", its MLP widened {trained_layer['intermediate_size']}"
+                                               f" -> {layer['intermediate_size']}" if layer != trained_layer else ""))
 
 
 def collate(rows: list[dict], head: Eagle3Head, max_length: int) -> dict[str, torch.Tensor]:

@@ -44,13 +44,18 @@ def test_draft_equal_to_target_accepts_everything(self_stack, reference, k):
         assert list(reply.token_ids) == reference(prompt, 40)
         s = reply.stats
         assert s.acceptance_rate == 1.0 and s.accepted_tokens == s.draft_tokens
-        # every round but the last emits K + 1 tokens
-        n = len(reply.token_ids)
-        assert s.rounds == -(-n // (k + 1)), (n, s.rounds)
-        assert n == s.accepted_tokens + s.rounds or reply.finish_reason == pb.FINISH_REASON_EOS
+        # every round but the last emits K + 1 tokens; a round whose draft call was late (a loaded
+        # machine: the late-draft bound, coordinator/failover.py) goes on without it and drafts nothing
+        n, lost = len(reply.token_ids), s.lost_draft_rounds
+        assert s.draft_tokens > 0  # it drafted (acceptance 1.0 alone would hold for a request that never did)
+        if lost == 0:
+            assert s.rounds == -(-n // (k + 1)), (n, s.rounds)
+            assert n == s.accepted_tokens + s.rounds or reply.finish_reason == pb.FINISH_REASON_EOS
+        else:
+            assert s.rounds - lost <= -(-n // (k + 1)) <= s.rounds, (n, s.rounds, lost)
         per_position = list(s.accepted_per_position)
         assert len(per_position) == k and sum(per_position) == s.accepted_tokens
-        assert per_position[0] >= s.rounds - 1 and per_position == sorted(per_position, reverse=True)
+        assert per_position[0] >= s.rounds - lost - 1 and per_position == sorted(per_position, reverse=True)
 
 
 def test_adaptive_k_and_p_min_are_exact(client, reference):

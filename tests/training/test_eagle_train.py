@@ -161,3 +161,33 @@ def test_labels_are_the_targets_top_k_in_the_draft_vocabulary(target, tmp_path):
     torch.testing.assert_close(p.sum(), torch.tensor(1.0))  # 100 is outside the draft vocabulary: renormalised
     assert p[2] == 0 and p[0] > p[1] > 0
     assert batch["top1"][0, 3].item() == 9
+
+
+def test_a_wider_head_starts_as_the_narrower_one_it_grows_from(target, tmp_path):
+    """--intermediate-size with --init: the MLP's first units are the narrower head's, the others have
+    no say at first (zero down_proj columns), so the wider head computes what it started from; it
+    exports and loads (the speculators layout carries the width); a narrower one is refused."""
+    first, work = tmp_path / "first", tmp_path / "work"
+    write_generations(work)
+    eagle.main(["--target", str(target), "--out", str(first), "--work", str(work), *TINY])
+    narrow = Eagle3Head.load(first, target_dir=target)
+    units = narrow.config.intermediate_size
+    cfg = eagle.Config(target, tmp_path / "wide", work, aux_layers="2,4,5", intermediate_size=3 * units)
+    ids = json.loads((work / "vocab.json").read_text())["ids"]
+    wide = eagle.build_head(cfg, ids, init=True)
+    wide.float()
+    eagle.start_from(wide, first, target)
+    assert wide.layer.mlp["up_proj"].weight.shape[0] == 3 * units
+    rows = eagle.load_features(cfg)
+    batch = eagle.collate(rows[:8], wide, 512)
+    with torch.no_grad():
+        before, grown = (float(eagle.ttt_loss(h, batch, 3, 0.8)) for h in (narrow, wide))
+    assert abs(grown - before) < 1e-4 * abs(before), (before, grown)
+    assert float(wide.layer.mlp["up_proj"].weight[units:].detach().abs().sum()) > 0  # the new units are live, not dead
+
+    wide.save(tmp_path / "wide")
+    assert Eagle3Head.load(tmp_path / "wide", target_dir=target).config.intermediate_size == 3 * units
+    assert EagleDraft.load(tmp_path / "wide", target, "cpu").info()["feature_layers"] == [2, 4, 5]
+    with pytest.raises(SystemExit, match="narrower"):
+        eagle.start_from(eagle.build_head(eagle.Config(target, tmp_path / "n", work, aux_layers="2,4,5",
+                                                       intermediate_size=units // 2), ids, init=True), first, target)
