@@ -18,7 +18,8 @@ resumes the run, and a stage already done is skipped:
              labels). One shard per generation shard (features/*.pt, index.json); bounded by
              --feature-minutes and --max-tokens over all runs.
   vocab      the draft vocabulary: the most frequent answer ids covering --vocab-coverage of the
-             answer tokens (a multiple of 1024; d2t / t2d), held-out answers excluded.
+             answer tokens (a multiple of 1024; d2t / t2d), held-out answers excluded; with --init,
+             that head's (answers added since, training/more_answers.py, do not change it).
   train      the head (model_service/eagle_head.py) learns the target's distribution with training-time
              test: --ttt-steps steps in which a row is fed the head's own out_hidden and its own
              proposed token, one position further, attending as at inference (the target-feature rows up
@@ -229,6 +230,18 @@ def stage_vocab(cfg: Config, vocab_size: int) -> dict:
     path = cfg.work / "vocab.json"
     if path.exists():
         return json.loads(path.read_text())
+    if cfg.init:  # a head that goes on keeps its draft vocabulary, however the answers have grown since
+        head = Eagle3Head.load(Path(cfg.init), target_dir=cfg.target)
+        ids = head.draft_to_target(torch.arange(head.config.draft_vocab_size)).tolist()
+        answers = [t for i, r in enumerate(distill.load_generations(cfg)) if not held_out(i, cfg.heldout_share)
+                   for t in r["answer"]]
+        have = set(ids)
+        covered = sum(t in have for t in answers)
+        info = {"ids": sorted(ids), "size": len(ids), "recommended": len(ids), "from": str(cfg.init),
+                "target_coverage": round(covered / max(1, len(answers)), 5), "answer_tokens": len(answers)}
+        path.write_text(json.dumps(info))
+        log(f"vocab: {len(ids):,} ids, --init's")
+        return info
     rows = [r for i, r in enumerate(distill.load_generations(cfg)) if not held_out(i, cfg.heldout_share)]
     counts = distill.draft_vocab(rows, vocab_size, cfg.vocab_coverage)
     size = counts["recommended"] or vocab_size

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import tarfile
 
 import pytest
@@ -105,7 +106,7 @@ def test_a_run_goes_on_in_another_session_from_the_answers_archive_and_the_expor
     argv = ["--target", str(target), "--out", str(second), "--work", str(fresh), "--answers", str(archive),
             *TINY[:TINY.index("--steps")], "--steps", "2", *TINY[TINY.index("--steps") + 2 :]]
     eagle.main([*argv, "--init", str(first)])
-    assert json.loads((fresh / "vocab.json").read_text()) == json.loads((work / "vocab.json").read_text())
+    assert json.loads((fresh / "vocab.json").read_text())["ids"] == json.loads((work / "vocab.json").read_text())["ids"]
     cfg = eagle.Config(target, second, fresh, aux_layers="2,4,5")
     ids = json.loads((fresh / "vocab.json").read_text())["ids"]
     rows = [r for i, r in enumerate(eagle.load_features(cfg)) if not eagle.held_out(i, 0.1)]
@@ -191,3 +192,28 @@ def test_a_wider_head_starts_as_the_narrower_one_it_grows_from(target, tmp_path)
     with pytest.raises(SystemExit, match="narrower"):
         eagle.start_from(eagle.build_head(eagle.Config(target, tmp_path / "n", work, aux_layers="2,4,5",
                                                        intermediate_size=units // 2), ids, init=True), first, target)
+
+
+def test_a_head_that_goes_on_keeps_its_draft_vocabulary_when_answers_are_added(target, tmp_path):
+    """Answers added to a stage (training/more_answers.py) would choose another draft vocabulary; a run
+    from an exported head (--init) keeps the head's, so it can go on from it."""
+    first, work = tmp_path / "first", tmp_path / "work"
+    write_generations(work)
+    eagle.main(["--target", str(target), "--out", str(first), "--work", str(work), *TINY])
+    rng = random.Random(1)
+    torch.save([{"prompt": [rng.randrange(300)], "answer": [rng.randrange(1200, 2400) for _ in range(20)],
+                 "top_ids": None, "top_logp": None, "temperature": 0.0} for _ in range(40)],
+               work / "generations" / "00002.pt")
+    for stale in ("features", "train", "vocab.json"):
+        path = work / stale
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    grown = eagle.stage_vocab(eagle.Config(target, tmp_path / "x", work), VOCAB)
+    kept = Eagle3Head.load(first, target_dir=target).draft_to_target(torch.arange(1024)).tolist()
+    assert set(grown["ids"]) != set(kept)  # the added answers would move it
+    (work / "vocab.json").unlink()
+    second = tmp_path / "second"
+    eagle.main(["--target", str(target), "--out", str(second), "--work", str(work), "--init", str(first),
+                *TINY[:TINY.index("--steps")], "--steps", "2", *TINY[TINY.index("--steps") + 2 :]])
+    assert sorted(Eagle3Head.load(second, target_dir=target).draft_to_target(torch.arange(1024)).tolist()) \
+        == sorted(kept)
+    assert "draft vocabulary" in (second / "README.md").read_text()
