@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=3000, help="new everyday requests to answer")
     parser.add_argument("--seed", type=int, default=1, help="everyday.requests' seed (0 is distill's)")
     parser.add_argument("--minutes", type=float, default=30.0, help="stop after this long (the command resumes)")
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=16, help="requests answered together (a run keeps its first)")
     parser.add_argument("--new-tokens", type=int, default=192)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--threads", type=int, default=2)
@@ -101,13 +101,16 @@ def main(argv: list[str] | None = None) -> None:
     progress_path = args.work / f"more-{args.seed}-done.json"
     if progress_path.exists():
         progress = json.loads(progress_path.read_text())
+        if progress.setdefault("batch", args.batch) != args.batch:
+            log(f"more answers: going on in batches of {progress['batch']}, as this run began (not --batch {args.batch})")
     else:  # what the stage held before this run: its files are rewritten from these, so a crash between writes is harmless
-        progress = {"batches": 0, "sequences": 0, "answer_tokens": 0, "minutes": 0.0,
+        progress = {"batch": args.batch, "batches": 0, "sequences": 0, "answer_tokens": 0, "minutes": 0.0,
                     "first_shard": len(list(shards.glob("*.pt"))), "done_before": json.loads(done_path.read_text()),
                     "prompts_before": len(json.loads((args.work / "prompts.json").read_text()))}
     order = sorted(range(len(todo)), key=lambda i: len(todo[i]))  # similar lengths batch with less padding
-    batches = [order[i : i + args.batch] for i in range(0, len(order), args.batch)]
-    runner = ModelRunner(args.target, quantize="int4", max_sessions=args.batch)
+    size = progress["batch"]
+    batches = [order[i : i + size] for i in range(0, len(order), size)]
+    runner = ModelRunner(args.target, quantize="int4", max_sessions=size)
     tokenizer = runner.tokenizer
     start = time.monotonic()
     bar = tqdm(total=len(batches), initial=progress["batches"], desc="answers (int4)", mininterval=10)
