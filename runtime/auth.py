@@ -16,6 +16,8 @@ from pathlib import Path
 
 import grpc
 
+from .interceptors import refusal
+
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # probes need no key
 UNAUTHORIZED = "a valid API key is required: send `authorization: Bearer <key>`"
 
@@ -63,11 +65,4 @@ class RequireApiKey(grpc.aio.ServerInterceptor):
         metadata = dict(details.invocation_metadata or ())
         if bearer_ok(metadata.get("authorization"), self.key):
             return handler
-
-        async def refuse(request_or_requests, context):  # a coroutine serves every kind of call
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHORIZED)
-
-        kind = ("unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream else
-                "stream_unary" if handler.stream_unary else "stream_stream")
-        make = getattr(grpc, f"{kind}_rpc_method_handler")
-        return make(refuse, handler.request_deserializer, handler.response_serializer)
+        return refusal(handler, grpc.StatusCode.UNAUTHENTICATED, UNAUTHORIZED)

@@ -106,6 +106,21 @@ def _kind(handler) -> str:
             "stream_unary" if handler.stream_unary else "stream_stream")
 
 
+def _like(handler, behaviour):
+    """`behaviour` as a handler of `handler`'s kind, with its (de)serializers."""
+    make = getattr(grpc, f"{_kind(handler)}_rpc_method_handler")
+    return make(behaviour, handler.request_deserializer, handler.response_serializer)
+
+
+def refusal(handler, code: grpc.StatusCode, details: str):
+    """A handler of `handler`'s kind that ends every call with `code` (auth.RequireApiKey, Drain)."""
+
+    async def refuse(request_or_requests, context):  # a coroutine serves every kind of call
+        await context.abort(code, details)
+
+    return _like(handler, refuse)
+
+
 class Drain(grpc.aio.ServerInterceptor):
     """Counts the calls in flight; after `close()` refuses new ones with UNAVAILABLE. Health checks
     and reflection are neither counted (a Watch lasts as long as its client) nor refused."""
@@ -139,15 +154,10 @@ class Drain(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(self.OPEN):
             return handler
-        kind = _kind(handler)
-        make = getattr(grpc, f"{kind}_rpc_method_handler")
-        inner = getattr(handler, kind)
         if self.closing:
-            async def refuse(request_or_requests, context):  # a coroutine serves every kind of call
-                await context.abort(grpc.StatusCode.UNAVAILABLE, self.REFUSAL)
-
-            return make(refuse, handler.request_deserializer, handler.response_serializer)
-        if kind.endswith("_unary"):
+            return refusal(handler, grpc.StatusCode.UNAVAILABLE, self.REFUSAL)
+        inner = getattr(handler, _kind(handler))
+        if _kind(handler).endswith("_unary"):
             async def counted(request_or_requests, context):
                 self._enter()
                 try:
@@ -162,4 +172,4 @@ class Drain(grpc.aio.ServerInterceptor):
                         yield response
                 finally:
                     self._leave()
-        return make(counted, handler.request_deserializer, handler.response_serializer)
+        return _like(handler, counted)

@@ -1,6 +1,6 @@
 """training.more_answers on a tiny chat-templated target: new everyday requests answered by the int4
-runner, batched, appended to a finished answers stage as distill's shards; resumable; and a head that
-goes on from an exported one keeps its draft vocabulary however the answers grew."""
+runner, batched, appended to a finished answers stage as distill's shards; resumable. (That a head
+which goes on keeps its draft vocabulary as answers are added: test_eagle_train.py.)"""
 
 from __future__ import annotations
 
