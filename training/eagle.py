@@ -92,7 +92,7 @@ class Config:
     vocab_coverage: float = 0.99
     # train
     init: str = ""  # an exported head to start from (same target and draft vocabulary)
-    intermediate_size: int = 0  # the head's MLP width; 0: the target's
+    intermediate_size: int = 0  # the head's MLP width; 0: --init's, else the target's
     steps: int = 1000
     train_batch: int = 8
     max_length: int = 512
@@ -262,7 +262,7 @@ def build_head(cfg: Config, vocab_ids: list[int], init: bool) -> Eagle3Head:
     rope = dict(t.rope_parameters or {})
     theta = rope.pop("rope_theta", 10000.0)
     config = Eagle3Config(
-        hidden_size=t.hidden_size, intermediate_size=cfg.intermediate_size or t.intermediate_size,
+        hidden_size=t.hidden_size, intermediate_size=cfg.intermediate_size or init_width(cfg) or t.intermediate_size,
         num_attention_heads=t.num_attention_heads,
         num_key_value_heads=t.num_key_value_heads, head_dim=getattr(t, "head_dim", None)
         or t.hidden_size // t.num_attention_heads, vocab_size=t.vocab_size, draft_vocab_size=len(vocab_ids),
@@ -291,6 +291,13 @@ def build_head(cfg: Config, vocab_ids: list[int], init: bool) -> Eagle3Head:
             head.norm.weight.copy_(read_target_tensor(cfg.target, "model.norm.weight"))
             head.lm_head.weight.copy_(read_target_tensor(cfg.target, "lm_head.weight")[ids])
     return head
+
+
+def init_width(cfg: Config) -> int:
+    """--init's MLP width (0 without --init): a head goes on as wide as it was unless told otherwise."""
+    if not cfg.init:
+        return 0
+    return Eagle3Config.from_dict(json.loads((Path(cfg.init) / "config.json").read_text())).intermediate_size
 
 
 def widen(mlp: torch.nn.ModuleDict, weights: dict[str, torch.Tensor]) -> None:

@@ -192,6 +192,11 @@ def test_a_wider_head_starts_as_the_narrower_one_it_grows_from(target, tmp_path)
     with pytest.raises(SystemExit, match="narrower"):
         eagle.start_from(eagle.build_head(eagle.Config(target, tmp_path / "n", work, aux_layers="2,4,5",
                                                        intermediate_size=units // 2), ids, init=True), first, target)
+    # --init the wide head, no width given: it goes on as wide (not refused as narrower than --init's)
+    again = eagle.build_head(eagle.Config(target, tmp_path / "again", work, aux_layers="2,4,5",
+                                          init=str(tmp_path / "wide")), ids, init=True)
+    eagle.start_from(again, tmp_path / "wide", target)
+    assert again.config.intermediate_size == 3 * units
 
 
 def test_a_head_that_goes_on_keeps_its_draft_vocabulary_when_answers_are_added(target, tmp_path):
