@@ -504,6 +504,8 @@ def stage_export(cfg: Config, vocab: dict, features: dict, result: dict) -> dict
                      "minutes": round(result["train_wall_s"] / 60, 1), "precision": result["precision"],
                      "ttt_steps": cfg.ttt_steps, "ttt_decay": cfg.ttt_decay},
         "heldout": final,
+        "init": {"head": cfg.init, "its_intermediate_size": init_width(cfg),
+                 "intermediate_size": head.config.intermediate_size} if cfg.init else None,
         "curve": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in e.items()} for e in result["evals"]],
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items() if k not in ("out", "work")},
     }
@@ -536,6 +538,10 @@ def model_card(info: dict) -> str:
         (f"| features | {f['sequences']:,} sequences, {f['tokens']:,} tokens, {f['minutes']} min"
          f" ({f['tokens_per_s']:,} tokens/s) |"),
         f"| draft vocabulary | {v['size']:,} ids ({100 * v['target_coverage']:.1f}% of answer tokens) |",
+        *([f"| started from | the head in {i['head']} (`--init`)"
+           + (f", its MLP widened {i['its_intermediate_size']:,} → {i['intermediate_size']:,} units"
+              if i["intermediate_size"] != i["its_intermediate_size"] else "") + " |"]
+          if (i := info.get("init")) else []),
         (f"| training | {t['steps']:,} steps, ~{t['answer_tokens_seen']:,} answer tokens, {t['minutes']} min,"
          f" {t['precision']} |"),
         "| held-out agreement per step (argmax = the target's argmax, fed its own states) | "
