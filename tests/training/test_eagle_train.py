@@ -221,4 +221,7 @@ def test_a_head_that_goes_on_keeps_its_draft_vocabulary_when_answers_are_added(t
                 *TINY[:TINY.index("--steps")], "--steps", "2", *TINY[TINY.index("--steps") + 2 :]])
     assert sorted(Eagle3Head.load(second, target_dir=target).draft_to_target(torch.arange(1024)).tolist()) \
         == sorted(kept)
-    assert "draft vocabulary" in (second / "README.md").read_text()
+    card = (second / "README.md").read_text()
+    assert "draft vocabulary" in card
+    assert f"| started from | the head in {first} (`--init`) |" in card  # as wide: nothing widened
+    assert "started from" not in (first / "README.md").read_text()
