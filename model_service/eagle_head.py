@@ -174,8 +174,9 @@ class Eagle3Layer(nn.Module):
 
     def fuse_projections(self) -> None:
         """q/k/v as one linear and gate/up as one (serving: a step makes 5 linear calls instead of 8;
-        on the int8 head, measured, ~55 us less a step). The separate ones stay (checkpoints and
-        training read them); the arithmetic per output is unchanged."""
+        on the int8 head, measured, ~55 us less a step); the arithmetic per output is unchanged. The
+        separate ones are dropped (one copy of the weights): the head is then for serving only, not
+        for training or `save`, which read the speculators layout's separate linears."""
         def joined(names: list[str], linears: nn.ModuleDict) -> nn.Linear:
             parts = [linears[n] for n in names]
             bias = parts[0].bias is not None
@@ -189,6 +190,9 @@ class Eagle3Layer(nn.Module):
 
         self.qkv_proj = joined(["q_proj", "k_proj", "v_proj"], self.self_attn)
         self.gate_up_proj = joined(["gate_proj", "up_proj"], self.mlp)
+        for linears, names in ((self.self_attn, ("q_proj", "k_proj", "v_proj")), (self.mlp, ("gate_proj", "up_proj"))):
+            for name in names:
+                del linears[name]
 
     def project(self, embeds, hidden, cos, sin):
         """embeds, hidden: [B, S, H]; cos, sin: [B, S, hd] -> q [B, heads, S, hd], k, v [B, kv, S, hd], residual."""
@@ -403,6 +407,8 @@ class Eagle3Head(nn.Module):
     def save(self, directory, dtype=torch.bfloat16, embeddings: bool | None = None) -> None:
         """config.json + model.safetensors; the embedding only where it did not come from the target
         (embeddings=None) or where asked."""
+        if self.layer.qkv_proj is not None:
+            raise ValueError("a head joined for serving (fuse_projections) has no speculators layout: save it unjoined")
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         keep = (not self.embeddings_from_target) if embeddings is None else embeddings

@@ -156,8 +156,9 @@ class Drain(grpc.aio.ServerInterceptor):
             return handler
         if self.closing:
             return refusal(handler, grpc.StatusCode.UNAVAILABLE, self.REFUSAL)
-        inner = getattr(handler, _kind(handler))
-        if _kind(handler).endswith("_unary"):
+        kind = _kind(handler)
+        inner = getattr(handler, kind)
+        if kind.endswith("_unary"):
             async def counted(request_or_requests, context):
                 self._enter()
                 try:

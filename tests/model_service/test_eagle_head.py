@@ -55,7 +55,7 @@ def test_many_rows_at_once_equal_one_row_at_a_time():
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_joined_projections_compute_what_the_separate_ones_do(bias):
+def test_joined_projections_compute_what_the_separate_ones_do(bias, tmp_path):
     """fuse_projections (serving): q/k/v and gate/up as one linear each give the same step."""
     head = random_head(2, attention_bias=bias)
     ids, hidden = torch.randint(0, V, (5,)), torch.randn(5, H)
@@ -68,6 +68,9 @@ def test_joined_projections_compute_what_the_separate_ones_do(bias):
     with torch.no_grad():  # the joined linear is the one that runs: a changed q/k/v weight changes the step
         head.layer.qkv_proj.weight.mul_(2)
     assert not torch.allclose(run(head, ids, hidden, torch.arange(5), head.new_cache())[1], want[1])
+    assert "q_proj" not in head.layer.self_attn and "up_proj" not in head.layer.mlp  # one copy of the weights
+    with pytest.raises(ValueError, match="serving"):
+        head.save(tmp_path)
 
 
 def test_crop_then_step_again_gives_the_same_as_before():
