@@ -19,7 +19,8 @@ sweeping K:
      services then run is the int4 one, so their greedy text is its own
   g  d with the EAGLE-3 head (--eagle, default models/eagle) drafting from the target's hidden
      states, at --quant-k and adaptive K, float32 and each --quantize; its feature bytes a round
-     (`--only eagle`: rows a, a', g and l, and d at --quant-k and adaptive K beside g)
+     (`--only eagle`: rows a, a', g and l, and d at --quant-k and adaptive K beside g; a' is
+     measured again right after the g rows and quoted as the mean of its two runs)
   e  d with an oracle draft replaying the target's own greedy continuation (acceptance 1.0):
      the ceiling of the machinery (greedy only)
   f  d at K = --tp-k with the target tensor-parallel over 1 and 2 ranks (--tp), one torch
@@ -49,6 +50,7 @@ import argparse
 import importlib.util
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -126,7 +128,8 @@ class PairRun:
         self.eagle = Path(args.eagle) if args.eagle else None
         self.eagle_only = args.only == "eagle"
         if self.eagle_only:
-            runs = len(modes) * (2 + len(self.quantized) + (self.gguf is not None) + 4 * (1 + len(self.quantized)))
+            runs = len(modes) * (2 + 2 * (1 + len(self.quantized)) + (self.gguf is not None)
+                                 + 4 * (1 + len(self.quantized)))
         else:
             runs = (len(modes) * (3 + 4 * len(ks) + len(tp_sizes) + (self.gguf is not None)
                                   + 3 * len(self.quantized) + (2 + 2 * len(self.quantized)) * (self.eagle is not None))
@@ -136,6 +139,7 @@ class PairRun:
         self.baselines: dict[str, list[float]] = {}  # row a's tokens/s, per mode: at the start and after every K
         self.references = None  # greedy: each prompt with row a's continuation (the oracle's, row e)
         self.hf_greedy, self.identical = None, {}  # d's greedy outputs equal to a's: (row, K) -> count
+        self.alone: dict[tuple[str, str], dict] = {}  # (mode, quantize) -> row a' (--only eagle measures it again)
         self.rss: dict[str, float] = {}
         self.stack: LocalStack | None = None
 
@@ -213,8 +217,9 @@ class PairRun:
                                                          self.eos, quantize)
             rows.append({"name": "a' target alone (runner)" + ("" if quantize == "none" else f", {quantize}"),
                          "mode": mode, "k": 0, "tokens": tokens, "tokens_per_s": tokens / seconds,
-                         "quantize": quantize, "ms_per_pass": seconds * 1e3 / tokens,
-                         "weight_mb": weight_bytes / 1e6})
+                         "tokens_per_s_runs": [tokens / seconds], "quantize": quantize,
+                         "ms_per_pass": seconds * 1e3 / tokens, "weight_mb": weight_bytes / 1e6})
+            self.alone[mode, quantize] = rows[-1]
             self.bar.update()
         ran = (llama_row.run(self.gguf, prompts, temperature, args.new_tokens, args.threads, args.out)
                if self.gguf else None)
@@ -251,6 +256,22 @@ class PairRun:
                 self.bar.update()
         if head:
             self.rss.update({f"{name} (eagle{suffix})": rss_mb(proc.pid) for name, proc in self.stack.procs.items()})
+            for mode, temperature in self.modes.items():
+                self.alone_again(mode, temperature, quantize)
+
+    def alone_again(self, mode: str, temperature: float, quantize: str) -> None:
+        """Row a' once more, right after the g rows it is compared with: its tokens/s becomes the mean of
+        its runs, so that a slow or fast spell of a shared machine does not decide g / a'."""
+        row = self.alone.get((mode, quantize))
+        if row is None:
+            return
+        self.progress(f"{mode}: a' target alone again ({quantize})")
+        tokens, seconds, _ = runner_alone(self.target_dir, self.prompts, temperature, self.args.new_tokens,
+                                          self.eos, quantize)
+        row["tokens_per_s_runs"].append(tokens / seconds)
+        row["tokens_per_s"] = statistics.mean(row["tokens_per_s_runs"])
+        row["ms_per_pass"] = 1e3 / row["tokens_per_s"]
+        self.bar.update()
 
     def float_rows(self, mode: str, temperature: float) -> None:
         """Rows a, a' (and a' quantized), b, c, d at each K (a again after each), d with adaptive K, l."""

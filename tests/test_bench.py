@@ -200,3 +200,24 @@ def test_tiny_structured_bench(pair, tmp_path, capsys):
     assert result["rows"][-1]["same_output_as_m"]  # greedy: masking q changes acceptance, not the output
     assert set(result["bars"]) >= {"all_valid", "c_vs_u_tokens_per_s_k_4", "masked_vs_unmasked_acceptance"}
     assert "mask ms/rnd" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # ~30 s: services started three times
+def test_tiny_eagle_rows_measure_a_prime_again_after_g(pair, tmp_path, capsys):
+    """`--only eagle`: rows a, a', g and d (the distilled draft beside it); a' runs again right after
+    the g rows, and the g / a' bar reads the mean of its two runs (a slow or fast spell of a shared
+    machine moves both sides)."""
+    draft, target = pair
+    head = make_head(target, tmp_path / "head")
+    bench_main(["--draft-model", str(draft), "--target-model", str(target), "--only", "eagle", "--prompts", "2",
+                "--new-tokens", "8", "--modes", "greedy", "--quantize", "", "--threads", "1", "--eagle", str(head),
+                "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "eagle.json").read_text())["rows"]
+    assert sorted(r["name"][:2].strip() for r in rows) == ["a", "a'", "d", "d", "g", "g"]
+    alone = next(r for r in rows if r["name"].startswith("a' "))
+    assert len(alone["tokens_per_s_runs"]) == 2
+    assert alone["tokens_per_s"] == pytest.approx(statistics.mean(alone["tokens_per_s_runs"]))
+    g = max((r for r in rows if r["name"].startswith("g ")), key=lambda r: r["tokens_per_s"])
+    out = capsys.readouterr().out
+    bar = next(line for line in out.splitlines() if line.startswith("bar g eagle >= 1.6x a'"))
+    assert f"{g['tokens_per_s'] / alone['tokens_per_s']:.2f}x" in bar and "the mean of its runs" in bar

@@ -21,9 +21,11 @@ resumes the run, and a stage already done is skipped:
              answer tokens (a multiple of 1024; d2t / t2d), held-out answers excluded; with --init,
              that head's (answers added since, training/more_answers.py, do not change it).
   train      the head (model_service/eagle_head.py) learns the target's distribution with training-time
-             test: --ttt-steps steps in which a row is fed the head's own out_hidden and its own
-             proposed token, one position further, attending as at inference (the target-feature rows up
-             to its position, then its own chain); step k's loss is weighted --ttt-decay ** k. The soft
+             test: --ttt-steps steps in which a row is fed the head's own out_hidden, one position
+             further, attending as at inference (the target-feature rows up to its position, then its
+             own chain), and the answer's next token (--ttt-tokens teacher, as EAGLE-3 trains: step k
+             only counts where steps 0..k-1 were accepted, i.e. proposed the tokens the target's labels
+             were computed after) or its own proposal (own); step k's loss is weighted --ttt-decay ** k. The soft
              labels are restricted to the draft vocabulary and renormalised. The decoder layer starts as
              the target's last layer (q/k/v's hidden half; the embedding half is random), norm as the
              target's final norm, lm_head as the target's output rows of the draft vocabulary; the
@@ -100,6 +102,7 @@ class Config:
     warmup: int = 50
     ttt_steps: int = 4
     ttt_decay: float = 0.8
+    ttt_tokens: str = "teacher"  # what steps >= 1 read: "teacher" (the answer's tokens) or "own" (the head's argmax)
     heldout_share: float = 0.02
     heldout_rows: int = 64
     eval_every: int = 100
@@ -381,9 +384,11 @@ def chain_attention(q, k0, v0, ks, vs):
     return w[..., :T] @ v0 + (w[..., T:].unsqueeze(-1) * vd).sum(3)
 
 
-def ttt(head: Eagle3Head, batch: dict, steps: int):
+def ttt(head: Eagle3Head, batch: dict, steps: int, teacher: bool = False):
     """Yields each step's logits [B, T, Vd]: step 0 from the target's features, step k from step k-1's
-    out_hidden and proposed tokens at positions t + k."""
+    out_hidden at positions t + k, and its proposed tokens, or with `teacher` the sequence's own tokens
+    (step k's row t reads token t + 1 + k: the tokens a chain still alive at step k has proposed,
+    whose labels the target computed after exactly those tokens)."""
     hidden = head.fc(batch["features"])  # [B, T, H]
     inputs = batch["inputs"]
     positions = torch.arange(inputs.shape[1]).expand_as(inputs)
@@ -401,7 +406,7 @@ def ttt(head: Eagle3Head, batch: dict, steps: int):
         hidden = head.layer.finish(attention, residual)
         logits = head.lm_head(head.norm(hidden))
         yield logits
-        inputs = head.draft_to_target(logits.detach().argmax(-1))
+        inputs = shifted(batch["inputs"], k + 1) if teacher else head.draft_to_target(logits.detach().argmax(-1))
 
 
 def shifted(x: torch.Tensor, by: int) -> torch.Tensor:
@@ -409,10 +414,10 @@ def shifted(x: torch.Tensor, by: int) -> torch.Tensor:
     return torch.cat([x[:, by:], x.new_zeros(x.shape[0], min(by, x.shape[1]), *x.shape[2:])], dim=1)
 
 
-def ttt_loss(head: Eagle3Head, batch: dict, steps: int, decay: float) -> torch.Tensor:
+def ttt_loss(head: Eagle3Head, batch: dict, steps: int, decay: float, teacher: bool = False) -> torch.Tensor:
     """sum_k decay^k * mean over rows of -sum_v p(v) log q_k(v), step k's row t scored against position t+1+k."""
     total = 0.0
-    for k, logits in enumerate(ttt(head, batch, steps)):
+    for k, logits in enumerate(ttt(head, batch, steps, teacher)):
         w = shifted(batch["weight"], 1 + k) > 0
         if not w.any():
             break
@@ -477,7 +482,10 @@ def stage_train(cfg: Config, vocab: dict) -> dict:
         curve_path.write_text(json.dumps(curve, indent=1))
         return metrics
 
-    return loop.train("eagle", head, lambda m, batch: ttt_loss(m, batch, cfg.ttt_steps, cfg.ttt_decay),
+    if cfg.ttt_tokens not in ("teacher", "own"):
+        raise SystemExit(f"--ttt-tokens {cfg.ttt_tokens!r}: expected teacher or own")
+    teacher = cfg.ttt_tokens == "teacher"
+    return loop.train("eagle", head, lambda m, batch: ttt_loss(m, batch, cfg.ttt_steps, cfg.ttt_decay, teacher),
                       held_out_metrics, schedule, ckpt, seed=cfg.seed,
                       precision="bf16" if loop.bf16_is_fast() else "fp32", checkpoint_minutes=3.0,
                       eval_every=cfg.eval_every, sample=sample)
@@ -502,7 +510,7 @@ def stage_export(cfg: Config, vocab: dict, features: dict, result: dict) -> dict
         "draft_vocab": {k: v for k, v in vocab.items() if k != "ids"},
         "training": {"steps": result["steps"], "answer_tokens_seen": result["tokens_seen"],
                      "minutes": round(result["train_wall_s"] / 60, 1), "precision": result["precision"],
-                     "ttt_steps": cfg.ttt_steps, "ttt_decay": cfg.ttt_decay},
+                     "ttt_steps": cfg.ttt_steps, "ttt_decay": cfg.ttt_decay, "ttt_tokens": cfg.ttt_tokens},
         "heldout": final,
         "init": {"head": cfg.init, "its_intermediate_size": init_width(cfg),
                  "intermediate_size": head.config.intermediate_size} if cfg.init else None,
@@ -532,7 +540,10 @@ def model_card(info: dict) -> str:
                                  " (training/everyday.py)")
          + "; held-out bench prompts excluded); its float32 hidden states and top-k next-token"
          " distributions on those answers, teacher-forced, were the training data; training-time test over"
-         f" {t['ttt_steps']} steps" + (f"; {t['schedule']}" if t.get("schedule") else "") + ".\n"),
+         f" {t['ttt_steps']} steps"
+         + (", each step after the first reading the answer's own next token" if t.get("ttt_tokens") == "teacher"
+            else ", each step after the first reading the head's own proposal" if t.get("ttt_tokens") else "")
+         + (f"; {t['schedule']}" if t.get("schedule") else "") + ".\n"),
         "| figure | value |\n|---|---|",
         f"| target answers | {g['sequences']:,} ({g['answer_tokens']:,} tokens, {g['minutes']} min) |",
         (f"| features | {f['sequences']:,} sequences, {f['tokens']:,} tokens, {f['minutes']} min"

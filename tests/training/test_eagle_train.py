@@ -149,6 +149,35 @@ def test_training_time_test_is_the_serving_step(target, tmp_path):
                 out, logits = head.step(token, out, torch.tensor([t + 1 + k]), cache)
 
 
+def test_teacher_tokens_are_the_serving_step_fed_the_answer(target, tmp_path):
+    """--ttt-tokens teacher: step k at row t equals drafting at inference where every earlier proposal
+    was the sequence's own next token (a chain still alive), and differs from feeding the head's own
+    argmax where that is another token."""
+    torch.manual_seed(1)
+    cfg = eagle.Config(target, tmp_path, tmp_path)
+    head = eagle.build_head(cfg, list(range(0, 2048, 2)), init=True).eval()
+    with torch.no_grad():
+        for p in head.fc.parameters():
+            p.normal_(0, 0.2)
+    T, steps = 9, 3
+    ids = torch.randint(0, 1024, (1, T + 1)) * 2  # in the draft vocabulary
+    batch = {"features": torch.randn(1, T, 96), "inputs": ids[:, 1:]}  # row t: token t + 1
+    with torch.no_grad():
+        taught = list(eagle.ttt(head, batch, steps, teacher=True))
+        own = list(eagle.ttt(head, batch, steps))
+        hidden = head.fuse(batch["features"][0])
+        differs = 0
+        for t in (0, 3, 5):
+            cache = head.new_cache()
+            out, logits = head.step(ids[0, 1 : t + 2], hidden[: t + 1], torch.arange(t + 1), cache)
+            out, logits = out[-1:], logits[-1:]
+            for k in range(steps):
+                torch.testing.assert_close(logits[0], taught[k][0, t], atol=2e-4, rtol=2e-4)
+                differs += k > 0 and not torch.allclose(taught[k][0, t], own[k][0, t], atol=1e-3)
+                out, logits = head.step(ids[0, t + 2 + k : t + 3 + k], out, torch.tensor([t + 1 + k]), cache)
+    assert differs  # the random head's argmax is not the sequence: the two modes are different trainings
+
+
 def test_labels_are_the_targets_top_k_in_the_draft_vocabulary(target, tmp_path):
     head = eagle.build_head(eagle.Config(target, tmp_path, tmp_path), [5, 7, 9, 11], init=False)
     row = {"ids": torch.tensor([1, 2, 3, 7, 9]), "prompt": 3, "hidden": torch.zeros(5, 96).half(),
