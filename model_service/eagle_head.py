@@ -178,7 +178,8 @@ class Eagle3Layer(nn.Module):
         separate ones are dropped (one copy of the weights): the head is then for serving only, not
         for training or `save`, which read the speculators layout's separate linears."""
         def joined(names: list[str], linears: nn.ModuleDict) -> nn.Linear:
-            parts = [linears[n] for n in names]
+            """One linear of `names`' outputs in order; the separate ones leave `linears`."""
+            parts = [linears.pop(n) for n in names]
             bias = parts[0].bias is not None
             out = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=bias,
                             device=parts[0].weight.device, dtype=parts[0].weight.dtype)
@@ -190,9 +191,6 @@ class Eagle3Layer(nn.Module):
 
         self.qkv_proj = joined(["q_proj", "k_proj", "v_proj"], self.self_attn)
         self.gate_up_proj = joined(["gate_proj", "up_proj"], self.mlp)
-        for linears, names in ((self.self_attn, ("q_proj", "k_proj", "v_proj")), (self.mlp, ("gate_proj", "up_proj"))):
-            for name in names:
-                del linears[name]
 
     def project(self, embeds, hidden, cos, sin):
         """embeds, hidden: [B, S, H]; cos, sin: [B, S, hd] -> q [B, heads, S, hd], k, v [B, kv, S, hd], residual."""

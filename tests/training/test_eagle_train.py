@@ -124,15 +124,21 @@ def test_a_run_goes_on_in_another_session_from_the_answers_archive_and_the_expor
                     str(archive), "--init", str(first), "--aux-layers", "1,4,5", *TINY])
 
 
-def test_training_time_test_is_the_serving_step(target, tmp_path):
-    """Step k of the training-time test at row t equals drafting at inference: the target-feature rows
-    0..t in the cache, then the head's own rows one position further each step."""
-    torch.manual_seed(0)
-    cfg = eagle.Config(target, tmp_path, tmp_path)
-    head = eagle.build_head(cfg, list(range(0, 2048, 2)), init=True).eval()
+def random_head(target, tmp_path, seed: int) -> eagle.Eagle3Head:
+    """A head as the trainer builds it (draft vocabulary: the even ids below 2048), its fc random
+    enough that the target-feature rows matter."""
+    torch.manual_seed(seed)
+    head = eagle.build_head(eagle.Config(target, tmp_path, tmp_path), list(range(0, 2048, 2)), init=True).eval()
     with torch.no_grad():
         for p in head.fc.parameters():
             p.normal_(0, 0.2)
+    return head
+
+
+def test_training_time_test_is_the_serving_step(target, tmp_path):
+    """Step k of the training-time test at row t equals drafting at inference: the target-feature rows
+    0..t in the cache, then the head's own rows one position further each step."""
+    head = random_head(target, tmp_path, seed=0)
     T, steps = 9, 4
     ids = torch.randint(0, 2048, (1, T))
     batch = {"features": torch.randn(1, T, 96), "inputs": ids}
@@ -153,12 +159,7 @@ def test_teacher_tokens_are_the_serving_step_fed_the_answer(target, tmp_path):
     """--ttt-tokens teacher: step k at row t equals drafting at inference where every earlier proposal
     was the sequence's own next token (a chain still alive), and differs from feeding the head's own
     argmax where that is another token."""
-    torch.manual_seed(1)
-    cfg = eagle.Config(target, tmp_path, tmp_path)
-    head = eagle.build_head(cfg, list(range(0, 2048, 2)), init=True).eval()
-    with torch.no_grad():
-        for p in head.fc.parameters():
-            p.normal_(0, 0.2)
+    head = random_head(target, tmp_path, seed=1)
     T, steps = 9, 3
     ids = torch.randint(0, 1024, (1, T + 1)) * 2  # in the draft vocabulary
     batch = {"features": torch.randn(1, T, 96), "inputs": ids[:, 1:]}  # row t: token t + 1
