@@ -35,6 +35,21 @@ AUDIENCES = ["a ten-year-old", "a five-year-old", "a beginner", "my grandmother"
 LENGTHS = ["in one sentence", "in two sentences", "in a few sentences", "briefly", "in simple words", "in a short paragraph"]
 HEALTH = "walking every day, eating vegetables, getting enough sleep, meditation, stretching, green tea, swimming, yoga, eating fish, cycling, laughing, gardening, reading, spending time outdoors".split(", ")
 
+CITIES = "Tokyo, Barcelona, New York, Lisbon, Prague, Istanbul, Cape Town, Vancouver, Edinburgh, Kyoto, Amsterdam, Vienna, Buenos Aires, Singapore, Marrakech, Dublin, Berlin, Seoul, Mexico City, Sydney".split(", ")
+PRODUCTS = "a reusable water bottle, a standing desk, noise-cancelling headphones, a handmade candle, a backpack, a smartwatch, a coffee grinder, a yoga mat, a houseplant, a board game, a laptop stand, wireless earbuds, a cookbook, a bike helmet, a desk lamp".split(", ")
+PROBLEMS = "a slow computer, a leaking faucet, a phone that will not charge, a squeaky door, a printer that will not print, a clogged drain, Wi-Fi that keeps dropping, a laptop that overheats, a frozen app, a flat bike tire, a sticky drawer, a noisy fridge, a full email inbox, a blurry photo".split(", ")
+PROG_CONCEPTS = "recursion, closures, generators, decorators, classes, interfaces, error handling, unit tests, variables, loops, pointers, async functions, hash maps, regular expressions, immutability, type annotations, modules, inheritance, callbacks, lambdas".split(", ")
+CLASS_THINGS = "a bank account, a to-do list, a shopping cart, a library book, a stopwatch, a queue, a stack, a temperature sensor, a playing card deck, a student record, a simple counter, a rectangle, a contact book".split(", ")
+CHOICES = "working from home, living in a big city, buying an electric car, renting an apartment, learning online, owning a dog, using social media, public transport, a four-day work week, homeschooling, solar power, freelancing, a gap year, self-driving cars, nuclear power".split(", ")
+HYPOTHETICALS = "the moon disappeared, humans could breathe underwater, the internet went down for a week, everyone spoke the same language, it never rained again, animals could talk, we had no electricity, the Earth spun twice as fast, plants stopped growing, nobody needed to sleep".split(", ")
+TONES = "formal, friendly, confident, polite, persuasive, concise, cheerful, professional".split(", ")
+SENTENCES = ["I can't come to the meeting tomorrow.", "Your order is late because of the weather.", "We need to talk about the budget.", "The new app is better than the old one.", "Please send me the report by Friday.", "I think we should try a different approach.", "Thanks for your help with the project.", "The store will be closed on Monday."]
+DIETS = "a vegetarian, a runner, a busy student, someone on a budget, a family of four, someone who wants more protein, a vegan, someone who cannot eat gluten".split(", ")
+GENRES = "mystery, science fiction, fantasy, adventure, funny, spooky, fairy tale, detective".split(", ")
+HEROES = "a lonely robot, a brave mouse, a young inventor, a lost astronaut, a talking dog, a retired pirate, a curious girl, an old wizard, a clumsy dragon, a shy ghost, a time traveler, a kind giant".split(", ")
+OPENERS = ["", "", "", "Hi! ", "Hello, ", "Quick question: ", "Please help: ", "Hey, ", "I have a question. ", "Could you help me? ", "I'm a student. ", "I'm curious. "]
+CLOSERS = ["", "", "", " Thanks!", " Keep it short.", " Use bullet points.", " Please be detailed.", " Give an example.", " Explain your answer.", " Thank you.", " Use simple language.", " Answer in a numbered list."]
+
 TEMPLATES = [
     lambda r: f"Explain how {r.choice(SCIENCE)} works to {r.choice(AUDIENCES)}.",
     lambda r: f"Explain what {r.choice(SCIENCE)} is{' ' + r.choice(LENGTHS) if r.random() < .5 else ''}.",
@@ -71,6 +86,22 @@ TEMPLATES = [
     lambda r: f"Translate '{r.choice(['Good morning', 'Thank you very much', 'Where is the train station?', 'I love reading books', 'How are you?', 'See you tomorrow'])}' into {r.choice(['French', 'Spanish', 'German', 'Italian', 'Portuguese'])}.",
     lambda r: f"What does the word '{r.choice(['serendipity', 'ephemeral', 'ubiquitous', 'resilient', 'nostalgia', 'algorithm', 'metaphor', 'democracy', 'empathy'])}' mean?",
     lambda r: f"Describe {r.choice(['a typical day of a nurse', 'the life cycle of a frog', 'how to be a good friend', 'what makes a good leader', 'the city of Rome', 'a perfect weekend', 'the rules of chess', 'the rules of soccer', 'how a library works', 'the solar system'])}.",
+    lambda r: f"Write {r.choice(FORMS)} about {r.choice(SCIENCE)}.",
+    lambda r: f"Explain {r.choice(SCIENCE)} using an everyday analogy.",
+    lambda r: f"Plan a {r.choice(['one', 'two', 'three'])}-day trip to {r.choice(CITIES)}.",
+    lambda r: f"What are the best things to do in {r.choice(CITIES)}?",
+    lambda r: f"Write a short product description for {r.choice(PRODUCTS)}.",
+    lambda r: f"How do I fix {r.choice(PROBLEMS)}?",
+    lambda r: f"Explain {r.choice(PROG_CONCEPTS)} in {r.choice(LANGS)} with an example.",
+    lambda r: f"Write a {r.choice(LANGS)} class for {r.choice(CLASS_THINGS)}.",
+    lambda r: f"What are the pros and cons of {r.choice(CHOICES)}?",
+    lambda r: f"What would happen if {r.choice(HYPOTHETICALS)}?",
+    lambda r: f"Rewrite this sentence to sound more {r.choice(TONES)}: \"{r.choice(SENTENCES)}\"",
+    lambda r: f"Suggest a {r.choice(['one-day', 'three-day', 'weekly'])} meal plan for {r.choice(DIETS)}.",
+    lambda r: f"Write the opening of a {r.choice(GENRES)} story about {r.choice(HEROES)}.",
+    lambda r: f"Write {r.choice(['three', 'five'])} quiz questions about {r.choice(SCIENCE + BOOKS + PEOPLE)}, with answers.",
+    lambda r: f"Compare {r.choice(PEOPLE)} and {r.choice(PEOPLE)}.",
+    lambda r: f"What can I learn from {r.choice(PEOPLE)}?",
 ]
 
 
@@ -82,7 +113,7 @@ def requests(count: int, seed: int, exclude: set[str] = frozenset()) -> list[str
     for _ in range(count * 20):
         if len(out) >= count:
             break
-        text = rng.choice(TEMPLATES)(rng).strip()
+        text = f"{rng.choice(OPENERS)}{rng.choice(TEMPLATES)(rng).strip()}{rng.choice(CLOSERS)}"
         if text not in seen:
             seen.add(text)
             out.append(text)
