@@ -9,8 +9,8 @@ resumes the run, and a stage already done is skipped:
   answers    distill's prompt and generation stages (training/distill.py), unchanged: prompts.json
              and generations/*.pt with done.json. A --work where they are done is used as it is;
              --answers ARCHIVE unpacks a finished stage into an empty one (made with
-             `tar czf ARCHIVE -C WORK prompts.json generations`: token ids, ~1.9 MB for 1.44 M answer
-             tokens; training/answers/ holds the default target's, ~3 hours of generation saved).
+             `tar czf ARCHIVE -C WORK prompts.json generations`: token ids, ~2.6 MB for 1.85 M answer
+             tokens; training/answers/ holds the default target's, ~3.7 hours of generation saved).
   features   the float32 target teacher-forced over prompt + answer, batched: at every position the
              hidden states at the aux layers (the INPUTS of decoder layers --aux-layers, vLLM's
              convention; default 2, L // 2, L - 3), float16 [T, len(aux) * H]; at every position
