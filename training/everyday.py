@@ -100,7 +100,7 @@ TEMPLATES = [
     lambda r: f"Suggest a {r.choice(['one-day', 'three-day', 'weekly'])} meal plan for {r.choice(DIETS)}.",
     lambda r: f"Write the opening of a {r.choice(GENRES)} story about {r.choice(HEROES)}.",
     lambda r: f"Write {r.choice(['three', 'five'])} quiz questions about {r.choice(SCIENCE + BOOKS + PEOPLE)}, with answers.",
-    lambda r: f"Compare {r.choice(PEOPLE)} and {r.choice(PEOPLE)}.",
+    lambda r: "Compare {} and {}.".format(*r.sample(PEOPLE, 2)),
     lambda r: f"What can I learn from {r.choice(PEOPLE)}?",
 ]
 
