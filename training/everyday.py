@@ -1,6 +1,7 @@
 """Everyday assistant requests for training data: explanations, how-tos, recipes, short writing, code,
 advice, emails, summaries, lists, facts; composed from templates over slot lists (typed as a user
-types them, the grammar not always right).
+types them, the grammar not always right, between an opener and a closer such as "Quick question:"
+and "Use bullet points.").
 
 The standard-library prompts and the target's own questions (distill.py) lean to Python and to
 the target's idea of a question; the requests users send a chat model look more like these. The
@@ -47,6 +48,8 @@ SENTENCES = ["I can't come to the meeting tomorrow.", "Your order is late becaus
 DIETS = "a vegetarian, a runner, a busy student, someone on a budget, a family of four, someone who wants more protein, a vegan, someone who cannot eat gluten".split(", ")
 GENRES = "mystery, science fiction, fantasy, adventure, funny, spooky, fairy tale, detective".split(", ")
 HEROES = "a lonely robot, a brave mouse, a young inventor, a lost astronaut, a talking dog, a retired pirate, a curious girl, an old wizard, a clumsy dragon, a shy ghost, a time traveler, a kind giant".split(", ")
+# each request is wrapped in an opener and a closer as users type them; the repeated "" make a
+# quarter of each empty
 OPENERS = ["", "", "", "Hi! ", "Hello, ", "Quick question: ", "Please help: ", "Hey, ", "I have a question. ", "Could you help me? ", "I'm a student. ", "I'm curious. "]
 CLOSERS = ["", "", "", " Thanks!", " Keep it short.", " Use bullet points.", " Please be detailed.", " Give an example.", " Explain your answer.", " Thank you.", " Use simple language.", " Answer in a numbered list."]
 
