@@ -38,7 +38,8 @@ STALE_LOCK_S = 300  # a build takes ~10 s: a build lock this old was left by a k
 BLOCK_BYTES = 320  # a tile's block of 32 inputs: d, m (16 float16 each) and 256 bytes of nibbles
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "built": bool, "why": str (when not), "path": the CPU path compiled
+_state: dict[str, object] = {}
+# "built": bool, "why": str (when not), "path": the CPU path compiled, "threaded": built with OpenMP
 
 # the schema (csrc/q4_mm.cpp adds the CPU kernel to it); kept alive with the module
 _library = torch.library.Library("specdec", "FRAGMENT")
@@ -49,16 +50,24 @@ _library.define("q4_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!) kv, int 
                 " Tensor?[] qkv_bias, Tensor[] tiles, int[] outs) -> Tensor")
 
 
-def cflags() -> list[str]:
-    """What the kernel is compiled with: for this CPU, plus $SPECDEC_Q4_CFLAGS (e.g. "-mno-avx512f"
-    builds the AVX2 path on an AVX-512 machine: the tests build every path so)."""
-    return ["-O3", "-march=native", "-ffp-contract=off", *os.environ.get("SPECDEC_Q4_CFLAGS", "").split()]
+def cflags(openmp: bool = True) -> list[str]:
+    """What the kernel is compiled with: for this CPU, with OpenMP (`openmp`), plus
+    $SPECDEC_Q4_CFLAGS (e.g. "-mno-avx512f" builds the AVX2 path on an AVX-512 machine: the tests
+    build every path so).
+
+    OpenMP is what makes ATen's `at::parallel_for` in the kernel's source split its work across
+    torch's threads: the function is a header template, and compiled without -fopenmp it runs the
+    whole range on the calling thread (every int4 pass then used one core). The OpenMP calls resolve
+    against the runtime torch itself loaded (libtorch_cpu's libgomp), so one thread pool serves both;
+    where the compiler has no OpenMP, load() builds without it."""
+    return ["-O3", "-march=native", "-ffp-contract=off", *(["-fopenmp"] if openmp else []),
+            *os.environ.get("SPECDEC_Q4_CFLAGS", "").split()]
 
 
-def _cpu_key() -> str:
+def _cpu_key(openmp: bool = True) -> str:
     """A digest of this CPU's model and instruction sets (what -march=native compiles for) and the
     flags."""
-    flags = " ".join(cflags()) + "\n"
+    flags = " ".join(cflags(openmp)) + "\n"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if not line.strip() and flags.count("\n") > 1:
@@ -72,11 +81,11 @@ def _cpu_key() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:12]
 
 
-def build_directory() -> Path:
+def build_directory(openmp: bool = True) -> Path:
     """Where the extension is built: $SPECDEC_EXTENSIONS, else torch's extensions directory."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    name = f"specdec_q4_{_cpu_key()}"
+    name = f"specdec_q4_{_cpu_key(openmp)}"
     root = os.environ.get("SPECDEC_EXTENSIONS")
     if root:
         path = Path(root) / name
@@ -91,25 +100,37 @@ def load() -> bool:
     with _lock:
         if "built" in _state:
             return bool(_state["built"])
-        try:
-            from torch.utils.cpp_extension import load as load_extension
-
-            if shutil.which("ninja") is None:  # the venv's own (pip's ninja), when its bin is not on PATH
-                os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-
-            directory = build_directory()
-            lock = directory / "lock"  # torch's build lock: one a killed build left would make this wait forever
-            if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-                lock.unlink(missing_ok=True)
-            load_extension(name=directory.name, sources=[str(SOURCE)], build_directory=str(directory),
-                           extra_cflags=cflags(), is_python_module=False,
-                           verbose=False)
-            _state.update(built=True, path=torch.ops.specdec.q4_path())
-        except Exception as error:  # noqa: BLE001 - no compiler, no ninja, an unknown CPU: torch's kernel stays
-            lines = str(error).strip().splitlines() or [""]
-            _state.update(built=False, why=f"{type(error).__name__}: {lines[-1][:300]}")
+        errors = []
+        for openmp in (True, False):  # without OpenMP only where the compiler has none
+            try:
+                _build(openmp)
+                _state.update(built=True, path=torch.ops.specdec.q4_path(), threaded=torch.ops.specdec.q4_threaded())
+                break
+            except Exception as error:  # noqa: BLE001 - no compiler, no ninja, an unknown CPU: torch's kernel stays
+                lines = str(error).strip().splitlines() or [""]
+                errors.append(f"{type(error).__name__}: {lines[-1][:300]}")
+        else:
+            _state.update(built=False, why=errors[-1])
             _library.impl("q4_mm", reference_mm, "CPU")
         return bool(_state["built"])
+
+
+def _build(openmp: bool) -> None:
+    from torch.utils.cpp_extension import load as load_extension
+
+    if shutil.which("ninja") is None:  # the venv's own (pip's ninja), when its bin is not on PATH
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    directory = build_directory(openmp)
+    lock = directory / "lock"  # torch's build lock: one a killed build left would make this wait forever
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
+    load_extension(name=directory.name, sources=[str(SOURCE)], build_directory=str(directory),
+                   extra_cflags=cflags(openmp), is_python_module=False, verbose=False)
+
+
+def threaded() -> bool:
+    """Whether the built kernel splits its work across torch's threads (built with OpenMP)."""
+    return bool(load() and _state.get("threaded"))
 
 
 def available() -> bool:

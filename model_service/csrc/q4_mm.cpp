@@ -14,6 +14,10 @@
 // 64-byte chunk's nibbles are then 16 outputs x 4 inputs, the shape of one vpdpbusd against four
 // activations broadcast: no horizontal sums, no shuffles.
 //
+// Threads: torch's (at::parallel_for over tiles, and over the attention's (row, head) pairs), which
+// split the work only when this file is compiled with OpenMP (model_service/q4_kernel.py builds it
+// so where the compiler can).
+//
 // Paths, chosen when compiled (-march=native, for the machine that builds it): AVX-512 VNNI, AVX2 +
 // FMA + F16C (vpmaddubsw + vpmaddwd for vpdpbusd), plain C++.
 #include <ATen/ATen.h>
@@ -207,10 +211,13 @@ void tile(const uint8_t* W, const Rows& x, int64_t r0, float* out) {
 void tiles(const uint8_t* W, const Rows& x, float* Y, int64_t N, int64_t t0, int64_t t1) {
   float out[MAX_ROWS * TILE];
   const int64_t tile_bytes = x.nb * BLOCK_BYTES;
+  // the rows in even groups of at most MAX_ROWS (9 rows: 5 + 4, not 8 + 1: a group of one row pays
+  // a tile's unpacking for one row's products)
+  const int64_t groups = (x.M + MAX_ROWS - 1) / MAX_ROWS, each = (x.M + groups - 1) / groups;
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t width = std::min<int64_t>(TILE, N - t * TILE);
-    for (int64_t r0 = 0; r0 < x.M; r0 += MAX_ROWS) {
-      const int rows = static_cast<int>(std::min<int64_t>(MAX_ROWS, x.M - r0));
+    for (int64_t r0 = 0; r0 < x.M; r0 += each) {
+      const int rows = static_cast<int>(std::min<int64_t>(each, x.M - r0));
       const uint8_t* w = W + t * tile_bytes;
       switch (rows) {
         case 1: tile<1>(w, x, r0, out); break;
@@ -350,6 +357,91 @@ inline void silu_mul(const float* gate, const float* up, float* out, int64_t n) 
   for (; j < n; ++j) out[j] = gate[j] / (1.f + std::exp(-gate[j])) * up[j];
 }
 
+// One query head's attention over `seen` cached positions: scores q . k_j * scale, softmax,
+// out = sum_j p_j v_j (keys and values `stride` floats apart, head_dim `hd`). `scores` holds seen
+// floats. Where head_dim is 64 or 128 (NC = hd / 16 vectors) the AVX-512 path scores 16 keys at a
+// time, their 16 dot products' horizontal sums in one transposing tree (sum16) instead of one
+// reduction each, and sums the values in registers (two sets of accumulators, even and odd keys)
+// instead of reading and writing the output once per key; otherwise dot / axpy a key at a time.
+#if defined(Q4_AVX512)
+// lane k of the result = the sum of the 16 lanes of v[k]
+inline __m512 sum16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0 + a2, b0 + b2, a1 + a3, b1 + b3]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: that lane's sums of v[4 i .. 4 i + 3]
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+template <int NC>
+void attend_head(const float* q, const float* keys, const float* values, int64_t stride, int64_t seen, float scale,
+                 float* scores, float* out) {
+  __m512 qv[NC];
+  for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  int64_t j = 0;
+  __m512 top16 = _mm512_set1_ps(-INFINITY);
+  for (; j + 16 <= seen; j += 16) {
+    __m512 part[16];
+    for (int k = 0; k < 16; ++k) {
+      const float* kr = keys + (j + k) * stride;
+      __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+      for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), a);
+      part[k] = a;
+    }
+    const __m512 sc = _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale));
+    _mm512_storeu_ps(scores + j, sc);
+    top16 = _mm512_max_ps(top16, sc);
+  }
+  float top = _mm512_reduce_max_ps(top16);
+  for (; j < seen; ++j) {
+    scores[j] = dot(q, keys + j * stride, 16 * NC) * scale;
+    top = std::max(top, scores[j]);
+  }
+  const float inv = 1.f / exp_sum(scores, seen, top);
+  __m512 even[NC], odd[NC];
+  for (int c = 0; c < NC; ++c) even[c] = odd[c] = _mm512_setzero_ps();
+  j = 0;
+  for (; j + 2 <= seen; j += 2) {
+    const float* v0 = values + j * stride;
+    const float* v1 = v0 + stride;
+    const __m512 p0 = _mm512_set1_ps(scores[j] * inv), p1 = _mm512_set1_ps(scores[j + 1] * inv);
+    for (int c = 0; c < NC; ++c) {
+      even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), even[c]);
+      odd[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), odd[c]);
+    }
+  }
+  if (j < seen) {
+    const __m512 p0 = _mm512_set1_ps(scores[j] * inv);
+    for (int c = 0; c < NC; ++c) even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(values + j * stride + 16 * c), even[c]);
+  }
+  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_add_ps(even[c], odd[c]));
+}
+#endif
+
+void attend(const float* q, const float* keys, const float* values, int64_t stride, int64_t seen, int64_t hd,
+            float scale, float* scores, float* out) {
+#if defined(Q4_AVX512)
+  if (hd == 64) return attend_head<4>(q, keys, values, stride, seen, scale, scores, out);
+  if (hd == 128) return attend_head<8>(q, keys, values, stride, seen, scale, scores, out);
+#endif
+  float top = -INFINITY;
+  for (int64_t j = 0; j < seen; ++j) {
+    scores[j] = dot(q, keys + j * stride, hd) * scale;
+    top = std::max(top, scores[j]);
+  }
+  const float inv = 1.f / exp_sum(scores, seen, top);
+  std::fill(out, out + hd, 0.f);
+  for (int64_t j = 0; j < seen; ++j) axpy(scores[j] * inv, values + j * stride, out, hd);
+}
+
 // out = x / sqrt(mean(x^2) + eps) * w, row by row (float32, as F.rms_norm)
 void rms_norm(const float* x, const float* w, float* out, int64_t T, int64_t D, float eps) {
   for (int64_t t = 0; t < T; ++t) {
@@ -431,23 +523,14 @@ at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at:
     // own, so the result is the same on any number of threads
     const float scale = static_cast<float>(scaling[i]);
     const int64_t tasks = (T - first) * H;
-    const int64_t work = tasks * (end + 1) * hd;  // multiply-adds, about
-    at::parallel_for(0, tasks, work > (int64_t(1) << 20) ? 1 : tasks, [&](int64_t k0, int64_t k1) {
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / ((end + 1) * hd));  // >= ~32 k multiply-adds a thread
+    at::parallel_for(0, tasks, grain, [&](int64_t k0, int64_t k1) {
       std::vector<float> scores(end);
       for (int64_t k = k0; k < k1; ++k) {
         const int64_t t = first + k / H, head = k % H, seen = start + t + 1;
         const float* q = qkv.data() + t * qkv_n + head * hd;
-        const float* kh = keys + (head / group) * s_head;
-        const float* vh = values + (head / group) * s_head;
-        float top = -INFINITY;
-        for (int64_t j = 0; j < seen; ++j) {
-          scores[j] = dot(q, kh + j * s_pos, hd) * scale;
-          top = std::max(top, scores[j]);
-        }
-        const float inv = 1.f / exp_sum(scores.data(), seen, top);
-        float* out = att.data() + (t - first) * qdim + head * hd;
-        std::fill(out, out + hd, 0.f);
-        for (int64_t j = 0; j < seen; ++j) axpy(scores[j] * inv, vh + j * s_pos, out, hd);
+        attend(q, keys + (head / group) * s_head, values + (head / group) * s_head, s_pos, seen, hd, scale, scores.data(),
+               att.data() + (t - first) * qdim + head * hd);
       }
     });
     if (first > 0) x = x.narrow(0, first, rows).contiguous();
@@ -474,11 +557,24 @@ at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at:
 
 std::string q4_path() { return kPath; }
 
+// whether at::parallel_for splits work across torch's threads here: it is a header template that
+// runs the whole range on the calling thread unless this file is compiled with OpenMP
+bool q4_threaded() {
+#if defined(_OPENMP)
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 // q4_mm's schema is defined by model_service/q4_kernel.py (so TorchScript code naming it compiles
 // before this library is loaded, or where it cannot be built); this adds its CPU kernel
-TORCH_LIBRARY_FRAGMENT(specdec, m) { m.def("q4_path() -> str", &q4_path); }
+TORCH_LIBRARY_FRAGMENT(specdec, m) {
+  m.def("q4_path() -> str", &q4_path);
+  m.def("q4_threaded() -> bool", &q4_threaded);
+}
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("q4_mm", &q4_mm);
