@@ -80,8 +80,9 @@ class FastForward:
         self.packed_rows = 2  # pack(): the rows from which the packed copies are used (scripted.mm)
         self.int4_group = 0  # int4.quantize: weight-only int4 in groups of this many inputs (0: off)
         self.int4_kernel = "torch"  # int4.quantize: whose kernel runs it, "specdec" (q4_kernel) or "torch"
-        # with specdec's kernel, one sequence's layers run in its C++ loop (q4_kernel: q4_layers) rather
-        # than TorchScript's; off: TorchScript's loop over the same products (A/B, tests)
+        # with specdec's kernel, a pass's layers (one sequence or several) run in its C++ loop
+        # (q4_kernel: q4_layers) rather than TorchScript's; off: TorchScript's loop over the same
+        # products (A/B, tests)
         self.fused_layers = True
         # the layer loop through TorchScript (scripted.py) on CPU; CUDA keeps the eager
         # loop, which has not been measured against it there
@@ -324,9 +325,10 @@ class FastForward:
             ids.extend(input_ids)
             offset += n
         total = offset
-        slots = slot_batch(self.pool, feeds, spans)
+        in_c = self.scripted and self.reduce is None and self._runs_q4_layers()  # (attention: its own, per row)
+        slots = None if in_c else slot_batch(self.pool, feeds, spans)
         masks = []
-        if slots is None:  # query i of a sequence sits at position start+i and sees keys 0..start+i
+        if slots is None and not in_c:  # query i of a sequence sits at position start+i and sees keys 0..start+i
             masks = [torch.ones(b - a, end, dtype=torch.bool, device=device).tril(diagonal=start) if b - a > 1 else None
                      for a, b, start, end in spans]
         x = F.embedding(torch.tensor(ids, dtype=torch.long, device=device), self.embed)  # [T, D]
@@ -415,11 +417,12 @@ class FastForward:
         args = self._scripted_args()
         if lo or hi < len(self.layers):
             args = tuple(a[lo:hi] if n < 5 else a[4 * lo : 4 * hi] for n, a in enumerate(args[:-2])) + args[-2:]
-        if len(feeds) == 1 and self._runs_q4_layers():
+        if self._runs_q4_layers():  # every sequence's rows through each linear at once, in specdec's C++ loop
             scaling, in_norm, post_norm, half, qkv_bias, _, _, tiles, _, outs, _, _ = args
-            return torch.ops.specdec.q4_layers(x, cos, sin, feeds[0][1].data[lo:hi], spans[0][2],
-                                               feeds[0][2] if final else 0, heads, kv_heads, head_dim, self.eps,
-                                               scaling, in_norm, post_norm, half, qkv_bias, tiles, outs)
+            return torch.ops.specdec.q4_layers(
+                x, cos, sin, [cache.data[lo:hi] for _, cache, _ in feeds], [start for _, _, start, _ in spans],
+                [b - a for a, b, _, _ in spans], [n if final else 0 for _, _, n in feeds], heads, kv_heads, head_dim,
+                self.eps, scaling, in_norm, post_norm, half, qkv_bias, tiles, outs)
         if len(feeds) == 1:
             return scripted.LAYERS(x, cos, sin, feeds[0][1].data[lo:hi], spans[0][2], masks[0],
                                    feeds[0][2] if final else 0, heads, kv_heads, head_dim, self.eps, *args)
@@ -433,8 +436,8 @@ class FastForward:
             [], [], keep, heads, kv_heads, head_dim, self.eps, *args)
 
     def _runs_q4_layers(self) -> bool:
-        """Whether a one-sequence pass runs its layers in specdec's C++ loop (q4_kernel's q4_layers):
-        every linear in its int4 tiles, float32 activations, `fused_layers` on."""
+        """Whether a pass runs its layers in specdec's C++ loop (q4_kernel's q4_layers), one sequence
+        or several: every linear in its int4 tiles, float32 activations, `fused_layers` on."""
         if not self.fused_layers:
             return False
         self._scripted_args()  # (which finds _all_tiles when the weights changed)

@@ -44,8 +44,9 @@ _state: dict[str, object] = {}
 # the schema (csrc/q4_mm.cpp adds the CPU kernel to it); kept alive with the module
 _library = torch.library.Library("specdec", "FRAGMENT")
 _library.define("q4_mm(Tensor x, Tensor blocks, int n) -> Tensor")
-# FastForward's layer loop for one sequence whose every linear is in tiles (csrc/q4_mm.cpp)
-_library.define("q4_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!) kv, int start, int keep, int heads, int kv_heads,"
+# FastForward's layer loop for sequences whose every linear is in tiles (csrc/q4_mm.cpp)
+_library.define("q4_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!)[] kv, int[] starts, int[] lengths, int[] keeps,"
+                " int heads, int kv_heads,"
                 " int head_dim, float eps, float[] scaling, Tensor[] in_norm, Tensor[] post_norm, int[] half,"
                 " Tensor?[] qkv_bias, Tensor[] tiles, int[] outs) -> Tensor")
 

@@ -451,35 +451,60 @@ void rms_norm(const float* x, const float* w, float* out, int64_t T, int64_t D, 
   }
 }
 
-at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, const at::Tensor& kv,
-                     int64_t start, int64_t keep, int64_t H, int64_t Hkv, int64_t hd, double eps_in,
-                     at::ArrayRef<double> scaling, at::TensorList in_norm, at::TensorList post_norm,
-                     at::IntArrayRef half, const c10::List<std::optional<at::Tensor>>& qkv_bias,
+// One pass of S sequences: x holds their new rows one sequence after another (lengths[s] rows
+// each, at positions starts[s]...), kv[s] is sequence s's cache [L, 2, 1, H_kv, capacity, head_dim]
+// (its own storage or a pool slot's view); keeps[s] > 0 keeps only that sequence's last keeps[s]
+// rows at the last layer (the rows whose logits are asked for). Every linear runs once over all
+// the rows of all the sequences; attention reads each row's own sequence. -> the kept rows [R, D].
+at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, at::TensorList kv,
+                     at::IntArrayRef starts, at::IntArrayRef lengths, at::IntArrayRef keeps, int64_t H, int64_t Hkv,
+                     int64_t hd, double eps_in, at::ArrayRef<double> scaling, at::TensorList in_norm,
+                     at::TensorList post_norm, at::IntArrayRef half, const c10::List<std::optional<at::Tensor>>& qkv_bias,
                      at::TensorList weights, at::IntArrayRef outs) {
-  const int64_t L = static_cast<int64_t>(in_norm.size());
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && kv.scalar_type() == at::kFloat,
-              "q4_layers: float32 x [T, D] and cache");
-  TORCH_CHECK(kv.dim() == 6 && kv.size(0) >= L && kv.size(1) == 2 && kv.size(2) == 1 && kv.size(3) == Hkv &&
-              kv.size(5) == hd && kv.stride(5) == 1, "q4_layers: the cache must be [L, 2, 1, H_kv, capacity, head_dim]");
+  const int64_t L = static_cast<int64_t>(in_norm.size()), S = static_cast<int64_t>(kv.size());
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "q4_layers: float32 x [T, D]");
+  TORCH_CHECK(S > 0 && static_cast<int64_t>(starts.size()) == S && static_cast<int64_t>(lengths.size()) == S &&
+              static_cast<int64_t>(keeps.size()) == S, "q4_layers: one cache, start, length and keep per sequence");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 4 * L && static_cast<int64_t>(outs.size()) == 4 * L &&
               static_cast<int64_t>(post_norm.size()) == L && static_cast<int64_t>(half.size()) == L &&
               static_cast<int64_t>(scaling.size()) == L && static_cast<int64_t>(qkv_bias.size()) == L,
               "q4_layers: per-layer lists must match the layers");
-  TORCH_CHECK(start >= 0 && H > 0 && Hkv > 0 && H % Hkv == 0 && hd > 0 && hd % 2 == 0,
-              "q4_layers: start >= 0, heads a multiple of kv heads, an even head_dim");
-  const int64_t T = x_in.size(0), D = x_in.size(1), end = start + T;
-  TORCH_CHECK(end <= kv.size(4), "q4_layers: the cache holds ", kv.size(4), " positions, the pass needs ", end);
+  TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0 && hd > 0 && hd % 2 == 0,
+              "q4_layers: heads a multiple of kv heads, an even head_dim");
+  const int64_t T = x_in.size(0), D = x_in.size(1);
+  std::vector<int64_t> seq(T), pos(T);  // each row's sequence and position
+  int64_t row = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    const at::Tensor& c = kv[s];
+    TORCH_CHECK(c.scalar_type() == at::kFloat && c.dim() == 6 && c.size(0) >= L && c.size(1) == 2 && c.size(2) == 1 &&
+                c.size(3) == Hkv && c.size(5) == hd && c.stride(5) == 1,
+                "q4_layers: a cache must be float32 [L, 2, 1, H_kv, capacity, head_dim]");
+    TORCH_CHECK(starts[s] >= 0 && lengths[s] > 0 && keeps[s] >= 0, "q4_layers: start >= 0, length > 0, keep >= 0");
+    TORCH_CHECK(starts[s] + lengths[s] <= c.size(4), "q4_layers: the cache holds ", c.size(4),
+                " positions, the pass needs ", starts[s] + lengths[s]);
+    TORCH_CHECK(row + lengths[s] <= T, "q4_layers: the sequences' lengths exceed x's ", T, " rows");
+    for (int64_t j = 0; j < lengths[s]; ++j, ++row) {
+      seq[row] = s;
+      pos[row] = starts[s] + j;
+    }
+  }
+  TORCH_CHECK(row == T, "q4_layers: the sequences' lengths sum to ", row, ", x has ", T, " rows");
+  std::vector<int64_t> kept;  // the rows the last layer keeps, in order
+  for (int64_t r = 0; r < T; ++r) {
+    const int64_t s = seq[r], k = keeps[s];
+    if (k == 0 || k >= lengths[s] || pos[r] >= starts[s] + lengths[s] - k) kept.push_back(r);
+  }
+  const bool narrows = static_cast<int64_t>(kept.size()) < T;
   const at::Tensor cos = cos_in.reshape({T, hd}).contiguous(), sin = sin_in.reshape({T, hd}).contiguous();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const float eps = static_cast<float>(eps_in);
   const int64_t qdim = H * hd, kdim = Hkv * hd, qkv_n = qdim + 2 * kdim, group = H / Hkv, rot = hd / 2;
   at::Tensor x = x_in.contiguous().clone();
-  float* kvp = kv.data_ptr<float>();
-  const int64_t s_layer = kv.stride(0), s_kv = kv.stride(1), s_head = kv.stride(3), s_pos = kv.stride(4);
+  int64_t longest = 0;  // the most keys a row sees
+  for (int64_t s = 0; s < S; ++s) longest = std::max(longest, starts[s] + lengths[s]);
   const int64_t widest = half.empty() ? 0 : *std::max_element(half.begin(), half.end());  // MLP buffers, made once for every layer
   std::vector<float> h(T * D), qkv(T * qkv_n), att(T * qdim), y(T * D), gu(T * 2 * widest), hidden(T * widest);
-  int64_t rows = T;  // rows carried (the last layer keeps only the last `keep`)
   for (int64_t i = 0; i < L; ++i) {
     TORCH_CHECK(in_norm[i].numel() == D && post_norm[i].numel() == D, "q4_layers: layer ", i, "'s norms must have ", D,
                 " weights");
@@ -497,9 +522,7 @@ at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at:
       for (int64_t t = 0; t < T; ++t)
         for (int64_t j = 0; j < qkv_n; ++j) qkv[t * qkv_n + j] += bp[j];
     }
-    // RoPE on the q and k heads (x cos + rotate_half(x) sin), then k and v into the cache
-    float* keys = kvp + i * s_layer;
-    float* values = keys + s_kv;
+    // RoPE on the q and k heads (x cos + rotate_half(x) sin), then k and v into the row's cache
     for (int64_t t = 0; t < T; ++t) {
       const float* c = cp + t * hd;
       const float* sn = sp + t * hd;
@@ -511,29 +534,35 @@ at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at:
           v[j + rot] = b * c[j + rot] + a * sn[j + rot];
         }
       }
+      const at::Tensor& cache = kv[seq[t]];
+      float* keys = cache.data_ptr<float>() + i * cache.stride(0);
+      float* values = keys + cache.stride(1);
       for (int64_t g = 0; g < Hkv; ++g) {
-        std::memcpy(keys + g * s_head + (start + t) * s_pos, qkv.data() + t * qkv_n + qdim + g * hd, hd * sizeof(float));
-        std::memcpy(values + g * s_head + (start + t) * s_pos, qkv.data() + t * qkv_n + qdim + kdim + g * hd,
+        std::memcpy(keys + g * cache.stride(3) + pos[t] * cache.stride(4), qkv.data() + t * qkv_n + qdim + g * hd,
+                    hd * sizeof(float));
+        std::memcpy(values + g * cache.stride(3) + pos[t] * cache.stride(4), qkv.data() + t * qkv_n + qdim + kdim + g * hd,
                     hd * sizeof(float));
       }
     }
-    const int64_t first = (i == L - 1 && keep > 0 && keep < T) ? T - keep : 0;  // rows whose output is kept
-    rows = T - first;
-    // causal attention: row t (position start + t) sees keys 0..start + t; each (row, head) on its
-    // own, so the result is the same on any number of threads
+    // the rows carried on: at the last layer only the kept ones (their keys and values are cached above)
+    const bool last = i == L - 1 && narrows;
+    const int64_t rows = last ? static_cast<int64_t>(kept.size()) : T;
+    // causal attention: row t (position pos[t] of its sequence) sees that sequence's keys 0..pos[t];
+    // each (row, head) on its own, so the result is the same on any number of threads
     const float scale = static_cast<float>(scaling[i]);
-    const int64_t tasks = (T - first) * H;
-    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / ((end + 1) * hd));  // >= ~32 k multiply-adds a thread
+    const int64_t tasks = rows * H;
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / ((longest + 1) * hd));  // >= ~32 k multiply-adds a thread
     at::parallel_for(0, tasks, grain, [&](int64_t k0, int64_t k1) {
-      std::vector<float> scores(end);
+      std::vector<float> scores(longest);
       for (int64_t k = k0; k < k1; ++k) {
-        const int64_t t = first + k / H, head = k % H, seen = start + t + 1;
-        const float* q = qkv.data() + t * qkv_n + head * hd;
-        attend(q, keys + (head / group) * s_head, values + (head / group) * s_head, s_pos, seen, hd, scale, scores.data(),
-               att.data() + (t - first) * qdim + head * hd);
+        const int64_t out_row = k / H, t = last ? kept[out_row] : out_row, head = k % H;
+        const at::Tensor& cache = kv[seq[t]];
+        const float* keys = cache.data_ptr<float>() + i * cache.stride(0) + (head / group) * cache.stride(3);
+        attend(qkv.data() + t * qkv_n + head * hd, keys, keys + cache.stride(1), cache.stride(4), pos[t] + 1, hd, scale,
+               scores.data(), att.data() + out_row * qdim + head * hd);
       }
     });
-    if (first > 0) x = x.narrow(0, first, rows).contiguous();
+    if (last) x = x.index_select(0, at::tensor(kept, at::kLong));
     xp = x.data_ptr<float>();
     // o, residual
     const at::Tensor& w_o = weights[4 * i + 1];

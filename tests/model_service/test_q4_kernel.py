@@ -185,25 +185,70 @@ def test_the_c_layer_loop_computes_what_the_torchscript_loop_does(tmp_path, arch
     assert not torch_kernel._runs_q4_layers()
 
 
+@pytest.mark.parametrize("pooled", [False, True])
+def test_the_c_layer_loop_runs_several_sequences_each_as_alone(tmp_path, pooled):
+    """A pass over several sessions (a batched verify: each its own cache and positions, its own
+    rows kept) runs every linear once over all their rows; each row's logits are bit for bit those
+    of its session's pass alone (the kernel computes a row by the same operations whatever it is
+    batched with), over caches of their own or slots of one pool; and within TorchScript's
+    batched loop's rounding of the same products."""
+    from model_service.model_runner import ModelRunner
+    from speculative.tiny import make_model, make_tokenizer
+
+    model = make_model(tmp_path / "m", make_tokenizer(tmp_path / "t"), arch="llama", hidden=256, layers=3, heads=4,
+                       kv_heads=2, intermediate=160, max_context=128)
+    fast = ModelRunner(model, "cpu", quantize="int4", int4_kernel="specdec").fast
+    if not pooled:
+        fast.pool_capacity = 0
+    prompts = [list(range(3, 40)), list(range(50, 61)), list(range(7, 24))]
+    steps = [([41, 42, 43, 44], 4), ([62], 1), ([25, 26, 27, 28, 29], 2)]  # (ids, logits kept)
+
+    def run(together: bool) -> list[torch.Tensor]:
+        caches = [fast.new_cache() for _ in prompts]
+        assert all(c.pooled == pooled for c in caches)
+        if together:
+            fast.many([(p, c, 1) for p, c in zip(prompts, caches)])
+            return fast.many([(ids, c, n) for (ids, n), c in zip(steps, caches)])
+        for p, c in zip(prompts, caches):
+            fast(p, c, 1)
+        return [fast(ids, c, n) for (ids, n), c in zip(steps, caches)]
+
+    alone, together = run(False), run(True)
+    for a, b, (_, n) in zip(alone, together, steps):
+        assert a.shape == b.shape == (n, a.shape[1])
+        assert torch.equal(a, b)
+    fast.fused_layers = False  # TorchScript's batched loop over the same int4 products
+    scripted_loop = run(True)
+    for a, b in zip(together, scripted_loop):
+        assert (a - b).norm() < 0.08 * b.norm()
+
+
 def test_the_c_layer_loop_refuses_what_it_cannot_run():
     x = torch.zeros(1, 64)
     kv = torch.zeros(1, 2, 1, 2, 8, 32)
     tiles = [torch.zeros(1, 2 * 320, dtype=torch.uint8)] * 4
     with pytest.raises(RuntimeError, match="cache holds 8 positions"):
-        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), kv, 8, 0, 2, 2, 32, 1e-5, [1.0],
+        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), [kv], [8], [1], [0], 2, 2, 32, 1e-5, [1.0],
                                     [torch.ones(64)], [torch.ones(64)], [64], [None], tiles, [128, 64, 128, 64])
-    with pytest.raises(RuntimeError, match="start >= 0"):
-        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), kv, -1, 0, 2, 2, 32, 1e-5, [1.0],
+    with pytest.raises(RuntimeError, match="start >= 0, length > 0"):
+        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), [kv], [-1], [1], [0], 2, 2, 32, 1e-5, [1.0],
                                     [torch.ones(64)], [torch.ones(64)], [64], [None], tiles, [128, 64, 128, 64])
     with pytest.raises(RuntimeError, match="norms must have 64"):
-        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), kv, 0, 0, 2, 2, 32, 1e-5, [1.0],
+        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), [kv], [0], [1], [0], 2, 2, 32, 1e-5, [1.0],
                                     [torch.ones(32)], [torch.ones(64)], [64], [None], tiles, [128, 64, 128, 64])
     with pytest.raises(RuntimeError, match="bias must have 192"):  # q/k/v: (2 + 2 + 2) x 32 outputs
-        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), kv, 0, 0, 2, 2, 32, 1e-5, [1.0],
+        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), [kv], [0], [1], [0], 2, 2, 32, 1e-5, [1.0],
                                     [torch.ones(64)], [torch.ones(64)], [64], [torch.zeros(5)],
                                     [torch.zeros(12, 2 * 320, dtype=torch.uint8), *tiles[1:]], [192, 64, 128, 64])
+    with pytest.raises(RuntimeError, match="one cache, start, length and keep per sequence"):
+        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), [kv], [0, 0], [1], [0], 2, 2, 32, 1e-5, [1.0],
+                                    [torch.ones(64)], [torch.ones(64)], [64], [None], tiles, [128, 64, 128, 64])
+    with pytest.raises(RuntimeError, match="exceed x's 1 rows"):
+        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), [kv, kv], [0, 2], [1, 1], [0, 0], 2, 2, 32,
+                                    1e-5, [1.0], [torch.ones(64)], [torch.ones(64)], [64], [None], tiles,
+                                    [128, 64, 128, 64])
     with pytest.raises(RuntimeError, match="per-layer lists"):
-        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), kv, 0, 0, 2, 2, 32, 1e-5, [1.0, 1.0],
+        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), [kv], [0], [1], [0], 2, 2, 32, 1e-5, [1.0, 1.0],
                                     [torch.ones(64)], [torch.ones(64)], [64], [None], tiles, [128, 64, 128, 64])
 
 
