@@ -185,6 +185,33 @@ def test_the_c_layer_loop_computes_what_the_torchscript_loop_does(tmp_path, arch
     assert not torch_kernel._runs_q4_layers()
 
 
+@pytest.mark.slow  # builds the kernel once more (~15 s)
+def test_a_compiler_without_openmp_builds_the_one_thread_kernel(tmp_path):
+    """Where the compiler refuses -fopenmp, load() builds the kernel without it: it runs (one thread),
+    computes what the reference does, and threaded() says so."""
+    compiler = tmp_path / "g++"
+    compiler.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = "-fopenmp" ] && { echo "no OpenMP here" >&2; exit 1; }; done\n'
+                        'exec g++ "$@"\n')
+    compiler.chmod(0o755)
+    code = """
+import torch
+from model_service import q4_kernel
+assert q4_kernel.load(), q4_kernel.path()
+assert not q4_kernel.threaded()
+from model_service.int4 import q4_groups
+q, d, m = q4_groups(torch.randn(96, 40))
+t = q4_kernel.tile(q, d, m)
+x = torch.randn(9, 96)
+assert torch.allclose(torch.ops.specdec.q4_mm(x, t, 40), q4_kernel.reference_mm(x, t, 40), rtol=1e-4, atol=1e-4)
+print("ok", q4_kernel.path())
+"""
+    env = dict(os.environ, CXX=str(compiler), SPECDEC_EXTENSIONS=str(tmp_path / "ext"))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().startswith("ok"), done.stdout
+
+
 @pytest.mark.parametrize("pooled", [False, True])
 def test_the_c_layer_loop_runs_several_sequences_each_as_alone(tmp_path, pooled):
     """A pass over several sessions (a batched verify: each its own cache and positions, its own
