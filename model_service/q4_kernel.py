@@ -202,5 +202,6 @@ def dequantized(tiles: torch.Tensor, k: int, n: int) -> torch.Tensor:
 
 if __name__ == "__main__":  # make setup: build it now rather than at a service's start
     ok = load()
-    print(f"specdec int4 kernel: {path()} ({build_directory() if ok else 'torch kernel stays'})")
+    where = build_directory(threaded()) if ok else "torch kernel stays"
+    print(f"specdec int4 kernel: {path()}{', OpenMP' if threaded() else ''} ({where})")
     sys.exit(0)
