@@ -419,10 +419,11 @@ class FastForward:
             args = tuple(a[lo:hi] if n < 5 else a[4 * lo : 4 * hi] for n, a in enumerate(args[:-2])) + args[-2:]
         if self._runs_q4_layers():  # every sequence's rows through each linear at once, in specdec's C++ loop
             scaling, in_norm, post_norm, half, qkv_bias, _, _, tiles, _, outs, _, _ = args
+            lengths = [b - a for a, b, _, _ in spans]
+            kept = [n for _, _, n in feeds] if final else lengths  # the rows each carries through its last layer
             return torch.ops.specdec.q4_layers(
-                x, cos, sin, [cache.data[lo:hi] for _, cache, _ in feeds], [start for _, _, start, _ in spans],
-                [b - a for a, b, _, _ in spans], [n if final else 0 for _, _, n in feeds], heads, kv_heads, head_dim,
-                self.eps, scaling, in_norm, post_norm, half, qkv_bias, tiles, outs)
+                x, cos, sin, [cache.data[lo:hi] for _, cache, _ in feeds], [start for _, _, start, _ in spans], lengths,
+                kept, heads, kv_heads, head_dim, self.eps, scaling, in_norm, post_norm, half, qkv_bias, tiles, outs)
         if len(feeds) == 1:
             return scripted.LAYERS(x, cos, sin, feeds[0][1].data[lo:hi], spans[0][2], masks[0],
                                    feeds[0][2] if final else 0, heads, kv_heads, head_dim, self.eps, *args)

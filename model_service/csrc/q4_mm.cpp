@@ -453,8 +453,8 @@ void rms_norm(const float* x, const float* w, float* out, int64_t T, int64_t D, 
 
 // One pass of S sequences: x holds their new rows one sequence after another (lengths[s] rows
 // each, at positions starts[s]...), kv[s] is sequence s's cache [L, 2, 1, H_kv, capacity, head_dim]
-// (its own storage or a pool slot's view); keeps[s] > 0 keeps only that sequence's last keeps[s]
-// rows at the last layer (the rows whose logits are asked for). Every linear runs once over all
+// (its own storage or a pool slot's view); the last layer carries on only each sequence's last
+// keeps[s] rows (the rows whose logits are asked for; keeps[s] = lengths[s]: all of them). Every linear runs once over all
 // the rows of all the sequences; attention reads each row's own sequence. -> the kept rows [R, D].
 at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, at::TensorList kv,
                      at::IntArrayRef starts, at::IntArrayRef lengths, at::IntArrayRef keeps, int64_t H, int64_t Hkv,
@@ -479,7 +479,8 @@ at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at:
     TORCH_CHECK(c.scalar_type() == at::kFloat && c.dim() == 6 && c.size(0) >= L && c.size(1) == 2 && c.size(2) == 1 &&
                 c.size(3) == Hkv && c.size(5) == hd && c.stride(5) == 1,
                 "q4_layers: a cache must be float32 [L, 2, 1, H_kv, capacity, head_dim]");
-    TORCH_CHECK(starts[s] >= 0 && lengths[s] > 0 && keeps[s] >= 0, "q4_layers: start >= 0, length > 0, keep >= 0");
+    TORCH_CHECK(starts[s] >= 0 && lengths[s] > 0 && keeps[s] >= 0 && keeps[s] <= lengths[s],
+                "q4_layers: start >= 0, length > 0, 0 <= keep <= length");
     TORCH_CHECK(starts[s] + lengths[s] <= c.size(4), "q4_layers: the cache holds ", c.size(4),
                 " positions, the pass needs ", starts[s] + lengths[s]);
     TORCH_CHECK(row + lengths[s] <= T, "q4_layers: the sequences' lengths exceed x's ", T, " rows");
@@ -491,8 +492,8 @@ at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at:
   TORCH_CHECK(row == T, "q4_layers: the sequences' lengths sum to ", row, ", x has ", T, " rows");
   std::vector<int64_t> kept;  // the rows the last layer keeps, in order
   for (int64_t r = 0; r < T; ++r) {
-    const int64_t s = seq[r], k = keeps[s];
-    if (k == 0 || k >= lengths[s] || pos[r] >= starts[s] + lengths[s] - k) kept.push_back(r);
+    const int64_t s = seq[r];
+    if (pos[r] >= starts[s] + lengths[s] - keeps[s]) kept.push_back(r);
   }
   const bool narrows = static_cast<int64_t>(kept.size()) < T;
   const at::Tensor cos = cos_in.reshape({T, hd}).contiguous(), sin = sin_in.reshape({T, hd}).contiguous();

@@ -255,27 +255,30 @@ def test_the_c_layer_loop_refuses_what_it_cannot_run():
     kv = torch.zeros(1, 2, 1, 2, 8, 32)
     tiles = [torch.zeros(1, 2 * 320, dtype=torch.uint8)] * 4
     with pytest.raises(RuntimeError, match="cache holds 8 positions"):
-        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), [kv], [8], [1], [0], 2, 2, 32, 1e-5, [1.0],
+        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), [kv], [8], [1], [1], 2, 2, 32, 1e-5, [1.0],
                                     [torch.ones(64)], [torch.ones(64)], [64], [None], tiles, [128, 64, 128, 64])
-    with pytest.raises(RuntimeError, match="start >= 0, length > 0"):
-        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), [kv], [-1], [1], [0], 2, 2, 32, 1e-5, [1.0],
+    with pytest.raises(RuntimeError, match="start >= 0, length > 0, 0 <= keep <= length"):
+        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), [kv], [-1], [1], [1], 2, 2, 32, 1e-5, [1.0],
+                                    [torch.ones(64)], [torch.ones(64)], [64], [None], tiles, [128, 64, 128, 64])
+    with pytest.raises(RuntimeError, match="0 <= keep <= length"):
+        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), [kv], [0], [1], [2], 2, 2, 32, 1e-5, [1.0],
                                     [torch.ones(64)], [torch.ones(64)], [64], [None], tiles, [128, 64, 128, 64])
     with pytest.raises(RuntimeError, match="norms must have 64"):
-        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), [kv], [0], [1], [0], 2, 2, 32, 1e-5, [1.0],
+        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), [kv], [0], [1], [1], 2, 2, 32, 1e-5, [1.0],
                                     [torch.ones(32)], [torch.ones(64)], [64], [None], tiles, [128, 64, 128, 64])
     with pytest.raises(RuntimeError, match="bias must have 192"):  # q/k/v: (2 + 2 + 2) x 32 outputs
-        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), [kv], [0], [1], [0], 2, 2, 32, 1e-5, [1.0],
+        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), [kv], [0], [1], [1], 2, 2, 32, 1e-5, [1.0],
                                     [torch.ones(64)], [torch.ones(64)], [64], [torch.zeros(5)],
                                     [torch.zeros(12, 2 * 320, dtype=torch.uint8), *tiles[1:]], [192, 64, 128, 64])
     with pytest.raises(RuntimeError, match="one cache, start, length and keep per sequence"):
         torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), [kv], [0, 0], [1], [0], 2, 2, 32, 1e-5, [1.0],
                                     [torch.ones(64)], [torch.ones(64)], [64], [None], tiles, [128, 64, 128, 64])
     with pytest.raises(RuntimeError, match="exceed x's 1 rows"):
-        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), [kv, kv], [0, 2], [1, 1], [0, 0], 2, 2, 32,
+        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), [kv, kv], [0, 2], [1, 1], [1, 1], 2, 2, 32,
                                     1e-5, [1.0], [torch.ones(64)], [torch.ones(64)], [64], [None], tiles,
                                     [128, 64, 128, 64])
     with pytest.raises(RuntimeError, match="per-layer lists"):
-        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), [kv], [0], [1], [0], 2, 2, 32, 1e-5, [1.0, 1.0],
+        torch.ops.specdec.q4_layers(x, torch.zeros(1, 32), torch.zeros(1, 32), [kv], [0], [1], [1], 2, 2, 32, 1e-5, [1.0, 1.0],
                                     [torch.ones(64)], [torch.ones(64)], [64], [None], tiles, [128, 64, 128, 64])
 
 
