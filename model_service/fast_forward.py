@@ -325,10 +325,11 @@ class FastForward:
             ids.extend(input_ids)
             offset += n
         total = offset
-        in_c = self.scripted and self.reduce is None and self._runs_q4_layers()  # (attention: its own, per row)
-        slots = None if in_c else slot_batch(self.pool, feeds, spans)
+        # specdec's C++ loop does its own attention and row bookkeeping: no slot batch, masks or kept-row index
+        c_loop = self.scripted and self.reduce is None and self._runs_q4_layers()
+        slots = None if c_loop else slot_batch(self.pool, feeds, spans)
         masks = []
-        if slots is None and not in_c:  # query i of a sequence sits at position start+i and sees keys 0..start+i
+        if slots is None and not c_loop:  # query i of a sequence sits at position start+i and sees keys 0..start+i
             masks = [torch.ones(b - a, end, dtype=torch.bool, device=device).tril(diagonal=start) if b - a > 1 else None
                      for a, b, start, end in spans]
         x = F.embedding(torch.tensor(ids, dtype=torch.long, device=device), self.embed)  # [T, D]
@@ -343,7 +344,7 @@ class FastForward:
         # last layer needs every row's keys and values but only these rows' attention output and MLP
         # (a prompt's pass: 1 row of ~100 needs them, 12% of a 6-layer model's arithmetic)
         keep = None
-        if sum(n for _, _, n in feeds) < total:
+        if sum(n for _, _, n in feeds) < total and not c_loop:
             if len(feeds) == 1:
                 keep = slice(total - feeds[0][2], total)
             else:

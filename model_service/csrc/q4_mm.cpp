@@ -454,8 +454,9 @@ void rms_norm(const float* x, const float* w, float* out, int64_t T, int64_t D, 
 // One pass of S sequences: x holds their new rows one sequence after another (lengths[s] rows
 // each, at positions starts[s]...), kv[s] is sequence s's cache [L, 2, 1, H_kv, capacity, head_dim]
 // (its own storage or a pool slot's view); the last layer carries on only each sequence's last
-// keeps[s] rows (the rows whose logits are asked for; keeps[s] = lengths[s]: all of them). Every linear runs once over all
-// the rows of all the sequences; attention reads each row's own sequence. -> the kept rows [R, D].
+// keeps[s] rows (the rows whose logits are asked for; keeps[s] = lengths[s]: all of them). Every
+// linear runs once over all the rows of all the sequences; attention reads each row's own sequence.
+// -> the kept rows [R, D].
 at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, at::TensorList kv,
                      at::IntArrayRef starts, at::IntArrayRef lengths, at::IntArrayRef keeps, int64_t H, int64_t Hkv,
                      int64_t hd, double eps_in, at::ArrayRef<double> scaling, at::TensorList in_norm,
