@@ -96,8 +96,10 @@ draft: setup
 	$(PY) -m training.acceptance --draft models/draft --target models/target --write
 
 # an EAGLE-3 head for the default target (models/eagle), trained on from the head already there, where
-# there is one (resumable from .cache/eagle/eagle; on 2 cores ~30 min of features, then ~1,300 steps an hour;
-# the committed answers save the hour of generation; its card, models/eagle/README.md, says what it
+# there is one (resumable from .cache/eagle/eagle; on 2 cores the committed answers' features take ~2.6 h,
+# bounded by --feature-minutes, then ~1,300 steps an hour; on a GPU, EAGLE_ARGS='--device cuda --threads 16
+# --train-batch 32 --feature-batch-tokens 32768 --steps 4500 --lr 2e-4 --warmup 100': ~6 min on one H200;
+# the committed answers save the hours of generation; its card, models/eagle/README.md, says what it
 # was trained on; EAGLE_ARGS: the run's flags), then packed for committing (fc kept in bf16, see
 # assets/packed.py; model.safetensors is then the packed weights' as a clone gets them) and its
 # acceptance in specdec's round

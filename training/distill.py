@@ -251,16 +251,16 @@ def generate_batch(model, tokenizer, rows: list[list[int]], new_tokens: int, tem
     attention = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
     torch.manual_seed(seed)
     out = model.generate(
-        input_ids=input_ids, attention_mask=attention, max_new_tokens=new_tokens,
+        input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device), max_new_tokens=new_tokens,
         do_sample=temperature > 0, temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
         output_logits=top_k > 0, return_dict_in_generate=True, pad_token_id=pad,
     )
-    answers = out.sequences[:, width:]  # [B, N]
+    answers = out.sequences[:, width:].cpu()  # [B, N]
     eos = set(model.generation_config.eos_token_id if isinstance(model.generation_config.eos_token_id, list)
               else [model.generation_config.eos_token_id])
     if top_k > 0:
         logits = torch.stack(out.logits, dim=1).float()  # [B, N, V]
-        top_logp, top_ids = logits.log_softmax(-1).topk(top_k, dim=-1)
+        top_logp, top_ids = (t.cpu() for t in logits.log_softmax(-1).topk(top_k, dim=-1))
     results = []
     for b in range(len(rows)):
         ids = answers[b].tolist()

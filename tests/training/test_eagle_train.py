@@ -91,6 +91,24 @@ def test_eagle_trains_a_loadable_head_and_resumes(target, tmp_path):
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_eagle_trains_on_a_gpu_as_on_the_cpu(target, tmp_path):
+    """--device cuda: features and training on the GPU give a head that loads and learned, as on the CPU."""
+    out, work = tmp_path / "head", tmp_path / "work"
+    write_generations(work)
+    eagle.main(["--target", str(target), "--out", str(out), "--work", str(work), *TINY, "--device", "cuda"])
+    info = json.loads((out / "eagle.json").read_text())
+    assert info["training"]["device"] != "cpu" and info["training"]["steps"] == 40
+    cfg = eagle.Config(target, out, work, aux_layers="2,4,5")
+    rows = [r for i, r in enumerate(eagle.load_features(cfg)) if not eagle.held_out(i, 0.1)]
+    ids = json.loads((work / "vocab.json").read_text())["ids"]
+    batch = eagle.collate(rows[:16], eagle.build_head(cfg, ids, init=True), 512)
+    with torch.no_grad():
+        before, after = (float(eagle.ttt_loss(h, batch, 3, 0.8)) for h in (
+            eagle.build_head(cfg, ids, init=True), Eagle3Head.load(out, target_dir=target)))
+    assert after < 0.8 * before, (before, after)
+
+
 def test_a_run_goes_on_in_another_session_from_the_answers_archive_and_the_exported_head(target, tmp_path):
     """What survives a session is what is committed: the answers (an archive of token ids) and the
     exported head; a new --work built from them trains on from that head, not from the target's init."""
