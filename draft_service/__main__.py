@@ -148,7 +148,8 @@ def make_engine(args, load_model) -> DraftMethod:
         eagle = EagleDraft.load(args.model, args.target_model, device, DTYPES[args.dtype], quantize,
                                 max_support=args.max_support, max_tokens=args.max_tokens_per_call,
                                 max_sessions=args.max_sessions, idle_timeout=args.session_idle_timeout,
-                                max_context=args.max_context or None, **prior)
+                                max_context=args.max_context or None, threads=args.threads,
+                                batched_threads=args.batched_threads, **prior)
         eagle.calibrate()
         return eagle
     if args.method == "ngram":

@@ -287,6 +287,34 @@ def test_sessions_drafted_together_propose_what_each_would_alone(pair, tmp_path)
         assert cost.batch_size == 3
 
 
+def test_a_lone_sessions_call_gets_threads_and_one_among_others_batched_threads(pair, tmp_path):
+    """--threads / --batched-threads of the draft service reach the head's calls as ModelRunner's
+    passes get them: a call of the one session at work runs on `threads`, a call of several sessions,
+    or of one while others are at work, on `batched_threads`; unset, the process's own count stays."""
+    _, target_dir = pair
+    head = make_head(target_dir, tmp_path / "head")
+    target = TargetEngine(ModelRunner(target_dir))
+    prompts = {"a": [5, 1, 4, 9, 10, 7], "b": [3, 14, 15, 92, 65, 35]}
+    calls = {}
+    for name, prompt in prompts.items():
+        verdict, _ = target.verify(VerifyCall(name, True, prompt, Proposal(), GREEDY, 1, LAYERS))
+        calls[name] = ProposeCall(name, True, 0, prompt + [verdict.token], 2, GREEDY, features=verdict.features)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        draft = EagleDraft.load(head, target_dir, "cpu", threads=3, batched_threads=1)
+        draft.propose(calls["a"])
+        assert torch.get_num_threads() == 3 and draft.at_work == 1
+        draft.propose(calls["b"])  # a is still at work
+        assert torch.get_num_threads() == 1 and draft.at_work == 2
+        torch.set_num_threads(2)
+        unset = EagleDraft.load(head, target_dir, "cpu")
+        unset.propose(calls["a"])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_int8_head_keeps_fc_float_and_computes_near_the_float_head(pair, tmp_path):
     """--head-quantize int8 quantizes the decoder layer's linears and lm_head; fc, which takes the
     target's hidden states side by side, stays float: one huge channel (as a middle layer's outliers
