@@ -97,6 +97,28 @@ def test_pipelined_rounds_cost_the_busier_service():
     assert bound.choose(100) == 0
 
 
+def test_under_load_a_request_prices_the_batch_passes_hold_not_its_own_last_pass():
+    """With several requests in flight, a request whose last verify ran alone (out of step with the
+    others' decode steps) must not price decoding as a whole pass for its one token: the batch its
+    next pass shares is what the target's passes have held lately, over every request. Read from its
+    own last pass, it drafted again and again at 8 streams on shared cores (a round that drafts runs
+    its verify alone, which reads a batch of 1 again)."""
+    costs = CostModel(PassCost(fixed=30.0, per_token=3.0, per_session=0.0), DRAFT, alpha=0.55, shared_cpus=True)
+    others = AdaptiveK(costs, k_max=8)
+    costs.in_flight = 8
+    rounds_of(others, accepted=0, proposed=0, batch=7, n=40)  # the passes hold 7 sessions
+    assert costs.batch == pytest.approx(7.0, abs=0.2)
+    lone = AdaptiveK(costs, k_max=8)
+    lone.observe(Round([], 4, 2, Cost(batch_size=1), Cost(batch_size=1), asked=4), 10.0)  # its verify ran alone
+    assert lone.batch == 1.0
+    assert lone.choose(100) == 0
+    at_1 = [costs.round_cost(k, 1, 1, True) / expected_tokens(0.55, k) for k in (0, 1)]
+    at_7 = [costs.round_cost(k, 7, 1, True) / expected_tokens(0.55, k) for k in (0, 1)]
+    assert at_1[1] < at_1[0] and at_7[0] < at_7[1]  # priced at its own batch of 1 it would have drafted
+    costs.in_flight = 1  # a lone request still prices its own pass, and drafts
+    assert lone.choose(100) >= 1
+
+
 def test_probes_after_rounds_without_drafting():
     policy = AdaptiveK(CostModel(TARGET, DRAFT, alpha=0.0), k_max=4)
     picks = [policy.choose(100) for _ in range(AdaptiveK.PROBE_EVERY)]
