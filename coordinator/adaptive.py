@@ -199,13 +199,13 @@ class AdaptiveK:
         alpha = min(self.alpha, 0.999)
         pipelined = self.costs.in_flight > 1
         # several in flight: a K = 0 call shares its pass with others' verifications and gets one
-        # token (TargetEngine), so its overhead is not shared
+        # token (TargetEngine), so its overhead is not shared; and the batch its next pass will share
+        # is what passes hold lately, not its own last one, which is 1 whenever its verify ran out of
+        # step with the others' decode steps; read alone, a request that drafted once finds its
+        # verify alone, prices decoding as a whole pass for one token and drafts again (8 streams,
+        # the EAGLE head on 2 cores: 115 of the 117 choices under load that read a batch of 1
+        # drafted, 23 of the other 692)
         steps = 1 if pipelined else self.decode_steps(remaining)
-        # several in flight: the batch its next pass will share is what passes hold lately, not its
-        # own last one, which is 1 whenever its verify ran out of step with the others' decode
-        # steps; read alone, a request that drafted once finds its verify alone, prices decoding
-        # as a whole pass for one token and drafts again (8 streams, the EAGLE head on 2 cores:
-        # 115 of the 117 choices under load that read a batch of 1 drafted, 23 of the other 692)
         batch = max(self.batch, self.costs.batch) if pipelined else self.batch
         best = max(range(top + 1), key=lambda k: expected_tokens(alpha, k)
                    / self.costs.round_cost(k, batch, self.draft_batch, pipelined, steps))

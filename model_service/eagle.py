@@ -52,6 +52,7 @@ from .eagle_head import Eagle3Head, HeadCache
 from .grammar import Grammars, next_masks
 from .model_runner import BUSY_WINDOW, Timer, fastest_ms, saved_tokenizer_files, tokenizer_fields
 from .sessions import Session, SessionTable
+from .threads import pass_threads
 
 
 @dataclass
@@ -178,7 +179,9 @@ class EagleDraft:
                 results[i] = exc
                 continue
             staged.append((i, call, session, rows, held))
-        self._set_threads(len(staged))
+        self.at_work = self.sessions.recently_used(BUSY_WINDOW)  # (drafting.py's; this call's sessions included)
+        if self.threads and self.batched_threads:  # as ModelRunner.forward_many chooses for a pass
+            pass_threads(self.threads if len(staged) == 1 and self.at_work <= 1 else self.batched_threads)
         live: list[tuple[int, ProposeCall, Session]] = []
         for i, call, session, rows, held in staged:
             try:
@@ -200,16 +203,6 @@ class EagleDraft:
         ms = timer.ms
         cost = Cost(ms, batch_size=len(live), batch_tokens=sum(len(p.tokens) for p in drafted), pass_ms=ms)
         return [(r, cost) if isinstance(r, Proposal) else r for r in results]
-
-    def _set_threads(self, sessions: int) -> None:
-        """`threads` for a call of one session while it is the one at work, else `batched_threads`
-        (ModelRunner.forward_many's choice for a pass); neither set: torch's as the process set them."""
-        if not (self.threads and self.batched_threads):
-            return
-        self.at_work = self.sessions.recently_used(BUSY_WINDOW)  # (this call's sessions included)
-        threads = self.threads if sessions == 1 and self.at_work <= 1 else self.batched_threads
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
 
     def _check_features(self, call: ProposeCall) -> torch.Tensor | None:
         """The call's feature rows as a tensor [rows, width], checked against the head and the
@@ -365,8 +358,8 @@ class EagleDraft:
         keep adaptive K from drafting.) Timed at the batched threads: a lone session's calls, on more,
         run faster than this, which the coordinator's measured scale picks up."""
         head = self.head
-        if self.batched_threads and self.batched_threads != torch.get_num_threads():
-            torch.set_num_threads(self.batched_threads)
+        if self.batched_threads:
+            pass_threads(self.batched_threads)
         states = [Rows(head.new_cache()) for _ in range(sessions)]
         features = head.fuse(torch.zeros(context, self.width, dtype=head.dtype, device=self.device))
         ids = torch.zeros(context, dtype=torch.long, device=self.device)

@@ -31,6 +31,7 @@ from .kv_cache import POOL_CAPACITY
 from .loading import LoadMeter, describe, import_model_code, load_model, release_checkpoint_maps, return_freed_memory
 from .sessions import Session, SessionTable, check_session_id
 from .sharding import adopt_shard, check_shardable
+from .threads import pass_threads
 
 log = logging.getLogger("specdec")
 
@@ -440,9 +441,7 @@ class ModelRunner:
             # a prompt's products are big enough to share among threads even on busy cores (100
             # tokens: 36 ms on 1 thread, 22 on 2); a few rows per session are not
             prefill = max(map(len, news)) >= PREFILL_TOKENS
-            threads = self.threads if alone or prefill else self.batched_threads
-            if threads != torch.get_num_threads():
-                torch.set_num_threads(threads)
+            pass_threads(self.threads if alone or prefill else self.batched_threads)
         if self.on_forward is not None:
             self.on_forward()
         starts = [session.cached for session, _ in feeds]

@@ -53,6 +53,15 @@ def resolve_threads(args: argparse.Namespace) -> None:
     args.batched_threads = args.batched_threads or (batched if args.threads == threads else args.threads)
 
 
+def pass_threads(threads: int) -> None:
+    """Torch's threads for the pass about to run (one session's or several's: ModelRunner.forward_many,
+    EagleDraft.propose_many), set only where they differ."""
+    import torch
+
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+
+
 def set_threads(threads: int) -> None:
     """Torch threads of a model service, and how soon its two Python threads hand over the GIL."""
     import torch
