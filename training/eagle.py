@@ -367,7 +367,7 @@ def collate(rows: list[dict], head: Eagle3Head, max_length: int) -> dict[str, to
         weight[b, p - 1 : p - 1 + a] = 1
     column = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
     draft = torch.arange(head.config.draft_vocab_size)
-    column[draft + head.d2t.cpu()[draft]] = draft
+    column[head.draft_to_target(draft.to(head.d2t.device)).cpu()] = draft  # (on the host, wherever the head is)
     columns = column[top_ids]
     p = top_logp.exp() * (columns >= 0)
     mass = p.sum(-1, keepdim=True)
