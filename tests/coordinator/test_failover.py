@@ -4,8 +4,11 @@ is token for token what a stack that lost nothing produces."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import signal
-import time
+import tempfile
+from pathlib import Path
 
 import grpc
 import pytest
@@ -14,74 +17,78 @@ from coordinator.launch import LocalStack
 from coordinator.pool import Pool, Replica
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from tests.faults.hook import FaultHook, wait_until
 
 PROMPT = [5, 17, 42, 9, 100, 3]
-REQUEST = dict(prompt_token_ids=PROMPT, max_new_tokens=400, temperature=0.0, num_speculative_tokens=1)
+REQUEST = dict(prompt_token_ids=PROMPT, max_new_tokens=120, temperature=0.0, num_speculative_tokens=1)
+# the request's call to its victim that meets the kill: the 5th after the session's start, of the
+# 60 or more a 120-token request makes at K = 1 (one draft and one target call a round)
+STRUCK_CALL = 5
+
+
+@contextlib.contextmanager
+def hooked_stack(pair, **replicas):
+    """A LocalStack whose coordinator tells a fault hook (tests/faults/hook.py) every moment of
+    every per-round call, and the hook: (stack, hook)."""
+    draft, target = pair
+    workdir = Path(tempfile.mkdtemp(prefix="specdec-failover-"))
+    hook = FaultHook(workdir / "hook.sock")
+    stack = LocalStack(draft, target, log_dir=workdir, coordinator_env={"SPECDEC_FAULT_HOOK": hook.path}, **replicas)
+    try:
+        yield stack.start(), hook
+    finally:
+        stack.stop()
+        hook.close()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
-def cluster(pair, request):
-    draft, target = pair
-    stack = LocalStack(draft, target, draft_replicas=2, target_replicas=2).start()
-    request.addfinalizer(stack.stop)
-    return stack
+def cluster(pair):
+    with hooked_stack(pair, draft_replicas=2, target_replicas=2) as made:
+        yield made
 
 
-def busy_replica(stub, role: str, timeout: float = 30.0) -> str:
-    """The address of the `role` replica the one request in flight is pinned to."""
-    deadline = time.monotonic() + timeout
-    while True:
-        busy = [r.address for r in stub.GetInfo(pb.GetInfoRequest()).replicas if r.role == role and r.outstanding]
-        if busy:
-            return busy[0]
-        assert time.monotonic() < deadline, "no replica is serving the request"
-        time.sleep(0.05)
+def arm_kill(stack: LocalStack, hook: FaultHook, role: str) -> None:
+    """Kill (SIGKILL) the `role` replica the next request is on while its STRUCK_CALL-th call
+    there after the session's start is sent and its answer awaited: the coordinator holds the call
+    until the kill is over, so the request meets it mid-stream however fast or slow the machine."""
 
-
-def kill_mid_request(stack: LocalStack, stub, role: str) -> str:
-    """Kill the `role` replica the one request in flight is on, in the middle of it; its address.
-
-    Every target replica is stopped (SIGSTOP) first: the request goes no further than its next
-    verification (inside the coordinator's 60 s per-call deadline), however fast the rest of the
-    stack, so it cannot end before the kill. A target victim's peers are continued before the
-    kill: the failure the coordinator meets finds the target replicas left running (one still
-    stopped fails its health check and leaves the request nowhere to go); a draft victim's
-    targets after it."""
-    targets = {name: proc for name, proc in stack.procs.items() if name.startswith("target")}
-    for proc in targets.values():
-        proc.send_signal(signal.SIGSTOP)
-    victim = busy_replica(stub, role)
-    victim_name = next(n for n, a in stack.addresses.items() if a == victim)
-    try:
-        for name, proc in targets.items():
-            if role == "target" and name != victim_name:
-                proc.send_signal(signal.SIGCONT)
-        proc = stack.procs[victim_name]
+    def kill(address: str) -> None:
+        proc = stack.procs[next(name for name, a in stack.addresses.items() if a == address)]
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
-    finally:
-        for proc in targets.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-    return victim
+
+    hook.arm(role, "read", False, STRUCK_CALL, kill)
+
+
+def struck(hook: FaultHook) -> str:
+    """The address the armed kill struck (it must have)."""
+    hook.disarm()
+    assert hook.struck, "the armed moment never came: the request ended before its call"
+    assert hook.done.wait(60) and not hook.errors, hook.errors
+    return hook.struck
 
 
 @pytest.mark.parametrize("role", ["draft", "target"])
 def test_a_replica_killed_mid_stream_costs_nothing(cluster, stack, role):
+    hooked, hook = cluster
     with grpc.insecure_channel(stack.addr) as channel:
         expected = list(pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(**REQUEST)).token_ids)
-    with grpc.insecure_channel(cluster.addr) as channel:
+    with grpc.insecure_channel(hooked.addr) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        stream = stub.GenerateStream(pb.GenerateRequest(**REQUEST), timeout=120)
-        first = next(stream)
-        victim = kill_mid_request(cluster, stub, role)
-        rest = list(stream)  # no error: the request moved to the other replica
-        tokens = list(first.token_ids) + [t for chunk in rest for t in chunk.token_ids]
-        assert tokens == expected and rest[-1].stats.generated_tokens == len(expected)
-        log = cluster.logs["coordinator"].read_text()
-        assert f"{role} call failed" in log  # the kill really came mid-stream and was met
-        seen = {r.address: r for r in stub.GetInfo(pb.GetInfoRequest()).replicas}
-        assert seen[victim].state != "serving"
+        arm_kill(hooked, hook, role)
+        chunks = list(stub.GenerateStream(pb.GenerateRequest(**REQUEST), timeout=120))  # no error: moved on
+        victim = struck(hook)
+        tokens = [t for chunk in chunks for t in chunk.token_ids]
+        assert tokens == expected and chunks[-1].stats.generated_tokens == len(expected)
+        log = hooked.logs["coordinator"].read_text()
+        # the coordinator met the kill: a failed call (a draft's may instead run past its bound: late)
+        assert f"{role} call failed" in log or f"{role} replica {victim} is late" in log, log[-3000:]
+
+        def state() -> str:
+            return {r.address: r.state for r in stub.GetInfo(pb.GetInfoRequest()).replicas}[victim]
+
+        wait_until("the killed replica taken out", lambda: state() != "serving")
         # the next request goes to the replica left
         again = stub.Generate(pb.GenerateRequest(**REQUEST), timeout=120)
         assert list(again.token_ids) == expected
@@ -92,21 +99,19 @@ def test_a_sampled_request_survives_its_target(pair, stack):
     faultless run with the same seed sends, and the count adds up (no token lost or repeated).
     After the loss the new target session is seeded afresh: the rest is target-distributed, but
     not token for token the faultless run's."""
-    draft, target = pair
-    sampled = dict(REQUEST, temperature=1.0, top_p=0.95, seed=7, max_new_tokens=300)
+    sampled = dict(REQUEST, temperature=1.0, top_p=0.95, seed=7)
     with grpc.insecure_channel(stack.addr) as channel:
         faultless = list(pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(**sampled)).token_ids)
-    with LocalStack(draft, target, target_replicas=2) as two, grpc.insecure_channel(two.addr) as channel:
+    with hooked_stack(pair, target_replicas=2) as (two, hook), grpc.insecure_channel(two.addr) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        stream = stub.GenerateStream(pb.GenerateRequest(**sampled), timeout=120)
-        first = next(stream)
-        kill_mid_request(two, stub, "target")
-        rest = list(stream)
-        before = list(first.token_ids)
-        tokens = before + [t for chunk in rest for t in chunk.token_ids]
-        assert before == faultless[: len(before)]
-        assert rest[-1].stats.generated_tokens == len(tokens)
-        assert len(tokens) == sampled["max_new_tokens"] or rest[-1].finish_reason == pb.FINISH_REASON_EOS
+        arm_kill(two, hook, "target")
+        chunks = list(stub.GenerateStream(pb.GenerateRequest(**sampled), timeout=120))
+        struck(hook)
+        before = list(chunks[0].token_ids)  # the start's verdict, answered before the struck call was sent
+        tokens = [t for chunk in chunks for t in chunk.token_ids]
+        assert before and before == faultless[: len(before)]
+        assert chunks[-1].stats.generated_tokens == len(tokens)
+        assert len(tokens) == sampled["max_new_tokens"] or chunks[-1].finish_reason == pb.FINISH_REASON_EOS
         assert "target call failed" in two.logs["coordinator"].read_text()
 
 

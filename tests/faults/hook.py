@@ -1,0 +1,97 @@
+"""The coordinator's fault hook's other end (coordinator/peers.py, SPECDEC_FAULT_HOOK): a test
+strikes a service at an exact moment of a round (a call about to be sent, sent and awaited, or
+answered), not after a sleep or a race the request may win. Used by the fault matrix and by
+tests/coordinator/test_failover.py."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+
+def wait_until(what: str, done, timeout: float = 30.0, every: float = 0.05):
+    """Poll `done()` (a state, not a time) until it is true; fail naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = done()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not {what} after {timeout:.0f} s")
+        time.sleep(every)
+
+
+def stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP has landed): its state in /proc is T."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+class FaultHook:
+    """The other end of SPECDEC_FAULT_HOOK: hears `<role> <address> <point> <start>` for every
+    moment of every per-round call, answers at once, except the `nth` time the armed moment
+    comes: then it strikes the service the call is to first, and answers after."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(self.path)
+        self.server.listen(64)
+        self.lock = threading.Lock()
+        self.armed = None  # (role, point, start, nth, strike)
+        self.seen = 0
+        self.struck: str | None = None  # the address struck
+        self.heard: list[tuple[str, str, bool]] = []  # every moment told, in order: (role, point, start)
+        self.struck_at: int | None = None  # the index in `heard` of the moment struck
+        self.done = threading.Event()  # the strike is over (a late draft call's request may have finished first)
+        self.errors: list[BaseException] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def arm(self, role: str, point: str, start: bool, nth: int, strike) -> None:
+        with self.lock:
+            self.armed, self.seen, self.struck = (role, point, start, nth, strike), 0, None
+            self.done.clear()
+
+    def disarm(self) -> None:
+        with self.lock:
+            self.armed = None
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self.server.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
+
+    def _answer(self, connection: socket.socket) -> None:
+        with connection:
+            line = connection.makefile().readline().split()
+            strike = address = None
+            if len(line) == 4:
+                role, address, point, start = line
+                with self.lock:
+                    self.heard.append((role, point, start == "1"))
+                    if self.armed is not None and self.armed[:3] == (role, point, start == "1"):
+                        self.seen += 1
+                        if self.seen == self.armed[3]:
+                            strike, self.armed, self.struck = self.armed[4], None, address
+                            self.struck_at = len(self.heard) - 1
+            if strike is not None:
+                try:
+                    strike(address)
+                except BaseException as e:  # the test reports it
+                    self.errors.append(e)
+                finally:
+                    self.done.set()
+            try:
+                connection.sendall(b"go\n")
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.server.close()
+        os.unlink(self.path)
