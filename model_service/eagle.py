@@ -145,6 +145,11 @@ class EagleDraft:
                 raise ValueError("--head-quantize int8 runs on the CPU, in float32")
             head = head.quantize_int8()
             kwargs["quantization"] = "int8 (the layer's linears and lm_head, dynamic activation scales; fc float)"
+        elif quantize == "int4":
+            if torch.device(device).type != "cpu" or dtype != torch.float32:
+                raise ValueError("--head-quantize int4 runs on the CPU, in float32")
+            head = head.quantize_int4()
+            kwargs["quantization"] = "int4 (specdec's kernel: fc, the layer's linears and lm_head; int8 activation blocks)"
         source = Path(head_dir) if (Path(head_dir) / "tokenizer_config.json").is_file() else Path(target_dir or "")
         if not (source / "tokenizer_config.json").is_file():
             raise ValueError(f"no tokenizer in {head_dir} or the target directory {target_dir!r}: give --target-model")

@@ -44,6 +44,63 @@ def q4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return q.clamp(0, 15).to(torch.uint8).reshape(out, inp), d, m
 
 
+def q4_groups_fitted(w: torch.Tensor, steps: int = 6, shrink: float = 0.1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q4_groups' form, each group's range fitted: of the ranges [min + a, max - b] (a and b in
+    `steps` steps from 0 to `shrink` of the group's span), the one whose rounded weights are
+    nearest the group's (least squared error; its outliers clipped to the range's ends)."""
+    wt = w.t().float()
+    out, inp = wt.shape
+    g = wt.reshape(out, inp // 32, 32)
+    low, high = g.amin(-1), g.amax(-1)
+    span = high - low
+    best = best_error = None
+    for a in torch.linspace(0, shrink, steps).tolist():
+        for b in torch.linspace(0, shrink, steps).tolist():
+            m = (low + a * span).to(torch.float16)
+            d = ((high - b * span - m.float()) / 15).to(torch.float16)
+            df = d.float()
+            safe = torch.where(df > 0, df, torch.ones_like(df))
+            q = torch.where(df[..., None] > 0, ((g - m.float()[..., None]) / safe[..., None]).round(),
+                            torch.zeros_like(g)).clamp(0, 15)
+            error = ((q * df[..., None] + m.float()[..., None] - g) ** 2).sum(-1)
+            if best is None:
+                best, best_error = [q, d, m], error
+                continue
+            better = error < best_error
+            best_error = torch.where(better, error, best_error)
+            best = [torch.where(better[..., None], q, best[0]), torch.where(better, d, best[1]),
+                    torch.where(better, m, best[2])]
+    q, d, m = best
+    return q.to(torch.uint8).reshape(out, inp), d, m
+
+
+class Q4Linear(torch.nn.Module):
+    """A linear layer over specdec's int4 kernel (q4_kernel: asymmetric 4-bit groups of 32 inputs,
+    each activation block of 32 in int8): what an EAGLE head's linears run in on a CPU
+    (Eagle3Head.quantize_int4). x [..., in] -> [..., out] in x's dtype."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        w = linear.weight.detach().float()  # [out, in]
+        self.out_features, self.in_features = w.shape
+        if self.in_features % 32:
+            raise ValueError(f"the int4 kernel needs inputs in groups of 32, not {self.in_features}")
+        if not q4_kernel.load():
+            raise RuntimeError(f"specdec's int4 kernel is not built here: {q4_kernel.path()}")
+        self.register_buffer("tiles", q4_kernel.tile(*q4_groups_fitted(w.t())))
+        bias = linear.bias
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.specdec.q4_mm(x.reshape(-1, self.in_features), self.tiles, self.out_features)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of 32"
+
+
 class Int4(NamedTuple):
     """A weight [in, out] in torch's int4 CPU layout (quantize)."""
 

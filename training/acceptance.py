@@ -102,7 +102,7 @@ def main(argv=None) -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--quantize", default="none", choices=["none", "int4"], help="the target's")
-    parser.add_argument("--head-quantize", default="none", choices=["none", "int8"],
+    parser.add_argument("--head-quantize", default="none", choices=["none", "int8", "int4"],
                         help="the head's, as the draft service's --head-quantize (the card records the float head)")
     parser.add_argument("--write", action="store_true",
                         help="write it into the model's card (eagle.json, or distill.json for --draft) and README")

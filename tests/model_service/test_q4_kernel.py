@@ -322,3 +322,33 @@ def test_the_kernel_splits_its_work_across_torchs_threads():
     the whole range on the calling thread: every int4 pass then used one core of two (the one-token
     pass of SmolLM2-135M 5.4 -> 4.2 ms, five tokens 8.6 -> 6.7 ms with it on a 2-core EPYC)."""
     assert q4_kernel.threaded(), "the kernel was built without OpenMP"
+
+
+def test_a_q4_linear_is_its_kernels_product_with_fitted_groups():
+    """int4.Q4Linear (an EAGLE head's linears on a CPU): the kernel's product over its tiles, plus
+    the bias, in any leading shape; its groups' fitted ranges (q4_groups_fitted) stand nearer the
+    float weights than q4_groups' min..max ones, and each group's range lies within its min..max."""
+    from model_service.int4 import Q4Linear, q4_groups_fitted
+
+    g = torch.Generator().manual_seed(3)
+    linear = torch.nn.Linear(96, 40)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(40, 96, generator=g) * 0.05)
+        linear.weight[5, 7] = 0.9  # an outlier: its group's min..max grid is coarse
+    q4 = Q4Linear(linear)
+    x = torch.randn(2, 3, 96, generator=g)
+    y = q4(x)
+    assert y.shape == (2, 3, 40)
+    expected = q4_kernel.reference_mm(x.reshape(6, 96), q4.tiles, 40) + linear.bias.detach()
+    torch.testing.assert_close(y.reshape(6, 40), expected, rtol=0, atol=1e-4)
+    w = linear.weight.detach()
+
+    def error(groups) -> float:
+        return (q4_kernel.dequantized(q4_kernel.tile(*groups), 96, 40) - w.t()).pow(2).sum().item()
+
+    fitted, plain = q4_groups_fitted(w.t()), q4_groups(w.t())
+    assert error(fitted) < 0.97 * error(plain)
+    low = w.reshape(40, 3, 32).amin(-1)
+    assert (fitted[2].float() >= plain[2].float()).all() and (fitted[2].float() >= low.half().float() - 1e-6).all()
+    with pytest.raises(ValueError, match="groups of 32"):
+        Q4Linear(torch.nn.Linear(40, 8))

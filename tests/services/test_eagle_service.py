@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from coordinator.launch import LocalStack
 from model_service import features as wire
+from model_service import q4_kernel
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from speculative.protocol import SamplingParams, features_from_proto, params_to_proto
@@ -61,6 +62,8 @@ def test_the_draft_says_what_it_reads_and_the_output_is_the_targets(eagle_stack,
         info = pb_grpc.GenerationStub(channel).GetInfo(pb.GetInfoRequest())
         assert info.draft.draft_method == "eagle" and list(info.draft.feature_layers) == list(LAYERS)
         assert info.draft.feature_width == len(LAYERS) * info.target.hidden_size
+        # --head-quantize auto: specdec's int4 kernel where it is built, else int8
+        assert info.draft.quantization.startswith("int4" if q4_kernel.available() else "int8"), info.draft.quantization
         stub = pb_grpc.GenerationStub(channel)
         for prompt in ("def fibonacci(n):", "The quick brown fox"):
             reply = stub.Generate(pb.GenerateRequest(prompt=prompt, max_new_tokens=24, temperature=0,
