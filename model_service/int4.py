@@ -33,45 +33,50 @@ def q4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     """w [in, out] -> asymmetric groups of 32 in GGUF Q4_1's form: q [out, in] in 0..15, d, m
     [out, in / 32] float16 with w ~ d * q + m: m = the group's min, d = (max - min) / 15 (both
     rounded to float16 first; q = round((w - m) / d), 0 where d is 0)."""
-    wt = w.t().float()
-    out, inp = wt.shape
-    g = wt.reshape(out, inp // 32, 32)
-    m = g.amin(-1).to(torch.float16)
-    d = ((g.amax(-1) - m.float()) / 15).to(torch.float16)
-    df = d.float()
-    safe = torch.where(df > 0, df, torch.ones_like(df))
-    q = torch.where(df[..., None] > 0, ((g - m.float()[..., None]) / safe[..., None]).round(), torch.zeros_like(g))
-    return q.clamp(0, 15).to(torch.uint8).reshape(out, inp), d, m
+    g = _groups(w)
+    q, d, m = _rounded(g, g.amin(-1), g.amax(-1))
+    return q.to(torch.uint8).reshape(w.shape[1], w.shape[0]), d, m
 
 
 def q4_groups_fitted(w: torch.Tensor, steps: int = 6, shrink: float = 0.1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q4_groups' form, each group's range fitted: of the ranges [min + a, max - b] (a and b in
-    `steps` steps from 0 to `shrink` of the group's span), the one whose rounded weights are
-    nearest the group's (least squared error; its outliers clipped to the range's ends)."""
-    wt = w.t().float()
-    out, inp = wt.shape
-    g = wt.reshape(out, inp // 32, 32)
+    `steps` steps from 0 to `shrink` of the group's span; a = b = 0 is q4_groups'), the one whose
+    rounded weights lie nearest the group's (least squared error; what falls outside is clipped to
+    the range's ends)."""
+    g = _groups(w)
     low, high = g.amin(-1), g.amax(-1)
     span = high - low
-    best = best_error = None
+    best = error = None
     for a in torch.linspace(0, shrink, steps).tolist():
         for b in torch.linspace(0, shrink, steps).tolist():
-            m = (low + a * span).to(torch.float16)
-            d = ((high - b * span - m.float()) / 15).to(torch.float16)
-            df = d.float()
-            safe = torch.where(df > 0, df, torch.ones_like(df))
-            q = torch.where(df[..., None] > 0, ((g - m.float()[..., None]) / safe[..., None]).round(),
-                            torch.zeros_like(g)).clamp(0, 15)
-            error = ((q * df[..., None] + m.float()[..., None] - g) ** 2).sum(-1)
+            q, d, m = _rounded(g, low + a * span, high - b * span)
+            e = ((q * d.float()[..., None] + m.float()[..., None] - g) ** 2).sum(-1)
             if best is None:
-                best, best_error = [q, d, m], error
+                best, error = (q, d, m), e
                 continue
-            better = error < best_error
-            best_error = torch.where(better, error, best_error)
-            best = [torch.where(better[..., None], q, best[0]), torch.where(better, d, best[1]),
-                    torch.where(better, m, best[2])]
+            better = e < error
+            error = torch.where(better, e, error)
+            best = (torch.where(better[..., None], q, best[0]), torch.where(better, d, best[1]),
+                    torch.where(better, m, best[2]))
     q, d, m = best
-    return q.to(torch.uint8).reshape(out, inp), d, m
+    return q.to(torch.uint8).reshape(w.shape[1], w.shape[0]), d, m
+
+
+def _groups(w: torch.Tensor) -> torch.Tensor:
+    """w [in, out] -> [out, in / 32, 32] float32."""
+    wt = w.t().float()
+    return wt.reshape(wt.shape[0], wt.shape[1] // 32, 32)
+
+
+def _rounded(g: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Groups g [.., 32] on the grid low .. high (m = low, d = (high - m) / 15, both float16) ->
+    q (float, 0..15; 0 where d is 0), d, m."""
+    m = low.to(torch.float16)
+    d = ((high - m.float()) / 15).to(torch.float16)
+    df = d.float()
+    safe = torch.where(df > 0, df, torch.ones_like(df))
+    q = torch.where(df[..., None] > 0, ((g - m.float()[..., None]) / safe[..., None]).round(), torch.zeros_like(g))
+    return q.clamp(0, 15), d, m
 
 
 class Q4Linear(torch.nn.Module):
