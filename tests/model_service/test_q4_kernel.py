@@ -348,6 +348,7 @@ def test_a_q4_linear_is_its_kernels_product_with_fitted_groups():
 
     fitted, plain = q4_groups_fitted(w.t()), q4_groups(w.t())
     assert error(fitted) < 0.97 * error(plain)
+    assert torch.equal(q4.tiles, q4_kernel.tile(*fitted))  # what the layer multiplies by
     low = w.reshape(40, 3, 32).amin(-1)
     assert (fitted[2].float() >= plain[2].float()).all() and (fitted[2].float() >= low.half().float() - 1e-6).all()
     with pytest.raises(ValueError, match="groups of 32"):
