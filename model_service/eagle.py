@@ -90,11 +90,12 @@ class EagleDraft:
                  max_context: int | None = None, acceptance_prior: float = 0.0, name: str = "eagle",
                  quantization: str = "none", threads: int = 0, batched_threads: int = 0):
         """threads / batched_threads: torch threads for a call while its session is the one at work /
-        for the rest (0: leave torch's as the process set them). On a CPU the head's steps read ~13 MB
-        of int8 weights each; a lone session's call runs ~20% faster on 2 threads than on 1 (SmolLM2's
-        head, 65 calls replayed: 5.85 -> 4.64 ms). Through the services on the same 2 cores as the
-        target (draft --threads 2 --batched-threads 1 against 1 and 1): one stream +7% tokens/s, 8
-        streams -8% (4 alternating runs each, all one way): the service's default stays one thread."""
+        for the rest (0: leave torch's as the process set them). With the int8 head a lone session's
+        call ran ~20% faster on 2 threads than on 1 (SmolLM2's head, 65 calls replayed: 5.85 -> 4.64
+        ms). Through the services on the same 2 cores as the target (draft --threads 2
+        --batched-threads 1 against 1 and 1): one stream +7% tokens/s, 8 streams -8% with the int8
+        head; +4% and -5% with the int4 one (medians of 6 alternating runs): the service's default
+        stays one thread."""
         self.head = head
         self.threads, self.batched_threads = threads, batched_threads
         self.quantization = quantization
@@ -134,22 +135,23 @@ class EagleDraft:
              dtype: torch.dtype = torch.float32, quantize: str = "none", **kwargs) -> "EagleDraft":
         """The head of `head_dir`; the tokenizer (and, where the head has none, the embeddings) from
         the target's directory (the head's own directory where it holds a tokenizer). quantize
-        int8: its layer's linears and lm_head in int8 (Eagle3Head.quantize_int8; CPU)."""
+        int8: its layer's linears and lm_head in int8 (Eagle3Head.quantize_int8; CPU); int4: fc, those
+        and lm_head through specdec's int4 kernel (Eagle3Head.quantize_int4; CPU)."""
         from transformers import AutoConfig, AutoTokenizer
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         head = Eagle3Head.load(head_dir, target_dir, device=device, dtype=dtype)
         head.layer.fuse_projections()
-        if quantize == "int8":
+        if quantize in ("int8", "int4"):
             if torch.device(device).type != "cpu" or dtype != torch.float32:
-                raise ValueError("--head-quantize int8 runs on the CPU, in float32")
-            head = head.quantize_int8()
-            kwargs["quantization"] = "int8 (the layer's linears and lm_head, dynamic activation scales; fc float)"
-        elif quantize == "int4":
-            if torch.device(device).type != "cpu" or dtype != torch.float32:
-                raise ValueError("--head-quantize int4 runs on the CPU, in float32")
-            head = head.quantize_int4()
-            kwargs["quantization"] = "int4 (specdec's kernel: fc, the layer's linears and lm_head; int8 activation blocks)"
+                raise ValueError(f"--head-quantize {quantize} runs on the CPU, in float32")
+            if quantize == "int8":
+                head = head.quantize_int8()
+                kwargs["quantization"] = "int8 (the layer's linears and lm_head, dynamic activation scales; fc float)"
+            else:
+                head = head.quantize_int4()
+                kwargs["quantization"] = ("int4 (specdec's kernel: fc, the layer's linears and lm_head; int8"
+                                          " activation blocks)")
         source = Path(head_dir) if (Path(head_dir) / "tokenizer_config.json").is_file() else Path(target_dir or "")
         if not (source / "tokenizer_config.json").is_file():
             raise ValueError(f"no tokenizer in {head_dir} or the target directory {target_dir!r}: give --target-model")

@@ -375,12 +375,7 @@ class Eagle3Head(nn.Module):
 
         for name, module in list(self.named_modules()):
             if isinstance(module, nn.Linear):
-                parent, _, leaf = name.rpartition(".")
-                owner = self.get_submodule(parent) if parent else self
-                if isinstance(owner, nn.ModuleDict):
-                    owner[leaf] = Q4Linear(module)
-                else:
-                    setattr(owner, leaf, Q4Linear(module))
+                self.set_submodule(name, Q4Linear(module))
         return self
 
     # ------------------------------------------------------------------ checkpoints
