@@ -249,7 +249,7 @@ class EagleDraft:
                 state.crop(first)  # the chain's rows from there on are recomputed from the features
                 positions = torch.arange(first, first + len(new), device=self.device)
                 ids = torch.tensor(tokens[first + 1 : first + 1 + len(new)], device=self.device)
-                out, _ = head.step(ids, head.fuse(new), positions, state.cache, first + len(new))
+                out, _ = head.step(ids, head.fuse(new), positions, state.cache, first + len(new), logits=False)
                 state.hidden.extend(out)
                 state.featured = state.end
         if call.k and state.hidden:
@@ -315,13 +315,13 @@ class EagleDraft:
         known = True if self._known is None else self._known  # (ids past the tokenizer: clamped above)
         return [self._known if mask is None else mask[ids].to(self.device) & known for mask in masks]
 
-    def _step(self, state: Rows, token: int) -> torch.Tensor:
-        """One chain row: the last row's out_hidden with `token`'s embedding. -> its logits."""
+    def _step(self, state: Rows, token: int) -> None:
+        """One chain row: the last row's out_hidden with `token`'s embedding (its logits are not
+        needed: _draft scores the last row)."""
         head, position = self.head, state.end
-        out, logits = head.step(torch.tensor([token], device=self.device), state.hidden[-1][None],
-                                torch.tensor([position], device=self.device), state.cache, position + 1)
+        out, _ = head.step(torch.tensor([token], device=self.device), state.hidden[-1][None],
+                           torch.tensor([position], device=self.device), state.cache, position + 1, logits=False)
         state.hidden.append(out[0])
-        return logits[0]
 
     def release(self, session_id: str) -> bool:
         return self.sessions.release(session_id)
@@ -371,7 +371,8 @@ class EagleDraft:
         features = head.fuse(torch.zeros(context, self.width, dtype=head.dtype, device=self.device))
         ids = torch.zeros(context, dtype=torch.long, device=self.device)
         for state in states:
-            out, _ = head.step(ids, features, torch.arange(context, device=self.device), state.cache, context)
+            out, _ = head.step(ids, features, torch.arange(context, device=self.device), state.cache, context,
+                               logits=False)
             state.hidden.extend(out)
 
         def prepare(batch: int) -> None:  # the first `batch` sessions back at `context` rows

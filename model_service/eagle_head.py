@@ -232,16 +232,20 @@ class HeadCache:
         self.length = max(0, min(length, self.length))
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [kv_heads, S, head_dim]; the allocation doubles when full."""
+        """k, v: [kv_heads, S, head_dim]."""
         end = self.length + k.shape[1]
-        if end > self.k.shape[1] or self.k.dtype != k.dtype:
+        self.reserve(end, k.dtype)
+        self.k[:, self.length : end], self.v[:, self.length : end] = k, v
+        self.length = end
+
+    def reserve(self, end: int, dtype: torch.dtype) -> None:
+        """Room for rows [0, end) in `dtype`; the allocation doubles when full."""
+        if end > self.k.shape[1] or self.k.dtype != dtype:
             size = max(end, 2 * self.k.shape[1])
-            grown = [torch.zeros(t.shape[0], size, t.shape[2], dtype=k.dtype, device=k.device) for t in (self.k, self.v)]
+            grown = [torch.zeros(t.shape[0], size, t.shape[2], dtype=dtype, device=t.device) for t in (self.k, self.v)]
             for new, old in zip(grown, (self.k, self.v)):
                 new[:, : self.length] = old[:, : self.length]
             self.k, self.v = grown
-        self.k[:, self.length : end], self.v[:, self.length : end] = k, v
-        self.length = end
 
 
 class Eagle3Head(nn.Module):
@@ -260,6 +264,7 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
         self.t2d[: c.draft_vocab_size] = True
+        self._q4_step: tuple | None = None  # (norms, tiles, outs) of the fused int4 step (quantize_int4)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -311,10 +316,12 @@ class Eagle3Head(nn.Module):
         return (cos, sin) if x.dtype == cos.dtype else (cos.to(x.dtype), sin.to(x.dtype))
 
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: HeadCache,
-             end: int | None = None):
+             end: int | None = None, logits: bool = True):
         """input_ids [S], hidden [S, H], positions [S] (below `end`, if given) -> (out_hidden [S, H], logits
-        [S, Vd]); the rows attend to the cache's rows and causally to each other, then their k/v are
-        appended to the cache."""
+        [S, Vd], or None where not `logits`); the rows attend to the cache's rows and causally to each
+        other, then their k/v are appended to the cache."""
+        if self._q4_step is not None:
+            return self._step_q4(input_ids, hidden, positions, [cache], [len(input_ids)], end, logits)
         S, past = len(input_ids), cache.length
         hidden = hidden.to(self.dtype)[None]
         cos, sin = self.rope(hidden, positions[None], end)
@@ -327,13 +334,15 @@ class Eagle3Head(nn.Module):
         attention = F.scaled_dot_product_attention(q, cache.k[None, :, : past + S], cache.v[None, :, : past + S],
                                                    attn_mask=mask, enable_gqa=True)
         out = self.layer.finish(attention, residual)[0]
-        return out, self.lm_head(self.norm(out))
+        return out, self.lm_head(self.norm(out)) if logits else None
 
     def step_many(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                   caches: list[HeadCache], end: int | None = None):
         """One row for each of B sessions at once: input_ids [B], hidden [B, H], positions [B], each
         row attending to its own session's cache -> (out_hidden [B, H], logits [B, Vd]); the linear
         layers run once for all rows (step's arithmetic, row by row)."""
+        if self._q4_step is not None:
+            return self._step_q4(input_ids, hidden, positions, caches, [1] * len(caches), end, True)
         hidden = hidden.to(self.dtype)[:, None]  # [B, 1, H]
         cos, sin = self.rope(hidden, positions[:, None], end)
         q, k, v, residual = self.layer.project(self.embed_tokens(input_ids)[:, None].to(hidden.dtype), hidden, cos, sin)
@@ -376,7 +385,45 @@ class Eagle3Head(nn.Module):
         for name, module in list(self.named_modules()):
             if isinstance(module, nn.Linear):
                 self.set_submodule(name, Q4Linear(module))
+        self._q4_step = self._q4_step_weights()
         return self
+
+    def _q4_step_weights(self) -> tuple | None:
+        """What the fused step (q4_kernel's q4_eagle_step: the layer, the norm and lm_head in one
+        call instead of ~60 torch ops) reads, where this head can take it: a float32 head on CPU
+        with fused projections (EagleDraft.load), every linear of the step in Q4Linear without a
+        bias, SiLU, and RoPE from the table (`rope`). Else None: step runs op by op."""
+        from .int4 import Q4Linear
+
+        layer, c = self.layer, self.config
+        linears = [layer.qkv_proj, layer.self_attn["o_proj"], layer.gate_up_proj, layer.mlp["down_proj"], self.lm_head]
+        rope_type = getattr(self.rotary, "rope_type", "default")
+        if (self.dtype != torch.float32 or self.norm.weight.device.type != "cpu" or c.hidden_act != "silu"
+                or not isinstance(rope_type, str) or rope_type in ("dynamic", "longrope")
+                or not all(isinstance(m, Q4Linear) and m.bias is None for m in linears)):
+            return None
+        norms = [layer.input_layernorm.weight, layer.hidden_norm.weight, layer.post_attention_layernorm.weight,
+                 self.norm.weight]
+        return ([w.detach().contiguous() for w in norms], [m.tiles for m in linears], [m.out_features for m in linears])
+
+    def _step_q4(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                 caches: list[HeadCache], lengths: list[int], end: int | None, logits: bool):
+        """step / step_many through q4_eagle_step: each cache's next lengths[s] rows are the call's
+        rows in order (the same arithmetic, each linear once over all the rows)."""
+        c = self.config
+        norms, tiles, outs = self._q4_step
+        hidden = hidden.float()
+        cos, sin = self.rope(hidden, positions, end)
+        for cache, n in zip(caches, lengths):
+            cache.reserve(cache.length + n, torch.float32)
+        out, scores = torch.ops.specdec.q4_eagle_step(
+            self.embed_tokens(input_ids).float(), hidden, cos, sin, [cache.k for cache in caches],
+            [cache.v for cache in caches], [cache.length for cache in caches], lengths, c.num_attention_heads,
+            c.num_key_value_heads, c.head_dim, c.rms_norm_eps, c.head_dim ** -0.5, c.norm_before_residual, norms,
+            tiles, outs, logits)
+        for cache, n in zip(caches, lengths):
+            cache.length += n
+        return out, scores if logits else None
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
@@ -586,6 +587,126 @@ at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at:
   return x;
 }
 
+// ----------------------------------------------------------------------------- an EAGLE-3 head's step
+// One step of an EAGLE-3 head's decoder layer (model_service/eagle_head.py: Eagle3Layer and the
+// final norm and lm_head) with every linear in these tiles, for S sequences at once: x holds their
+// new rows one sequence after another (lengths[s] rows each, at positions pasts[s]...), keys[s] and
+// values[s] are sequence s's cache [H_kv, capacity, head_dim]; each row attends to its sequence's
+// cached rows and causally to the rows given with it, whose keys and values are written at
+// pasts[s]... (the caller grows the caches first and counts the rows after).
+//   x = cat(rms(embeds) * w_in, rms(hidden) * w_hidden)      [T, 2H] into q/k/v (no bias)
+//   h = residual + o(attention(x))    (residual = the normed hidden where norm_before_residual, else hidden)
+//   out = h + down(SiLU(gate(rms(h) * w_post)) * up(...))
+//   logits = lm_head(rms(out) * w_final)                    (where `logits`; else an empty tensor)
+// norms: w_in, w_hidden, w_post, w_final; tiles and outs: q/k/v, o, gate/up, down, lm_head.
+// -> (out [T, H], logits [T, V] or [0]).
+std::tuple<at::Tensor, at::Tensor> q4_eagle_step(const at::Tensor& embeds_in, const at::Tensor& hidden_in,
+                                                 const at::Tensor& cos_in, const at::Tensor& sin_in, at::TensorList keys,
+                                                 at::TensorList values, at::IntArrayRef pasts, at::IntArrayRef lengths,
+                                                 int64_t H, int64_t Hkv, int64_t hd, double eps_in, double scale_in,
+                                                 bool norm_before_residual, at::TensorList norms, at::TensorList weights,
+                                                 at::IntArrayRef outs, bool logits) {
+  const int64_t S = static_cast<int64_t>(keys.size());
+  TORCH_CHECK(embeds_in.dim() == 2 && hidden_in.dim() == 2 && embeds_in.sizes() == hidden_in.sizes() &&
+              embeds_in.scalar_type() == at::kFloat && hidden_in.scalar_type() == at::kFloat,
+              "q4_eagle_step: float32 embeds and hidden [T, D]");
+  TORCH_CHECK(S > 0 && static_cast<int64_t>(values.size()) == S && static_cast<int64_t>(pasts.size()) == S &&
+              static_cast<int64_t>(lengths.size()) == S, "q4_eagle_step: keys, values, a past and a length per sequence");
+  TORCH_CHECK(norms.size() == 4 && weights.size() == 5 && outs.size() == 5,
+              "q4_eagle_step: 4 norms (in, hidden, post, final), 5 tiles and outs (qkv, o, gate/up, down, lm_head)");
+  TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0 && hd > 0 && hd % 2 == 0,
+              "q4_eagle_step: heads a multiple of kv heads, an even head_dim");
+  const int64_t T = embeds_in.size(0), D = embeds_in.size(1);
+  std::vector<int64_t> seq(T), pos(T);
+  int64_t row = 0, longest = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    for (const at::Tensor* c : {&keys[s], &values[s]})
+      TORCH_CHECK(c->scalar_type() == at::kFloat && c->dim() == 3 && c->size(0) == Hkv && c->size(2) == hd &&
+                  c->stride(2) == 1, "q4_eagle_step: a cache must be float32 [H_kv, capacity, head_dim]");
+    TORCH_CHECK(pasts[s] >= 0 && lengths[s] > 0 && pasts[s] + lengths[s] <= keys[s].size(1) &&
+                pasts[s] + lengths[s] <= values[s].size(1), "q4_eagle_step: sequence ", s, "'s cache holds ",
+                keys[s].size(1), " rows, the step needs ", pasts[s] + lengths[s]);
+    TORCH_CHECK(row + lengths[s] <= T, "q4_eagle_step: the sequences' lengths exceed the ", T, " rows");
+    for (int64_t j = 0; j < lengths[s]; ++j, ++row) {
+      seq[row] = s;
+      pos[row] = pasts[s] + j;
+    }
+    longest = std::max(longest, pasts[s] + lengths[s]);
+  }
+  TORCH_CHECK(row == T, "q4_eagle_step: the sequences' lengths sum to ", row, ", there are ", T, " rows");
+  for (const at::Tensor& w : norms) TORCH_CHECK(w.scalar_type() == at::kFloat && w.numel() == D,
+                                                "q4_eagle_step: norms must be float32 [", D, "]");
+  const int64_t qdim = H * hd, kdim = Hkv * hd, qkv_n = qdim + 2 * kdim, group = H / Hkv, rot = hd / 2,
+                ff = outs[2] / 2, V = outs[4];
+  TORCH_CHECK(outs[0] == qkv_n && outs[1] == D && outs[2] % 2 == 0 && outs[3] == D,
+              "q4_eagle_step: outs must be q/k/v ", qkv_n, ", o ", D, ", gate/up 2 F, down ", D);
+  check_tiles(weights[0], 2 * D, qkv_n);
+  check_tiles(weights[1], qdim, D);
+  check_tiles(weights[2], D, 2 * ff);
+  check_tiles(weights[3], ff, D);
+  if (logits) check_tiles(weights[4], D, V);
+  const at::Tensor cos = cos_in.to(at::kFloat).reshape({T, hd}).contiguous();
+  const at::Tensor sin = sin_in.to(at::kFloat).reshape({T, hd}).contiguous();
+  const at::Tensor embeds = embeds_in.contiguous(), hidden = hidden_in.contiguous();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>(), *ep = embeds.data_ptr<float>(),
+              *hp = hidden.data_ptr<float>();
+  std::vector<at::Tensor> w_norm;
+  for (const at::Tensor& w : norms) w_norm.push_back(w.contiguous());
+  const float eps = static_cast<float>(eps_in), scale = static_cast<float>(scale_in);
+  std::vector<float> normed(T * D), x(T * 2 * D), qkv(T * qkv_n), att(T * qdim), y(T * D), gu(T * 2 * ff), mid(T * ff);
+  rms_norm(ep, w_norm[0].data_ptr<float>(), normed.data(), T, D, eps);
+  for (int64_t t = 0; t < T; ++t) std::memcpy(x.data() + t * 2 * D, normed.data() + t * D, D * sizeof(float));
+  rms_norm(hp, w_norm[1].data_ptr<float>(), normed.data(), T, D, eps);
+  for (int64_t t = 0; t < T; ++t) std::memcpy(x.data() + t * 2 * D + D, normed.data() + t * D, D * sizeof(float));
+  at::Tensor out = norm_before_residual ? at::from_blob(normed.data(), {T, D}, at::kFloat).clone() : hidden.clone();
+  float* op = out.data_ptr<float>();
+  q4_matmul(x.data(), T, 2 * D, weights[0].data_ptr<uint8_t>(), qkv_n, qkv.data());
+  // RoPE on the q and k heads, then k and v into the row's cache
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cp + t * hd;
+    const float* sn = sp + t * hd;
+    for (int64_t head = 0; head < H + Hkv; ++head) {
+      float* v = qkv.data() + t * qkv_n + head * hd;
+      for (int64_t j = 0; j < rot; ++j) {
+        const float a = v[j], b = v[j + rot];
+        v[j] = a * c[j] + (-b) * sn[j];
+        v[j + rot] = b * c[j + rot] + a * sn[j + rot];
+      }
+    }
+    const at::Tensor &k_cache = keys[seq[t]], &v_cache = values[seq[t]];
+    for (int64_t g = 0; g < Hkv; ++g) {
+      std::memcpy(k_cache.data_ptr<float>() + g * k_cache.stride(0) + pos[t] * k_cache.stride(1),
+                  qkv.data() + t * qkv_n + qdim + g * hd, hd * sizeof(float));
+      std::memcpy(v_cache.data_ptr<float>() + g * v_cache.stride(0) + pos[t] * v_cache.stride(1),
+                  qkv.data() + t * qkv_n + qdim + kdim + g * hd, hd * sizeof(float));
+    }
+  }
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / ((longest + 1) * hd));
+  at::parallel_for(0, T * H, grain, [&](int64_t k0, int64_t k1) {
+    std::vector<float> scores(longest);
+    for (int64_t k = k0; k < k1; ++k) {
+      const int64_t t = k / H, head = k % H;
+      const at::Tensor &k_cache = keys[seq[t]], &v_cache = values[seq[t]];
+      TORCH_CHECK(k_cache.stride(1) == v_cache.stride(1), "q4_eagle_step: keys and values must share a layout");
+      attend(qkv.data() + t * qkv_n + head * hd, k_cache.data_ptr<float>() + (head / group) * k_cache.stride(0),
+             v_cache.data_ptr<float>() + (head / group) * v_cache.stride(0), k_cache.stride(1), pos[t] + 1, hd, scale,
+             scores.data(), att.data() + t * qdim + head * hd);
+    }
+  });
+  q4_matmul(att.data(), T, qdim, weights[1].data_ptr<uint8_t>(), D, y.data());
+  for (int64_t j = 0; j < T * D; ++j) op[j] += y[j];
+  rms_norm(op, w_norm[2].data_ptr<float>(), normed.data(), T, D, eps);
+  q4_matmul(normed.data(), T, D, weights[2].data_ptr<uint8_t>(), 2 * ff, gu.data());
+  for (int64_t t = 0; t < T; ++t) silu_mul(gu.data() + t * 2 * ff, gu.data() + t * 2 * ff + ff, mid.data() + t * ff, ff);
+  q4_matmul(mid.data(), T, ff, weights[3].data_ptr<uint8_t>(), D, y.data());
+  for (int64_t j = 0; j < T * D; ++j) op[j] += y[j];
+  if (!logits) return {out, at::empty({0}, out.options())};
+  at::Tensor scores = at::empty({T, V}, out.options());
+  rms_norm(op, w_norm[3].data_ptr<float>(), normed.data(), T, D, eps);
+  q4_matmul(normed.data(), T, D, weights[4].data_ptr<uint8_t>(), V, scores.data_ptr<float>());
+  return {out, scores};
+}
+
 std::string q4_path() { return kPath; }
 
 // whether at::parallel_for splits work across torch's threads here: it is a header template that
@@ -610,4 +731,5 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("q4_mm", &q4_mm);
   m.impl("q4_layers", &q4_layers);
+  m.impl("q4_eagle_step", &q4_eagle_step);
 }

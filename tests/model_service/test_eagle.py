@@ -75,6 +75,7 @@ def test_greedy_output_is_the_targets_with_and_without_predrafting(pair, small_v
         pytest.skip("specdec's int4 kernel is not built here")
     _, target_dir = pair if vocab == "bpe" else small_vocab_pair
     eagle = EagleDraft.load(make_head(target_dir, tmp_path / "head", std=0.5), target_dir, "cpu", quantize=quantize)
+    assert (eagle.head._q4_step is not None) == (quantize == "int4")  # int4: the fused step (q4_eagle_step)
     target = TargetEngine(ModelRunner(target_dir))
     prompt = [5, 1, 4, 9, 10, 7]
     with torch.inference_mode():

@@ -204,3 +204,61 @@ def test_rope_rows_are_the_rotary_modules_own(scaling):
                 assert g.dtype == dtype and g.shape == w.shape
                 torch.testing.assert_close(g, w, atol=0, rtol=0)
     assert (head._rope_rows is None) == (scaling is not None and scaling["rope_type"] == "dynamic")
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("shape", [{"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8},
+                                   {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
+                                    "norm_before_residual": True}])
+def test_the_fused_int4_step_computes_the_op_by_op_step(shape):
+    """An int4 head's step in one call (q4_eagle_step) against the same head op by op (the same
+    Q4Linear products between torch's norms, RoPE, attention and MLP): a prompt's rows, then
+    several sessions a row each at different lengths; each path keeps its own caches, both are fed
+    the op-by-op outputs. Activations go through int8 blocks, so a last-bit difference before a
+    product can flip a rounding: the bound is a few percent, far under what a wrong step gives."""
+    from model_service import q4_kernel
+
+    if not q4_kernel.available():
+        pytest.skip("specdec's int4 kernel is not built here")
+    head = random_head(3, intermediate_size=64, **shape)
+    head.layer.fuse_projections()
+    with torch.no_grad():
+        head.quantize_int4()
+    assert head._q4_step is not None
+    fused = head._q4_step
+
+    def both(call):
+        """call(caches) on the fused path and op by op -> (fused, op-by-op) results."""
+        head._q4_step = fused
+        got = call(fused_caches)
+        head._q4_step = None
+        want = call(plain_caches)
+        head._q4_step = fused
+        return got, want
+
+    lengths = [21, 5, 1]  # a prompt past 16 keys (the AVX-512 attention's blocks), a short one, one row
+    fused_caches = [head.new_cache() for _ in lengths]
+    plain_caches = [head.new_cache() for _ in lengths]
+    last = []
+    with torch.no_grad():
+        for s, n in enumerate(lengths):
+            ids, hidden = torch.randint(0, V, (n,)), head.fuse(torch.randn(n, 3 * H))
+            (out, logits), (want_out, want_logits) = both(lambda caches: head.step(ids, hidden, torch.arange(n), caches[s]))
+            assert relative(out, want_out) < 0.03 and relative(logits, want_logits) < 0.03
+            assert head.step(ids, hidden, torch.arange(n), head.new_cache(), logits=False)[1] is None
+            last.append(want_out[-1])
+        for k in range(4):
+            ids = torch.randint(0, V, (len(lengths),))
+            positions = torch.tensor([n + k for n in lengths])
+            (out, logits), (want_out, want_logits) = both(
+                lambda caches: head.step_many(ids, torch.stack(last), positions, caches, int(positions.max()) + 1))
+            assert relative(out, want_out) < 0.03 and relative(logits, want_logits) < 0.03
+            assert torch.equal(logits.argmax(-1), want_logits.argmax(-1))
+            last = list(want_out)
+    for got, want in zip(fused_caches, plain_caches):
+        assert got.length == want.length
+        assert relative(got.k[:, : got.length], want.k[:, : want.length]) < 0.03
+        assert relative(got.v[:, : got.length], want.v[:, : want.length]) < 0.03

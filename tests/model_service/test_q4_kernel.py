@@ -293,8 +293,8 @@ def _cpu_flags() -> set[str]:
 @pytest.mark.parametrize("extra", ["-mno-avx512f", "-mno-avx512f -mno-avx2 -mno-fma -mno-f16c"])
 def test_every_path_of_the_kernel_computes_the_same(tmp_path, extra):
     """The kernel's other paths, built here with the wider instruction sets turned off (AVX2; plain
-    C++), pass the same checks as the one this machine builds by default: machines of this kind
-    differ (some have AVX2 only)."""
+    C++), pass the same checks as the one this machine builds by default (products, the layer loop,
+    an EAGLE head's fused step): machines of this kind differ (some have AVX2 only)."""
     expected = "avx2" if "-mno-avx2" not in extra and {"avx2", "fma", "f16c"} <= _cpu_flags() else "scalar"
     code = f"""
 import pathlib, tempfile
@@ -308,6 +308,10 @@ for n, k in [(40, 96), (960, 576)]:
 t.test_a_rows_result_does_not_depend_on_its_batch_or_the_threads()
 for geometry in [(128, 4, 2), (256, 2, 1)]:
     t.test_the_c_layer_loop_computes_what_the_torchscript_loop_does(pathlib.Path(tempfile.mkdtemp()), "qwen2", *geometry)
+from tests.model_service import test_eagle_head as e
+for shape in [{{"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}},
+              {{"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}}]:
+    e.test_the_fused_int4_step_computes_the_op_by_op_step(shape)
 print("ok", q4_kernel.path())
 """
     env = dict(os.environ, SPECDEC_Q4_CFLAGS=extra, SPECDEC_EXTENSIONS=str(tmp_path / "ext"))
