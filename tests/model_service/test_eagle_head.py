@@ -239,7 +239,9 @@ def test_the_fused_int4_step_computes_the_op_by_op_step(shape):
         head._q4_step = fused
         return got, want
 
-    lengths = [21, 5, 1]  # a prompt past 16 keys (the AVX-512 attention's blocks), a short one, one row
+    # a prompt past the cache's first 64 rows (it grows) and 16 keys (the AVX-512 attention's
+    # blocks), a short one, one row
+    lengths = [70, 5, 1]
     fused_caches = [head.new_cache() for _ in lengths]
     plain_caches = [head.new_cache() for _ in lengths]
     last = []
