@@ -84,6 +84,9 @@ class FastForward:
         # (q4_kernel: q4_layers) rather than TorchScript's; off: TorchScript's loop over the same
         # products (A/B, tests)
         self.fused_layers = True
+        # in the C++ loop, the feature layers' inputs copied out by the one call (q4_layers_capturing);
+        # off: a call per segment between them, as TorchScript's loop runs (A/B, tests)
+        self.capture_in_loop = True
         # the layer loop through TorchScript (scripted.py) on CPU; CUDA keeps the eager
         # loop, which has not been measured against it there
         self.scripted = scripted.LAYERS is not None and self.embed.device.type == "cpu"
@@ -351,7 +354,12 @@ class FastForward:
                 keep = torch.tensor([r for (_, _, n), (_, b, _, _) in zip(feeds, spans) for r in range(b - n, b)],
                                     dtype=torch.long).to(device)
         states: dict[int, torch.Tensor] = {}
-        if self.scripted and self.reduce is None:  # the same layers, run by TorchScript (see scripted.py)
+        captured = None
+        if c_loop and wanted and self.capture_in_loop:  # the C++ loop copies the layers' inputs out, one call
+            x, captured = self._scripted_layers(x, cos, sin, feeds, spans, masks, slots, keep, 0, last + 1, True,
+                                                capture)
+            layers = []
+        elif self.scripted and self.reduce is None:  # the same layers, run by TorchScript (see scripted.py)
             lo = 0
             for hi in [*wanted, last + 1]:  # segments between the captured layers
                 if hi > lo:
@@ -406,14 +414,16 @@ class FastForward:
         if self.head_ids is not None:  # [rows, N] -> [rows, V], -inf where the head does not score
             full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
             logits = full.index_copy_(1, self.head_ids, logits)
-        captured = torch.stack([states[i] for i in capture], dim=1) if capture else None  # [T, layers, D]
+        if capture and captured is None:
+            captured = torch.stack([states[i] for i in capture], dim=1)  # [T, layers, D]
         return list(logits.split([n for _, _, n in feeds])), captured
 
     def _scripted_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, feeds, spans, masks,
-                         slots: SlotBatch | None, keep, lo: int, hi: int, final: bool) -> torch.Tensor:
+                         slots: SlotBatch | None, keep, lo: int, hi: int, final: bool, capture: tuple[int, ...] = ()):
         """Layers lo..hi-1 by TorchScript or specdec's C++ loop (scripted.py, q4_kernel.py): their
         cache and weights are the layer-sliced views of the whole model's; only the `final` segment
-        keeps just the asked rows at its last layer."""
+        keeps just the asked rows at its last layer. With `capture` (the C++ loop over every layer
+        only) -> (x, the inputs of those layers [T, len(capture), D]), else x."""
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         args = self._scripted_args()
         if lo or hi < len(self.layers):
@@ -422,9 +432,12 @@ class FastForward:
             scaling, in_norm, post_norm, half, qkv_bias, _, _, tiles, _, outs, _, _ = args
             lengths = [b - a for a, b, _, _ in spans]
             kept = [n for _, _, n in feeds] if final else lengths  # the rows each carries through its last layer
-            return torch.ops.specdec.q4_layers(
-                x, cos, sin, [cache.data[lo:hi] for _, cache, _ in feeds], [start for _, _, start, _ in spans], lengths,
-                kept, heads, kv_heads, head_dim, self.eps, scaling, in_norm, post_norm, half, qkv_bias, tiles, outs)
+            common = (x, cos, sin, [cache.data[lo:hi] for _, cache, _ in feeds], [start for _, _, start, _ in spans],
+                      lengths, kept, heads, kv_heads, head_dim, self.eps, scaling, in_norm, post_norm, half, qkv_bias,
+                      tiles, outs)
+            if capture:
+                return torch.ops.specdec.q4_layers_capturing(*common, list(capture))
+            return torch.ops.specdec.q4_layers(*common)
         if len(feeds) == 1:
             return scripted.LAYERS(x, cos, sin, feeds[0][1].data[lo:hi], spans[0][2], masks[0],
                                    feeds[0][2] if final else 0, heads, kv_heads, head_dim, self.eps, *args)

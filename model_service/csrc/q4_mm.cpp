@@ -458,11 +458,12 @@ void rms_norm(const float* x, const float* w, float* out, int64_t T, int64_t D, 
 // keeps[s] rows (the rows whose logits are asked for; keeps[s] = lengths[s]: all of them). Every
 // linear runs once over all the rows of all the sequences; attention reads each row's own sequence.
 // -> the kept rows [R, D].
-at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, at::TensorList kv,
-                     at::IntArrayRef starts, at::IntArrayRef lengths, at::IntArrayRef keeps, int64_t H, int64_t Hkv,
-                     int64_t hd, double eps_in, at::ArrayRef<double> scaling, at::TensorList in_norm,
-                     at::TensorList post_norm, at::IntArrayRef half, const c10::List<std::optional<at::Tensor>>& qkv_bias,
-                     at::TensorList weights, at::IntArrayRef outs) {
+// capture: layers whose input (every row's) is copied into `states` [T, capture.size(), D], in that order.
+at::Tensor layers_loop(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, at::TensorList kv,
+                       at::IntArrayRef starts, at::IntArrayRef lengths, at::IntArrayRef keeps, int64_t H, int64_t Hkv,
+                       int64_t hd, double eps_in, at::ArrayRef<double> scaling, at::TensorList in_norm,
+                       at::TensorList post_norm, at::IntArrayRef half, const c10::List<std::optional<at::Tensor>>& qkv_bias,
+                       at::TensorList weights, at::IntArrayRef outs, at::IntArrayRef capture, at::Tensor* states) {
   const int64_t L = static_cast<int64_t>(in_norm.size()), S = static_cast<int64_t>(kv.size());
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "q4_layers: float32 x [T, D]");
   TORCH_CHECK(S > 0 && static_cast<int64_t>(starts.size()) == S && static_cast<int64_t>(lengths.size()) == S &&
@@ -508,9 +509,19 @@ at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at:
   for (int64_t s = 0; s < S; ++s) longest = std::max(longest, starts[s] + lengths[s]);
   const int64_t widest = half.empty() ? 0 : *std::max_element(half.begin(), half.end());  // MLP buffers, made once for every layer
   std::vector<float> h(T * D), qkv(T * qkv_n), att(T * qdim), y(T * D), gu(T * 2 * widest), hidden(T * widest);
+  const int64_t C = static_cast<int64_t>(capture.size());
+  for (int64_t j = 0; j < C; ++j)
+    TORCH_CHECK(capture[j] >= 0 && capture[j] < L, "q4_layers: capture layers must lie in [0, ", L - 1, "]");
+  if (states != nullptr) *states = at::empty({T, C, D}, x_in.options().dtype(at::kFloat));
   for (int64_t i = 0; i < L; ++i) {
     TORCH_CHECK(in_norm[i].numel() == D && post_norm[i].numel() == D, "q4_layers: layer ", i, "'s norms must have ", D,
                 " weights");
+    for (int64_t j = 0; j < C; ++j) {  // layer i's input, every row (before the last layer narrows them)
+      if (capture[j] != i) continue;
+      const float* xs = x.data_ptr<float>();
+      float* sp_out = states->data_ptr<float>();
+      for (int64_t t = 0; t < T; ++t) std::memcpy(sp_out + (t * C + j) * D, xs + t * D, D * sizeof(float));
+    }
     const at::Tensor& w_qkv = weights[4 * i];
     TORCH_CHECK(outs[4 * i] == qkv_n, "q4_layers: layer ", i, "'s q/k/v has ", outs[4 * i], " outputs, not ", qkv_n);
     check_tiles(w_qkv, D, qkv_n);
@@ -585,6 +596,28 @@ at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at:
     for (int64_t j = 0; j < rows * D; ++j) xp[j] += y[j];
   }
   return x;
+}
+
+at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, at::TensorList kv,
+                     at::IntArrayRef starts, at::IntArrayRef lengths, at::IntArrayRef keeps, int64_t H, int64_t Hkv,
+                     int64_t hd, double eps, at::ArrayRef<double> scaling, at::TensorList in_norm,
+                     at::TensorList post_norm, at::IntArrayRef half, const c10::List<std::optional<at::Tensor>>& qkv_bias,
+                     at::TensorList weights, at::IntArrayRef outs) {
+  return layers_loop(x_in, cos_in, sin_in, kv, starts, lengths, keeps, H, Hkv, hd, eps, scaling, in_norm, post_norm, half,
+                     qkv_bias, weights, outs, {}, nullptr);
+}
+
+// q4_layers, and the inputs of the `capture` layers for every row: -> (the kept rows [R, D], states [T, C, D])
+std::tuple<at::Tensor, at::Tensor> q4_layers_capturing(
+    const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, at::TensorList kv, at::IntArrayRef starts,
+    at::IntArrayRef lengths, at::IntArrayRef keeps, int64_t H, int64_t Hkv, int64_t hd, double eps,
+    at::ArrayRef<double> scaling, at::TensorList in_norm, at::TensorList post_norm, at::IntArrayRef half,
+    const c10::List<std::optional<at::Tensor>>& qkv_bias, at::TensorList weights, at::IntArrayRef outs,
+    at::IntArrayRef capture) {
+  at::Tensor states;
+  at::Tensor x = layers_loop(x_in, cos_in, sin_in, kv, starts, lengths, keeps, H, Hkv, hd, eps, scaling, in_norm, post_norm,
+                             half, qkv_bias, weights, outs, capture, &states);
+  return {x, states};
 }
 
 // ----------------------------------------------------------------------------- an EAGLE-3 head's step
@@ -731,5 +764,6 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("q4_mm", &q4_mm);
   m.impl("q4_layers", &q4_layers);
+  m.impl("q4_layers_capturing", &q4_layers_capturing);
   m.impl("q4_eagle_step", &q4_eagle_step);
 }

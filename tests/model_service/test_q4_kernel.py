@@ -357,3 +357,31 @@ def test_a_q4_linear_is_its_kernels_product_with_fitted_groups():
     assert (fitted[2].float() >= plain[2].float()).all() and (fitted[2].float() >= low.half().float() - 1e-6).all()
     with pytest.raises(ValueError, match="groups of 32"):
         Q4Linear(torch.nn.Linear(40, 8))
+
+
+def test_the_c_loop_copies_the_feature_layers_out_in_one_call_as_the_segments_do(tmp_path):
+    """An EAGLE head's features from an int4 target (q4_layers_capturing: every layer in one call,
+    the asked layers' inputs copied out) are, bit for bit, what a call per segment between them
+    gives, in the order asked (duplicates too); the logits and the cache likewise. A prompt, then a
+    verify-sized pass over two sessions."""
+    from model_service.model_runner import ModelRunner
+    from speculative.tiny import make_model, make_tokenizer
+
+    model = make_model(tmp_path / "m", make_tokenizer(tmp_path / "t"), hidden=128, layers=4, heads=4, kv_heads=2,
+                       intermediate=160, max_context=128)
+    fast = ModelRunner(model, "cpu", quantize="int4", int4_kernel="specdec").fast
+    assert fast._runs_q4_layers()
+    capture = (3, 0, 2, 2)
+    results = {}
+    for one_call in (True, False):
+        fast.capture_in_loop = one_call
+        caches = [fast.new_cache(), fast.new_cache()]
+        first = fast.many_capturing([(list(range(3, 40)), caches[0], 1), (list(range(5, 25)), caches[1], 2)], capture)
+        second = fast.many_capturing([([41, 42, 43, 44, 45], caches[0], 5), ([46], caches[1], 1)], capture)
+        results[one_call] = (first, second, [cache.data[:, :, :, :, :40].clone() for cache in caches])
+    for (logits, states), (want_logits, want_states) in zip(results[True][:2], results[False][:2]):
+        assert states.shape == (want_states.shape[0], len(capture), 128)
+        assert torch.equal(states, want_states)
+        assert all(torch.equal(a, b) for a, b in zip(logits, want_logits))
+    assert not torch.equal(results[True][0][1][:, 0], results[True][0][1][:, 1])  # layers 3 and 0 differ
+    assert all(torch.equal(a, b) for a, b in zip(results[True][2], results[False][2]))
