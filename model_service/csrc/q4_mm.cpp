@@ -656,6 +656,7 @@ std::tuple<at::Tensor, at::Tensor> q4_eagle_step(const at::Tensor& embeds_in, co
     for (const at::Tensor* c : {&keys[s], &values[s]})
       TORCH_CHECK(c->scalar_type() == at::kFloat && c->dim() == 3 && c->size(0) == Hkv && c->size(2) == hd &&
                   c->stride(2) == 1, "q4_eagle_step: a cache must be float32 [H_kv, capacity, head_dim]");
+    TORCH_CHECK(keys[s].stride(1) == values[s].stride(1), "q4_eagle_step: keys and values must share a layout");
     TORCH_CHECK(pasts[s] >= 0 && lengths[s] > 0 && pasts[s] + lengths[s] <= keys[s].size(1) &&
                 pasts[s] + lengths[s] <= values[s].size(1), "q4_eagle_step: sequence ", s, "'s cache holds ",
                 keys[s].size(1), " rows, the step needs ", pasts[s] + lengths[s]);
@@ -720,7 +721,6 @@ std::tuple<at::Tensor, at::Tensor> q4_eagle_step(const at::Tensor& embeds_in, co
     for (int64_t k = k0; k < k1; ++k) {
       const int64_t t = k / H, head = k % H;
       const at::Tensor &k_cache = keys[seq[t]], &v_cache = values[seq[t]];
-      TORCH_CHECK(k_cache.stride(1) == v_cache.stride(1), "q4_eagle_step: keys and values must share a layout");
       attend(qkv.data() + t * qkv_n + head * hd, k_cache.data_ptr<float>() + (head / group) * k_cache.stride(0),
              v_cache.data_ptr<float>() + (head / group) * v_cache.stride(0), k_cache.stride(1), pos[t] + 1, hd, scale,
              scores.data(), att.data() + t * qdim + head * hd);
