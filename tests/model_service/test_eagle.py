@@ -185,13 +185,18 @@ def next_probs(model, ids, params):
         return logits_to_probs(model(input_ids=torch.tensor([ids])).logits[0, -1], params).double()
 
 
-def test_sampled_tokens_drafted_from_features_follow_the_target(small_vocab_pair, tmp_path):
+@pytest.mark.parametrize("quantize", ["none", "int4"])
+def test_sampled_tokens_drafted_from_features_follow_the_target(small_vocab_pair, tmp_path, quantize):
     """k=2, 3 tokens: the first round has no features and decodes the first token alone; the
-    second verifies the head's two tokens, so the second token's marginal is the head's doing."""
+    second verifies the head's two tokens, so the second token's marginal is the head's doing.
+    The head op by op, and in int4 through its fused step."""
+    if quantize == "int4" and not q4_kernel.available():
+        pytest.skip("specdec's int4 kernel is not built here")
     _, target_dir = small_vocab_pair
     params = SamplingParams(1.0)
     eagle = EagleDraft.load(make_head(target_dir, tmp_path / "head", seed=3, std=0.5, draft_vocab=8), target_dir,
-                            "cpu")
+                            "cpu", quantize=quantize)
+    assert (eagle.head._q4_step is not None) == (quantize == "int4")
     target = TargetEngine(ModelRunner(target_dir))
     model = target.runner.model
     prompt = [3, 5, 4, 7]
