@@ -627,12 +627,12 @@ std::tuple<at::Tensor, at::Tensor> q4_layers_capturing(
 // values[s] are sequence s's cache [H_kv, capacity, head_dim]; each row attends to its sequence's
 // cached rows and causally to the rows given with it, whose keys and values are written at
 // pasts[s]... (the caller grows the caches first and counts the rows after).
-//   x = cat(rms(embeds) * w_in, rms(hidden) * w_hidden)      [T, 2H] into q/k/v (no bias)
+//   x = cat(rms(embeds) * w_in, rms(hidden) * w_hidden)      [T, 2D] into q/k/v (no bias)
 //   h = residual + o(attention(x))    (residual = the normed hidden where norm_before_residual, else hidden)
 //   out = h + down(SiLU(gate(rms(h) * w_post)) * up(...))
 //   logits = lm_head(rms(out) * w_final)                    (where `logits`; else an empty tensor)
 // norms: w_in, w_hidden, w_post, w_final; tiles and outs: q/k/v, o, gate/up, down, lm_head.
-// -> (out [T, H], logits [T, V] or [0]).
+// -> (out [T, D], logits [T, V] or [0]); H: attention heads, Hkv: key/value heads.
 std::tuple<at::Tensor, at::Tensor> q4_eagle_step(const at::Tensor& embeds_in, const at::Tensor& hidden_in,
                                                  const at::Tensor& cos_in, const at::Tensor& sin_in, at::TensorList keys,
                                                  at::TensorList values, at::IntArrayRef pasts, at::IntArrayRef lengths,
