@@ -443,6 +443,29 @@ void attend(const float* q, const float* keys, const float* values, int64_t stri
   for (int64_t j = 0; j < seen; ++j) axpy(scores[j] * inv, values + j * stride, out, hd);
 }
 
+// RoPE on the first `heads` heads of one row of q/k/v (x cos + rotate_half(x) sin; cos, sin [hd])
+inline void rope_row(float* row, const float* c, const float* sn, int64_t heads, int64_t hd) {
+  const int64_t rot = hd / 2;
+  for (int64_t head = 0; head < heads; ++head) {
+    float* v = row + head * hd;
+    for (int64_t j = 0; j < rot; ++j) {
+      const float a = v[j], b = v[j + rot];
+      v[j] = a * c[j] + (-b) * sn[j];
+      v[j + rot] = b * c[j + rot] + a * sn[j + rot];
+    }
+  }
+}
+
+// One row's Hkv key and value heads (hd floats each, from k and v) into a cache's position:
+// kv head g at keys / values + g * head_stride
+inline void store_kv(const float* k, const float* v, float* keys, float* values, int64_t head_stride, int64_t Hkv,
+                     int64_t hd) {
+  for (int64_t g = 0; g < Hkv; ++g) {
+    std::memcpy(keys + g * head_stride, k + g * hd, hd * sizeof(float));
+    std::memcpy(values + g * head_stride, v + g * hd, hd * sizeof(float));
+  }
+}
+
 // out = x / sqrt(mean(x^2) + eps) * w, row by row (float32, as F.rms_norm)
 void rms_norm(const float* x, const float* w, float* out, int64_t T, int64_t D, float eps) {
   for (int64_t t = 0; t < T; ++t) {
@@ -503,7 +526,7 @@ at::Tensor layers_loop(const at::Tensor& x_in, const at::Tensor& cos_in, const a
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const float eps = static_cast<float>(eps_in);
-  const int64_t qdim = H * hd, kdim = Hkv * hd, qkv_n = qdim + 2 * kdim, group = H / Hkv, rot = hd / 2;
+  const int64_t qdim = H * hd, kdim = Hkv * hd, qkv_n = qdim + 2 * kdim, group = H / Hkv;
   at::Tensor x = x_in.contiguous().clone();
   int64_t longest = 0;  // the most keys a row sees
   for (int64_t s = 0; s < S; ++s) longest = std::max(longest, starts[s] + lengths[s]);
@@ -536,27 +559,13 @@ at::Tensor layers_loop(const at::Tensor& x_in, const at::Tensor& cos_in, const a
       for (int64_t t = 0; t < T; ++t)
         for (int64_t j = 0; j < qkv_n; ++j) qkv[t * qkv_n + j] += bp[j];
     }
-    // RoPE on the q and k heads (x cos + rotate_half(x) sin), then k and v into the row's cache
+    // RoPE on the q and k heads, then k and v into the row's cache
     for (int64_t t = 0; t < T; ++t) {
-      const float* c = cp + t * hd;
-      const float* sn = sp + t * hd;
-      for (int64_t head = 0; head < H + Hkv; ++head) {
-        float* v = qkv.data() + t * qkv_n + head * hd;
-        for (int64_t j = 0; j < rot; ++j) {
-          const float a = v[j], b = v[j + rot];
-          v[j] = a * c[j] + (-b) * sn[j];
-          v[j + rot] = b * c[j + rot] + a * sn[j + rot];
-        }
-      }
+      float* row = qkv.data() + t * qkv_n;
+      rope_row(row, cp + t * hd, sp + t * hd, H + Hkv, hd);
       const at::Tensor& cache = kv[seq[t]];
-      float* keys = cache.data_ptr<float>() + i * cache.stride(0);
-      float* values = keys + cache.stride(1);
-      for (int64_t g = 0; g < Hkv; ++g) {
-        std::memcpy(keys + g * cache.stride(3) + pos[t] * cache.stride(4), qkv.data() + t * qkv_n + qdim + g * hd,
-                    hd * sizeof(float));
-        std::memcpy(values + g * cache.stride(3) + pos[t] * cache.stride(4), qkv.data() + t * qkv_n + qdim + kdim + g * hd,
-                    hd * sizeof(float));
-      }
+      float* keys = cache.data_ptr<float>() + i * cache.stride(0) + pos[t] * cache.stride(4);
+      store_kv(row + qdim, row + qdim + kdim, keys, keys + cache.stride(1), cache.stride(3), Hkv, hd);
     }
     // the rows carried on: at the last layer only the kept ones (their keys and values are cached above)
     const bool last = i == L - 1 && narrows;
@@ -656,7 +665,8 @@ std::tuple<at::Tensor, at::Tensor> q4_eagle_step(const at::Tensor& embeds_in, co
     for (const at::Tensor* c : {&keys[s], &values[s]})
       TORCH_CHECK(c->scalar_type() == at::kFloat && c->dim() == 3 && c->size(0) == Hkv && c->size(2) == hd &&
                   c->stride(2) == 1, "q4_eagle_step: a cache must be float32 [H_kv, capacity, head_dim]");
-    TORCH_CHECK(keys[s].stride(1) == values[s].stride(1), "q4_eagle_step: keys and values must share a layout");
+    TORCH_CHECK(keys[s].stride(0) == values[s].stride(0) && keys[s].stride(1) == values[s].stride(1),
+                "q4_eagle_step: keys and values must share a layout");
     TORCH_CHECK(pasts[s] >= 0 && lengths[s] > 0 && pasts[s] + lengths[s] <= keys[s].size(1) &&
                 pasts[s] + lengths[s] <= values[s].size(1), "q4_eagle_step: sequence ", s, "'s cache holds ",
                 keys[s].size(1), " rows, the step needs ", pasts[s] + lengths[s]);
@@ -670,7 +680,7 @@ std::tuple<at::Tensor, at::Tensor> q4_eagle_step(const at::Tensor& embeds_in, co
   TORCH_CHECK(row == T, "q4_eagle_step: the sequences' lengths sum to ", row, ", there are ", T, " rows");
   for (const at::Tensor& w : norms) TORCH_CHECK(w.scalar_type() == at::kFloat && w.numel() == D,
                                                 "q4_eagle_step: norms must be float32 [", D, "]");
-  const int64_t qdim = H * hd, kdim = Hkv * hd, qkv_n = qdim + 2 * kdim, group = H / Hkv, rot = hd / 2,
+  const int64_t qdim = H * hd, kdim = Hkv * hd, qkv_n = qdim + 2 * kdim, group = H / Hkv,
                 ff = outs[2] / 2, V = outs[4];
   TORCH_CHECK(outs[0] == qkv_n && outs[1] == D && outs[2] % 2 == 0 && outs[3] == D,
               "q4_eagle_step: outs must be q/k/v ", qkv_n, ", o ", D, ", gate/up 2 F, down ", D);
@@ -695,25 +705,13 @@ std::tuple<at::Tensor, at::Tensor> q4_eagle_step(const at::Tensor& embeds_in, co
   at::Tensor out = norm_before_residual ? at::from_blob(normed.data(), {T, D}, at::kFloat).clone() : hidden.clone();
   float* op = out.data_ptr<float>();
   q4_matmul(x.data(), T, 2 * D, weights[0].data_ptr<uint8_t>(), qkv_n, qkv.data());
-  // RoPE on the q and k heads, then k and v into the row's cache
+  // RoPE on the q and k heads, then k and v into the row's cache (keys and values share a layout: checked above)
   for (int64_t t = 0; t < T; ++t) {
-    const float* c = cp + t * hd;
-    const float* sn = sp + t * hd;
-    for (int64_t head = 0; head < H + Hkv; ++head) {
-      float* v = qkv.data() + t * qkv_n + head * hd;
-      for (int64_t j = 0; j < rot; ++j) {
-        const float a = v[j], b = v[j + rot];
-        v[j] = a * c[j] + (-b) * sn[j];
-        v[j + rot] = b * c[j + rot] + a * sn[j + rot];
-      }
-    }
+    float* row = qkv.data() + t * qkv_n;
+    rope_row(row, cp + t * hd, sp + t * hd, H + Hkv, hd);
     const at::Tensor &k_cache = keys[seq[t]], &v_cache = values[seq[t]];
-    for (int64_t g = 0; g < Hkv; ++g) {
-      std::memcpy(k_cache.data_ptr<float>() + g * k_cache.stride(0) + pos[t] * k_cache.stride(1),
-                  qkv.data() + t * qkv_n + qdim + g * hd, hd * sizeof(float));
-      std::memcpy(v_cache.data_ptr<float>() + g * v_cache.stride(0) + pos[t] * v_cache.stride(1),
-                  qkv.data() + t * qkv_n + qdim + kdim + g * hd, hd * sizeof(float));
-    }
+    store_kv(row + qdim, row + qdim + kdim, k_cache.data_ptr<float>() + pos[t] * k_cache.stride(1),
+             v_cache.data_ptr<float>() + pos[t] * v_cache.stride(1), k_cache.stride(0), Hkv, hd);
   }
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / ((longest + 1) * hd));
   at::parallel_for(0, T * H, grain, [&](int64_t k0, int64_t k1) {
