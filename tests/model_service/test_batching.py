@@ -3,6 +3,7 @@ greedy and seeded sampling, and an error in one call that leaves the others alon
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
 import threading
@@ -13,10 +14,11 @@ import pytest
 from model_service.engines import DraftEngine, TargetEngine
 from speculative.errors import InvalidRequest
 from model_service.model_runner import ModelRunner
-from speculative.protocol import Proposal, ProposeCall, VerifyCall
+from speculative.protocol import PassCost, Proposal, ProposeCall, VerifyCall
 from speculative.protocol import SamplingParams
 from model_service import threads
 from model_service.batcher import Batcher, Batching
+from model_service.service import auto_wait_ms, wait_ms
 from model_service.threads import ModelThread
 
 
@@ -286,3 +288,14 @@ def test_a_pass_serves_one_lockstep_turn():
     results = asyncio.run(main())
     assert [r for r, _ in results] == ["z1", "a1", "c1", "x1", "b1", "d1"]
     assert passes == [["z1"], ["a1", "b1"], ["c1", "d1"], ["x1"]]
+
+
+def test_auto_wait_is_half_the_calibrated_one_token_pass_up_to_8_ms():
+    """--batch-wait-ms auto: half the model's one-token pass, at most 8 ms (SmolLM2 on 2 cores: its
+    int4 passes, ~4 ms, wait 2; its float32 ones, ~40 ms, 8)."""
+    assert auto_wait_ms(PassCost(fixed=3.0, per_token=0.8, per_session=1.0, free_rows=8)) == pytest.approx(2.0)
+    assert auto_wait_ms(PassCost(fixed=30.0, per_token=2.0, per_session=10.0)) == 8.0
+    assert auto_wait_ms(PassCost(fixed=0.2, multi_row=5.0)) == pytest.approx(0.1)  # one row: no multi_row
+    assert wait_ms("auto") == "auto" and wait_ms("2.5") == 2.5
+    with pytest.raises(argparse.ArgumentTypeError, match="a number of ms or auto"):
+        wait_ms("soon")

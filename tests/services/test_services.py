@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -19,9 +20,11 @@ from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from model_service.engines import TargetEngine
 from model_service.model_runner import ModelRunner
+from model_service.service import auto_wait_ms
 from model_service.threads import ModelThread
 from runtime.ports import free_port
 from runtime.server import serve
+from speculative.protocol import PassCost
 from target_service.servicer import SERVICE_NAME, TargetServicer
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -116,7 +119,23 @@ def test_every_flag_is_documented_with_its_environment_variable():
     ("--max-batch", "0", "--max-batch must be >= 1"),
     ("--batch-wait-ms", "-1", "--batch-wait-ms must lie in [0, 1000]"),
     ("--batch-wait-ms", "nan", "--batch-wait-ms must lie in [0, 1000]"),
+    ("--batch-wait-ms", "soon", "a number of ms or auto, not 'soon'"),
 ])
 def test_a_model_service_refuses_bad_batching_flags(pair, flag, value, message):
     out = run_cli("-m", "draft_service", "--model", str(pair[0]), "--port", "0", flag, value)
     assert out.returncode != 0 and message in out.stderr
+
+
+def test_the_target_waits_half_its_pass_for_sessions_at_work_and_the_draft_half_a_ms(stack):
+    """By default (--batch-wait-ms: the target auto, the draft 0.5) each service says at start-up how
+    long a pass waits for the calls of sessions at work; the target's is auto_wait_ms of the pass
+    it calibrated."""
+    target_log = stack.logs["target"].read_text()
+    fitted = re.search(r"pass PassCost\(fixed=([-\d.e]+), per_token=([-\d.e]+), per_session=([-\d.e]+), "
+                       r"multi_row=([-\d.e]+), free_rows=([-\d.e]+)\)", target_log)
+    assert fitted, target_log[-2000:]
+    cost = PassCost(*map(float, fitted.groups()))
+    waits = re.search(r"a pass waits up to ([\d.]+) ms", target_log)
+    assert waits and float(waits.group(1)) == pytest.approx(auto_wait_ms(cost), abs=0.006)
+    assert 0 < auto_wait_ms(cost) == pytest.approx(min(8.0, 0.5 * cost(1, 1)))
+    assert "a pass waits up to 0.50 ms" in stack.logs["draft"].read_text()
