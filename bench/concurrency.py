@@ -24,7 +24,7 @@ With greedy decoding (the default) every request's tokens are checked against th
 its prompt, across systems and levels: greedy output is the target's own at any concurrency
 and batch, so the bench prints how many requests matched and names any that did not.
 Writes a table to stdout, bench/results/concurrency.json and bench/results/concurrency.png (with
---draft-method eagle: concurrency-eagle.json and .png).
+--draft-method eagle: concurrency-eagle.json and .png; with --quantize int4, -int4 after the name).
 """
 
 from __future__ import annotations
@@ -164,6 +164,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--draft-method", default="model", choices=["model", "eagle"],
                         help="the drafts' method: model (--draft-model) or eagle (--draft-model: an EAGLE-3 head,"
                              " default models/eagle; the target sends it its hidden states)")
+    parser.add_argument("--quantize", default="none", choices=["none", "int4"],
+                        help="the target's weights (and a model draft's): int4 as the services' --quantize (HF"
+                             " sequential stays float32)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
@@ -206,6 +209,7 @@ def main(argv=None) -> dict:
         if not names:
             continue
         extra = {"one at a time": ["--max-batch", "1"]}.get(kind, [])
+        extra = [*extra, *(["--quantize", args.quantize] if args.quantize != "none" else [])]
         coordinator_args = {"predraft": ["--predraft"],
                             "lockstep": ["--lockstep", "--num-speculative-tokens", str(args.lockstep_k)]}.get(kind, [])
         lockstep = kind == "lockstep"  # each model has the cores to itself in its turn
@@ -243,12 +247,13 @@ def main(argv=None) -> dict:
 
     meta = {"machine": f"{os.cpu_count()} cores, {torch.__version__}", "threads": args.threads,
             "draft_threads": args.draft_threads, "draft": str(draft_dir), "draft_method": args.draft_method,
-            "target": str(target_dir),
+            "target": str(target_dir), "quantize": args.quantize,
             "prompts": len(prompts), "new_tokens": args.new_tokens, "temperature": args.temperature,
             "k": args.k if args.k is not None else "adaptive", "date": time.strftime("%Y-%m-%d %H:%M"),
             "greedy_requests_checked": checked, "greedy_requests_differing": differ}
     args.out.mkdir(parents=True, exist_ok=True)
     name = "concurrency" if args.draft_method == "model" else f"concurrency-{args.draft_method}"
+    name += "-int4" if args.quantize == "int4" else ""
     (args.out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot(rows, args.out / f"{name}.png")
     print(f"\n{meta}\n")
