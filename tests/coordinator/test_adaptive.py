@@ -278,8 +278,10 @@ def test_a_draft_on_the_targets_cores_is_paid_for_under_load():
     apart, shared = CostModel(TARGET, draft), CostModel(TARGET, draft, shared_cpus=True)
     for k in (1, 4):
         assert shared.round_cost(k, 4.0, 4.0, pipelined=True) > apart.round_cost(k, 4.0, 4.0, pipelined=True)
+        # the sum, as for a lone request, and the draft call's time outside the services in full (see
+        # test_on_shared_cores_the_batch_waits_for_a_drafting_sessions_call)
         assert shared.round_cost(k, 4.0, 4.0, pipelined=True) == pytest.approx(
-            shared.round_cost(k, 4.0, 4.0, pipelined=False))  # the sum, as for a lone request
+            shared.round_cost(k, 4.0, 4.0, pipelined=False) + shared.overhead_ms * (1 - 1 / 4))
     assert shared.round_cost(0, 4.0, 4.0, pipelined=True) == apart.round_cost(0, 4.0, 4.0, pipelined=True)
     chosen = {}
     for name, costs in (("apart", apart), ("shared", shared)):
@@ -289,6 +291,32 @@ def test_a_draft_on_the_targets_cores_is_paid_for_under_load():
             policy.observe(Round([], 4, 2, Cost(), Cost(batch_size=4), asked=4), 1.0)
         chosen[name] = policy.choose(100)
     assert chosen["shared"] < chosen["apart"], chosen
+
+
+def test_on_shared_cores_the_batch_waits_for_a_drafting_sessions_call():
+    """The target's passes wait for the sessions at work (--batch-wait-ms), so under load on shared
+    cores a session's draft call holds the whole batch while it is on the wire: its time outside the
+    services is not shared by the batch. At 8 streams (the EAGLE head on 2 cores, SmolLM2 float32, the
+    costs below) drafting nothing ran 128.7 tokens/s and adaptive K, drafting 0.57 a round, 99.0.
+    Apart, or for a lone request, the price does not change."""
+    target = PassCost(fixed=34.9, per_token=1.6, per_session=1.0, free_rows=8)
+    head = PassCost(fixed=0.14, per_session=0.09)
+    chosen = {}
+    for shared in (False, True):
+        costs = CostModel(target, head, alpha=0.55, overhead_ms=3.0, shared_cpus=shared)
+        costs.target_scale, costs.draft_scale, costs.in_flight = 1.2, 5.0, 8
+        policy = AdaptiveK(costs, k_max=8)
+        policy.batch, policy.draft_batch = 7.0, 1.0
+        chosen[shared] = policy.choose(100)
+        if shared:  # the overhead in a round: K = 0's call shared by the batch; a draft call's in full
+            free = CostModel(target, head, alpha=0.55, overhead_ms=0.0, shared_cpus=True)
+            free.target_scale, free.draft_scale = 1.2, 5.0
+            extra = [costs.round_cost(k, 7.0, 1.0, pipelined=True) - free.round_cost(k, 7.0, 1.0, pipelined=True)
+                     for k in (0, 2)]
+            assert extra == pytest.approx([3.0 / 7, 3.0 / 7 + 3.0])
+            costs.in_flight = 1  # alone: its round is the sum, as before, and worth drafting
+            chosen["alone"] = policy.choose(100)
+    assert chosen[True] == 0 and chosen[False] > 0 and chosen["alone"] > 0, chosen
 
 
 def test_a_draft_slower_than_calibrated_is_charged_for_it_on_shared_cores():
