@@ -56,7 +56,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def drive(addr: str, prompts: list[list[int]], concurrency: int, requests: int, new_tokens: int,
-                temperature: float, k: int | None) -> dict:
+                temperature: float, k: int | None, p_min: float | None = None) -> dict:
     """`requests` generations over `concurrency` concurrent streams (request i: prompt i mod
     len(prompts), seed i). -> figures of the level, and "outputs": request i's token ids"""
     import grpc
@@ -82,6 +82,8 @@ async def drive(addr: str, prompts: list[list[int]], concurrency: int, requests:
                                              temperature=temperature, seed=i)
                 if k is not None:
                     request.num_speculative_tokens = k
+                if p_min is not None:
+                    request.draft_p_min = p_min
                 start = last = time.perf_counter()
                 first = True
                 async for chunk in stub.GenerateStream(request, timeout=600):
@@ -155,6 +157,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--k", type=int, default=None,
                         help="fixed K for the speculative rows (default: the coordinator's adaptive K)")
+    parser.add_argument("--draft-p-min", type=float, default=None,
+                        help="the requests' draft_p_min (default: the coordinator's)")
     parser.add_argument("--systems",
                         default="spec,no spec,spec defaults,spec predraft,spec 1-at-a-time,spec lockstep,HF sequential")
     parser.add_argument("--lockstep-k", type=int, default=4, help="K of the spec lockstep row")
@@ -223,7 +227,7 @@ def main(argv=None) -> dict:
                     bar.set_postfix_str(f"{name} C={c}")
                     k = 0 if name == "no spec" else args.k
                     figures = asyncio.run(drive(stack.addr, prompts, c, max(len(prompts), 2 * c), args.new_tokens,
-                                                args.temperature, k))
+                                                args.temperature, k, args.draft_p_min))
                     check(f"{name} C={c}", figures.pop("outputs"))
                     rows.append({"system": name, "concurrency": c, "again": i >= len(levels), **figures})
                     bar.update()
@@ -249,7 +253,7 @@ def main(argv=None) -> dict:
             "draft_threads": args.draft_threads, "draft": str(draft_dir), "draft_method": args.draft_method,
             "target": str(target_dir), "quantize": args.quantize,
             "prompts": len(prompts), "new_tokens": args.new_tokens, "temperature": args.temperature,
-            "k": args.k if args.k is not None else "adaptive", "date": time.strftime("%Y-%m-%d %H:%M"),
+            "k": args.k if args.k is not None else "adaptive", "draft_p_min": args.draft_p_min, "date": time.strftime("%Y-%m-%d %H:%M"),
             "greedy_requests_checked": checked, "greedy_requests_differing": differ}
     args.out.mkdir(parents=True, exist_ok=True)
     name = "concurrency" if args.draft_method == "model" else f"concurrency-{args.draft_method}"

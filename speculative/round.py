@@ -49,6 +49,10 @@ class SessionLost(Exception):
 class KPolicy(Protocol):
     """Chooses each round's number of draft tokens (FixedK below; coordinator/adaptive.py)."""
 
+    # after choose: the probability below which the draft stops this round (the round's p_min is
+    # the larger of it and the request's); 0 where the policy never stops the draft
+    stop_below: float
+
     def choose(self, remaining: int) -> int: ...  # remaining: tokens still to generate (K < remaining)
 
     def decode_steps(self, remaining: int) -> int: ...  # tokens a round that drafts nothing asks the target for
@@ -61,6 +65,7 @@ class FixedK:
     call (see speculative_round)."""
 
     adaptive = False
+    stop_below = 0.0
 
     def __init__(self, k: int, steps: int = 1):
         self.k = k
@@ -405,7 +410,8 @@ async def generate(
             steps = k.decode_steps(remaining) if chosen == 0 and stats.rounds else 1
             with tracer.start_as_current_span("round", context=trace_context,
                                               attributes={"specdec.k": chosen, "specdec.decode_steps": steps}) as span:
-                r = await speculative_round(draft, target, seq, chosen, params, p_min, predraft, max_context,
+                stop = max(p_min, k.stop_below) if chosen else p_min
+                r = await speculative_round(draft, target, seq, chosen, params, stop, predraft, max_context,
                                             max_call_tokens, steps)
                 if span.is_recording():
                     span.set_attributes({"specdec.proposed": r.proposed, "specdec.accepted": r.accepted,

@@ -354,3 +354,64 @@ def test_rows_a_verify_carries_free_are_not_charged():
     chosen = {name: AdaptiveK(CostModel(target, head, alpha=0.35), k_max=8).choose(100)
               for name, target in (("free", free), ("linear", linear))}
     assert chosen == {"free": 3, "linear": 2}
+
+
+def test_the_draft_stops_where_a_token_costs_more_than_it_brings():
+    """Where a verify's rows come free (SmolLM2 float32 on 2 cores), a drafted token costs only the
+    head's step: the draft is asked to stop only at tokens it gives under ~5%. Where each row
+    costs (int4: ~0.5 ms a row on a ~3.4 ms pass), it stops at the tokens that would cost more than
+    their chance of acceptance brings. No stop on a round that drafts nothing."""
+    head = PassCost(fixed=0.85, per_session=0.12)
+    free = AdaptiveK(CostModel(PassCost(fixed=34.0, per_token=1.5, free_rows=8), head, alpha=0.35), k_max=8)
+    int4 = AdaptiveK(CostModel(PassCost(fixed=3.4, per_token=0.5), PassCost(fixed=0.3, per_session=0.1),
+                               alpha=0.55, overhead_ms=0.0), k_max=8)
+    assert free.choose(100) == 3 and 0 < free.stop_below < 0.05
+    k = int4.choose(100)
+    cost = lambda n: int4.costs.round_cost(n, 1.0, 1.0)  # noqa: E731
+    assert k > 0 and int4.stop_below == pytest.approx((cost(k + 1) - cost(k)) * expected_tokens(0.55, k) / cost(k))
+    assert 0.15 < int4.stop_below < 0.5
+    bad = AdaptiveK(CostModel(TARGET, DRAFT), k_max=8)
+    rounds_of(bad, accepted=0, proposed=4, batch=1)
+    assert bad.choose(100) == 0 and bad.stop_below == 0.0
+    assert FixedK(4).stop_below == AcceptanceK(8).stop_below == 0.0  # a seeded request's draws read no timings
+
+
+def test_the_policys_stop_reaches_the_draft_as_the_rounds_p_min(pair):
+    """The round's p_min is the larger of the request's and the policy's stop, on drafting rounds;
+    the output is the target's whatever the draft was asked."""
+    import asyncio
+
+    from model_service.engines import DraftEngine, TargetEngine
+    from model_service.local import LocalDraft, LocalTarget
+    from model_service.model_runner import ModelRunner
+    from speculative.protocol import SamplingParams
+    from speculative.round import generate
+
+    class Stopping(FixedK):
+        stop_below = 0.4
+
+    draft_dir, target_dir = pair
+    draft, target = LocalDraft(DraftEngine(ModelRunner(draft_dir))), LocalTarget(TargetEngine(ModelRunner(target_dir)))
+    asked: list[float] = []
+    propose = draft.propose
+
+    async def recording(call, **kwargs):
+        asked.append(call.p_min)
+        return await propose(call, **kwargs)
+
+    draft.propose = recording
+
+    def run(policy, p_min):
+        async def go():
+            out = []
+            async for new in generate(draft, target, [5, 6, 7], max_new_tokens=24, k=policy,
+                                      params=SamplingParams(0.0), max_context=256, p_min=p_min):
+                out.extend(new)
+            return out
+        asked.clear()
+        return asyncio.run(go()), set(asked)
+
+    alone, _ = run(FixedK(0), 0.0)
+    assert run(Stopping(3), 0.1) == (alone, {0.4})
+    assert run(Stopping(3), 0.6) == (alone, {0.6})
+    assert run(FixedK(3), 0.1) == (alone, {0.1})
