@@ -64,7 +64,9 @@ class CostModel:
         self.in_flight = 0  # requests generating now (the coordinator counts them)
         self.batch = 1.0  # sessions a target pass has held lately, over every request's rounds
 
-    def observe(self, r: Round, wall_ms: float) -> None:
+    def observe(self, r: Round, wall_ms: float, stopped: bool = False) -> None:
+        """stopped: the draft stopped short of the tokens asked at one too unsure to draft
+        (AdaptiveK.stop_for), which for the tokens the round brings is a rejection there."""
         t, d = r.target, r.draft
         if t.batch_size > 0:
             self.batch += EMA * (t.batch_size - self.batch)
@@ -80,13 +82,13 @@ class CostModel:
         calls = 1 + (r.asked > 0)
         outside = max(0.0, wall_ms - d.service_ms - t.service_ms) / calls
         self.overhead_ms += EMA * (outside - self.overhead_ms)
-        if r.proposed:
+        if r.proposed or stopped:
             # the mean of the rounds seen (the starting figure counting as ALPHA_PRIOR_ROUNDS) until
             # that weighs less than ALPHA_EMA, then a moving average: a prior (the draft's card's, else 0.6) made
             # before the pair has drafted anything gives way within a few requests' rounds, not
             # after ~100 of them (SmolLM2's draft: 0.2-0.3; at 0.6 the first requests drafted where
             # it did not pay)
-            tried = r.accepted + (r.accepted < r.proposed)
+            tried = r.accepted + (r.accepted < r.proposed or stopped)
             self.alpha_rounds += 1
             weight = max(ALPHA_EMA, 1.0 / (self.alpha_rounds + ALPHA_PRIOR_ROUNDS))
             self.alpha += weight * (r.accepted / tried - self.alpha)
@@ -243,15 +245,24 @@ class AdaptiveK:
         would mostly be rejected. (The EAGLE head at K = 4, int4 target, one process: a stop at
         0.3 proposed 1.55 tokens a round instead of 3.7, for 1.77 tokens a round instead of 1.99,
         and ran 1.2-1.3x faster; at 0.2 against float32, 0.8-0.9x: there the rows cost nothing.)"""
+        draft = self.costs.draft
+        if draft.fixed == draft.per_token == draft.per_session == 0.0:
+            return 0.0  # a draft that costs nothing (n-gram copies, q = 1): it stops where no copy goes on
         cost = lambda n: self.costs.round_cost(n, batch, self.draft_batch, pipelined)  # noqa: E731
         per_token = cost(k) / expected_tokens(alpha, k)
         return min(STOP_MAX, max(0.0, (cost(k + 1) - cost(k)) / per_token)) if per_token > 0 else 0.0
 
     def observe(self, r: Round, wall_ms: float) -> None:
-        self.costs.observe(r, wall_ms)
+        # a draft that stopped short at a token too unsure to draft brought no more tokens than one
+        # rejected there: counted as such, the acceptance stays a rate per token asked for, which
+        # is what expected_tokens and round_cost price (counted as nothing, the stop raised it,
+        # and drafting looked better than it ran: the EAGLE head with the int4 target drafted at
+        # mean K 1.04 and made 0.73x of the target alone, acceptance 0.54, alpha 0.66)
+        stopped = self.stop_below > 0 and r.proposed < r.asked
+        self.costs.observe(r, wall_ms, stopped)
         self.batch = max(1.0, r.target.batch_size)
         if r.asked:
             self.draft_batch = max(1.0, r.draft.batch_size)
-        if r.proposed:
+        if r.proposed or stopped:
             self.accepted = self.DECAY * self.accepted + r.accepted
-            self.tried = self.DECAY * self.tried + r.accepted + (r.accepted < r.proposed)
+            self.tried = self.DECAY * self.tried + r.accepted + (r.accepted < r.proposed or stopped)

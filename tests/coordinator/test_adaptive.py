@@ -415,3 +415,20 @@ def test_the_policys_stop_reaches_the_draft_as_the_rounds_p_min(pair):
     assert run(Stopping(3), 0.1) == (alone, {0.4})
     assert run(Stopping(3), 0.6) == (alone, {0.6})
     assert run(FixedK(3), 0.1) == (alone, {0.1})
+
+
+def test_a_draft_that_stops_short_counts_as_rejected_where_it_stopped():
+    """Asked for 4, the draft stops after 1 (the rest too unsure) and the target accepts it: the
+    round brought what a rejection at the second token brings, and the acceptance says so (a rate
+    per token asked for: 1 of 2). A free draft (n-gram copies) that proposes less found no copy:
+    no stop, and its short rounds count as before."""
+    int4 = (PassCost(fixed=3.4, per_token=0.5), PassCost(fixed=0.3, per_session=0.1))
+    stopping = AdaptiveK(CostModel(*int4, alpha=0.55, overhead_ms=0.0), k_max=8)
+    free = AdaptiveK(CostModel(int4[0], PassCost(), alpha=0.55, overhead_ms=0.0), k_max=8)
+    for policy in (stopping, free):
+        for _ in range(200):
+            k = policy.choose(100)
+            policy.observe(Round([1, 2], 1, 1, Cost(), Cost(batch_size=1), asked=max(k, 2)), 10.0)
+    assert stopping.stop_below > 0 and free.stop_below == 0.0
+    assert stopping.alpha == pytest.approx(0.5, abs=0.05) and stopping.costs.alpha == pytest.approx(0.5, abs=0.05)
+    assert free.alpha > 0.9 and free.costs.alpha > 0.9
