@@ -253,7 +253,8 @@ def main(argv=None) -> dict:
             "draft_threads": args.draft_threads, "draft": str(draft_dir), "draft_method": args.draft_method,
             "target": str(target_dir), "quantize": args.quantize,
             "prompts": len(prompts), "new_tokens": args.new_tokens, "temperature": args.temperature,
-            "k": args.k if args.k is not None else "adaptive", "draft_p_min": args.draft_p_min, "date": time.strftime("%Y-%m-%d %H:%M"),
+            "k": args.k if args.k is not None else "adaptive", "draft_p_min": args.draft_p_min,
+            "date": time.strftime("%Y-%m-%d %H:%M"),
             "greedy_requests_checked": checked, "greedy_requests_differing": differ}
     args.out.mkdir(parents=True, exist_ok=True)
     name = "concurrency" if args.draft_method == "model" else f"concurrency-{args.draft_method}"

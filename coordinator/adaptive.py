@@ -245,8 +245,7 @@ class AdaptiveK:
         would mostly be rejected. (The EAGLE head at K = 4, int4 target, one process: a stop at
         0.3 proposed 1.55 tokens a round instead of 3.7, for 1.77 tokens a round instead of 1.99,
         and ran 1.2-1.3x faster; at 0.2 against float32, 0.8-0.9x: there the rows cost nothing.)"""
-        draft = self.costs.draft
-        if draft.fixed == draft.per_token == draft.per_session == 0.0:
+        if self.costs.draft.costs_nothing:
             return 0.0  # a draft that costs nothing (n-gram copies, q = 1): it stops where no copy goes on
         cost = lambda n: self.costs.round_cost(n, batch, self.draft_batch, pipelined)  # noqa: E731
         per_token = cost(k) / expected_tokens(alpha, k)

@@ -360,8 +360,7 @@ class Coordinator:
             # a draft that costs nothing per token (the n-gram method) may propose as far as the
             # services allow: its copies come in runs, all accepted or none, and a long run's extra
             # verify tokens cost the target little (SmolLM2 fp32: K = 8 -> 16, +5.5 ms on a 45 ms pass)
-            free = draft_cost.fixed == draft_cost.per_token == draft_cost.per_session == 0.0
-            default_k = max_k if free else ADAPTIVE_MAX_K
+            default_k = max_k if draft_cost.costs_nothing else ADAPTIVE_MAX_K
         self.models = Models(
             tokenizer=tokenizer,
             vocab_size=target_info.vocab_size,

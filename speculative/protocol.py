@@ -261,6 +261,11 @@ class PassCost:
         return (self.fixed + self.per_token * max(0.0, tokens - self.free_rows) + self.per_session * sessions
                 + (self.multi_row if tokens > 1 else 0.0))
 
+    @property
+    def costs_nothing(self) -> bool:
+        """A method with no model (the n-gram draft): it reports no pass costs."""
+        return self.fixed == self.per_token == self.per_session == 0.0
+
 
 class DraftPeer(Protocol):
     async def propose(self, call: ProposeCall) -> tuple[Proposal, Cost]: ...
