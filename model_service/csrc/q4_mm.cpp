@@ -279,6 +279,16 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t N) {
 // calls a layer instead of TorchScript's ~40 dispatched ones (each of which cost more than its
 // arithmetic at these sizes).
 
+#if defined(Q4_AVX2)
+// the sum of v's 8 lanes: (0 + 4) + (2 + 6), plus (1 + 5) + (3 + 7)
+inline float hsum8(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+#endif
+
 inline float dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
   float total = 0.f;
@@ -289,10 +299,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
 #elif defined(Q4_AVX2)
   __m256 acc = _mm256_setzero_ps();
   for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  total = _mm_cvtss_f32(h);
+  total = hsum8(acc);
 #endif
   for (; i < n; ++i) total += a[i] * b[i];
   return total;
@@ -374,10 +381,7 @@ inline float exp_sum(float* v, int64_t n, float shift) {
     _mm256_storeu_ps(v + i, e);
     acc = _mm256_add_ps(acc, e);
   }
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  total = _mm_cvtss_f32(h);
+  total = hsum8(acc);
 #endif
   for (; i < n; ++i) {
     v[i] = std::exp(v[i] - shift);
