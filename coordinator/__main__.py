@@ -27,7 +27,7 @@ import signal
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from runtime.auth import RequireApiKey, add_api_key_flags, api_key
 from runtime.metrics import add_metrics_flag, start as start_metrics
-from runtime.cli import EnvArgumentParser, add_common_flags, setup_logging
+from runtime.cli import EnvArgumentParser, add_common_flags, exit_process, setup_logging
 from runtime.server import serve
 from runtime.transport import MAX_REQUEST_BYTES, add_dial_flags, channel_credentials, server_credentials
 
@@ -180,4 +180,4 @@ def main(argv=None, prog: str = "python -m coordinator") -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_process(main())

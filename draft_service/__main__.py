@@ -26,7 +26,7 @@ from model_service.engines import DraftEngine
 from model_service.ngram import NGRAM_CONTEXT, NgramDraft
 from model_service.oracle import OracleDraftEngine
 from model_service.service import add_model_flags, run_model_service, shipped_model
-from runtime.cli import EnvArgumentParser, add_common_flags
+from runtime.cli import EnvArgumentParser, add_common_flags, exit_process
 
 from .servicer import SERVICE_NAME, DraftServicer
 
@@ -174,4 +174,4 @@ def make_engine(args, load_model) -> DraftMethod:
 
 
 if __name__ == "__main__":
-    main()
+    exit_process(main())

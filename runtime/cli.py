@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
-from typing import Any
+import sys
+from typing import Any, NoReturn
 
 from .transport import add_tls_flags
 
@@ -45,3 +47,17 @@ def add_common_flags(parser: EnvArgumentParser, port: int) -> None:
 
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def exit_process(code: int | None = 0) -> NoReturn:
+    """End a process whose work is done (a service that has stopped): run the atexit handlers
+    (logging's flush, Ray's shutdown), flush stdout and stderr, and exit without the interpreter's
+    teardown of every module, which with torch loaded took ~1 s a process after a stop that took
+    5 ms (2 cores; each of a local stack's three processes, so every stop and rolling restart)."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a pipe whose reader went
+            pass
+    os._exit(code or 0)

@@ -17,6 +17,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
+
+from runtime.cli import exit_process
 
 # command -> (module whose main(argv, prog) it runs, one line for `specdec --help`)
 COMMANDS = {
@@ -48,5 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     return module.main(argv[1:], prog=f"specdec {command}") or 0
 
 
+def run() -> NoReturn:
+    """The installed `specdec` command: main, then exit_process (a stopped service skips the
+    interpreter's teardown)."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -11,7 +11,7 @@ import model_service.openmp  # noqa: F401  (before torch loads)
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from model_service.engines import TargetEngine
 from model_service.service import add_model_flags, run_model_service
-from runtime.cli import EnvArgumentParser, add_common_flags
+from runtime.cli import EnvArgumentParser, add_common_flags, exit_process
 
 from .servicer import SERVICE_NAME, TargetServicer
 
@@ -34,4 +34,4 @@ def main(argv=None, prog: str = "python -m target_service") -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_process(main())
