@@ -1,6 +1,9 @@
-"""Flags from the environment."""
+"""Flags from the environment, and how a process ends."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 
@@ -72,3 +75,24 @@ def test_available_cpus_is_at_least_one():
     from model_service.threads import available_cpus
 
     assert 1 <= available_cpus() <= (__import__("os").cpu_count() or 1)
+
+
+def test_exit_process_runs_the_exit_handlers_and_flushes_before_it_exits(tmp_path):
+    """What a stopped service leaves (its log's last lines, what its atexit handlers write, its exit
+    code) is what a normal exit leaves, though it skips the interpreter's teardown."""
+    marker = tmp_path / "atexit"
+    script = f"""
+import atexit, logging, sys
+from pathlib import Path
+from runtime.cli import exit_process
+logging.basicConfig(stream=sys.stderr, level="INFO")
+atexit.register(lambda: Path({str(marker)!r}).write_text("ran"))
+sys.stdout.write("buffered, no newline")
+logging.getLogger("x").info("the last log line")
+exit_process(3)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3
+    assert out.stdout == "buffered, no newline"
+    assert "the last log line" in out.stderr
+    assert marker.read_text() == "ran"
