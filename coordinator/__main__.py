@@ -34,9 +34,6 @@ from runtime.transport import MAX_REQUEST_BYTES, add_dial_flags, channel_credent
 from .metrics import CoordinatorMetrics
 from .peers import GrpcDraft, GrpcTarget
 from .pool import Pool
-from .generation import Coordinator, Limits
-from .http import HttpServer, app as http_app
-from .server import SERVICE_NAME, GenerationServicer
 
 log = logging.getLogger("specdec.coordinator")
 DEFAULT_PORT = 50050
@@ -118,6 +115,12 @@ def parse_args(argv=None, prog: str = "python -m coordinator"):
 
 def main(argv=None, prog: str = "python -m coordinator") -> None:
     args = parse_args(argv, prog)
+    # imported once the flags have parsed: --help and a bad flag answer without loading the tokenizer's
+    # libraries (transformers, and through it torch: ~4 s)
+    from .generation import Coordinator, Limits
+    from .http import HttpServer, app as http_app
+    from .server import SERVICE_NAME, GenerationServicer
+
     setup_logging(args.log_level)
     credentials = server_credentials(args)
     peer_credentials = channel_credentials(args.peer_tls_ca, args.peer_tls_cert, args.peer_tls_key, "--peer-tls")

@@ -19,16 +19,16 @@ import model_service.openmp  # noqa: F401  (before torch loads)
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from model_service.drafting import DraftMethod
-from model_service.engines import DraftEngine
-from model_service.ngram import NGRAM_CONTEXT, NgramDraft
-from model_service.oracle import OracleDraftEngine
 from model_service.service import add_model_flags, run_model_service, shipped_model
 from runtime.cli import EnvArgumentParser, add_common_flags, exit_process
 
 from .servicer import SERVICE_NAME, DraftServicer
+
+if TYPE_CHECKING:
+    from model_service.drafting import DraftMethod
 
 DEFAULT_PORT = 50052
 log = logging.getLogger("specdec")
@@ -163,13 +163,19 @@ def make_engine(args, load_model) -> DraftMethod:
         eagle.calibrate()
         return eagle
     if args.method == "ngram":
+        from model_service.ngram import NGRAM_CONTEXT, NgramDraft
+
         return NgramDraft.load(args.tokenizer, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
                                max_tokens=args.max_tokens_per_call, max_sessions=args.max_sessions,
                                idle_timeout=args.session_idle_timeout, max_context=args.max_context or NGRAM_CONTEXT)
     if args.oracle:
+        from model_service.oracle import OracleDraftEngine
+
         references = json.loads(Path(args.oracle).read_text())
         return OracleDraftEngine(load_model(), references, args.max_tokens_per_call, args.oracle_acceptance,
                                  args.oracle_cost == "model")
+    from model_service.engines import DraftEngine
+
     return DraftEngine(load_model(), args.max_support, args.max_tokens_per_call, args.acceptance_prior)
 
 

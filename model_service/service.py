@@ -171,15 +171,16 @@ def run_model_service(name: str, args: argparse.Namespace, make_servicer: Callab
     its engine (drafting.py's "Serving"), on the model thread, where load_model() -> the
     ModelRunner of --model and the model flags, loaded and calibrated (a method that needs no
     model never calls it)."""
-    from .model_runner import ModelRunner
-
     setup_logging(args.log_level)
+    # the flags first: a bad one fails before torch loads (~3 s)
     credentials = server_credentials(args)  # before the weights: a bad certificate path fails at once
-    resolve_threads(args)
-    set_threads(args.threads)
     batching = batching_from_args(args)
     if args.kv_pool_capacity is not None and args.kv_pool_capacity < 0:
         raise SystemExit(f"--kv-pool-capacity must be >= 0, not {args.kv_pool_capacity}")
+    from .model_runner import ModelRunner
+
+    resolve_threads(args)
+    set_threads(args.threads)
     servicer = make_servicer(ModelThread(), batching, ModelMetrics())
 
     async def main() -> None:

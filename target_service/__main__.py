@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import model_service.openmp  # noqa: F401  (before torch loads)
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from model_service.engines import TargetEngine
 from model_service.service import add_model_flags, run_model_service
 from runtime.cli import EnvArgumentParser, add_common_flags, exit_process
 
@@ -27,6 +26,8 @@ def parse_args(argv=None, prog: str = "python -m target_service"):
 
 def main(argv=None, prog: str = "python -m target_service") -> None:
     args = parse_args(argv, prog)
+    from model_service.engines import TargetEngine  # (torch: after the flags have parsed)
+
     run_model_service(
         "target", args, TargetServicer, pb_grpc.add_TargetServicer_to_server, SERVICE_NAME,
         lambda load_model: TargetEngine(load_model(), args.max_tokens_per_call),
