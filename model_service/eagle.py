@@ -44,7 +44,7 @@ import torch
 
 from speculative.errors import InvalidRequest
 from speculative.protocol import Cost, PassCost, Proposal, ProposeCall
-from speculative.sampling import draft_token, encode_supports, one_hot_supports
+from speculative.sampling import argmax_rows, draft_token, encode_supports, one_hot_supports
 
 from . import features as wire
 from .drafting import MethodSessions, advance, one_result
@@ -385,7 +385,7 @@ class EagleDraft:
                                          torch.stack([state.hidden[-1] for state in chosen]),
                                          torch.full((batch,), context, device=self.device),
                                          [state.cache for state in chosen], context + 1)
-            logits.argmax(-1).tolist()
+            argmax_rows(logits)
             for state, row in zip(chosen, out):
                 state.hidden.append(row)
 

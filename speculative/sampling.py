@@ -103,6 +103,16 @@ def rejection_sample(
     return k, sample(p[k], generator)
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int] | int:
+    """The argmax of each row of `logits` [..., V] (of a row [V]: one int), the first maximum on
+    ties, as torch's. float32 on the CPU goes through numpy: torch's CPU argmax is ~10x slower
+    (5 x 49,152 logits: 233 us against 22, 9 rows 466 against 37; 2 Zen 3 cores) and splits its rows
+    over the threads, so a core another process holds stalls it (6.6 ms with a stack at work)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.detach().numpy().argmax(-1).tolist()
+    return logits.argmax(-1).tolist()
+
+
 def greedy_verify(logits: torch.Tensor, draft_tokens: list[int]) -> tuple[int, int]:
     """`rejection_sample` where p is one-hot at the argmax (temperature 0), without building p.
 
@@ -111,7 +121,7 @@ def greedy_verify(logits: torch.Tensor, draft_tokens: list[int]) -> tuple[int, i
     is one-hot at the argmax (q(argmax) < 1 there, as q(x) > 0), and so is the bonus p. Ties go
     to the first maximum, as in logits_to_probs. -> (accepted, recovered or bonus token)
     """
-    best = logits.argmax(-1).tolist()  # [K+1]
+    best = argmax_rows(logits)  # [K+1]
     for i, x in enumerate(draft_tokens):
         if best[i] != x:
             return i, best[i]
@@ -202,7 +212,7 @@ def draft_token(row: torch.Tensor, params, p_min: float, max_support: int,
     if params.greedy:
         if p_min > 0 and float(torch.softmax(row.float(), -1).max()) < p_min:
             return None
-        return int(row.argmax()), None, None
+        return argmax_rows(row), None, None
     probs = logits_to_probs(row, params)
     if p_min > 0 and float(probs.max()) < p_min:
         return None

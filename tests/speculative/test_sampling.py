@@ -11,6 +11,7 @@ from speculative.errors import InvalidRequest
 from tests.stats import chi2_critical, chi2_stat
 from speculative.protocol import SamplingParams
 from speculative.sampling import (
+    argmax_rows,
     check_supports,
     decode_supports,
     draft_support,
@@ -130,6 +131,22 @@ def test_greedy_verify_is_rejection_sampling_of_one_hot_p():
         cases += 1
         mismatches += expected[0] < k
     assert cases == 400 and 100 < mismatches < 400  # both paths: rejections and full acceptance
+
+
+def test_argmax_rows_is_torchs_argmax_first_maximum_on_ties():
+    """numpy's path (float32 on the CPU) and torch's (other dtypes) pick what torch.argmax picks: rows
+    with many ties, a row alone, rows of a transposed (strided) tensor, bfloat16, inference tensors."""
+    g = torch.Generator().manual_seed(5)
+    with torch.inference_mode():
+        for rows in (1, 5, 9):
+            logits = torch.randint(0, 3, (rows, 4099), generator=g).float()  # ties everywhere
+            assert argmax_rows(logits) == logits.argmax(-1).tolist()
+            assert argmax_rows(logits[-1]) == int(logits[-1].argmax())
+            strided = logits.t().contiguous().t()
+            assert strided.is_contiguous() == (rows == 1) and argmax_rows(strided) == logits.argmax(-1).tolist()
+            half = logits.bfloat16()
+            assert argmax_rows(half) == half.argmax(-1).tolist()
+    assert isinstance(argmax_rows(torch.tensor([0.0, 2.0, 2.0])), int) and argmax_rows(torch.tensor([0.0, 2.0, 2.0])) == 1
 
 
 def _random_dist(g: torch.Generator, support: int | None = None) -> torch.Tensor:
