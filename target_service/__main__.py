@@ -26,12 +26,18 @@ def parse_args(argv=None, prog: str = "python -m target_service"):
 
 def main(argv=None, prog: str = "python -m target_service") -> None:
     args = parse_args(argv, prog)
-    from model_service.engines import TargetEngine  # (torch: after the flags have parsed)
-
     run_model_service(
         "target", args, TargetServicer, pb_grpc.add_TargetServicer_to_server, SERVICE_NAME,
-        lambda load_model: TargetEngine(load_model(), args.max_tokens_per_call),
+        lambda load_model: make_engine(load_model, args.max_tokens_per_call),
     )
+
+
+def make_engine(load_model, max_tokens: int):
+    """The TargetEngine of --model (load_model() -> its ModelRunner), on the model thread: its modules
+    (torch) load once run_model_service has checked the flags."""
+    from model_service.engines import TargetEngine
+
+    return TargetEngine(load_model(), max_tokens)
 
 
 if __name__ == "__main__":

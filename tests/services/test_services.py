@@ -121,9 +121,13 @@ def test_every_flag_is_documented_with_its_environment_variable():
     ("--batch-wait-ms", "nan", "--batch-wait-ms must lie in [0, 1000]"),
     ("--batch-wait-ms", "soon", "a number of ms or auto, not 'soon'"),
 ])
-def test_a_model_service_refuses_bad_batching_flags(pair, flag, value, message):
-    out = run_cli("-m", "draft_service", "--model", str(pair[0]), "--port", "0", flag, value)
+@pytest.mark.parametrize("service", ["draft_service", "target_service"])
+def test_a_model_service_refuses_bad_batching_flags(pair, service, flag, value, message):
+    """...before it loads torch or a model: each refusal takes about the interpreter's start."""
+    model = pair[0] if service == "draft_service" else pair[1]
+    out = run_cli("-m", service, "--model", str(model), "--port", "0", flag, value)
     assert out.returncode != 0 and message in out.stderr
+    assert "listening" not in out.stdout + out.stderr  # refused before it served anything
 
 
 def test_the_target_waits_half_its_pass_for_sessions_at_work_and_the_draft_half_a_ms(stack):
