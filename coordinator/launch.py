@@ -118,6 +118,12 @@ def wait_serving(address: str, timeout: float, procs: dict[str, subprocess.Popen
             time.sleep(0.2)
 
 
+def popen_service(command: list[str], cwd: Path, env: dict[str, str], log: Path, mode: str) -> subprocess.Popen:
+    """Start one service's process, its stdout and stderr to `log` (opened with `mode`: "w" or "a")."""
+    with log.open(mode) as out:
+        return subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
 class LocalStack:
     """draft + target + coordinator as local processes on free loopback ports: one coordinator in
     front of `draft_replicas` draft and `target_replicas` target services (one each by default).
@@ -184,6 +190,9 @@ class LocalStack:
         self.addresses = {**{("target" if i == 0 else f"target-{i}"): a for i, a in enumerate(self.target_addrs)},
                           **{("draft" if i == 0 else f"draft-{i}"): a for i, a in enumerate(self.draft_addrs)}}
 
+    # starts each service's process; the suite forks them from one with their libraries loaded (tests/prefork.py)
+    launcher = staticmethod(popen_service)
+
     def add_replica(self, role: str, timeout: float = 120.0, model: str | Path | None = None) -> str:
         """Start one more draft or target replica (of `model`, default the stack's) and list it in the
         discovery file. -> its name"""
@@ -212,8 +221,7 @@ class LocalStack:
         command = self.service_command(role, addr)
         if model is not None and "--model" in command:
             command[command.index("--model") + 1] = str(model)
-        self.procs[name] = subprocess.Popen(command, cwd=ROOT, env=env,
-                                            stdout=self.logs[name].open("a"), stderr=subprocess.STDOUT)
+        self.procs[name] = self.launcher(command, ROOT, env, self.logs[name], "a")
         self.addresses[name] = addr
         wait_serving(addr, timeout, {name: self.procs[name]}, self.logs, self.credentials)
 
@@ -243,8 +251,7 @@ class LocalStack:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         for name, cmd in self.commands.items():
             own = {**env, **self.coordinator_env} if name == "coordinator" else env
-            self.procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=own, stdout=self.logs[name].open("w"),
-                                                stderr=subprocess.STDOUT)
+            self.procs[name] = self.launcher(cmd, ROOT, own, self.logs[name], "w")
         try:
             wait_serving(self.addr, timeout, self.procs, self.logs, self.credentials)
             for name, addr in self.addresses.items():  # every replica, not just the first of each pool

@@ -1,5 +1,8 @@
 """Shared fixtures: tiny random-weight models made at test time, and local stacks
-(target + draft + coordinator as three processes on free loopback ports)."""
+(target + draft + coordinator as three processes on free loopback ports).
+
+The stacks' processes are forked from one that has their libraries loaded (tests/prefork.py);
+`pytest --exec-services` starts each as a fresh `python -m` process instead."""
 
 from __future__ import annotations
 
@@ -11,11 +14,19 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from coordinator.launch import LocalStack
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from speculative.tiny import make_model, make_pair, make_tokenizer
+from tests import prefork
 
 
 def pytest_addoption(parser):
     parser.addoption("--device", default="cpu",
                      help="where tests/gpu runs: cuda or cuda:N (make test-gpu); cpu (the default) skips it")
+    parser.addoption("--exec-services", action="store_true",
+                     help="start local stacks' services as fresh processes, not forked from a preloaded one")
+
+
+def pytest_configure(config):
+    if not config.getoption("--exec-services"):
+        LocalStack.launcher = staticmethod(prefork.launch)
 
 
 @pytest.fixture(scope="session")

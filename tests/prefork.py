@@ -1,0 +1,109 @@
+"""The suite's service processes, forked from one process that has loaded torch, transformers
+and gRPC once (multiprocessing's forkserver), instead of started afresh.
+
+A local stack is three Python processes, and on two cores most of a start is each of them
+importing the same libraries (~3 s of CPU apiece): the suite starts ~40 stacks and replicas.
+`launch` has the signature of `LocalStack.launcher` and returns a process with the part of
+`subprocess.Popen` that LocalStack and the tests use (pid, poll, wait, send_signal, kill,
+terminate, returncode; a signal's death is -signal, as Popen's).
+
+What a child shares with the real thing and what it does not:
+- it runs the same `python -m MODULE ARGS` (runpy, as `-m` does), with the command's
+  environment, working directory and log file (stdout and stderr, unbuffered);
+- the forkserver preloads third-party libraries only (PRELOAD): specdec's own modules load in
+  the child, so what they read from the environment at import (coordinator.peers' fault hook)
+  is the child's. The preloaded libraries read theirs when the forkserver starts: it starts
+  with HF_HUB_OFFLINE=1, as every service does, and with model_service.openmp's OpenMP setting
+  applied before torch loads, as the model services do (the coordinator then has it too: it
+  runs no parallel torch work);
+- nothing in the forkserver runs a torch op, so a child starts its OpenMP threads itself,
+  with its own --threads.
+Commands that are not `PYTHON -m MODULE ...` start as plain processes. `pytest --exec-services`
+starts every service as a plain process (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+import runpy
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+# imported once by the forkserver; model_service.openmp first: it sets OpenMP's spin before torch loads it
+PRELOAD = ["model_service.openmp", "numpy", "torch", "transformers", "transformers.models.auto.modeling_auto",
+           "transformers.models.auto.tokenization_auto", "transformers.models.llama.modeling_llama", "tokenizers",
+           "safetensors", "grpc", "grpc_health.v1.health", "grpc_reflection.v1alpha.reflection", "google.protobuf",
+           "prometheus_client", "starlette", "uvicorn", "pydantic", "llguidance"]
+
+_context = None
+_lock = threading.Lock()
+
+
+def _forkserver():
+    global _context
+    with _lock:
+        if _context is None:
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read by huggingface_hub when the forkserver imports it
+            _context = multiprocessing.get_context("forkserver")
+            _context.set_forkserver_preload(PRELOAD)
+        return _context
+
+
+def _run(module: str, args: list[str], env: dict[str, str], cwd: str, log: str, mode: str) -> None:
+    """In the forked child: become `python -m module *args` writing to `log`."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if mode == "w" else 0), 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+class ForkedProcess:
+    """A forked service, as much of subprocess.Popen as LocalStack and the tests use."""
+
+    def __init__(self, process: multiprocessing.Process, args: list[str]):
+        self._process, self.args, self.pid = process, args, process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(15)
+
+    def kill(self) -> None:
+        self.send_signal(9)
+
+
+def launch(command: list[str], cwd: str | Path, env: dict[str, str], log: Path, mode: str):
+    """LocalStack.launcher: `command` forked from the forkserver where it is `sys.executable -m MODULE ...`.
+    A daemon: one a test leaves running is stopped when the suite's process exits."""
+    if len(command) < 3 or command[0] != sys.executable or command[1] != "-m":
+        return subprocess.Popen(command, cwd=cwd, env=env, stdout=log.open(mode), stderr=subprocess.STDOUT)
+    process = _forkserver().Process(target=_run, args=(command[2], command[3:], env, str(cwd), str(log), mode),
+                                    daemon=True)
+    process.start()
+    return ForkedProcess(process, command)
