@@ -180,6 +180,9 @@ class TargetEngine(RunnerEngine):
             masks = self._verify_masks(live, results)
             live = [entry for entry in live if results[entry[0]] is None]
             capture = _feature_layers([session for _, _, session, *_ in live])
+            # the tokens the pass feeds: each session's uncached ones (a prompt, a catch-up), at least its rows
+            fed = sum(max(len(call.proposal.tokens) + 1, len(session.tokens) - session.cached)
+                      for _, call, session, *_ in live)
             try:
                 logits, states = runner.forward_capturing([(session, len(call.proposal.tokens) + 1)
                                                            for _, call, session, *_ in live], capture)
@@ -211,8 +214,7 @@ class TargetEngine(RunnerEngine):
             pass_ms = timer.ms
             if live and all(call.steps > 1 for _, call, *_ in live):
                 self._decode_on([(i, call, session) for i, call, session, *_ in live], results, busy)
-            cost = Cost(timer.ms, batch_size=len(live),
-                        batch_tokens=sum(len(c.proposal.tokens) + 1 for _, c, *_ in live), pass_ms=pass_ms)
+            cost = Cost(timer.ms, batch_size=len(live), batch_tokens=fed, pass_ms=pass_ms)
             return [(r, cost) if isinstance(r, Verdict) else r for r in results]
 
     def _verify_masks(self, live: list, results: list) -> dict[int, torch.Tensor]:

@@ -228,7 +228,7 @@ class Cost:
     service_ms: float = 0.0
     wire_bytes: int = 0
     batch_size: int = 1     # sessions served by that pass
-    batch_tokens: int = 0   # tokens it fed (target: tokens scored)
+    batch_tokens: int = 0   # tokens it fed (target: each session's uncached tokens, a prompt included)
     pass_ms: float = 0.0    # its time on the model
 
 

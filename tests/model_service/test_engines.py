@@ -57,6 +57,22 @@ def test_target_rollback_matches_fresh_prefill(runners):
     runner.sessions.release("rb")
 
 
+def test_a_verify_reports_the_tokens_its_pass_fed(runners):
+    """A pass's cost counts what it fed, a prompt included, not only the rows it scored: adaptive K
+    prices passes by their tokens, and a prefill counted as one token read as a pass several times
+    slower than calibrated (the target's scale, which every round's price reads)."""
+    _, runner = runners
+    target = TargetEngine(runner)
+    prompt = list(range(3, 40))
+    (_, first), (_, other) = target.verify_many([VerifyCall("fed-a", True, prompt, Proposal(), GREEDY),
+                                                 VerifyCall("fed-b", True, prompt[:5], Proposal(), GREEDY)])
+    assert first is other and (first.batch_size, first.batch_tokens) == (2, len(prompt) + 5)
+    _, cost = target.verify(VerifyCall("fed-a", False, [], one_hot_proposal([7, 8, 9]), GREEDY))
+    assert cost.batch_tokens == 4  # the last sampled token and 3 draft tokens: the rows it scores
+    for session_id in ("fed-a", "fed-b"):
+        runner.sessions.release(session_id)
+
+
 def test_draft_rollback_matches_fresh_prefill(runners):
     runner, _ = runners
     draft = DraftEngine(runner)
