@@ -24,10 +24,13 @@ starts every service as a plain process (tests/conftest.py).
 
 from __future__ import annotations
 
+import atexit
 import io
 import multiprocessing
+import multiprocessing.util  # (its exit handler, which joins the children, runs after ours: see _kill_left)
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import threading
@@ -41,6 +44,22 @@ PRELOAD = ["model_service.openmp", "numpy", "torch", "transformers", "transforme
 
 _context = None
 _lock = threading.Lock()
+_started: list[multiprocessing.Process] = []
+
+
+@atexit.register
+def _kill_left() -> None:
+    """At the suite's exit, kill what a test left running, stopped ones too: multiprocessing's own
+    handler (registered before this one, so run after it) SIGTERMs its daemons and joins them with
+    no timeout, and a process a test stopped (SIGSTOP) would hold the exit for ever."""
+    for process in _started:
+        if process.exitcode is None:
+            for sig in (signal.SIGKILL, signal.SIGCONT):
+                try:
+                    os.kill(process.pid, sig)
+                except ProcessLookupError:
+                    pass
+            process.join(10)
 
 
 def _forkserver():
@@ -92,18 +111,20 @@ class ForkedProcess:
             os.kill(self.pid, sig)
 
     def terminate(self) -> None:
-        self.send_signal(15)
+        self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        self.send_signal(9)
+        self.send_signal(signal.SIGKILL)
 
 
 def launch(command: list[str], cwd: str | Path, env: dict[str, str], log: Path, mode: str):
     """LocalStack.launcher: `command` forked from the forkserver where it is `sys.executable -m MODULE ...`.
-    A daemon: one a test leaves running is stopped when the suite's process exits."""
+    One a test leaves running is killed when the suite's process exits (_kill_left)."""
     if len(command) < 3 or command[0] != sys.executable or command[1] != "-m":
         return subprocess.Popen(command, cwd=cwd, env=env, stdout=log.open(mode), stderr=subprocess.STDOUT)
     process = _forkserver().Process(target=_run, args=(command[2], command[3:], env, str(cwd), str(log), mode),
                                     daemon=True)
     process.start()
+    with _lock:
+        _started[:] = [p for p in _started if p.exitcode is None] + [process]
     return ForkedProcess(process, command)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from coordinator.launch import popen_service
+from coordinator.launch import ROOT, popen_service
 from runtime.ports import free_port
 from tests import prefork
 
@@ -65,3 +65,30 @@ def test_a_forked_server_dies_of_a_signal_as_popen_reports_it(tmp_path, sig):
     proc.send_signal(sig)
     assert proc.wait(30) == -sig
     proc.send_signal(signal.SIGTERM)  # an exited process: nothing to signal, no error
+
+
+def test_a_forked_process_left_stopped_does_not_hold_the_suites_exit(tmp_path):
+    """multiprocessing joins its children at exit with no timeout: one a test left stopped (SIGSTOP)
+    must not hold the suite's process for ever, nor outlive it."""
+    script = f"""
+import os, signal, sys
+from pathlib import Path
+from tests import prefork
+proc = prefork.launch([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "{free_port()}"], Path("{tmp_path}"),
+                      dict(os.environ), Path("{tmp_path}") / "out.log", "w")
+os.kill(proc.pid, signal.SIGSTOP)
+print(proc.pid, flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    pid = int(done.stdout.split()[0])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # gone, or a zombie waiting for its reaper
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return
+        if state == "Z":
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the stopped child {pid} outlived the script (state {state})")
