@@ -163,7 +163,8 @@ def test_rounds_without_drafting_decode_what_fits_in_a_chunk():
     assert slow.decode_steps(8) == int(DECODE_CHUNK_MS // 52.0) and fast.decode_steps(4) == 4  # (a fixed K = 0's)
     busy = AdaptiveK(CostModel(PassCost(fixed=9.5, per_token=2.0, per_session=1.0), DRAFT), k_max=8, steps=8)
     busy.batch = 6.0  # its passes hold 6 sessions: it asks for what a fixed K = 0 of the same costs asks
-    assert busy.decode_steps(100) == FixedK(0, busy.costs.decode_steps(8)).decode_steps(100) == int(DECODE_CHUNK_MS // 12.5)
+    fixed = FixedK(0, busy.costs.decode_steps(8))
+    assert busy.decode_steps(100) == fixed.decode_steps(100) == int(DECODE_CHUNK_MS // 12.5)
     costs = CostModel(PassCost(fixed=9.5), DRAFT, overhead_ms=2.0)
     assert costs.round_cost(0, 1, 1, steps=8) == pytest.approx(9.5 + 2.0 / 8)
     assert costs.round_cost(0, 1, 1) == pytest.approx(9.5 + 2.0)
