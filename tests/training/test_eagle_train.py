@@ -3,6 +3,7 @@ hand-written generations dir), and its training-time test checked against the he
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import shutil
@@ -12,8 +13,15 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from transformers import AutoModelForCausalLM
+
 from model_service.eagle import EagleDraft
 from model_service.eagle_head import Eagle3Head
+from model_service.engines import TargetEngine
+from model_service.local import LocalDraft, LocalTarget
+from model_service.model_runner import ModelRunner
+from speculative.protocol import SamplingParams
+from speculative.round import generate
 from speculative.tiny import make_model, make_tokenizer
 from training import eagle
 
@@ -273,3 +281,60 @@ def test_a_head_that_goes_on_keeps_its_draft_vocabulary_when_answers_are_added(t
     assert "draft vocabulary" in card
     assert f"| started from | the head in {first} (`--init`) |" in card  # as wide: nothing widened
     assert "started from" not in (first / "README.md").read_text()
+
+
+def test_a_walk_of_rounds_starts_each_round_after_the_last_ones_correction():
+    # runs: the steps the chain from each answer position agrees for; k = 4
+    assert eagle.walk_rounds([2, 0, 3, 1, 0, 0, 4, 4], 4) == (3, 2)  # from 0 (2 + 1 on), from 3; 5 + 4 > 8
+    assert eagle.walk_rounds([4] * 10, 4) == (8, 2)  # from 0, from 5 (a whole window: 5 + 4 <= 10)
+    assert eagle.walk_rounds([9, 0, 0], 2) == (2, 1)  # a run counts at most k
+    assert eagle.walk_rounds([1, 1, 1], 4) == (0, 0)
+    # a round lands where the last one's chain broke off: here on every 0, where the mean over all
+    # starts (2.4) says a round accepts more
+    assert eagle.walk_rounds([3, 3, 3, 3, 0] * 5, 3) == (15, 9)  # 3 from 0, 5, ..., 20; 0 from 4, 9, ..., 19
+
+
+def test_the_held_out_round_walk_is_what_specdec_s_rounds_accept(tmp_path):
+    """evaluate()'s round_accepted, greedy rounds walked over an answer from the features the trainer
+    records, is what specdec's own round accepts with the head drafting (the target's features handed
+    over each round), round for round, over the rounds whose whole window lies in the answer."""
+    tokenizer = make_tokenizer(tmp_path / "tok", "bpe")  # the output layer as wide as the tokenizer: one argmax
+    target = make_model(tmp_path / "target", tokenizer, hidden=32, layers=8, heads=4, kv_heads=2, init_std=0.1)
+    out, work, k = tmp_path / "head", tmp_path / "work", 3
+    write_generations(work)
+    eagle.main(["--target", str(target), "--out", str(out), "--work", str(work), *TINY, "--steps", "80"])
+    prompts = [r["prompt"] + r["answer"][:6] for r in torch.load(work / "generations" / "00000.pt")[:6]]
+
+    async def rounds():
+        method = EagleDraft.load(out, target, "cpu")
+        runner = ModelRunner(target, device="cpu")
+        draft, peer = LocalDraft(method), LocalTarget(TargetEngine(runner))
+        answers = []
+        for i, prompt in enumerate(prompts):
+            answers.append([chunk async for chunk in generate(
+                draft, peer, prompt, max_new_tokens=40, k=k, params=SamplingParams(0.0),
+                eos_token_ids=set(runner.eos_token_ids), max_context=runner.max_context, session_id=f"p{i}",
+                feature_layers=method.layers)])
+        return answers
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    head = Eagle3Head.load(out, target_dir=target)
+    cfg = eagle.Config(target, out, work, ttt_steps=k)
+    compared = []
+    for prompt, chunks in zip(prompts, asyncio.run(rounds())):
+        answer = [token for chunk in chunks for token in chunk]
+        # the drafting rounds (after the prompt's pass) whose k tokens and the one after lie in the answer
+        # (the last token's round asks fewer: max_new_tokens), against the walk over the answer less that
+        # token, whose whole windows are those rounds'
+        served, before = [], 0
+        for chunk in chunks:
+            if before and before + k + 1 <= len(answer):
+                served.append(len(chunk) - 1)
+            before += len(chunk)
+        row = eagle.featurize(model, [{"prompt": prompt, "answer": answer[:-1]}], [2, 4, 5], 4, 4096)
+        walked = eagle.evaluate(head, row, cfg)
+        if served:
+            compared.append((walked["round_accepted"], sum(served) / len(served)))
+    assert len(compared) >= 4 and any(s > 0 for _, s in compared)  # the head drafts something right
+    for walked, served in compared:
+        assert walked == pytest.approx(served, abs=1e-9)
