@@ -50,8 +50,14 @@ def parse_args(argv=None, prog: str = "python -m draft_service"):
     parser.add_argument("--target-model", default=shipped_model("target"),
                         help="eagle: the target's model directory (its tokenizer, and its token embeddings where the"
                              " head has none; only that tensor is read); default: the shipped models/target")
-    parser.add_argument("--ngram-max", type=int, default=4, help="ngram: the longest suffix matched (tried first)")
+    parser.add_argument("--ngram-max", type=int, default=4,
+                        help="ngram, and eagle's --lookup-min: the longest suffix matched (tried first)")
     parser.add_argument("--ngram-min", type=int, default=2, help="ngram: the shortest suffix matched")
+    parser.add_argument("--lookup-min", type=int, default=3,
+                        help="eagle: where the context's last N or more tokens (up to --ngram-max) occurred earlier in"
+                             " it, propose what followed them there (prompt lookup; the head drafts elsewhere). Pays"
+                             " on input-grounded work (editing code, answering from a document); 0: the head always"
+                             " drafts")
     parser.add_argument("--tokenizer", default=shipped_model("target"),
                         help="ngram: the target's tokenizer or model directory (the pairing check compares its"
                              " vocabulary and fingerprint); default: the shipped models/target")
@@ -84,6 +90,9 @@ def parse_args(argv=None, prog: str = "python -m draft_service"):
         parser.error(f"--oracle replaces the model method's drafting, not {args.method}'s")
     if not 1 <= args.ngram_min <= args.ngram_max:
         parser.error(f"need 1 <= --ngram-min <= --ngram-max, not {args.ngram_min} and {args.ngram_max}")
+    if args.lookup_min and not 1 <= args.lookup_min <= args.ngram_max:
+        parser.error(f"need 1 <= --lookup-min <= --ngram-max (or --lookup-min 0), not {args.lookup_min} and"
+                     f" {args.ngram_max}")
     args.vocab_subset = vocab_subset(args.draft_vocab, args.model) if args.method == "model" else 0
     if args.method == "eagle":  # None: auto, from the head's card (eagle.json), read where the head loads
         args.acceptance_prior = None if args.acceptance_prior == "auto" else acceptance_prior(args.acceptance_prior, None)
@@ -159,7 +168,9 @@ def make_engine(args, load_model) -> DraftMethod:
                                 max_support=args.max_support, max_tokens=args.max_tokens_per_call,
                                 max_sessions=args.max_sessions, idle_timeout=args.session_idle_timeout,
                                 max_context=args.max_context or None, threads=args.threads,
-                                batched_threads=args.batched_threads, **prior)
+                                batched_threads=args.batched_threads,
+                                lookup=range(args.lookup_min, args.ngram_max + 1) if args.lookup_min else range(0),
+                                **prior)
         eagle.calibrate()
         return eagle
     if args.method == "ngram":

@@ -25,11 +25,13 @@ from speculative.protocol import SamplingParams
 
 
 async def _acceptance(draft_dir: Path, target_dir: Path, prompts, k: int, new_tokens: int, vocab_subset: int,
-                      eagle: bool = False, quantize: str = "none", head_quantize: str = "none") -> dict:
+                      eagle: bool = False, quantize: str = "none", head_quantize: str = "none",
+                      lookup_min: int = 0) -> dict:
     if eagle:
         from model_service.eagle import EagleDraft
 
-        method = EagleDraft.load(draft_dir, target_dir, "cpu", quantize=head_quantize)
+        method = EagleDraft.load(draft_dir, target_dir, "cpu", quantize=head_quantize,
+                                 lookup=range(lookup_min, 5) if lookup_min else range(0))
         layers = method.layers
     else:
         method, layers = DraftEngine(ModelRunner(draft_dir, device="cpu", vocab_subset=vocab_subset)), ()
@@ -77,11 +79,12 @@ async def _acceptance(draft_dir: Path, target_dir: Path, prompts, k: int, new_to
 
 
 def acceptance(draft_dir: Path, target_dir: Path, prompts, k: int, new_tokens: int, vocab_subset: int = 0,
-               eagle: bool = False, quantize: str = "none", head_quantize: str = "none") -> dict:
+               eagle: bool = False, quantize: str = "none", head_quantize: str = "none", lookup_min: int = 0) -> dict:
     """vocab_subset: the draft's output layer over its draft_vocab.json's first N ids (0: all);
-    eagle: draft_dir is an EAGLE-3 head (fed the target's features); quantize: the target's."""
+    eagle: draft_dir is an EAGLE-3 head (fed the target's features); quantize: the target's;
+    lookup_min: the head's prompt lookup as the draft service's --lookup-min (0: the head alone)."""
     return asyncio.run(_acceptance(draft_dir, target_dir, prompts, k, new_tokens, vocab_subset, eagle, quantize,
-                                   head_quantize))
+                                   head_quantize, lookup_min))
 
 
 def main(argv=None) -> None:
@@ -90,7 +93,7 @@ def main(argv=None) -> None:
 
     from transformers import AutoTokenizer
 
-    from assets.prompts import CHAT
+    from assets.prompts import CHAT, GROUNDED
 
     parser = argparse.ArgumentParser(prog="python -m training.acceptance", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -104,22 +107,31 @@ def main(argv=None) -> None:
     parser.add_argument("--quantize", default="none", choices=["none", "int4"], help="the target's")
     parser.add_argument("--head-quantize", default="none", choices=["none", "int8", "int4"],
                         help="the head's, as the draft service's --head-quantize (the card records the float head)")
+    parser.add_argument("--lookup-min", type=int, default=0,
+                        help="eagle: the prompt lookup beside the head, as the draft service's --lookup-min (its"
+                             " default 3); 0: the head alone (what the card records)")
+    parser.add_argument("--grounded", action="store_true",
+                        help="the bench's input-grounded prompts (assets/prompts.py GROUNDED) instead of the chat ones")
     parser.add_argument("--write", action="store_true",
                         help="write it into the model's card (eagle.json, or distill.json for --draft) and README")
     args = parser.parse_args(argv)
+    if args.write and (args.lookup_min or args.grounded):
+        parser.error("--write records the head alone on the chat prompts: leave --lookup-min 0, no --grounded")
     if args.write and args.head_quantize != "none":
         parser.error("--write records the float head's acceptance: leave --head-quantize none")
     if args.write and args.draft and args.quantize != "none":
         parser.error("--write records a draft's acceptance against the float target: leave --quantize none")
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=True)["input_ids"]) for p in CHAT]
+                                                  tokenize=True, return_dict=True)["input_ids"])
+               for p in (GROUNDED if args.grounded else CHAT)]
     directory = args.eagle or args.draft
     card = directory / ("eagle.json" if args.eagle else "distill.json")
     info = json.loads(card.read_text()) if card.is_file() else {}
     subset = 0 if args.eagle else info.get("draft_vocab", {}).get("recommended", 0)
     result = acceptance(directory, args.target, prompts, args.k, args.new_tokens, vocab_subset=subset,
-                        eagle=bool(args.eagle), quantize=args.quantize, head_quantize=args.head_quantize)
+                        eagle=bool(args.eagle), quantize=args.quantize, head_quantize=args.head_quantize,
+                        lookup_min=args.lookup_min)
     print(json.dumps({k: v for k, v in result.items() if k != "per_prompt"}, indent=1))
     if not args.write:
         return

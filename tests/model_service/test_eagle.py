@@ -63,7 +63,8 @@ def run(draft, target, prompt, n, k, params, predraft=False, stats=None, p_min=0
 @pytest.fixture(scope="module")
 def eagle(pair, tmp_path_factory):
     _, target_dir = pair
-    return EagleDraft.load(make_head(target_dir, tmp_path_factory.mktemp("head")), target_dir, "cpu")
+    # the head alone (no prompt lookup): the tests that use it check what the head drafts
+    return EagleDraft.load(make_head(target_dir, tmp_path_factory.mktemp("head")), target_dir, "cpu", lookup=range(0))
 
 
 @pytest.mark.parametrize("vocab,quantize", [("bpe", "none"), ("chars", "none"), ("chars", "int8"), ("chars", "int4")])
@@ -88,6 +89,7 @@ def test_greedy_output_is_the_targets_with_and_without_predrafting(pair, small_v
         assert run(eagle, target, prompt, 40, 4, GREEDY, predraft, stats, p_min) == expected
         assert stats.draft_tokens > (len(expected) if p_min == 0 else 0)
         assert vocab == "bpe" or stats.accepted_tokens > 0
+    assert vocab == "bpe" or eagle.copied > 0  # the lookup proposed too (40 tokens of 12 ids repeat)
     assert len(target.runner.sessions) == 0 and len(eagle.sessions) == 0
 
 
@@ -185,11 +187,13 @@ def next_probs(model, ids, params):
         return logits_to_probs(model(input_ids=torch.tensor([ids])).logits[0, -1], params).double()
 
 
-@pytest.mark.parametrize("quantize", ["none", "int4"])
-def test_sampled_tokens_drafted_from_features_follow_the_target(small_vocab_pair, tmp_path, quantize):
+@pytest.mark.parametrize("quantize,prompt", [("none", [3, 5, 4, 7]), ("int4", [3, 5, 4, 7]),
+                                             ("none", [3, 5, 4, 7, 3, 5, 4])])
+def test_sampled_tokens_drafted_from_features_follow_the_target(small_vocab_pair, tmp_path, quantize, prompt):
     """k=2, 3 tokens: the first round has no features and decodes the first token alone; the
     second verifies the head's two tokens, so the second token's marginal is the head's doing.
-    The head op by op, and in int4 through its fused step."""
+    The head op by op, and in int4 through its fused step; after the prompt that repeats itself the
+    lookup copies where the first token repeats it too (7 after 3 5 4: one-hot q at 3)."""
     if quantize == "int4" and not q4_kernel.available():
         pytest.skip("specdec's int4 kernel is not built here")
     _, target_dir = small_vocab_pair
@@ -199,7 +203,6 @@ def test_sampled_tokens_drafted_from_features_follow_the_target(small_vocab_pair
     assert (eagle.head._q4_step is not None) == (quantize == "int4")
     target = TargetEngine(ModelRunner(target_dir))
     model = target.runner.model
-    prompt = [3, 5, 4, 7]
     eos = model.config.eos_token_id
     first = next_probs(model, prompt, params)
     v = first.shape[0]
@@ -218,7 +221,33 @@ def test_sampled_tokens_drafted_from_features_follow_the_target(small_vocab_pair
         stats.merge(one)
         counts[out[1] if len(out) > 1 else v] += 1
     assert stats.draft_tokens > 500 and stats.accepted_tokens > 50  # the head's tokens were verified
+    assert (eagle.copied > 20) == (len(prompt) > 4), eagle.copied  # copies verified too, where the context repeats
     assert fits(counts, second), chi2_stat(counts, second)
+
+
+def test_the_lookup_copies_what_followed_the_last_ngram_and_forgets_rejected_copies(pair, tmp_path):
+    """Where the context's last 3 or 4 tokens occurred before, the proposal is what followed them
+    there (one-hot q), without features. A call that appends nothing copies on after its own copy
+    (pre-drafting: the lookup then holds unconfirmed tokens); a rollback drops the rejected ones from
+    what it holds, so the next copy reads the committed tokens only. Without the lookup, no
+    features: no proposal."""
+    _, target_dir = pair
+    head = make_head(target_dir, tmp_path / "head")
+    eagle, alone = EagleDraft.load(head, target_dir, "cpu"), EagleDraft.load(head, target_dir, "cpu", lookup=range(0))
+    prompt = [11, 12, 13, 14, 11, 12, 13]  # 11 12 13 occurred before: 14 followed it
+    proposal, _ = eagle.propose(ProposeCall("s", True, 0, prompt, 4, GREEDY))
+    assert proposal.tokens == [14, 11, 12, 13] and proposal.support_sizes == [1] * 4  # (the copy reads itself on)
+    assert alone.propose(ProposeCall("s", True, 0, prompt, 4, GREEDY))[0].tokens == []
+    proposal, _ = eagle.propose(ProposeCall("s", False, 0, [], 2, GREEDY))  # on after 14 11 12 13
+    assert proposal.tokens == [14, 11]
+    # all 6 rejected, 20 committed: 12 13 20 occurred nowhere (had the rejected tokens stayed where the
+    # lookup reads, it would still end in 11 12 13 and copy)
+    proposal, _ = eagle.propose(ProposeCall("s", False, 6, [20], 4, GREEDY))
+    assert proposal.tokens == []
+    # 11 12 13 14 11 12 13 20 14 11 12: 14 11 12 occurred at 3..5, and 13 20 14 followed
+    proposal, _ = eagle.propose(ProposeCall("s", False, 0, [14, 11, 12], 3, GREEDY))
+    assert proposal.tokens == [13, 20, 14]
+    assert eagle.copied == 9
 
 
 @pytest.mark.parametrize("fail_on", [2, 5])
