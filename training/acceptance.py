@@ -8,6 +8,7 @@ the weights are packed as they are committed); for an EAGLE-3 head (the target's
 to it each round, as over gRPC) `--eagle DIR`:
 
     python -m training.acceptance --eagle models/eagle --target models/target [--write]
+    python -m training.acceptance --eagle models/eagle --target models/target --lookup-min 3 --grounded
     python -m training.acceptance --draft models/draft --target models/target [--write]
 """
 
@@ -115,6 +116,8 @@ def main(argv=None) -> None:
     parser.add_argument("--write", action="store_true",
                         help="write it into the model's card (eagle.json, or distill.json for --draft) and README")
     args = parser.parse_args(argv)
+    if args.lookup_min and (not args.eagle or not 1 <= args.lookup_min <= 4):
+        parser.error("--lookup-min N: an --eagle head's lookup of the last N..4 tokens (1 <= N <= 4), or 0")
     if args.write and (args.lookup_min or args.grounded):
         parser.error("--write records the head alone on the chat prompts: leave --lookup-min 0, no --grounded")
     if args.write and args.head_quantize != "none":
