@@ -60,7 +60,7 @@ from .drafting import MethodSessions, advance, one_result
 from .eagle_head import Eagle3Head, HeadCache
 from .grammar import Grammars, next_masks
 from .model_runner import BUSY_WINDOW, Timer, fastest_ms, saved_tokenizer_files, tokenizer_fields
-from .ngram import NgramIndex
+from .ngram import NgramIndex, allowed_copy
 from .sessions import Session, SessionTable
 from .threads import pass_threads
 
@@ -110,7 +110,6 @@ class EagleDraft:
         stays one thread. lookup: the suffix lengths the lookup tries (the module docstring; empty:
         the head always drafts)."""
         self.head = head
-        self.lookup = lookup
         self.threads, self.batched_threads = threads, batched_threads
         self.quantization = quantization
         c = head.config  # (counted from the shapes: a quantized linear holds no parameters)
@@ -329,13 +328,7 @@ class EagleDraft:
         """The lookup (the module docstring): up to k tokens copied into `tokens` and the session,
         cut where a structured output's constraint would stop them. -> whether it copied any."""
         index = session.cache.lookup
-        copy = index.continuation(call.k) if index is not None else []
-        if copy and session.grammar is not None:
-            try:
-                session.grammar.follow(session.tokens)
-                copy = copy[: session.grammar.prefix(copy)]
-            except InvalidRequest:
-                session.grammar = None  # (drafts unmasked, as next_masks leaves it)
+        copy = allowed_copy(session, index.continuation(call.k)) if index is not None else []
         tokens.extend(copy)
         session.tokens.extend(copy)
         self.copied += len(copy)

@@ -45,7 +45,7 @@ from speculative.sampling import one_hot_supports
 from .drafting import MethodSessions, advance
 from .grammar import Grammars
 from .model_runner import Timer, saved_tokenizer_files, tokenizer_fields
-from .sessions import SessionTable
+from .sessions import Session, SessionTable
 
 NGRAM_CONTEXT = 1 << 20  # tokens a session may hold unless --max-context says fewer (the coordinator
 # takes the smaller of the draft's and the target's)
@@ -98,6 +98,20 @@ class NgramIndex:
                     copied.append(tokens[i] if i < len(tokens) else copied[i - len(tokens)])
                 return copied
         return []
+
+
+def allowed_copy(session: Session, copy: list[int]) -> list[int]:
+    """A copy cut where the session's structured output would stop it (all of it without one); a
+    session whose tokens its constraint cannot follow loses it and copies uncut (the target rejects
+    what the constraint forbids)."""
+    if session.grammar is None or not copy:
+        return copy
+    try:
+        session.grammar.follow(session.tokens)
+        return copy[: session.grammar.prefix(copy)]
+    except InvalidRequest:
+        session.grammar = None
+        return copy
 
 
 class NgramDraft:
@@ -154,13 +168,7 @@ class NgramDraft:
             index: NgramIndex = session.cache
             index.extend(session.tokens[session.cached :])
             session.cached = len(session.tokens)
-            tokens = index.continuation(call.k)
-            if session.grammar is not None and tokens:  # a structured output: the copy stops where it would break it
-                try:
-                    session.grammar.follow(session.tokens)
-                    tokens = tokens[: session.grammar.prefix(tokens)]
-                except InvalidRequest:
-                    session.grammar = None
+            tokens = allowed_copy(session, index.continuation(call.k))
             session.tokens.extend(tokens)  # unconfirmed: indexed next call, if kept
             session.proposed += len(tokens)
             results.append(Proposal(tokens, *one_hot_supports(tokens)))

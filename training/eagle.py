@@ -477,7 +477,7 @@ def evaluate(head: Eagle3Head, rows: list[dict], cfg: Config) -> dict:
             counted[k] += w.sum().item()
             alive &= right & w
             runs += alive
-            chain[k] += (alive & w).sum().item()
+            chain[k] += alive.sum().item()
             started[k] += (shifted(batch["weight"], 1).bool() & w).sum().item()
         # row t drafts answer position t + 2 on; a row's answer starts at row prompt - 1 (the first
         # round: the prompt and the target's first token committed)
