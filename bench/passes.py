@@ -1,12 +1,12 @@
 """`make bench-passes`: what one target pass costs by the tokens it scores, beside the memory floor.
 
-    python -m bench.passes                               # models/target: float32, int4 (each kernel)
-    python -m bench.passes --tokens 1,5,9 --sessions 1 --weights float32
+    python -m bench.passes                               # models/target: float32 and int4, each kernel
+    python -m bench.passes --tokens 1,5,9 --sessions 1 --weights "float32 specdec"
 
 Speculation pays only where verifying K + 1 tokens costs little more than decoding one. For each
-weight format of the real target (float32; int4 through specdec's kernel and through torch's) this
-times one pass of `tokens` new tokens per session over `sessions` sessions, each on --context
-cached tokens (median of --reps after two warm-up passes, the target service's own code:
+weight format of the real target (float32 through specdec's panels and through oneDNN's packed
+weights; int4 through specdec's kernel and through torch's) this times one pass of `tokens` new
+tokens per session over `sessions` sessions, each on --context cached tokens (median of --reps after two warm-up passes, the target service's own code:
 ModelRunner.forward_many), and prints beside it:
 
   x 1 token   the pass against the same sessions' one-token pass (the bars of cheap verification:
@@ -35,7 +35,8 @@ from model_service import q4_kernel  # noqa: E402
 from model_service.model_runner import ModelRunner  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-WEIGHTS = {"float32": {}, "int4 specdec": {"quantize": "int4", "int4_kernel": "specdec"},
+WEIGHTS = {"float32 specdec": {"float_kernel": "specdec"}, "float32 onednn": {"float_kernel": "onednn"},
+           "int4 specdec": {"quantize": "int4", "int4_kernel": "specdec"},
            "int4 torch": {"quantize": "int4", "int4_kernel": "torch"}}
 
 
@@ -57,9 +58,9 @@ def main(argv=None) -> None:
     unknown = [w for w in weights if w not in WEIGHTS]
     if unknown:
         parser.error(f"--weights: unknown {unknown}; choose among {list(WEIGHTS)}")
-    if "int4 specdec" in weights and not q4_kernel.load():
-        print(f"specdec's int4 kernel: {q4_kernel.path()} (make kernel): its rows are skipped", flush=True)
-        weights.remove("int4 specdec")
+    if not q4_kernel.load():
+        print(f"specdec's kernel: {q4_kernel.path()} (make kernel): its rows are skipped", flush=True)
+        weights = [w for w in weights if "specdec" not in w]
     tokens = [int(t) for t in args.tokens.split(",")]
     sessions = [int(s) for s in args.sessions.split(",")]
     bandwidth = memory_bandwidth_gbs(torch.get_num_threads())

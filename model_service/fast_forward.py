@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from . import scripted
 from .int4 import Int4, Q4Tiles, pack_int4
+from .q4_kernel import Panels
 from .kv_cache import POOL_CAPACITY, KVCache, KVPool
 from .slot_attention import SlotBatch, slot_attention, slot_batch
 
@@ -80,6 +81,9 @@ class FastForward:
         self.packed_rows = 2  # pack(): the rows from which the packed copies are used (scripted.mm)
         self.int4_group = 0  # int4.quantize: weight-only int4 in groups of this many inputs (0: off)
         self.int4_kernel = "torch"  # int4.quantize: whose kernel runs it, "specdec" (q4_kernel) or "torch"
+        # float32 on CPU: whose products, "specdec" (q4_kernel's panels, where it builds) or "onednn"
+        # (oneDNN's packed weights, MKL's x @ w for one row where faster); "auto" (pack) picks specdec's
+        self.float_kernel = "auto"
         # with specdec's kernel, a pass's layers (one sequence or several) run in its C++ loop
         # (q4_kernel: q4_layers) rather than TorchScript's; off: TorchScript's loop over the same
         # products (A/B, tests)
@@ -127,9 +131,17 @@ class FastForward:
         return cls(model, max_context, pool_capacity)
 
     def pack(self) -> None:
-        """On CPU, also keep the wide weights (each layer's linears, lm_head) in oneDNN's packed layout.
+        """On CPU, also keep the weights (each layer's linears, lm_head) in a layout for the few rows of
+        a pass: specdec's float32 panels (float_kernel "specdec"; "auto" where q4_kernel builds), else
+        oneDNN's packed one.
 
-        MKL's sgemm is slow for the few rows of a verify step, and oneDNN's packed product faster
+        specdec's panels (q4_kernel.panel, csrc/q4_mm.cpp: f32_mm) stream the weights once for all
+        the rows of a call, prefetched ahead, and compute a row the same way whatever it is batched
+        with; with every linear in panels a pass runs its layers in the kernel's C++ loop (as int4
+        does), not TorchScript's. A pass over five tokens of SmolLM2-135M then costs ~1.1x one
+        (oneDNN's packed product: ~1.4x), and one token less than either did (docs/performance.md).
+
+        Otherwise: MKL's sgemm is slow for the few rows of a verify step, and oneDNN's packed product faster
         there for every layer linear and the output layer. For one row it depends on the machine:
         `x @ w` was faster on the CPUs first measured, the packed product 1.45x faster for a whole
         decode pass of SmolLM2 on an AMD EPYC with AVX-512; so the pack times both on one row
@@ -144,8 +156,25 @@ class FastForward:
         if self.int4_group:
             pack_int4(self)
             return
-        on = (self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
-              and torch.backends.mkldnn.is_available())
+        cpu = self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
+        if cpu and self.float_kernel in ("auto", "specdec"):
+            from . import q4_kernel
+
+            if q4_kernel.load():
+                self.float_kernel = "specdec"
+                with torch.inference_mode():
+                    for layer in self.layers:
+                        for name in self.PARTS:
+                            layer[f"{name}_packed"] = q4_kernel.panel(layer[name])
+                    self.lm_head_packed = q4_kernel.panel(self.lm_head)
+                self.packed_rows = 1
+                self._script_args = None
+                return
+            if self.float_kernel == "specdec":
+                raise ValueError(f"float_kernel specdec: the kernel is not built here ({q4_kernel.path()})")
+        if cpu:
+            self.float_kernel = "onednn"
+        on = cpu and torch.backends.mkldnn.is_available()
         with torch.inference_mode():
             def packed(w: torch.Tensor) -> torch.Tensor | None:  # w [in, out]
                 if not on or w.numel() < self.pack_min:
@@ -221,10 +250,10 @@ class FastForward:
         """Bytes of weights one single-token pass reads (every layer's linears and norms, the final
         norm, the output layer as it runs: int4-packed with its scales, or float; one embedding row):
         a decode pass can be no faster than this over the memory bandwidth."""
-        def size(w: torch.Tensor | Int4 | Q4Tiles | None) -> int:
+        def size(w: torch.Tensor | Int4 | Q4Tiles | Panels | None) -> int:
             if isinstance(w, Int4):
                 return size(w.weight) + size(w.scales_and_zeros)
-            if isinstance(w, Q4Tiles):
+            if isinstance(w, (Q4Tiles, Panels)):
                 return size(w.tiles)
             return 0 if w is None else w.numel() * w.element_size()
 
@@ -232,17 +261,18 @@ class FastForward:
         for layer in self.layers:
             for name in ("qkv", "o", "gate_up", "down"):
                 packed = layer.get(f"{name}_packed")
-                total += size(packed if isinstance(packed, (Int4, Q4Tiles)) else layer[name])
+                total += size(packed if isinstance(packed, (Int4, Q4Tiles, Panels)) else layer[name])
             total += size(layer["in_norm"]) + size(layer["post_norm"]) + size(layer["qkv_bias"])
-        return total + size(self.lm_head_packed if isinstance(self.lm_head_packed, (Int4, Q4Tiles)) else self.lm_head)
+        return total + size(self.lm_head_packed if isinstance(self.lm_head_packed, (Int4, Q4Tiles, Panels))
+                            else self.lm_head)
 
     @staticmethod
-    def _mm(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | Int4 | Q4Tiles | None,
+    def _mm(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | Int4 | Q4Tiles | Panels | None,
             bias: torch.Tensor | None = None, packed_rows: int = 2) -> torch.Tensor:
-        """x @ w (+ bias): x [rows, in], w [in, out]; through `packed` (w's packed copy, if any) for
-        several rows; through an Int4 or Q4Tiles (int4.quantize) for every row (scripted.mm, which both
-        loops run)."""
-        if isinstance(packed, Q4Tiles):
+        """x @ w (+ bias): x [rows, in], w [in, out]; through `packed` (w's oneDNN-packed copy, if any)
+        for several rows; through an Int4, Q4Tiles (int4.quantize) or Panels (pack) for every row
+        (scripted.mm, which both loops run)."""
+        if isinstance(packed, (Q4Tiles, Panels)):
             return scripted.mm(x, w, None, packed.tiles, None, 32, packed.out, bias)
         if isinstance(packed, Int4):
             return scripted.mm(x, w, None, packed.weight, packed.scales_and_zeros, packed.group, packed.out, bias)
@@ -452,7 +482,7 @@ class FastForward:
 
     def _runs_q4_layers(self) -> bool:
         """Whether a pass runs its layers in specdec's C++ loop (q4_kernel's q4_layers), one sequence
-        or several: every linear in its int4 tiles, float32 activations, `fused_layers` on."""
+        or several: every linear in its int4 tiles or float32 panels, float32 activations, `fused_layers` on."""
         if not self.fused_layers:
             return False
         self._scripted_args()  # (which finds _all_tiles when the weights changed)
@@ -469,13 +499,15 @@ class FastForward:
                 [layer["in_norm"] for layer in self.layers], [layer["post_norm"] for layer in self.layers],
                 [layer["half"] for layer in self.layers], [layer["qkv_bias"] for layer in self.layers],
                 [w for w, _ in linears],
-                [None if isinstance(p, (Int4, Q4Tiles)) else p for _, p in linears],
-                [p.weight if isinstance(p, Int4) else p.tiles if isinstance(p, Q4Tiles) else None for _, p in linears],
+                [None if isinstance(p, (Int4, Q4Tiles, Panels)) else p for _, p in linears],
+                [p.weight if isinstance(p, Int4) else p.tiles if isinstance(p, (Q4Tiles, Panels)) else None
+                 for _, p in linears],
                 [p.scales_and_zeros if isinstance(p, Int4) else None for _, p in linears],
-                [p.out if isinstance(p, (Int4, Q4Tiles)) else w.shape[1] for w, p in linears],
+                [p.out if isinstance(p, (Int4, Q4Tiles, Panels)) else w.shape[1] for w, p in linears],
                 self.int4_group, self.packed_rows,
             )
-            self._all_tiles = self.embed.dtype == torch.float32 and all(isinstance(p, Q4Tiles) for _, p in linears)
+            self._all_tiles = self.embed.dtype == torch.float32 and all(isinstance(p, (Q4Tiles, Panels))
+                                                                        for _, p in linears)
         return self._script_args
 
     def to(self, device: torch.device) -> FastForward:

@@ -149,6 +149,7 @@ class ModelRunner:
         quantize: str = "none",
         quant_group: int = 32,
         int4_kernel: str = "auto",
+        float_kernel: str = "auto",
         cuda_graphs: bool = False,
     ):
         """vocab_subset N > 0 (a draft's only): score only the N most frequent ids of the model
@@ -159,6 +160,8 @@ class ModelRunner:
         quantize "int4": weight-only int4 in groups of quant_group inputs on the lean forward, CPU
         (int4.quantize), through int4_kernel's products (auto, specdec or torch); the
         service then runs that model.
+        float_kernel: float32 on CPU through specdec's panels or oneDNN's packed weights (auto, specdec
+        or onednn; FastForward.pack).
         cuda_graphs: on a GPU, one session's passes of up to 17 tokens replay CUDA graphs (cuda_graphs.py),
         where the forward is the lean float one of one rank."""
         if quantize not in QUANTIZATIONS:
@@ -170,6 +173,8 @@ class ModelRunner:
             raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
         if dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
+        if float_kernel not in ("auto", "specdec", "onednn"):
+            raise ValueError(f"--float-kernel must be auto, specdec or onednn, not {float_kernel!r}")
         if forward not in FORWARDS:
             raise ValueError(f"--forward must be one of {FORWARDS}, not {forward!r}")
         if tensor_parallel < 1:
@@ -198,6 +203,9 @@ class ModelRunner:
             if placement is not None and self.tp is None:
                 placement.give_up("the model failed to load")
             raise
+        if float_kernel != "auto" and self.fast is not None and self.tp is None:  # (ranks pick their own: auto)
+            self.fast.float_kernel = float_kernel
+            self.fast.pack()
         self.head_ids = self._restrict_head(path, vocab_subset) if vocab_subset else None
         self.quantization = "none"
         if quantize == "int4":
@@ -214,6 +222,10 @@ class ModelRunner:
                 and self.quantization == "none" and self.fast.rope_table is not None:
             self.fast.use_graphs()
             self.forward_kind += ", CUDA graphs for passes of up to 17 tokens"
+        if self.tp is None and self.fast is not None and self.quantization == "none" \
+                and self.fast.float_kernel in ("specdec", "onednn"):
+            self.forward_kind += (", specdec's float32 panels" if self.fast.float_kernel == "specdec"
+                                  else ", oneDNN's packed float32")
         release_checkpoint_maps(self.model)
         gc.collect()
         return_freed_memory()

@@ -10,7 +10,14 @@ multiplies 4-bit by 8-bit integers in one instruction (vpdpbusd), 16 outputs at 
 against one read of the weights: the same products 1.8 ms for one row and 5.1 for five there (see
 docs/performance.md). The weights keep GGUF Q4_1's numbers as they shipped (d and m in float16).
 
-The op's schema is defined here on import, so TorchScript code that names it compiles whether or
+The same source holds specdec's float32 product, `torch.ops.specdec.f32_mm(x, panels, out)`:
+float32 weights in panels of 16 outputs (panel()), each streamed once, prefetched ahead, for every
+row of a pass, and a row computed by the same operations whatever it is batched with.
+FastForward.pack keeps float32 weights on CPU so where the kernel builds (`--float-kernel`), and a
+pass then runs its layers in the C++ loop as int4 does: SmolLM2-135M's five-token pass ~1.1x its
+one-token pass, where oneDNN's packed product made it ~1.4x (docs/performance.md).
+
+The ops' schemas are defined here on import, so TorchScript code that names it compiles whether or
 not the kernel is loaded; `load()` adds the kernel, and is called only where int4 asks for it
 (int4.quantize), so a service without int4 neither builds nor loads it. `make setup`
 builds it (`python -m model_service.q4_kernel`); a process loads what was built, or builds it the
@@ -29,6 +36,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -44,6 +52,8 @@ _state: dict[str, object] = {}
 # the schema (csrc/q4_mm.cpp adds the CPU kernel to it); kept alive with the module
 _library = torch.library.Library("specdec", "FRAGMENT")
 _library.define("q4_mm(Tensor x, Tensor blocks, int n) -> Tensor")
+# float32 weights in panels of 16 outputs (csrc/q4_mm.cpp: f32_mm; FastForward.pack on CPU)
+_library.define("f32_mm(Tensor x, Tensor panels, int n) -> Tensor")
 # FastForward's layer loop for sequences whose every linear is in tiles (csrc/q4_mm.cpp)
 _library.define("q4_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!)[] kv, int[] starts, int[] lengths, int[] keeps,"
                 " int heads, int kv_heads,"
@@ -123,6 +133,7 @@ def load() -> bool:
         else:
             _state.update(built=False, why=errors[-1])
             _library.impl("q4_mm", reference_mm, "CPU")
+            _library.impl("f32_mm", reference_f32_mm, "CPU")
         return bool(_state["built"])
 
 
@@ -171,6 +182,35 @@ def reference_mm(x: torch.Tensor, tiles: torch.Tensor, out: int) -> torch.Tensor
     dots = torch.einsum("rbj,nbj->rnb", a, q.reshape(out, -1, 32).double())  # [M, N, nb]
     y = (dots * d.double()[None] * s.double()[:, None]).sum(-1) + sums.double() @ m.double().t()
     return y.to(x.dtype)
+
+
+class Panels(NamedTuple):
+    """A float32 weight [in, out] in the kernel's panels (panel()): `torch.ops.specdec.f32_mm(x,
+    tiles, out)` reads it once for every row of x (FastForward.pack, float32 on CPU)."""
+
+    tiles: torch.Tensor  # [ceil(out / 16), in * 16] float32
+    out: int
+
+
+def panel(w: torch.Tensor) -> Panels:
+    """w [in, out] float32 -> the kernel's panels (see csrc/q4_mm.cpp, f32_mm): outputs in panels of
+    16, each panel's inputs in order, 16 floats an input (w[k][16 p ... 16 p + 15]); the last
+    panel's missing outputs are zeros."""
+    k, n = w.shape
+    count = -(-n // TILE)
+    padded = torch.nn.functional.pad(w.float(), (0, count * TILE - n))
+    return Panels(padded.reshape(k, count, TILE).transpose(0, 1).reshape(count, k * TILE).contiguous(), n)
+
+
+def unpanel(tiles: torch.Tensor, n: int) -> torch.Tensor:
+    """panel's inverse: the weights [in, n]."""
+    count = tiles.shape[0]
+    return tiles.reshape(count, -1, TILE).transpose(0, 1).reshape(-1, count * TILE)[:, :n]
+
+
+def reference_f32_mm(x: torch.Tensor, tiles: torch.Tensor, out: int) -> torch.Tensor:
+    """What f32_mm computes, in float64 (tests; where the kernel is not built)."""
+    return (x.double() @ unpanel(tiles, out).double()).to(x.dtype)
 
 
 def tile(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

@@ -39,13 +39,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def mm(x: torch.Tensor, w: torch.Tensor, packed: Optional[torch.Tensor], q4: Optional[torch.Tensor],
        q4_scales: Optional[torch.Tensor], group: int, out: int, bias: Optional[torch.Tensor],
        packed_rows: int = 2) -> torch.Tensor:
-    """x @ w (+ bias), x [rows, in], w [in, out] (both loops'; FastForward._mm): through an int4
-    layout where there is one (q4 alone: specdec's kernel's tiles, q4_kernel; q4 and q4_scales:
-    torch's int4 CPU kernel, activations in bf16; the first `out` of its padded outputs), else
+    """x @ w (+ bias), x [rows, in], w [in, out] (both loops'; FastForward._mm): through specdec's
+    kernel where q4 alone is given (its int4 tiles, or float32 panels: q4_kernel), through torch's
+    int4 CPU kernel where q4 and q4_scales are (activations in bf16; the first `out` of its padded
+    outputs), else
     through oneDNN's packed copy of w from `packed_rows` rows on (FastForward.packed_rows: 1 or 2,
     whichever its load measured faster for one row), else as it is."""
     if q4 is not None and q4_scales is None:
-        y = torch.ops.specdec.q4_mm(x, q4, out)
+        if q4.dtype == torch.float32:  # specdec's float32 panels (q4_kernel.panel)
+            y = torch.ops.specdec.f32_mm(x, q4, out)
+        else:
+            y = torch.ops.specdec.q4_mm(x, q4, out)
         if bias is not None:
             y = y + bias
         return y

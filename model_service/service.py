@@ -55,6 +55,11 @@ def add_model_flags(parser: EnvArgumentParser, role: str, model_required: bool =
                              " weights, GGUF Q4_1's float16 d and m; groups of 32; built for this CPU by make setup),"
                              " torch's (bf16 activations and scales), auto: specdec's where it is built and the groups"
                              " are 32. Each is its own model: greedy output may differ between them")
+    parser.add_argument("--float-kernel", default="auto", choices=["auto", "specdec", "onednn"],
+                        help="whose products run float32 weights on CPU: specdec's (the weights in panels streamed"
+                             " once for every row of a pass, which then runs its layers in specdec's C++ loop; built"
+                             " for this CPU by make setup), oneDNN's packed weights (and MKL's x @ w for one row where"
+                             " faster), auto: specdec's where it is built")
     parser.add_argument("--cuda-graphs", default="on", choices=["on", "off"],
                         help="on a GPU, one session's passes of up to 17 tokens (a draft's steps, a target's decode"
                              " steps and verify passes) replay a CUDA graph per cache and pass length instead of"
@@ -196,7 +201,7 @@ def run_model_service(name: str, args: argparse.Namespace, make_servicer: Callab
                                  max_kv_tokens=args.max_kv_tokens, batched_threads=args.batched_threads,
                                  on_forward=servicer.thread.flush, quantize=args.quantize,
                                  quant_group=args.quant_group, int4_kernel=args.int4_kernel,
-                                 cuda_graphs=args.cuda_graphs == "on")
+                                 float_kernel=args.float_kernel, cuda_graphs=args.cuda_graphs == "on")
             runner.calibrate()
             if args.batch_wait_ms == "auto":
                 servicer.batcher.wait = auto_wait_ms(runner.pass_cost) / 1e3

@@ -272,6 +272,151 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t N) {
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
 }
 
+// ----------------------------------------------------------------------------- float32 panels
+// specdec::f32_mm: y = x @ w for float32 weights laid out in panels (model_service/f32_panels.py
+// packs them): outputs in panels of 16 (the last padded with zero weights), each panel its K
+// inputs in order, 16 floats an input (w[k][16 p ... 16 p + 15]): one vector an input on AVX-512,
+// two on AVX2. The weights stream through once for a group of up to PANEL_ROWS rows, one
+// multiply-add a row and input, so a verify pass's few rows cost what one row costs while the
+// weights' reads bound the pass (oneDNN's packed product re-read them, and MKL's sgemm per row).
+//
+// A row's sums are made by the same operations whatever the rows or threads of the call (each
+// output lane's chain over the inputs, on AVX-512 the even and the odd inputs in two chains added
+// at the end): a row's result does not depend on what it is batched with, so a verify pass scores
+// a token exactly as a one-token pass would.
+
+constexpr int64_t PANEL = 16;
+// how far ahead of the product the weights are prefetched, in floats (4 kB): the hardware's
+// prefetcher alone kept too few lines in flight once a line took several rows' multiply-adds
+// (one core, 5 rows: 33 -> 22 ms for SmolLM2's 540 MB, 1 row 21 -> 19-22)
+constexpr int64_t PANEL_AHEAD = 1024;
+#if defined(Q4_AVX512)
+constexpr int PANEL_ROWS = 12;  // 24 accumulators (two chains a row) of 32 registers
+#else
+constexpr int PANEL_ROWS = 6;  // 12 accumulators (two halves a row) of 16 registers
+#endif
+
+// rows r0..r0+R of x [., K] against one panel P [K][16] -> out [R][16]
+template <int R>
+void panel(const float* P, const float* x, int64_t K, int64_t r0, float* out) {
+  const float* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = x + (r0 + r) * K;
+#if defined(Q4_AVX512)
+  __m512 even[R], odd[R];
+  for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 2 <= K; k += 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(P + k * PANEL + PANEL_AHEAD), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(P + (k + 1) * PANEL + PANEL_AHEAD), _MM_HINT_T0);
+    const __m512 w0 = _mm512_loadu_ps(P + k * PANEL), w1 = _mm512_loadu_ps(P + (k + 1) * PANEL);
+    for (int r = 0; r < R; ++r) {
+      even[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr[r][k]), w0, even[r]);
+      odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr[r][k + 1]), w1, odd[r]);
+    }
+  }
+  if (k < K) {
+    const __m512 w0 = _mm512_loadu_ps(P + k * PANEL);
+    for (int r = 0; r < R; ++r) even[r] = _mm512_fmadd_ps(_mm512_set1_ps(xr[r][k]), w0, even[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * PANEL, _mm512_add_ps(even[r], odd[r]));
+#elif defined(Q4_AVX2)
+  __m256 lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(P + k * PANEL + PANEL_AHEAD), _MM_HINT_T0);
+    const __m256 w0 = _mm256_loadu_ps(P + k * PANEL), w1 = _mm256_loadu_ps(P + k * PANEL + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_set1_ps(xr[r][k]);
+      lo[r] = _mm256_fmadd_ps(a, w0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(a, w1, hi[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * PANEL, lo[r]);
+    _mm256_storeu_ps(out + r * PANEL + 8, hi[r]);
+  }
+#else
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < PANEL; ++i) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc = std::fma(xr[r][k], P[k * PANEL + i], acc);
+      out[r * PANEL + i] = acc;
+    }
+#endif
+}
+
+// panels p0..p1 for every row, into Y [M, N] (a padded panel's extra outputs are dropped)
+void panels(const float* W, const float* x, int64_t M, int64_t K, float* Y, int64_t N, int64_t p0, int64_t p1) {
+  float out[PANEL_ROWS * PANEL];
+  const int64_t groups = (M + PANEL_ROWS - 1) / PANEL_ROWS, each = (M + groups - 1) / groups;  // even groups
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t width = std::min<int64_t>(PANEL, N - p * PANEL);
+    const float* w = W + p * K * PANEL;
+    for (int64_t r0 = 0; r0 < M; r0 += each) {
+      const int rows = static_cast<int>(std::min<int64_t>(each, M - r0));
+      switch (rows) {
+        case 1: panel<1>(w, x, K, r0, out); break;
+        case 2: panel<2>(w, x, K, r0, out); break;
+        case 3: panel<3>(w, x, K, r0, out); break;
+        case 4: panel<4>(w, x, K, r0, out); break;
+        case 5: panel<5>(w, x, K, r0, out); break;
+#if defined(Q4_AVX512)
+        case 6: panel<6>(w, x, K, r0, out); break;
+        case 7: panel<7>(w, x, K, r0, out); break;
+        case 8: panel<8>(w, x, K, r0, out); break;
+        case 9: panel<9>(w, x, K, r0, out); break;
+        case 10: panel<10>(w, x, K, r0, out); break;
+        case 11: panel<11>(w, x, K, r0, out); break;
+        default: panel<12>(w, x, K, r0, out); break;
+#else
+        default: panel<6>(w, x, K, r0, out); break;
+#endif
+      }
+      for (int r = 0; r < rows; ++r) std::memcpy(Y + (r0 + r) * N + p * PANEL, out + r * PANEL, width * sizeof(float));
+    }
+  }
+}
+
+// y [M, N] = x [M, K] @ the weights of W ([ceil(N / 16)] panels of K x 16), float32
+void f32_matmul(const float* x, int64_t M, int64_t K, const float* W, int64_t N, float* Y) {
+  if (M == 0 || N == 0) return;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (K * PANEL));  // >= 64 k weights a task
+  at::parallel_for(0, (N + PANEL - 1) / PANEL, grain,
+                   [&](int64_t p0, int64_t p1) { panels(W, x, M, K, Y, N, p0, p1); });
+}
+
+void check_panels(const at::Tensor& w, int64_t K, int64_t N) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous(),
+              "f32_mm: panels must be contiguous float32 [panels, in * 16] on CPU");
+  TORCH_CHECK(K > 0 && N > 0, "f32_mm: in (", K, ") and out (", N, ") must be positive");
+  TORCH_CHECK(w.size(0) == (N + PANEL - 1) / PANEL && w.size(1) == K * PANEL, "f32_mm: panels are ", w.sizes(), "; ", N,
+              " outputs of ", K, " inputs need [", (N + PANEL - 1) / PANEL, ", ", K * PANEL, "]");
+}
+
+// x [M, K] (any float dtype) @ the weights of `panels` ([ceil(N / 16), K * 16] float32) -> [M, N]
+at::Tensor f32_mm(const at::Tensor& x_in, const at::Tensor& panels_in, int64_t N) {
+  TORCH_CHECK(x_in.dim() == 2, "f32_mm: x must be [rows, in], not ", x_in.sizes());
+  TORCH_CHECK(x_in.device().is_cpu(), "f32_mm runs on CPU");
+  const int64_t M = x_in.size(0), K = x_in.size(1);
+  const at::Tensor w = panels_in.contiguous();
+  check_panels(w, K, N);
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  f32_matmul(x.data_ptr<float>(), M, K, w.data_ptr<float>(), N, y.data_ptr<float>());
+  return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
+}
+
+// the layer loop's products: weights in int4 tiles (uint8) or float32 panels
+void check_weights(const at::Tensor& w, int64_t K, int64_t N) {
+  if (w.scalar_type() == at::kFloat) check_panels(w, K, N);
+  else check_tiles(w, K, N);
+}
+
+void matmul(const at::Tensor& w, const float* x, int64_t M, int64_t K, int64_t N, float* Y) {
+  if (w.scalar_type() == at::kFloat) f32_matmul(x, M, K, w.data_ptr<float>(), N, Y);
+  else q4_matmul(x, M, K, w.data_ptr<uint8_t>(), N, Y);
+}
+
 // ----------------------------------------------------------------------------- the layer loop
 // FastForward's layers for one sequence (scripted._layers' arithmetic) with every linear in
 // these tiles: RMSNorm, q/k/v, RoPE, the cache write, causal attention, o, RMSNorm, gate/up, SiLU,
@@ -600,10 +745,10 @@ at::Tensor layers_loop(const at::Tensor& x_in, const at::Tensor& cos_in, const a
     }
     const at::Tensor& w_qkv = weights[4 * i];
     TORCH_CHECK(outs[4 * i] == qkv_n, "q4_layers: layer ", i, "'s q/k/v has ", outs[4 * i], " outputs, not ", qkv_n);
-    check_tiles(w_qkv, D, qkv_n);
+    check_weights(w_qkv, D, qkv_n);
     float* xp = x.data_ptr<float>();
     rms_norm(xp, in_norm[i].contiguous().data_ptr<float>(), h.data(), T, D, eps);
-    q4_matmul(h.data(), T, D, w_qkv.data_ptr<uint8_t>(), qkv_n, qkv.data());
+    matmul(w_qkv, h.data(), T, D, qkv_n, qkv.data());
     const std::optional<at::Tensor> bias = qkv_bias.get(i);
     if (bias.has_value() && bias->defined()) {
       const at::Tensor b = bias->contiguous();
@@ -642,19 +787,19 @@ at::Tensor layers_loop(const at::Tensor& x_in, const at::Tensor& cos_in, const a
     xp = x.data_ptr<float>();
     // o, residual
     const at::Tensor& w_o = weights[4 * i + 1];
-    check_tiles(w_o, qdim, D);
-    q4_matmul(att.data(), rows, qdim, w_o.data_ptr<uint8_t>(), D, y.data());
+    check_weights(w_o, qdim, D);
+    matmul(w_o, att.data(), rows, qdim, D, y.data());
     for (int64_t j = 0; j < rows * D; ++j) xp[j] += y[j];
     // RMSNorm, gate/up, SiLU(gate) * up, down, residual
     const int64_t hh = half[i];
     const at::Tensor& w_gu = weights[4 * i + 2];
     const at::Tensor& w_down = weights[4 * i + 3];
-    check_tiles(w_gu, D, 2 * hh);
-    check_tiles(w_down, hh, D);
+    check_weights(w_gu, D, 2 * hh);
+    check_weights(w_down, hh, D);
     rms_norm(xp, post_norm[i].contiguous().data_ptr<float>(), h.data(), rows, D, eps);
-    q4_matmul(h.data(), rows, D, w_gu.data_ptr<uint8_t>(), 2 * hh, gu.data());
+    matmul(w_gu, h.data(), rows, D, 2 * hh, gu.data());
     for (int64_t t = 0; t < rows; ++t) silu_mul(gu.data() + t * 2 * hh, gu.data() + t * 2 * hh + hh, hidden.data() + t * hh, hh);
-    q4_matmul(hidden.data(), rows, hh, w_down.data_ptr<uint8_t>(), D, y.data());
+    matmul(w_down, hidden.data(), rows, hh, D, y.data());
     for (int64_t j = 0; j < rows * D; ++j) xp[j] += y[j];
   }
   return x;
@@ -737,11 +882,11 @@ std::tuple<at::Tensor, at::Tensor> q4_eagle_step(const at::Tensor& embeds_in, co
                 ff = outs[2] / 2, V = outs[4];
   TORCH_CHECK(outs[0] == qkv_n && outs[1] == D && outs[2] % 2 == 0 && outs[3] == D,
               "q4_eagle_step: outs must be q/k/v ", qkv_n, ", o ", D, ", gate/up 2 F, down ", D);
-  check_tiles(weights[0], 2 * D, qkv_n);
-  check_tiles(weights[1], qdim, D);
-  check_tiles(weights[2], D, 2 * ff);
-  check_tiles(weights[3], ff, D);
-  if (logits) check_tiles(weights[4], D, V);
+  check_weights(weights[0], 2 * D, qkv_n);
+  check_weights(weights[1], qdim, D);
+  check_weights(weights[2], D, 2 * ff);
+  check_weights(weights[3], ff, D);
+  if (logits) check_weights(weights[4], D, V);
   const at::Tensor cos = cos_in.to(at::kFloat).reshape({T, hd}).contiguous();
   const at::Tensor sin = sin_in.to(at::kFloat).reshape({T, hd}).contiguous();
   const at::Tensor embeds = embeds_in.contiguous(), hidden = hidden_in.contiguous();
@@ -757,7 +902,7 @@ std::tuple<at::Tensor, at::Tensor> q4_eagle_step(const at::Tensor& embeds_in, co
   for (int64_t t = 0; t < T; ++t) std::memcpy(x.data() + t * 2 * D + D, normed.data() + t * D, D * sizeof(float));
   at::Tensor out = norm_before_residual ? at::from_blob(normed.data(), {T, D}, at::kFloat).clone() : hidden.clone();
   float* op = out.data_ptr<float>();
-  q4_matmul(x.data(), T, 2 * D, weights[0].data_ptr<uint8_t>(), qkv_n, qkv.data());
+  matmul(weights[0], x.data(), T, 2 * D, qkv_n, qkv.data());
   // RoPE on the q and k heads, then k and v into the row's cache (keys and values share a layout: checked above)
   for (int64_t t = 0; t < T; ++t) {
     float* row = qkv.data() + t * qkv_n;
@@ -777,17 +922,17 @@ std::tuple<at::Tensor, at::Tensor> q4_eagle_step(const at::Tensor& embeds_in, co
              scores.data(), att.data() + t * qdim + head * hd);
     }
   });
-  q4_matmul(att.data(), T, qdim, weights[1].data_ptr<uint8_t>(), D, y.data());
+  matmul(weights[1], att.data(), T, qdim, D, y.data());
   for (int64_t j = 0; j < T * D; ++j) op[j] += y[j];
   rms_norm(op, w_norm[2].data_ptr<float>(), normed.data(), T, D, eps);
-  q4_matmul(normed.data(), T, D, weights[2].data_ptr<uint8_t>(), 2 * ff, gu.data());
+  matmul(weights[2], normed.data(), T, D, 2 * ff, gu.data());
   for (int64_t t = 0; t < T; ++t) silu_mul(gu.data() + t * 2 * ff, gu.data() + t * 2 * ff + ff, mid.data() + t * ff, ff);
-  q4_matmul(mid.data(), T, ff, weights[3].data_ptr<uint8_t>(), D, y.data());
+  matmul(weights[3], mid.data(), T, ff, D, y.data());
   for (int64_t j = 0; j < T * D; ++j) op[j] += y[j];
   if (!logits) return {out, at::empty({0}, out.options())};
   at::Tensor scores = at::empty({T, V}, out.options());
   rms_norm(op, w_norm[3].data_ptr<float>(), normed.data(), T, D, eps);
-  q4_matmul(normed.data(), T, D, weights[4].data_ptr<uint8_t>(), V, scores.data_ptr<float>());
+  matmul(weights[4], normed.data(), T, D, V, scores.data_ptr<float>());
   return {out, scores};
 }
 
@@ -814,6 +959,7 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("q4_mm", &q4_mm);
+  m.impl("f32_mm", &f32_mm);
   m.impl("q4_layers", &q4_layers);
   m.impl("q4_layers_capturing", &q4_layers_capturing);
   m.impl("q4_eagle_step", &q4_eagle_step);

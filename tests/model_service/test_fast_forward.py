@@ -10,7 +10,7 @@ from functools import partial
 import pytest
 import torch
 
-from model_service import fast_forward, scripted
+from model_service import fast_forward, q4_kernel, scripted
 from model_service.fast_forward import FastForward
 from model_service.kv_cache import KVCache, KVPool
 from model_service.model_runner import ModelRunner
@@ -22,13 +22,18 @@ def tokenizer(tmp_path_factory):
     return make_tokenizer(tmp_path_factory.mktemp("tok") / "tok")
 
 
+@pytest.mark.parametrize("kernel", ["specdec", "onednn"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_matches_transformers_through_feeds_and_rollbacks(tmp_path, tokenizer, arch):
-    """Random feeds of 1..9 tokens, rollbacks of 0..5, past the cache's first capacity (256)."""
+def test_matches_transformers_through_feeds_and_rollbacks(tmp_path, tokenizer, arch, kernel):
+    """Random feeds of 1..9 tokens, rollbacks of 0..5, past the cache's first capacity (256); the
+    float32 products through specdec's panels (and its C++ layer loop) or oneDNN's packed weights."""
+    if kernel == "specdec" and not q4_kernel.available():
+        pytest.skip(f"specdec's kernel is not built here: {q4_kernel.path()}")
     model_dir = make_model(tmp_path / arch, tokenizer, arch=arch, hidden=64, layers=2, heads=4, kv_heads=2,
                            max_context=512, init_std=0.1)
-    fast, slow = ModelRunner(model_dir), ModelRunner(model_dir, forward="transformers")
-    assert fast.forward_kind == "fast" and slow.forward_kind == "transformers"
+    fast, slow = ModelRunner(model_dir, float_kernel=kernel), ModelRunner(model_dir, forward="transformers")
+    assert fast.forward_kind.startswith("fast") and slow.forward_kind == "transformers"
+    assert fast.fast.float_kernel == kernel and fast.fast._runs_q4_layers() == (kernel == "specdec")
     rng = random.Random(0)
     sessions = [r.start_session("s", 0) for r in (fast, slow)]
     assert isinstance(sessions[0].cache, KVCache)
@@ -59,7 +64,7 @@ def test_scaled_rope_matches_transformers(tmp_path, tokenizer, rope):
     config = json.loads((model_dir / "config.json").read_text())
     config["rope_parameters"] = {**rope, "rope_theta": 10000.0}
     (model_dir / "config.json").write_text(json.dumps(config))
-    fast, slow = ModelRunner(model_dir), ModelRunner(model_dir, forward="transformers")
+    fast, slow = ModelRunner(model_dir, float_kernel="onednn"), ModelRunner(model_dir, forward="transformers")
     assert (fast.fast.rope_table is None) == (rope["rope_type"] == "dynamic")
     assert fast.fast.lm_head_packed is None  # a tiny model's weights are under PACK_MIN_ELEMENTS
     fast.fast.pack_min = 0
@@ -179,6 +184,7 @@ def test_slot_attention_matches_transformers(tmp_path, tokenizer, monkeypatch, s
     fast, slow = ModelRunner(model_dir), ModelRunner(model_dir, forward="transformers")
     fast.fast.pool_capacity = 40  # sessions past 40 positions move out of the pool
     fast.fast.scripted = script
+    fast.fast.fused_layers = False  # TorchScript's loop, not specdec's C++ one (which has no slot batches)
     calls = []  # passes that took the one-call path
     slot_batch = fast_forward.slot_batch
 
@@ -357,15 +363,17 @@ def test_kv_pool_does_not_halve_and_double_back_at_each_take(monkeypatch):
 
 
 @pytest.mark.skipif(scripted.LAYERS is None, reason="this torch has no TorchScript")
-@pytest.mark.parametrize("arch,weights", [("llama", "float"), ("llama", "packed"), ("llama", "int4"),
-                                          ("qwen2", "packed"), ("qwen2", "int4")])
+@pytest.mark.parametrize("arch,weights", [("llama", "float"), ("llama", "packed"), ("llama", "panels"),
+                                          ("llama", "int4"), ("qwen2", "packed"), ("qwen2", "panels"),
+                                          ("qwen2", "int4")])
 def test_scripted_layers_compute_the_eager_loop(tmp_path, tokenizer, monkeypatch, arch, weights):
     """One sequence's layers run by TorchScript (scripted.LAYERS) give the eager loop's logits, through
     random feeds of 1..9 tokens, partial logits and rollbacks: float weights as x @ w, oneDNN-packed
-    (every weight packed: pack_min 0), int4; with q/k/v biases (qwen2)."""
+    (every weight packed: pack_min 0), in specdec's panels, int4; with q/k/v biases (qwen2)."""
     model_dir = make_model(tmp_path / arch, tokenizer, arch=arch, hidden=64, layers=2, heads=4, kv_heads=2,
                            max_context=512, init_std=0.1)
-    runner = ModelRunner(model_dir, "cpu", quantize="int4" if weights == "int4" else "none")
+    runner = ModelRunner(model_dir, "cpu", quantize="int4" if weights == "int4" else "none",
+                         float_kernel="specdec" if weights == "panels" else "onednn")
     fast = runner.fast
     fast.fused_layers = False  # TorchScript's loop, not specdec's C++ one (tests/model_service/test_q4_kernel.py)
     if weights == "packed":
@@ -396,7 +404,7 @@ def test_scripted_layers_compute_the_eager_loop(tmp_path, tokenizer, monkeypatch
 
 
 @pytest.mark.skipif(scripted.LAYERS is None, reason="this torch has no TorchScript")
-@pytest.mark.parametrize("weights", ["float", "packed", "int4"])
+@pytest.mark.parametrize("weights", ["float", "packed", "panels", "int4"])
 @pytest.mark.parametrize("pooled", [True, False], ids=["pool slots", "caches of their own"])
 def test_scripted_batched_layers_compute_the_eager_loop(tmp_path, tokenizer, monkeypatch, weights, pooled):
     """Passes over several sequences (ragged, partial logits, rollbacks) through TorchScript
@@ -404,7 +412,8 @@ def test_scripted_batched_layers_compute_the_eager_loop(tmp_path, tokenizer, mon
     or per sequence over caches of their own."""
     model_dir = make_model(tmp_path / "m", tokenizer, arch="qwen2", hidden=64, layers=2, heads=4, kv_heads=2,
                            init_std=0.1)
-    runner = ModelRunner(model_dir, "cpu", quantize="int4" if weights == "int4" else "none")
+    runner = ModelRunner(model_dir, "cpu", quantize="int4" if weights == "int4" else "none",
+                         float_kernel="specdec" if weights == "panels" else "onednn")
     fast = runner.fast
     fast.fused_layers = False  # TorchScript's loop, not specdec's C++ one (tests/model_service/test_q4_kernel.py)
     if weights == "packed":
@@ -452,7 +461,8 @@ def test_one_row_through_either_product_computes_transformers_logits(tmp_path, t
         monkeypatch.setattr(scripted, "LAYERS", None)
     monkeypatch.setattr(fast_forward, "PACK_MIN_ELEMENTS", 0)  # (a toy model's weights are packed too)
     model_dir = make_model(tmp_path / "m", tokenizer, hidden=64, layers=2, heads=4, kv_heads=2, init_std=0.1)
-    fast, slow = ModelRunner(model_dir, "cpu"), ModelRunner(model_dir, "cpu", forward="transformers")
+    fast = ModelRunner(model_dir, "cpu", float_kernel="onednn")
+    slow = ModelRunner(model_dir, "cpu", forward="transformers")
     assert fast.fast.packed_rows in (1, 2) and fast.fast.lm_head_packed is not None
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     for rows in (1, 2):

@@ -58,6 +58,43 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("n, k", [(16, 32), (40, 97), (960, 576), (100, 1536), (7, 5)])
+@pytest.mark.parametrize("rows", [1, 5, 8, 13, 17, 30])
+def test_float32_panels_compute_the_product(n, k, rows):
+    """f32_mm (float32 weights in panels of 16 outputs) computes x @ w: odd inputs (the AVX-512
+    path's two chains leave one input over), outputs short of a panel, row groups of 1..12."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(k, n, generator=g) * 0.05
+    x = torch.randn(rows, k, generator=g) * 3
+    panels = q4_kernel.panel(w)
+    assert panels.out == n and panels.tiles.shape == (-(-n // 16), k * 16)
+    assert torch.equal(q4_kernel.unpanel(panels.tiles, n), w)
+    y = torch.ops.specdec.f32_mm(x, panels.tiles, n)
+    expected = x.double() @ w.double()
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+    torch.testing.assert_close(q4_kernel.reference_f32_mm(x, panels.tiles, n).double(), expected)
+
+
+def test_a_rows_float32_result_does_not_depend_on_its_batch_or_the_threads():
+    """Bit for bit: a verify pass scores each of its tokens as a one-token pass would."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(576, 1000, generator=g)
+    panels = q4_kernel.panel(w).tiles
+    x = torch.randn(29, 576, generator=g)
+    together = torch.ops.specdec.f32_mm(x, panels, 1000)
+    for i in range(29):
+        assert torch.equal(torch.ops.specdec.f32_mm(x[i:i + 1], panels, 1000)[0], together[i]), i
+    for a, b in [(3, 9), (0, 12), (5, 18)]:
+        assert torch.equal(torch.ops.specdec.f32_mm(x[a:b], panels, 1000), together[a:b])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(torch.ops.specdec.f32_mm(x, panels, 1000), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_other_dtypes_come_back_in_their_own():
     q, d, m = weights(32, 64)
     tiles = q4_kernel.tile(q, d, m)
@@ -100,6 +137,18 @@ def test_groups_from_float_weights_hold_them_to_half_a_step():
 def test_bad_shapes_get_a_clear_error(x, tiles, n, message):
     with pytest.raises(RuntimeError, match=message):
         torch.ops.specdec.q4_mm(x, tiles, n)
+
+
+@pytest.mark.parametrize("x, panels, n, message", [
+    (torch.zeros(2, 48), torch.zeros(1, 32 * 16), 16, "need"),
+    (torch.zeros(2, 32), torch.zeros(1, 32 * 16), 40, "need"),
+    (torch.zeros(2, 32), torch.zeros(1, 32 * 16, dtype=torch.uint8), 16, "float32"),
+    (torch.zeros(32), torch.zeros(1, 32 * 16), 16, "rows, in"),
+    (torch.zeros(2, 0), torch.zeros(1, 0), 16, "positive"),
+])
+def test_bad_float32_shapes_get_a_clear_error(x, panels, n, message):
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.specdec.f32_mm(x, panels, n)
 
 
 def test_without_a_compiler_int4_keeps_torchs_kernel(tmp_path):
@@ -212,19 +261,30 @@ print("ok", q4_kernel.path())
     assert done.stdout.strip().startswith("ok"), done.stdout
 
 
-@pytest.mark.parametrize("pooled", [False, True])
-def test_the_c_layer_loop_runs_several_sequences_each_as_alone(tmp_path, pooled):
-    """A pass over several sessions (a batched verify: each its own cache and positions, its own
-    rows kept) runs every linear once over all their rows; each row's logits are bit for bit those
-    of its session's pass alone (the kernel computes a row by the same operations whatever it is
-    batched with), over caches of their own or slots of one pool; and within TorchScript's
-    batched loop's rounding of the same products."""
+def _c_loop_model(tmp_path, weights: str):
+    """A 3-layer llama through the C++ layer loop: int4 tiles or float32 panels."""
     from model_service.model_runner import ModelRunner
     from speculative.tiny import make_model, make_tokenizer
 
     model = make_model(tmp_path / "m", make_tokenizer(tmp_path / "t"), arch="llama", hidden=256, layers=3, heads=4,
                        kv_heads=2, intermediate=160, max_context=128)
-    fast = ModelRunner(model, "cpu", quantize="int4", int4_kernel="specdec").fast
+    if weights == "int4":
+        fast = ModelRunner(model, "cpu", quantize="int4", int4_kernel="specdec").fast
+    else:
+        fast = ModelRunner(model, "cpu", float_kernel="specdec").fast
+    assert fast._runs_q4_layers()
+    return fast
+
+
+@pytest.mark.parametrize("weights", ["int4", "float32"])
+@pytest.mark.parametrize("pooled", [False, True])
+def test_the_c_layer_loop_runs_several_sequences_each_as_alone(tmp_path, pooled, weights):
+    """A pass over several sessions (a batched verify: each its own cache and positions, its own
+    rows kept) runs every linear once over all their rows; each row's logits are bit for bit those
+    of its session's pass alone (the kernel computes a row by the same operations whatever it is
+    batched with), over caches of their own or slots of one pool; and within TorchScript's
+    batched loop's rounding of the same products (int4 tiles; float32 panels, to 1e-4)."""
+    fast = _c_loop_model(tmp_path, weights)
     if not pooled:
         fast.pool_capacity = 0
     prompts = [list(range(3, 40)), list(range(50, 61)), list(range(7, 24))]
@@ -244,10 +304,38 @@ def test_the_c_layer_loop_runs_several_sequences_each_as_alone(tmp_path, pooled)
     for a, b, (_, n) in zip(alone, together, steps):
         assert a.shape == b.shape == (n, a.shape[1])
         assert torch.equal(a, b)
-    fast.fused_layers = False  # TorchScript's batched loop over the same int4 products
+    fast.fused_layers = False  # TorchScript's batched loop over the same products
     scripted_loop = run(True)
     for a, b in zip(together, scripted_loop):
-        assert (a - b).norm() < 0.08 * b.norm()
+        assert (a - b).norm() < (0.08 if weights == "int4" else 1e-4) * b.norm()
+
+
+@pytest.mark.parametrize("weights", ["int4", "float32"])
+def test_a_verify_pass_scores_each_token_as_a_decode_step_does(tmp_path, weights):
+    """Through the C++ loop a pass over K + 1 tokens gives each token's logits bit for bit as K + 1
+    one-token passes do (and the same cache): the target's verify is its own decode, so greedy
+    speculation cannot part from the target alone over a near tie. TorchScript's loop, whose
+    products and attention change with the rows, need not (it is shown to differ here, so the
+    check can fail)."""
+    fast = _c_loop_model(tmp_path, weights)
+    prompt, verify = list(range(3, 40)), [41, 42, 43, 44, 45]
+
+    def passes(one_call: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = fast.new_cache()
+        fast(prompt, cache, 1)
+        if one_call:
+            logits = fast(verify, cache, len(verify))
+        else:
+            logits = torch.cat([fast([token], cache, 1) for token in verify])
+        return logits, cache.data[..., :cache.length, :].clone()
+
+    (together, cached), (alone, cached_alone) = passes(True), passes(False)
+    assert together.shape == alone.shape == (len(verify), together.shape[1])
+    assert torch.equal(together, alone) and torch.equal(cached, cached_alone)
+    fast.fused_layers = False
+    (together, _), (alone, _) = passes(True), passes(False)
+    assert not torch.equal(together, alone)
+    torch.testing.assert_close(together, alone, atol=1e-4 if weights == "float32" else 0.5, rtol=0.05)
 
 
 def test_the_c_layer_loop_refuses_what_it_cannot_run():
@@ -293,8 +381,8 @@ def _cpu_flags() -> set[str]:
 @pytest.mark.parametrize("extra", ["-mno-avx512f", "-mno-avx512f -mno-avx2 -mno-fma -mno-f16c"])
 def test_every_path_of_the_kernel_computes_the_same(tmp_path, extra):
     """The kernel's other paths, built here with the wider instruction sets turned off (AVX2; plain
-    C++), pass the same checks as the one this machine builds by default (products, the layer loop,
-    an EAGLE head's fused step): machines of this kind differ (some have AVX2 only)."""
+    C++), pass the same checks as the one this machine builds by default (int4 and float32
+    products, the layer loop, an EAGLE head's fused step): machines of this kind differ (some have AVX2 only)."""
     expected = "avx2" if "-mno-avx2" not in extra and {"avx2", "fma", "f16c"} <= _cpu_flags() else "scalar"
     code = f"""
 import pathlib, tempfile
@@ -306,6 +394,12 @@ for n, k in [(40, 96), (960, 576)]:
     for rows in (1, 9):
         t.test_the_kernel_computes_its_reference(n, k, rows)
 t.test_a_rows_result_does_not_depend_on_its_batch_or_the_threads()
+for n, k in [(40, 97), (960, 576)]:
+    for rows in (1, 13):
+        t.test_float32_panels_compute_the_product(n, k, rows)
+t.test_a_rows_float32_result_does_not_depend_on_its_batch_or_the_threads()
+for weights in ("int4", "float32"):
+    t.test_a_verify_pass_scores_each_token_as_a_decode_step_does(pathlib.Path(tempfile.mkdtemp()), weights)
 for geometry in [(128, 4, 2), (256, 2, 1)]:
     t.test_the_c_layer_loop_computes_what_the_torchscript_loop_does(pathlib.Path(tempfile.mkdtemp()), "qwen2", *geometry)
 from tests.model_service import test_eagle_head as e
