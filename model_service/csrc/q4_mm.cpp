@@ -40,6 +40,10 @@
 namespace {
 
 constexpr int64_t QK = 32;   // weights a block
+// how far ahead of the product a tile's blocks are prefetched, in bytes (4 kB, ~13 blocks): on a
+// 2-core Xeon whose L3 holds the weights, a SmolLM2 int4 pass of one token 4.1-4.4 -> 2.8-2.9 ms,
+// five 6.9-7.1 -> 4.4-4.7 (the 5 lines of a block, each issued once; within noise on an AMD EPYC)
+constexpr int64_t Q4_AHEAD = 4096;
 constexpr int MAX_ROWS = 8;  // rows a tile (the row loop's accumulators); more rows take more tiles
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -131,6 +135,7 @@ void tile(const uint8_t* W, const Rows& x, int64_t r0, float* out) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = W + b * BLOCK_BYTES;
+    for (int l = 0; l < 5; ++l) _mm_prefetch(reinterpret_cast<const char*>(blk + Q4_AHEAD + 64 * l), _MM_HINT_T0);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
     __m512i lo[4], hi[4];
@@ -162,6 +167,8 @@ void tile(const uint8_t* W, const Rows& x, int64_t r0, float* out) {
     for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = W + b * BLOCK_BYTES;
+      if (h == 0)
+        for (int l = 0; l < 5; ++l) _mm_prefetch(reinterpret_cast<const char*>(blk + Q4_AHEAD + 64 * l), _MM_HINT_T0);
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
       const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * h)));
       // the block's 8 x 4 nibbles of these 8 outputs unpacked once for every row (as the AVX-512
