@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from . import scripted
 from .int4 import Int4, Q4Tiles, pack_int4
-from .q4_kernel import Panels
 from .kv_cache import POOL_CAPACITY, KVCache, KVPool
+from .q4_kernel import Panels
 from .slot_attention import SlotBatch, slot_attention, slot_batch
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # --dtype
