@@ -42,18 +42,25 @@ def test_the_kernel_computes_its_reference(n, k, rows):
     assert (y.double() - full).abs().max() <= 0.02 * full.abs().max() + 1e-9
 
 
-def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads():
-    q, d, m = weights(1000, 576)
-    tiles = q4_kernel.tile(q, d, m)
-    x = torch.randn(13, 576, generator=torch.Generator().manual_seed(2))
-    together = torch.ops.specdec.q4_mm(x, tiles, 1000)
-    for i in range(13):
-        assert torch.equal(torch.ops.specdec.q4_mm(x[i:i + 1], tiles, 1000)[0], together[i]), i
-    assert torch.equal(torch.ops.specdec.q4_mm(x[3:9], tiles, 1000), together[3:9])
+@pytest.mark.parametrize("weights_kind", ["int4", "float32"])
+def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(weights_kind):
+    """Bit for bit, for int4 tiles and float32 panels alike: a verify pass scores each of its
+    tokens as a one-token pass would, whatever rows share its call and however many threads."""
+    g = torch.Generator().manual_seed(4)
+    if weights_kind == "int4":
+        packed, mm = q4_kernel.tile(*weights(1000, 576)), torch.ops.specdec.q4_mm
+    else:
+        packed, mm = q4_kernel.panel(torch.randn(576, 1000, generator=g)).tiles, torch.ops.specdec.f32_mm
+    x = torch.randn(29, 576, generator=g)
+    together = mm(x, packed, 1000)
+    for i in range(29):
+        assert torch.equal(mm(x[i:i + 1], packed, 1000)[0], together[i]), i
+    for a, b in [(3, 9), (0, 12), (5, 18)]:
+        assert torch.equal(mm(x[a:b], packed, 1000), together[a:b])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(torch.ops.specdec.q4_mm(x, tiles, 1000), together)
+        assert torch.equal(mm(x, packed, 1000), together)
     finally:
         torch.set_num_threads(threads)
 
@@ -74,25 +81,6 @@ def test_float32_panels_compute_the_product(n, k, rows):
     assert y.shape == (rows, n) and y.dtype == torch.float32
     torch.testing.assert_close(y.double(), expected, rtol=0, atol=1e-5 * expected.abs().max().item())
     torch.testing.assert_close(q4_kernel.reference_f32_mm(x, panels.tiles, n).double(), expected)
-
-
-def test_a_rows_float32_result_does_not_depend_on_its_batch_or_the_threads():
-    """Bit for bit: a verify pass scores each of its tokens as a one-token pass would."""
-    g = torch.Generator().manual_seed(4)
-    w = torch.randn(576, 1000, generator=g)
-    panels = q4_kernel.panel(w).tiles
-    x = torch.randn(29, 576, generator=g)
-    together = torch.ops.specdec.f32_mm(x, panels, 1000)
-    for i in range(29):
-        assert torch.equal(torch.ops.specdec.f32_mm(x[i:i + 1], panels, 1000)[0], together[i]), i
-    for a, b in [(3, 9), (0, 12), (5, 18)]:
-        assert torch.equal(torch.ops.specdec.f32_mm(x[a:b], panels, 1000), together[a:b])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(torch.ops.specdec.f32_mm(x, panels, 1000), together)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_other_dtypes_come_back_in_their_own():
@@ -393,11 +381,11 @@ from tests.model_service import test_q4_kernel as t
 for n, k in [(40, 96), (960, 576)]:
     for rows in (1, 9):
         t.test_the_kernel_computes_its_reference(n, k, rows)
-t.test_a_rows_result_does_not_depend_on_its_batch_or_the_threads()
+t.test_a_rows_result_does_not_depend_on_its_batch_or_the_threads("int4")
 for n, k in [(40, 97), (960, 576)]:
     for rows in (1, 13):
         t.test_float32_panels_compute_the_product(n, k, rows)
-t.test_a_rows_float32_result_does_not_depend_on_its_batch_or_the_threads()
+t.test_a_rows_result_does_not_depend_on_its_batch_or_the_threads("float32")
 for weights in ("int4", "float32"):
     t.test_a_verify_pass_scores_each_token_as_a_decode_step_does(pathlib.Path(tempfile.mkdtemp()), weights)
 for geometry in [(128, 4, 2), (256, 2, 1)]:
