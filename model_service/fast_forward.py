@@ -37,6 +37,8 @@ from .kv_cache import POOL_CAPACITY, KVCache, KVPool
 from .q4_kernel import Panels
 from .slot_attention import SlotBatch, slot_attention, slot_batch
 
+# weights kept in a kernel's own layout, which scripted.mm runs for every row (int4.quantize, pack)
+KERNEL_LAYOUTS = (Int4, Q4Tiles, Panels)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # --dtype
 
 SUPPORTED = {"llama", "mistral", "qwen2"}
@@ -54,7 +56,7 @@ class FastForward:
     views of these tensors, so nothing is stored twice.
     """
 
-    def __init__(self, model, max_context: int, pool_capacity: int = POOL_CAPACITY):
+    def __init__(self, model, max_context: int, pool_capacity: int = POOL_CAPACITY, float_kernel: str = "auto"):
         config = model.config
         self.model = model
         self.rotary = model.model.rotary_emb
@@ -83,7 +85,7 @@ class FastForward:
         self.int4_kernel = "torch"  # int4.quantize: whose kernel runs it, "specdec" (q4_kernel) or "torch"
         # float32 on CPU: whose products, "specdec" (q4_kernel's panels, where it builds) or "onednn"
         # (oneDNN's packed weights, MKL's x @ w for one row where faster); "auto" (pack) picks specdec's
-        self.float_kernel = "auto"
+        self.float_kernel = float_kernel
         # with specdec's kernel, a pass's layers (one sequence or several) run in its C++ loop
         # (q4_kernel: q4_layers) rather than TorchScript's; off: TorchScript's loop over the same
         # products (A/B, tests)
@@ -116,8 +118,10 @@ class FastForward:
         return cos[0], sin[0]
 
     @classmethod
-    def build(cls, model, max_context: int, pool_capacity: int = POOL_CAPACITY) -> FastForward | None:
-        """The fast forward for `model`, or None where it would not compute the same thing."""
+    def build(cls, model, max_context: int, pool_capacity: int = POOL_CAPACITY,
+              float_kernel: str = "auto") -> FastForward | None:
+        """The fast forward for `model`, or None where it would not compute the same thing.
+        float_kernel: whose products run its float32 weights on CPU (auto, specdec or onednn; pack)."""
         config = model.config
         if config.model_type not in SUPPORTED or getattr(config, "hidden_act", "silu") != "silu":
             return None
@@ -128,7 +132,7 @@ class FastForward:
         window = getattr(config, "sliding_window", None)
         if window is not None and getattr(config, "use_sliding_window", True) and window < max_context:
             return None
-        return cls(model, max_context, pool_capacity)
+        return cls(model, max_context, pool_capacity, float_kernel)
 
     def pack(self) -> None:
         """On CPU, also keep the weights (each layer's linears, lm_head) in a layout for the few rows of
@@ -261,9 +265,9 @@ class FastForward:
         for layer in self.layers:
             for name in ("qkv", "o", "gate_up", "down"):
                 packed = layer.get(f"{name}_packed")
-                total += size(packed if isinstance(packed, (Int4, Q4Tiles, Panels)) else layer[name])
+                total += size(packed if isinstance(packed, KERNEL_LAYOUTS) else layer[name])
             total += size(layer["in_norm"]) + size(layer["post_norm"]) + size(layer["qkv_bias"])
-        return total + size(self.lm_head_packed if isinstance(self.lm_head_packed, (Int4, Q4Tiles, Panels))
+        return total + size(self.lm_head_packed if isinstance(self.lm_head_packed, KERNEL_LAYOUTS)
                             else self.lm_head)
 
     @staticmethod
@@ -499,11 +503,11 @@ class FastForward:
                 [layer["in_norm"] for layer in self.layers], [layer["post_norm"] for layer in self.layers],
                 [layer["half"] for layer in self.layers], [layer["qkv_bias"] for layer in self.layers],
                 [w for w, _ in linears],
-                [None if isinstance(p, (Int4, Q4Tiles, Panels)) else p for _, p in linears],
+                [None if isinstance(p, KERNEL_LAYOUTS) else p for _, p in linears],
                 [p.weight if isinstance(p, Int4) else p.tiles if isinstance(p, (Q4Tiles, Panels)) else None
                  for _, p in linears],
                 [p.scales_and_zeros if isinstance(p, Int4) else None for _, p in linears],
-                [p.out if isinstance(p, (Int4, Q4Tiles, Panels)) else w.shape[1] for w, p in linears],
+                [p.out if isinstance(p, KERNEL_LAYOUTS) else w.shape[1] for w, p in linears],
                 self.int4_group, self.packed_rows,
             )
             self._all_tiles = self.embed.dtype == torch.float32 and all(isinstance(p, (Q4Tiles, Panels))

@@ -198,14 +198,11 @@ class ModelRunner:
             placement = Placement(tensor_parallel, self.device, ray_address, tp_timeout)
             self.device = placement.device
         try:
-            self._load(path, max_context, forward, placement, dtype, kv_pool_capacity)
+            self._load(path, max_context, forward, placement, dtype, kv_pool_capacity, float_kernel)
         except BaseException:
             if placement is not None and self.tp is None:
                 placement.give_up("the model failed to load")
             raise
-        if float_kernel != "auto" and self.fast is not None and self.tp is None:  # (ranks pick their own: auto)
-            self.fast.float_kernel = float_kernel
-            self.fast.pack()
         self.head_ids = self._restrict_head(path, vocab_subset) if vocab_subset else None
         self.quantization = "none"
         if quantize == "int4":
@@ -240,7 +237,7 @@ class ModelRunner:
         self.on_forward = on_forward
 
     def _load(self, path: Path, max_context: int | None, forward: str, placement, dtype: str,
-              kv_pool_capacity: int | None) -> None:
+              kv_pool_capacity: int | None, float_kernel: str = "auto") -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         import_model_code(path)
         with LoadMeter() as meter:  # this rank's load (rank 0's where tensor-parallel)
@@ -254,7 +251,10 @@ class ModelRunner:
             model_context = getattr(config, "max_position_embeddings", None) or 2048
             self.max_context = min(max_context or model_context, model_context)
             pool_capacity = POOL_CAPACITY if kv_pool_capacity is None else kv_pool_capacity
-            self.fast = FastForward.build(self.model, self.max_context, pool_capacity) if forward == "auto" else None
+            # (tensor-parallel ranks pick their own float kernel: auto)
+            kernel = float_kernel if loaded.world == 1 else "auto"
+            self.fast = FastForward.build(self.model, self.max_context, pool_capacity, kernel) \
+                if forward == "auto" else None
             if self.fast is not None and loaded.world > 1:
                 adopt_shard(self.fast, loaded.world, loaded.logits_size)
         self.logits_size = loaded.logits_size
