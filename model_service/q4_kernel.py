@@ -13,7 +13,7 @@ docs/performance.md). The weights keep GGUF Q4_1's numbers as they shipped (d an
 The same source holds specdec's float32 product, `torch.ops.specdec.f32_mm(x, panels, out)`:
 float32 weights in panels of 16 outputs (panel()), each streamed once, prefetched ahead, for every
 row of a pass, and a row computed by the same operations whatever it is batched with.
-FastForward.pack keeps float32 weights on CPU so where the kernel builds (`--float-kernel`), and a
+FastForward.pack keeps float32 weights on CPU in panels where the kernel builds (`--float-kernel`), and a
 pass then runs its layers in the C++ loop as int4 does: SmolLM2-135M's five-token pass ~1.1x its
 one-token pass, where oneDNN's packed product made it ~1.4x (docs/performance.md).
 

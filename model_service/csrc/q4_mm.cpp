@@ -280,7 +280,7 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& blocks, int64_t N) {
 }
 
 // ----------------------------------------------------------------------------- float32 panels
-// specdec::f32_mm: y = x @ w for float32 weights laid out in panels (model_service/f32_panels.py
+// specdec::f32_mm: y = x @ w for float32 weights laid out in panels (model_service/q4_kernel.py: panel()
 // packs them): outputs in panels of 16 (the last padded with zero weights), each panel its K
 // inputs in order, 16 floats an input (w[k][16 p ... 16 p + 15]): one vector an input on AVX-512,
 // two on AVX2. The weights stream through once for a group of up to PANEL_ROWS rows, one
