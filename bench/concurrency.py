@@ -19,7 +19,9 @@ latency (p50 / p99), for:
   HF sequential transformers `generate` on the target, one request after another
 Each stack runs one stream again after its last level (row "1*"); "x C=1" divides by the mean
 of the two single-stream runs, so a slow or fast spell of a shared machine does not land on
-one side of the ratio only.
+one side of the ratio only. With --repeat N every level of a stack runs N times, turn about
+(1, 8, 1, 8, ...), and each row is its median run (no 1* row): a level of 16 requests lasts
+seconds, and this kind of machine moves by 10-20% between such runs.
 With greedy decoding (the default) every request's tokens are checked against the first run of
 its prompt, across systems and levels: greedy output is the target's own at any concurrency
 and batch, so the bench prints how many requests matched and names any that did not.
@@ -114,6 +116,14 @@ async def drive(addr: str, prompts: list[list[int]], concurrency: int, requests:
     }
 
 
+def median_run(system: str, concurrency: int, again: bool, runs: list[dict]) -> dict:
+    """A level's row: of its runs, the one of median tokens/s (the lower middle one of an even
+    count), every run's tokens/s beside it."""
+    ranked = sorted(runs, key=lambda r: r["tokens_per_s"])
+    return {"system": system, "concurrency": concurrency, "again": again, **ranked[(len(ranked) - 1) // 2],
+            "tokens_per_s_runs": [r["tokens_per_s"] for r in runs]}
+
+
 def print_table(rows: list[dict]) -> None:
     print(f"{'system':<20}{'C':>4}{'tok/s':>8}{'x C=1':>7}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}"
           f"{'batch':>7}{'K':>6}")
@@ -121,7 +131,9 @@ def print_table(rows: list[dict]) -> None:
         level = "1*" if r.get("again") else r["concurrency"]
         print(f"{r['system']:<20}{level:>4}{r['tokens_per_s']:>8.1f}{r.get('vs_single', float('nan')):>7.2f}"
               f"{r['ttft_p50_ms']:>10.1f}{r['ttft_p99_ms']:>8.1f}{r['itl_p50_ms']:>9.2f}{r['itl_p99_ms']:>8.2f}"
-              f"{r['mean_verify_batch']:>7.2f}{r['mean_k']:>6.2f}")
+              f"{r['mean_verify_batch']:>7.2f}{r['mean_k']:>6.2f}"
+              + (f"  runs {', '.join(f'{x:.1f}' for x in r['tokens_per_s_runs'])}"
+                 if len(r.get("tokens_per_s_runs", ())) > 1 else ""))
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -162,6 +174,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--systems",
                         default="spec,no spec,spec defaults,spec predraft,spec 1-at-a-time,spec lockstep,HF sequential")
     parser.add_argument("--lockstep-k", type=int, default=4, help="K of the spec lockstep row")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs of each level of each system, turn about over the levels and systems of a stack;"
+                             " a row is the run of median tokens/s (all kept in tokens_per_s_runs)")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
                         help="torch threads of the target service (and of HF generate)")
     parser.add_argument("--draft-threads", type=int, default=1)
@@ -185,8 +200,9 @@ def main(argv=None) -> dict:
     rows: list[dict] = []
     # each stack runs one stream again at the end: this machine's speed drifts over minutes, and a
     # ratio to a single-stream figure taken in a slow or fast spell would say more about the spell
-    again = [1] if 1 in levels and len(levels) > 1 else []
-    runs = len(levels + again) * len([s for s in systems if s != "HF sequential"])
+    # (with --repeat, every level runs again in turn: its median is the figure, and no 1* row)
+    again = [1] if 1 in levels and len(levels) > 1 and args.repeat == 1 else []
+    runs = len(levels + again) * args.repeat * len([s for s in systems if s != "HF sequential"])
     bar = tqdm(total=runs + ("HF sequential" in systems),
                desc="bench-concurrency", unit="run")
     stacks = {"batched": [s for s in systems if s in ("spec", "no spec")],
@@ -222,15 +238,18 @@ def main(argv=None) -> dict:
                         batched_threads=args.threads,
                         draft_args=extra, target_args=extra, coordinator_args=coordinator_args,
                         draft_method=args.draft_method) as stack:
-            for i, c in enumerate(levels + again):
-                for name in names:
-                    bar.set_postfix_str(f"{name} C={c}")
-                    k = 0 if name == "no spec" else args.k
-                    figures = asyncio.run(drive(stack.addr, prompts, c, max(len(prompts), 2 * c), args.new_tokens,
-                                                args.temperature, k, args.draft_p_min))
-                    check(f"{name} C={c}", figures.pop("outputs"))
-                    rows.append({"system": name, "concurrency": c, "again": i >= len(levels), **figures})
-                    bar.update()
+            runs_of: dict[tuple[str, int, bool], list[dict]] = {}
+            for _ in range(args.repeat):
+                for i, c in enumerate(levels + again):
+                    for name in names:
+                        bar.set_postfix_str(f"{name} C={c}")
+                        k = 0 if name == "no spec" else args.k
+                        figures = asyncio.run(drive(stack.addr, prompts, c, max(len(prompts), 2 * c),
+                                                    args.new_tokens, args.temperature, k, args.draft_p_min))
+                        check(f"{name} C={c}", figures.pop("outputs"))
+                        runs_of.setdefault((name, c, i >= len(levels)), []).append(figures)
+                        bar.update()
+            rows += [median_run(name, c, is_again, runs) for (name, c, is_again), runs in runs_of.items()]
     if "HF sequential" in systems:
         bar.set_postfix_str("HF sequential")
         torch.set_num_threads(args.threads)
@@ -253,7 +272,7 @@ def main(argv=None) -> dict:
             "draft_threads": args.draft_threads, "draft": str(draft_dir), "draft_method": args.draft_method,
             "target": str(target_dir), "quantize": args.quantize,
             "prompts": len(prompts), "new_tokens": args.new_tokens, "temperature": args.temperature,
-            "k": args.k if args.k is not None else "adaptive", "draft_p_min": args.draft_p_min,
+            "k": args.k if args.k is not None else "adaptive", "draft_p_min": args.draft_p_min, "repeat": args.repeat,
             "date": time.strftime("%Y-%m-%d %H:%M"),
             "greedy_requests_checked": checked, "greedy_requests_differing": differ}
     args.out.mkdir(parents=True, exist_ok=True)

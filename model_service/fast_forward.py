@@ -84,7 +84,8 @@ class FastForward:
         self.int4_group = 0  # int4.quantize: weight-only int4 in groups of this many inputs (0: off)
         self.int4_kernel = "torch"  # int4.quantize: whose kernel runs it, "specdec" (q4_kernel) or "torch"
         # float32 on CPU: whose products, "specdec" (q4_kernel's panels, where it builds) or "onednn"
-        # (oneDNN's packed weights, MKL's x @ w for one row where faster); "auto" (pack) picks specdec's
+        # (oneDNN's packed weights, MKL's x @ w for one row where faster); "auto" (pack) picks specdec's;
+        # "none" elsewhere (CUDA, half precision: torch's products)
         self.float_kernel = float_kernel
         # with specdec's kernel, a pass's layers (one sequence or several) run in its C++ loop
         # (q4_kernel: q4_layers) rather than TorchScript's; off: TorchScript's loop over the same
@@ -161,6 +162,11 @@ class FastForward:
             pack_int4(self)
             return
         cpu = self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
+        if not cpu:  # (CUDA, half precision): torch's own products, nothing packed
+            if self.float_kernel in ("specdec", "onednn"):
+                raise ValueError(f"float_kernel {self.float_kernel} runs float32 weights on CPU; these are "
+                                 f"{str(self.embed.dtype).removeprefix('torch.')} on {self.embed.device.type}")
+            self.float_kernel = "none"
         if cpu and self.float_kernel in ("auto", "specdec"):
             from . import q4_kernel
 

@@ -161,7 +161,7 @@ class ModelRunner:
         (int4.quantize), through int4_kernel's products (auto, specdec or torch); the
         service then runs that model.
         float_kernel: float32 on CPU through specdec's panels or oneDNN's packed weights (auto, specdec
-        or onednn; FastForward.pack).
+        or onednn; FastForward.pack); on a GPU or in half precision torch's own (only auto is taken).
         cuda_graphs: on a GPU, one session's passes of up to 17 tokens replay CUDA graphs (cuda_graphs.py),
         where the forward is the lean float one of one rank."""
         if quantize not in QUANTIZATIONS:

@@ -59,7 +59,8 @@ def add_model_flags(parser: EnvArgumentParser, role: str, model_required: bool =
                         help="whose products run float32 weights on CPU: specdec's (the weights in panels streamed"
                              " once for every row of a pass, which then runs its layers in specdec's C++ loop; built"
                              " for this CPU by make setup), oneDNN's packed weights (and MKL's x @ w for one row where"
-                             " faster), auto: specdec's where it is built")
+                             " faster), auto: specdec's where it is built. Elsewhere (a GPU, --dtype bfloat16 or"
+                             " float16) torch's own run: auto there, the other two refused")
     parser.add_argument("--cuda-graphs", default="on", choices=["on", "off"],
                         help="on a GPU, one session's passes of up to 17 tokens (a draft's steps, a target's decode"
                              " steps and verify passes) replay a CUDA graph per cache and pass length instead of"

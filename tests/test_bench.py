@@ -151,6 +151,16 @@ def test_tiny_concurrency_bench(pair, tmp_path, capsys):
     assert "spec at 8 streams" not in out and "(every system, every level)" in out
 
 
+def test_a_repeated_concurrency_level_is_its_median_run():
+    from bench.concurrency import median_run
+
+    runs = [{"tokens_per_s": t, "itl_p50_ms": 1000 / t} for t in (80.0, 95.0, 70.0)]
+    row = median_run("spec", 8, False, runs)
+    assert row["tokens_per_s"] == 80.0 and row["itl_p50_ms"] == 12.5  # the whole run's figures, not a mix
+    assert row["tokens_per_s_runs"] == [80.0, 95.0, 70.0] and (row["system"], row["concurrency"]) == ("spec", 8)
+    assert median_run("spec", 8, False, runs[:2])["tokens_per_s"] == 80.0  # an even count: the lower middle
+
+
 def test_tiny_ngram_rows(pair, tmp_path, capsys):
     """`--only ngram`: rows a, a', p, n (fixed and adaptive K) for both prompt sets, and the bars."""
     _, target = pair

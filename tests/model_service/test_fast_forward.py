@@ -126,6 +126,21 @@ def test_rejects_unknown_forward(tmp_path, tokenizer):
         ModelRunner(model_dir, forward="fastest")
 
 
+def test_a_float_kernel_names_only_what_runs(tmp_path, tokenizer):
+    """The float32 kernels are CPU float32 products: a half-precision model runs torch's own and its
+    forward_kind names none; asking for one there by name is refused, not ignored."""
+    model_dir = make_model(tmp_path / "m", tokenizer)
+    runner = ModelRunner(model_dir, "cpu", dtype="bfloat16")
+    assert runner.fast.float_kernel == "none" and runner.fast.lm_head_packed is None
+    assert "panels" not in runner.forward_kind and "oneDNN" not in runner.forward_kind
+    session = runner.start_session("s", 0)
+    session.tokens.extend([1, 2, 3])
+    assert runner.fast.embed.dtype == torch.bfloat16 and torch.isfinite(runner.forward(session)).all()
+    for kernel in ("specdec", "onednn"):
+        with pytest.raises(ValueError, match=f"float_kernel {kernel} runs float32 weights on CPU; these are bfloat16"):
+            ModelRunner(model_dir, "cpu", dtype="bfloat16", float_kernel=kernel)
+
+
 # longrope picks its frequencies from the longest position of the rotary module's call: a short
 # session batched with one past original_max_position_embeddings must still get its own
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,

@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,8 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.launch import ROOT, LocalStack, wait_serving
-from runtime.ports import free_port
+from coordinator.launch import LocalStack
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -29,11 +26,17 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def tp_client(pair, request):
+def tp_stack(pair, request):
+    """The stack with a TP = 2 target (one torch thread a rank). The module's last test kills its rank 1."""
     draft, target = pair
     stack = LocalStack(draft, target, target_args=["--tensor-parallel-size", "2"]).start()
     request.addfinalizer(stack.stop)
-    channel = grpc.insecure_channel(stack.addr)
+    return stack
+
+
+@pytest.fixture(scope="module")
+def tp_client(tp_stack, request):
+    channel = grpc.insecure_channel(tp_stack.addr)
     request.addfinalizer(channel.close)
     return pb_grpc.GenerationStub(channel)
 
@@ -87,15 +90,10 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_a_dead_rank_turns_the_service_not_serving_and_sigterm_leaves_nothing(pair, tmp_path):
-    _, target = pair
-    addr = f"127.0.0.1:{free_port()}"
-    log = tmp_path / "target.log"
-    proc = subprocess.Popen([sys.executable, "-m", "target_service", "--model", str(target), "--port",
-                             addr.split(":")[1], "--threads", "1", "--tensor-parallel-size", "2"], cwd=ROOT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=log.open("w"), stderr=subprocess.STDOUT)
+def test_a_dead_rank_turns_the_service_not_serving_and_sigterm_leaves_nothing(tp_stack):
+    """(The module's stack, after the tests above: it is of no use after this one.)"""
+    addr, proc, log = tp_stack.target_addr, tp_stack.procs["target"], tp_stack.logs["target"]
     try:
-        wait_serving(addr, 120, {"target": proc}, {"target": log})
         worker = int(re.search(r"worker pids \[(\d+)\]", log.read_text()).group(1))
         assert worker in descendants(proc.pid) or alive(worker)
         os.kill(worker, signal.SIGKILL)
