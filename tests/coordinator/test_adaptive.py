@@ -135,6 +135,27 @@ def test_probes_after_rounds_without_drafting():
     assert picks[-1] == 1 and not any(picks[:-1])
 
 
+def test_requests_in_flight_share_their_probes():
+    """Under load the requests' acceptance is shared (CostModel.alpha): one request's probe or
+    drafted round keeps it current for all, so 8 requests at K = 0 probe about as often together as
+    one alone, not 8 times as often (each probe's draft call costs its session a target pass)."""
+    def probes(requests: int, rounds: int = 200) -> int:
+        costs = CostModel(TARGET, DRAFT, alpha=0.0)
+        costs.in_flight = requests
+        policies = [AdaptiveK(costs, k_max=4) for _ in range(requests)]
+        count = 0
+        for _ in range(rounds):
+            for policy in policies:
+                k = policy.choose(100)
+                count += k > 0
+                policy.observe(Round([], k, 0, Cost(), Cost(batch_size=requests), asked=k), 10.0)
+        return count
+
+    alone = probes(1)
+    assert alone == 5  # at rounds 8, 24, 56, 120 and 184
+    assert 1 <= probes(8) <= 2 * alone  # each of 8 on its own: 8 x 5
+
+
 def test_cost_model_scales_to_measured_passes():
     costs = CostModel(TARGET, DRAFT)
     predicted = TARGET(10, 2)
