@@ -35,6 +35,7 @@ from speculative.protocol import PassCost
 from speculative.round import Round
 
 EMA = 0.1  # weight of a new observation in the running scales
+STEPS_EMA = 0.01  # ... in the slower one decode steps read (CostModel.decode_steps)
 ALPHA_EMA = 0.02  # ... in the coordinator-wide acceptance, once it has seen enough rounds
 ALPHA_PRIOR_ROUNDS = 4  # the starting acceptance counts as this many drafted rounds
 DEFAULT_ALPHA = 0.6  # the acceptance assumed of a draft whose own (ModelInfo.acceptance_prior) is not known
@@ -57,6 +58,7 @@ class CostModel:
         self.target, self.draft = target, draft
         self.shared_cpus = shared_cpus  # the draft and the target compute on the same cores (peers.share_cpus)
         self.target_scale = 1.0  # measured / calibrated pass time: contention, other hardware states
+        self.steps_scale = 1.0  # the same, averaged over ~100 rounds: what decode_steps reads
         self.draft_scale = 1.0   # the same for the draft (reported; see round_cost)
         self.overhead_ms = overhead_ms  # per peer call, outside both services (wire, coordinator)
         self.alpha = alpha  # acceptance over all recent rounds: the prior of a new request
@@ -79,6 +81,7 @@ class CostModel:
             predicted = self.target(t.batch_tokens, t.batch_size)
             if predicted > 0:
                 self.target_scale += EMA * (t.pass_ms / predicted - self.target_scale)
+                self.steps_scale += STEPS_EMA * (t.pass_ms / predicted - self.steps_scale)
         if r.proposed and d.pass_ms > 0 and d.batch_size > 0:
             steps = max(1.0, d.batch_tokens / d.batch_size)
             predicted = steps * self.draft(d.batch_size, d.batch_size)
@@ -100,13 +103,18 @@ class CostModel:
 
     def decode_steps(self, most: int) -> int:
         """Tokens a round that drafts nothing asks for: as many target passes of one session (a
-        token, as passes run now) as DECODE_CHUNK_MS holds, 1 to `most`. Adaptive K and a fixed
-        K = 0 ask alike. Not passes of the batch the request's passes hold under load: fewer tokens a
+        token, as passes have run over the last ~100 rounds: `steps_scale`) as DECODE_CHUNK_MS
+        holds, 1 to `most`. Adaptive K and a fixed K = 0 ask alike. Not as passes ran in the last
+        few rounds (`target_scale`): under load those jump from round to round, the requests'
+        steps then differ, and requests whose calls end at different steps fall out of step (the
+        target decodes on only while no other call waits) and split its batches (the EAGLE head,
+        int4 target, 8 streams, two stacks each in turn: 4.09 tokens a call and batches of 6.23
+        sessions against 3.54 and 6.00). Not passes of the batch the request's passes hold under load: fewer tokens a
         call are more round trips, each of which the session spends out of the target's batches
         (the EAGLE head, int4 target, 2 Zen 3 cores, 8 streams, 5 alternating runs: spec at K ~ 0
         183-205 tokens/s, median 197.5, against 157-186, median 180.6, priced at the batch's pass:
         2-3 tokens a call where no spec asked 4-5)."""
-        pass_ms = self.target_scale * self.target(1, 1)
+        pass_ms = self.steps_scale * self.target(1, 1)
         return max(1, min(most, int(DECODE_CHUNK_MS // max(pass_ms, 1.0))))
 
     def round_cost(self, k: int, batch: float, draft_batch: float, pipelined: bool = False, steps: int = 1) -> float:
