@@ -306,7 +306,8 @@ def test_grpc_without_the_key_is_unauthenticated_but_health_is_open(api, stub):
     with grpc.insecure_channel(api.addr) as channel:
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
-    assert len(stub.Generate(request, metadata=BEARER, timeout=30).token_ids) == 4
+    reply = stub.Generate(request, metadata=BEARER, timeout=30)  # (sampled, unseeded: it may draw the EOS early)
+    assert len(reply.token_ids) == 4 or (reply.token_ids and reply.finish_reason == pb.FINISH_REASON_EOS), reply
 
 
 # ------------------------------------------------------------------ hanging up
