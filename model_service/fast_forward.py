@@ -87,6 +87,7 @@ class FastForward:
         # (oneDNN's packed weights, MKL's x @ w for one row where faster); "auto" (pack) picks specdec's;
         # "none" elsewhere (CUDA, half precision: torch's products)
         self.float_kernel = float_kernel
+        self.float_kernel_asked = float_kernel  # (pack resolves float_kernel; a move to a GPU packs again)
         # with specdec's kernel, a pass's layers (one sequence or several) run in its C++ loop
         # (q4_kernel: q4_layers) rather than TorchScript's; off: TorchScript's loop over the same
         # products (A/B, tests)
@@ -163,8 +164,8 @@ class FastForward:
             return
         cpu = self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
         if not cpu:  # (CUDA, half precision): torch's own products, nothing packed
-            if self.float_kernel in ("specdec", "onednn"):
-                raise ValueError(f"float_kernel {self.float_kernel} runs float32 weights on CPU; these are "
+            if self.float_kernel_asked in ("specdec", "onednn"):
+                raise ValueError(f"float_kernel {self.float_kernel_asked} runs float32 weights on CPU; these are "
                                  f"{str(self.embed.dtype).removeprefix('torch.')} on {self.embed.device.type}")
             self.float_kernel = "none"
         if cpu and self.float_kernel in ("auto", "specdec"):

@@ -139,6 +139,14 @@ def test_a_float_kernel_names_only_what_runs(tmp_path, tokenizer):
     for kernel in ("specdec", "onednn"):
         with pytest.raises(ValueError, match=f"float_kernel {kernel} runs float32 weights on CPU; these are bfloat16"):
             ModelRunner(model_dir, "cpu", dtype="bfloat16", float_kernel=kernel)
+    # built on CPU in float32 (auto picks a kernel there), its weights then no longer CPU float32 (a
+    # tensor-parallel rank's shard moves to its GPU so, FastForward.to): packed again, the kernel auto
+    # picked is not taken for one asked for
+    fast = ModelRunner(model_dir, "cpu").fast
+    assert fast.float_kernel in ("specdec", "onednn")
+    fast.model.to(torch.bfloat16)  # (in place: fast.embed follows, as it follows a move to a GPU)
+    fast.pack()
+    assert fast.embed.dtype == torch.bfloat16 and fast.float_kernel == "none"
 
 
 # longrope picks its frequencies from the longest position of the rotary module's call: a short
