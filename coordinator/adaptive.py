@@ -109,8 +109,9 @@ class CostModel:
         steps then differ, and requests whose calls end at different steps fall out of step (the
         target decodes on only while no other call waits) and split its batches (the EAGLE head,
         int4 target, 8 streams, two stacks each in turn: 4.09 tokens a call and batches of 6.23
-        sessions against 3.54 and 6.00). Not passes of the batch the request's passes hold under load: fewer tokens a
-        call are more round trips, each of which the session spends out of the target's batches
+        sessions against 3.54 and 6.00). Not passes of the batch the request's passes hold under
+        load: fewer tokens a call are more round trips, each of which the session spends out of
+        the target's batches
         (the EAGLE head, int4 target, 2 Zen 3 cores, 8 streams, 5 alternating runs: spec at K ~ 0
         183-205 tokens/s, median 197.5, against 157-186, median 180.6, priced at the batch's pass:
         2-3 tokens a call where no spec asked 4-5)."""
@@ -240,23 +241,21 @@ class AdaptiveK:
                    / self.costs.round_cost(k, batch, self.draft_batch, pipelined, steps))
         if best == 0 and top > 0:
             self.idle += 1
-            if self.idle >= self.wait and pipelined \
-                    and self.costs.rounds - self.costs.drafted_at < self.wait * self.costs.in_flight:
-                # another request drafted within as many of the coordinator's rounds as this one's wait
-                # is of its own: the acceptance they share is current, so this one does not probe.
-                # Under load a probe's draft call comes back after the target's next pass has started
-                # and costs its session that pass: every request probing on its own, the coordinator
-                # probed in_flight times as often as one request alone (EAGLE head, 2 cores, 8
-                # streams at K ~ 0: spec 0.94x no spec, batches of 6.8 sessions against 7.25); and
-                # its own next look comes later, as after a probe of its own that changed nothing
+            if self.idle >= self.wait:
+                # a probe round costs a multi-row verify and a draft call (SmolLM2 fp32: ~1.5x a
+                # plain step): where probes keep finding the draft not worth it, probe less often.
+                # Not where another request drafted within as many of the coordinator's rounds as this
+                # one's wait is of its own: the acceptance they share is current. Under load a probe's
+                # draft call comes back after the target's next pass has started and costs its session
+                # that pass: every request probing on its own, the coordinator probed in_flight times
+                # as often as one request alone (EAGLE head, 2 cores, 8 streams at K ~ 0: spec 0.94x
+                # no spec, batches of 6.8 sessions against 7.25)
+                shared = pipelined and self.costs.rounds - self.costs.drafted_at < self.wait * self.costs.in_flight
                 self.idle = 0
                 self.wait = min(2 * self.wait, self.PROBE_MAX)
-            elif self.idle >= self.wait:
-                # a probe round costs a multi-row verify and a draft call (SmolLM2 fp32: ~1.5x a
-                # plain step): where probes keep finding the draft not worth it, probe less often
-                self.idle, best = 0, 1
-                self.wait = min(2 * self.wait, self.PROBE_MAX)
-                self.costs.drafted_at = self.costs.rounds
+                if not shared:
+                    best = 1
+                    self.costs.drafted_at = self.costs.rounds
         else:
             self.idle = 0
             if best > 0:
