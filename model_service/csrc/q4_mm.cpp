@@ -648,6 +648,178 @@ void attend(const float* q, const float* keys, const float* values, int64_t stri
   for (int64_t j = 0; j < seen; ++j) axpy(scores[j] * inv, values + j * stride, out, hd);
 }
 
+#if !defined(Q4_AVX512)  // (the AVX-512 path attends one (row, head) at a time: attend_head)
+// One query of attend_shared: hd floats of q and of out, and how many keys it sees (0 .. seen - 1)
+struct Query {
+  const float* q;
+  float* out;
+  int64_t seen;
+};
+
+// One kv head of a sequence's cache: its keys and values, positions `stride` floats apart
+struct KvHead {
+  const float* keys;
+  const float* values;
+  int64_t stride;
+};
+
+#if defined(Q4_AVX2)
+// lane k = hsum8(a[k]), by the same additions in the same order, eight vectors at once
+inline __m256 hsum8x8(const __m256* a) {
+  __m256 f[4];  // f[k]: lanes 0-3 a[k]'s low half + high half, lanes 4-7 a[k + 4]'s
+  for (int k = 0; k < 4; ++k)
+    f[k] = _mm256_add_ps(_mm256_permute2f128_ps(a[k], a[k + 4], 0x20), _mm256_permute2f128_ps(a[k], a[k + 4], 0x31));
+  // per 128-bit lane: [y0 + y2 of f[0], of f[1], y1 + y3 of f[0], of f[1]]
+  const __m256 w01 = _mm256_add_ps(_mm256_unpacklo_ps(f[0], f[1]), _mm256_unpackhi_ps(f[0], f[1]));
+  const __m256 w23 = _mm256_add_ps(_mm256_unpacklo_ps(f[2], f[3]), _mm256_unpackhi_ps(f[2], f[3]));
+  const __m256d a01 = _mm256_castps_pd(w01), a23 = _mm256_castps_pd(w23);
+  return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a01, a23)), _mm256_castpd_ps(_mm256_unpackhi_pd(a01, a23)));
+}
+
+// lane k = dot(q, keys + k * stride, 8 NC): eight keys' products at once, each key's sum dot's
+template <int NC>
+inline __m256 dots8(const float* q, const float* keys, int64_t stride) {
+  __m256 a[8];
+  for (int k = 0; k < 8; ++k) a[k] = _mm256_setzero_ps();
+  for (int c = 0; c < NC; ++c) {
+    const __m256 qc = _mm256_loadu_ps(q + 8 * c);
+    for (int k = 0; k < 8; ++k) a[k] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(keys + k * stride + 8 * c), a[k]);
+  }
+  return hsum8x8(a);
+}
+
+// out += p[j] * inv * v_j for keys j0 .. j1 - 1 in order: axpy's operations, the output held in registers
+template <int NC>
+inline void accumulate(const float* p, float inv, const float* values, int64_t stride, int64_t j0, int64_t j1,
+                       float* out) {
+  __m256 acc[NC];
+  for (int c = 0; c < NC; ++c) acc[c] = _mm256_loadu_ps(out + 8 * c);
+  for (int64_t j = j0; j < j1; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j] * inv);
+    const float* v = values + j * stride;
+    for (int c = 0; c < NC; ++c) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * c), acc[c]);
+  }
+  for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
+}
+#endif
+
+// n queries that read one kv head (rows of one sequence, each with the q heads of the head's group),
+// each given the result attend's generic path gives it alone, bit for bit: scores by dot, exp_sum,
+// then axpy in key order. The keys and values are read a block at a time for all of them (one
+// (row, head) at a time read them once per q head and per row), and on AVX2 with head_dim 64 or 128
+// eight keys are scored at once (their sums transposed: hsum8x8) and the output is summed in
+// registers instead of read and written once per key (a store-to-load chain): SmolLM2's int4 pass
+// on 1,024 cached tokens had spent ~2 ms a row in attention (docs/performance.md). A query's
+// operations are the same whatever it is batched with, so a row's result does not depend on the
+// rows, heads or threads it shares a task with. scores: n x width floats, width >= every seen.
+void attend_shared(const Query* qs, int64_t n, const KvHead& kv, int64_t hd, float scale, float* scores,
+                   int64_t width) {
+  const int64_t block = std::max<int64_t>(8, 4096 / hd);  // keys a block: 16 kB of them, in L1 for every query
+  int64_t most = 0;
+  for (int64_t i = 0; i < n; ++i) most = std::max(most, qs[i].seen);
+  std::vector<float> inv(n);
+  for (int64_t j0 = 0; j0 < most; j0 += block) {
+    const int64_t j1 = std::min(most, j0 + block);
+    for (int64_t i = 0; i < n; ++i) {
+      float* s = scores + i * width;
+      const int64_t end = std::min(j1, qs[i].seen);
+      int64_t j = j0;
+#if defined(Q4_AVX2)
+      const __m256 sv = _mm256_set1_ps(scale);
+      for (; j + 8 <= end && (hd == 64 || hd == 128); j += 8) {
+        const float* k = kv.keys + j * kv.stride;
+        const __m256 d = hd == 64 ? dots8<8>(qs[i].q, k, kv.stride) : dots8<16>(qs[i].q, k, kv.stride);
+        _mm256_storeu_ps(s + j, _mm256_mul_ps(d, sv));
+      }
+#endif
+      for (; j < end; ++j) s[j] = dot(qs[i].q, kv.keys + j * kv.stride, hd) * scale;
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    float* s = scores + i * width;
+    float top = -INFINITY;
+    for (int64_t j = 0; j < qs[i].seen; ++j) top = std::max(top, s[j]);
+    inv[i] = 1.f / exp_sum(s, qs[i].seen, top);
+    std::fill(qs[i].out, qs[i].out + hd, 0.f);
+  }
+  for (int64_t j0 = 0; j0 < most; j0 += block) {
+    const int64_t j1 = std::min(most, j0 + block);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* s = scores + i * width;
+      const int64_t end = std::min(j1, qs[i].seen);
+      if (end <= j0) continue;
+#if defined(Q4_AVX2)
+      if (hd == 64) {
+        accumulate<8>(s, inv[i], kv.values, kv.stride, j0, end, qs[i].out);
+        continue;
+      }
+      if (hd == 128) {
+        accumulate<16>(s, inv[i], kv.values, kv.stride, j0, end, qs[i].out);
+        continue;
+      }
+#endif
+      for (int64_t j = j0; j < end; ++j) axpy(s[j] * inv[i], kv.values + j * kv.stride, qs[i].out, hd);
+    }
+  }
+}
+
+// Causal attention of a pass's rows through attend_shared: output row r is q row rows[r] (its
+// sequence seq[t], position pos[t]: it sees keys 0 .. pos[t]), its H heads' results into att row r.
+// A task is one (sequence, kv head) and its queries (the sequence's rows x the group's heads), split
+// into parts only so that every thread has work and a part's scores stay small (each part reads the
+// keys again); threads split the tasks where their scores hold >= ~128 k multiply-adds.
+template <class Heads>  // Heads(s, g) -> KvHead: sequence s's kv head g
+void attend_rows(const float* qkv, int64_t qkv_n, float* att, int64_t qdim, const std::vector<int64_t>& rows,
+                 const std::vector<int64_t>& seq, const std::vector<int64_t>& pos, int64_t S, int64_t H, int64_t Hkv,
+                 int64_t hd, float scale, const Heads& heads) {
+  const int64_t group = H / Hkv, R = static_cast<int64_t>(rows.size());
+  std::vector<std::vector<int64_t>> of(S);  // each sequence's output rows
+  for (int64_t r = 0; r < R; ++r) of[seq[rows[r]]].push_back(r);
+  int64_t live = 0, width = 0;
+  for (int64_t s = 0; s < S; ++s) live += !of[s].empty();
+  for (int64_t r = 0; r < R; ++r) width = std::max(width, pos[rows[r]] + 1);
+  if (live == 0) return;
+  struct Task {
+    int64_t s, g, first, n;
+  };
+  std::vector<Query> queries;
+  std::vector<Task> tasks;
+  queries.reserve(R * H);
+  const int64_t threads = at::get_num_threads();
+  const int64_t most_queries = std::max<int64_t>(1, std::min<int64_t>(64, (int64_t(1) << 16) / width));
+  int64_t work = 0, largest = 1;
+  for (int64_t s = 0; s < S; ++s) {
+    if (of[s].empty()) continue;
+    const int64_t n = static_cast<int64_t>(of[s].size()) * group;
+    const int64_t spread = (2 * threads + live * Hkv - 1) / (live * Hkv);  // ~2 tasks a thread
+    const int64_t parts = std::min(n, std::max(spread, (n + most_queries - 1) / most_queries));
+    for (int64_t g = 0; g < Hkv; ++g) {
+      const int64_t first = static_cast<int64_t>(queries.size());
+      for (const int64_t r : of[s]) {
+        const int64_t t = rows[r];
+        for (int64_t head = g * group; head < (g + 1) * group; ++head) {
+          queries.push_back({qkv + t * qkv_n + head * hd, att + r * qdim + head * hd, pos[t] + 1});
+          work += (pos[t] + 1) * hd;
+        }
+      }
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t begin = first + n * p / parts, end = first + n * (p + 1) / parts;
+        tasks.push_back({s, g, begin, end - begin});
+        largest = std::max(largest, end - begin);
+      }
+    }
+  }
+  const int64_t count = static_cast<int64_t>(tasks.size());
+  at::parallel_for(0, count, work < (int64_t(1) << 17) ? count : 1, [&](int64_t k0, int64_t k1) {
+    std::vector<float> scores(largest * width);
+    for (int64_t k = k0; k < k1; ++k) {
+      const Task& task = tasks[k];
+      attend_shared(queries.data() + task.first, task.n, heads(task.s, task.g), hd, scale, scores.data(), width);
+    }
+  });
+}
+#endif
+
 // RoPE on the first `heads` heads of one row of q/k/v (x cos + rotate_half(x) sin; cos, sin [hd])
 inline void rope_row(float* row, const float* c, const float* sn, int64_t heads, int64_t hd) {
   const int64_t rot = hd / 2;
@@ -727,6 +899,10 @@ at::Tensor layers_loop(const at::Tensor& x_in, const at::Tensor& cos_in, const a
     if (pos[r] >= starts[s] + lengths[s] - keeps[s]) kept.push_back(r);
   }
   const bool narrows = static_cast<int64_t>(kept.size()) < T;
+#if !defined(Q4_AVX512)
+  std::vector<int64_t> all_rows(T);  // every row, as attend_rows takes them (the last layer may keep fewer)
+  for (int64_t r = 0; r < T; ++r) all_rows[r] = r;
+#endif
   const at::Tensor cos = cos_in.reshape({T, hd}).contiguous(), sin = sin_in.reshape({T, hd}).contiguous();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
@@ -778,6 +954,7 @@ at::Tensor layers_loop(const at::Tensor& x_in, const at::Tensor& cos_in, const a
     // causal attention: row t (position pos[t] of its sequence) sees that sequence's keys 0..pos[t];
     // each (row, head) on its own, so the result is the same on any number of threads
     const float scale = static_cast<float>(scaling[i]);
+#if defined(Q4_AVX512)
     const int64_t tasks = rows * H;
     const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / ((longest + 1) * hd));  // >= ~32 k multiply-adds a thread
     at::parallel_for(0, tasks, grain, [&](int64_t k0, int64_t k1) {
@@ -790,6 +967,14 @@ at::Tensor layers_loop(const at::Tensor& x_in, const at::Tensor& cos_in, const a
                scores.data(), att.data() + out_row * qdim + head * hd);
       }
     });
+#else
+    attend_rows(qkv.data(), qkv_n, att.data(), qdim, last ? kept : all_rows, seq, pos, S, H, Hkv, hd, scale,
+                [&](int64_t s, int64_t g) {
+                  const at::Tensor& cache = kv[s];
+                  const float* keys = cache.data_ptr<float>() + i * cache.stride(0) + g * cache.stride(3);
+                  return KvHead{keys, keys + cache.stride(1), cache.stride(4)};
+                });
+#endif
     if (last) x = x.index_select(0, at::tensor(kept, at::kLong));
     xp = x.data_ptr<float>();
     // o, residual
@@ -918,6 +1103,7 @@ std::tuple<at::Tensor, at::Tensor> q4_eagle_step(const at::Tensor& embeds_in, co
     store_kv(row + qdim, row + qdim + kdim, k_cache.data_ptr<float>() + pos[t] * k_cache.stride(1),
              v_cache.data_ptr<float>() + pos[t] * v_cache.stride(1), k_cache.stride(0), Hkv, hd);
   }
+#if defined(Q4_AVX512)
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / ((longest + 1) * hd));
   at::parallel_for(0, T * H, grain, [&](int64_t k0, int64_t k1) {
     std::vector<float> scores(longest);
@@ -929,6 +1115,15 @@ std::tuple<at::Tensor, at::Tensor> q4_eagle_step(const at::Tensor& embeds_in, co
              scores.data(), att.data() + t * qdim + head * hd);
     }
   });
+#else
+  std::vector<int64_t> all_rows(T);
+  for (int64_t r = 0; r < T; ++r) all_rows[r] = r;
+  attend_rows(qkv.data(), qkv_n, att.data(), qdim, all_rows, seq, pos, S, H, Hkv, hd, scale, [&](int64_t s, int64_t g) {
+    const at::Tensor &k_cache = keys[s], &v_cache = values[s];
+    return KvHead{k_cache.data_ptr<float>() + g * k_cache.stride(0), v_cache.data_ptr<float>() + g * v_cache.stride(0),
+                  k_cache.stride(1)};
+  });
+#endif
   matmul(weights[1], att.data(), T, qdim, D, y.data());
   for (int64_t j = 0; j < T * D; ++j) op[j] += y[j];
   rms_norm(op, w_norm[2].data_ptr<float>(), normed.data(), T, D, eps);

@@ -187,8 +187,9 @@ def test_the_c_layer_loop_computes_what_the_torchscript_loop_does(tmp_path, arch
     int8 activations a last-bit difference can flip a rounding that later layers carry: scaling
     the embedding by 1 + 1e-6 moves TorchScript's own logits by ~2% (relative L2) on this model.
     So: within 8% of each other, where a wrong step (a dropped bias, a wrong head) is off by
-    ~100%, and the same greedy token in all but at most one of the 9 rows. The prompt's 37 positions
-    give the 16-key attention blocks a tail."""
+    ~100%, and the same greedy token in all but at most one of the 9 rows. The prompt's 101 positions
+    span two of the attention's key blocks (64 keys at head_dim 64, 32 at 128) and give its 8- and
+    16-key steps a tail."""
     from transformers import AutoModelForCausalLM
 
     from model_service.model_runner import ModelRunner
@@ -207,7 +208,7 @@ def test_the_c_layer_loop_computes_what_the_torchscript_loop_does(tmp_path, arch
     loaded.save_pretrained(model)
     fast = ModelRunner(model, "cpu", quantize="int4", int4_kernel="specdec").fast
     assert fast._runs_q4_layers()
-    feeds = [(list(range(3, 40)), 2), ([41], 1), ([42], 1), ([43, 44, 45, 46], 4), ([50], 1)]
+    feeds = [(list(range(3, 104)), 2), ([141], 1), ([142], 1), ([143, 144, 145, 146], 4), ([150], 1)]
     logits = {}
     for fused in (True, False):
         fast.fused_layers = fused
@@ -275,7 +276,7 @@ def test_the_c_layer_loop_runs_several_sequences_each_as_alone(tmp_path, pooled,
     fast = _c_loop_model(tmp_path, weights)
     if not pooled:
         fast.pool_capacity = 0
-    prompts = [list(range(3, 40)), list(range(50, 61)), list(range(7, 24))]
+    prompts = [list(range(3, 90)), list(range(50, 61)), list(range(7, 24))]  # the first spans two key blocks
     steps = [([41, 42, 43, 44], 4), ([62], 1), ([25, 26, 27, 28, 29], 2)]  # (ids, logits kept)
 
     def run(together: bool) -> list[torch.Tensor]:
@@ -304,9 +305,10 @@ def test_a_verify_pass_scores_each_token_as_a_decode_step_does(tmp_path, weights
     one-token passes do (and the same cache): the target's verify is its own decode, so greedy
     speculation cannot part from the target alone over a near tie. TorchScript's loop, whose
     products and attention change with the rows, need not (it is shown to differ here, so the
-    check can fail)."""
+    check can fail). The prompt's 97 positions put the verified rows in the attention's second block of
+    keys (64 at this head_dim 64), each row seeing a different number of them."""
     fast = _c_loop_model(tmp_path, weights)
-    prompt, verify = list(range(3, 40)), [41, 42, 43, 44, 45]
+    prompt, verify = list(range(3, 100)), [141, 142, 143, 144, 145]
 
     def passes(one_call: bool) -> tuple[torch.Tensor, torch.Tensor]:
         cache = fast.new_cache()
