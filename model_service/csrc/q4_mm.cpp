@@ -14,9 +14,10 @@
 // 64-byte chunk's nibbles are then 16 outputs x 4 inputs, the shape of one vpdpbusd against four
 // activations broadcast: no horizontal sums, no shuffles.
 //
-// Threads: torch's (at::parallel_for over tiles, and over the attention's (row, head) pairs), which
-// split the work only when this file is compiled with OpenMP (model_service/q4_kernel.py builds it
-// so where the compiler can).
+// Threads: torch's (at::parallel_for over tiles, and over the attention's tasks: (row, head) pairs on
+// AVX-512, elsewhere a sequence's kv head with the rows and heads that read it), which split the work
+// only when this file is compiled with OpenMP (model_service/q4_kernel.py builds it so where the
+// compiler can).
 //
 // Paths, chosen when compiled (-march=native, for the machine that builds it): AVX-512 VNNI, AVX2 +
 // FMA + F16C (vpmaddubsw + vpmaddwd for vpdpbusd), plain C++.
