@@ -80,8 +80,9 @@ class CostModel:
         if t.pass_ms > 0 and t.batch_tokens > 0:
             predicted = self.target(t.batch_tokens, t.batch_size)
             if predicted > 0:
-                self.target_scale += EMA * (t.pass_ms / predicted - self.target_scale)
-                self.steps_scale += STEPS_EMA * (t.pass_ms / predicted - self.steps_scale)
+                ratio = t.pass_ms / predicted
+                self.target_scale += EMA * (ratio - self.target_scale)
+                self.steps_scale += STEPS_EMA * (ratio - self.steps_scale)
         if r.proposed and d.pass_ms > 0 and d.batch_size > 0:
             steps = max(1.0, d.batch_tokens / d.batch_size)
             predicted = steps * self.draft(d.batch_size, d.batch_size)

@@ -631,14 +631,11 @@ void attend_head(const float* q, const float* keys, const float* values, int64_t
   }
   for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_add_ps(even[c], odd[c]));
 }
-#endif
 
 void attend(const float* q, const float* keys, const float* values, int64_t stride, int64_t seen, int64_t hd,
             float scale, float* scores, float* out) {
-#if defined(Q4_AVX512)
   if (hd == 64) return attend_head<4>(q, keys, values, stride, seen, scale, scores, out);
   if (hd == 128) return attend_head<8>(q, keys, values, stride, seen, scale, scores, out);
-#endif
   float top = -INFINITY;
   for (int64_t j = 0; j < seen; ++j) {
     scores[j] = dot(q, keys + j * stride, hd) * scale;
@@ -648,8 +645,7 @@ void attend(const float* q, const float* keys, const float* values, int64_t stri
   std::fill(out, out + hd, 0.f);
   for (int64_t j = 0; j < seen; ++j) axpy(scores[j] * inv, values + j * stride, out, hd);
 }
-
-#if !defined(Q4_AVX512)  // (the AVX-512 path attends one (row, head) at a time: attend_head)
+#else  // AVX2 and plain C++: a sequence's kv head with every row and head that reads it (attend_rows)
 // One query of attend_shared: hd floats of q and of out, and how many keys it sees (0 .. seen - 1)
 struct Query {
   const float* q;
@@ -705,8 +701,8 @@ inline void accumulate(const float* p, float inv, const float* values, int64_t s
 #endif
 
 // n queries that read one kv head (rows of one sequence, each with the q heads of the head's group),
-// each given the result attend's generic path gives it alone, bit for bit: scores by dot, exp_sum,
-// then axpy in key order. The keys and values are read a block at a time for all of them (one
+// each given the operations it had when attended alone, bit for bit: scores by dot, exp_sum, then
+// axpy in key order. The keys and values are read a block at a time for all of them (one
 // (row, head) at a time read them once per q head and per row), and on AVX2 with head_dim 64 or 128
 // eight keys are scored at once (their sums transposed: hsum8x8) and the output is summed in
 // registers instead of read and written once per key (a store-to-load chain): SmolLM2's int4 pass
@@ -908,10 +904,13 @@ at::Tensor layers_loop(const at::Tensor& x_in, const at::Tensor& cos_in, const a
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const float eps = static_cast<float>(eps_in);
-  const int64_t qdim = H * hd, kdim = Hkv * hd, qkv_n = qdim + 2 * kdim, group = H / Hkv;
+  const int64_t qdim = H * hd, kdim = Hkv * hd, qkv_n = qdim + 2 * kdim;
   at::Tensor x = x_in.contiguous().clone();
+#if defined(Q4_AVX512)
+  const int64_t group = H / Hkv;
   int64_t longest = 0;  // the most keys a row sees
   for (int64_t s = 0; s < S; ++s) longest = std::max(longest, starts[s] + lengths[s]);
+#endif
   const int64_t widest = half.empty() ? 0 : *std::max_element(half.begin(), half.end());  // MLP buffers, made once for every layer
   std::vector<float> h(T * D), qkv(T * qkv_n), att(T * qdim), y(T * D), gu(T * 2 * widest), hidden(T * widest);
   const int64_t C = static_cast<int64_t>(capture.size());
@@ -1071,8 +1070,7 @@ std::tuple<at::Tensor, at::Tensor> q4_eagle_step(const at::Tensor& embeds_in, co
   TORCH_CHECK(row == T, "q4_eagle_step: the sequences' lengths sum to ", row, ", there are ", T, " rows");
   for (const at::Tensor& w : norms) TORCH_CHECK(w.scalar_type() == at::kFloat && w.numel() == D,
                                                 "q4_eagle_step: norms must be float32 [", D, "]");
-  const int64_t qdim = H * hd, kdim = Hkv * hd, qkv_n = qdim + 2 * kdim, group = H / Hkv,
-                ff = outs[2] / 2, V = outs[4];
+  const int64_t qdim = H * hd, kdim = Hkv * hd, qkv_n = qdim + 2 * kdim, ff = outs[2] / 2, V = outs[4];
   TORCH_CHECK(outs[0] == qkv_n && outs[1] == D && outs[2] % 2 == 0 && outs[3] == D,
               "q4_eagle_step: outs must be q/k/v ", qkv_n, ", o ", D, ", gate/up 2 F, down ", D);
   check_weights(weights[0], 2 * D, qkv_n);
@@ -1105,6 +1103,7 @@ std::tuple<at::Tensor, at::Tensor> q4_eagle_step(const at::Tensor& embeds_in, co
              v_cache.data_ptr<float>() + pos[t] * v_cache.stride(1), k_cache.stride(0), Hkv, hd);
   }
 #if defined(Q4_AVX512)
+  const int64_t group = H / Hkv;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / ((longest + 1) * hd));
   at::parallel_for(0, T * H, grain, [&](int64_t k0, int64_t k1) {
     std::vector<float> scores(longest);
