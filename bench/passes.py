@@ -6,8 +6,9 @@
 Speculation pays only where verifying K + 1 tokens costs little more than decoding one. For each
 weight format of the real target (float32 through specdec's panels and through oneDNN's packed
 weights; int4 through specdec's kernel and through torch's) this times one pass of `tokens` new
-tokens per session over `sessions` sessions, each on --context cached tokens (median of --reps after two warm-up passes, the target service's own code:
-ModelRunner.forward_many), and prints beside it:
+tokens per session over `sessions` sessions, each on --context cached tokens (median of --reps after two
+warm-up passes, the target service's own code: ModelRunner.forward_many; the token counts' passes taken
+in turn, so that a drift in the machine's speed moves them alike), and prints beside it:
 
   x 1 token   the pass against the same sessions' one-token pass (the bars of cheap verification:
               int4 five tokens <= 1.3x, nine <= 1.6x; float32 five <= 1.2x)
@@ -30,7 +31,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.systems import machine, memory_bandwidth_gbs  # noqa: E402
-from bench.verify_latency import time_passes  # noqa: E402
+from bench.verify_latency import time_passes_side_by_side  # noqa: E402
 from model_service import q4_kernel  # noqa: E402
 from model_service.model_runner import ModelRunner  # noqa: E402
 
@@ -75,8 +76,9 @@ def main(argv=None) -> None:
         floor = runner.fast.weight_bytes() / (bandwidth * 1e9) * 1e3
         for s in sessions:
             one = None
+            times = time_passes_side_by_side(runner, s, [t - 1 for t in tokens], args.context, args.reps)
             for t in tokens:
-                ms = time_passes(runner, s, t - 1, args.context, args.reps)
+                ms = times[t - 1]
                 one = ms if t == 1 else one
                 ratio = ms / one if one else None
                 report["rows"].append({"weights": name, "sessions": s, "tokens": t, "ms": ms, "x_one_token": ratio,

@@ -39,26 +39,37 @@ def build(args, out: Path) -> Path:
 
 def time_passes(runner: ModelRunner, batch: int, k: int, context: int, reps: int) -> float:
     """Median ms of one pass over `batch` sessions of k + 1 new tokens each, on `context` cached tokens."""
+    return time_passes_side_by_side(runner, batch, [k], context, reps)[k]
+
+
+def time_passes_side_by_side(runner: ModelRunner, batch: int, ks: list[int], context: int, reps: int) -> dict[int, float]:
+    """time_passes for each k of `ks`, their passes taken in turn (one of each k a rep, after two
+    warm-up rounds): a machine whose speed drifts (a shared VM's can move 10-40% within a minute)
+    slows every k's passes alike, so their ratios hold where medians taken one k after another do not."""
     vocab = runner.vocab_size
-    sessions = [runner.start_session(f"b{batch}-k{k}-{i}", i) for i in range(batch)]
-    for i, session in enumerate(sessions):
-        session.tokens = [(31 * i + j) % vocab for j in range(context)]
-    runner.forward_many([(s, 1) for s in sessions])  # prefill
-    samples = []
+    sessions = {}
+    for k in ks:
+        sessions[k] = [runner.start_session(f"b{batch}-k{k}-{i}", i) for i in range(batch)]
+        for i, session in enumerate(sessions[k]):
+            session.tokens = [(31 * i + j) % vocab for j in range(context)]
+        runner.forward_many([(s, 1) for s in sessions[k]])  # prefill
+    samples = {k: [] for k in ks}
     for rep in range(reps + 2):
-        for session in sessions:
-            session.tokens.extend([(rep + j) % vocab for j in range(k + 1)])
-        synchronize(runner.device)
-        start = time.perf_counter()
-        runner.forward_many([(s, k + 1) for s in sessions])
-        synchronize(runner.device)
-        if rep >= 2:  # warm-up passes dropped
-            samples.append((time.perf_counter() - start) * 1e3)
-        for session in sessions:
-            session.truncate(context)
-    for session in sessions:
-        runner.sessions.release(session.id)
-    return statistics.median(samples)
+        for k in ks:
+            for session in sessions[k]:
+                session.tokens.extend([(rep + j) % vocab for j in range(k + 1)])
+            synchronize(runner.device)
+            start = time.perf_counter()
+            runner.forward_many([(s, k + 1) for s in sessions[k]])
+            synchronize(runner.device)
+            if rep >= 2:  # warm-up passes dropped
+                samples[k].append((time.perf_counter() - start) * 1e3)
+            for session in sessions[k]:
+                session.truncate(context)
+    for k in ks:
+        for session in sessions[k]:
+            runner.sessions.release(session.id)
+    return {k: statistics.median(samples[k]) for k in ks}
 
 
 def main(argv=None) -> None:
