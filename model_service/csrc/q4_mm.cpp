@@ -82,6 +82,16 @@ constexpr int64_t TILE = 16;          // outputs a tile
 constexpr int64_t BLOCK_BYTES = 320;
   // one block of a tile: d, m (16 float16 each), 4 x 64 bytes of q
 
+#if defined(Q4_AVX2)
+// the sum of v's 8 lanes: (0 + 4) + (2 + 6), plus (1 + 5) + (3 + 7)
+inline float hsum8(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+#endif
+
 // x quantized: a = round(x / s) per block of 32 (int8, in order), s = max|x| / 127 (0 for a block of
 // zeros), and each block's float sum of x (the m term's).
 struct Rows {
@@ -109,6 +119,25 @@ Rows quantize(const float* x, int64_t M, int64_t K) {
       const __m512i q1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(x1, inv), nearest));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(a), _mm512_cvtsepi32_epi8(q0));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(a + 16), _mm512_cvtsepi32_epi8(q1));
+#elif defined(Q4_AVX2)
+      // the AVX-512 path's steps 8 wide (the sum in its own order: a row's, whatever the batch)
+      __m256 v[4];
+      for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
+      const __m256 sign = _mm256_set1_ps(-0.f);
+      const __m256 most = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                        _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+      const float total = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+      const float s = amax / 127.f;
+      const __m256 inv = _mm256_set1_ps(s > 0.f ? 1.f / s : 0.f);
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i)  // half to even, as torch.round; |q| <= 127, so the packs never saturate
+        q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      // packs work within 128-bit lanes: the dwords come out as 0 4 1 5 2 6 3 7 of the wanted order
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a), _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 #else
       float amax = 0.f, total = 0.f;
       for (int j = 0; j < QK; ++j) {
@@ -469,16 +498,6 @@ void matmul(const at::Tensor& w, const float* x, int64_t M, int64_t K, int64_t N
 // down and the residual adds as plain loops between the kernel's products, so a pass makes ~5
 // calls a layer instead of TorchScript's ~40 dispatched ones (each of which cost more than its
 // arithmetic at these sizes).
-
-#if defined(Q4_AVX2)
-// the sum of v's 8 lanes: (0 + 4) + (2 + 6), plus (1 + 5) + (3 + 7)
-inline float hsum8(__m256 v) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
-}
-#endif
 
 inline float dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
