@@ -240,9 +240,9 @@ void tile(const uint8_t* W, const Rows& x, int64_t r0, float* out) {
   // (group<R>): each step's two nibble vectors are loaded once for the group, and each broadcast
   // activation quad meets both halves.
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  alignas(32) __m256i nib[8][2];
-  alignas(32) __m256 dm[4];
-  alignas(32) __m256 acc[MR][2];
+  __m256i nib[8][2];
+  __m256 dm[4];
+  __m256 acc[MR][2];
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   constexpr int groups = (MR + GROUP - 1) / GROUP, first = (MR + groups - 1) / groups, last = MR - (groups - 1) * first;
   for (int64_t b = 0; b < nb; ++b) {
@@ -1009,7 +1009,8 @@ at::Tensor layers_loop(const at::Tensor& x_in, const at::Tensor& cos_in, const a
     const bool last = i == L - 1 && narrows;
     const int64_t rows = last ? static_cast<int64_t>(kept.size()) : T;
     // causal attention: row t (position pos[t] of its sequence) sees that sequence's keys 0..pos[t];
-    // each (row, head) on its own, so the result is the same on any number of threads
+    // each (row, head) given the same operations however the rows, heads and threads are split
+    // (AVX-512: a (row, head) a task; elsewhere attend_rows: a kv head and its queries a task)
     const float scale = static_cast<float>(scaling[i]);
 #if defined(Q4_AVX512)
     const int64_t tasks = rows * H;
