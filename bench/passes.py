@@ -37,7 +37,8 @@ from model_service.model_runner import ModelRunner  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 WEIGHTS = {"float32 specdec": {"float_kernel": "specdec"}, "float32 onednn": {"float_kernel": "onednn"},
-           "int4 specdec": {"quantize": "int4", "int4_kernel": "specdec"},
+           "int4 specdec": {"quantize": "int4", "int4_kernel": "specdec"},  # float16 keys and values (auto)
+           "int4 specdec (float32 KV)": {"quantize": "int4", "int4_kernel": "specdec", "kv_dtype": "float32"},
            "int4 torch": {"quantize": "int4", "int4_kernel": "torch"}}
 
 

@@ -105,6 +105,7 @@ class FastForward:
         self.pack()
         self.pool_capacity = pool_capacity  # 0: every session's cache on its own (no batched attention)
         self.pool: KVPool | None = None  # made by the first new_cache (after to() and sharding)
+        self.kv_dtype: torch.dtype | None = None  # the caches' dtype where not the weights' (set_kv_dtype)
 
     def _rope_table(self, max_context: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """cos and sin of every position, [max_context, head_dim] each, from the HF rotary module
@@ -289,8 +290,25 @@ class FastForward:
             return scripted.mm(x, w, None, packed.weight, packed.scales_and_zeros, packed.group, packed.out, bias)
         return scripted.mm(x, w, packed, None, None, 0, 0, bias, packed_rows)
 
+    def set_kv_dtype(self, dtype: torch.dtype) -> None:
+        """Keep keys and values in `dtype`: the weights' own, or float16 where every pass runs
+        in specdec's C++ layer loop (float32 or int4 weights on a CPU, _runs_q4_layers), the one
+        path that reads a cache of another dtype (each key and value rounded to nearest even as it
+        is stored, read back as float32). Before the first cache."""
+        if self.pool is not None:
+            raise RuntimeError("the KV dtype is set before the first cache")
+        if dtype == self.embed.dtype:
+            self.kv_dtype = None
+            return
+        c_loop = self.scripted and self.reduce is None and self._runs_q4_layers()
+        if dtype != torch.float16 or not c_loop:
+            raise ValueError(f"--kv-dtype {str(dtype).removeprefix('torch.')} needs specdec's C++ layer loop (float32"
+                             " or int4 weights through specdec's kernels, on a CPU, one rank); this forward keeps"
+                             f" {str(self.embed.dtype).removeprefix('torch.')} keys and values")
+        self.kv_dtype = dtype
+
     def new_cache(self) -> KVCache:
-        args = (len(self.layers), self.kv_heads, self.head_dim, self.embed.dtype, self.embed.device)
+        args = (len(self.layers), self.kv_heads, self.head_dim, self.kv_dtype or self.embed.dtype, self.embed.device)
         if self.pool_capacity <= 0:
             return KVCache(*args)
         if self.pool is None:
@@ -371,6 +389,8 @@ class FastForward:
         total = offset
         # specdec's C++ loop does its own attention and row bookkeeping: no slot batch, masks or kept-row index
         c_loop = self.scripted and self.reduce is None and self._runs_q4_layers()
+        if self.kv_dtype is not None and not c_loop:
+            raise RuntimeError("float16 keys and values are read by specdec's C++ layer loop alone (set_kv_dtype)")
         slots = None if c_loop else slot_batch(self.pool, feeds, spans)
         masks = []
         if slots is None and not c_loop:  # query i of a sequence sits at position start+i and sees keys 0..start+i

@@ -124,6 +124,22 @@ def mix_seed(seed: int) -> int:
     return z ^ (z >> 31)
 
 QUANTIZATIONS = ("none", "int4")  # --quantize
+KV_DTYPES = ("auto", "float32", "float16", "bfloat16")  # --kv-dtype
+
+
+def kv_dtype_for(fast: FastForward, name: str) -> torch.dtype:
+    """The KV caches' dtype for --kv-dtype `name`: auto is float16 where int4 weights run through
+    specdec's C++ layer loop (their passes at long contexts read about as many bytes of keys and
+    values as of weights: float16 halves those, ~6-17% off a one-token pass of SmolLM2 at 1-2 k cached
+    tokens on a 2-core AMD EPYC, and the caches' memory; the int4 model with float16 keys and values
+    is another int4 model, no worse: its int8 activations make any last-bit change move its logits
+    ~2-7%), else the weights' dtype (float32 weights keep float32 caches: their greedy output is the
+    checkpoint's, token for token). FastForward.set_kv_dtype refuses what the forward cannot read."""
+    if name != "auto":
+        return DTYPES[name]
+    if fast.int4_kernel == "specdec" and fast._runs_q4_layers():
+        return torch.float16
+    return fast.embed.dtype
 
 class ModelRunner:
     """One model, its tokenizer and the sessions it serves."""
@@ -151,6 +167,7 @@ class ModelRunner:
         int4_kernel: str = "auto",
         float_kernel: str = "auto",
         cuda_graphs: bool = False,
+        kv_dtype: str = "auto",
     ):
         """vocab_subset N > 0 (a draft's only): score only the N most frequent ids of the model
         directory's draft_vocab.json (FastForward.restrict_head); every other id gets probability 0.
@@ -163,7 +180,9 @@ class ModelRunner:
         float_kernel: float32 on CPU through specdec's panels or oneDNN's packed weights (auto, specdec
         or onednn; FastForward.pack); on a GPU or in half precision torch's own (only auto is taken).
         cuda_graphs: on a GPU, one session's passes of up to 17 tokens replay CUDA graphs (cuda_graphs.py),
-        where the forward is the lean float one of one rank."""
+        where the forward is the lean float one of one rank.
+        kv_dtype: the KV caches' dtype (KV_DTYPES): auto keeps them in the weights' dtype, except
+        int4 weights through specdec's kernel, whose keys and values are float16 (kv_dtype_for)."""
         if quantize not in QUANTIZATIONS:
             raise ValueError(f"--quantize must be one of {QUANTIZATIONS}, not {quantize!r}")
         if quantize != "none" and (forward != "auto" or tensor_parallel > 1):
@@ -175,6 +194,8 @@ class ModelRunner:
             raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
         if float_kernel not in ("auto", "specdec", "onednn"):
             raise ValueError(f"--float-kernel must be auto, specdec or onednn, not {float_kernel!r}")
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"--kv-dtype must be one of {KV_DTYPES}, not {kv_dtype!r}")
         if forward not in FORWARDS:
             raise ValueError(f"--forward must be one of {FORWARDS}, not {forward!r}")
         if tensor_parallel < 1:
@@ -215,6 +236,13 @@ class ModelRunner:
             self.quantization = f"int4 (weights in groups of {quant_group}, {kernel}" + (
                 f"; {from_blocks} of {linears} layer linears from the GGUF's Q4_1 blocks as shipped)"
                 if from_blocks else ")")
+        self.kv_dtype = self.dtype
+        if self.fast is not None and self.tp is None:
+            self.kv_dtype = kv_dtype_for(self.fast, kv_dtype)
+            self.fast.set_kv_dtype(self.kv_dtype)
+        elif kv_dtype not in ("auto", dtype):
+            raise ValueError(f"--kv-dtype {kv_dtype} needs the lean forward of one rank; this model keeps {dtype} keys"
+                             " and values")
         if cuda_graphs and self.device.type == "cuda" and self.fast is not None and self.tp is None \
                 and self.quantization == "none" and self.fast.rope_table is not None:
             self.fast.use_graphs()
@@ -223,6 +251,8 @@ class ModelRunner:
                 and self.fast.float_kernel in ("specdec", "onednn"):
             self.forward_kind += (", specdec's float32 panels" if self.fast.float_kernel == "specdec"
                                   else ", oneDNN's packed float32")
+        if self.kv_dtype != self.dtype:
+            self.forward_kind += f", {str(self.kv_dtype).removeprefix('torch.')} keys and values"
         release_checkpoint_maps(self.model)
         gc.collect()
         return_freed_memory()

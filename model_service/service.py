@@ -61,6 +61,12 @@ def add_model_flags(parser: EnvArgumentParser, role: str, model_required: bool =
                              " for this CPU by make setup), oneDNN's packed weights (and MKL's x @ w for one row where"
                              " faster), auto: specdec's where it is built. Elsewhere (a GPU, --dtype bfloat16 or"
                              " float16) torch's own run: auto there, the other two refused")
+    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                        help="the sessions' keys and values: auto keeps them in --dtype, except with --quantize int4"
+                             " through specdec's kernel, where they are float16 (half the bytes a pass reads from a long"
+                             " context and half the memory; that int4 model's own output). float16 under float32 or"
+                             " int4 weights runs where specdec's C++ layer loop does (a CPU, one rank); otherwise only"
+                             " --dtype's own is taken")
     parser.add_argument("--cuda-graphs", default="on", choices=["on", "off"],
                         help="on a GPU, one session's passes of up to 17 tokens (a draft's steps, a target's decode"
                              " steps and verify passes) replay a CUDA graph per cache and pass length instead of"
@@ -202,7 +208,8 @@ def run_model_service(name: str, args: argparse.Namespace, make_servicer: Callab
                                  max_kv_tokens=args.max_kv_tokens, batched_threads=args.batched_threads,
                                  on_forward=servicer.thread.flush, quantize=args.quantize,
                                  quant_group=args.quant_group, int4_kernel=args.int4_kernel,
-                                 float_kernel=args.float_kernel, cuda_graphs=args.cuda_graphs == "on")
+                                 float_kernel=args.float_kernel, cuda_graphs=args.cuda_graphs == "on",
+                                 kv_dtype=args.kv_dtype)
             runner.calibrate()
             if args.batch_wait_ms == "auto":
                 servicer.batcher.wait = auto_wait_ms(runner.pass_cost) / 1e3

@@ -32,6 +32,7 @@
 #include <cstring>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
@@ -56,6 +57,11 @@ const char* const kPath = "avx2";
 #else
 const char* const kPath = "scalar";
 #endif
+// 8-wide float32 vectors with FMA and float16 conversion (F16C): the AVX2 path's, and the AVX-512
+// one's where they serve both (a float16 cache's stores and reads)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define Q4_V8 1
+#endif
 
 // 4 activations (int8) as one int32, and a float16's bits, read without aliasing another type
 inline int32_t load4(const int8_t* p) {
@@ -75,6 +81,21 @@ inline float half_to_float(uint16_t h) {
   return _cvtsh_ss(h);
 #else
   return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+
+// A KV cache's element: float32, or float16's bits (--kv-dtype float16: half the bytes each pass
+// reads at long contexts). A float is stored rounded to nearest even, as torch's .half() rounds.
+using half_bits = uint16_t;
+
+inline float cache_float(float v) { return v; }
+inline float cache_float(half_bits h) { return half_to_float(h); }
+
+inline half_bits float_to_half(float v) {
+#if defined(__F16C__)
+  return _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+#else
+  return c10::detail::fp16_ieee_from_fp32_value(v);
 #endif
 }
 
@@ -702,7 +723,11 @@ void attend(const float* q, const float* keys, const float* values, int64_t stri
   std::fill(out, out + hd, 0.f);
   for (int64_t j = 0; j < seen; ++j) axpy(scores[j] * inv, values + j * stride, out, hd);
 }
-#else  // AVX2 and plain C++: a sequence's kv head with every row and head that reads it (attend_rows)
+#endif
+
+// attend_shared and attend_rows: every build's attention over float16 caches, and the AVX2 and plain
+// C++ builds' over float32 ones (the AVX-512 build's float32 attention is attend's, above).
+
 // One query of attend_shared: hd floats of q and of out, and how many keys it sees (0 .. seen - 1)
 struct Query {
   const float* q;
@@ -710,10 +735,11 @@ struct Query {
   int64_t seen;
 };
 
-// One kv head of a sequence's cache: its keys and values, positions `stride` floats apart
+// One kv head of a sequence's cache: its keys and values (float or half_bits), positions `stride` apart
+template <class C>
 struct KvHead {
-  const float* keys;
-  const float* values;
+  const C* keys;
+  const C* values;
   int64_t stride;
 };
 
@@ -750,12 +776,22 @@ inline void accumulate(const float* p, float inv, const float* values, int64_t s
   for (int c = 0; c < NC; ++c) acc[c] = _mm256_loadu_ps(out + 8 * c);
   for (int64_t j = j0; j < j1; ++j) {
     const __m256 pj = _mm256_set1_ps(p[j] * inv);
-    const float* v = values + j * stride;
+    const float* v = values + (j - j0) * stride;
     for (int c = 0; c < NC; ++c) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * c), acc[c]);
   }
   for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
 }
 #endif
+
+// n float16 values as floats
+inline void to_floats(const half_bits* h, float* out, int64_t n) {
+  int64_t i = 0;
+#if defined(Q4_V8)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+#endif
+  for (; i < n; ++i) out[i] = half_to_float(h[i]);
+}
 
 // n queries that read one kv head (rows of one sequence, each with the q heads of the head's group),
 // each given the operations it had when attended alone, bit for bit: scores by dot, exp_sum, then
@@ -766,14 +802,31 @@ inline void accumulate(const float* p, float inv, const float* values, int64_t s
 // on 1,024 cached tokens had spent ~2 ms a row in attention (docs/performance.md). A query's
 // operations are the same whatever it is batched with, so a row's result does not depend on the
 // rows, heads or threads it shares a task with. scores: n x width floats, width >= every seen.
-void attend_shared(const Query* qs, int64_t n, const KvHead& kv, int64_t hd, float scale, float* scores,
+// A float16 cache's block is converted to floats once for all the queries, which then run the
+// float32 operations on it: the result is float32 attention over the rounded keys and values.
+template <class C>
+void attend_shared(const Query* qs, int64_t n, const KvHead<C>& kv, int64_t hd, float scale, float* scores,
                    int64_t width) {
-  const int64_t block = std::max<int64_t>(8, 4096 / hd);  // keys a block: 16 kB of them, in L1 for every query
+  constexpr bool converts = !std::is_same<C, float>::value;
+  const int64_t block = std::max<int64_t>(8, 4096 / hd);  // keys a block: 16 kB of floats, in L1 for every query
   int64_t most = 0;
   for (int64_t i = 0; i < n; ++i) most = std::max(most, qs[i].seen);
-  std::vector<float> inv(n);
+  std::vector<float> inv(n), buffer(converts ? block * hd : 0);
+  // positions j0 .. j1 - 1 of `base` (the keys or the values) as floats, `stride` apart
+  int64_t stride = kv.stride;
+  const auto floats = [&](const C* base, int64_t j0, int64_t j1) -> const float* {
+    if constexpr (converts) {
+      for (int64_t j = j0; j < j1; ++j) to_floats(base + j * kv.stride, buffer.data() + (j - j0) * hd, hd);
+      stride = hd;
+      return buffer.data();
+    } else {
+      (void)j1;
+      return base + j0 * kv.stride;
+    }
+  };
   for (int64_t j0 = 0; j0 < most; j0 += block) {
     const int64_t j1 = std::min(most, j0 + block);
+    const float* keys = floats(kv.keys, j0, j1);  // key j at keys + (j - j0) * stride
     for (int64_t i = 0; i < n; ++i) {
       float* s = scores + i * width;
       const int64_t end = std::min(j1, qs[i].seen);
@@ -781,12 +834,12 @@ void attend_shared(const Query* qs, int64_t n, const KvHead& kv, int64_t hd, flo
 #if defined(Q4_AVX2)
       const __m256 sv = _mm256_set1_ps(scale);
       for (; j + 8 <= end && (hd == 64 || hd == 128); j += 8) {
-        const float* k = kv.keys + j * kv.stride;
-        const __m256 d = hd == 64 ? dots8<8>(qs[i].q, k, kv.stride) : dots8<16>(qs[i].q, k, kv.stride);
+        const float* k = keys + (j - j0) * stride;
+        const __m256 d = hd == 64 ? dots8<8>(qs[i].q, k, stride) : dots8<16>(qs[i].q, k, stride);
         _mm256_storeu_ps(s + j, _mm256_mul_ps(d, sv));
       }
 #endif
-      for (; j < end; ++j) s[j] = dot(qs[i].q, kv.keys + j * kv.stride, hd) * scale;
+      for (; j < end; ++j) s[j] = dot(qs[i].q, keys + (j - j0) * stride, hd) * scale;
     }
   }
   for (int64_t i = 0; i < n; ++i) {
@@ -798,21 +851,22 @@ void attend_shared(const Query* qs, int64_t n, const KvHead& kv, int64_t hd, flo
   }
   for (int64_t j0 = 0; j0 < most; j0 += block) {
     const int64_t j1 = std::min(most, j0 + block);
+    const float* values = floats(kv.values, j0, j1);  // value j at values + (j - j0) * stride
     for (int64_t i = 0; i < n; ++i) {
       const float* s = scores + i * width;
       const int64_t end = std::min(j1, qs[i].seen);
       if (end <= j0) continue;
 #if defined(Q4_AVX2)
       if (hd == 64) {
-        accumulate<8>(s, inv[i], kv.values, kv.stride, j0, end, qs[i].out);
+        accumulate<8>(s, inv[i], values, stride, j0, end, qs[i].out);
         continue;
       }
       if (hd == 128) {
-        accumulate<16>(s, inv[i], kv.values, kv.stride, j0, end, qs[i].out);
+        accumulate<16>(s, inv[i], values, stride, j0, end, qs[i].out);
         continue;
       }
 #endif
-      for (int64_t j = j0; j < end; ++j) axpy(s[j] * inv[i], kv.values + j * kv.stride, qs[i].out, hd);
+      for (int64_t j = j0; j < end; ++j) axpy(s[j] * inv[i], values + (j - j0) * stride, qs[i].out, hd);
     }
   }
 }
@@ -822,7 +876,7 @@ void attend_shared(const Query* qs, int64_t n, const KvHead& kv, int64_t hd, flo
 // A task is one (sequence, kv head) and its queries (the sequence's rows x the group's heads), split
 // into parts only so that every thread has work and a part's scores stay small (each part reads the
 // keys again); threads split the tasks where their scores hold >= ~128 k multiply-adds.
-template <class Heads>  // Heads(s, g) -> KvHead: sequence s's kv head g
+template <class Heads>  // Heads(s, g) -> KvHead<C>: sequence s's kv head g
 void attend_rows(const float* qkv, int64_t qkv_n, float* att, int64_t qdim, const std::vector<int64_t>& rows,
                  const std::vector<int64_t>& seq, const std::vector<int64_t>& pos, int64_t S, int64_t H, int64_t Hkv,
                  int64_t hd, float scale, const Heads& heads) {
@@ -872,7 +926,6 @@ void attend_rows(const float* qkv, int64_t qkv_n, float* att, int64_t qdim, cons
     }
   });
 }
-#endif
 
 // RoPE on the first `heads` heads of one row of q/k/v (x cos + rotate_half(x) sin; cos, sin [hd])
 inline void rope_row(float* row, const float* c, const float* sn, int64_t heads, int64_t hd) {
@@ -887,15 +940,34 @@ inline void rope_row(float* row, const float* c, const float* sn, int64_t heads,
   }
 }
 
+// n floats into a cache: as they are, or rounded to float16 (nearest even)
+inline void store_row(const float* x, float* out, int64_t n) { std::memcpy(out, x, n * sizeof(float)); }
+inline void store_row(const float* x, half_bits* out, int64_t n) {
+  int64_t i = 0;
+#if defined(Q4_V8)
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+  for (; i < n; ++i) out[i] = float_to_half(x[i]);
+}
+
 // One row's Hkv key and value heads (hd floats each, from k and v) into a cache's position:
 // kv head g at keys / values + g * head_stride
-inline void store_kv(const float* k, const float* v, float* keys, float* values, int64_t head_stride, int64_t Hkv,
-                     int64_t hd) {
+template <class C>
+inline void store_kv(const float* k, const float* v, C* keys, C* values, int64_t head_stride, int64_t Hkv, int64_t hd) {
   for (int64_t g = 0; g < Hkv; ++g) {
-    std::memcpy(keys + g * head_stride, k + g * hd, hd * sizeof(float));
-    std::memcpy(values + g * head_stride, v + g * hd, hd * sizeof(float));
+    store_row(k + g * hd, keys + g * head_stride, hd);
+    store_row(v + g * hd, values + g * head_stride, hd);
   }
 }
+
+// a float32 cache's floats, or a float16 one's bits
+template <class C>
+C* cache_ptr(const at::Tensor& t);
+template <>
+float* cache_ptr<float>(const at::Tensor& t) { return t.data_ptr<float>(); }
+template <>
+half_bits* cache_ptr<half_bits>(const at::Tensor& t) { return reinterpret_cast<half_bits*>(t.data_ptr<at::Half>()); }
 
 // out = x / sqrt(mean(x^2) + eps) * w, row by row (float32, as F.rms_norm)
 void rms_norm(const float* x, const float* w, float* out, int64_t T, int64_t D, float eps) {
@@ -908,11 +980,12 @@ void rms_norm(const float* x, const float* w, float* out, int64_t T, int64_t D, 
 
 // One pass of S sequences: x holds their new rows one sequence after another (lengths[s] rows
 // each, at positions starts[s]...), kv[s] is sequence s's cache [L, 2, 1, H_kv, capacity, head_dim]
-// (its own storage or a pool slot's view); the last layer carries on only each sequence's last
+// (its own storage or a pool slot's view; float32, or float16 for all of them: E); the last layer carries on only each sequence's last
 // keeps[s] rows (the rows whose logits are asked for; keeps[s] = lengths[s]: all of them). Every
 // linear runs once over all the rows of all the sequences; attention reads each row's own sequence.
 // -> the kept rows [R, D].
 // capture: layers whose input (every row's) is copied into `states` [T, capture.size(), D], in that order.
+template <class E>
 at::Tensor layers_loop(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, at::TensorList kv,
                        at::IntArrayRef starts, at::IntArrayRef lengths, at::IntArrayRef keeps, int64_t H, int64_t Hkv,
                        int64_t hd, double eps_in, at::ArrayRef<double> scaling, at::TensorList in_norm,
@@ -933,9 +1006,8 @@ at::Tensor layers_loop(const at::Tensor& x_in, const at::Tensor& cos_in, const a
   int64_t row = 0;
   for (int64_t s = 0; s < S; ++s) {
     const at::Tensor& c = kv[s];
-    TORCH_CHECK(c.scalar_type() == at::kFloat && c.dim() == 6 && c.size(0) >= L && c.size(1) == 2 && c.size(2) == 1 &&
-                c.size(3) == Hkv && c.size(5) == hd && c.stride(5) == 1,
-                "q4_layers: a cache must be float32 [L, 2, 1, H_kv, capacity, head_dim]");
+    TORCH_CHECK(c.dim() == 6 && c.size(0) >= L && c.size(1) == 2 && c.size(2) == 1 && c.size(3) == Hkv &&
+                c.size(5) == hd && c.stride(5) == 1, "q4_layers: a cache must be [L, 2, 1, H_kv, capacity, head_dim]");
     TORCH_CHECK(starts[s] >= 0 && lengths[s] > 0 && keeps[s] >= 0 && keeps[s] <= lengths[s],
                 "q4_layers: start >= 0, length > 0, 0 <= keep <= length");
     TORCH_CHECK(starts[s] + lengths[s] <= c.size(4), "q4_layers: the cache holds ", c.size(4),
@@ -953,10 +1025,8 @@ at::Tensor layers_loop(const at::Tensor& x_in, const at::Tensor& cos_in, const a
     if (pos[r] >= starts[s] + lengths[s] - keeps[s]) kept.push_back(r);
   }
   const bool narrows = static_cast<int64_t>(kept.size()) < T;
-#if !defined(Q4_AVX512)
   std::vector<int64_t> all_rows(T);  // every row, as attend_rows takes them (the last layer may keep fewer)
   for (int64_t r = 0; r < T; ++r) all_rows[r] = r;
-#endif
   const at::Tensor cos = cos_in.reshape({T, hd}).contiguous(), sin = sin_in.reshape({T, hd}).contiguous();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
@@ -1002,7 +1072,7 @@ at::Tensor layers_loop(const at::Tensor& x_in, const at::Tensor& cos_in, const a
       float* row = qkv.data() + t * qkv_n;
       rope_row(row, cp + t * hd, sp + t * hd, H + Hkv, hd);
       const at::Tensor& cache = kv[seq[t]];
-      float* keys = cache.data_ptr<float>() + i * cache.stride(0) + pos[t] * cache.stride(4);
+      E* keys = cache_ptr<E>(cache) + i * cache.stride(0) + pos[t] * cache.stride(4);
       store_kv(row + qdim, row + qdim + kdim, keys, keys + cache.stride(1), cache.stride(3), Hkv, hd);
     }
     // the rows carried on: at the last layer only the kept ones (their keys and values are cached above)
@@ -1010,28 +1080,31 @@ at::Tensor layers_loop(const at::Tensor& x_in, const at::Tensor& cos_in, const a
     const int64_t rows = last ? static_cast<int64_t>(kept.size()) : T;
     // causal attention: row t (position pos[t] of its sequence) sees that sequence's keys 0..pos[t];
     // each (row, head) given the same operations however the rows, heads and threads are split
-    // (AVX-512: a (row, head) a task; elsewhere attend_rows: a kv head and its queries a task)
+    // (AVX-512's float32 caches: a (row, head) a task; elsewhere attend_rows: a kv head and its queries a task)
     const float scale = static_cast<float>(scaling[i]);
+    const auto kv_head = [&](int64_t s, int64_t g) {
+      const at::Tensor& cache = kv[s];
+      const E* keys = cache_ptr<E>(cache) + i * cache.stride(0) + g * cache.stride(3);
+      return KvHead<E>{keys, keys + cache.stride(1), cache.stride(4)};
+    };
 #if defined(Q4_AVX512)
-    const int64_t tasks = rows * H;
-    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / ((longest + 1) * hd));  // >= ~32 k multiply-adds a thread
-    at::parallel_for(0, tasks, grain, [&](int64_t k0, int64_t k1) {
-      std::vector<float> scores(longest);
-      for (int64_t k = k0; k < k1; ++k) {
-        const int64_t out_row = k / H, t = last ? kept[out_row] : out_row, head = k % H;
-        const at::Tensor& cache = kv[seq[t]];
-        const float* keys = cache.data_ptr<float>() + i * cache.stride(0) + (head / group) * cache.stride(3);
-        attend(qkv.data() + t * qkv_n + head * hd, keys, keys + cache.stride(1), cache.stride(4), pos[t] + 1, hd, scale,
-               scores.data(), att.data() + out_row * qdim + head * hd);
-      }
-    });
+    if constexpr (std::is_same<E, float>::value) {
+      const int64_t tasks = rows * H;
+      const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / ((longest + 1) * hd));  // >= ~32 k multiply-adds a thread
+      at::parallel_for(0, tasks, grain, [&](int64_t k0, int64_t k1) {
+        std::vector<float> scores(longest);
+        for (int64_t k = k0; k < k1; ++k) {
+          const int64_t out_row = k / H, t = last ? kept[out_row] : out_row, head = k % H;
+          const KvHead<float> h = kv_head(seq[t], head / group);
+          attend(qkv.data() + t * qkv_n + head * hd, h.keys, h.values, h.stride, pos[t] + 1, hd, scale, scores.data(),
+                 att.data() + out_row * qdim + head * hd);
+        }
+      });
+    } else {
+      attend_rows(qkv.data(), qkv_n, att.data(), qdim, last ? kept : all_rows, seq, pos, S, H, Hkv, hd, scale, kv_head);
+    }
 #else
-    attend_rows(qkv.data(), qkv_n, att.data(), qdim, last ? kept : all_rows, seq, pos, S, H, Hkv, hd, scale,
-                [&](int64_t s, int64_t g) {
-                  const at::Tensor& cache = kv[s];
-                  const float* keys = cache.data_ptr<float>() + i * cache.stride(0) + g * cache.stride(3);
-                  return KvHead{keys, keys + cache.stride(1), cache.stride(4)};
-                });
+    attend_rows(qkv.data(), qkv_n, att.data(), qdim, last ? kept : all_rows, seq, pos, S, H, Hkv, hd, scale, kv_head);
 #endif
     if (last) x = x.index_select(0, at::tensor(kept, at::kLong));
     xp = x.data_ptr<float>();
@@ -1055,13 +1128,30 @@ at::Tensor layers_loop(const at::Tensor& x_in, const at::Tensor& cos_in, const a
   return x;
 }
 
+// layers_loop for the caches' element type: float32, or float16 (the same for every cache of the pass)
+at::Tensor layers_loop_any(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, at::TensorList kv,
+                           at::IntArrayRef starts, at::IntArrayRef lengths, at::IntArrayRef keeps, int64_t H, int64_t Hkv,
+                           int64_t hd, double eps, at::ArrayRef<double> scaling, at::TensorList in_norm,
+                           at::TensorList post_norm, at::IntArrayRef half, const c10::List<std::optional<at::Tensor>>& qkv_bias,
+                           at::TensorList weights, at::IntArrayRef outs, at::IntArrayRef capture, at::Tensor* states) {
+  const at::ScalarType kind = kv.empty() ? at::kFloat : kv[0].scalar_type();
+  for (const at::Tensor& c : kv)
+    TORCH_CHECK(c.scalar_type() == kind, "q4_layers: every cache of a pass must have the same dtype");
+  TORCH_CHECK(kind == at::kFloat || kind == at::kHalf, "q4_layers: a cache must be float32 or float16");
+  if (kind == at::kHalf)
+    return layers_loop<half_bits>(x_in, cos_in, sin_in, kv, starts, lengths, keeps, H, Hkv, hd, eps, scaling, in_norm,
+                                  post_norm, half, qkv_bias, weights, outs, capture, states);
+  return layers_loop<float>(x_in, cos_in, sin_in, kv, starts, lengths, keeps, H, Hkv, hd, eps, scaling, in_norm,
+                            post_norm, half, qkv_bias, weights, outs, capture, states);
+}
+
 at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, at::TensorList kv,
                      at::IntArrayRef starts, at::IntArrayRef lengths, at::IntArrayRef keeps, int64_t H, int64_t Hkv,
                      int64_t hd, double eps, at::ArrayRef<double> scaling, at::TensorList in_norm,
                      at::TensorList post_norm, at::IntArrayRef half, const c10::List<std::optional<at::Tensor>>& qkv_bias,
                      at::TensorList weights, at::IntArrayRef outs) {
-  return layers_loop(x_in, cos_in, sin_in, kv, starts, lengths, keeps, H, Hkv, hd, eps, scaling, in_norm, post_norm, half,
-                     qkv_bias, weights, outs, {}, nullptr);
+  return layers_loop_any(x_in, cos_in, sin_in, kv, starts, lengths, keeps, H, Hkv, hd, eps, scaling, in_norm, post_norm,
+                         half, qkv_bias, weights, outs, {}, nullptr);
 }
 
 // q4_layers, and the inputs of the `capture` layers for every row: -> (the kept rows [R, D], states [T, C, D])
@@ -1072,8 +1162,8 @@ std::tuple<at::Tensor, at::Tensor> q4_layers_capturing(
     const c10::List<std::optional<at::Tensor>>& qkv_bias, at::TensorList weights, at::IntArrayRef outs,
     at::IntArrayRef capture) {
   at::Tensor states;
-  at::Tensor x = layers_loop(x_in, cos_in, sin_in, kv, starts, lengths, keeps, H, Hkv, hd, eps, scaling, in_norm, post_norm,
-                             half, qkv_bias, weights, outs, capture, &states);
+  at::Tensor x = layers_loop_any(x_in, cos_in, sin_in, kv, starts, lengths, keeps, H, Hkv, hd, eps, scaling, in_norm,
+                                 post_norm, half, qkv_bias, weights, outs, capture, &states);
   return {x, states};
 }
 
@@ -1178,8 +1268,8 @@ std::tuple<at::Tensor, at::Tensor> q4_eagle_step(const at::Tensor& embeds_in, co
   for (int64_t r = 0; r < T; ++r) all_rows[r] = r;
   attend_rows(qkv.data(), qkv_n, att.data(), qdim, all_rows, seq, pos, S, H, Hkv, hd, scale, [&](int64_t s, int64_t g) {
     const at::Tensor &k_cache = keys[s], &v_cache = values[s];
-    return KvHead{k_cache.data_ptr<float>() + g * k_cache.stride(0), v_cache.data_ptr<float>() + g * v_cache.stride(0),
-                  k_cache.stride(1)};
+    return KvHead<float>{k_cache.data_ptr<float>() + g * k_cache.stride(0), v_cache.data_ptr<float>() + g * v_cache.stride(0),
+                         k_cache.stride(1)};
   });
 #endif
   matmul(weights[1], att.data(), T, qdim, D, y.data());

@@ -396,7 +396,7 @@ def test_scripted_layers_compute_the_eager_loop(tmp_path, tokenizer, monkeypatch
     model_dir = make_model(tmp_path / arch, tokenizer, arch=arch, hidden=64, layers=2, heads=4, kv_heads=2,
                            max_context=512, init_std=0.1)
     runner = ModelRunner(model_dir, "cpu", quantize="int4" if weights == "int4" else "none",
-                         float_kernel="specdec" if weights == "panels" else "onednn")
+                         float_kernel="specdec" if weights == "panels" else "onednn", kv_dtype="float32")
     fast = runner.fast
     fast.fused_layers = False  # TorchScript's loop, not specdec's C++ one (tests/model_service/test_q4_kernel.py)
     if weights == "packed":
@@ -436,7 +436,7 @@ def test_scripted_batched_layers_compute_the_eager_loop(tmp_path, tokenizer, mon
     model_dir = make_model(tmp_path / "m", tokenizer, arch="qwen2", hidden=64, layers=2, heads=4, kv_heads=2,
                            init_std=0.1)
     runner = ModelRunner(model_dir, "cpu", quantize="int4" if weights == "int4" else "none",
-                         float_kernel="specdec" if weights == "panels" else "onednn")
+                         float_kernel="specdec" if weights == "panels" else "onednn", kv_dtype="float32")
     fast = runner.fast
     fast.fused_layers = False  # TorchScript's loop, not specdec's C++ one (tests/model_service/test_q4_kernel.py)
     if weights == "packed":

@@ -206,7 +206,7 @@ def test_the_c_layer_loop_computes_what_the_torchscript_loop_does(tmp_path, arch
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.data = torch.randn(proj.bias.shape, generator=g) * 0.5
     loaded.save_pretrained(model)
-    fast = ModelRunner(model, "cpu", quantize="int4", int4_kernel="specdec").fast
+    fast = ModelRunner(model, "cpu", quantize="int4", int4_kernel="specdec", kv_dtype="float32").fast  # (TorchScript's)
     assert fast._runs_q4_layers()
     feeds = [(list(range(3, 104)), 2), ([141], 1), ([142], 1), ([143, 144, 145, 146], 4), ([150], 1)]
     logits = {}
@@ -250,30 +250,33 @@ print("ok", q4_kernel.path())
     assert done.stdout.strip().startswith("ok"), done.stdout
 
 
-def _c_loop_model(tmp_path, weights: str):
-    """A 3-layer llama through the C++ layer loop: int4 tiles or float32 panels."""
+def _c_loop_model(tmp_path, weights: str, kv_dtype: str = "float32"):
+    """A 3-layer llama through the C++ layer loop: int4 tiles or float32 panels; its keys and values
+    in kv_dtype (float32: as TorchScript's loop, which the tests compare it with, reads them)."""
     from model_service.model_runner import ModelRunner
     from speculative.tiny import make_model, make_tokenizer
 
     model = make_model(tmp_path / "m", make_tokenizer(tmp_path / "t"), arch="llama", hidden=256, layers=3, heads=4,
                        kv_heads=2, intermediate=160, max_context=128)
     if weights == "int4":
-        fast = ModelRunner(model, "cpu", quantize="int4", int4_kernel="specdec").fast
+        fast = ModelRunner(model, "cpu", quantize="int4", int4_kernel="specdec", kv_dtype=kv_dtype).fast
     else:
-        fast = ModelRunner(model, "cpu", float_kernel="specdec").fast
-    assert fast._runs_q4_layers()
+        fast = ModelRunner(model, "cpu", float_kernel="specdec", kv_dtype=kv_dtype).fast
+    assert fast._runs_q4_layers() and fast.new_cache().data.dtype == getattr(torch, kv_dtype)
     return fast
 
 
 @pytest.mark.parametrize("weights", ["int4", "float32"])
 @pytest.mark.parametrize("pooled", [False, True])
-def test_the_c_layer_loop_runs_several_sequences_each_as_alone(tmp_path, pooled, weights):
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_the_c_layer_loop_runs_several_sequences_each_as_alone(tmp_path, pooled, weights, kv_dtype):
     """A pass over several sessions (a batched verify: each its own cache and positions, its own
     rows kept) runs every linear once over all their rows; each row's logits are bit for bit those
     of its session's pass alone (the kernel computes a row by the same operations whatever it is
-    batched with), over caches of their own or slots of one pool; and within TorchScript's
-    batched loop's rounding of the same products (int4 tiles; float32 panels, to 1e-4)."""
-    fast = _c_loop_model(tmp_path, weights)
+    batched with), over caches of their own or slots of one pool, float32 or float16; and within
+    TorchScript's batched loop's rounding of the same products (int4 tiles; float32 panels, to 1e-4;
+    float32 caches, the ones it reads)."""
+    fast = _c_loop_model(tmp_path, weights, kv_dtype)
     if not pooled:
         fast.pool_capacity = 0
     prompts = [list(range(3, 90)), list(range(50, 61)), list(range(7, 24))]  # the first spans two key blocks
@@ -293,6 +296,8 @@ def test_the_c_layer_loop_runs_several_sequences_each_as_alone(tmp_path, pooled,
     for a, b, (_, n) in zip(alone, together, steps):
         assert a.shape == b.shape == (n, a.shape[1])
         assert torch.equal(a, b)
+    if kv_dtype != "float32":
+        return
     fast.fused_layers = False  # TorchScript's batched loop over the same products
     scripted_loop = run(True)
     for a, b in zip(together, scripted_loop):
@@ -300,14 +305,16 @@ def test_the_c_layer_loop_runs_several_sequences_each_as_alone(tmp_path, pooled,
 
 
 @pytest.mark.parametrize("weights", ["int4", "float32"])
-def test_a_verify_pass_scores_each_token_as_a_decode_step_does(tmp_path, weights):
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_a_verify_pass_scores_each_token_as_a_decode_step_does(tmp_path, weights, kv_dtype):
     """Through the C++ loop a pass over K + 1 tokens gives each token's logits bit for bit as K + 1
     one-token passes do (and the same cache): the target's verify is its own decode, so greedy
     speculation cannot part from the target alone over a near tie. TorchScript's loop, whose
     products and attention change with the rows, need not (it is shown to differ here, so the
     check can fail). The prompt's 97 positions put the verified rows in the attention's second block of
-    keys (64 at this head_dim 64), each row seeing a different number of them."""
-    fast = _c_loop_model(tmp_path, weights)
+    keys (64 at this head_dim 64), each row seeing a different number of them. With float16 keys and
+    values too (each row's stored before any row reads them)."""
+    fast = _c_loop_model(tmp_path, weights, kv_dtype)
     prompt, verify = list(range(3, 100)), [141, 142, 143, 144, 145]
 
     def passes(one_call: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,10 +329,48 @@ def test_a_verify_pass_scores_each_token_as_a_decode_step_does(tmp_path, weights
     (together, cached), (alone, cached_alone) = passes(True), passes(False)
     assert together.shape == alone.shape == (len(verify), together.shape[1])
     assert torch.equal(together, alone) and torch.equal(cached, cached_alone)
+    if kv_dtype != "float32":
+        return
     fast.fused_layers = False
     (together, _), (alone, _) = passes(True), passes(False)
     assert not torch.equal(together, alone)
     torch.testing.assert_close(together, alone, atol=1e-4 if weights == "float32" else 0.5, rtol=0.05)
+
+
+def test_float16_keys_and_values_are_the_float32_ones_rounded(tmp_path):
+    """--kv-dtype float16 (the C++ loop's caches): each key and value is stored rounded to nearest
+    even (layer 0's, whose inputs are the embeddings alone, equal the float32 run's .half() bit for
+    bit) and read back as floats; over float32 panels the logits then stay within float16's rounding
+    of the float32 caches' (relative L2 ~1e-4 here; a key read as the wrong half or a misplaced
+    position is off by ~100%) and differ from them (so the rounding is real). auto picks float16 for
+    int4 weights through specdec's kernel and float32 for float32 weights; a forward that cannot read
+    float16 caches (TorchScript's loop, torch's int4 kernel) refuses them."""
+    from model_service.model_runner import ModelRunner, kv_dtype_for
+
+    prompt, steps = list(range(3, 100)), [[141], [142, 143, 144, 145, 146]]
+    runs = {}
+    for kv in ("float32", "float16"):
+        fast = _c_loop_model(tmp_path / kv, "float32", kv)
+        cache = fast.new_cache()
+        logits = [fast(prompt, cache, 3)] + [fast(ids, cache, len(ids)) for ids in steps]
+        runs[kv] = torch.cat(logits), cache.data[..., : cache.length, :].clone()
+    (full, full_cache), (half, half_cache) = runs["float32"], runs["float16"]
+    assert half_cache.dtype == torch.float16 and half_cache.shape == full_cache.shape
+    assert torch.equal(half_cache[0], full_cache[0].half())
+    assert not torch.equal(half, full)
+    assert (half - full).norm() < 2e-3 * full.norm()
+    assert torch.equal(half.argmax(-1), full.argmax(-1))
+
+    int4 = _c_loop_model(tmp_path / "int4", "int4")
+    assert kv_dtype_for(int4, "auto") == torch.float16
+    assert kv_dtype_for(_c_loop_model(tmp_path / "f32", "float32"), "auto") == torch.float32
+    model = tmp_path / "float32" / "m"
+    torch_kernel = ModelRunner(model, "cpu", quantize="int4", int4_kernel="torch")
+    assert torch_kernel.kv_dtype == torch.float32 and not torch_kernel.fast._runs_q4_layers()
+    with pytest.raises(ValueError, match="C\\+\\+ layer loop"):
+        ModelRunner(model, "cpu", quantize="int4", int4_kernel="torch", kv_dtype="float16")
+    with pytest.raises(ValueError, match="kv-dtype"):
+        ModelRunner(model, "cpu", kv_dtype="float8")
 
 
 def test_the_c_layer_loop_refuses_what_it_cannot_run():
@@ -389,7 +434,10 @@ for n, k in [(40, 97), (960, 576)]:
         t.test_float32_panels_compute_the_product(n, k, rows)
 t.test_a_rows_result_does_not_depend_on_its_batch_or_the_threads("float32")
 for weights in ("int4", "float32"):
-    t.test_a_verify_pass_scores_each_token_as_a_decode_step_does(pathlib.Path(tempfile.mkdtemp()), weights)
+    for kv in ("float32", "float16"):
+        t.test_a_verify_pass_scores_each_token_as_a_decode_step_does(pathlib.Path(tempfile.mkdtemp()), weights, kv)
+        t.test_the_c_layer_loop_runs_several_sequences_each_as_alone(pathlib.Path(tempfile.mkdtemp()), True, weights, kv)
+t.test_float16_keys_and_values_are_the_float32_ones_rounded(pathlib.Path(tempfile.mkdtemp()))
 for geometry in [(128, 4, 2), (256, 2, 1)]:
     t.test_the_c_layer_loop_computes_what_the_torchscript_loop_does(pathlib.Path(tempfile.mkdtemp()), "qwen2", *geometry)
 from tests.model_service import test_eagle_head as e
