@@ -5,10 +5,12 @@
 
 Speculation pays only where verifying K + 1 tokens costs little more than decoding one. For each
 weight format of the real target (float32 through specdec's panels and through oneDNN's packed
-weights; int4 through specdec's kernel and through torch's) this times one pass of `tokens` new
+weights; int4 through specdec's kernel, with its float16 keys and values and with float32 ones, and
+through torch's) this times one pass of `tokens` new
 tokens per session over `sessions` sessions, each on --context cached tokens (median of --reps after two
 warm-up passes, the target service's own code: ModelRunner.forward_many; the token counts' passes taken
-in turn, so that a drift in the machine's speed moves them alike), and prints beside it:
+in turn, every weight format's with them, so that a drift in the machine's speed moves them alike), and
+prints beside it:
 
   x 1 token   the pass against the same sessions' one-token pass (the bars of cheap verification:
               int4 five tokens <= 1.3x, nine <= 1.6x; float32 five <= 1.2x)
@@ -31,7 +33,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.systems import machine, memory_bandwidth_gbs  # noqa: E402
-from bench.verify_latency import time_passes_side_by_side  # noqa: E402
+from bench.verify_latency import time_runners_side_by_side  # noqa: E402
 from model_service import q4_kernel  # noqa: E402
 from model_service.model_runner import ModelRunner  # noqa: E402
 
@@ -71,23 +73,25 @@ def main(argv=None) -> None:
     print(f"{report['machine']}; {report['threads']} threads; memory {bandwidth:.1f} GB/s (a sum over 256 MB)\n")
     print("| weights | sessions | tokens each | ms | x 1 token | floor ms |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for name in weights:
+    runners = []
+    for name in weights:  # all of them held, so that their passes are taken in turn (a drift moves them alike)
         start = time.perf_counter()
-        runner = ModelRunner(args.target, "cpu", max_context=args.context + max(tokens) + 8, **WEIGHTS[name])
-        floor = runner.fast.weight_bytes() / (bandwidth * 1e9) * 1e3
-        for s in sessions:
+        runners.append(ModelRunner(args.target, "cpu", max_context=args.context + max(tokens) + 8, **WEIGHTS[name]))
+        report.setdefault("load_s", {})[name] = time.perf_counter() - start
+    for s in sessions:
+        results = time_runners_side_by_side(runners, s, [t - 1 for t in tokens], args.context, args.reps)
+        for name, runner, times in zip(weights, runners, results):
+            floor = runner.fast.weight_bytes() / (bandwidth * 1e9) * 1e3
             one = None
-            times = time_passes_side_by_side(runner, s, [t - 1 for t in tokens], args.context, args.reps)
             for t in tokens:
                 ms = times[t - 1]
                 one = ms if t == 1 else one
                 ratio = ms / one if one else None
                 report["rows"].append({"weights": name, "sessions": s, "tokens": t, "ms": ms, "x_one_token": ratio,
-                                       "floor_ms": floor, "weight_bytes": runner.fast.weight_bytes()})
+                                       "floor_ms": floor, "weight_bytes": runner.fast.weight_bytes(),
+                                       "kv_dtype": str(runner.kv_dtype).removeprefix("torch.")})
                 shown = f"{ratio:.2f}" if ratio is not None else "-"
                 print(f"| {name} | {s} | {t} | {ms:.2f} | {shown} | {floor:.2f} |", flush=True)
-        del runner
-        report.setdefault("load_s", {})[name] = time.perf_counter() - start
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
 

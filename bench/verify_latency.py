@@ -46,30 +46,39 @@ def time_passes_side_by_side(runner: ModelRunner, batch: int, ks: list[int], con
     """time_passes for each k of `ks`, their passes taken in turn (one of each k a rep, after two
     warm-up rounds): a machine whose speed drifts (a shared VM's can move 10-40% within a minute)
     slows every k's passes alike, so their ratios hold where medians taken one k after another do not."""
-    vocab = runner.vocab_size
+    return time_runners_side_by_side([runner], batch, ks, context, reps)[0]
+
+
+def time_runners_side_by_side(runners: list[ModelRunner], batch: int, ks: list[int], context: int,
+                              reps: int) -> list[dict[int, float]]:
+    """time_passes_side_by_side for several runners (weight formats, cache dtypes) at once: each rep
+    one pass of every runner and k in turn, so a drift moves them all alike. -> per runner, k -> ms"""
     sessions = {}
-    for k in ks:
-        sessions[k] = [runner.start_session(f"b{batch}-k{k}-{i}", i) for i in range(batch)]
-        for i, session in enumerate(sessions[k]):
-            session.tokens = [(31 * i + j) % vocab for j in range(context)]
-        runner.forward_many([(s, 1) for s in sessions[k]])  # prefill
-    samples = {k: [] for k in ks}
-    for rep in range(reps + 2):
+    for r, runner in enumerate(runners):
+        vocab = runner.vocab_size
         for k in ks:
-            for session in sessions[k]:
-                session.tokens.extend([(rep + j) % vocab for j in range(k + 1)])
+            sessions[r, k] = [runner.start_session(f"b{batch}-k{k}-{i}", i) for i in range(batch)]
+            for i, session in enumerate(sessions[r, k]):
+                session.tokens = [(31 * i + j) % vocab for j in range(context)]
+            runner.forward_many([(s, 1) for s in sessions[r, k]])  # prefill
+    samples = {key: [] for key in sessions}
+    for rep in range(reps + 2):
+        for (r, k), group in sessions.items():
+            runner = runners[r]
+            for session in group:
+                session.tokens.extend([(rep + j) % runner.vocab_size for j in range(k + 1)])
             synchronize(runner.device)
             start = time.perf_counter()
-            runner.forward_many([(s, k + 1) for s in sessions[k]])
+            runner.forward_many([(s, k + 1) for s in group])
             synchronize(runner.device)
             if rep >= 2:  # warm-up passes dropped
-                samples[k].append((time.perf_counter() - start) * 1e3)
-            for session in sessions[k]:
+                samples[r, k].append((time.perf_counter() - start) * 1e3)
+            for session in group:
                 session.truncate(context)
-    for k in ks:
-        for session in sessions[k]:
-            runner.sessions.release(session.id)
-    return {k: statistics.median(samples[k]) for k in ks}
+    for (r, k), group in sessions.items():
+        for session in group:
+            runners[r].sessions.release(session.id)
+    return [{k: statistics.median(samples[r, k]) for k in ks} for r in range(len(runners))]
 
 
 def main(argv=None) -> None:
