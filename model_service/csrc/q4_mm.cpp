@@ -783,6 +783,23 @@ inline void accumulate(const float* p, float inv, const float* values, int64_t s
 }
 #endif
 
+// the largest of v[0 .. n - 1] (-inf for none): a max is exact, so 8 lanes give the one-at-a-time result
+inline float max_of(const float* v, int64_t n) {
+  float top = -INFINITY;
+  int64_t j = 0;
+#if defined(Q4_V8)
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(v);
+    for (j = 8; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(v + j));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    for (const float x : lanes) top = std::max(top, x);
+  }
+#endif
+  for (; j < n; ++j) top = std::max(top, v[j]);
+  return top;
+}
+
 // n float16 values as floats
 inline void to_floats(const half_bits* h, float* out, int64_t n) {
   int64_t i = 0;
@@ -844,9 +861,7 @@ void attend_shared(const Query* qs, int64_t n, const KvHead<C>& kv, int64_t hd, 
   }
   for (int64_t i = 0; i < n; ++i) {
     float* s = scores + i * width;
-    float top = -INFINITY;
-    for (int64_t j = 0; j < qs[i].seen; ++j) top = std::max(top, s[j]);
-    inv[i] = 1.f / exp_sum(s, qs[i].seen, top);
+    inv[i] = 1.f / exp_sum(s, qs[i].seen, max_of(s, qs[i].seen));
     std::fill(qs[i].out, qs[i].out + hd, 0.f);
   }
   for (int64_t j0 = 0; j0 < most; j0 += block) {
