@@ -6,11 +6,10 @@
 Speculation pays only where verifying K + 1 tokens costs little more than decoding one. For each
 weight format of the real target (float32 through specdec's panels and through oneDNN's packed
 weights; int4 through specdec's kernel, with its float16 keys and values and with float32 ones, and
-through torch's) this times one pass of `tokens` new
-tokens per session over `sessions` sessions, each on --context cached tokens (median of --reps after two
-warm-up passes, the target service's own code: ModelRunner.forward_many; the token counts' passes taken
-in turn, every weight format's with them, so that a drift in the machine's speed moves them alike), and
-prints beside it:
+through torch's) this times one pass of `tokens` new tokens per session over `sessions` sessions,
+each on --context cached tokens (median of --reps after two warm-up passes, the target service's own
+code: ModelRunner.forward_many; every weight format's and token count's passes taken in turn, so
+that a drift in the machine's speed moves them alike), and prints beside it:
 
   x 1 token   the pass against the same sessions' one-token pass (the bars of cheap verification:
               int4 five tokens <= 1.3x, nine <= 1.6x; float32 five <= 1.2x)

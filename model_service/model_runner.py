@@ -130,8 +130,8 @@ KV_DTYPES = ("auto", "float32", "float16", "bfloat16")  # --kv-dtype
 def kv_dtype_for(fast: FastForward, name: str) -> torch.dtype:
     """The KV caches' dtype for --kv-dtype `name`: auto is float16 where int4 weights run through
     specdec's C++ layer loop (their passes at long contexts read about as many bytes of keys and
-    values as of weights: float16 halves those, ~6-17% off a one-token pass of SmolLM2 at 1-2 k cached
-    tokens on a 2-core AMD EPYC, and the caches' memory; the int4 model with float16 keys and values
+    values as of weights: float16 halves those, 5-19% off a one-token pass of SmolLM2 at 1-2 k cached
+    tokens on a 2-core AMD EPYC, level at 128, and the caches' memory; the int4 model with float16 keys and values
     is another int4 model, no worse: its int8 activations make any last-bit change move its logits
     ~2-7%), else the weights' dtype (float32 weights keep float32 caches: their greedy output is the
     checkpoint's, token for token). FastForward.set_kv_dtype refuses what the forward cannot read."""
@@ -140,6 +140,7 @@ def kv_dtype_for(fast: FastForward, name: str) -> torch.dtype:
     if fast.int4_kernel == "specdec" and fast._runs_q4_layers():
         return torch.float16
     return fast.embed.dtype
+
 
 class ModelRunner:
     """One model, its tokenizer and the sessions it serves."""

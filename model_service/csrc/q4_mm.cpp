@@ -88,9 +88,6 @@ inline float half_to_float(uint16_t h) {
 // reads at long contexts). A float is stored rounded to nearest even, as torch's .half() rounds.
 using half_bits = uint16_t;
 
-inline float cache_float(float v) { return v; }
-inline float cache_float(half_bits h) { return half_to_float(h); }
-
 inline half_bits float_to_half(float v) {
 #if defined(__F16C__)
   return _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
@@ -783,7 +780,8 @@ inline void accumulate(const float* p, float inv, const float* values, int64_t s
 }
 #endif
 
-// the largest of v[0 .. n - 1] (-inf for none): a max is exact, so 8 lanes give the one-at-a-time result
+// the largest of v[0 .. n - 1] (-inf for none): a max is exact, so 8 lanes give the one-at-a-time
+// result (where a score is NaN the row's softmax is NaN either way)
 inline float max_of(const float* v, int64_t n) {
   float top = -INFINITY;
   int64_t j = 0;
@@ -995,8 +993,9 @@ void rms_norm(const float* x, const float* w, float* out, int64_t T, int64_t D, 
 
 // One pass of S sequences: x holds their new rows one sequence after another (lengths[s] rows
 // each, at positions starts[s]...), kv[s] is sequence s's cache [L, 2, 1, H_kv, capacity, head_dim]
-// (its own storage or a pool slot's view; float32, or float16 for all of them: E); the last layer carries on only each sequence's last
-// keeps[s] rows (the rows whose logits are asked for; keeps[s] = lengths[s]: all of them). Every
+// (its own storage or a pool slot's view; elements E: float32, or float16 for every cache of the
+// pass); the last layer carries on only each sequence's last keeps[s] rows (the rows whose logits
+// are asked for; keeps[s] = lengths[s]: all of them). Every
 // linear runs once over all the rows of all the sequences; attention reads each row's own sequence.
 // -> the kept rows [R, D].
 // capture: layers whose input (every row's) is copied into `states` [T, capture.size(), D], in that order.
