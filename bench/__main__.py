@@ -31,7 +31,8 @@ sweeping K:
   n  the n-gram draft (no draft model) beside HF prompt lookup, on input-grounded and on the
      held-out prompts: bench/ngram.py, its own table and bench/results/ngram.json
      (`--only ngram` runs these rows alone)
-Also: each service's peak RSS, how many of d's greedy outputs equal a's, each a' row's distance
+Also: each service's peak RSS, how many of d's greedy outputs equal a's (and of the quantized rows'
+the quantized runner's own, a' int4's), each a' row's distance
 from its memory-bandwidth floor (the weight bytes one pass reads / the bandwidth this process
 measures), and the issues' bars. Where a bar sets two systems within a few percent of each other
 (d int4 with adaptive K against l), they run --repeat times (default 3) turn about, and their
@@ -139,6 +140,10 @@ class PairRun:
         self.baselines: dict[str, list[float]] = {}  # row a's tokens/s, per mode: at the start and after every K
         self.references = None  # greedy: each prompt with row a's continuation (the oracle's, row e)
         self.hf_greedy, self.identical = None, {}  # d's greedy outputs equal to a's: (row, K) -> count
+        # greedy: the quantized runner's own outputs (a' int4), per --quantize, and the rows on that target
+        # whose outputs equal them: (row, K) -> count (a quantized model's output is its own, not a's)
+        self.quant_greedy: dict[str, list[list[int]]] = {}
+        self.identical_quant: dict[str, int] = {}
         self.alone: dict[tuple[str, str], dict] = {}  # (mode, quantize) -> row a' (--only eagle measures it again)
         self.rss: dict[str, float] = {}
         self.stack: LocalStack | None = None
@@ -213,8 +218,11 @@ class PairRun:
             self.hf_greedy = outputs
         for quantize in ("none", *self.quantized):
             self.progress(f"{mode}: a' target alone, specdec runner ({quantize})")
+            outputs = [] if mode == "greedy" and quantize != "none" else None
             tokens, seconds, weight_bytes = runner_alone(self.target_dir, prompts, temperature, args.new_tokens,
-                                                         self.eos, quantize)
+                                                         self.eos, quantize, outputs)
+            if outputs is not None:
+                self.quant_greedy[quantize] = outputs
             rows.append({"name": "a' target alone (runner)" + ("" if quantize == "none" else f", {quantize}"),
                          "mode": mode, "k": 0, "tokens": tokens, "tokens_per_s": tokens / seconds,
                          "tokens_per_s_runs": [tokens / seconds], "quantize": quantize,
@@ -253,11 +261,18 @@ class PairRun:
                 if mode == "greedy" and self.hf_greedy is not None and quantize == "none":
                     self.identical[f"{row}{label} K={k or 'adaptive'}"] = sum(
                         a == b for a, b in zip(served, self.hf_greedy))
+                self.same_as_quantized(mode, quantize, f"{row}{label} K={k or 'adaptive'}", served)
                 self.bar.update()
         if head:
             self.rss.update({f"{name} (eagle{suffix})": rss_mb(proc.pid) for name, proc in self.stack.procs.items()})
             for mode, temperature in self.modes.items():
                 self.alone_again(mode, temperature, quantize)
+
+    def same_as_quantized(self, mode: str, quantize: str, name: str, served: list[list[int]]) -> None:
+        """A row on the `quantize` target: how many of its greedy outputs are the quantized runner's own."""
+        own = self.quant_greedy.get(quantize)
+        if mode == "greedy" and quantize != "none" and own is not None:
+            self.identical_quant[name] = sum(a == b for a, b in zip(served, own))
 
     def alone_again(self, mode: str, temperature: float, quantize: str) -> None:
         """Row a' once more, right after the g rows it is compared with: its tokens/s becomes the mean of
@@ -285,8 +300,11 @@ class PairRun:
             self.hf_greedy = outputs
         for quantize in ("none", *self.quantized):
             self.progress(f"{mode}: a' target alone, specdec runner ({quantize})")
+            own = [] if mode == "greedy" and quantize != "none" else None
             tokens, seconds, weight_bytes = runner_alone(self.target_dir, prompts, temperature, new_tokens, self.eos,
-                                                         quantize)
+                                                         quantize, own)
+            if own is not None:
+                self.quant_greedy[quantize] = own
             rows.append({"name": "a' target alone (runner)" + ("" if quantize == "none" else f", {quantize}"),
                          "mode": mode, "k": 0, "tokens": tokens, "tokens_per_s": tokens / seconds,
                          "quantize": quantize, "ms_per_pass": seconds * 1e3 / tokens,
@@ -342,6 +360,7 @@ class PairRun:
                 mean_k = stats.draft_tokens / max(1, stats.rounds)
                 rows.append({**row_from_stats(name, mode, k or round(mean_k), stats, seconds), "quantize": quantize,
                              **({"adaptive": True, "mean_k": mean_k} if k is None else {})})
+                self.same_as_quantized(mode, quantize, f"d, {quantize} K={k or 'adaptive'}", served)
                 self.bar.update()
             llama = next((r for r in rows if r["name"].startswith("l ") and r["mode"] == mode), None)
             if llama is not None and args.repeat > 1:
@@ -390,7 +409,8 @@ class PairRun:
         bandwidth = memory_bandwidth_gbs(args.threads)
         floor_lines = floors(rows, bandwidth)
         meta = {"machine": machine(), "threads": args.threads, "rss_mb_peak_and_now": rss,
-                "greedy_identical_to_a": identical, "memory_bandwidth_gbs": bandwidth,
+                "greedy_identical_to_a": identical, "greedy_identical_to_a_prime_quantized": self.identical_quant,
+                "memory_bandwidth_gbs": bandwidth,
                 "int4_kernel": f"specdec {q4_kernel.path()}" if q4_kernel.available()
                 else f"torch (specdec's: {q4_kernel.path()})",
                 "draft_threads": args.draft_threads,
@@ -420,6 +440,9 @@ class PairRun:
         if identical:
             print(f"greedy outputs identical to a's (of {len(self.prompts)}): "
                   + ", ".join(f"{name} {n}" for name, n in identical.items()))
+        if self.identical_quant:
+            print(f"greedy outputs identical to the quantized runner's own, a' int4 (of {len(self.prompts)}): "
+                  + ", ".join(f"{name} {n}" for name, n in self.identical_quant.items()))
         for line in floor_lines + bars(rows):
             print(line)
         print(f"\nwrote {results} and {figure}")

@@ -54,9 +54,11 @@ def hf_generate(target, prompts, temperature: float, new_tokens: int, assistant=
     return outputs, time.perf_counter() - start
 
 
-def runner_alone(target_dir, prompts, temperature: float, new_tokens: int, eos: set[int], quantize: str = "none"):
+def runner_alone(target_dir, prompts, temperature: float, new_tokens: int, eos: set[int], quantize: str = "none",
+                 outputs: list | None = None):
     """The target decoding alone on specdec's ModelRunner, one token per forward (`quantize`: its
-    --quantize). -> (tokens, seconds, bytes of weights one pass reads)"""
+    --quantize); each prompt's generated ids appended to `outputs` when given.
+    -> (tokens, seconds, bytes of weights one pass reads)"""
     from speculative.sampling import logits_to_probs, sample
 
     runner = ModelRunner(target_dir, quantize=quantize)
@@ -74,6 +76,8 @@ def runner_alone(target_dir, prompts, temperature: float, new_tokens: int, eos: 
             generated += 1
             if token in eos:
                 break
+        if outputs is not None:
+            outputs.append(session.tokens[len(prompt):])
         runner.sessions.release(session.id)
     return generated, time.perf_counter() - start, weight_bytes
 
