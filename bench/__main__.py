@@ -207,6 +207,21 @@ class PairRun:
         self.bar.update()
         return outputs
 
+    def runner_row(self, mode: str, temperature: float, quantize: str) -> None:
+        """Row a': the target alone on specdec's runner (`quantize`: its --quantize); greedy on a
+        quantized target, its outputs are the ones that target's rows are compared with."""
+        self.progress(f"{mode}: a' target alone, specdec runner ({quantize})")
+        own = [] if mode == "greedy" and quantize != "none" else None
+        tokens, seconds, weight_bytes = runner_alone(self.target_dir, self.prompts, temperature, self.args.new_tokens,
+                                                     self.eos, quantize, own)
+        if own is not None:
+            self.quant_greedy[quantize] = own
+        self.rows.append({"name": "a' target alone (runner)" + ("" if quantize == "none" else f", {quantize}"),
+                          "mode": mode, "k": 0, "tokens": tokens, "tokens_per_s": tokens / seconds,
+                          "quantize": quantize, "ms_per_pass": seconds * 1e3 / tokens,
+                          "weight_mb": weight_bytes / 1e6})
+        self.bar.update()
+
     def alone_rows(self, mode: str, temperature: float) -> None:
         """`--only eagle`'s baselines: rows a, a' (float and each --quantize) and l."""
         args, prompts, rows = self.args, self.prompts, self.rows
@@ -217,18 +232,9 @@ class PairRun:
         if mode == "greedy":
             self.hf_greedy = outputs
         for quantize in ("none", *self.quantized):
-            self.progress(f"{mode}: a' target alone, specdec runner ({quantize})")
-            outputs = [] if mode == "greedy" and quantize != "none" else None
-            tokens, seconds, weight_bytes = runner_alone(self.target_dir, prompts, temperature, args.new_tokens,
-                                                         self.eos, quantize, outputs)
-            if outputs is not None:
-                self.quant_greedy[quantize] = outputs
-            rows.append({"name": "a' target alone (runner)" + ("" if quantize == "none" else f", {quantize}"),
-                         "mode": mode, "k": 0, "tokens": tokens, "tokens_per_s": tokens / seconds,
-                         "tokens_per_s_runs": [tokens / seconds], "quantize": quantize,
-                         "ms_per_pass": seconds * 1e3 / tokens, "weight_mb": weight_bytes / 1e6})
+            self.runner_row(mode, temperature, quantize)
+            rows[-1]["tokens_per_s_runs"] = [rows[-1]["tokens_per_s"]]
             self.alone[mode, quantize] = rows[-1]
-            self.bar.update()
         ran = (llama_row.run(self.gguf, prompts, temperature, args.new_tokens, args.threads, args.out)
                if self.gguf else None)
         if ran is not None:
@@ -299,17 +305,7 @@ class PairRun:
             self.references = [p + o for p, o in zip(prompts, outputs)]
             self.hf_greedy = outputs
         for quantize in ("none", *self.quantized):
-            self.progress(f"{mode}: a' target alone, specdec runner ({quantize})")
-            own = [] if mode == "greedy" and quantize != "none" else None
-            tokens, seconds, weight_bytes = runner_alone(self.target_dir, prompts, temperature, new_tokens, self.eos,
-                                                         quantize, own)
-            if own is not None:
-                self.quant_greedy[quantize] = own
-            rows.append({"name": "a' target alone (runner)" + ("" if quantize == "none" else f", {quantize}"),
-                         "mode": mode, "k": 0, "tokens": tokens, "tokens_per_s": tokens / seconds,
-                         "quantize": quantize, "ms_per_pass": seconds * 1e3 / tokens,
-                         "weight_mb": weight_bytes / 1e6})
-            self.bar.update()
+            self.runner_row(mode, temperature, quantize)
         for k in self.ks:
             self.progress(f"{mode}: b HF assisted K={k}")
             outputs, seconds = hf_generate(self.target, prompts, temperature, new_tokens, self.assistant, k)

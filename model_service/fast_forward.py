@@ -300,8 +300,7 @@ class FastForward:
         if dtype == self.embed.dtype:
             self.kv_dtype = None
             return
-        c_loop = self.scripted and self.reduce is None and self._runs_q4_layers()
-        if dtype != torch.float16 or not c_loop:
+        if dtype != torch.float16 or not self.runs_c_loop():
             raise ValueError(f"--kv-dtype {str(dtype).removeprefix('torch.')} needs specdec's C++ layer loop (float32"
                              " or int4 weights through specdec's kernels, on a CPU, one rank); this forward keeps"
                              f" {str(self.embed.dtype).removeprefix('torch.')} keys and values")
@@ -388,7 +387,7 @@ class FastForward:
             offset += n
         total = offset
         # specdec's C++ loop does its own attention and row bookkeeping: no slot batch, masks or kept-row index
-        c_loop = self.scripted and self.reduce is None and self._runs_q4_layers()
+        c_loop = self.runs_c_loop()
         if self.kv_dtype is not None and not c_loop:
             raise RuntimeError("float16 keys and values are read by specdec's C++ layer loop alone (set_kv_dtype)")
         slots = None if c_loop else slot_batch(self.pool, feeds, spans)
@@ -510,6 +509,11 @@ class FastForward:
         return scripted.LAYERS_BATCHED(
             x, cos, sin, [cache.data[lo:hi] for _, cache, _ in feeds], [list(span) for span in spans], masks, None,
             [], [], keep, heads, kv_heads, head_dim, self.eps, *args)
+
+    def runs_c_loop(self) -> bool:
+        """Whether passes run in specdec's C++ layer loop: its layers (_runs_q4_layers), on a CPU
+        (scripted), one rank (no reduce)."""
+        return self.scripted and self.reduce is None and self._runs_q4_layers()
 
     def _runs_q4_layers(self) -> bool:
         """Whether a pass runs its layers in specdec's C++ loop (q4_kernel's q4_layers), one sequence

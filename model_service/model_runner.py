@@ -137,7 +137,7 @@ def kv_dtype_for(fast: FastForward, name: str) -> torch.dtype:
     checkpoint's, token for token). FastForward.set_kv_dtype refuses what the forward cannot read."""
     if name != "auto":
         return DTYPES[name]
-    if fast.int4_kernel == "specdec" and fast._runs_q4_layers():
+    if fast.int4_kernel == "specdec" and fast.runs_c_loop():
         return torch.float16
     return fast.embed.dtype
 
