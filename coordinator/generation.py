@@ -151,7 +151,7 @@ class Models:
     tokenizer: Any              # the target's
     vocab_size: int
     eos_token_ids: frozenset[int]
-    max_context: int            # the smaller model's
+    max_context: int            # the target's: what a request's prompt and new tokens may fill
     max_k: int                  # the largest K a request may ask for
     default_k: int              # K (adaptive: its ceiling) where a request does not say
     max_draft_call: int         # the most tokens one call asks the draft for (a pre-draft asks K + 1)
@@ -160,6 +160,7 @@ class Models:
     name: str = ""              # the target's model name: what clients call the model
     decode_steps: int = 1       # the most tokens a round that drafts nothing asks the target for
     feature_layers: tuple[int, ...] = ()  # the target layers the draft reads (an EAGLE head), if any
+    draft_context: int = 0      # the draft's, where shorter than max_context: drafting stops there (0: as max_context)
 
 
 @dataclass
@@ -365,7 +366,7 @@ class Coordinator:
             tokenizer=tokenizer,
             vocab_size=target_info.vocab_size,
             eos_token_ids=frozenset(target_info.eos_token_ids),
-            max_context=min(draft_info.max_context, target_info.max_context),
+            max_context=target_info.max_context,
             max_k=max_k,
             default_k=min(default_k, max_k),
             max_draft_call=least(own, draft_info.max_tokens_per_call),  # a pre-draft asks the draft alone
@@ -376,6 +377,7 @@ class Coordinator:
                             alpha=draft_info.acceptance_prior or DEFAULT_ALPHA, shared_cpus=shared),
             name=target_info.model_name,
             feature_layers=tuple(draft_info.feature_layers),
+            draft_context=min(draft_info.max_context, target_info.max_context),
         )
 
     def ready(self) -> Models:
@@ -441,7 +443,7 @@ class Coordinator:
         eos = frozenset() if request.ignore_eos else models.eos_token_ids
         rounds = speculative_rounds(
             draft, target, plan.prompt, max_new_tokens=plan.max_new_tokens, k=plan.policy, params=plan.params,
-            eos_token_ids=eos, max_context=models.max_context, stats=stats,
+            eos_token_ids=eos, max_context=models.max_context, draft_context=models.draft_context or None, stats=stats,
             session_id=uuid.uuid4().hex, p_min=plan.p_min, predraft=self.limits.predraft,
             max_call_tokens=models.max_draft_call, feature_layers=models.feature_layers, constraint=plan.constraint,
             trace_context=trace_context,

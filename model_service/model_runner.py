@@ -343,10 +343,14 @@ class ModelRunner:
         run; oneDNN makes a primitive per shape), and on SmolLM2 timing it cold fitted a fixed cost
         of 35 ms and no jump past one row, against 23 and 7.6 warm, which made adaptive K draft
         where it did not pay. It takes a second or two on CPU; the coordinator's adaptive K reads
-        the result.
+        the result. A context too short for `context` cached tokens and a shape's new ones after them
+        (--max-context) calibrates on as many as fit; none fit: nothing is timed.
         """
         vocab = max(2, self.vocab_size)
         shapes = [(1, 1), (1, 2), (1, 4), (1, 8), (4, 1), (4, 5), (8, 1), (8, 5), (16, 1), (16, 3), (16, 8)]
+        context = min(context, self.max_context - max(tokens for _, tokens in shapes))
+        if context < 1:
+            return self.pass_cost
         scratch = [Session(f"calibrate-{i}", self.sessions.new_cache(), torch.Generator()) for i in range(16)]
         for i, session in enumerate(scratch):
             session.tokens = [(7 * i + j) % vocab for j in range(context)]

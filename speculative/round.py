@@ -371,6 +371,7 @@ async def generate(
     params: SamplingParams,
     eos_token_ids: frozenset[int] | set[int] = frozenset(),
     max_context: int,
+    draft_context: int | None = None,
     stats: Stats | None = None,
     session_id: str | None = None,
     p_min: float = 0.0,
@@ -384,18 +385,26 @@ async def generate(
     """Yield each round's new tokens until max_new_tokens, the context or an EOS.
 
     k is a fixed number of draft tokens per round or a policy choosing it per round
-    (coordinator/adaptive.py); max_call_tokens caps the tokens one call asks the draft for (a
-    pre-draft asks k + 1); feature_layers: the target layers a feature-reading draft reads (its
-    ModelInfo.feature_layers), feature_window: the rows kept for a draft session started again
-    (FeatureLog); constraint: a structured output the generated tokens follow (both sessions get it
-    on their start; the target masks p with it); trace_context: the request's span, each round's span's
-    parent (runtime/tracing.py). Tokens past an EOS or past max_new_tokens are dropped. Both sessions are
-    released when the generator ends or is closed early.
+    (coordinator/adaptive.py); max_context: the tokens the target's session may hold (the prompt
+    and what is generated); draft_context: the draft's (None: the same), which where it is shorter
+    bounds the drafting, not the request: a round drafts no more than the draft's session has room
+    for, and once the sequence fills it the target decodes on alone (nor does a sequence whose
+    prompt leaves the draft no room ask the target for features); max_call_tokens caps the tokens
+    one call asks the draft for (a pre-draft asks k + 1); feature_layers: the target layers a
+    feature-reading draft reads (its ModelInfo.feature_layers), feature_window: the rows kept for a
+    draft session started again (FeatureLog); constraint: a structured output the generated tokens
+    follow (both sessions get it on their start; the target masks p with it); trace_context: the
+    request's span, each round's span's parent (runtime/tracing.py). Tokens past an EOS or past
+    max_new_tokens are dropped. Both sessions are released when the generator ends or is closed
+    early.
     """
     if isinstance(k, int):
         k = FixedK(k)
     asked_draft = False  # whether any round has called the draft (its session may exist)
     stats = stats if stats is not None else Stats()
+    draft_context = max_context if draft_context is None else draft_context
+    if draft_context - len(prompt) < 1:  # no round can draft: the draft is never called
+        feature_layers = ()
     seq = Sequence(session_id or uuid.uuid4().hex, list(prompt), feature_layers=tuple(feature_layers),
                    features=FeatureLog(feature_window),
                    constraint=constraint.at(len(prompt)) if constraint is not None else None)
@@ -404,14 +413,15 @@ async def generate(
         while stats.generated_tokens < limit:
             remaining = limit - stats.generated_tokens
             start = time.perf_counter()
-            chosen = k.choose(remaining)
+            # the draft's session holds the committed tokens and what it proposes
+            chosen = min(k.choose(remaining), max(0, draft_context - len(seq.tokens)))
             asked_draft = asked_draft or chosen > 0
             # the first token alone (time to first token); later rounds without drafting may ask for more
             steps = k.decode_steps(remaining) if chosen == 0 and stats.rounds else 1
             with tracer.start_as_current_span("round", context=trace_context,
                                               attributes={"specdec.k": chosen, "specdec.decode_steps": steps}) as span:
                 stop = max(p_min, k.stop_below) if chosen else p_min
-                r = await speculative_round(draft, target, seq, chosen, params, stop, predraft, max_context,
+                r = await speculative_round(draft, target, seq, chosen, params, stop, predraft, draft_context,
                                             max_call_tokens, steps)
                 if span.is_recording():
                     span.set_attributes({"specdec.proposed": r.proposed, "specdec.accepted": r.accepted,

@@ -58,19 +58,26 @@ def test_the_default_limit_lets_the_same_request_through_to_the_coordinators_own
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
 
 
-def test_k_is_capped_by_what_the_services_take_a_call(pair):
+def test_k_is_capped_by_what_the_services_take_a_call_and_drafting_by_the_drafts_context(pair, reference):
     """Services taking at most 4 draft tokens a call (--max-tokens-per-call) report it; the
     coordinator (K up to 16 of its own) then offers K <= 4, refuses 5 itself, cuts its default
     K to 4, and its pre-draft (K + 1 tokens) to 4. (Adaptive K may find no round of this
-    disagreeing pair worth drafting, so pre-drafts are counted at the fixed K.)"""
+    disagreeing pair worth drafting, so pre-drafts are counted at the fixed K.) A draft whose
+    context (--max-context 48) is shorter than the target's (512) bounds the drafting, not the
+    requests: the context a request may fill is the target's, and one that runs past the
+    draft's drafts until the draft's session is full, then decodes on; greedy, the target's output."""
     from coordinator.launch import LocalStack
 
     draft, target = pair
     cap = ["--max-tokens-per-call", "4"]
-    with LocalStack(draft, target, draft_args=cap, target_args=cap, coordinator_args=["--predraft"]) as stack, \
-            grpc.insecure_channel(stack.addr) as channel:
+    with LocalStack(draft, target, draft_args=[*cap, "--max-context", "48"], target_args=cap,
+                    coordinator_args=["--predraft"]) as stack, grpc.insecure_channel(stack.addr) as channel:
         stub = pb_grpc.GenerationStub(channel)
         info = stub.GetInfo(pb.GetInfoRequest())
+        assert (info.max_context, info.draft.max_context, info.target.max_context) == (512, 48, 512)
+        reply = stub.Generate(pb.GenerateRequest(prompt="def f(x):", max_new_tokens=120, temperature=0.0,
+                                                 num_speculative_tokens=4))
+        assert list(reply.token_ids) == reference("def f(x):", 120) and reply.stats.draft_tokens > 0
         assert info.max_speculative_tokens == 4 and info.default_speculative_tokens == 4
         assert info.draft.max_tokens_per_call == 4 and info.target.max_tokens_per_call == 4
         with pytest.raises(grpc.RpcError) as err:

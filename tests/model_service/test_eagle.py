@@ -466,3 +466,39 @@ def test_calibration_prices_a_drafted_token_as_one_head_step(eagle, monkeypatch)
     costs = CostModel(PassCost(), cost, overhead_ms=0.0)
     assert costs.round_cost(4, 1, 1) - costs.round_cost(0, 1, 1) == pytest.approx(4 * 2.5)  # four steps
     assert costs.round_cost(4, 4, 4) - costs.round_cost(0, 4, 4) == pytest.approx(4 * (2.0 / 4 + 0.5))
+
+
+def test_a_head_with_a_shorter_context_drafts_until_it_is_full_then_asks_for_no_features(small_vocab_pair,
+                                                                                          tmp_path):
+    """A head whose context (its --max-context, or its config's max_position_embeddings) is shorter
+    than the target's bounds the drafting, not the request (speculative/round.py's draft_context):
+    it drafts from features while its session has room, the target decodes the rest alone, and
+    the output is the target's. A prompt that leaves the head no room asks the target for no
+    features at all."""
+    _, target_dir = small_vocab_pair
+    eagle = EagleDraft.load(make_head(target_dir, tmp_path / "head", std=0.5), target_dir, "cpu", max_context=24)
+    assert eagle.info()["max_context"] == 24
+    runner = ModelRunner(target_dir)
+    target = TargetEngine(runner)
+
+    def go(prompt: list[int], k: int, stats: Stats) -> list[int]:
+        async def rounds():
+            out = []
+            async for new in generate(LocalDraft(eagle), LocalTarget(target), prompt, max_new_tokens=40, k=k,
+                                      params=GREEDY, max_context=runner.max_context, draft_context=24,
+                                      stats=stats, feature_layers=eagle.layers):
+                out += new
+            return out
+
+        return asyncio.run(rounds())
+
+    for prompt in ([5, 1, 4, 9, 10, 7], list(range(2, 12)) * 3):
+        alone, drafted = Stats(), Stats()
+        expected = go(prompt, 0, alone)
+        assert len(expected) == 40 and alone.draft_tokens == 0
+        assert go(prompt, 3, drafted) == expected
+        if len(prompt) < 24:
+            assert drafted.draft_tokens > 0 and drafted.feature_bytes > 0
+        else:  # 30 tokens: no room to draft from the start
+            assert drafted.draft_tokens == 0 and drafted.feature_bytes == 0 and drafted.draft_calls == 0
+    assert len(eagle.sessions) == 0 and len(runner.sessions) == 0

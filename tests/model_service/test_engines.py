@@ -396,6 +396,16 @@ def test_calibrate_fits_the_pass_and_reports_it(runners):
         cost.fixed, cost.per_token, cost.per_session, cost.multi_row, cost.free_rows]
 
 
+def test_a_context_shorter_than_the_calibrations_calibrates_on_what_fits(pair):
+    """--max-context below calibrate's 64 cached tokens + 8 new ones (a draft's context cut short)
+    once failed the service's start (a scratch session past the context); it times passes on as
+    many cached tokens as fit, and a context that fits no shape times nothing."""
+    _, target_dir = pair
+    cost = ModelRunner(target_dir, max_context=24).calibrate(reps=1)
+    assert cost(2, 1) >= cost(1, 1) > 0.0
+    assert ModelRunner(target_dir, max_context=8).calibrate(reps=1) == PassCost()
+
+
 @pytest.mark.parametrize("truth", [PassCost(fixed=34.0, per_token=1.3, per_session=0.1, multi_row=2.0, free_rows=8),
                                    PassCost(fixed=8.0, per_token=0.2, per_session=0.4),
                                    PassCost(fixed=7.0, per_token=1.4, free_rows=4)])
