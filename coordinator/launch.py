@@ -71,22 +71,21 @@ def model_pair(draft: str | Path | None, target: str | Path | None,
     return draft or default_model("eagle" if method == "eagle" else "draft"), target
 
 
-def draft_method(flag: str, draft_model: str | Path | None, tensor_parallel_size: int = 1) -> str:
-    """--draft-method: auto is eagle where no --draft-model is named, the target is not
-    tensor-parallel (its ranks do not send hidden states) and models/eagle exists and beats the
-    distilled draft: its card's acceptance at K = 4 in specdec's round (eagle.json, written by
+def draft_method(flag: str, draft_model: str | Path | None) -> str:
+    """--draft-method: auto is eagle where no --draft-model is named and models/eagle exists and
+    beats the distilled draft: its card's acceptance at K = 4 in specdec's round (eagle.json, written by
     `python -m training.acceptance --write`) at least the distilled draft's (distill.json), on the
     same held-out prompts (the head costs less per drafted token); else model."""
     if flag != "auto":
         return flag
-    cards = auto_cards(draft_model, tensor_parallel_size)
+    cards = auto_cards(draft_model)
     return "eagle" if cards is not None and cards[0] >= max(cards[1], 1e-9) else "model"
 
 
-def auto_cards(draft_model: str | Path | None, tensor_parallel_size: int = 1) -> tuple[float, float] | None:
+def auto_cards(draft_model: str | Path | None) -> tuple[float, float] | None:
     """(the head's card acceptance, the distilled draft's) where --draft-method auto weighs
     models/eagle against models/draft; None where it cannot pick the head (see draft_method)."""
-    if draft_model is not None or tensor_parallel_size != 1 or not (EAGLE / "config.json").is_file():
+    if draft_model is not None or not (EAGLE / "config.json").is_file():
         return None
     return card_acceptance(EAGLE / "eagle.json"), card_acceptance(DRAFT / "distill.json")
 
@@ -302,8 +301,8 @@ def main(argv=None, prog: str = "python -m coordinator.launch") -> int:
     parser.add_argument("--draft-method", default="auto", choices=["auto", "model", "ngram", "eagle"],
                         help="the drafts' drafting method: model (--draft-model), ngram (prompt lookup, no model),"
                              " eagle (--draft-model is an EAGLE-3 head, default models/eagle); auto: eagle where"
-                             " models/eagle holds a head whose card's acceptance beats the distilled draft's, no"
-                             " --draft-model is named and the target is not tensor-parallel, else model")
+                             " models/eagle holds a head whose card's acceptance beats the distilled draft's and no"
+                             " --draft-model is named, else model")
     parser.add_argument("--draft-replicas", type=int, default=1, help="draft services behind the coordinator")
     parser.add_argument("--target-replicas", type=int, default=1, help="target services behind the coordinator")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -322,8 +321,8 @@ def main(argv=None, prog: str = "python -m coordinator.launch") -> int:
     parser.add_argument("--no-chat", action="store_true", help="send the demo prompt as plain text, not as a chat message")
     args = parser.parse_args(argv)
 
-    cards = auto_cards(args.draft_model, args.tensor_parallel_size) if args.draft_method == "auto" else None
-    args.draft_method = draft_method(args.draft_method, args.draft_model, args.tensor_parallel_size)
+    cards = auto_cards(args.draft_model) if args.draft_method == "auto" else None
+    args.draft_method = draft_method(args.draft_method, args.draft_model)
     if cards is not None and cards[0] > 0 and args.draft_method == "model":  # (kept for the head's acceptance)
         print(f"--draft-method auto: the distilled draft, not the EAGLE-3 head ({EAGLE}): its acceptance at K = 4"
               f" {cards[0]:.3f} < the draft's {cards[1]:.3f} (--draft-method eagle runs it)", flush=True)

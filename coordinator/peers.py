@@ -377,9 +377,7 @@ def check_compatible(draft: pb.ModelInfo, target: pb.ModelInfo) -> None:
         )
     if draft.feature_layers:  # a draft that reads the target's hidden states (an EAGLE head)
         layers = list(draft.feature_layers)
-        if target.tensor_parallel_size > 1:
-            problems.append("the draft reads the target's hidden states, which a tensor-parallel target does not send")
-        elif not target.num_hidden_layers or not target.hidden_size:
+        if not target.num_hidden_layers or not target.hidden_size:
             problems.append("the draft reads the target's hidden states; this target does not say its layers (an older"
                             " service)")
         elif max(layers) >= target.num_hidden_layers:

@@ -311,8 +311,6 @@ class TargetEngine(RunnerEngine):
             if not call.append:
                 raise InvalidRequest("a new session needs its prompt in `append`")
             layers = features.check_layers(tuple(call.feature_layers), runner.num_hidden_layers)
-            if layers and runner.tp is not None:
-                raise InvalidRequest("this target is tensor-parallel: it cannot send feature layers to a draft")
             runner.check_context(call.session_id, len(call.append) + k, pending=pending)
             ruled = self.grammars.session(call.constraint) if call.constraint is not None else None
             session = runner.start_session(call.session_id, call.params.seed)

@@ -497,9 +497,7 @@ class ModelRunner:
             passes = [(new, s.cache, n) for new, (s, n) in zip(news, feeds)]
             if not capture:
                 logits = self.fast.many(passes)
-            elif self.tp is not None:  # the ranks' forward does not hand back its layers' inputs (yet)
-                raise InvalidRequest("this target is tensor-parallel: it cannot send feature layers to a draft")
-            else:
+            else:  # (tensor-parallel: rank 0's, ShardedForward.many_capturing)
                 logits, captured = self.fast.many_capturing(passes, capture)
                 states = list(zip(starts, captured.split([len(new) for new in news])))
         else:

@@ -182,6 +182,14 @@ class ShardedForward:
         return cache
 
     def many(self, feeds):
+        return self.many_capturing(feeds, ())[0]
+
+    def many_capturing(self, feeds, capture: tuple[int, ...]):
+        """FastForward.many_capturing over the ranks: the pass announced, then run on every rank;
+        rank 0 alone copies the `capture` layers' inputs out. Those are whole on every rank (each
+        attention and MLP block's all-reduce completes the residual stream before the next layer
+        reads it), and copying them out adds no collective: the other ranks' plain pass makes the
+        same ones in the same order."""
         import torch.distributed as dist
 
         if self.failed:
@@ -192,7 +200,7 @@ class ShardedForward:
         plan = [(cache.key, cache.length, list(input_ids), num_logits) for input_ids, cache, num_logits in feeds]
         try:
             dist.broadcast_object_list([(plan, dropped)], src=0, group=self.control)
-            return self.fast.many(feeds)
+            return self.fast.many_capturing(feeds, capture)
         except (RuntimeError, dist.DistBackendError) as exc:
             self.failed = self._lost_message(exc)
             self.broken.set()

@@ -67,14 +67,14 @@ def test_quantize_reaches_both_model_services(stacks, capsys, argv, target_tail,
 
 @pytest.mark.parametrize("argv, acceptance, method", [([], 0.3, "eagle"), (["--quantize", "int4"], 0.3, "eagle"),
                                                       ([], 0.1, "model"), ([], None, "model"),
-                                                      (["--tensor-parallel-size", "3"], 0.3, "model"),
+                                                      (["--tensor-parallel-size", "3"], 0.3, "eagle"),
                                                       (["--draft-model", "elsewhere"], 0.3, "model"),
                                                       (["--draft-method", "model"], 0.3, "model")])
 def test_auto_drafts_with_the_eagle_head_where_it_beats_the_draft(stacks, capsys, tmp_path, argv, acceptance,
                                                                   method):
     """models/eagle present and its card's acceptance at least the distilled draft's: the head
-    drafts, from the target's hidden states (not for a tensor-parallel target, which sends none,
-    nor where another draft is named); a head that accepts less, or never measured, does not."""
+    drafts, from the target's hidden states (a tensor-parallel target's too: its rank 0 sends them),
+    not where another draft is named; a head that accepts less, or never measured, does not."""
     (tmp_path / "eagle").mkdir()
     (tmp_path / "eagle" / "config.json").write_text("{}")
     if acceptance is not None:

@@ -191,3 +191,59 @@ def test_info_reports_the_size(runners):
     assert all(load["load_seconds"] > 0 for load in sharded.info()["rank_loads"])
 
 
+
+
+def test_features_are_the_whole_models_through_rollbacks(runners):
+    """Rank 0 copies the feature layers' inputs out of its pass (ShardedForward.many_capturing): the
+    residual stream is whole on every rank, so they are the unsharded forward's, row for row."""
+    whole, sharded = runners
+    a, b = both(runners, "features", list(range(3, 30)))
+    layers = (1, 0, 1)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(4):
+        (_, [(start_a, x)]), (_, [(start_b, y)]) = (runner.forward_capturing([(s, 1)], layers)
+                                                    for runner, s in zip(runners, (a, b)))
+        assert start_a == start_b and x.shape == y.shape == (len(a.tokens) - start_a, 3, whole.hidden_size)
+        assert (x - y).abs().max().item() < ATOL, step
+        keep = len(a.tokens) - int(torch.randint(0, 3, (), generator=generator))
+        new = torch.randint(0, whole.vocab_size, (1 + step,), generator=generator).tolist()
+        for session in (a, b):
+            session.truncate(keep)
+            session.tokens.extend(new)
+    for runner in runners:
+        runner.sessions.release("features")
+
+
+def test_an_eagle_head_drafts_for_a_sharded_target_as_for_a_whole_one(runners, pair, tmp_path):
+    """The round with an EAGLE head reading a tensor-parallel target's features: greedy, the
+    output the unsharded target gives with the same head, rollbacks included."""
+    import asyncio
+
+    from model_service.eagle import EagleDraft
+    from model_service.engines import TargetEngine
+    from model_service.local import LocalDraft, LocalTarget
+    from speculative.protocol import SamplingParams
+    from speculative.round import Stats, generate
+    from tests.model_service.test_eagle import make_head
+
+    whole, sharded = runners
+    _, target_dir = pair
+    head = make_head(target_dir, tmp_path / "head", std=0.5)
+
+    def run(runner: ModelRunner, stats: Stats) -> list[int]:
+        eagle = EagleDraft.load(head, target_dir, "cpu", lookup=range(0))
+
+        async def go() -> list[int]:
+            out = []
+            async for new in generate(LocalDraft(eagle), LocalTarget(TargetEngine(runner)), [5, 17, 42, 9, 100, 7],
+                                      max_new_tokens=40, k=3, params=SamplingParams(0.0), max_context=256,
+                                      stats=stats, feature_layers=eagle.layers):
+                out += new
+            return out
+
+        return asyncio.run(go())
+
+    expected, got = Stats(), Stats()
+    assert run(sharded, got) == run(whole, expected)
+    assert got.feature_bytes > 0 and got.draft_tokens > 0 and got.rejected_rounds > 0
+    assert len(sharded.sessions) == 0
