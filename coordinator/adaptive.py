@@ -172,22 +172,25 @@ class AcceptanceK:
     load, so a seeded sampled request under it would draw differently from run to run. This
     policy reads nothing but the request's own rounds, so its K sequence, and with it its
     output, is a function of the request: the coordinator gives it to sampled requests that
-    name their seed. The price: it does not back off under load.
+    name their seed. The price: it does not back off under load. It drafts nothing only for a
+    request's last token and past a draft's context (speculative.round.generate's draft_context),
+    where each round decodes `steps` tokens: how many a call carries changes no token drawn.
     """
 
     adaptive = True
     stop_below = 0.0  # (its K sequence reads nothing but the request: neither does where the draft stops)
 
-    def __init__(self, k_max: int, costs: CostModel | None = None):
+    def __init__(self, k_max: int, costs: CostModel | None = None, steps: int = 1):
         self.k = k_max
         self.next = max(1, k_max // 2)
         self.costs = costs  # fed (for the other requests' AdaptiveK), never read
+        self.steps = steps
 
     def choose(self, remaining: int) -> int:
         return max(0, min(self.next, self.k, remaining - 1))
 
     def decode_steps(self, remaining: int) -> int:
-        return 1  # K = 0 only for a request's last token
+        return max(1, min(self.steps, remaining))
 
     def observe(self, r: Round, wall_ms: float) -> None:
         if self.costs is not None:

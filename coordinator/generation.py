@@ -292,7 +292,9 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
     if not adaptive:
         policy = FixedK(k, models.costs.decode_steps(steps))
     elif params.temperature > 0 and seeded:
-        policy = AcceptanceK(k, models.costs)  # reads no timings: the seed reproduces the output under any load
+        # its K reads no timings: the seed reproduces the output under any load (a K = 0 round's steps are
+        # read from them once, as FixedK's: they change the round trips, not the tokens)
+        policy = AcceptanceK(k, models.costs, models.costs.decode_steps(steps))
     else:
         policy = AdaptiveK(models.costs, k, steps)
     if request.constraint is not None:

@@ -53,7 +53,8 @@ class KPolicy(Protocol):
     # the larger of it and the request's); 0 where the policy never stops the draft
     stop_below: float
 
-    def choose(self, remaining: int) -> int: ...  # remaining: tokens still to generate (K < remaining)
+    # remaining: tokens still to generate, or fewer where the draft has less room (K < remaining)
+    def choose(self, remaining: int) -> int: ...
 
     def decode_steps(self, remaining: int) -> int: ...  # tokens a round that drafts nothing asks the target for
 
@@ -413,8 +414,9 @@ async def generate(
         while stats.generated_tokens < limit:
             remaining = limit - stats.generated_tokens
             start = time.perf_counter()
-            # the draft's session holds the committed tokens and what it proposes
-            chosen = min(k.choose(remaining), max(0, draft_context - len(seq.tokens)))
+            # K < what is left to generate, and no more than the draft's session has room for beside
+            # the committed tokens (told as such, a policy neither drafts nor probes past it)
+            chosen = k.choose(min(remaining, max(0, draft_context - len(seq.tokens)) + 1))
             asked_draft = asked_draft or chosen > 0
             # the first token alone (time to first token); later rounds without drafting may ask for more
             steps = k.decode_steps(remaining) if chosen == 0 and stats.rounds else 1

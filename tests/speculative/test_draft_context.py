@@ -11,8 +11,9 @@ import pytest
 from model_service.engines import DraftEngine, TargetEngine
 from model_service.local import LocalDraft, LocalTarget
 from model_service.model_runner import ModelRunner
+from coordinator.adaptive import AcceptanceK
 from speculative.protocol import SamplingParams
-from speculative.round import Stats, generate
+from speculative.round import FixedK, Stats, generate
 from speculative.tiny import make_model, make_tokenizer
 
 GREEDY = SamplingParams(0.0)
@@ -39,12 +40,12 @@ def model_dir(tmp_path_factory):
     return make_model(tmp / "m", tokenizer, hidden=32, layers=1, heads=2, kv_heads=1, max_context=128, init_std=0.3)
 
 
-def run(draft: Watched, target: ModelRunner, prompt: list[int], n: int, k: int, predraft: bool,
-        stats: Stats) -> list[int]:
+def run(draft: Watched, target: ModelRunner, prompt: list[int], n: int, k, predraft: bool,
+        stats: Stats, params: SamplingParams = GREEDY) -> list[int]:
     async def go() -> list[int]:
         out = []
         async for new in generate(draft, LocalTarget(TargetEngine(target)), prompt, max_new_tokens=n, k=k,
-                                  params=GREEDY, max_context=target.max_context,
+                                  params=params, max_context=target.max_context,
                                   draft_context=draft.engine.runner.max_context, stats=stats, predraft=predraft):
             out += new
         return out
@@ -89,3 +90,39 @@ def test_a_prompt_past_the_drafts_context_is_decoded_by_the_target_alone(model_d
     stats = Stats()
     assert run(draft, target, prompt, 20, 4, False, stats) == expected
     assert draft.held == [] and stats.draft_tokens == 0
+
+
+class Told(FixedK):
+    """FixedK that records what each choice was told was left (K < it)."""
+
+    def __init__(self, k: int, steps: int = 1):
+        super().__init__(k, steps)
+        self.told: list[int] = []
+
+    def choose(self, remaining: int) -> int:
+        self.told.append(remaining)
+        return super().choose(remaining)
+
+
+def test_the_policy_is_told_the_drafts_room_and_a_seeded_policy_decodes_several_tokens_past_it(model_dir):
+    """The K policy learns the room (an adaptive one then neither drafts nor probes past the
+    draft's context), and AcceptanceK, the seeded sampled requests' policy, decodes past it
+    `steps` tokens a round: the same tokens as one a round, in fewer rounds."""
+    target = ModelRunner(model_dir)
+    prompt = [2 + i % 9 for i in range(10)]
+    told = Told(4)
+    run(Watched(DraftEngine(ModelRunner(model_dir, max_context=DRAFT_CONTEXT))), target, prompt, 60, told, False,
+        Stats())
+    assert told.told[0] == DRAFT_CONTEXT - len(prompt) + 1  # the room, not the 60 tokens left
+    assert told.told[-1] == 1  # past the context: none (K < 1)
+    assert sum(r == 1 for r in told.told) > 20
+    seeded = SamplingParams(1.0, seed=3)
+    outs, rounds = [], []
+    for steps in (1, 8):
+        stats = Stats()
+        draft = Watched(DraftEngine(ModelRunner(model_dir, max_context=DRAFT_CONTEXT)))
+        outs.append(run(draft, target, prompt, 60, AcceptanceK(4, None, steps), False, stats, seeded))
+        rounds.append(stats.rounds)
+        assert stats.draft_tokens > 0
+    assert outs[0] == outs[1] and len(outs[0]) == 60
+    assert rounds[1] < rounds[0] - 15
