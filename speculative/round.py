@@ -217,7 +217,8 @@ async def speculative_round(
     seq.tokens.append(verdict.token)
     seq.tokens.extend(verdict.decoded)
     seq.target_seen = len(seq.tokens)
-    seq.features.add(verdict.features, seq.draft_featured)
+    if seq.feature_layers:
+        seq.features.add(verdict.features, seq.draft_featured)
     hit = False
     if k > 0:
         # the draft keeps the accepted proposals; the rest are rolled back next call
@@ -389,8 +390,9 @@ async def generate(
     (coordinator/adaptive.py); max_context: the tokens the target's session may hold (the prompt
     and what is generated); draft_context: the draft's (None: the same), which where it is shorter
     bounds the drafting, not the request: a round drafts no more than the draft's session has room
-    for, and once the sequence fills it the target decodes on alone (nor does a sequence whose
-    prompt leaves the draft no room ask the target for features); max_call_tokens caps the tokens
+    for, and once the sequence fills it the target decodes on alone and the draft's session is
+    released (nor does a sequence whose prompt leaves the draft no room ask the target for
+    features); max_call_tokens caps the tokens
     one call asks the draft for (a pre-draft asks k + 1); feature_layers: the target layers a
     feature-reading draft reads (its ModelInfo.feature_layers), feature_window: the rows kept for a
     draft session started again (FeatureLog); constraint: a structured output the generated tokens
@@ -437,6 +439,13 @@ async def generate(
                     new = new[: i + 1]
                     break
             stats.generated_tokens += len(new)
+            if asked_draft and len(seq.tokens) >= draft_context:
+                # the draft can take no more: its session goes now, not at the end (its memory and its
+                # place in --max-sessions), and the target's rows for it are no longer kept
+                await asyncio.gather(draft.release(seq.session_id), return_exceptions=True)
+                asked_draft = False
+                seq.draft_lost()
+                seq.feature_layers, seq.features = (), FeatureLog(feature_window)
             yield new
             if new[-1] in eos_token_ids:
                 return

@@ -23,9 +23,15 @@ DRAFT_CONTEXT = 40
 class Watched(LocalDraft):
     """A LocalDraft that records, after each call, how many tokens the session holds."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, stats: Stats | None = None):
         super().__init__(engine)
         self.held: list[int] = []
+        self.stats = stats
+        self.released: list[int] = []  # the rounds run when each release came
+
+    async def release(self, session_id):
+        self.released.append(self.stats.rounds if self.stats is not None else -1)
+        await super().release(session_id)
 
     async def propose(self, call, **kwargs):
         result = await super().propose(call, **kwargs)
@@ -65,16 +71,18 @@ def alone(target: ModelRunner, prompt: list[int], n: int) -> list[int]:
 def test_drafting_stops_where_the_drafts_context_ends_and_the_request_goes_on(model_dir, predraft):
     """The target drafting for itself (its guesses hold) through a draft session of 40 tokens: the
     request runs to 90 tokens, the draft's session never passes 40 (the draft would refuse it: the
-    request would fail), it drafts up to that, and then the target alone decodes the rest; the
-    output is the target's."""
+    request would fail), it drafts up to that, its session is released, and then the target alone
+    decodes the rest; the output is the target's."""
     target = ModelRunner(model_dir)
     assert target.max_context == 128
     prompt = [2 + i % 9 for i in range(10)]
     expected = alone(target, prompt, 80)
     assert len(expected) == 80
-    draft = Watched(DraftEngine(ModelRunner(model_dir, max_context=DRAFT_CONTEXT)))
     stats = Stats()
+    draft = Watched(DraftEngine(ModelRunner(model_dir, max_context=DRAFT_CONTEXT)), stats)
     assert run(draft, target, prompt, 80, 4, predraft, stats) == expected
+    # its session was released once it was full, long before the request's end, and only then
+    assert len(draft.released) == 1 and draft.released[0] < stats.rounds - 10
     # it drafted up to its context's end (a round of 4 short of it, at most)...
     assert DRAFT_CONTEXT - 4 <= max(draft.held) <= DRAFT_CONTEXT
     assert stats.draft_tokens >= (DRAFT_CONTEXT - len(prompt)) * 4 // 5 - 4
