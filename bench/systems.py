@@ -96,7 +96,8 @@ def memory_bandwidth_gbs(threads: int) -> float:
 
 def engine_run(draft_dir, target_dir, prompts, temperature: float, new_tokens: int, k: int, eos: set[int]):
     """specdec's round in one process. -> (Stats, seconds)"""
-    draft, target = LocalDraft(DraftEngine(ModelRunner(draft_dir))), LocalTarget(TargetEngine(ModelRunner(target_dir)))
+    draft_runner, target_runner = ModelRunner(draft_dir), ModelRunner(target_dir)
+    draft, target = LocalDraft(DraftEngine(draft_runner)), LocalTarget(TargetEngine(target_runner))
     stats = Stats()
 
     async def run() -> float:
@@ -105,7 +106,8 @@ def engine_run(draft_dir, target_dir, prompts, temperature: float, new_tokens: i
             params = SamplingParams(temperature, 0, 1.0, seed=i)
             one = Stats()  # generate() counts toward max_new_tokens in the Stats it is given
             async for _ in generate(draft, target, prompt, max_new_tokens=new_tokens, k=k, params=params,
-                                    eos_token_ids=eos, max_context=draft.engine.runner.max_context, stats=one):
+                                    eos_token_ids=eos, max_context=target_runner.max_context,
+                                    draft_context=draft_runner.max_context, stats=one):
                 pass
             stats.merge(one)
         return time.perf_counter() - start

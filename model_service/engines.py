@@ -320,6 +320,8 @@ class TargetEngine(RunnerEngine):
             session = runner.sessions.get(call.session_id)
             runner.check_context(call.session_id, len(session.tokens) + len(call.append) + k, len(session.tokens),
                                  pending)
+            if call.drop_features:
+                session.feature_layers = ()
         committed = len(session.tokens) + len(call.append)
         session.tokens.extend(call.append)
         session.tokens.extend(proposal.tokens)

@@ -47,8 +47,8 @@ from .grammar import Grammars
 from .model_runner import Timer, saved_tokenizer_files, tokenizer_fields
 from .sessions import Session, SessionTable
 
-NGRAM_CONTEXT = 1 << 20  # tokens a session may hold unless --max-context says fewer (the coordinator
-# takes the smaller of the draft's and the target's)
+NGRAM_CONTEXT = 1 << 20  # tokens a session may hold unless --max-context says fewer (past the draft's
+# context the coordinator drafts no more: speculative.round.generate's draft_context)
 
 
 class NgramIndex:

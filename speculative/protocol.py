@@ -218,6 +218,7 @@ class VerifyCall:
     feature_layers: tuple[int, ...] = ()  # on start: the layers whose hidden states each answer returns
     constraint: Constraint | None = None  # on start: the structured output the session follows (p is masked)
     trace: str = ""      # as ProposeCall.trace
+    drop_features: bool = False  # the session's answers carry no more feature rows from this call on
 
 
 @dataclass
@@ -362,13 +363,14 @@ def verify_call_to_proto(call: VerifyCall, turn: tuple[int, int] = (0, 0)) -> pb
                             proposal=proposal_to_proto(call.proposal), sampling=params_to_proto(call.params),
                             turn_id=turn[0], turn_size=turn[1], decode_steps=call.steps if call.steps > 1 else 0,
                             feature_layers=call.feature_layers, constraint=constraint_to_proto(call.constraint),
-                            traceparent=call.trace)
+                            traceparent=call.trace, drop_features=call.drop_features)
 
 
 def verify_call_from_proto(msg: pb.VerifyRequest) -> VerifyCall:
     return VerifyCall(msg.session_id, msg.start, list(msg.append), proposal_from_proto(msg.proposal),
                       params_from_proto(msg.sampling), max(1, msg.decode_steps), tuple(msg.feature_layers),
-                      constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None, msg.traceparent)
+                      constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None, msg.traceparent,
+                      msg.drop_features)
 
 
 def verdict_to_proto(verdict: Verdict, cost: Cost) -> pb.VerifyResponse:

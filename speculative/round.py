@@ -135,6 +135,7 @@ class Sequence:
     features: FeatureLog = field(default_factory=FeatureLog)
     draft_featured: int = 0      # the draft session holds feature rows up to this position
     constraint: Constraint | None = None  # the structured output both sessions follow (given on their start)
+    drop_features: bool = False  # the target session is to send no more feature rows: said on its next verify
 
     def draft_lost(self) -> None:
         """The draft session is gone: the next draft call starts it again."""
@@ -160,7 +161,7 @@ class Round:
 
 async def speculative_round(
     draft: DraftPeer, target: TargetPeer, seq: Sequence, k: int, params: SamplingParams, p_min: float = 0.0,
-    predraft: bool = False, max_context: int | None = None, max_call_tokens: int | None = None, steps: int = 1,
+    predraft: bool = False, draft_context: int | None = None, max_call_tokens: int | None = None, steps: int = 1,
 ) -> Round:
     """One round: the draft proposes up to k tokens, the target verifies them in one pass.
 
@@ -175,7 +176,7 @@ async def speculative_round(
     is the next round's proposal and the next round skips its draft call; otherwise it is
     rolled back with the rejected tokens. Exactness is unaffected: each token kept was drawn
     from the q it is verified against, on the very prefix the target commits. The pre-draft is
-    cut to what the draft session's context (max_context) and one call (max_call_tokens) allow,
+    cut to what the draft session's context (draft_context) and one call (max_call_tokens) allow,
     and skipped where that is nothing.
     """
     if seq.feature_layers and not seq.features.end:
@@ -199,8 +200,8 @@ async def speculative_round(
         ahead_k = k + 1
         if max_call_tokens is not None:
             ahead_k = min(ahead_k, max_call_tokens)
-        if max_context is not None:  # the draft session holds the committed tokens and `held` proposals
-            ahead_k = min(ahead_k, max_context - len(seq.tokens) - held)
+        if draft_context is not None:  # the draft session holds the committed tokens and `held` proposals
+            ahead_k = min(ahead_k, draft_context - len(seq.tokens) - held)
     if ahead_k > 0:
         (verdict, target_cost), predrafted = await asyncio.gather(
             verify, _unless_lost(draft.propose(ProposeCall(seq.session_id, False, 0, [], ahead_k, params, p_min))))
@@ -272,10 +273,13 @@ async def _verify(target: TargetPeer, seq: Sequence, proposal: Proposal, params:
     """The target's verdict on the proposal, from a session started again if the target lost it."""
     if seq.target_seen:
         try:
-            return await target.verify(VerifyCall(seq.session_id, False, seq.tokens[seq.target_seen :], proposal,
-                                                  params, steps))
+            answer = await target.verify(VerifyCall(seq.session_id, False, seq.tokens[seq.target_seen :], proposal,
+                                                    params, steps, drop_features=seq.drop_features))
+            seq.drop_features = False
+            return answer
         except SessionLost:
             seq.target_seen = 0
+    seq.drop_features = False  # (a new session asks for seq.feature_layers, none once dropped)
     return await target.verify(VerifyCall(seq.session_id, True, seq.tokens[:], proposal, params, steps,
                                           seq.feature_layers, seq.constraint))
 
@@ -390,23 +394,24 @@ async def generate(
     (coordinator/adaptive.py); max_context: the tokens the target's session may hold (the prompt
     and what is generated); draft_context: the draft's (None: the same), which where it is shorter
     bounds the drafting, not the request: a round drafts no more than the draft's session has room
-    for, and once the sequence fills it the target decodes on alone and the draft's session is
-    released (nor does a sequence whose prompt leaves the draft no room ask the target for
-    features); max_call_tokens caps the tokens
-    one call asks the draft for (a pre-draft asks k + 1); feature_layers: the target layers a
-    feature-reading draft reads (its ModelInfo.feature_layers), feature_window: the rows kept for a
-    draft session started again (FeatureLog); constraint: a structured output the generated tokens
-    follow (both sessions get it on their start; the target masks p with it); trace_context: the
-    request's span, each round's span's parent (runtime/tracing.py). Tokens past an EOS or past
-    max_new_tokens are dropped. Both sessions are released when the generator ends or is closed
-    early.
+    for, and once the sequence fills it the draft's session is released, the target is told to send
+    no more feature rows and decodes on alone (a sequence whose prompt leaves the draft no room asks
+    for none); max_call_tokens caps the tokens one call asks the draft for (a pre-draft asks k + 1);
+    feature_layers: the target layers a feature-reading draft reads (its ModelInfo.feature_layers),
+    feature_window: the rows kept for a draft session started again (FeatureLog); constraint: a
+    structured output the generated tokens follow (both sessions get it on their start; the target
+    masks p with it); trace_context: the request's span, each round's span's parent
+    (runtime/tracing.py). Tokens past an EOS or past max_new_tokens are dropped. Both sessions are
+    released when the generator ends or is closed early.
     """
     if isinstance(k, int):
         k = FixedK(k)
     asked_draft = False  # whether any round has called the draft (its session may exist)
     stats = stats if stats is not None else Stats()
     draft_context = max_context if draft_context is None else draft_context
-    if draft_context - len(prompt) < 1:  # no round can draft: the draft is never called
+    # no round can draft (a feature-reading draft's first round cannot, and commits one token): the
+    # draft is never called, nor are features asked for
+    if draft_context - len(prompt) < (2 if feature_layers else 1):
         feature_layers = ()
     seq = Sequence(session_id or uuid.uuid4().hex, list(prompt), feature_layers=tuple(feature_layers),
                    features=FeatureLog(feature_window),
@@ -425,8 +430,8 @@ async def generate(
             with tracer.start_as_current_span("round", context=trace_context,
                                               attributes={"specdec.k": chosen, "specdec.decode_steps": steps}) as span:
                 stop = max(p_min, k.stop_below) if chosen else p_min
-                r = await speculative_round(draft, target, seq, chosen, params, stop, predraft, draft_context,
-                                            max_call_tokens, steps)
+                r = await speculative_round(draft, target, seq, chosen, params, stop, predraft,
+                                            draft_context=draft_context, max_call_tokens=max_call_tokens, steps=steps)
                 if span.is_recording():
                     span.set_attributes({"specdec.proposed": r.proposed, "specdec.accepted": r.accepted,
                                          "specdec.tokens": len(r.tokens), "specdec.predraft_hit": r.predraft_hit,
@@ -439,13 +444,15 @@ async def generate(
                     new = new[: i + 1]
                     break
             stats.generated_tokens += len(new)
-            if asked_draft and len(seq.tokens) >= draft_context:
+            if len(seq.tokens) >= draft_context and (asked_draft or seq.feature_layers):
                 # the draft can take no more: its session goes now, not at the end (its memory and its
-                # place in --max-sessions), and the target's rows for it are no longer kept
-                await asyncio.gather(draft.release(seq.session_id), return_exceptions=True)
-                asked_draft = False
-                seq.draft_lost()
-                seq.feature_layers, seq.features = (), FeatureLog(feature_window)
+                # place in --max-sessions), and the target sends no more rows for it
+                if asked_draft:
+                    await asyncio.shield(asyncio.gather(draft.release(seq.session_id), return_exceptions=True))
+                    asked_draft = False
+                    seq.draft_lost()
+                if seq.feature_layers:
+                    seq.feature_layers, seq.features, seq.drop_features = (), FeatureLog(feature_window), True
             yield new
             if new[-1] in eos_token_ids:
                 return

@@ -51,6 +51,7 @@ async def _acceptance(draft_dir: Path, target_dir: Path, prompts, k: int, new_to
             params=SamplingParams(0.0),
             eos_token_ids=set(target_runner.eos_token_ids),
             max_context=target_runner.max_context,
+            draft_context=method.info()["max_context"],
             stats=stats,
             session_id=f"prompt-{i}",
             feature_layers=layers,

@@ -492,13 +492,16 @@ def test_a_head_with_a_shorter_context_drafts_until_it_is_full_then_asks_for_no_
 
         return asyncio.run(rounds())
 
-    for prompt in ([5, 1, 4, 9, 10, 7], list(range(2, 12)) * 3):
+    for prompt in ([5, 1, 4, 9, 10, 7], [2 + i % 9 for i in range(23)], list(range(2, 12)) * 3):
         alone, drafted = Stats(), Stats()
         expected = go(prompt, 0, alone)
         assert len(expected) == 40 and alone.draft_tokens == 0
         assert go(prompt, 3, drafted) == expected
-        if len(prompt) < 24:
-            assert drafted.draft_tokens > 0 and drafted.feature_bytes > 0
-        else:  # 30 tokens: no room to draft from the start
+        if len(prompt) < 23:
+            # rows up to the head's context only: once it is full the target is told to send no more
+            assert drafted.draft_tokens > 0 and 0 < drafted.feature_bytes <= (24 + 4) * 2 * eagle.width
+        elif len(prompt) == 23:  # the head could draft from features only after the first round, which fills it
+            assert drafted.feature_bytes == 0
+        else:  # no room at all: the draft is never called
             assert drafted.draft_tokens == 0 and drafted.feature_bytes == 0 and drafted.draft_calls == 0
     assert len(eagle.sessions) == 0 and len(runner.sessions) == 0

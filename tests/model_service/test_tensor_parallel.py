@@ -191,8 +191,6 @@ def test_info_reports_the_size(runners):
     assert all(load["load_seconds"] > 0 for load in sharded.info()["rank_loads"])
 
 
-
-
 def test_features_are_the_whole_models_through_rollbacks(runners):
     """Rank 0 copies the feature layers' inputs out of its pass (ShardedForward.many_capturing): the
     residual stream is whole on every rank, so they are the unsharded forward's, row for row."""

@@ -46,6 +46,10 @@ def test_features_travel_over_grpc_in_position_order(eagle_stack, pair):
         # the next call feeds the sampled token: one row, at the next position
         reply = target.Verify(pb.VerifyRequest(session_id="f", sampling=GREEDY))
         assert (reply.features.start, reply.features.rows) == (len(prompt), 1)
+        # told to drop them (its draft can take no more), the session sends none from that call on
+        for _ in range(2):
+            reply = target.Verify(pb.VerifyRequest(session_id="f", sampling=GREEDY, drop_features=_ == 0))
+            assert not reply.HasField("features")
         # a session that asks for none gets none, and its answers carry no feature bytes
         plain = target.Verify(pb.VerifyRequest(session_id="p", start=True, append=prompt, sampling=GREEDY))
         assert not plain.HasField("features")
