@@ -495,10 +495,9 @@ class ModelRunner:
         states: list[tuple[int, torch.Tensor]] = []
         if self.fast is not None:
             passes = [(new, s.cache, n) for new, (s, n) in zip(news, feeds)]
-            if not capture:
-                logits = self.fast.many(passes)
-            else:  # (tensor-parallel: rank 0's, ShardedForward.many_capturing)
-                logits, captured = self.fast.many_capturing(passes, capture)
+            # (FastForward's, or a tensor-parallel target's rank 0: ShardedForward.many_capturing)
+            logits, captured = self.fast.many_capturing(passes, capture)
+            if capture:
                 states = list(zip(starts, captured.split([len(new) for new in news])))
         else:
             logits = []
