@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -192,32 +193,34 @@ class LocalStack:
     # starts each service's process; the suite forks them from one with their libraries loaded (tests/prefork.py)
     launcher = staticmethod(popen_service)
 
-    def add_replica(self, role: str, timeout: float = 120.0, model: str | Path | None = None) -> str:
-        """Start one more draft or target replica (of `model`, default the stack's) and list it in the
-        discovery file. -> its name"""
+    def add_replica(self, role: str, timeout: float = 120.0, model: str | Path | None = None,
+                    args: Sequence[str] = ()) -> str:
+        """Start one more draft or target replica (of `model`, default the stack's; `args`: flags after
+        the stack's own for that role) and list it in the discovery file. -> its name"""
         addr = f"127.0.0.1:{free_port()}"
         name = f"{role}-{sum(n.startswith(role) for n in self.procs)}"
-        self._spawn(name, role, addr, model, timeout)
+        self._spawn(name, role, addr, model, timeout, args)
         with self.discovery[role].open("a") as f:
             f.write(addr + "\n")
         return name
 
     def restart_replica(self, name: str, model: str | Path | None = None, timeout: float = 120.0,
-                        sig: signal.Signals = signal.SIGTERM) -> None:
+                        sig: signal.Signals = signal.SIGTERM, args: Sequence[str] = ()) -> None:
         """Stop a replica (with `sig`; one that has exited already stays so) and start one at the same
-        address (of `model`, default the stack's), once it is SERVING."""
+        address (of `model`, default the stack's; `args` as add_replica's), once it is SERVING."""
         proc = self.procs[name]
         if proc.poll() is None:
             proc.send_signal(sig)
             if sig != signal.SIGKILL:
                 proc.send_signal(signal.SIGCONT)  # a stopped process acts on its signal once continued
             proc.wait(30)
-        self._spawn(name, name.split("-")[0], self.addresses[name], model, timeout)
+        self._spawn(name, name.split("-")[0], self.addresses[name], model, timeout, args)
 
-    def _spawn(self, name: str, role: str, addr: str, model: str | Path | None, timeout: float) -> None:
+    def _spawn(self, name: str, role: str, addr: str, model: str | Path | None, timeout: float,
+               args: Sequence[str] = ()) -> None:
         self.logs[name] = self.log_dir / f"{name}.log"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-        command = self.service_command(role, addr)
+        command = [*self.service_command(role, addr), *args]
         if model is not None and "--model" in command:
             command[command.index("--model") + 1] = str(model)
         self.procs[name] = self.launcher(command, ROOT, env, self.logs[name], "a")

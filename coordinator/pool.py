@@ -6,7 +6,8 @@ resolved (a Kubernetes headless Service name resolves to one address per ready p
 seconds, so replicas added or removed are picked up without a restart. Every replica is
 health-checked (grpc.health.v1) every `check_every` seconds; one that fails gets no new
 requests. A replica joining must serve the same model as the pool's first one (name,
-parameters, tokenizer fingerprint); one that does not is refused and logged. Over TLS, a replica
+parameters, tokenizer fingerprint) within the limits the coordinator read from it (`unlike`);
+one that does not is refused and logged. Over TLS, a replica
 found by resolving a name must present a certificate for that name (not for its IP).
 
 Each request leases one draft and one target replica for its whole life (their KV caches
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
 import socket
 from collections import deque
 from collections.abc import Callable, Collection
@@ -94,6 +96,46 @@ class Replica:
 def same_model(a: pb.ModelInfo, b: pb.ModelInfo) -> bool:
     return (a.model_name, a.num_parameters, a.tokenizer_fingerprint, a.vocab_size) == (
         b.model_name, b.num_parameters, b.tokenizer_fingerprint, b.vocab_size)
+
+
+def _under(limit: int, pools: int) -> bool:
+    """Whether a replica's limit is under the pool's, 0 meaning none (no limit)."""
+    return limit != 0 and (pools == 0 or limit < pools)
+
+
+def _weights(info: pb.ModelInfo) -> str:
+    """What a target's weights are (--quantize and --dtype), less the instruction set its int4 kernel
+    was compiled for (AVX-512 and AVX2 builds compute the same products)."""
+    return f"{re.sub(r'kernel [(][^()]*[)]', 'kernel', info.quantization or 'none')}, {info.dtype}"
+
+
+def unlike(info: pb.ModelInfo, pool: pb.ModelInfo) -> str:
+    """Why a replica answering `info` may not serve in a pool whose first replica answered `pool`
+    ("" if it may). The coordinator reads its limits once, from that first replica, and admits
+    requests and sizes rounds by them; a request leased to a replica that takes less would fail
+    there (a target) or lose its draft (a draft). So a replica must serve the pool's model, with a
+    context and a call at least as long, and (a draft) read the target layers the pool's draft
+    reads. A target's weights must be quantized as the pool's are, in the same dtype: an int4
+    replica's greedy output is not the float one's."""
+    if not same_model(info, pool):
+        return (f"serves {info.model_name!r} ({info.num_parameters} parameters, tokenizer "
+                f"{info.tokenizer_fingerprint[:12]}), not the pool's {pool.model_name!r} ({pool.num_parameters}, "
+                f"{pool.tokenizer_fingerprint[:12]})")
+    problems = []
+    if _under(info.max_context, pool.max_context):
+        problems.append(f"its context is {info.max_context} tokens, the pool's {pool.max_context} (--max-context)")
+    if _under(info.max_tokens_per_call, pool.max_tokens_per_call):
+        problems.append(f"it takes at most {info.max_tokens_per_call} tokens a call, the pool's "
+                        + (f"{pool.max_tokens_per_call}" if pool.max_tokens_per_call else "any number")
+                        + " (--max-tokens-per-call)")
+    if (list(info.feature_layers), info.feature_width) != (list(pool.feature_layers), pool.feature_width):
+        problems.append(f"it reads target layers {list(info.feature_layers)} ({info.feature_width} values a "
+                        f"position), the pool's draft {list(pool.feature_layers)} ({pool.feature_width})")
+    if not pool.draft_method and _weights(info) != _weights(pool):
+        problems.append(f"its weights are {_weights(info)}, the pool's {_weights(pool)} (--quantize, --dtype)")
+    if not problems:
+        return ""
+    return f"serves the pool's model, but {'; '.join(problems)}: start a pool's replicas with the same flags"
 
 
 class Pool:
@@ -179,9 +221,7 @@ class Pool:
                 info = await replica.peer.call(replica.peer.stub.GetModelInfo, pb.ModelInfoRequest(), timeout=5.0)
                 if self.reference is None:
                     self.reference = info
-                elif not same_model(info, self.reference):
-                    refused = (f"serves {info.model_name!r} ({info.num_parameters} parameters), not the "
-                               f"pool's {self.reference.model_name!r} ({self.reference.num_parameters})")
+                elif refused := unlike(info, self.reference):
                     if replica.refused != refused:
                         log.error("%s replica %s refused: it %s", self.name, replica.address, refused)
                     replica.refused = refused

@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from coordinator.launch import LocalStack
+from coordinator.pool import unlike
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -87,3 +88,51 @@ def test_a_replica_of_another_model_is_refused(cluster, stack, other_tokenizer_m
     cluster.restart_replica(name, model=other_tokenizer_model)
     wait_for(cluster.addr, lambda seen: seen[odd].state == "refused")
     assert generate_all(cluster.addr) == generate_all(stack.addr)
+
+
+def test_a_target_replica_with_a_shorter_context_is_refused(cluster, stack):
+    """The coordinator admits requests by the context its pool's first target replica said; a replica
+    started with less would fail the longer requests leased to it, so it gets none."""
+    name = cluster.add_replica("target", args=["--max-context", "32"])
+    short = cluster.addresses[name]
+    seen = wait_for(cluster.addr, lambda seen: short in seen and seen[short].state == "refused")
+    assert "context is 32 tokens" in seen[short].detail, seen[short].detail
+    long_prompts = [[5 + i % 50 for i in range(j, j + 40)] for j in range(6)]  # past the refused one's 32
+
+    def run(addr: str) -> list[list[int]]:
+        with grpc.insecure_channel(addr) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            futures = [stub.Generate.future(pb.GenerateRequest(prompt_token_ids=p, max_new_tokens=8, temperature=0.0,
+                                                               num_speculative_tokens=3), timeout=120)
+                       for p in long_prompts]
+            return [list(f.result().token_ids) for f in futures]
+
+    assert run(cluster.addr) == run(stack.addr)
+    assert replicas(cluster.addr)[short].served == 0
+
+
+def test_a_replica_is_refused_for_limits_under_the_pools_or_other_weights():
+    base = dict(model_name="m", num_parameters=10, tokenizer_fingerprint="f", vocab_size=99, max_context=512,
+                max_tokens_per_call=16, dtype="float32", quantization="none")
+    target = pb.ModelInfo(**base)
+    head = pb.ModelInfo(**base, draft_method="eagle", feature_layers=[2, 5, 8], feature_width=3 * 64)
+    assert unlike(pb.ModelInfo(**base), target) == ""
+    assert unlike(pb.ModelInfo(**{**base, "max_context": 1024}), target) == ""  # more than the pool's: fine
+    assert unlike(pb.ModelInfo(**{**base, "max_tokens_per_call": 0}), target) == ""  # 0: no limit
+    assert "'n'" in unlike(pb.ModelInfo(**{**base, "model_name": "n"}), target)
+    assert "context is 256 tokens" in unlike(pb.ModelInfo(**{**base, "max_context": 256}), target)
+    assert "8 tokens a call" in unlike(pb.ModelInfo(**{**base, "max_tokens_per_call": 8}), target)
+    assert "16 tokens a call" in unlike(target, pb.ModelInfo(**{**base, "max_tokens_per_call": 0}))
+    assert "bfloat16" in unlike(pb.ModelInfo(**{**base, "dtype": "bfloat16"}), target)
+    assert unlike(pb.ModelInfo(**{**base, "quantization": ""}), target) == ""  # a service that says nothing: none
+    # int4 against float weights, or int4 of another group size, but not the instruction set its kernel was built for
+    int4 = "int4 (weights in groups of {}, specdec's kernel ({}), float16 d and m, int8 activation blocks)"
+    avx2 = pb.ModelInfo(**{**base, "quantization": int4.format(32, "avx2")})
+    assert "int4" in unlike(avx2, target)
+    assert unlike(pb.ModelInfo(**{**base, "quantization": int4.format(32, "avx512_vnni")}), avx2) == ""
+    assert "groups of 64" in unlike(pb.ModelInfo(**{**base, "quantization": int4.format(64, "avx2")}), avx2)
+    # a draft's weights are its own business (its q is exact whatever it is); the layers it reads are not
+    assert unlike(pb.ModelInfo(**{**base, "quantization": "int4"}, draft_method="eagle", feature_layers=[2, 5, 8],
+                               feature_width=3 * 64), head) == ""
+    assert "layers [1, 5, 8]" in unlike(pb.ModelInfo(**base, draft_method="eagle", feature_layers=[1, 5, 8],
+                                                     feature_width=3 * 64), head)
