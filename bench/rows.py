@@ -96,7 +96,8 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_title(f"{mode}")
         ax.set_xlabel("K (draft tokens per round)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # a mode not run (--modes) leaves its axes empty
+            ax.legend(fontsize=8)
     axes[0].set_ylabel("speedup vs target alone")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
