@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from coordinator import launch
 from coordinator.__main__ import parse_args as coordinator_args
 from draft_service.__main__ import parse_args as draft_args
 from target_service.__main__ import parse_args as target_args
@@ -201,3 +202,19 @@ def test_the_coordinator_serves_http_on_its_service_with_the_key_from_a_secret(o
     assert "value" not in key and key["valueFrom"]["secretKeyRef"]["name"] == "specdec-api-key"
     assert "--api-key" not in flags
     assert container["readinessProbe"]["grpc"]["port"] == int(flags[flags.index("--port") + 1])
+
+
+def test_the_cpu_overlay_drafts_as_make_run_does_from_models_the_image_holds():
+    """The cpu overlay serves the shipped models from the image with the draft `make run` picks for them
+    (the launcher's --draft-method auto: the EAGLE-3 head where its card beats the distilled draft's),
+    and every /app/models/<name> it names is a directory the Dockerfile puts there."""
+    config = by_kind(render("deploy/k8s/overlays/cpu"), "ConfigMap")["specdec-config"]["data"]
+    method = config.get("SPECDEC_DRAFT_METHOD", "model")
+    assert method == launch.draft_method("auto", None)
+    assert config["SPECDEC_DRAFT_MODEL"] == "/app/models/" + ("eagle" if method == "eagle" else "draft")
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert "WORKDIR /app\n" in dockerfile
+    named = {v.removeprefix("/app/models/") for v in config.values() if v.startswith("/app/models/")}
+    assert {"target", "draft" if method == "model" else "eagle"} <= named
+    for name in named:
+        assert f"COPY models/{name}/ models/{name}/" in dockerfile or f"--out models/{name}" in dockerfile, name
