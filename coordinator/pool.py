@@ -104,9 +104,11 @@ def _under(limit: int, pools: int) -> bool:
 
 
 def _weights(info: pb.ModelInfo) -> str:
-    """What a target's weights are (--quantize and --dtype), less the instruction set its int4 kernel
-    was compiled for (AVX-512 and AVX2 builds compute the same products)."""
-    return f"{re.sub(r'kernel [(][^()]*[)]', 'kernel', info.quantization or 'none')}, {info.dtype}"
+    """What a target computes with (--quantize, --dtype, --kv-dtype), less the instruction set its int4
+    kernel was compiled for (AVX-512 and AVX2 builds compute the same products)."""
+    kind = re.sub(r"kernel [(][^()]*[)]", "kernel", info.quantization or "none")
+    kv = info.kv_dtype or info.dtype  # (a service that does not say: as its weights)
+    return f"{kind}, {info.dtype}" + (f", {kv} keys and values" if kv != info.dtype else "")
 
 
 def unlike(info: pb.ModelInfo, pool: pb.ModelInfo) -> str:
@@ -115,8 +117,9 @@ def unlike(info: pb.ModelInfo, pool: pb.ModelInfo) -> str:
     requests and sizes rounds by them; a request leased to a replica that takes less would fail
     there (a target) or lose its draft (a draft). So a replica must serve the pool's model, with a
     context and a call at least as long, and (a draft) read the target layers the pool's draft
-    reads. A target's weights must be quantized as the pool's are, in the same dtype: an int4
-    replica's greedy output is not the float one's."""
+    reads. A target's weights must be quantized as the pool's are, in the same dtype, over caches
+    of the same dtype: an int4 replica's greedy output is not the float one's, nor on float32
+    caches what it is on float16 ones."""
     if not same_model(info, pool):
         return (f"serves {info.model_name!r} ({info.num_parameters} parameters, tokenizer "
                 f"{info.tokenizer_fingerprint[:12]}), not the pool's {pool.model_name!r} ({pool.num_parameters}, "
@@ -132,7 +135,8 @@ def unlike(info: pb.ModelInfo, pool: pb.ModelInfo) -> str:
         problems.append(f"it reads target layers {list(info.feature_layers)} ({info.feature_width} values a "
                         f"position), the pool's draft {list(pool.feature_layers)} ({pool.feature_width})")
     if not pool.draft_method and _weights(info) != _weights(pool):
-        problems.append(f"its weights are {_weights(info)}, the pool's {_weights(pool)} (--quantize, --dtype)")
+        problems.append(f"it computes with {_weights(info)}, the pool's with {_weights(pool)} (--quantize, --dtype,"
+                        " --kv-dtype)")
     if not problems:
         return ""
     return f"serves the pool's model, but {'; '.join(problems)}: start a pool's replicas with the same flags"

@@ -385,6 +385,7 @@ class ModelRunner:
             "eos_token_ids": self.eos_token_ids,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
+            "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
             "quantization": self.quantization,
             "num_parameters": self.num_parameters,
             "logits_size": self.logits_size,

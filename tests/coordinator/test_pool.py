@@ -131,6 +131,10 @@ def test_a_replica_is_refused_for_limits_under_the_pools_or_other_weights():
     assert "int4" in unlike(avx2, target)
     assert unlike(pb.ModelInfo(**{**base, "quantization": int4.format(32, "avx512_vnni")}), avx2) == ""
     assert "groups of 64" in unlike(pb.ModelInfo(**{**base, "quantization": int4.format(64, "avx2")}), avx2)
+    # int4 over float16 caches (its default) against float32 ones: other answers
+    halves = pb.ModelInfo(**{**base, "quantization": int4.format(32, "avx2"), "kv_dtype": "float16"})
+    assert "float16 keys and values" in unlike(avx2, halves)
+    assert unlike(pb.ModelInfo(**{**base, "kv_dtype": "float32"}), target) == ""  # as its weights: said or not
     # a draft's weights are its own business (its q is exact whatever it is); the layers it reads are not
     assert unlike(pb.ModelInfo(**{**base, "quantization": "int4"}, draft_method="eagle", feature_layers=[2, 5, 8],
                                feature_width=3 * 64), head) == ""

@@ -367,6 +367,9 @@ def test_float16_keys_and_values_are_the_float32_ones_rounded(tmp_path):
     model = tmp_path / "float32" / "m"
     torch_kernel = ModelRunner(model, "cpu", quantize="int4", int4_kernel="torch")
     assert torch_kernel.kv_dtype == torch.float32 and not torch_kernel.fast._runs_q4_layers()
+    # ModelInfo.kv_dtype, on which a target pool's replicas must agree
+    assert torch_kernel.info()["kv_dtype"] == "float32"
+    assert ModelRunner(model, "cpu", quantize="int4", int4_kernel="specdec").info()["kv_dtype"] == "float16"
     with pytest.raises(ValueError, match="C\\+\\+ layer loop"):
         ModelRunner(model, "cpu", quantize="int4", int4_kernel="torch", kv_dtype="float16")
     with pytest.raises(ValueError, match="kv-dtype"):
