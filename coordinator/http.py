@@ -299,7 +299,8 @@ def specdec_fields(summary: Summary) -> dict:
             "acceptance_rate": s.acceptance_rate, "alpha": s.alpha, "mean_accepted": s.mean_accepted,
             "accepted_per_position": s.accepted_per_position,
             "num_speculative_tokens": summary.num_speculative_tokens, "adaptive": summary.adaptive,
-            "seed": summary.seed, "wall_ms": summary.wall_ms, "draft_ms": s.draft_ms, "target_ms": s.target_ms}
+            "seed": summary.seed, "wall_ms": summary.wall_ms, "draft_ms": s.draft_ms, "target_ms": s.target_ms,
+            "lost_draft_rounds": s.lost_draft_rounds}
 
 
 def specdec_headers(summary: Summary) -> dict[str, str]:
