@@ -57,6 +57,7 @@ def test_a_forked_server_dies_of_a_signal_as_popen_reports_it(tmp_path, sig):
     proc.send_signal(signal.SIGTERM)  # an exited process: nothing to signal, no error
 
 
+@pytest.mark.slow  # ~8 s
 def test_a_forked_process_left_stopped_does_not_hold_the_suites_exit(tmp_path):
     """multiprocessing joins its children at exit with no timeout: one a test left stopped (SIGSTOP)
     must not hold the suite's process for ever, nor outlive it."""

@@ -55,7 +55,9 @@ def sample_stack(stack, params: SamplingParams, k: int) -> tuple[list[int], list
     return firsts, seconds
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_k=6, top_p=0.9)],
+# (plain sampling is also the filtered case with its filters off: it runs in the slow suite)
+@pytest.mark.parametrize("params", [pytest.param(SamplingParams(1.0), marks=pytest.mark.slow),
+                                    SamplingParams(0.7, top_k=6, top_p=0.9)],
                          ids=["plain", "top_k_top_p"])
 def test_first_and_second_tokens_follow_the_target(small_vocab_stack, small_vocab_pair, params):
     draft_dir, target_dir = small_vocab_pair

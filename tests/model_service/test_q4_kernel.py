@@ -139,6 +139,7 @@ def test_bad_float32_shapes_get_a_clear_error(x, panels, n, message):
         torch.ops.specdec.f32_mm(x, panels, n)
 
 
+@pytest.mark.slow  # ~11 s: a process of its own without a compiler
 def test_without_a_compiler_int4_keeps_torchs_kernel(tmp_path):
     """No compiler: load() says why, the op's name still resolves (to the reference) for
     TorchScript, auto picks torch's kernel and says so, asking for specdec's is refused."""

@@ -70,6 +70,7 @@ def test_a_local_ray_whose_raylet_timed_out_is_started_again(errors, inits, rais
     assert placement.ray.shutdowns == inits - 1  # each failed start is stopped before the next
 
 
+@pytest.mark.slow  # ~10 s: starts a Ray cluster of its own
 def test_more_ranks_than_the_cluster_holds_fail_clearly(tmp_path):
     import ray
 

@@ -156,6 +156,7 @@ def measured(path: Path, rank: int, world: int) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow  # ~16 s: loads a larger model whole and on two ranks
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="measures Linux's VmHWM")
 def test_each_rank_peaks_at_a_fraction_of_a_whole_load(big_model):
     runs = {"whole": measured(big_model, 0, 1), "rank 0 of 2": measured(big_model, 0, 2),
