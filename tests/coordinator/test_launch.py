@@ -108,8 +108,7 @@ def _gone(pid: int) -> bool:
     return False
 
 
-# (SIGINT takes the same path as SIGTERM: it runs in the slow suite, to keep `make test` near 10 minutes)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_the_launcher_stops_its_services_on_sigterm_and_ctrl_c(pair, sig):
     """A launcher told to stop (a container stop, systemd, `kill`: SIGTERM; Ctrl-C: SIGINT) stops the
     three services it started instead of leaving them running, also when it inherited SIGINT ignored (a
