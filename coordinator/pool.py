@@ -134,9 +134,9 @@ def unlike(info: pb.ModelInfo, pool: pb.ModelInfo) -> str:
     if (list(info.feature_layers), info.feature_width) != (list(pool.feature_layers), pool.feature_width):
         problems.append(f"it reads target layers {list(info.feature_layers)} ({info.feature_width} values a "
                         f"position), the pool's draft {list(pool.feature_layers)} ({pool.feature_width})")
-    if not pool.draft_method and _weights(info) != _weights(pool):
-        problems.append(f"it computes with {_weights(info)}, the pool's with {_weights(pool)} (--quantize, --dtype,"
-                        " --kv-dtype)")
+    mine, pools = _weights(info), _weights(pool)
+    if not pool.draft_method and mine != pools:
+        problems.append(f"it computes with {mine}, the pool's with {pools} (--quantize, --dtype, --kv-dtype)")
     if not problems:
         return ""
     return f"serves the pool's model, but {'; '.join(problems)}: start a pool's replicas with the same flags"

@@ -932,7 +932,7 @@ void attend_rows(const float* qkv, int64_t qkv_n, float* att, int64_t qdim, cons
   }
   const int64_t count = static_cast<int64_t>(tasks.size());
   // split from ~16 k multiply-adds on (a query's scores; its values' as many again): a decode step's
-  // attention, one token on 128 cached ones (SmolLM2: 74 k), had run on one thread while the other
+  // attention, one token on 128 cached ones (SmolLM2: 74 k a layer), had run on one thread while the other
   // waited, and split, the one-token int4 pass took 7.97 ms against 8.74 (medians of six alternating
   // runs, 2 cores of an AMD EPYC, Zen 3); a tiny one (a short prompt's) still runs on the calling thread
   at::parallel_for(0, count, work < (int64_t(1) << 14) ? count : 1, [&](int64_t k0, int64_t k1) {

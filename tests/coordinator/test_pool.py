@@ -25,11 +25,11 @@ def cluster(pair, request):
     return stack
 
 
-def generate_all(addr: str, n: int = 24) -> list[list[int]]:
+def generate_all(addr: str, n: int = 24, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
     with grpc.insecure_channel(addr) as channel:
         stub = pb_grpc.GenerationStub(channel)
         futures = [stub.Generate.future(pb.GenerateRequest(prompt_token_ids=p, max_new_tokens=n, temperature=0.0,
-                                                           num_speculative_tokens=3), timeout=120) for p in PROMPTS]
+                                                           num_speculative_tokens=3), timeout=120) for p in prompts]
         return [list(f.result().token_ids) for f in futures]
 
 
@@ -98,16 +98,7 @@ def test_a_target_replica_with_a_shorter_context_is_refused(cluster, stack):
     seen = wait_for(cluster.addr, lambda seen: short in seen and seen[short].state == "refused")
     assert "context is 32 tokens" in seen[short].detail, seen[short].detail
     long_prompts = [[5 + i % 50 for i in range(j, j + 40)] for j in range(6)]  # past the refused one's 32
-
-    def run(addr: str) -> list[list[int]]:
-        with grpc.insecure_channel(addr) as channel:
-            stub = pb_grpc.GenerationStub(channel)
-            futures = [stub.Generate.future(pb.GenerateRequest(prompt_token_ids=p, max_new_tokens=8, temperature=0.0,
-                                                               num_speculative_tokens=3), timeout=120)
-                       for p in long_prompts]
-            return [list(f.result().token_ids) for f in futures]
-
-    assert run(cluster.addr) == run(stack.addr)
+    assert generate_all(cluster.addr, 8, long_prompts) == generate_all(stack.addr, 8, long_prompts)
     assert replicas(cluster.addr)[short].served == 0
 
 
