@@ -20,7 +20,8 @@ speculation) once verification is compute-bound or the draft is poor. Whatever K
 chosen, the output is the target's: K only moves cost around.
 
 A round at K = 0 asks the target for several tokens in its one call (`decode_steps`, one pass
-each; speculative_round), as many as fit in DECODE_CHUNK_MS of one session's passes (a fixed
+each; speculative_round; so does a round whose draft proposed nothing), as many as fit in
+DECODE_CHUNK_MS of one session's passes (a fixed
 K = 0 too, from the costs when the request starts): its call overhead is shared by them, which K = 0's price here
 counts when this request is alone (with others in flight the target decodes on only in passes
 no one else waits on, so K = 0 is priced as one token a call). (SmolLM2 int4 on 2 cores: a pass

@@ -168,7 +168,9 @@ async def speculative_round(
     k = 0 (no speculation this round): the target decodes `steps` tokens in the one call, a pass
     each (fewer after an EOS or at the context), each drawn as a round with nothing proposed draws
     its token, so the output is the same as `steps` such rounds': only the round trips are saved.
-    The draft catches up on them, as on any committed token, at its next call.
+    The draft catches up on them, as on any committed token, at its next call. So does a round
+    whose draft proposed nothing (the n-gram draft found no copy, a draft stopped at its first
+    token, a lost draft call): it would otherwise pay a target call for one token.
 
     predraft (PEARL's post-verify): while the target verifies, the draft goes on drafting
     k + 1 tokens as if every proposed token were accepted, the first being its guess of the
@@ -193,7 +195,7 @@ async def speculative_round(
         proposal, draft_cost = proposed or (Proposal(), Cost())
         held = len(proposal.tokens)
     draft_pass_ms = draft_cost.pass_ms
-    verify = _verify(target, seq, proposal, params, steps if k == 0 else 1)
+    verify = _verify(target, seq, proposal, params, 1 if proposal.tokens else steps)
     ahead = None
     ahead_k = 0
     if predraft and proposal.tokens and len(proposal.tokens) == held:
@@ -425,8 +427,9 @@ async def generate(
             # the committed tokens (told as such, a policy neither drafts nor probes past it)
             chosen = k.choose(min(remaining, max(0, draft_context - len(seq.tokens)) + 1))
             asked_draft = asked_draft or chosen > 0
-            # the first token alone (time to first token); later rounds without drafting may ask for more
-            steps = k.decode_steps(remaining) if chosen == 0 and stats.rounds else 1
+            # the first token alone (time to first token); later rounds that draft nothing (chosen 0, or
+            # the draft proposes nothing) may ask for more
+            steps = k.decode_steps(remaining) if stats.rounds else 1
             with tracer.start_as_current_span("round", context=trace_context,
                                               attributes={"specdec.k": chosen, "specdec.decode_steps": steps}) as span:
                 stop = max(p_min, k.stop_below) if chosen else p_min

@@ -5,6 +5,7 @@ and the gRPC service; its stops; what it refuses."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
@@ -15,7 +16,7 @@ from model_service.model_runner import ModelRunner
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from speculative.errors import InvalidRequest
-from speculative.protocol import Proposal, SamplingParams, VerifyCall
+from speculative.protocol import Proposal, ProposeCall, SamplingParams, VerifyCall
 from speculative.round import FixedK, Stats, generate
 
 from .test_engines import one_hot_proposal
@@ -139,6 +140,58 @@ def test_a_round_without_drafting_decodes_steps_and_the_output_is_unchanged(pair
     assert many == one and len(many) == 30
     assert one_stats.rounds == 30
     assert many_stats.rounds == 5  # the first token alone (time to first token), then 8 + 8 + 8 + 5
+
+
+class Unsure:
+    """A draft peer whose draft stops before its first token (p_min 1.0: no token is that sure) on
+    the calls `unsure(n)` names (n counts its calls from 0): it proposes nothing there."""
+
+    def __init__(self, draft: LocalDraft, unsure):
+        self.draft, self.unsure, self.calls = draft, unsure, 0
+
+    async def propose(self, call: ProposeCall, *, turn: tuple[int, int] = (0, 0)):
+        n, self.calls = self.calls, self.calls + 1
+        return await self.draft.propose(dataclasses.replace(call, p_min=1.0) if self.unsure(n) else call)
+
+    async def release(self, session_id: str) -> None:
+        await self.draft.release(session_id)
+
+
+def decode(draft, target: TargetEngine, params: SamplingParams, k, session: str) -> tuple[list[int], Stats]:
+    stats = Stats()
+
+    async def go():
+        out = []
+        async for new in generate(draft, LocalTarget(target), PROMPT, max_new_tokens=30, k=k, params=params,
+                                  max_context=256, stats=stats, session_id=session):
+            out.extend(new)
+        return out
+
+    return asyncio.run(go()), stats
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(0.9, seed=7)], ids=["greedy", "sampled"])
+def test_a_round_whose_draft_proposes_nothing_decodes_steps(pair, target, params):
+    """A round that asks for draft tokens and gets none decodes as a K = 0 round does: `steps`
+    tokens in its one target call, each drawn as a round with nothing proposed draws it."""
+    draft_dir, _ = pair
+    draft = Unsure(LocalDraft(DraftEngine(ModelRunner(draft_dir))), lambda n: True)
+    want, _ = decode(draft, target, params, FixedK(0, 1), "plain")
+    got, stats = decode(draft, target, params, FixedK(4, 8), "unsure")
+    assert got == want and len(got) == 30
+    assert stats.draft_calls == stats.rounds == 5  # each asks the draft: 1 token first, then 8 + 8 + 8 + 5
+    assert stats.draft_tokens == 0
+
+
+def test_rounds_that_draft_and_rounds_that_decode_steps_mix(pair, target):
+    """Greedy: the target's own tokens, whichever rounds proposed (the draft catches up on the
+    decoded tokens at its next call)."""
+    draft_dir, _ = pair
+    draft = Unsure(LocalDraft(DraftEngine(ModelRunner(draft_dir))), lambda n: n % 3 == 1)
+    want, _ = decode(draft, target, GREEDY, FixedK(0, 1), "plain")
+    got, stats = decode(draft, target, GREEDY, FixedK(3, 6), "mixed")
+    assert got == want
+    assert stats.draft_tokens > 0 and stats.rounds < 30 - stats.accepted_tokens  # some rounds decoded several
 
 
 def test_the_service_decodes_steps_over_grpc(stack):
