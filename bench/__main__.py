@@ -29,8 +29,8 @@ sweeping K:
      same threads: what a CPU user would run instead (its weights stay 4-bit, so its greedy
      text is its own, not the target's)
   n  the n-gram draft (no draft model) beside HF prompt lookup, on input-grounded and on the
-     held-out prompts: bench/ngram.py, its own table and bench/results/ngram.json
-     (`--only ngram` runs these rows alone)
+     held-out prompts, and on each --quantize target beside a' on it: bench/ngram.py, its own
+     table and bench/results/ngram.json (`--only ngram` runs these rows alone)
 Also: each service's peak RSS, how many of d's greedy outputs equal a's (and of the quantized rows'
 the quantized runner's own, a' int4's), each a' row's distance
 from its memory-bandwidth floor (the weight bytes one pass reads / the bandwidth this process
@@ -462,7 +462,8 @@ def main(argv=None) -> None:
 
         return ngram.run(target, tokenizer, target_dir, modes=modes, n_prompts=args.prompts,
                          new_tokens=args.new_tokens, ks=[int(k) for k in args.ngram_ks.split(",")],
-                         threads=args.threads, out=args.out, progress=progress, repeat=args.repeat)
+                         threads=args.threads, out=args.out, progress=progress, repeat=args.repeat,
+                         quantize=tuple(q for q in args.quantize.split(",") if q and q != "none"))
 
     if args.only == "ngram":
         with tqdm(desc="bench n-gram rows", unit="run") as progress:

@@ -12,8 +12,10 @@ held-out CHAT prompts):
   p   transformers `generate` with `prompt_lookup_num_tokens=K` (the peer: model-free drafting)
   n   specdec over gRPC (coordinator + n-gram draft + target, `--method ngram`) at each K, and
       with adaptive K (its K column: the mean K it chose)
+  a' int4, n int4   with --quantize (default int4; '' skips): a' and n again on the quantized
+      target (each set, each K, adaptive K), its greedy outputs compared with a' int4's own
 Bars: on g, n (best) >= 1.5x p (best); on o, n with adaptive K (the coordinator's default) no
-slower than a' by more than 5%. The best n and the best p on g then run --repeat - 1 more times
+slower than a' by more than 5%; the quantized rows' ratios to a' on that target are printed beside. The best n and the best p on g then run --repeat - 1 more times
 each, turn about, and their tok/s is the median of their runs (tokens_per_s_runs): the ratio sat at
 1.47-1.57 over four single runs, as much run-to-run drift as margin. Writes bench/results/ngram.json.
 """
@@ -36,10 +38,11 @@ SETS = {"g": ("input-grounded prompts (assets/prompts.py GROUNDED)", GROUNDED),
 
 
 def run(target, tokenizer, target_dir, *, modes: dict[str, float], n_prompts: int, new_tokens: int, ks: list[int],
-        threads: int, out: Path, progress=None, repeat: int = 1) -> list[dict]:
+        threads: int, out: Path, progress=None, repeat: int = 1, quantize: tuple[str, ...] = ()) -> list[dict]:
     """Every n-gram row (module docstring); `target` is the HF model of target_dir. -> rows, each
-    with its prompt set ("prompts": g or o) and its speedup over a of its set and mode. repeat > 1:
-    the best n and the best p on g run that many times in all, turn about (bench.systems.interleaved)."""
+    with its prompt set ("prompts": g or o), its target's "quantize" and its speedup over a of its set
+    and mode. repeat > 1: the best n and the best p on g run that many times in all, turn about
+    (bench.systems.interleaved). quantize: the rows a' and n again on each such target."""
     eos_ids = target.generation_config.eos_token_id
     eos = set(eos_ids) if isinstance(eos_ids, list) else {eos_ids}
     rows: list[dict] = []
@@ -108,7 +111,10 @@ def run(target, tokenizer, target_dir, *, modes: dict[str, float], n_prompts: in
                 step(f"{mode} g: best p and n, {repeat - 1} more times each")
     finally:
         stack.stop()
+    for q in quantize:
+        rows += quantized_rows(q, tokenizer, target_dir, modes, n_prompts, new_tokens, ks, threads, eos, identical, step)
     for row in rows:
+        row.setdefault("quantize", "none")
         base = next(r for r in rows if r["name"].startswith("a ") and r["mode"] == row["mode"]
                     and r["prompts"] == row["prompts"])
         row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"]
@@ -119,6 +125,48 @@ def run(target, tokenizer, target_dir, *, modes: dict[str, float], n_prompts: in
             "new_tokens": new_tokens, "greedy_identical_to_a": identical, "date": time.strftime("%Y-%m-%d %H:%M")}
     (out / "ngram.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     report(rows, identical, n_prompts, out)
+    return rows
+
+
+def quantized_rows(quantize: str, tokenizer, target_dir, modes: dict[str, float], n_prompts: int, new_tokens: int,
+                   ks: list[int], threads: int, eos: set[int], identical: dict[str, int], step) -> list[dict]:
+    """Rows a' and n (each K, adaptive K) on the `quantize` target, each set and mode; a' before and
+    after the set's n rows (its tokens/s: their mean). Greedy n outputs are counted against a'
+    `quantize`'s own (a quantized model's output is its own, not a's) into `identical`."""
+    rows: list[dict] = []
+    stack = LocalStack(None, target_dir, threads=threads, draft_threads=1, draft_method="ngram",
+                       target_args=["--quantize", quantize]).start()
+    try:
+        for mode, temperature in modes.items():
+            for name, (_, texts) in SETS.items():
+                prompts = chat_prompts(tokenizer, texts[:n_prompts])
+                tag = {"mode": mode, "prompts": name, "quantize": quantize}
+                own: list[list[int]] = []
+                alone = [runner_alone(target_dir, prompts, temperature, new_tokens, eos, quantize, own)[:2]]
+                step(f"{mode} {name}: a' {quantize}")
+                row_at = len(rows)
+                for k in (*ks, None):
+                    served: list[list[int]] = []
+                    stats, seconds = grpc_run(stack, prompts, temperature, new_tokens, k, served)
+                    if k is None:
+                        mean_k = stats.draft_tokens / max(1, stats.rounds)
+                        rows.append({**row_from_stats(f"n n-gram gRPC, adaptive K, {quantize}", mode, round(mean_k),
+                                                      stats, seconds), **tag, "adaptive": True, "mean_k": mean_k})
+                    else:
+                        rows.append({**row_from_stats(f"n specdec n-gram gRPC, {quantize}", mode, k, stats, seconds),
+                                     **tag})
+                    if temperature == 0:
+                        identical[f"{name}: n {quantize} K={k or 'adaptive'} (of a' {quantize}'s)"] = sum(
+                            a == b for a, b in zip(served, own))
+                    step(f"{mode} {name}: n {quantize} K={k or 'adaptive'}")
+                alone.append(runner_alone(target_dir, prompts, temperature, new_tokens, eos, quantize)[:2])
+                step(f"{mode} {name}: a' {quantize} again")
+                runs = [tokens / seconds for tokens, seconds in alone]
+                rows.insert(row_at, {"name": f"a' target alone (runner), {quantize}", **tag, "k": 0,
+                                     "tokens": alone[0][0], "tokens_per_s": statistics.mean(runs),
+                                     "tokens_per_s_runs": runs})
+    finally:
+        stack.stop()
     return rows
 
 
@@ -135,10 +183,11 @@ def report(rows: list[dict], identical: dict[str, int], n_prompts: int, out: Pat
 
 
 def bars(rows: list[dict]) -> list[str]:
-    """Issue 26's bars, per mode: on g, best n >= 1.5x best p; on o, n with adaptive K >= 0.95x a'."""
-    def pick(prefix: str, mode: str, prompts: str, adaptive: bool | None = None) -> dict | None:
+    """Issue 26's bars, per mode: on g, best n >= 1.5x best p; on o, n with adaptive K >= 0.95x a'.
+    The quantized rows against a' on their target, each set (no bar: issue 42 names the row)."""
+    def pick(prefix: str, mode: str, prompts: str, adaptive: bool | None = None, quantize: str = "none") -> dict | None:
         found = [r for r in rows if r["mode"] == mode and r["prompts"] == prompts and r["name"].startswith(prefix)
-                 and (adaptive is None or bool(r.get("adaptive")) == adaptive)]
+                 and (adaptive is None or bool(r.get("adaptive")) == adaptive) and r.get("quantize", "none") == quantize]
         return max(found, key=lambda r: r["tokens_per_s"]) if found else None
 
     lines = []
@@ -153,4 +202,13 @@ def bars(rows: list[dict]) -> list[str]:
         if n_o and alone:
             lines.append(f"bar n (adaptive K) >= 0.95x a' on ordinary prompts ({mode}): "
                          f"{n_o['tokens_per_s'] / alone['tokens_per_s']:.2f}x")
+        for q in sorted({r["quantize"] for r in rows if r.get("quantize", "none") != "none"}):
+            for prompts in SETS:
+                n_q, n_qa, a_q = (pick(prefix, mode, prompts, adaptive, q) for prefix, adaptive
+                                  in (("n ", None), ("n ", True), ("a' ", None)))
+                if n_q and n_qa and a_q:
+                    lines.append(f"(no bar) n {q} / a' {q} on {prompts} ({mode}): best n K={n_q['k']}"
+                                 f"{' adaptive' if n_q.get('adaptive') else ''} "
+                                 f"{n_q['tokens_per_s'] / a_q['tokens_per_s']:.2f}x, adaptive K "
+                                 f"{n_qa['tokens_per_s'] / a_q['tokens_per_s']:.2f}x")
     return lines

@@ -162,17 +162,25 @@ def test_a_repeated_concurrency_level_is_its_median_run():
 
 
 def test_tiny_ngram_rows(pair, tmp_path, capsys):
-    """`--only ngram`: rows a, a', p, n (fixed and adaptive K) for both prompt sets, and the bars."""
+    """`--only ngram`: rows a, a', p, n (fixed and adaptive K) for both prompt sets, a' and n again
+    on the int4 target (--quantize's default), and the bars."""
     _, target = pair
     bench_main(["--target-model", str(target), "--only", "ngram", "--prompts", "2", "--new-tokens", "8",
                 "--ngram-ks", "3", "--modes", "greedy", "--threads", "1", "--out", str(tmp_path)])
-    rows = json.loads((tmp_path / "ngram.json").read_text())["rows"]
-    assert [(r["prompts"], r["name"][:2].strip()) for r in rows] == [
-        (s, n) for s in "go" for n in ("a", "a'", "p", "n", "n")]
-    assert len({r["tokens"] for r in rows}) == 1  # greedy: the target's own tokens whatever the row (2 x 8)
+    result = json.loads((tmp_path / "ngram.json").read_text())
+    rows = result["rows"]
+    assert [(r["prompts"], r["name"][:2].strip(), r["quantize"]) for r in rows] == [
+        (s, n, "none") for s in "go" for n in ("a", "a'", "p", "n", "n")] + [
+        (s, n, "int4") for s in "go" for n in ("a'", "n", "n")]
+    floats = [r for r in rows if r["quantize"] == "none"]
+    assert len({r["tokens"] for r in floats}) == 1  # greedy: the target's own tokens whatever the row (2 x 8)
     assert all(r["tokens_per_s"] > 0 and math.isfinite(r["speedup"]) for r in rows)
+    # the int4 n rows' greedy outputs are the int4 runner's own, every prompt
+    own = {name: n for name, n in result["meta"]["greedy_identical_to_a"].items() if "int4" in name}
+    assert len(own) == 4 and set(own.values()) == {2}
     out = capsys.readouterr().out
     assert "bar n >= 1.5x p on input-grounded prompts (greedy" in out and "bar n (adaptive K) >= 0.95x a'" in out
+    assert "n int4 / a' int4 on g (greedy)" in out and "n int4 / a' int4 on o (greedy)" in out
     # the bar's two rows ran 3 times each (--repeat's default), and read the median of their runs
     repeated = [r for r in rows if "tokens_per_s_runs" in r and not r["name"].startswith("a'")]
     assert sorted(r["name"][0] for r in repeated) == ["n", "p"] and {r["prompts"] for r in repeated} == {"g"}
