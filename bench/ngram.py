@@ -15,9 +15,10 @@ held-out CHAT prompts):
   a' int4, n int4   with --quantize (default int4; '' skips): a' and n again on the quantized
       target (each set, each K, adaptive K), its greedy outputs compared with a' int4's own
 Bars: on g, n (best) >= 1.5x p (best); on o, n with adaptive K (the coordinator's default) no
-slower than a' by more than 5%; the quantized rows' ratios to a' on that target are printed beside. The best n and the best p on g then run --repeat - 1 more times
-each, turn about, and their tok/s is the median of their runs (tokens_per_s_runs): the ratio sat at
-1.47-1.57 over four single runs, as much run-to-run drift as margin. Writes bench/results/ngram.json.
+slower than a' by more than 5%; the quantized rows' ratios to a' on that target are printed beside.
+The best n and the best p on g then run --repeat - 1 more times each, turn about, and their tok/s
+is the median of their runs (tokens_per_s_runs): the ratio sat at 1.47-1.57 over four single runs,
+as much run-to-run drift as margin. Writes bench/results/ngram.json.
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def run(target, tokenizer, target_dir, *, modes: dict[str, float], n_prompts: in
     finally:
         stack.stop()
     for q in quantize:
-        rows += quantized_rows(q, tokenizer, target_dir, modes, n_prompts, new_tokens, ks, threads, eos, identical, step)
+        rows += quantized_rows(q, tokenizer, target_dir, modes, n_prompts, new_tokens, ks, threads, eos, identical,
+                               step)
     for row in rows:
         row.setdefault("quantize", "none")
         base = next(r for r in rows if r["name"].startswith("a ") and r["mode"] == row["mode"]
@@ -156,9 +158,10 @@ def quantized_rows(quantize: str, tokenizer, target_dir, modes: dict[str, float]
                         rows.append({**row_from_stats(f"n specdec n-gram gRPC, {quantize}", mode, k, stats, seconds),
                                      **tag})
                     if temperature == 0:
-                        identical[f"{name}: n {quantize} K={k or 'adaptive'} (of a' {quantize}'s)"] = sum(
+                        label = "adaptive" if k is None else k
+                        identical[f"{name}: n {quantize} K={label} (of a' {quantize}'s)"] = sum(
                             a == b for a, b in zip(served, own))
-                    step(f"{mode} {name}: n {quantize} K={k or 'adaptive'}")
+                    step(f"{mode} {name}: n {quantize} K={'adaptive' if k is None else k}")
                 alone.append(runner_alone(target_dir, prompts, temperature, new_tokens, eos, quantize)[:2])
                 step(f"{mode} {name}: a' {quantize} again")
                 runs = [tokens / seconds for tokens, seconds in alone]
@@ -187,7 +190,8 @@ def bars(rows: list[dict]) -> list[str]:
     The quantized rows against a' on their target, each set (no bar: issue 42 names the row)."""
     def pick(prefix: str, mode: str, prompts: str, adaptive: bool | None = None, quantize: str = "none") -> dict | None:
         found = [r for r in rows if r["mode"] == mode and r["prompts"] == prompts and r["name"].startswith(prefix)
-                 and (adaptive is None or bool(r.get("adaptive")) == adaptive) and r.get("quantize", "none") == quantize]
+                 and (adaptive is None or bool(r.get("adaptive")) == adaptive)
+                 and r.get("quantize", "none") == quantize]
         return max(found, key=lambda r: r["tokens_per_s"]) if found else None
 
     lines = []

@@ -180,6 +180,7 @@ class AcceptanceK:
 
     adaptive = True
     stop_below = 0.0  # (its K sequence reads nothing but the request: neither does where the draft stops)
+    replays = True
 
     def __init__(self, k_max: int, costs: CostModel | None = None, steps: int = 1):
         self.k = k_max
@@ -204,6 +205,7 @@ class AdaptiveK:
     """K per round for one request, from its acceptance and the shared CostModel."""
 
     adaptive = True
+    replays = False  # its K follows timings and load
     PRIOR_WEIGHT = 16.0  # the coordinator-wide alpha counts as this many draft tokens
     DECAY = 0.98        # per round: old acceptance counts fade (round-to-round acceptance is mostly noise)
     PROBE_EVERY = 8     # after this many rounds without drafting, draft one token to re-measure...

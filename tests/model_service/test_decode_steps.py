@@ -170,16 +170,29 @@ def decode(draft, target: TargetEngine, params: SamplingParams, k, session: str)
     return asyncio.run(go()), stats
 
 
-@pytest.mark.parametrize("params", [GREEDY, SamplingParams(0.9, seed=7)], ids=["greedy", "sampled"])
-def test_a_round_whose_draft_proposes_nothing_decodes_steps(pair, target, params):
+class Timed(FixedK):
+    """FixedK as a policy whose K follows timings (AdaptiveK): no replay is promised."""
+
+    replays = False
+
+
+@pytest.mark.parametrize("params, policy, rounds", [
+    (GREEDY, FixedK, 5),  # 1 token first, then 8 + 8 + 8 + 5
+    (SamplingParams(0.9, seed=7), Timed, 5),
+    # seeded sampled under a policy that replays: how many steps a call carries follows timings and
+    # load, and would move where later rounds draft, so such a round commits one token
+    (SamplingParams(0.9, seed=7), FixedK, 30),
+], ids=["greedy", "sampled", "sampled-replays"])
+def test_a_round_whose_draft_proposes_nothing_decodes_steps(pair, target, params, policy, rounds):
     """A round that asks for draft tokens and gets none decodes as a K = 0 round does: `steps`
     tokens in its one target call, each drawn as a round with nothing proposed draws it."""
     draft_dir, _ = pair
     draft = Unsure(LocalDraft(DraftEngine(ModelRunner(draft_dir))), lambda n: True)
     want, _ = decode(draft, target, params, FixedK(0, 1), "plain")
-    got, stats = decode(draft, target, params, FixedK(4, 8), "unsure")
+    got, stats = decode(draft, target, params, policy(4, 8), "unsure")
     assert got == want and len(got) == 30
-    assert stats.draft_calls == stats.rounds == 5  # each asks the draft: 1 token first, then 8 + 8 + 8 + 5
+    assert stats.rounds == rounds
+    assert stats.draft_calls == min(rounds, 29)  # each round asks the draft, but one for the last token alone
     assert stats.draft_tokens == 0
 
 
