@@ -78,22 +78,15 @@ def run(target, tokenizer, target_dir, *, modes: dict[str, float], n_prompts: in
                         identical[f"{name}: p K={k}"] = sum(a == b for a, b in zip(outputs, hf))
                     step(f"{mode} {name}: p K={k}")
                     served = []
-                    stats, seconds = grpc_run(stack, prompts, temperature, new_tokens, k, served)
-                    rows.append({**row_from_stats("n specdec n-gram gRPC", mode, k, stats, seconds), **tag})
+                    rows.append(n_row(stack, prompts, mode, temperature, new_tokens, k, tag, served))
                     if temperature == 0:
                         identical[f"{name}: n K={k}"] = sum(a == b for a, b in zip(served, hf))
                     step(f"{mode} {name}: n K={k}")
-                stats, seconds = grpc_run(stack, prompts, temperature, new_tokens, None)
-                mean_k = stats.draft_tokens / max(1, stats.rounds)
-                rows.append({**row_from_stats("n n-gram gRPC, adaptive K", mode, round(mean_k), stats, seconds),
-                             **tag, "adaptive": True, "mean_k": mean_k})
+                rows.append(n_row(stack, prompts, mode, temperature, new_tokens, None, tag))
                 step(f"{mode} {name}: n adaptive")
                 alone.append(runner_alone(target_dir, prompts, temperature, new_tokens, eos)[:2])
                 step(f"{mode} {name}: a' again")
-                runs = [tokens / seconds for tokens, seconds in alone]
-                rows.insert(len(rows) - 2 * len(ks) - 1, {"name": "a' target alone (runner)", **tag, "k": 0,
-                                                          "tokens": alone[0][0], "tokens_per_s": statistics.mean(runs),
-                                                          "tokens_per_s_runs": runs})
+                rows.insert(len(rows) - 2 * len(ks) - 1, alone_row(alone, tag))
             if repeat > 1:
                 best_p, best_n = (max((r for r in rows if r["mode"] == mode and r["prompts"] == "g"
                                        and r["name"].startswith(prefix)), key=lambda r: r["tokens_per_s"])
@@ -149,28 +142,37 @@ def quantized_rows(quantize: str, tokenizer, target_dir, modes: dict[str, float]
                 row_at = len(rows)
                 for k in (*ks, None):
                     served: list[list[int]] = []
-                    stats, seconds = grpc_run(stack, prompts, temperature, new_tokens, k, served)
-                    if k is None:
-                        mean_k = stats.draft_tokens / max(1, stats.rounds)
-                        rows.append({**row_from_stats(f"n n-gram gRPC, adaptive K, {quantize}", mode, round(mean_k),
-                                                      stats, seconds), **tag, "adaptive": True, "mean_k": mean_k})
-                    else:
-                        rows.append({**row_from_stats(f"n specdec n-gram gRPC, {quantize}", mode, k, stats, seconds),
-                                     **tag})
+                    rows.append(n_row(stack, prompts, mode, temperature, new_tokens, k, tag, served, f", {quantize}"))
+                    label = "adaptive" if k is None else k
                     if temperature == 0:
-                        label = "adaptive" if k is None else k
                         identical[f"{name}: n {quantize} K={label} (of a' {quantize}'s)"] = sum(
                             a == b for a, b in zip(served, own))
-                    step(f"{mode} {name}: n {quantize} K={'adaptive' if k is None else k}")
+                    step(f"{mode} {name}: n {quantize} K={label}")
                 alone.append(runner_alone(target_dir, prompts, temperature, new_tokens, eos, quantize)[:2])
                 step(f"{mode} {name}: a' {quantize} again")
-                runs = [tokens / seconds for tokens, seconds in alone]
-                rows.insert(row_at, {"name": f"a' target alone (runner), {quantize}", **tag, "k": 0,
-                                     "tokens": alone[0][0], "tokens_per_s": statistics.mean(runs),
-                                     "tokens_per_s_runs": runs})
+                rows.insert(row_at, alone_row(alone, tag, f", {quantize}"))
     finally:
         stack.stop()
     return rows
+
+
+def n_row(stack: LocalStack, prompts, mode: str, temperature: float, new_tokens: int, k: int | None, tag: dict,
+          served: list | None = None, suffix: str = "") -> dict:
+    """Row n: the n-gram draft over gRPC at K = k (None: adaptive K, its K column the mean K it chose);
+    each prompt's ids appended to `served` when given."""
+    stats, seconds = grpc_run(stack, prompts, temperature, new_tokens, k, served)
+    if k is None:
+        mean_k = stats.draft_tokens / max(1, stats.rounds)
+        return {**row_from_stats(f"n n-gram gRPC, adaptive K{suffix}", mode, round(mean_k), stats, seconds), **tag,
+                "adaptive": True, "mean_k": mean_k}
+    return {**row_from_stats(f"n specdec n-gram gRPC{suffix}", mode, k, stats, seconds), **tag}
+
+
+def alone_row(alone: list[tuple[int, float]], tag: dict, suffix: str = "") -> dict:
+    """Row a' from its runs (tokens, seconds) before and after its set's rows: tok/s their mean."""
+    runs = [tokens / seconds for tokens, seconds in alone]
+    return {"name": f"a' target alone (runner){suffix}", **tag, "k": 0, "tokens": alone[0][0],
+            "tokens_per_s": statistics.mean(runs), "tokens_per_s_runs": runs}
 
 
 def report(rows: list[dict], identical: dict[str, int], n_prompts: int, out: Path) -> None:

@@ -167,17 +167,16 @@ class Round:
 async def speculative_round(
     draft: DraftPeer, target: TargetPeer, seq: Sequence, k: int, params: SamplingParams, p_min: float = 0.0,
     predraft: bool = False, draft_context: int | None = None, max_call_tokens: int | None = None, steps: int = 1,
-    empty_steps: int = 1,
 ) -> Round:
     """One round: the draft proposes up to k tokens, the target verifies them in one pass.
 
     k = 0 (no speculation this round): the target decodes `steps` tokens in the one call, a pass
     each (fewer after an EOS or at the context), each drawn as a round with nothing proposed draws
     its token, so the output is the same as `steps` such rounds': only the round trips are saved.
-    The draft catches up on them, as on any committed token, at its next call. `empty_steps`: as
-    many for a round whose draft proposed nothing (the n-gram draft found no copy, a draft stopped
-    at its first token, a lost draft call), which would otherwise pay a target call for one token
-    (generate passes 1 where the output could depend on it: see KPolicy.replays).
+    The draft catches up on them, as on any committed token, at its next call. So does a round
+    whose draft proposed nothing (the n-gram draft found no copy, a draft stopped at its first
+    token, a lost draft call), which would otherwise pay a target call for one token (generate
+    passes 1 where the output could depend on how many: see KPolicy.replays).
 
     predraft (PEARL's post-verify): while the target verifies, the draft goes on drafting
     k + 1 tokens as if every proposed token were accepted, the first being its guess of the
@@ -202,7 +201,7 @@ async def speculative_round(
         proposal, draft_cost = proposed or (Proposal(), Cost())
         held = len(proposal.tokens)
     draft_pass_ms = draft_cost.pass_ms
-    verify = _verify(target, seq, proposal, params, steps if k == 0 else 1 if proposal.tokens else empty_steps)
+    verify = _verify(target, seq, proposal, params, 1 if proposal.tokens else steps)
     ahead = None
     ahead_k = 0
     if predraft and proposal.tokens and len(proposal.tokens) == held:
@@ -436,15 +435,12 @@ async def generate(
             asked_draft = asked_draft or chosen > 0
             # the first token alone (time to first token); later rounds that draft nothing (chosen 0, or
             # the draft proposes nothing, where the output cannot depend on how many) may ask for more
-            steps = k.decode_steps(remaining) if stats.rounds else 1
-            empty_steps = steps if params.greedy or not k.replays else 1
-            asks = empty_steps if chosen else steps  # of the target, if the round drafts nothing
+            steps = k.decode_steps(remaining) if stats.rounds and (chosen == 0 or params.greedy or not k.replays) else 1
             with tracer.start_as_current_span("round", context=trace_context,
-                                              attributes={"specdec.k": chosen, "specdec.decode_steps": asks}) as span:
+                                              attributes={"specdec.k": chosen, "specdec.decode_steps": steps}) as span:
                 stop = max(p_min, k.stop_below) if chosen else p_min
                 r = await speculative_round(draft, target, seq, chosen, params, stop, predraft,
-                                            draft_context=draft_context, max_call_tokens=max_call_tokens,
-                                            steps=steps if chosen == 0 else 1, empty_steps=empty_steps if chosen else 1)
+                                            draft_context=draft_context, max_call_tokens=max_call_tokens, steps=steps)
                 if span.is_recording():
                     span.set_attributes({"specdec.proposed": r.proposed, "specdec.accepted": r.accepted,
                                          "specdec.tokens": len(r.tokens), "specdec.predraft_hit": r.predraft_hit,
