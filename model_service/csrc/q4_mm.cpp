@@ -46,7 +46,10 @@ constexpr int64_t QK = 32;   // weights a block
 // 2-core Xeon whose L3 holds the weights, a SmolLM2 int4 pass of one token 4.1-4.4 -> 2.8-2.9 ms,
 // five 6.9-7.1 -> 4.4-4.7 (the 5 lines of a block, each issued once; within noise on an AMD EPYC)
 constexpr int64_t Q4_AHEAD = 4096;
-constexpr int MAX_ROWS = 8;  // rows a tile (the row loop's accumulators); more rows take more tiles
+// rows a tile (the row loop's accumulators: on AVX-512 16 of its 32 registers, beside the block's 8
+// nibble vectors); more rows take more tiles. 8 -> 16: a 9-row int4 pass of SmolLM2 (a verify at
+// K = 8) unpacks each block once instead of twice (5 + 4 rows)
+constexpr int MAX_ROWS = 16;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define Q4_AVX512 1
@@ -311,7 +314,7 @@ void tile(const uint8_t* W, const Rows& x, int64_t r0, float* out) {
 void tiles(const uint8_t* W, const Rows& x, float* Y, int64_t N, int64_t t0, int64_t t1) {
   float out[MAX_ROWS * TILE];
   const int64_t tile_bytes = x.nb * BLOCK_BYTES;
-  // the rows in even groups of at most MAX_ROWS (9 rows: 5 + 4, not 8 + 1: a group of one row pays
+  // the rows in even groups of at most MAX_ROWS (17 rows: 9 + 8, not 16 + 1: a group of one row pays
   // a tile's unpacking for one row's products)
   const int64_t groups = (x.M + MAX_ROWS - 1) / MAX_ROWS, each = (x.M + groups - 1) / groups;
   for (int64_t t = t0; t < t1; ++t) {
@@ -327,7 +330,15 @@ void tiles(const uint8_t* W, const Rows& x, float* Y, int64_t N, int64_t t0, int
         case 5: tile<5>(w, x, r0, out); break;
         case 6: tile<6>(w, x, r0, out); break;
         case 7: tile<7>(w, x, r0, out); break;
-        default: tile<8>(w, x, r0, out); break;
+        case 8: tile<8>(w, x, r0, out); break;
+        case 9: tile<9>(w, x, r0, out); break;
+        case 10: tile<10>(w, x, r0, out); break;
+        case 11: tile<11>(w, x, r0, out); break;
+        case 12: tile<12>(w, x, r0, out); break;
+        case 13: tile<13>(w, x, r0, out); break;
+        case 14: tile<14>(w, x, r0, out); break;
+        case 15: tile<15>(w, x, r0, out); break;
+        default: tile<16>(w, x, r0, out); break;
       }
       for (int r = 0; r < rows; ++r) std::memcpy(Y + (r0 + r) * N + t * TILE, out + r * TILE, width * sizeof(float));
     }
@@ -740,7 +751,7 @@ struct KvHead {
   int64_t stride;
 };
 
-#if defined(Q4_AVX2)
+#if defined(Q4_V8)
 // lane k = hsum8(a[k]), by the same additions in the same order, eight vectors at once
 inline __m256 hsum8x8(const __m256* a) {
   __m256 f[4];  // f[k]: lanes 0-3 a[k]'s low half + high half, lanes 4-7 a[k + 4]'s
@@ -811,10 +822,12 @@ inline void to_floats(const half_bits* h, float* out, int64_t n) {
 // n queries that read one kv head (rows of one sequence, each with the q heads of the head's group),
 // each given the operations it had when attended alone, bit for bit: scores by dot, exp_sum, then
 // axpy in key order. The keys and values are read a block at a time for all of them (one
-// (row, head) at a time read them once per q head and per row), and on AVX2 with head_dim 64 or 128
-// eight keys are scored at once (their sums transposed: hsum8x8) and the output is summed in
-// registers instead of read and written once per key (a store-to-load chain): SmolLM2's int4 pass
-// on 1,024 cached tokens had spent ~2 ms a row in attention (docs/performance.md). A query's
+// (row, head) at a time read them once per q head and per row), and with AVX2 (the AVX-512 build
+// too) with head_dim 64 or 128 eight keys are scored at once (their sums transposed: hsum8x8) and the
+// output is summed in registers instead of read and written once per key (a store-to-load chain):
+// SmolLM2's int4 pass on 1,024 cached tokens had spent ~2 ms a row in attention (docs/performance.md).
+// The AVX-512 build had left these to dot and axpy: on a 2-core Xeon (AVX-512 VNNI) its int4 pass
+// of 9 tokens on 128 cached ones took 9.2 ms against 8.2 with them (medians, one session). A query's
 // operations are the same whatever it is batched with, so a row's result does not depend on the
 // rows, heads or threads it shares a task with. scores: n x width floats, width >= every seen.
 // A float16 cache's block is converted to floats once for all the queries, which then run the
@@ -846,7 +859,7 @@ void attend_shared(const Query* qs, int64_t n, const KvHead<C>& kv, int64_t hd, 
       float* s = scores + i * width;
       const int64_t end = std::min(j1, qs[i].seen);
       int64_t j = j0;
-#if defined(Q4_AVX2)
+#if defined(Q4_V8)
       const __m256 sv = _mm256_set1_ps(scale);
       for (; j + 8 <= end && (hd == 64 || hd == 128); j += 8) {
         const float* k = keys + (j - j0) * stride;
@@ -869,7 +882,7 @@ void attend_shared(const Query* qs, int64_t n, const KvHead<C>& kv, int64_t hd, 
       const float* s = scores + i * width;
       const int64_t end = std::min(j1, qs[i].seen);
       if (end <= j0) continue;
-#if defined(Q4_AVX2)
+#if defined(Q4_V8)
       if (hd == 64) {
         accumulate<8>(s, inv[i], values, stride, j0, end, qs[i].out);
         continue;

@@ -27,7 +27,7 @@ def weights(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, 
 
 
 @pytest.mark.parametrize("n, k", [(16, 32), (40, 96), (960, 576), (100, 1536), (7, 64)])
-@pytest.mark.parametrize("rows", [1, 5, 8, 9, 17])
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 12, 17, 33])
 def test_the_kernel_computes_its_reference(n, k, rows):
     q, d, m = weights(n, k)
     tiles = q4_kernel.tile(q, d, m)
@@ -430,7 +430,7 @@ assert q4_kernel.load(), q4_kernel.path()
 assert q4_kernel.path() == {expected!r}, q4_kernel.path()
 from tests.model_service import test_q4_kernel as t
 for n, k in [(40, 96), (960, 576)]:
-    for rows in (1, 9):
+    for rows in (1, 9, 17):
         t.test_the_kernel_computes_its_reference(n, k, rows)
 t.test_a_rows_result_does_not_depend_on_its_batch_or_the_threads("int4")
 for n, k in [(40, 97), (960, 576)]:
