@@ -46,10 +46,10 @@ constexpr int64_t QK = 32;   // weights a block
 // 2-core Xeon whose L3 holds the weights, a SmolLM2 int4 pass of one token 4.1-4.4 -> 2.8-2.9 ms,
 // five 6.9-7.1 -> 4.4-4.7 (the 5 lines of a block, each issued once; within noise on an AMD EPYC)
 constexpr int64_t Q4_AHEAD = 4096;
-// rows a tile (the row loop's accumulators: on AVX-512 16 of its 32 registers, beside the block's 8
-// nibble vectors); more rows take more tiles. 8 -> 16: a 9-row int4 pass of SmolLM2 (a verify at
-// K = 8) unpacks each block once instead of twice (5 + 4 rows)
-constexpr int MAX_ROWS = 16;
+// rows a tile (the row loop's accumulators); more rows take more tiles. 16 (a 9-row verify unpacking
+// each block once, not for 5 + 4 rows) ran slower on an AMD EPYC with AVX-512 and level on a Xeon
+// with AVX-512 VNNI (9 rows 1.77-1.87x a one-token pass against 1.76-1.98x, four alternating runs)
+constexpr int MAX_ROWS = 8;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define Q4_AVX512 1
@@ -314,7 +314,7 @@ void tile(const uint8_t* W, const Rows& x, int64_t r0, float* out) {
 void tiles(const uint8_t* W, const Rows& x, float* Y, int64_t N, int64_t t0, int64_t t1) {
   float out[MAX_ROWS * TILE];
   const int64_t tile_bytes = x.nb * BLOCK_BYTES;
-  // the rows in even groups of at most MAX_ROWS (17 rows: 9 + 8, not 16 + 1: a group of one row pays
+  // the rows in even groups of at most MAX_ROWS (9 rows: 5 + 4, not 8 + 1: a group of one row pays
   // a tile's unpacking for one row's products)
   const int64_t groups = (x.M + MAX_ROWS - 1) / MAX_ROWS, each = (x.M + groups - 1) / groups;
   for (int64_t t = t0; t < t1; ++t) {
@@ -330,15 +330,7 @@ void tiles(const uint8_t* W, const Rows& x, float* Y, int64_t N, int64_t t0, int
         case 5: tile<5>(w, x, r0, out); break;
         case 6: tile<6>(w, x, r0, out); break;
         case 7: tile<7>(w, x, r0, out); break;
-        case 8: tile<8>(w, x, r0, out); break;
-        case 9: tile<9>(w, x, r0, out); break;
-        case 10: tile<10>(w, x, r0, out); break;
-        case 11: tile<11>(w, x, r0, out); break;
-        case 12: tile<12>(w, x, r0, out); break;
-        case 13: tile<13>(w, x, r0, out); break;
-        case 14: tile<14>(w, x, r0, out); break;
-        case 15: tile<15>(w, x, r0, out); break;
-        default: tile<16>(w, x, r0, out); break;
+        default: tile<8>(w, x, r0, out); break;
       }
       for (int r = 0; r < rows; ++r) std::memcpy(Y + (r0 + r) * N + t * TILE, out + r * TILE, width * sizeof(float));
     }
