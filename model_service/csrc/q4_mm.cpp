@@ -48,7 +48,7 @@ constexpr int64_t QK = 32;   // weights a block
 constexpr int64_t Q4_AHEAD = 4096;
 // rows a tile (the row loop's accumulators); more rows take more tiles. 16 (a 9-row verify unpacking
 // each block once, not for 5 + 4 rows) ran slower on an AMD EPYC with AVX-512 and level on a Xeon
-// with AVX-512 VNNI (9 rows 1.77-1.87x a one-token pass against 1.76-1.98x, four alternating runs)
+// with AVX-512 VNNI (9 rows 1.76-1.98x a one-token pass with 16, 1.77-1.87x with 8; four alternating runs)
 constexpr int MAX_ROWS = 8;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -744,7 +744,7 @@ struct KvHead {
 };
 
 #if defined(Q4_V8)
-// lane k = hsum8(a[k]), by the same additions in the same order, eight vectors at once
+// lane k = the sum of a[k]'s 8 lanes, by the AVX2 build's hsum8's additions in its order, eight vectors at once
 inline __m256 hsum8x8(const __m256* a) {
   __m256 f[4];  // f[k]: lanes 0-3 a[k]'s low half + high half, lanes 4-7 a[k + 4]'s
   for (int k = 0; k < 4; ++k)
@@ -756,7 +756,8 @@ inline __m256 hsum8x8(const __m256* a) {
   return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a01, a23)), _mm256_castpd_ps(_mm256_unpackhi_pd(a01, a23)));
 }
 
-// lane k = dot(q, keys + k * stride, 8 NC): eight keys' products at once, each key's sum dot's
+// lane k = q . (keys + k * stride) over 8 NC floats: eight keys' products at once (on AVX2 each key's sum
+// dot's; on AVX-512, whose dot sums 16 lanes, not bit for bit dot's)
 template <int NC>
 inline __m256 dots8(const float* q, const float* keys, int64_t stride) {
   __m256 a[8];
@@ -812,14 +813,17 @@ inline void to_floats(const half_bits* h, float* out, int64_t n) {
 }
 
 // n queries that read one kv head (rows of one sequence, each with the q heads of the head's group),
-// each given the operations it had when attended alone, bit for bit: scores by dot, exp_sum, then
-// axpy in key order. The keys and values are read a block at a time for all of them (one
+// each given the operations it had when attended alone, bit for bit: scores by dots8 for whole
+// groups of eight keys (head_dim 64 or 128) and dot for the rest, exp_sum, then the values in key
+// order (accumulate: axpy's multiply-adds). The keys and values are read a block at a time for all of them (one
 // (row, head) at a time read them once per q head and per row), and with AVX2 (the AVX-512 build
 // too) with head_dim 64 or 128 eight keys are scored at once (their sums transposed: hsum8x8) and the
 // output is summed in registers instead of read and written once per key (a store-to-load chain):
 // SmolLM2's int4 pass on 1,024 cached tokens had spent ~2 ms a row in attention (docs/performance.md).
 // The AVX-512 build had left these to dot and axpy: on a 2-core Xeon (AVX-512 VNNI) its int4 pass
-// of 9 tokens on 128 cached ones took 9.2 ms against 8.2 with them (medians, one session). A query's
+// of 9 tokens on 128 cached ones took 9.2 ms against 8.2 with them (medians, one session); its scores
+// are summed in another order since (another last bit: its int4 model's greedy output may part from
+// the earlier build's, as two int4 kernels' do). A query's
 // operations are the same whatever it is batched with, so a row's result does not depend on the
 // rows, heads or threads it shares a task with. scores: n x width floats, width >= every seen.
 // A float16 cache's block is converted to floats once for all the queries, which then run the
