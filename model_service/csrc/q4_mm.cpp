@@ -813,19 +813,18 @@ inline void to_floats(const half_bits* h, float* out, int64_t n) {
 }
 
 // n queries that read one kv head (rows of one sequence, each with the q heads of the head's group),
-// each given the operations it had when attended alone, bit for bit: scores by dots8 for whole
-// groups of eight keys (head_dim 64 or 128) and dot for the rest, exp_sum, then the values in key
-// order (accumulate: axpy's multiply-adds). The keys and values are read a block at a time for all of them (one
-// (row, head) at a time read them once per q head and per row), and with AVX2 (the AVX-512 build
-// too) with head_dim 64 or 128 eight keys are scored at once (their sums transposed: hsum8x8) and the
-// output is summed in registers instead of read and written once per key (a store-to-load chain):
-// SmolLM2's int4 pass on 1,024 cached tokens had spent ~2 ms a row in attention (docs/performance.md).
-// The AVX-512 build had left these to dot and axpy: on a 2-core Xeon (AVX-512 VNNI) its int4 pass
-// of 9 tokens on 128 cached ones took 9.2 ms against 8.2 with them (medians, one session); its scores
-// are summed in another order since (another last bit: its int4 model's greedy output may part from
-// the earlier build's, as two int4 kernels' do). A query's
-// operations are the same whatever it is batched with, so a row's result does not depend on the
-// rows, heads or threads it shares a task with. scores: n x width floats, width >= every seen.
+// each given the operations it had when attended alone, bit for bit: scores (with AVX2, on every
+// build but the plain C++ one, and head_dim 64 or 128: dots8 for whole groups of eight keys, their
+// sums transposed by hsum8x8; dot for the rest), exp_sum, then the values in key order, summed in
+// registers (accumulate) instead of read and written once per key (axpy: a store-to-load chain).
+// The keys and values are read a block at a time for all of them (one (row, head) at a time read
+// them once per q head and per row): SmolLM2's int4 pass on 1,024 cached tokens had spent ~2 ms a
+// row in attention (docs/performance.md). The AVX-512 build had left the eight-key paths to dot and
+// axpy: on a 2-core Xeon (AVX-512 VNNI) its int4 pass of 9 tokens on 128 cached ones took 9.2 ms
+// against 8.2 with them (medians, one session); its scores are summed in another order since
+// (another last bit: its int4 model's greedy output may part from the earlier build's, as two int4
+// kernels' do). A query's operations are the same whatever it is batched with, so a row's result
+// does not depend on the rows, heads or threads it shares a task with. scores: n x width floats, width >= every seen.
 // A float16 cache's block is converted to floats once for all the queries, which then run the
 // float32 operations on it: the result is float32 attention over the rounded keys and values.
 template <class C>
