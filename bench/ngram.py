@@ -68,6 +68,7 @@ def run(target, tokenizer, target_dir, *, modes: dict[str, float], n_prompts: in
                 rows.append({"name": "a target alone (HF)", **tag, "k": 0, "tokens": sum(map(len, outputs)),
                              "tokens_per_s": sum(map(len, outputs)) / seconds})
                 step(f"{mode} {name}: a")
+                row_at = len(rows)  # where row a' goes, once its second run is in
                 alone = [runner_alone(target_dir, prompts, temperature, new_tokens, eos)[:2]]
                 step(f"{mode} {name}: a'")
                 for k in ks:
@@ -86,7 +87,7 @@ def run(target, tokenizer, target_dir, *, modes: dict[str, float], n_prompts: in
                 step(f"{mode} {name}: n adaptive")
                 alone.append(runner_alone(target_dir, prompts, temperature, new_tokens, eos)[:2])
                 step(f"{mode} {name}: a' again")
-                rows.insert(len(rows) - 2 * len(ks) - 1, alone_row(alone, tag))
+                rows.insert(row_at, alone_row(alone, tag))
             if repeat > 1:
                 best_p, best_n = (max((r for r in rows if r["mode"] == mode and r["prompts"] == "g"
                                        and r["name"].startswith(prefix)), key=lambda r: r["tokens_per_s"])
