@@ -71,6 +71,11 @@ def parse_args(argv=None, prog: str = "python -m coordinator"):
                         help="a round that drafts nothing (K = 0) asks the target for up to this many tokens in one"
                              " call, a pass each, as many as ~100 ms of passes hold under adaptive K: the round trip is"
                              " paid once per call (1: a token per call; at most the target's tokens per call)")
+    parser.add_argument("--target-lookup", type=int, default=4,
+                        help="each pass of such a call also verifies up to this many tokens the target copies from the"
+                             " context, where its last 2-4 tokens occurred before (prompt lookup in the target; exact:"
+                             " the tokens are still drawn from the target's p), so that a pass may commit several"
+                             " (0: off)")
     parser.add_argument("--draft-p-min", type=float, default=0.0,
                         help="stop drafting at a token the draft gives less probability than this (0: off)")
     parser.add_argument("--max-speculative-tokens", type=int, default=16, help="largest K a request may ask for, and the most tokens one call asks the draft for (a --predraft call asks K + 1, cut to this)")
@@ -95,6 +100,8 @@ def parse_args(argv=None, prog: str = "python -m coordinator"):
         parser.error(f"--num-speculative-tokens must be a number >= 0 or auto, not {args.num_speculative_tokens!r}")
     if args.adaptive_max_k is not None and not 0 <= args.adaptive_max_k <= args.max_speculative_tokens:
         parser.error(f"--adaptive-max-k must lie in [0, --max-speculative-tokens={args.max_speculative_tokens}]")
+    if args.target_lookup < 0:
+        parser.error(f"--target-lookup must be >= 0, not {args.target_lookup}")
     if args.decode_steps < 1:
         parser.error(f"--decode-steps must be >= 1, not {args.decode_steps}")
     if not 0.0 <= args.draft_p_min <= 1.0:
@@ -140,7 +147,7 @@ def main(argv=None, prog: str = "python -m coordinator") -> None:
         adaptive = args.num_speculative_tokens == "auto"
         k = args.adaptive_max_k if adaptive else int(args.num_speculative_tokens)
         limits = Limits(args.max_new_tokens, k, args.max_speculative_tokens, adaptive, args.draft_p_min, args.predraft,
-                        args.lockstep_hold_ms if args.lockstep else 0.0, args.decode_steps)
+                        args.lockstep_hold_ms if args.lockstep else 0.0, args.decode_steps, args.target_lookup)
         metrics = CoordinatorMetrics()
         coordinator = Coordinator(draft, target, limits, metrics)
         servicer = GenerationServicer(coordinator)

@@ -73,6 +73,9 @@ class Limits:
     # a round that drafts nothing asks the target for up to this many tokens in one call (one pass
     # each): the round trips of a plain decode are paid once per call, not per token (>= 1; 1: off)
     decode_steps: int = 8
+    # ... and each of those passes also verifies up to this many tokens the target copies from the
+    # context (prompt lookup in the target, VerifyCall.lookup; 0: off)
+    target_lookup: int = 4
 
 
 class NotPossible(ValueError):
@@ -448,7 +451,7 @@ class Coordinator:
             eos_token_ids=eos, max_context=models.max_context, draft_context=models.draft_context or None, stats=stats,
             session_id=uuid.uuid4().hex, p_min=plan.p_min, predraft=self.limits.predraft,
             max_call_tokens=models.max_draft_call, feature_layers=models.feature_layers, constraint=plan.constraint,
-            trace_context=trace_context,
+            trace_context=trace_context, lookup=self.limits.target_lookup,
         )
         models.costs.in_flight += 1
         try:

@@ -300,7 +300,7 @@ def specdec_fields(summary: Summary) -> dict:
             "accepted_per_position": s.accepted_per_position,
             "num_speculative_tokens": summary.num_speculative_tokens, "adaptive": summary.adaptive,
             "seed": summary.seed, "wall_ms": summary.wall_ms, "draft_ms": s.draft_ms, "target_ms": s.target_ms,
-            "lost_draft_rounds": s.lost_draft_rounds}
+            "lost_draft_rounds": s.lost_draft_rounds, "copied_tokens": s.copied_tokens}
 
 
 def specdec_headers(summary: Summary) -> dict[str, str]:

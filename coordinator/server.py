@@ -63,6 +63,7 @@ def stats_proto(summary: Summary) -> pb.GenerationStats:
         lost_draft_rounds=stats.lost_draft_rounds,
         draft_pass_ms=stats.draft_pass_ms,
         target_pass_ms=stats.target_pass_ms,
+        copied_tokens=stats.copied_tokens,
     )
 
 

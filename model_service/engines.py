@@ -27,7 +27,10 @@ from speculative.sampling import (
 from . import features, grammar
 from .drafting import advance, one_result
 from .model_runner import ModelRunner, Timer
+from .ngram import NgramIndex
 from .sessions import Session, SessionTable
+
+LOOKUP_SIZES = range(2, 5)  # the n-gram lengths a target's copies match (the n-gram drafter's defaults, ngram.py)
 
 class RunnerEngine:
     """What a model service asks of its engine besides the per-round calls (drafting.py's
@@ -157,7 +160,18 @@ class TargetEngine(RunnerEngine):
     runs only where every call of the pass asked for it (a call in a pass with draft tokens to
     verify gets its one token), and stops early once `busy()` says other calls wait for the model
     (they join the next pass, not the end of this call's steps). A call always gets at least its
-    first token; the coordinator asks again for the rest."""
+    first token; the coordinator asks again for the rest.
+
+    Prompt lookup (`VerifyCall.lookup`): a call with no proposal that decodes steps may have each of
+    its passes verify, beside the token it decodes, up to `lookup` tokens copied from the session's
+    own context: what followed the most recent earlier occurrence of its last 2-4 tokens (ngram.py's
+    matching). A copied token x is verified as a draft token whose q is one-hot at x (ngram.py's
+    "q and exactness"): accepted with probability p(x), else the token comes from p without x,
+    renormalised, so each token the call returns is still drawn from p, and under greedy params it is
+    the argmax, as decoding it alone would give. Copies stop short of an end-of-sequence token, of
+    the call's `steps` (its tokens stay within them) and of the context; a session with a constraint
+    copies nothing. Where the context repeats itself (input-grounded requests) a pass then commits
+    several tokens."""
 
     def verify(self, call: VerifyCall) -> tuple[Verdict, Cost]:
         return one_result(self.verify_many([call]))
@@ -181,41 +195,74 @@ class TargetEngine(RunnerEngine):
             live = [entry for entry in live if results[entry[0]] is None]
             capture = _feature_layers([session for _, _, session, *_ in live])
             # the tokens the pass feeds: each session's uncached ones (a prompt, a catch-up), at least its rows
-            fed = sum(max(len(call.proposal.tokens) + 1, len(session.tokens) - session.cached)
-                      for _, call, session, *_ in live)
+            fed = sum(max(len(drafted) + 1, len(session.tokens) - session.cached)
+                      for _, _, session, _, drafted, *_ in live)
             try:
-                logits, states = runner.forward_capturing([(session, len(call.proposal.tokens) + 1)
-                                                           for _, call, session, *_ in live], capture)
+                logits, states = runner.forward_capturing([(session, len(drafted) + 1)
+                                                           for _, _, session, _, drafted, *_ in live], capture)
             except Exception as exc:
                 for i, call, *_ in live:
                     runner.sessions.release(call.session_id)  # its cache may be half-written
                     results[i] = exc
                 return results
-            for j, ((i, call, session, committed, q_ids, q_probs), rows) in enumerate(zip(live, logits)):
+            for j, ((i, call, session, committed, drafted, q_ids, q_probs), rows) in enumerate(zip(live, logits)):
                 # rows: positions of x_1..x_K and the bonus, over the ids the tokenizer can produce (an
                 # output layer padded past the vocabulary scores ids no text maps to and no draft holds)
                 rows = rows[:, : runner.vocab_size]
                 if i in masks:  # the constraint's mask at each position (a forbidden draft token has p = 0)
                     rows = grammar.apply(rows, masks[i])
                 try:
-                    if call.params.greedy:
-                        accepted, token = greedy_verify(rows, list(call.proposal.tokens))
-                    else:
-                        draft = torch.tensor(call.proposal.tokens, dtype=torch.long, device=runner.device)
-                        p = logits_to_probs(rows, call.params)
-                        accepted, token = rejection_sample(p, draft, q_ids, q_probs, session.generator)
+                    accepted, token = self._check(rows, drafted, q_ids, q_probs, call.params, session)
                 except Exception as exc:
                     runner.sessions.release(call.session_id)
                     results[i] = exc
                     continue
                 session.truncate(committed + accepted)  # roll back the rejected draft tokens
                 session.tokens.append(token)  # sampled here; enters the cache next call
-                results[i] = Verdict(accepted, token, features=_committed_features(session, capture, states, j))
+                kept = [*drafted[:accepted], token]
+                if call.proposal.tokens:
+                    results[i] = Verdict(accepted, token)
+                else:  # the call proposed nothing: what it copied and kept is the target's own
+                    results[i] = Verdict(0, kept[0], kept[1:], copied=accepted)
+                results[i].features = _committed_features(session, capture, states, j)
             pass_ms = timer.ms
             if live and all(call.steps > 1 for _, call, *_ in live):
                 self._decode_on([(i, call, session) for i, call, session, *_ in live], results, busy)
             cost = Cost(timer.ms, batch_size=len(live), batch_tokens=fed, pass_ms=pass_ms)
             return [(r, cost) if isinstance(r, Verdict) else r for r in results]
+
+    def _check(self, rows: torch.Tensor, drafted: list[int], q_ids, q_probs, params,
+               session: Session) -> tuple[int, int]:
+        """Rejection sampling of `drafted` against the pass's rows [len(drafted) + 1, V] (greedy: the
+        argmax test). -> (accepted, recovered or bonus token)"""
+        if params.greedy:
+            return greedy_verify(rows, drafted)
+        draft = torch.tensor(drafted, dtype=torch.long, device=self.runner.device)
+        return rejection_sample(logits_to_probs(rows, params), draft, q_ids, q_probs, session.generator)
+
+    def _copy(self, session: Session, most: int) -> list[int]:
+        """Up to `most` tokens copied from the session's context (prompt lookup, the class
+        docstring), stopping short of an end-of-sequence token; none for a session with a constraint."""
+        if most <= 0 or session.grammar is not None:
+            return []
+        index = session.lookup
+        if index is None or len(index.tokens) > len(session.tokens):
+            index = session.lookup = NgramIndex(LOOKUP_SIZES)  # (only truncate shrinks `tokens`, and crops it)
+        index.extend(session.tokens[len(index.tokens):])
+        copy = index.continuation(most)
+        eos = self.runner.eos_token_ids
+        for n, token in enumerate(copy):
+            if token in eos:
+                return copy[:n]
+        return copy
+
+    def _one_hot(self, tokens: list[int], params) -> tuple[list, list]:
+        """q of copied tokens: one-hot at each (greedy: not needed)."""
+        if params.greedy or not tokens:
+            return [], []
+        device = self.runner.device
+        return ([torch.tensor([t], dtype=torch.long, device=device) for t in tokens],
+                [torch.ones(1, dtype=torch.float32, device=device) for _ in tokens])
 
     def _verify_masks(self, live: list, results: list) -> dict[int, torch.Tensor]:
         """The constrained sessions' masks for this pass: call index -> bool [K + 1, V], row i what
@@ -244,52 +291,68 @@ class TargetEngine(RunnerEngine):
         time. A session stops after an EOS, at its step count, at the context or at the KV cap."""
         runner = self.runner
         eos = set(runner.eos_token_ids)
-        nothing = torch.empty(0, dtype=torch.long, device=runner.device)
+
+        def more(i: int, call: VerifyCall) -> int:  # tokens the call may still take
+            return call.steps - 1 - len(results[i].decoded)
+
         decoding = [(i, call, session) for i, call, session in calls
-                    if isinstance(results[i], Verdict) and results[i].token not in eos]
+                    if isinstance(results[i], Verdict) and (results[i].decoded or [results[i].token])[-1] not in eos
+                    and more(i, call) > 0]
         while decoding and not (busy is not None and busy()):
-            fits = []  # sessions with room for one more token
+            fits = []  # sessions with room for one more token, and the tokens each copied
             for i, call, session in decoding:
+                held = len(session.tokens)
+                copy = self._copy(session, min(call.lookup, more(i, call) - 1))
+                pending = sum(1 + len(c) for *_, c in fits)
                 try:
-                    runner.check_context(call.session_id, len(session.tokens) + 1, len(session.tokens), len(fits))
+                    try:
+                        runner.check_context(call.session_id, held + 1 + len(copy), held, pending)
+                    except (InvalidRequest, CapacityExceeded):
+                        if not copy:
+                            raise
+                        copy = []  # room for the token, not for the copy
+                        runner.check_context(call.session_id, held + 1, held, pending)
                 except (InvalidRequest, CapacityExceeded):
                     continue
-                fits.append((i, call, session))
+                fits.append((i, call, session, copy))
             if not fits:
                 return
-            capture = _feature_layers([session for _, _, session in fits])
+            for _, _, session, copy in fits:
+                session.tokens.extend(copy)
+            capture = _feature_layers([session for _, _, session, _ in fits])
             try:
-                logits, states = runner.forward_capturing([(session, 1) for _, _, session in fits], capture)
+                logits, states = runner.forward_capturing([(session, 1 + len(copy)) for _, _, session, copy in fits],
+                                                          capture)
             except Exception as exc:
-                for i, call, _ in fits:
+                for i, call, *_ in fits:
                     runner.sessions.release(call.session_id)  # its cache may be half-written
                     results[i] = exc
                 return
-            ruled = [session for _, _, session in fits if session.grammar is not None]
+            ruled = [session for _, _, session, _ in fits if session.grammar is not None]
             for session in ruled:
                 session.grammar.follow(session.tokens)  # its own tokens, each drawn under the mask
             masks = iter(self.grammars.masks([(session.grammar, []) for session in ruled]))
             decoding = []
-            for j, ((i, call, session), rows) in enumerate(zip(fits, logits)):
+            for j, ((i, call, session, copy), rows) in enumerate(zip(fits, logits)):
                 rows = rows[:, : runner.vocab_size]
-                if session.grammar is not None:
+                if session.grammar is not None:  # (copies nothing)
                     rows = grammar.apply(rows, next(masks))
-                if call.params.greedy:
-                    _, token = greedy_verify(rows, [])
-                else:
-                    _, token = rejection_sample(logits_to_probs(rows, call.params), nothing, [], [], session.generator)
+                accepted, token = self._check(rows, copy, *self._one_hot(copy, call.params), call.params, session)
+                session.truncate(len(session.tokens) - len(copy) + accepted)
                 session.tokens.append(token)
-                results[i].decoded.append(token)
+                results[i].decoded.extend([*copy[:accepted], token])
+                results[i].copied += accepted
                 step = _committed_features(session, capture, states, j)
                 if step is not None:
                     results[i].features = Features.join([results[i].features, step]) if results[i].features else step
-                if len(results[i].decoded) + 1 < call.steps and token not in eos:
+                if more(i, call) > 0 and token not in eos:
                     decoding.append((i, call, session))
 
     def _advance(self, call: VerifyCall, pending: int = 1):
         """Validate a call; append its new tokens and the draft tokens to its session. pending:
         tokens the pass will add beyond what the sessions hold (one sampled token per call).
-        -> (session, committed length, q_ids, q_probs)"""
+        -> (session, committed length, the tokens to verify (the proposal's, or a lookup call's
+        copy), q_ids, q_probs)"""
         runner, proposal = self.runner, call.proposal
         runner.check_session_id(call.session_id)
         call.params.validate()
@@ -324,8 +387,17 @@ class TargetEngine(RunnerEngine):
                 session.feature_layers = ()
         committed = len(session.tokens) + len(call.append)
         session.tokens.extend(call.append)
-        session.tokens.extend(proposal.tokens)
-        return session, committed, q_ids, q_probs
+        drafted = list(proposal.tokens)
+        if not k and call.steps > 1 and call.lookup > 0:
+            copy = self._copy(session, min(call.lookup, call.steps - 1))
+            try:
+                runner.check_context(call.session_id, committed + len(copy), committed, pending)
+                drafted = copy
+                q_ids, q_probs = self._one_hot(copy, call.params)
+            except (InvalidRequest, CapacityExceeded):
+                pass  # room for the token, not for the copy
+        session.tokens.extend(drafted)
+        return session, committed, drafted, q_ids, q_probs
 
 
 def _feature_layers(sessions: list[Session]) -> tuple[int, ...]:

@@ -37,11 +37,14 @@ class Session:
     proposed: int = 0  # draft only: tokens of the last proposal, which a rollback may drop
     feature_layers: tuple[int, ...] = ()  # target only: the layers whose hidden states its answers return
     grammar: Any = None  # a structured-output constraint's matcher (grammar.SessionGrammar), if it has one
+    lookup: Any = None  # target only: the n-gram index of a prefix of `tokens` its copies come from (ngram.NgramIndex)
     last_used: float = field(default_factory=time.monotonic)
 
     def truncate(self, length: int) -> None:
         """Roll the session back to its first `length` tokens."""
         del self.tokens[length:]
+        if self.lookup is not None and len(self.lookup.tokens) > length:
+            self.lookup.crop(length)
         if self.cached > length:
             self.cache.crop(length - self.cached)  # crop(-n) drops the last n positions
             self.cached = length

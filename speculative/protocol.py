@@ -219,6 +219,8 @@ class VerifyCall:
     constraint: Constraint | None = None  # on start: the structured output the session follows (p is masked)
     trace: str = ""      # as ProposeCall.trace
     drop_features: bool = False  # the session's answers carry no more feature rows from this call on
+    lookup: int = 0      # with no proposal and steps > 1: each pass also verifies up to this many tokens the
+    #                      target copies from the session's context (prompt lookup; VerifyRequest.lookup_tokens)
 
 
 @dataclass
@@ -239,6 +241,7 @@ class Verdict:
     token: int     # recovered (accepted < K) or bonus (accepted == K) token
     decoded: list[int] = field(default_factory=list)  # tokens after `token` the target decoded on its own
     features: Features | None = None  # a session with feature layers: the rows this call fed and committed
+    copied: int = 0  # of `token` and `decoded`, those the target copied from the context and accepted (lookup)
 
 
 @dataclass(frozen=True)
@@ -363,25 +366,27 @@ def verify_call_to_proto(call: VerifyCall, turn: tuple[int, int] = (0, 0)) -> pb
                             proposal=proposal_to_proto(call.proposal), sampling=params_to_proto(call.params),
                             turn_id=turn[0], turn_size=turn[1], decode_steps=call.steps if call.steps > 1 else 0,
                             feature_layers=call.feature_layers, constraint=constraint_to_proto(call.constraint),
-                            traceparent=call.trace, drop_features=call.drop_features)
+                            traceparent=call.trace, drop_features=call.drop_features,
+                            lookup_tokens=call.lookup if call.steps > 1 else 0)
 
 
 def verify_call_from_proto(msg: pb.VerifyRequest) -> VerifyCall:
     return VerifyCall(msg.session_id, msg.start, list(msg.append), proposal_from_proto(msg.proposal),
                       params_from_proto(msg.sampling), max(1, msg.decode_steps), tuple(msg.feature_layers),
                       constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None, msg.traceparent,
-                      msg.drop_features)
+                      msg.drop_features, msg.lookup_tokens)
 
 
 def verdict_to_proto(verdict: Verdict, cost: Cost) -> pb.VerifyResponse:
     return pb.VerifyResponse(accepted=verdict.accepted, token=verdict.token, service_ms=cost.service_ms,
                              batch_size=cost.batch_size, batch_tokens=cost.batch_tokens, pass_ms=cost.pass_ms,
-                             decoded=verdict.decoded, features=features_to_proto(verdict.features))
+                             decoded=verdict.decoded, features=features_to_proto(verdict.features),
+                             copied=verdict.copied)
 
 
 def verdict_from_proto(msg: pb.VerifyResponse) -> Verdict:
     return Verdict(msg.accepted, msg.token, list(msg.decoded),
-                   features_from_proto(msg.features) if msg.HasField("features") else None)
+                   features_from_proto(msg.features) if msg.HasField("features") else None, msg.copied)
 
 
 def pass_cost_from_info(info: pb.ModelInfo) -> PassCost:

@@ -162,11 +162,13 @@ class Round:
     feature_bytes: int = 0     # the target's feature rows this round (a feature-reading draft's)
     draft_lost: bool = False   # a draft call failed or was late (failover): the round went on without it
     draft_pass_ms: float = 0.0  # the passes its draft calls rode in, on the draft's model (draft.pass_ms: the last's)
+    copied: int = 0  # of `tokens`, those the target copied from the context and kept (lookup: Verdict.copied)
 
 
 async def speculative_round(
     draft: DraftPeer, target: TargetPeer, seq: Sequence, k: int, params: SamplingParams, p_min: float = 0.0,
     predraft: bool = False, draft_context: int | None = None, max_call_tokens: int | None = None, steps: int = 1,
+    lookup: int = 0,
 ) -> Round:
     """One round: the draft proposes up to k tokens, the target verifies them in one pass.
 
@@ -176,7 +178,9 @@ async def speculative_round(
     The draft catches up on them, as on any committed token, at its next call. So does a round
     whose draft proposed nothing (the n-gram draft found no copy, a draft stopped at its first
     token, a lost draft call), which would otherwise pay a target call for one token (generate
-    passes 1 where the output could depend on how many: see KPolicy.replays).
+    passes 1 where the output could depend on how many: see KPolicy.replays). lookup: such a call's
+    passes also verify up to this many tokens the target copies from the context (VerifyCall.lookup),
+    so that a pass may commit several.
 
     predraft (PEARL's post-verify): while the target verifies, the draft goes on drafting
     k + 1 tokens as if every proposed token were accepted, the first being its guess of the
@@ -201,7 +205,7 @@ async def speculative_round(
         proposal, draft_cost = proposed or (Proposal(), Cost())
         held = len(proposal.tokens)
     draft_pass_ms = draft_cost.pass_ms
-    verify = _verify(target, seq, proposal, params, 1 if proposal.tokens else steps)
+    verify = _verify(target, seq, proposal, params, 1 if proposal.tokens else steps, lookup)
     ahead = None
     ahead_k = 0
     if predraft and proposal.tokens and len(proposal.tokens) == held:
@@ -244,7 +248,7 @@ async def speculative_round(
     calls = (k > 0 and ready is None) + (ahead is not None)
     return Round(accepted + [verdict.token] + verdict.decoded, len(proposal.tokens), verdict.accepted, draft_cost,
                  target_cost, k, calls, ahead is not None, hit,
-                 len(verdict.features.data) if verdict.features is not None else 0, lost, draft_pass_ms)
+                 len(verdict.features.data) if verdict.features is not None else 0, lost, draft_pass_ms, verdict.copied)
 
 
 async def _propose(draft: DraftPeer, seq: Sequence, k: int, params: SamplingParams,
@@ -277,19 +281,19 @@ def _featured(seq: Sequence) -> None:
 
 
 async def _verify(target: TargetPeer, seq: Sequence, proposal: Proposal, params: SamplingParams,
-                  steps: int) -> tuple[Verdict, Cost]:
+                  steps: int, lookup: int = 0) -> tuple[Verdict, Cost]:
     """The target's verdict on the proposal, from a session started again if the target lost it."""
     if seq.target_seen:
         try:
             answer = await target.verify(VerifyCall(seq.session_id, False, seq.tokens[seq.target_seen :], proposal,
-                                                    params, steps, drop_features=seq.drop_features))
+                                                    params, steps, drop_features=seq.drop_features, lookup=lookup))
             seq.drop_features = False
             return answer
         except SessionLost:
             seq.target_seen = 0
     seq.drop_features = False  # (a new session asks for seq.feature_layers, none once dropped)
     return await target.verify(VerifyCall(seq.session_id, True, seq.tokens[:], proposal, params, steps,
-                                          seq.feature_layers, seq.constraint))
+                                          seq.feature_layers, seq.constraint, lookup=lookup))
 
 
 async def _unless_lost(call: Awaitable[tuple[Proposal, Cost]]) -> tuple[Proposal, Cost] | None:
@@ -319,6 +323,7 @@ class Stats:
     lost_draft_rounds: int = 0  # rounds that went on without a draft call that failed or was late
     draft_pass_ms: float = 0.0   # of draft_ms, on the draft's model (the passes its calls rode in)
     target_pass_ms: float = 0.0  # of target_ms, on the target's model
+    copied_tokens: int = 0  # generated tokens the target copied from the context (lookup) and kept
 
     def add(self, r: Round) -> None:
         self.rounds += 1
@@ -340,12 +345,13 @@ class Stats:
         self.draft_pass_ms += r.draft_pass_ms
         self.target_pass_ms += r.target.pass_ms
         self.wire_bytes += r.draft.wire_bytes + r.target.wire_bytes
+        self.copied_tokens += r.copied
 
     def merge(self, other: "Stats") -> None:
         """Add another generation's counts to these (for totals over requests)."""
         for name in ("rounds", "draft_tokens", "accepted_tokens", "draft_calls", "draft_ms", "target_ms",
                      "wire_bytes", "generated_tokens", "rejected_rounds", "predrafts", "predraft_hits",
-                     "feature_bytes", "lost_draft_rounds", "draft_pass_ms", "target_pass_ms"):
+                     "feature_bytes", "lost_draft_rounds", "draft_pass_ms", "target_pass_ms", "copied_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         # (`other` may be a GenerationStats message, which carries the mean instead)
         self.verify_batch_sessions += getattr(other, "verify_batch_sessions", None) or round(
@@ -395,6 +401,7 @@ async def generate(
     feature_window: int = FEATURE_WINDOW,
     constraint: Constraint | None = None,
     trace_context: Context | None = None,
+    lookup: int = 0,
 ) -> AsyncIterator[list[int]]:
     """Yield each round's new tokens until max_new_tokens, the context or an EOS.
 
@@ -409,11 +416,17 @@ async def generate(
     feature_window: the rows kept for a draft session started again (FeatureLog); constraint: a
     structured output the generated tokens follow (both sessions get it on their start; the target
     masks p with it); trace_context: the request's span, each round's span's parent
-    (runtime/tracing.py). Tokens past an EOS or past max_new_tokens are dropped. Both sessions are
+    (runtime/tracing.py); lookup: in a round that decodes steps, the tokens each pass may also verify
+    from the target's own copies of the context (speculative_round; greedy, or a policy that does not
+    replay: see KPolicy.replays). Tokens past an EOS or past max_new_tokens are dropped. Both sessions are
     released when the generator ends or is closed early.
     """
     if isinstance(k, int):
         k = FixedK(k)
+    if not params.greedy and k.replays:
+        # a seeded sampled request replays from the request alone; the draws of a call that copies
+        # depend on where its copies stop, and so on how many tokens each call asks for
+        lookup = 0
     asked_draft = False  # whether any round has called the draft (its session may exist)
     stats = stats if stats is not None else Stats()
     draft_context = max_context if draft_context is None else draft_context
@@ -440,7 +453,8 @@ async def generate(
                                               attributes={"specdec.k": chosen, "specdec.decode_steps": steps}) as span:
                 stop = max(p_min, k.stop_below) if chosen else p_min
                 r = await speculative_round(draft, target, seq, chosen, params, stop, predraft,
-                                            draft_context=draft_context, max_call_tokens=max_call_tokens, steps=steps)
+                                            draft_context=draft_context, max_call_tokens=max_call_tokens, steps=steps,
+                                            lookup=lookup)
                 if span.is_recording():
                     span.set_attributes({"specdec.proposed": r.proposed, "specdec.accepted": r.accepted,
                                          "specdec.tokens": len(r.tokens), "specdec.predraft_hit": r.predraft_hit,

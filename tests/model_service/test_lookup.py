@@ -1,0 +1,194 @@
+"""Prompt lookup in the target (VerifyCall.lookup): a call that decodes steps also verifies tokens the
+target copies from the session's context. Greedy, the tokens are those of decoding one at a time;
+sampled, each still follows the target's p (chi-squared over seeds); copies stop at an EOS, the
+call's steps and the context; through the round and gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from model_service.engines import TargetEngine
+from model_service.local import LocalDraft, LocalTarget
+from model_service.model_runner import ModelRunner
+from model_service.ngram import NgramDraft
+from speculative.protocol import Proposal, SamplingParams, VerifyCall
+from speculative.round import FixedK, Stats, generate
+from tests.stats import chi2_stat, fits
+
+from .test_engines import one_hot_proposal
+
+GREEDY = SamplingParams(0.0)
+# a prompt that repeats itself, so that the context has n-grams to copy from from the first call on
+PROMPTS = [[5, 17, 42, 9, 100, 3, 5, 17, 42, 9, 100, 3, 5, 17], [7, 8, 9, 7, 8, 9, 7, 8, 9, 7], [40, 41, 42, 43, 44]]
+
+
+@pytest.fixture(scope="module")
+def target(pair):
+    _, target_dir = pair
+    return TargetEngine(ModelRunner(target_dir))
+
+
+def one_at_a_time(target: TargetEngine, session: str, prompt: list[int], n: int) -> list[int]:
+    verdict, _ = target.verify(VerifyCall(session, True, prompt, Proposal(), GREEDY))
+    tokens = [verdict.token]
+    while len(tokens) < n:
+        verdict, _ = target.verify(VerifyCall(session, False, [], Proposal(), GREEDY))
+        tokens.append(verdict.token)
+    target.release(session)
+    return tokens
+
+
+def with_lookup(target: TargetEngine, session: str, prompt: list[int], n: int, steps: int, lookup: int,
+                params: SamplingParams = GREEDY) -> tuple[list[int], int, int]:
+    """n tokens in calls of `steps` tokens copying up to `lookup`. -> (tokens, copied, passes)"""
+    tokens, copied, passes, start = [], 0, 0, True
+    while len(tokens) < n:
+        verdict, cost = target.verify(VerifyCall(session, start, prompt if start else [], Proposal(), params,
+                                                 steps, lookup=lookup))
+        got = [verdict.token, *verdict.decoded]
+        assert verdict.accepted == 0 and len(got) <= steps and verdict.copied < len(got)
+        tokens, copied, start = tokens + got, copied + verdict.copied, False
+        passes += len(got) - verdict.copied  # each pass keeps one token of its own
+    target.release(session)
+    return tokens[:n], copied, passes
+
+
+def test_greedy_copies_decode_what_one_token_a_call_does(target):
+    copied = passes = made = 0
+    for i, prompt in enumerate(PROMPTS):
+        want = one_at_a_time(target, f"ref{i}", prompt, 40)
+        got, c, p = with_lookup(target, f"lookup{i}", prompt, 40, steps=8, lookup=4)
+        assert got == want
+        copied, passes, made = copied + c, passes + p, made + len(got)
+    assert copied > 0 and passes < made  # copies were kept: fewer passes than tokens
+    assert len(target.runner.sessions) == 0
+
+
+def test_copies_mix_with_verified_proposals_and_rollbacks(target):
+    """A session whose calls alternate between verifying (rejected) proposals, which roll it back, and
+    copying: its index follows the rollbacks, and the tokens stay the target's."""
+    prompt = PROMPTS[1]
+    want = one_at_a_time(target, "ref", prompt, 36)
+    tokens, start = [], True
+    while len(tokens) < 36:
+        if len(tokens) % 2:  # a proposal the target rejects at once: it rolls the session back
+            wrong = (want[len(tokens)] + 1) % target.runner.vocab_size
+            verdict, _ = target.verify(VerifyCall("mixed", False, [], one_hot_proposal([wrong, wrong]), GREEDY))
+            assert verdict.accepted == 0
+        else:
+            verdict, _ = target.verify(VerifyCall("mixed", start, prompt if start else [], Proposal(), GREEDY, 6,
+                                                  lookup=3))
+        tokens += [verdict.token, *verdict.decoded]
+        start = False
+    target.release("mixed")
+    assert tokens[:36] == want
+
+
+def test_copies_stop_short_of_an_eos(target):
+    runner = target.runner
+    prompt = PROMPTS[1]
+    want = one_at_a_time(target, "ref", prompt, 30)
+    eos = want[5]  # a token decoded sixth, likely one a copy would carry: make it the end of a sequence
+    saved = runner.eos_token_ids
+    runner.eos_token_ids = [eos]
+    try:
+        got, _, _ = with_lookup(target, "eos", prompt, 30, steps=16, lookup=8)
+    finally:
+        runner.eos_token_ids = saved
+    cut = want.index(eos) + 1
+    assert got[:cut] == want[:cut]  # (the call stops after the EOS; the next decodes on past it)
+
+
+def test_copies_stay_within_the_context_and_the_steps(pair):
+    _, target_dir = pair
+    prompt = PROMPTS[1]
+    target = TargetEngine(ModelRunner(target_dir, max_context=len(prompt) + 3))
+    verdict, _ = target.verify(VerifyCall("ctx", True, prompt, Proposal(), GREEDY, 8, lookup=8))
+    assert 1 + len(verdict.decoded) == 3
+    assert len(target.runner.sessions.get("ctx").tokens) == len(prompt) + 3
+    target.release("ctx")
+    target = TargetEngine(ModelRunner(target_dir))
+    for steps in (2, 3, 5):
+        verdict, _ = target.verify(VerifyCall(f"s{steps}", True, prompt, Proposal(), GREEDY, steps, lookup=8))
+        assert 1 + len(verdict.decoded) <= steps
+
+
+def test_a_call_with_steps_one_copies_nothing(target):
+    verdict, cost = target.verify(VerifyCall("one", True, PROMPTS[1], Proposal(), GREEDY, 1, lookup=4))
+    target.release("one")
+    assert verdict.decoded == [] and verdict.copied == 0 and cost.batch_tokens == len(PROMPTS[1])
+
+
+def copy_prompt(model, eos) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """[3, 5, x, y, 3, 5], whose last 2-gram occurred at 0, so a call copies x, y, with x and y chosen
+    so that the target neither surely accepts nor surely rejects them. -> (prompt, p(. | prompt),
+    p(. | prompt + [x]))"""
+    vocab = model.config.vocab_size
+    with torch.inference_mode():
+        def p(context):
+            return model(input_ids=torch.tensor([context])).logits[0, -1].softmax(-1).double()
+
+        best, chosen = -1.0, None
+        for x in range(vocab):
+            for y in range(vocab):
+                if x in eos or y in eos:
+                    continue
+                prompt = [3, 5, x, y, 3, 5]
+                first, second = p(prompt), p(prompt + [x])
+                score = min(first[x] * (1 - first[x]), second[y] * (1 - second[y]))
+                if score > best:
+                    best, chosen = float(score), (prompt, first, second)
+    return chosen
+
+
+@pytest.mark.parametrize("position", [0, 1])
+def test_sampled_tokens_follow_the_target(small_vocab_pair, position):
+    """The prompt ends in a 2-gram seen before, so the call's first pass copies x, y and verifies them
+    with q one-hot. The call's first token must follow p(. | prompt) and, where it is the copied x, its
+    second p(. | prompt + [x]): the accepted copy's path (chi-squared over seeds)."""
+    _, target_dir = small_vocab_pair
+    target = TargetEngine(ModelRunner(target_dir))
+    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    prompt, first, second = copy_prompt(model, set(target.runner.eos_token_ids))
+    x = prompt[2]
+    p = first if position == 0 else second
+    seen, copied, calls = [], 0, 0
+    for seed in range(1500):
+        verdict, _ = target.verify(VerifyCall("s", True, prompt, Proposal(), SamplingParams(1.0, seed=seed), 3,
+                                              lookup=2))
+        target.release("s")
+        got = [verdict.token, *verdict.decoded]
+        copied, calls = copied + verdict.copied, calls + 1
+        if position == 0:
+            seen.append(got[0])
+        elif got[0] == x and len(got) > 1:
+            seen.append(got[1])
+    assert 0 < copied < 2 * calls  # copies were accepted and rejected
+    assert len(seen) >= 200, len(seen)
+    counts = torch.bincount(torch.tensor(seen), minlength=p.shape[0]).double()
+    assert fits(counts, p), chi2_stat(counts, p)
+
+
+def test_the_round_passes_lookup_and_counts_copies(pair):
+    """generate() at K = 0 with lookup: the target's own tokens, fewer target passes, copies counted."""
+    _, target_dir = pair
+    runner = ModelRunner(target_dir)
+    draft, target = LocalDraft(NgramDraft.load(target_dir)), LocalTarget(TargetEngine(runner))
+    prompt = PROMPTS[0]
+    want = one_at_a_time(TargetEngine(runner), "ref", prompt, 48)
+
+    async def run(lookup: int) -> tuple[list[int], Stats]:
+        stats, out = Stats(), []
+        async for new in generate(draft, target, prompt, max_new_tokens=48, k=FixedK(0, 8), params=GREEDY,
+                                  max_context=runner.max_context, stats=stats, lookup=lookup):
+            out += new
+        return out, stats
+
+    plain, plain_stats = asyncio.run(run(0))
+    copying, stats = asyncio.run(run(4))
+    assert plain == copying == want
+    assert plain_stats.copied_tokens == 0 and stats.copied_tokens > 0
