@@ -225,6 +225,28 @@ def test_a_draft_barely_worth_it_one_token_a_call_is_not_worth_it_eight():
 
 
 
+def test_rounds_whose_passes_keep_the_targets_copies_price_k_0_per_token():
+    """Where a round that drafts nothing commits several tokens a pass (the target's copies kept,
+    Round.copied), K = 0 is priced per token at that yield: a draft worth it against one token a
+    pass is not against two; the request's own rounds move it, and the coordinator-wide figure."""
+    target = PassCost(fixed=9.5, per_token=0.5)
+    draft = PassCost(fixed=0.3, per_token=0.05)
+    costs = CostModel(target, draft, overhead_ms=1.0)
+    assert costs.round_cost(0, 1, 1, steps=8, step_yield=2.0) == pytest.approx(costs.target(1, 1) / 2 + 1.0 / 8)
+    assert costs.round_cost(2, 1, 1, steps=8, step_yield=2.0) == costs.round_cost(2, 1, 1)
+    picks, yields = {}, {}
+    for copied in (0, 4):
+        policy = AdaptiveK(CostModel(target, draft, alpha=0.5, overhead_ms=1.0), k_max=8, steps=8)
+        for _ in range(30):  # alpha 0.5; rounds that drafted nothing: 8 tokens, `copied` of them copies
+            rounds_of(policy, accepted=1, proposed=3, batch=1, n=1)
+            policy.observe(Round(list(range(8)), 0, 0, Cost(), Cost(batch_size=1), copied=copied), 40.0)
+        policy.costs.overhead_ms = 1.0
+        picks[copied], yields[copied] = policy.choose(100), policy.step_yield
+    assert yields[0] == pytest.approx(1.0) and yields[4] > 1.8
+    assert picks[0] > 0 and picks[4] == 0
+    assert policy.costs.step_yield > 1.5  # the coordinator-wide figure followed
+
+
 def test_acceptance_k_follows_only_the_request_s_rounds():
     """+2 after a round accepting all, -1 after a rejection, within [1, k_max], from k_max / 2;
     timings and batch sizes play no part."""
