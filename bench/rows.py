@@ -46,6 +46,8 @@ def row_from_stats(name, mode, k, stats: Stats, seconds):
         "overhead_fraction": overhead_ms / round_ms if round_ms else 0.0,
         "wire_bytes_per_round": stats.wire_bytes / rounds, "ideal_speedup": ideal,
         "feature_bytes_per_round": stats.feature_bytes / rounds,
+        # of the tokens, those the target copied from the context and kept (prompt lookup in the target)
+        "copied_share": stats.copied_tokens / stats.generated_tokens if stats.generated_tokens else 0.0,
     }
 
 
@@ -65,7 +67,7 @@ def with_speedups(rows: list[dict], baselines: dict[str, list[float]]) -> None:
 
 def print_table(rows: list[dict]) -> None:
     head = (f"{'row':<34}{'mode':<9}{'K':>3}{'tok/s':>8}{'speedup':>8}{'accept':>7}{'alpha':>6}{'acc/rnd':>8}{'draft ms':>9}"
-            f"{'target ms':>10}{'ovh ms':>7}{'ovh %':>6}{'B/rnd':>7}{'ideal':>6}{'eff':>6}")
+            f"{'target ms':>10}{'ovh ms':>7}{'ovh %':>6}{'B/rnd':>7}{'ideal':>6}{'eff':>6}{'copied':>7}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -75,7 +77,8 @@ def print_table(rows: list[dict]) -> None:
               f"{f('acceptance_rate', '.2f'):>7}{f('alpha', '.2f'):>6}{f('mean_accepted', '.2f'):>8}{f('draft_ms_per_call', '.2f'):>9}"
               f"{f('target_ms_per_call', '.2f'):>10}{f('overhead_ms_per_round', '.2f'):>7}"
               f"{(format(100 * r['overhead_fraction'], '.1f') if 'overhead_fraction' in r else '-'):>6}"
-              f"{f('wire_bytes_per_round', '.0f'):>7}{f('ideal_speedup', '.2f'):>6}{f('efficiency', '.2f'):>6}")
+              f"{f('wire_bytes_per_round', '.0f'):>7}{f('ideal_speedup', '.2f'):>6}{f('efficiency', '.2f'):>6}"
+              f"{f('copied_share', '.2f'):>7}")
 
 
 def plot(rows: list[dict], path: Path) -> None:

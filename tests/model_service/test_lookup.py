@@ -1,12 +1,13 @@
 """Prompt lookup in the target (VerifyCall.lookup): a call that decodes steps also verifies tokens the
 target copies from the session's context. Greedy, the tokens are those of decoding one at a time;
 sampled, each still follows the target's p (chi-squared over seeds); copies stop at an EOS, the
-call's steps and the context; through the round and gRPC."""
+call's steps and the context; through the round, the target service and the coordinator."""
 
 from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -15,6 +16,8 @@ from model_service.engines import TargetEngine
 from model_service.local import LocalDraft, LocalTarget
 from model_service.model_runner import ModelRunner
 from model_service.ngram import NgramDraft
+from specdec.v1 import specdec_pb2 as pb
+from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from speculative.protocol import Proposal, SamplingParams, VerifyCall
 from speculative.round import FixedK, Stats, generate
 from tests.stats import chi2_stat, fits
@@ -192,3 +195,56 @@ def test_the_round_passes_lookup_and_counts_copies(pair):
     copying, stats = asyncio.run(run(4))
     assert plain == copying == want
     assert plain_stats.copied_tokens == 0 and stats.copied_tokens > 0
+
+
+# ----------------------------------------------------------------- over gRPC
+
+
+def test_the_service_copies_over_grpc(stack):
+    channel = grpc.insecure_channel(stack.target_addr)
+    stub = pb_grpc.TargetStub(channel)
+    greedy = pb.SamplingParams(temperature=0.0, top_p=1.0)
+    prompt = PROMPTS[1]
+    try:
+        one = [stub.Verify(pb.VerifyRequest(session_id="g1", start=True, append=prompt, sampling=greedy)).token]
+        while len(one) < 24:
+            one.append(stub.Verify(pb.VerifyRequest(session_id="g1", sampling=greedy)).token)
+        tokens, copied, start = [], 0, True
+        while len(tokens) < 24:
+            reply = stub.Verify(pb.VerifyRequest(session_id="g2", start=start, append=prompt if start else [],
+                                                 sampling=greedy, decode_steps=8, lookup_tokens=4))
+            tokens += [reply.token, *reply.decoded]
+            copied, start = copied + reply.copied, False
+        assert tokens[:24] == one and copied > 0
+    finally:
+        for session in ("g1", "g2"):
+            stub.Release(pb.ReleaseRequest(session_id=session))
+        channel.close()
+
+
+def test_behind_the_coordinator_rounds_that_draft_nothing_copy(pair):
+    """The coordinator's default --target-lookup: requests at K = 0 decode the target's own tokens
+    and count the copies they kept; --target-lookup 0 copies nothing."""
+    from coordinator.launch import LocalStack
+
+    draft_dir, target_dir = pair
+    reference = TargetEngine(ModelRunner(target_dir))
+    eos = set(reference.runner.eos_token_ids)
+    wants = []
+    for i, prompt in enumerate(PROMPTS):
+        want = one_at_a_time(reference, f"ref{i}", prompt, 40)
+        ends = [n for n, token in enumerate(want) if token in eos]
+        wants.append(want[: ends[0] + 1] if ends else want)
+    for lookup in (None, 0):
+        args = [] if lookup is None else ["--target-lookup", str(lookup)]
+        copied = 0
+        with LocalStack(draft_dir, target_dir, coordinator_args=args) as stack:
+            channel = grpc.insecure_channel(stack.addr)
+            client = pb_grpc.GenerationStub(channel)
+            for prompt, want in zip(PROMPTS, wants):
+                reply = client.Generate(pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=40,
+                                                           temperature=0.0, num_speculative_tokens=0))
+                assert list(reply.token_ids) == want
+                copied += reply.stats.copied_tokens
+            channel.close()
+        assert (copied > 0) == (lookup is None)
