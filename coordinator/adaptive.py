@@ -28,13 +28,15 @@ no one else waits on, so K = 0 is priced as one token a call). (SmolLM2 int4 on 
 ~9.5 ms, a round trip ~1.4 ms more; a target alone through the services ran at 0.87x of its
 runner.) Where such a call's passes also verify the target's copies of the context (prompt lookup,
 VerifyCall.lookup), a pass commits more than one token where the text repeats itself: K = 0 is
-priced per token at what its passes have committed lately (`step_yield`, the request's own rounds,
-pulled towards the coordinator-wide figure while they are few).
+priced per token at what its passes would commit and feed (`step_yield`): the request's committed
+tokens replayed as such passes would have copied them (CopyYield), whatever its rounds did, pulled
+towards the coordinator-wide figure while they are few.
 """
 
 from __future__ import annotations
 
 
+from speculative.lookup import CopyYield
 from speculative.protocol import PassCost
 from speculative.round import Round
 
@@ -71,7 +73,9 @@ class CostModel:
         self.rounds = 0  # rounds observed, every request's
         self.drafted_at = 0  # `rounds` when a request last drafted or chose to probe (AdaptiveK.choose)
         self.batch = 1.0  # sessions a target pass has held lately, over every request's rounds
-        self.step_yield = 1.0  # tokens a pass of a round that drafts nothing commits (the target's copies: lookup)
+        # a pass of a round that drafts nothing, where the target's copies are on (VerifyCall.lookup): tokens it
+        # commits, rows it feeds (AdaptiveK.step_yield: the requests' figures, lately)
+        self.step_yield, self.step_rows = 1.0, 1.0
 
     def observe(self, r: Round, wall_ms: float, stopped: bool = False) -> None:
         """stopped: the draft stopped short of the tokens asked at one too unsure to draft
@@ -93,8 +97,6 @@ class CostModel:
             predicted = steps * self.draft(d.batch_size, d.batch_size)
             if predicted > 0:
                 self.draft_scale += EMA * (d.pass_ms / predicted - self.draft_scale)
-        if not r.proposed and len(r.tokens) > 1:
-            self.step_yield += EMA * (len(r.tokens) / (len(r.tokens) - r.copied) - self.step_yield)
         calls = 1 + (r.asked > 0)
         outside = max(0.0, wall_ms - d.service_ms - t.service_ms) / calls
         self.overhead_ms += EMA * (outside - self.overhead_ms)
@@ -127,10 +129,10 @@ class CostModel:
         return max(1, min(most, int(DECODE_CHUNK_MS // max(pass_ms, 1.0))))
 
     def round_cost(self, k: int, batch: float, draft_batch: float, pipelined: bool = False, steps: int = 1,
-                   step_yield: float = 1.0) -> float:
+                   step_yield: tuple[float, float] = (1.0, 1.0)) -> float:
         """ms of this request's share of one round with k draft tokens, per target pass where
-        the round (k = 0) decodes `steps` tokens in its one call; per token where its passes commit
-        `step_yield` tokens each (the target's copies, VerifyCall.lookup).
+        the round (k = 0) decodes `steps` tokens in its one call; per token where each of its passes
+        commits and feeds (tokens, rows) = `step_yield` (the target's copies, VerifyCall.lookup).
 
         The target's share is scaled by how its passes run now; the draft's only where it runs
         faster than calibrated: under load the draft works while the target verifies other
@@ -150,7 +152,8 @@ class CostModel:
         where K = 4 runs ~10% faster than no drafting: a round of decode steps through the services
         costs more than its price (a' 30.2 tokens/s alone, 24.5 through them)."""
         # the pass of `batch` sessions of k + 1 tokens each, shared among them (its free rows too)
-        target = self.target_scale * self.target((k + 1) * batch, batch) / batch / (1.0 if k else step_yield)
+        tokens, rows = (1.0, k + 1.0) if k else step_yield
+        target = self.target_scale * self.target(rows * batch, batch) / batch / tokens
         draft = 0.0
         if k:
             step = self.draft(draft_batch, draft_batch) / draft_batch  # a pass of a token per session
@@ -219,7 +222,9 @@ class AdaptiveK:
     PROBE_EVERY = 8     # after this many rounds without drafting, draft one token to re-measure...
     PROBE_MAX = 64      # ...and twice as many after each probe that changed nothing, up to this
 
-    def __init__(self, costs: CostModel, k_max: int, steps: int = 1):
+    def __init__(self, costs: CostModel, k_max: int, steps: int = 1, lookup: int = 0, prompt: list[int] = ()):
+        """lookup: the tokens a pass of a round that drafts nothing also verifies from the target's
+        copies of the context (VerifyCall.lookup; 0: none), `prompt` the context they start from."""
         self.costs = costs
         self.k = k_max
         self.steps = steps  # the most tokens a K = 0 round asks the target for
@@ -230,8 +235,7 @@ class AdaptiveK:
         self.idle = 0
         self.wait = self.PROBE_EVERY  # rounds without drafting before the next probe
         self.stop_below = 0.0  # the round's: see stop_for
-        self.step_tokens = 0.0  # tokens this request's rounds that drafted nothing committed (decayed)...
-        self.step_passes = 0.0  # ... in as many target passes (fewer where the target's copies were kept)
+        self.copies = CopyYield(list(prompt), lookup) if lookup > 0 else None  # what those copies would bring
 
     @property
     def alpha(self) -> float:
@@ -242,12 +246,16 @@ class AdaptiveK:
         return self.costs.decode_steps(min(self.steps, remaining))
 
     @property
-    def step_yield(self) -> float:
-        """Tokens a pass of this request's rounds that draft nothing commits: 1, and more where the
-        target's copies of the context (prompt lookup) are kept; the coordinator-wide figure counts as
+    def step_yield(self) -> tuple[float, float]:
+        """(tokens, rows) of a pass of this request's rounds that draft nothing: (1, 1), and more where
+        the target's copies of the context are on and the text repeats it: its committed tokens replayed
+        (CopyYield), whether its rounds drafted or not, the coordinator-wide figures counting as
         PRIOR_WEIGHT passes."""
-        w = self.PRIOR_WEIGHT
-        return (self.step_tokens + w * self.costs.step_yield) / (self.step_passes + w)
+        if self.copies is None:
+            return 1.0, 1.0
+        w, c = self.PRIOR_WEIGHT, self.copies
+        return ((c.tokens + w * self.costs.step_yield) / (c.passes + w),
+                (c.rows + w * self.costs.step_rows) / (c.passes + w))
 
     def choose(self, remaining: int) -> int:
         top = max(0, min(self.k, remaining - 1))
@@ -262,7 +270,7 @@ class AdaptiveK:
         # drafted, 23 of the other 692)
         steps = 1 if pipelined else self.decode_steps(remaining)
         batch = max(self.batch, self.costs.batch) if pipelined else self.batch
-        step_yield = self.step_yield if steps > 1 else 1.0  # (a call of one token copies nothing)
+        step_yield = self.step_yield if steps > 1 else (1.0, 1.0)  # (a call of one token copies nothing)
         best = max(range(top + 1), key=lambda k: expected_tokens(alpha, k)
                    / self.costs.round_cost(k, batch, self.draft_batch, pipelined, steps, step_yield))
         if best == 0 and top > 0:
@@ -317,9 +325,14 @@ class AdaptiveK:
         self.batch = max(1.0, r.target.batch_size)
         if r.asked:
             self.draft_batch = max(1.0, r.draft.batch_size)
-        if not r.proposed and len(r.tokens) > 1:
-            self.step_tokens = self.DECAY * self.step_tokens + len(r.tokens)
-            self.step_passes = self.DECAY * self.step_passes + len(r.tokens) - r.copied
+        if self.copies is not None:
+            c = self.copies
+            tokens, passes, rows = c.tokens, c.passes, c.rows
+            c.add(r.tokens)
+            if c.passes > passes:  # the coordinator-wide figures: a new request's prior
+                costs = self.costs
+                costs.step_yield += EMA * ((c.tokens - tokens) / (c.passes - passes) - costs.step_yield)
+                costs.step_rows += EMA * ((c.rows - rows) / (c.passes - passes) - costs.step_rows)
         if r.proposed or stopped:
             self.accepted = self.DECAY * self.accepted + r.accepted
             self.tried = self.DECAY * self.tried + r.accepted + (r.accepted < r.proposed or stopped)

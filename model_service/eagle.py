@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 
 from speculative.errors import InvalidRequest
+from speculative.lookup import NgramIndex
 from speculative.protocol import Cost, PassCost, Proposal, ProposeCall
 from speculative.sampling import argmax_rows, draft_token, encode_supports, one_hot_supports
 
@@ -60,7 +61,7 @@ from .drafting import MethodSessions, advance, one_result
 from .eagle_head import Eagle3Head, HeadCache
 from .grammar import Grammars, next_masks
 from .model_runner import BUSY_WINDOW, Timer, fastest_ms, saved_tokenizer_files, tokenizer_fields
-from .ngram import NgramIndex, allowed_copy
+from .ngram import allowed_copy
 from .sessions import Session, SessionTable
 from .threads import pass_threads
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from speculative.errors import CapacityExceeded, InvalidRequest
+from speculative.lookup import LOOKUP_SIZES, NgramIndex
 from speculative.protocol import Cost, Features, Proposal, ProposeCall, Verdict, VerifyCall
 from speculative.sampling import (
     check_supports,
@@ -27,10 +28,7 @@ from speculative.sampling import (
 from . import features, grammar
 from .drafting import advance, one_result
 from .model_runner import ModelRunner, Timer
-from .ngram import NgramIndex
 from .sessions import Session, SessionTable
-
-LOOKUP_SIZES = range(2, 5)  # the n-gram lengths a target's copies match (the n-gram drafter's defaults, ngram.py)
 
 class RunnerEngine:
     """What a model service asks of its engine besides the per-round calls (drafting.py's

@@ -39,6 +39,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from speculative.errors import InvalidRequest
+from speculative.lookup import NgramIndex
 from speculative.protocol import Cost, Proposal, ProposeCall
 from speculative.sampling import one_hot_supports
 
@@ -49,55 +50,6 @@ from .sessions import Session, SessionTable
 
 NGRAM_CONTEXT = 1 << 20  # tokens a session may hold unless --max-context says fewer (past the draft's
 # context the coordinator drafts no more: speculative.round.generate's draft_context)
-
-
-class NgramIndex:
-    """Where each n-gram of a sequence starts, for n in `sizes`: a session's cache. crop(-m)
-    forgets the last m tokens, as a KV cache's crop does."""
-
-    def __init__(self, sizes: range):
-        self.sizes = sizes
-        self.tokens: list[int] = []  # the sequence indexed
-        self.starts: dict[tuple[int, ...], list[int]] = {}  # n-gram -> its start positions, increasing
-
-    def get_seq_length(self) -> int:
-        return len(self.tokens)
-
-    def extend(self, tokens: list[int]) -> None:
-        for token in tokens:
-            self.tokens.append(token)
-            end = len(self.tokens)
-            for n in self.sizes:
-                if end >= n:
-                    self.starts.setdefault(tuple(self.tokens[end - n :]), []).append(end - n)
-
-    def crop(self, length: int) -> None:
-        """Keep the first `length` tokens, or drop the last -length where negative."""
-        keep = length if length >= 0 else len(self.tokens) + length
-        while len(self.tokens) > keep:
-            end = len(self.tokens)
-            for n in self.sizes:
-                if end >= n:
-                    key = tuple(self.tokens[end - n :])
-                    starts = self.starts[key]
-                    starts.pop()  # the last start of this n-gram is the one ending here
-                    if not starts:
-                        del self.starts[key]
-            self.tokens.pop()
-
-    def continuation(self, k: int) -> list[int]:
-        """Up to k tokens that followed the most recent earlier occurrence of the longest suffix
-        that has one; [] when none has (or k is 0)."""
-        tokens = self.tokens
-        for n in reversed(self.sizes):
-            starts = self.starts.get(tuple(tokens[-n:])) if k and len(tokens) > n else None
-            if starts and len(starts) > 1:  # starts[-1] is the suffix itself
-                source = starts[-2] + n  # the token after the earlier occurrence (< len(tokens))
-                copied: list[int] = []
-                for i in range(source, source + k):  # past the end, the copy reads itself
-                    copied.append(tokens[i] if i < len(tokens) else copied[i - len(tokens)])
-                return copied
-        return []
 
 
 def allowed_copy(session: Session, copy: list[int]) -> list[int]:

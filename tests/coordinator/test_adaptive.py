@@ -225,26 +225,26 @@ def test_a_draft_barely_worth_it_one_token_a_call_is_not_worth_it_eight():
 
 
 
-def test_rounds_whose_passes_keep_the_targets_copies_price_k_0_per_token():
-    """Where a round that drafts nothing commits several tokens a pass (the target's copies kept,
-    Round.copied), K = 0 is priced per token at that yield: a draft worth it against one token a
-    pass is not against two; the request's own rounds move it, and the coordinator-wide figure."""
+def test_where_the_text_repeats_itself_the_targets_copies_price_k_0_per_token():
+    """A request whose committed tokens go on as copies of its context would (CopyYield, replayed
+    whatever its rounds did) prices K = 0 per token at the tokens and rows such passes commit and
+    feed: a draft worth it against one token a pass is not against several."""
     target = PassCost(fixed=9.5, per_token=0.5)
     draft = PassCost(fixed=0.3, per_token=0.05)
     costs = CostModel(target, draft, overhead_ms=1.0)
-    assert costs.round_cost(0, 1, 1, steps=8, step_yield=2.0) == pytest.approx(costs.target(1, 1) / 2 + 1.0 / 8)
-    assert costs.round_cost(2, 1, 1, steps=8, step_yield=2.0) == costs.round_cost(2, 1, 1)
+    assert costs.round_cost(0, 1, 1, steps=8, step_yield=(2.0, 3.0)) == pytest.approx(costs.target(3, 1) / 2 + 1 / 8)
+    assert costs.round_cost(2, 1, 1, steps=8, step_yield=(2.0, 3.0)) == costs.round_cost(2, 1, 1)
+    prompt = list(range(100, 140))
     picks, yields = {}, {}
-    for copied in (0, 4):
-        policy = AdaptiveK(CostModel(target, draft, alpha=0.5, overhead_ms=1.0), k_max=8, steps=8)
-        for _ in range(30):  # alpha 0.5; rounds that drafted nothing: 8 tokens, `copied` of them copies
-            rounds_of(policy, accepted=1, proposed=3, batch=1, n=1)
-            policy.observe(Round(list(range(8)), 0, 0, Cost(), Cost(batch_size=1), copied=copied), 40.0)
+    for name, lookup, text in (("copies", 4, prompt), ("none", 4, list(range(200, 400))), ("off", 0, prompt)):
+        policy = AdaptiveK(CostModel(target, draft, alpha=0.5, overhead_ms=1.0), k_max=8, steps=8, lookup=lookup,
+                           prompt=prompt)
+        for i in range(20):  # alpha 0.5; the rounds commit `text` on from its start, 5 tokens each
+            policy.observe(Round(text[5 * i: 5 * i + 5], 3, 1, Cost(), Cost(batch_size=1), asked=3), 10.0)
         policy.costs.overhead_ms = 1.0
-        picks[copied], yields[copied] = policy.choose(100), policy.step_yield
-    assert yields[0] == pytest.approx(1.0) and yields[4] > 1.8
-    assert picks[0] > 0 and picks[4] == 0
-    assert policy.costs.step_yield > 1.5  # the coordinator-wide figure followed
+        picks[name], yields[name] = policy.choose(100), policy.step_yield
+    assert yields["copies"][0] > 2.5 and yields["none"] == pytest.approx((1.0, 1.0)) and yields["off"] == (1.0, 1.0)
+    assert picks["none"] > 0 and picks["off"] > 0 and picks["copies"] == 0
 
 
 def test_acceptance_k_follows_only_the_request_s_rounds():
