@@ -63,11 +63,15 @@ class CopyYield:
     over the committed tokens as they come, a pass keeps the copy's prefix that the sequence goes on
     with (under greedy params what the target keeps; sampled, it keeps x with probability p(x), which
     is the chance the sequence goes on with x) and one token of its own. The copies' extra rows are
-    counted too (`rows`), which a pass pays for where its rows do not come free."""
+    counted too (`rows`), which a pass pays for where its rows do not come free. Of the prompt, the
+    last PROMPT_TAIL tokens are indexed (an estimate: a long prompt's indexing stays short work for
+    the caller's event loop)."""
+
+    PROMPT_TAIL = 4096
 
     def __init__(self, prompt: list[int], lookup: int):
         self.index = NgramIndex(LOOKUP_SIZES)
-        self.index.extend(prompt)
+        self.index.extend(prompt[-self.PROMPT_TAIL:])
         self.lookup = lookup
         self.pending: list[int] = []  # committed tokens not yet replayed
         self.tokens = 0  # replayed: tokens committed...
