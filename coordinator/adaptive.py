@@ -235,7 +235,8 @@ class AdaptiveK:
         self.idle = 0
         self.wait = self.PROBE_EVERY  # rounds without drafting before the next probe
         self.stop_below = 0.0  # the round's: see stop_for
-        self.copies = CopyYield(list(prompt), lookup) if lookup > 0 else None  # what those copies would bring
+        # what those copies would bring, in calls of as many tokens as rounds that draft nothing ask for
+        self.copies = CopyYield(list(prompt), lookup, costs.decode_steps(steps)) if lookup > 0 else None
 
     @property
     def alpha(self) -> float:

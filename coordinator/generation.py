@@ -299,7 +299,9 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
         # read from them once, as FixedK's: they change the round trips, not the tokens)
         policy = AcceptanceK(k, models.costs, models.costs.decode_steps(steps))
     else:
-        policy = AdaptiveK(models.costs, k, steps, limits.target_lookup if steps > 1 else 0, prompt)
+        # (a constrained session copies nothing: TargetEngine)
+        copies = limits.target_lookup if steps > 1 and request.constraint is None else 0
+        policy = AdaptiveK(models.costs, k, steps, copies, prompt)
     if request.constraint is not None:
         if request.ignore_eos:
             raise InvalidRequest("ignore_eos cannot go with a structured-output constraint: the output ends where the"
@@ -451,7 +453,7 @@ class Coordinator:
             eos_token_ids=eos, max_context=models.max_context, draft_context=models.draft_context or None, stats=stats,
             session_id=uuid.uuid4().hex, p_min=plan.p_min, predraft=self.limits.predraft,
             max_call_tokens=models.max_draft_call, feature_layers=models.feature_layers, constraint=plan.constraint,
-            trace_context=trace_context, lookup=self.limits.target_lookup,
+            trace_context=trace_context, lookup=self.limits.target_lookup if plan.constraint is None else 0,
         )
         models.costs.in_flight += 1
         try:

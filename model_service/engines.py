@@ -162,8 +162,8 @@ class TargetEngine(RunnerEngine):
 
     Prompt lookup (`VerifyCall.lookup`): a call with no proposal that decodes steps may have each of
     its passes verify, beside the token it decodes, up to `lookup` tokens copied from the session's
-    own context: what followed the most recent earlier occurrence of its last 2-4 tokens (ngram.py's
-    matching). A copied token x is verified as a draft token whose q is one-hot at x (ngram.py's
+    own context: what followed the most recent earlier occurrence of its last 2-4 tokens
+    (speculative/lookup.py's matching, on an index the session keeps: Session.lookup). A copied token x is verified as a draft token whose q is one-hot at x (ngram.py's
     "q and exactness"): accepted with probability p(x), else the token comes from p without x,
     renormalised, so each token the call returns is still drawn from p, and under greedy params it is
     the argmax, as decoding it alone would give. Copies stop short of an end-of-sequence token, of
@@ -300,7 +300,7 @@ class TargetEngine(RunnerEngine):
             fits = []  # sessions with room for one more token, and the tokens each copied
             for i, call, session in decoding:
                 held = len(session.tokens)
-                copy = self._copy(session, min(call.lookup, more(i, call) - 1))
+                copy = self._copy(session, min(call.lookup, more(i, call) - 1, runner.max_context - held - 1))
                 pending = sum(1 + len(c) for *_, c in fits)
                 try:
                     try:
@@ -387,7 +387,8 @@ class TargetEngine(RunnerEngine):
         session.tokens.extend(call.append)
         drafted = list(proposal.tokens)
         if not k and call.steps > 1 and call.lookup > 0:
-            copy = self._copy(session, min(call.lookup, call.steps - 1))
+            # the token the pass samples after the copy must fit the context too
+            copy = self._copy(session, min(call.lookup, call.steps - 1, runner.max_context - committed - 1))
             try:
                 runner.check_context(call.session_id, committed + len(copy), committed, pending)
                 drafted = copy

@@ -37,7 +37,7 @@ class Session:
     proposed: int = 0  # draft only: tokens of the last proposal, which a rollback may drop
     feature_layers: tuple[int, ...] = ()  # target only: the layers whose hidden states its answers return
     grammar: Any = None  # a structured-output constraint's matcher (grammar.SessionGrammar), if it has one
-    lookup: Any = None  # target only: the n-gram index of a prefix of `tokens` its copies come from (ngram.NgramIndex)
+    lookup: Any = None  # target only: an index of a prefix of `tokens` its copies come from (lookup.NgramIndex)
     last_used: float = field(default_factory=time.monotonic)
 
     def truncate(self, length: int) -> None:

@@ -62,17 +62,19 @@ class CopyYield:
     up to `lookup` tokens copied from the context (the target's copies, VerifyCall.lookup): replayed
     over the committed tokens as they come, a pass keeps the copy's prefix that the sequence goes on
     with (under greedy params what the target keeps; sampled, it keeps x with probability p(x), which
-    is the chance the sequence goes on with x) and one token of its own. The copies' extra rows are
-    counted too (`rows`), which a pass pays for where its rows do not come free. Of the prompt, the
+    is the chance the sequence goes on with x) and one token of its own, in calls of `steps` tokens
+    whose copies stay within them (TargetEngine: the last pass of a call copies nothing). The copies'
+    extra rows are counted too (`rows`), which a pass pays for where its rows do not come free. Of the prompt, the
     last PROMPT_TAIL tokens are indexed (an estimate: a long prompt's indexing stays short work for
     the caller's event loop)."""
 
     PROMPT_TAIL = 4096
 
-    def __init__(self, prompt: list[int], lookup: int):
+    def __init__(self, prompt: list[int], lookup: int, steps: int = 1 << 30):
         self.index = NgramIndex(LOOKUP_SIZES)
         self.index.extend(prompt[-self.PROMPT_TAIL:])
-        self.lookup = lookup
+        self.lookup, self.steps = lookup, steps
+        self.in_call = 0  # tokens the replayed call has committed
         self.pending: list[int] = []  # committed tokens not yet replayed
         self.tokens = 0  # replayed: tokens committed...
         self.passes = 0  # ... in as many passes...
@@ -81,10 +83,11 @@ class CopyYield:
     def add(self, tokens: list[int]) -> None:
         self.pending += tokens
         while len(self.pending) > self.lookup:  # the tokens a pass's copy is checked against, and its own
-            copy = self.index.continuation(self.lookup)
+            copy = self.index.continuation(min(self.lookup, self.steps - self.in_call - 1))
             kept = 0
             while kept < len(copy) and copy[kept] == self.pending[kept]:
                 kept += 1
             self.index.extend(self.pending[: kept + 1])
             del self.pending[: kept + 1]
+            self.in_call = (self.in_call + kept + 1) % self.steps if self.steps > 1 else 0
             self.tokens, self.passes, self.rows = self.tokens + kept + 1, self.passes + 1, self.rows + 1 + len(copy)

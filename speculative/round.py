@@ -424,8 +424,9 @@ async def generate(
     if isinstance(k, int):
         k = FixedK(k)
     if not params.greedy and k.replays:
-        # a seeded sampled request replays from the request alone; the draws of a call that copies
-        # depend on where its copies stop, and so on how many tokens each call asks for
+        # a sampled request under a replaying policy (a seeded one's AcceptanceK, a fixed K) replays from
+        # the request alone; the draws of a call that copies depend on where its copies stop, and so on
+        # how many tokens each call asks for
         lookup = 0
     asked_draft = False  # whether any round has called the draft (its session may exist)
     stats = stats if stats is not None else Stats()

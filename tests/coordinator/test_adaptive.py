@@ -234,7 +234,7 @@ def test_where_the_text_repeats_itself_the_targets_copies_price_k_0_per_token():
     costs = CostModel(target, draft, overhead_ms=1.0)
     assert costs.round_cost(0, 1, 1, steps=8, step_yield=(2.0, 3.0)) == pytest.approx(costs.target(3, 1) / 2 + 1 / 8)
     assert costs.round_cost(2, 1, 1, steps=8, step_yield=(2.0, 3.0)) == costs.round_cost(2, 1, 1)
-    prompt = list(range(100, 140))
+    prompt = list(range(100, 200))
     picks, yields = {}, {}
     for name, lookup, text in (("copies", 4, prompt), ("none", 4, list(range(200, 400))), ("off", 0, prompt)):
         policy = AdaptiveK(CostModel(target, draft, alpha=0.5, overhead_ms=1.0), k_max=8, steps=8, lookup=lookup,

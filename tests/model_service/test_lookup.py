@@ -92,32 +92,36 @@ def test_copies_mix_with_verified_proposals_and_rollbacks(target):
 
 
 def test_copies_stop_short_of_an_eos(target):
+    """A token the copies would carry is made the end of a sequence: a call's tokens end at it."""
     runner = target.runner
     prompt = PROMPTS[1]
+    _, copied, _ = with_lookup(target, "plain", prompt, 30, steps=16, lookup=8)
     want = one_at_a_time(target, "ref", prompt, 30)
-    eos = want[5]  # a token decoded sixth, likely one a copy would carry: make it the end of a sequence
+    assert copied > 0
+    eos = want[5]  # a token decoded sixth, in a stretch the copies carry: make it the end of a sequence
     saved = runner.eos_token_ids
     runner.eos_token_ids = [eos]
     try:
-        got, _, _ = with_lookup(target, "eos", prompt, 30, steps=16, lookup=8)
+        verdict, _ = target.verify(VerifyCall("eos", True, prompt, Proposal(), GREEDY, 16, lookup=8))
     finally:
         runner.eos_token_ids = saved
-    cut = want.index(eos) + 1
-    assert got[:cut] == want[:cut]  # (the call stops after the EOS; the next decodes on past it)
+        target.release("eos")
+    assert [verdict.token, *verdict.decoded] == want[: want.index(eos) + 1]
 
 
 def test_copies_stay_within_the_context_and_the_steps(pair):
     _, target_dir = pair
     prompt = PROMPTS[1]
-    target = TargetEngine(ModelRunner(target_dir, max_context=len(prompt) + 3))
-    verdict, _ = target.verify(VerifyCall("ctx", True, prompt, Proposal(), GREEDY, 8, lookup=8))
-    assert 1 + len(verdict.decoded) == 3
-    assert len(target.runner.sessions.get("ctx").tokens) == len(prompt) + 3
-    target.release("ctx")
+    want = one_at_a_time(TargetEngine(ModelRunner(target_dir)), "ref", prompt, 3)
+    for lookup in (1, 2, 8):  # copies that fit, that must be cut, that would overrun
+        target = TargetEngine(ModelRunner(target_dir, max_context=len(prompt) + 3))
+        verdict, _ = target.verify(VerifyCall("ctx", True, prompt, Proposal(), GREEDY, 8, lookup=lookup))
+        assert [verdict.token, *verdict.decoded] == want  # the prompt and 3 tokens fill the context
+        assert len(target.runner.sessions.get("ctx").tokens) == len(prompt) + 3
     target = TargetEngine(ModelRunner(target_dir))
-    for steps in (2, 3, 5):
-        verdict, _ = target.verify(VerifyCall(f"s{steps}", True, prompt, Proposal(), GREEDY, steps, lookup=8))
-        assert 1 + len(verdict.decoded) <= steps
+    for steps in (2, 3, 5):  # (with_lookup checks each call's tokens against its steps)
+        copied = sum(with_lookup(target, f"s{steps}-{i}", p, 30, steps, lookup=8)[1] for i, p in enumerate(PROMPTS))
+        assert copied > 0, steps
 
 
 def test_a_call_with_steps_one_copies_nothing(target):

@@ -21,6 +21,18 @@ def test_a_copy_is_kept_up_to_where_the_sequence_parts_from_it():
     assert (copies.tokens, copies.passes, copies.rows) == (3, 1, 5)
 
 
+def test_copies_stay_within_a_calls_tokens():
+    """In calls of 3 tokens a pass copies at most 3 - 1 - what the call has committed: a text that
+    copies its context throughout commits 3 tokens a pass (2 of them copies), not 5."""
+    prompt = list(range(1, 30)) + [1, 2]  # "1 2" occurred at 0: the copy goes on 3, 4, 5...
+    copies = CopyYield(prompt, 4, steps=3)
+    copies.add(list(range(3, 30)))
+    assert (copies.tokens, copies.passes, copies.rows) == (24, 8, 24)
+    unbounded = CopyYield(prompt, 4)
+    unbounded.add(list(range(3, 30)))
+    assert (unbounded.tokens, unbounded.passes) == (25, 5)
+
+
 def test_the_prompts_tail_is_what_is_indexed():
     prompt = [1, 2, 3] + [100 + i for i in range(CopyYield.PROMPT_TAIL)] + [1, 2]
     copies = CopyYield(prompt, 4)
