@@ -163,8 +163,9 @@ class TargetEngine(RunnerEngine):
     Prompt lookup (`VerifyCall.lookup`): a call with no proposal that decodes steps may have each of
     its passes verify, beside the token it decodes, up to `lookup` tokens copied from the session's
     own context: what followed the most recent earlier occurrence of its last 2-4 tokens
-    (speculative/lookup.py's matching, on an index the session keeps: Session.lookup). A copied token x is verified as a draft token whose q is one-hot at x (ngram.py's
-    "q and exactness"): accepted with probability p(x), else the token comes from p without x,
+    (speculative/lookup.py's matching, on an index the session keeps: Session.lookup). A copied
+    token x is verified as a draft token whose q is one-hot at x (ngram.py's "q and exactness"):
+    accepted with probability p(x), else the token comes from p without x,
     renormalised, so each token the call returns is still drawn from p, and under greedy params it is
     the argmax, as decoding it alone would give. Copies stop short of an end-of-sequence token, of
     the call's `steps` (its tokens stay within them) and of the context; a session with a constraint
