@@ -180,6 +180,49 @@ def test_sampled_tokens_follow_the_target(small_vocab_pair, position):
     assert fits(counts, p), chi2_stat(counts, p)
 
 
+def test_sampled_copies_of_a_later_pass_follow_the_target(small_vocab_pair):
+    """The prompt [3, a, y, z, 5, 3]: once the first pass has decoded a, the context ends in "3 a",
+    seen at 0, so the second pass copies y, z and verifies them with q one-hot (the decode-on passes,
+    not the first). Where the call's first token is a, its second must follow p(. | prompt + [a])
+    (chi-squared over seeds), with a and y chosen so that a comes often and y is neither sure nor
+    hopeless."""
+    _, target_dir = small_vocab_pair
+    target = TargetEngine(ModelRunner(target_dir))
+    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    eos = set(target.runner.eos_token_ids)
+    vocab = model.config.vocab_size
+    with torch.inference_mode():
+        def p(context):
+            return model(input_ids=torch.tensor([context])).logits[0, -1].softmax(-1).double()
+
+        best, chosen = -1.0, None
+        for a in range(vocab):
+            for y in range(vocab):
+                if a in eos or y in eos or a in (3, 5):
+                    continue
+                prompt = [3, a, y, (y + 1) % vocab, 5, 3]
+                first = p(prompt)
+                second = p(prompt + [a])
+                score = min(float(first[a]), float(second[y] * (1 - second[y])))
+                if score > best:
+                    best, chosen = score, (prompt, second)
+    prompt, second = chosen
+    a, y = prompt[1], prompt[2]
+    seen, copied = [], 0
+    for seed in range(2000):
+        verdict, _ = target.verify(VerifyCall("s", True, prompt, Proposal(), SamplingParams(1.0, seed=seed), 4,
+                                              lookup=2))
+        target.release("s")
+        got = [verdict.token, *verdict.decoded]
+        if got[0] == a and len(got) > 1:
+            seen.append(got[1])
+            copied += got[1] == y
+    assert len(seen) >= 300, len(seen)
+    assert 0 < copied < len(seen)  # the copied y was kept and rejected
+    counts = torch.bincount(torch.tensor(seen), minlength=second.shape[0]).double()
+    assert fits(counts, second), chi2_stat(counts, second)
+
+
 def test_the_round_passes_lookup_and_counts_copies(pair):
     """generate() at K = 0 with lookup: the target's own tokens, fewer target passes, copies counted."""
     _, target_dir = pair
