@@ -299,10 +299,10 @@ class TargetEngine(RunnerEngine):
                     and more(i, call) > 0]
         while decoding and not (busy is not None and busy()):
             fits = []  # sessions with room for one more token, and the tokens each copied
+            pending = 0  # the tokens those will add
             for i, call, session in decoding:
                 held = len(session.tokens)
                 copy = self._copy(session, min(call.lookup, more(i, call) - 1, runner.max_context - held - 1))
-                pending = sum(1 + len(c) for *_, c in fits)
                 try:
                     try:
                         runner.check_context(call.session_id, held + 1 + len(copy), held, pending)
@@ -314,6 +314,7 @@ class TargetEngine(RunnerEngine):
                 except (InvalidRequest, CapacityExceeded):
                     continue
                 fits.append((i, call, session, copy))
+                pending += 1 + len(copy)
             if not fits:
                 return
             for _, _, session, copy in fits:

@@ -31,8 +31,9 @@ def target(pair):
     return TargetEngine(ModelRunner(target_dir))
 
 
-def one_at_a_time(target: TargetEngine, session: str, params: SamplingParams, n: int) -> list[int]:
-    verdict, _ = target.verify(VerifyCall(session, True, PROMPT, Proposal(), params))
+def one_at_a_time(target: TargetEngine, session: str, params: SamplingParams, n: int,
+                  prompt: list[int] = PROMPT) -> list[int]:
+    verdict, _ = target.verify(VerifyCall(session, True, prompt, Proposal(), params))
     tokens = [verdict.token]
     while len(tokens) < n:
         verdict, _ = target.verify(VerifyCall(session, False, [], Proposal(), params))

@@ -22,6 +22,7 @@ from speculative.protocol import Proposal, SamplingParams, VerifyCall
 from speculative.round import FixedK, Stats, generate
 from tests.stats import chi2_stat, fits
 
+from .test_decode_steps import one_at_a_time
 from .test_engines import one_hot_proposal
 
 GREEDY = SamplingParams(0.0)
@@ -33,16 +34,6 @@ PROMPTS = [[5, 17, 42, 9, 100, 3, 5, 17, 42, 9, 100, 3, 5, 17], [7, 8, 9, 7, 8, 
 def target(pair):
     _, target_dir = pair
     return TargetEngine(ModelRunner(target_dir))
-
-
-def one_at_a_time(target: TargetEngine, session: str, prompt: list[int], n: int) -> list[int]:
-    verdict, _ = target.verify(VerifyCall(session, True, prompt, Proposal(), GREEDY))
-    tokens = [verdict.token]
-    while len(tokens) < n:
-        verdict, _ = target.verify(VerifyCall(session, False, [], Proposal(), GREEDY))
-        tokens.append(verdict.token)
-    target.release(session)
-    return tokens
 
 
 def with_lookup(target: TargetEngine, session: str, prompt: list[int], n: int, steps: int, lookup: int,
@@ -63,7 +54,7 @@ def with_lookup(target: TargetEngine, session: str, prompt: list[int], n: int, s
 def test_greedy_copies_decode_what_one_token_a_call_does(target):
     copied = passes = made = 0
     for i, prompt in enumerate(PROMPTS):
-        want = one_at_a_time(target, f"ref{i}", prompt, 40)
+        want = one_at_a_time(target, f"ref{i}", GREEDY, 40, prompt)
         got, c, p = with_lookup(target, f"lookup{i}", prompt, 40, steps=8, lookup=4)
         assert got == want
         copied, passes, made = copied + c, passes + p, made + len(got)
@@ -75,7 +66,7 @@ def test_copies_mix_with_verified_proposals_and_rollbacks(target):
     """A session whose calls alternate between verifying (rejected) proposals, which roll it back, and
     copying: its index follows the rollbacks, and the tokens stay the target's."""
     prompt = PROMPTS[1]
-    want = one_at_a_time(target, "ref", prompt, 36)
+    want = one_at_a_time(target, "ref", GREEDY, 36, prompt)
     tokens, start = [], True
     while len(tokens) < 36:
         if len(tokens) % 2:  # a proposal the target rejects at once: it rolls the session back
@@ -96,7 +87,7 @@ def test_copies_stop_short_of_an_eos(target):
     runner = target.runner
     prompt = PROMPTS[1]
     _, copied, _ = with_lookup(target, "plain", prompt, 30, steps=16, lookup=8)
-    want = one_at_a_time(target, "ref", prompt, 30)
+    want = one_at_a_time(target, "ref", GREEDY, 30, prompt)
     assert copied > 0
     eos = want[5]  # a token decoded sixth, in a stretch the copies carry: make it the end of a sequence
     saved = runner.eos_token_ids
@@ -112,7 +103,7 @@ def test_copies_stop_short_of_an_eos(target):
 def test_copies_stay_within_the_context_and_the_steps(pair):
     _, target_dir = pair
     prompt = PROMPTS[1]
-    want = one_at_a_time(TargetEngine(ModelRunner(target_dir)), "ref", prompt, 3)
+    want = one_at_a_time(TargetEngine(ModelRunner(target_dir)), "ref", GREEDY, 3, prompt)
     for lookup in (1, 2, 8):  # copies that fit, that must be cut, that would overrun
         target = TargetEngine(ModelRunner(target_dir, max_context=len(prompt) + 3))
         verdict, _ = target.verify(VerifyCall("ctx", True, prompt, Proposal(), GREEDY, 8, lookup=lookup))
@@ -130,26 +121,31 @@ def test_a_call_with_steps_one_copies_nothing(target):
     assert verdict.decoded == [] and verdict.copied == 0 and cost.batch_tokens == len(PROMPTS[1])
 
 
+def next_p(model, context: list[int]) -> torch.Tensor:
+    """The target's p(. | context), in float64."""
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([context])).logits[0, -1].softmax(-1).double()
+
+
+def best_pair(model, eos, candidate):
+    """Of candidate(u, v) -> (score, value) over the pairs of tokens that are not EOS, the value scoring
+    highest (the first such pair)."""
+    vocab = model.config.vocab_size
+    pairs = [(u, v) for u in range(vocab) for v in range(vocab) if u not in eos and v not in eos]
+    return max((candidate(u, v) for u, v in pairs), key=lambda scored: scored[0])[1]
+
+
 def copy_prompt(model, eos) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     """[3, 5, x, y, 3, 5], whose last 2-gram occurred at 0, so a call copies x, y, with x and y chosen
     so that the target neither surely accepts nor surely rejects them. -> (prompt, p(. | prompt),
     p(. | prompt + [x]))"""
-    vocab = model.config.vocab_size
-    with torch.inference_mode():
-        def p(context):
-            return model(input_ids=torch.tensor([context])).logits[0, -1].softmax(-1).double()
 
-        best, chosen = -1.0, None
-        for x in range(vocab):
-            for y in range(vocab):
-                if x in eos or y in eos:
-                    continue
-                prompt = [3, 5, x, y, 3, 5]
-                first, second = p(prompt), p(prompt + [x])
-                score = min(first[x] * (1 - first[x]), second[y] * (1 - second[y]))
-                if score > best:
-                    best, chosen = float(score), (prompt, first, second)
-    return chosen
+    def candidate(x: int, y: int):
+        prompt = [3, 5, x, y, 3, 5]
+        first, second = next_p(model, prompt), next_p(model, prompt + [x])
+        return float(min(first[x] * (1 - first[x]), second[y] * (1 - second[y]))), (prompt, first, second)
+
+    return best_pair(model, eos, candidate)
 
 
 @pytest.mark.parametrize("position", [0, 1])
@@ -189,24 +185,16 @@ def test_sampled_copies_of_a_later_pass_follow_the_target(small_vocab_pair):
     _, target_dir = small_vocab_pair
     target = TargetEngine(ModelRunner(target_dir))
     model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
-    eos = set(target.runner.eos_token_ids)
     vocab = model.config.vocab_size
-    with torch.inference_mode():
-        def p(context):
-            return model(input_ids=torch.tensor([context])).logits[0, -1].softmax(-1).double()
 
-        best, chosen = -1.0, None
-        for a in range(vocab):
-            for y in range(vocab):
-                if a in eos or y in eos or a in (3, 5):
-                    continue
-                prompt = [3, a, y, (y + 1) % vocab, 5, 3]
-                first = p(prompt)
-                second = p(prompt + [a])
-                score = min(float(first[a]), float(second[y] * (1 - second[y])))
-                if score > best:
-                    best, chosen = score, (prompt, second)
-    prompt, second = chosen
+    def candidate(a: int, y: int):
+        if a in (3, 5):
+            return -1.0, None
+        prompt = [3, a, y, (y + 1) % vocab, 5, 3]
+        second = next_p(model, prompt + [a])
+        return min(float(next_p(model, prompt)[a]), float(second[y] * (1 - second[y]))), (prompt, second)
+
+    prompt, second = best_pair(model, set(target.runner.eos_token_ids), candidate)
     a, y = prompt[1], prompt[2]
     seen, copied = [], 0
     for seed in range(2000):
@@ -229,7 +217,7 @@ def test_the_round_passes_lookup_and_counts_copies(pair):
     runner = ModelRunner(target_dir)
     draft, target = LocalDraft(NgramDraft.load(target_dir)), LocalTarget(TargetEngine(runner))
     prompt = PROMPTS[0]
-    want = one_at_a_time(TargetEngine(runner), "ref", prompt, 48)
+    want = one_at_a_time(TargetEngine(runner), "ref", GREEDY, 48, prompt)
 
     async def run(lookup: int) -> tuple[list[int], Stats]:
         stats, out = Stats(), []
@@ -279,7 +267,7 @@ def test_behind_the_coordinator_rounds_that_draft_nothing_copy(pair):
     eos = set(reference.runner.eos_token_ids)
     wants = []
     for i, prompt in enumerate(PROMPTS):
-        want = one_at_a_time(reference, f"ref{i}", prompt, 40)
+        want = one_at_a_time(reference, f"ref{i}", GREEDY, 40, prompt)
         ends = [n for n, token in enumerate(want) if token in eos]
         wants.append(want[: ends[0] + 1] if ends else want)
     for lookup in (None, 0):
