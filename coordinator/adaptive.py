@@ -19,18 +19,20 @@ batches grow, extra draft tokens cost relatively more: K backs off, down to 0 (n
 speculation) once verification is compute-bound or the draft is poor. Whatever K is
 chosen, the output is the target's: K only moves cost around.
 
-A round at K = 0 asks the target for several tokens in its one call (`decode_steps`, one pass
-each; speculative_round; so does a round whose draft proposed nothing), as many as fit in
-DECODE_CHUNK_MS of one session's passes (a fixed
-K = 0 too, from the costs when the request starts): its call overhead is shared by them, which K = 0's price here
-counts when this request is alone (with others in flight the target decodes on only in passes
-no one else waits on, so K = 0 is priced as one token a call). (SmolLM2 int4 on 2 cores: a pass
-~9.5 ms, a round trip ~1.4 ms more; a target alone through the services ran at 0.87x of its
-runner.) Where such a call's passes also verify the target's copies of the context (prompt lookup,
-VerifyCall.lookup), a pass commits more than one token where the text repeats itself: K = 0 is
-priced per token at what its passes would commit and feed (`step_yield`): the request's committed
-tokens replayed as such passes would have copied them (CopyYield), whatever its rounds did, pulled
-towards the coordinator-wide figure while they are few.
+A round at K = 0 asks the target for several tokens in its one call (`decode_steps`, one pass each;
+speculative_round; so does a round whose draft proposed nothing), as many as fit in DECODE_CHUNK_MS
+of one session's passes (a fixed K = 0 too, from the costs when the request starts): its call
+overhead is shared by them, which K = 0's price here counts when this request is alone (with others
+in flight the target decodes on only in passes no one else waits on, so K = 0 is priced as one token
+a call). (SmolLM2 int4 on 2 cores: a pass ~9.5 ms, a round trip ~1.4 ms more; a target alone through
+the services ran at 0.87x of its runner.) A lone request prices such a call's passes at what such
+calls measure (CostModel.decode_scale), not at the verify passes' scale: they run back to back,
+faster than a pass the target takes after waiting for a draft call. Where such a call's passes also
+verify the target's copies of the context (prompt lookup, VerifyCall.lookup), a pass commits more
+than one token where the text repeats itself: K = 0 is priced per token at what its passes would
+commit and feed (`step_yield`): the request's committed tokens replayed as such passes would have
+copied them (CopyYield), whatever its rounds did, pulled towards the coordinator-wide figure while
+they are few.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ class CostModel:
         self.target, self.draft = target, draft
         self.shared_cpus = shared_cpus  # the draft and the target compute on the same cores (peers.share_cpus)
         self.target_scale = 1.0  # measured / calibrated pass time: contention, other hardware states
+        # the same for a lone request's rounds that draft nothing, over the whole call: its passes run
+        # back to back, and run faster than a verify pass that waited while the draft drafted (round_cost)
+        self.decode_scale = 1.0
         self.steps_scale = 1.0  # the same, averaged over ~100 rounds: what decode_steps reads
         self.draft_scale = 1.0   # the same for the draft (reported; see round_cost)
         self.overhead_ms = overhead_ms  # per peer call, outside both services (wire, coordinator)
@@ -72,6 +77,7 @@ class CostModel:
         self.in_flight = 0  # requests generating now (the coordinator counts them)
         self.rounds = 0  # rounds observed, every request's
         self.drafted_at = 0  # `rounds` when a request last drafted or chose to probe (AdaptiveK.choose)
+        self.probe_wait = AdaptiveK.PROBE_EVERY  # a lone request's: rounds without drafting before the next probe
         self.batch = 1.0  # sessions a target pass has held lately, over every request's rounds
         # a pass of a round that drafts nothing, where the target's copies are on (VerifyCall.lookup): tokens it
         # commits, rows it feeds (AdaptiveK.step_yield: the requests' figures, lately)
@@ -86,6 +92,12 @@ class CostModel:
             self.drafted_at = self.rounds
         if t.batch_size > 0:
             self.batch += EMA * (t.batch_size - self.batch)
+        passes = len(r.tokens) - r.copied  # a pass commits its copies kept and one token of its own
+        if not r.proposed and passes > 1 and t.batch_size == 1 and t.service_ms > 0:
+            # a call that decoded alone: its passes as a whole (one token's, and the rows they feed lately)
+            predicted = passes * self.target(self.step_rows, 1)
+            if predicted > 0:
+                self.decode_scale += EMA * (t.service_ms / predicted - self.decode_scale)
         if t.pass_ms > 0 and t.batch_tokens > 0:
             predicted = self.target(t.batch_tokens, t.batch_size)
             if predicted > 0:
@@ -150,10 +162,15 @@ class CostModel:
         measured time there too (~2x the calibrated steps: the call's take-in of features), the head
         stopped drafting at one stream (mean K 0.23, 18.9 tokens/s against the target alone's 20.2),
         where K = 4 runs ~10% faster than no drafting: a round of decode steps through the services
-        costs more than its price (a' 30.2 tokens/s alone, 24.5 through them)."""
+        costs more than its price (a' 30.2 tokens/s alone, 24.5 through them; figures before a lone request's
+        rounds at K = 0 were priced as such calls run: decode_scale)."""
         # the pass of `batch` sessions of k + 1 tokens each, shared among them (its free rows too)
         tokens, rows = (1.0, k + 1.0) if k else step_yield
-        target = self.target_scale * self.target(rows * batch, batch) / batch / tokens
+        # a lone call that decodes on: priced as such calls have run (decode_scale), not as the verify
+        # passes after a draft call (the EAGLE head and the int4 target on 2 cores: 4.2 ms a pass in the
+        # calls, 5.4 a verify pass; priced alike, the head drafted at the start of each stack)
+        scale = self.decode_scale if k == 0 and steps > 1 and not pipelined else self.target_scale
+        target = scale * self.target(rows * batch, batch) / batch / tokens
         draft = 0.0
         if k:
             step = self.draft(draft_batch, draft_batch) / draft_batch  # a pass of a token per session
@@ -274,7 +291,19 @@ class AdaptiveK:
         step_yield = self.step_yield if steps > 1 else (1.0, 1.0)  # (a call of one token copies nothing)
         best = max(range(top + 1), key=lambda k: expected_tokens(alpha, k)
                    / self.costs.round_cost(k, batch, self.draft_batch, pipelined, steps, step_yield))
-        if best == 0 and top > 0:
+        if best == 0 and top > 0 and not pipelined:
+            # alone: the coordinator's rounds since any request drafted or probed, against a wait that
+            # doubles with each probe that changed nothing, whatever request it was in: the acceptance
+            # probes re-measure is mostly the coordinator's (a request's own counts weigh little against
+            # PRIOR_WEIGHT), and each request waiting PROBE_EVERY of its own rounds afresh had every
+            # request probe once or twice (the EAGLE head, int4 target, 16 requests of 128 tokens: 16
+            # probes, each a draft call taking in the rows since the last and a verify of 1.6 tokens)
+            costs = self.costs
+            if costs.rounds - costs.drafted_at >= costs.probe_wait:
+                best = 1
+                costs.drafted_at = costs.rounds
+                costs.probe_wait = min(2 * costs.probe_wait, self.PROBE_MAX)
+        elif best == 0 and top > 0:
             self.idle += 1
             if self.idle >= self.wait:
                 # a probe round costs a multi-row verify and a draft call (SmolLM2 fp32: ~1.5x a
@@ -294,7 +323,7 @@ class AdaptiveK:
         else:
             self.idle = 0
             if best > 0:
-                self.wait = self.PROBE_EVERY
+                self.wait = self.costs.probe_wait = self.PROBE_EVERY
         self.stop_below = self.stop_for(best, alpha, batch, pipelined) if best else 0.0
         return best
 

@@ -119,20 +119,63 @@ def test_under_load_a_request_prices_the_batch_passes_hold_not_its_own_last_pass
     assert lone.choose(100) >= 1
 
 
+def picks_of(policy: AdaptiveK, n: int) -> list[int]:
+    """n rounds of one request: its choices, each round observed (a probe's token rejected)."""
+    picks = []
+    for _ in range(n):
+        k = policy.choose(100)
+        picks.append(k)
+        policy.observe(Round([], k, 0, Cost(), Cost(batch_size=1), asked=k), 10.0)
+    return picks
+
+
 def test_probes_after_rounds_without_drafting():
     policy = AdaptiveK(CostModel(TARGET, DRAFT, alpha=0.0), k_max=4)
-    picks = [policy.choose(100) for _ in range(AdaptiveK.PROBE_EVERY)]
-    assert picks[:-1] == [0] * (AdaptiveK.PROBE_EVERY - 1) and picks[-1] == 1
+    picks = picks_of(policy, AdaptiveK.PROBE_EVERY + 1)
+    assert picks[:-1] == [0] * AdaptiveK.PROBE_EVERY and picks[-1] == 1
     # probes that change nothing come half as often each time, down to one in PROBE_MAX rounds
-    picks = [policy.choose(100) for _ in range(8 + 16 + 32 + 64 + 64 + 64)]
+    picks = picks_of(policy, 17 + 33 + 65 + 65 + 65)
     probes = [i + 1 for i, k in enumerate(picks) if k]
-    assert [b - a for a, b in zip([0] + probes, probes)] == [16, 32, 64, 64, 64]
+    assert [b - a for a, b in zip([0] + probes, probes)] == [17, 33, 65, 65, 65]
     # once a round is worth drafting again, the next idle spell probes after PROBE_EVERY again
     rounds_of(policy, accepted=4, proposed=4, batch=1)
     assert policy.choose(100) > 0
     rounds_of(policy, accepted=0, proposed=4, batch=1, n=200)
-    picks = [policy.choose(100) for _ in range(AdaptiveK.PROBE_EVERY)]
+    picks = picks_of(policy, AdaptiveK.PROBE_EVERY + 1)
     assert picks[-1] == 1 and not any(picks[:-1])
+
+
+def test_requests_one_after_another_share_the_probes_wait():
+    """Alone, a request waits the coordinator's rounds since any request drafted, not its own: 16
+    requests of 18 rounds one after another probe as one request of 288 rounds does (at its rounds
+    9, 26, 59, 124, 189, 254), not once or twice each (each probe a draft call taking in the rows
+    since the last and a verify of one draft token)."""
+    costs = CostModel(TARGET, DRAFT, alpha=0.0)
+    picks = [k for _ in range(16) for k in picks_of(AdaptiveK(costs, k_max=4), 18)]
+    assert [i + 1 for i, k in enumerate(picks) if k] == [9, 26, 59, 124, 189, 254]
+
+
+def test_a_lone_request_prices_decoding_as_its_calls_ran():
+    """A call that decodes several tokens runs its passes back to back, faster than the verify pass
+    that waits while the draft drafts (the EAGLE head and the int4 target on 2 cores: 4.2 ms a pass
+    against 5.4): priced at the verify pass's scale, a weak draft looked worth drafting. The calls
+    are priced at what they measure, a pass for each token not copied; the verify pass keeps its own."""
+    costs = CostModel(TARGET, DRAFT, alpha=0.5)
+    policy = AdaptiveK(costs, k_max=4, steps=8)
+    verify = costs.round_cost(2, 1, 1)
+    per_token = lambda k: costs.round_cost(k, 1, 1, steps=8) / expected_tokens(0.5, k)  # noqa: E731
+    assert policy.choose(100) >= 1 and per_token(1) < per_token(0)  # 1.5 tokens for 11.2 ms, against 8.7 a token
+    calls = 0.6 * 4 * TARGET(1, 1)  # ms in the target: 8 tokens, 4 of them copies kept, 4 passes at 0.6x
+    for _ in range(100):  # (0.5 ms a call outside the services, as the model starts from)
+        costs.observe(Round(list(range(8)), 0, 0, Cost(), Cost(service_ms=calls, batch_size=1), copied=4), calls + 0.5)
+    assert costs.decode_scale == pytest.approx(0.6, rel=1e-3)
+    assert costs.round_cost(0, 1, 1, steps=8) == pytest.approx(costs.decode_scale * TARGET(1, 1) + 0.5 / 8)
+    assert costs.round_cost(2, 1, 1) == pytest.approx(verify)
+    assert costs.round_cost(0, 1, 1, pipelined=True) == pytest.approx(TARGET(1, 1) + 0.5)
+    assert per_token(0) < per_token(1)
+    for _ in range(100):  # other sessions' passes share those calls: not a lone call's time
+        costs.observe(Round(list(range(8)), 0, 0, Cost(), Cost(service_ms=2 * calls, batch_size=2)), 2 * calls + 0.5)
+    assert costs.decode_scale == pytest.approx(0.6, rel=1e-3)
 
 
 def test_requests_in_flight_share_their_probes():
