@@ -195,7 +195,7 @@ def test_requests_in_flight_share_their_probes():
         return count
 
     alone = probes(1)
-    assert alone == 5  # at rounds 8, 24, 56, 120 and 184
+    assert alone == 5  # at rounds 9, 26, 59, 124 and 189 (alone: the coordinator's rounds since the last)
     assert 1 <= probes(8) <= 2 * alone  # each of 8 on its own: 8 x 5
 
 
