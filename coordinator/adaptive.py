@@ -66,8 +66,9 @@ class CostModel:
         self.target, self.draft = target, draft
         self.shared_cpus = shared_cpus  # the draft and the target compute on the same cores (peers.share_cpus)
         self.target_scale = 1.0  # measured / calibrated pass time: contention, other hardware states
-        # the same for a lone request's rounds that draft nothing, over the whole call: its passes run
-        # back to back, and run faster than a verify pass that waited while the draft drafted (round_cost)
+        # the same for a lone request's rounds that draft nothing, over the whole call (the target's time for it,
+        # its handling with the passes): its passes run back to back, and run faster than a verify pass that
+        # waited while the draft drafted (round_cost)
         self.decode_scale = 1.0
         self.steps_scale = 1.0  # the same, averaged over ~100 rounds: what decode_steps reads
         self.draft_scale = 1.0   # the same for the draft (reported; see round_cost)
@@ -93,11 +94,14 @@ class CostModel:
         if t.batch_size > 0:
             self.batch += EMA * (t.batch_size - self.batch)
         passes = len(r.tokens) - r.copied  # a pass commits its copies kept and one token of its own
-        if not r.proposed and passes > 1 and t.batch_size == 1 and t.service_ms > 0:
-            # a call that decoded alone: its passes as a whole (one token's, and the rows they feed lately)
+        if not r.proposed and passes > 1 and t.batch_size == 1 and self.in_flight <= 1 and t.service_ms > 0:
+            # a lone request's call that decoded alone: its passes as a whole (one token's, and the rows they feed
+            # lately); bounded, as a call that first takes in a whole context (a target session started again)
+            # is one sample, not what decoding costs
             predicted = passes * self.target(self.step_rows, 1)
             if predicted > 0:
-                self.decode_scale += EMA * (t.service_ms / predicted - self.decode_scale)
+                ratio = min(4.0, max(0.25, t.service_ms / predicted))
+                self.decode_scale += EMA * (ratio - self.decode_scale)
         if t.pass_ms > 0 and t.batch_tokens > 0:
             predicted = self.target(t.batch_tokens, t.batch_size)
             if predicted > 0:
@@ -254,6 +258,7 @@ class AdaptiveK:
         self.stop_below = 0.0  # the round's: see stop_for
         # what those copies would bring, in calls of as many tokens as rounds that draft nothing ask for
         self.copies = CopyYield(list(prompt), lookup, costs.decode_steps(steps)) if lookup > 0 else None
+        self.seen = 0  # rounds of this request observed
 
     @property
     def alpha(self) -> float:
@@ -298,8 +303,9 @@ class AdaptiveK:
             # PRIOR_WEIGHT), and each request waiting PROBE_EVERY of its own rounds afresh had every
             # request probe once or twice (the EAGLE head, int4 target, 16 requests of 128 tokens: 16
             # probes, each a draft call taking in the rows since the last and a verify of 1.6 tokens)
+            # (not in its first round, which a draft that reads the target's features cannot draft in)
             costs = self.costs
-            if costs.rounds - costs.drafted_at >= costs.probe_wait:
+            if self.seen and costs.rounds - costs.drafted_at >= costs.probe_wait:
                 best = 1
                 costs.drafted_at = costs.rounds
                 costs.probe_wait = min(2 * costs.probe_wait, self.PROBE_MAX)
@@ -352,6 +358,7 @@ class AdaptiveK:
         # mean K 1.04 and made 0.73x of the target alone, acceptance 0.54, alpha 0.66)
         stopped = self.stop_below > 0 and r.proposed < r.asked
         self.costs.observe(r, wall_ms, stopped)
+        self.seen += 1
         self.batch = max(1.0, r.target.batch_size)
         if r.asked:
             self.draft_batch = max(1.0, r.draft.batch_size)

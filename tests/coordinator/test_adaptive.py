@@ -153,6 +153,11 @@ def test_requests_one_after_another_share_the_probes_wait():
     costs = CostModel(TARGET, DRAFT, alpha=0.0)
     picks = [k for _ in range(16) for k in picks_of(AdaptiveK(costs, k_max=4), 18)]
     assert [i + 1 for i, k in enumerate(picks) if k] == [9, 26, 59, 124, 189, 254]
+    # a probe due at a request's first round waits for its second (a draft that reads the target's
+    # features cannot draft in a first round: the probe would be spent, its wait doubled, nothing drafted)
+    costs = CostModel(TARGET, DRAFT, alpha=0.0)
+    assert picks_of(AdaptiveK(costs, k_max=4), 8) == [0] * 8
+    assert picks_of(AdaptiveK(costs, k_max=4), 2) == [0, 1]
 
 
 def test_a_lone_request_prices_decoding_as_its_calls_ran():
@@ -175,7 +180,14 @@ def test_a_lone_request_prices_decoding_as_its_calls_ran():
     assert per_token(0) < per_token(1)
     for _ in range(100):  # other sessions' passes share those calls: not a lone call's time
         costs.observe(Round(list(range(8)), 0, 0, Cost(), Cost(service_ms=2 * calls, batch_size=2)), 2 * calls + 0.5)
+    costs.in_flight = 2  # nor a call that ran alone while other requests were in flight (at 1.0x here)
+    costs.observe(Round(list(range(8)), 0, 0, Cost(), Cost(service_ms=8 * TARGET(1, 1), batch_size=1)), 50.0)
+    costs.in_flight = 1  # nor a verify pass's round, whatever it commits
+    costs.observe(Round(list(range(4)), 3, 3, Cost(), Cost(service_ms=2 * calls, batch_size=1), asked=3), 2 * calls)
     assert costs.decode_scale == pytest.approx(0.6, rel=1e-3)
+    # a call that first takes in a whole context (its target session started again) is one bounded sample
+    costs.observe(Round(list(range(8)), 0, 0, Cost(), Cost(service_ms=100 * calls, batch_size=1), copied=4), 10.0)
+    assert costs.decode_scale == pytest.approx(0.6 + 0.1 * (4.0 - 0.6), rel=1e-3)
 
 
 def test_requests_in_flight_share_their_probes():
