@@ -177,6 +177,7 @@ class Plan:
     p_min: float
     stop: list[str]
     constraint: Constraint | None = None
+    lookup: int = 0  # tokens a pass of a round that drafts nothing may copy (a constrained session copies none)
 
 
 # ------------------------------------------------------------------ checking a request
@@ -292,6 +293,7 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
     if len(request.stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}")
     steps = 1 if limits.lockstep_ms > 0 else models.decode_steps  # a lockstep turn is one pass
+    lookup = limits.target_lookup if request.constraint is None else 0  # (TargetEngine copies nothing there)
     if not adaptive:
         policy = FixedK(k, models.costs.decode_steps(steps))
     elif params.temperature > 0 and seeded:
@@ -299,15 +301,13 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
         # read from them once, as FixedK's: they change the round trips, not the tokens)
         policy = AcceptanceK(k, models.costs, models.costs.decode_steps(steps))
     else:
-        # (a constrained session copies nothing: TargetEngine)
-        copies = limits.target_lookup if steps > 1 and request.constraint is None else 0
-        policy = AdaptiveK(models.costs, k, steps, copies, prompt)
+        policy = AdaptiveK(models.costs, k, steps, lookup if steps > 1 else 0, prompt)
     if request.constraint is not None:
         if request.ignore_eos:
             raise InvalidRequest("ignore_eos cannot go with a structured-output constraint: the output ends where the"
                                  " constraint is complete")
         await asyncio.to_thread(constraints.check, request.constraint)  # the compiler's reason, before any service
-    return Plan(prompt, max_new, params, policy, p_min, list(request.stop), request.constraint)
+    return Plan(prompt, max_new, params, policy, p_min, list(request.stop), request.constraint, lookup)
 
 
 def outcome(error: BaseException, deadline: float | None = None) -> str:
@@ -453,7 +453,7 @@ class Coordinator:
             eos_token_ids=eos, max_context=models.max_context, draft_context=models.draft_context or None, stats=stats,
             session_id=uuid.uuid4().hex, p_min=plan.p_min, predraft=self.limits.predraft,
             max_call_tokens=models.max_draft_call, feature_layers=models.feature_layers, constraint=plan.constraint,
-            trace_context=trace_context, lookup=self.limits.target_lookup if plan.constraint is None else 0,
+            trace_context=trace_context, lookup=plan.lookup,
         )
         models.costs.in_flight += 1
         try:

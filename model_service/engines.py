@@ -241,7 +241,9 @@ class TargetEngine(RunnerEngine):
 
     def _copy(self, session: Session, most: int) -> list[int]:
         """Up to `most` tokens copied from the session's context (prompt lookup, the class
-        docstring), stopping short of an end-of-sequence token; none for a session with a constraint."""
+        docstring), stopping short of an end-of-sequence token and of the context (the token the pass
+        samples after them must fit too); none for a session with a constraint."""
+        most = min(most, self.runner.max_context - len(session.tokens) - 1)
         if most <= 0 or session.grammar is not None:
             return []
         index = session.lookup
@@ -302,7 +304,7 @@ class TargetEngine(RunnerEngine):
             pending = 0  # the tokens those will add
             for i, call, session in decoding:
                 held = len(session.tokens)
-                copy = self._copy(session, min(call.lookup, more(i, call) - 1, runner.max_context - held - 1))
+                copy = self._copy(session, min(call.lookup, more(i, call) - 1))
                 try:
                     try:
                         runner.check_context(call.session_id, held + 1 + len(copy), held, pending)
@@ -389,8 +391,7 @@ class TargetEngine(RunnerEngine):
         session.tokens.extend(call.append)
         drafted = list(proposal.tokens)
         if not k and call.steps > 1 and call.lookup > 0:
-            # the token the pass samples after the copy must fit the context too
-            copy = self._copy(session, min(call.lookup, call.steps - 1, runner.max_context - committed - 1))
+            copy = self._copy(session, min(call.lookup, call.steps - 1))
             try:
                 runner.check_context(call.session_id, committed + len(copy), committed, pending)
                 drafted = copy
