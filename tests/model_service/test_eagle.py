@@ -20,7 +20,7 @@ from model_service.local import LocalDraft, LocalTarget
 from model_service.model_runner import ModelRunner
 from speculative.errors import InvalidRequest
 from speculative.protocol import Features, Proposal, ProposeCall, SamplingParams, VerifyCall
-from speculative.round import Stats, generate
+from speculative.round import FixedK, Stats, generate
 from speculative.sampling import logits_to_probs
 from speculative.tiny import make_model, make_tokenizer
 from tests.stats import chi2_stat, fits
@@ -131,6 +131,50 @@ def test_the_head_drafts_from_the_targets_hidden_states_at_the_right_positions(p
         return checked
 
     assert asyncio.run(go()) == 4
+
+
+def test_a_draft_left_behind_past_the_window_starts_again_after_the_gap(pair, eagle):
+    """Rounds that draft nothing add rows the draft does not take in; once they are more than the
+    window (generate's feature_window), the next draft call gets the last window's rows, after a gap,
+    not every row since (speculative/round.py's FeatureLog), the head starts its rows again there,
+    and the output is the target's."""
+    _, target_dir = pair
+    target = TargetEngine(ModelRunner(target_dir))
+    prompt = [5, 17, 42, 9, 100, 7, 61]
+
+    class Scripted(FixedK):
+        schedule = [0, 2, 2, 2] + [0] * 12 + [2] * 30
+
+        def choose(self, remaining: int) -> int:
+            return min(self.schedule.pop(0) if self.schedule else 2, remaining - 1)
+
+    class Recording(LocalDraft):
+        calls: list[tuple[int, int]] = []  # each call's feature rows: (start, rows)
+
+        async def propose(self, call, *, turn=(0, 0)):
+            if call.features is not None:
+                self.calls.append((call.features.start, call.features.rows))
+            return await super().propose(call)
+
+    def go(k, window: int = 6) -> list[int]:
+        async def rounds():
+            out = []
+            async for new in generate(Recording(eagle), LocalTarget(target), prompt, max_new_tokens=40, k=k,
+                                      params=GREEDY, max_context=256, feature_layers=LAYERS, feature_window=window):
+                out += new
+            return out
+
+        return asyncio.run(rounds())
+
+    held = len(eagle.sessions)  # (the module's head: other tests' sessions)
+    expected = go(0)
+    assert Recording.calls == []
+    assert go(Scripted(2)) == expected
+    calls = Recording.calls
+    gaps = [i for i in range(1, len(calls)) if calls[i][0] > sum(calls[i - 1])]
+    assert len(gaps) == 1 and calls[gaps[0]][1] <= 6  # the window's rows, after the 12 rounds without a call
+    assert all(rows <= 6 for _, rows in calls[gaps[0]:])
+    assert len(eagle.sessions) == held
 
 
 def test_features_are_the_targets_hidden_states_in_position_order(pair):
@@ -495,7 +539,7 @@ def test_a_head_with_a_shorter_context_drafts_until_it_is_full_then_asks_for_no_
     for prompt in ([5, 1, 4, 9, 10, 7], [2 + i % 9 for i in range(23)], list(range(2, 12)) * 3):
         alone, drafted = Stats(), Stats()
         expected = go(prompt, 0, alone)
-        assert len(expected) == 40 and alone.draft_tokens == 0
+        assert len(expected) == 40 and alone.draft_tokens == 0 and alone.feature_bytes == 0  # K = 0: no rows asked
         assert go(prompt, 3, drafted) == expected
         if len(prompt) < 23:
             # rows up to the head's context only: once it is full the target is told to send no more

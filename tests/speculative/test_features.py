@@ -57,13 +57,33 @@ def test_check_refuses_inconsistent_rows():
 
 
 def test_the_log_keeps_unsent_rows_and_a_window_and_is_bounded():
-    log = FeatureLog(window=4, max_bytes=20 * W * 2)
+    log = FeatureLog(window=4, max_bytes=40 * W * 2)
     log.add(rows(0, 10), sent=0)  # a prompt's rows: all kept for the draft's first call
     assert positions(log.held()) == list(range(10))
-    log.sent(10)
-    assert positions(log.held()) == [6, 7, 8, 9]  # the window a restarted draft gets
-    log.add(rows(10, 3), sent=10)
-    assert positions(log.since(10)) == [10, 11, 12] and log.held().start == 9
-    for start in range(13, 60, 3):  # rounds that call no draft: at most 20 rows kept
-        log.add(rows(start, 3), sent=10)
-    assert log.held().rows == 20 and log.end == 61
+    for start in range(10, 16, 2):  # rounds before the draft's first call: the latest 10 rows
+        log.add(rows(start, 2), sent=0)
+    assert positions(log.held()) == list(range(6, 16))
+    log.sent(16)
+    assert positions(log.held()) == [12, 13, 14, 15]  # the window a restarted draft gets
+    log.add(rows(16, 3), sent=16)
+    assert positions(log.since(16)) == [16, 17, 18] and log.held().start == 15
+    for start in range(19, 31, 3):  # rounds that call no draft: past the window it starts again after the gap
+        log.add(rows(start, 3), sent=19)
+    assert positions(log.since(19)) == [27, 28, 29, 30] and log.end == 31
+    log.add(rows(29, 4), sent=19)  # rows again from 29 (a target session started again): the later ones
+    assert positions(log.held()) == [29, 30, 31, 32]
+    log.add(rows(40, 2), sent=19)  # a gap: the rows start again there
+    assert positions(log.held()) == [40, 41]
+    big = FeatureLog(window=4, max_bytes=8 * W * 2)
+    big.add(rows(0, 20), sent=0)
+    assert big.held().rows == 8  # and never more than max_bytes
+
+
+def test_the_log_joins_rows_when_they_are_sent_not_as_they_come():
+    log = FeatureLog(window=64)
+    for start in range(0, 48, 3):
+        log.add(rows(start, 3, "bfloat16" if start == 30 else "float16"), sent=0)
+    assert len(log.parts) == 16  # each answer's rows as they came
+    held = log.held()
+    assert held.dtype == "bfloat16" and positions(held) == list(range(48))  # one dtype a message
+    assert positions(log.since(40)) == list(range(40, 48)) and log.since(48) is None
