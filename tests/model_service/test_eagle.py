@@ -177,6 +177,81 @@ def test_a_draft_left_behind_past_the_window_starts_again_after_the_gap(pair, ea
     assert len(eagle.sessions) == held
 
 
+def test_rounds_that_will_not_draft_ask_for_no_features_and_the_output_is_the_targets(pair, eagle):
+    """A round whose next round will not draft (KPolicy.ahead False) asks the target for no feature
+    rows (VerifyCall.skip_features): its answer carries none and costs no feature bytes. A round that
+    chooses to draft after such a round drafts nothing and asks for them (the rows must reach the
+    committed tokens), the next one drafts from a head started again after the gap, and the output
+    is the target's."""
+    _, target_dir = pair
+    target = TargetEngine(ModelRunner(target_dir))
+    prompt = [5, 17, 42, 9, 100, 7, 61]
+
+    class Scripted(FixedK):
+        # (K, whether the next round may draft)
+        schedule = ([(0, True), (2, True), (2, False)] + [(0, False)] * 6 + [(2, True), (2, True), (2, True)]
+                    + [(0, False)] * 3 + [(0, True), (2, True), (2, True)])
+
+        def __init__(self):
+            super().__init__(2)
+            self.next = True
+
+        @property
+        def ahead(self) -> bool:
+            return self.next
+
+        def choose(self, remaining: int) -> int:
+            k, self.next = self.schedule.pop(0) if self.schedule else (2, True)
+            return min(k, remaining - 1)
+
+    events: list = []  # per round: whether it called the draft, then its verify's (skip_features, rows)
+
+    class Drafting(LocalDraft):
+        async def propose(self, call, *, turn=(0, 0)):
+            events.append("draft")
+            return await super().propose(call)
+
+    class Verifying(LocalTarget):
+        async def verify(self, call, *, turn=(0, 0)):
+            verdict, cost = await super().verify(call)
+            events.append((call.skip_features, verdict.features.rows if verdict.features is not None else 0))
+            return verdict, cost
+
+    def go(k, stats: Stats) -> list[tuple[bool, bool, int]]:
+        """-> per round: (drafted, skip_features, rows)"""
+        async def rounds():
+            out = []
+            async for new in generate(Drafting(eagle), Verifying(target), prompt, max_new_tokens=40, k=k,
+                                      params=GREEDY, max_context=256, feature_layers=LAYERS, stats=stats):
+                out += new
+            return out
+
+        events.clear()
+        tokens = asyncio.run(rounds())
+        rounds_, drafted = [], False
+        for e in events:
+            if e == "draft":
+                drafted = True
+            else:
+                rounds_.append((drafted, *e))
+                drafted = False
+        return tokens, rounds_
+
+    expected, _ = go(0, Stats())
+    stats = Stats()
+    tokens, rounds = go(Scripted(), stats)
+    assert tokens == expected
+    # rounds 4 to 9 and 13 to 15 follow a round that said the next would not draft (round 3 drafts: it asks)
+    assert [i + 1 for i, (_, skip, _) in enumerate(rounds) if skip] == [4, 5, 6, 7, 8, 9, 13, 14, 15]
+    assert all(rows == 0 for _, skip, rows in rounds if skip) and all(rows > 0 for _, skip, rows in rounds if not skip)
+    # round 10 chose K = 2 after a round without rows: it drafted nothing and asked for them; round 11 drafted
+    assert [drafted for drafted, *_ in rounds[:12]] == [False, True, True] + [False] * 7 + [True, True]
+    assert not rounds[15][0] and rounds[16][0]  # round 16 at K = 0 asked for the rows, round 17 drafted
+    everything = Stats()
+    go(FixedK(2), everything)
+    assert 0 < stats.feature_bytes < everything.feature_bytes
+
+
 def test_features_are_the_targets_hidden_states_in_position_order(pair):
     _, target_dir = pair
     model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
