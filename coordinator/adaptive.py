@@ -213,7 +213,6 @@ class AcceptanceK:
     adaptive = True
     stop_below = 0.0  # (its K sequence reads nothing but the request: neither does where the draft stops)
     replays = True
-    ahead = True  # (it drafts every round it can)
 
     def __init__(self, k_max: int, costs: CostModel | None = None, steps: int = 1):
         self.k = k_max
@@ -243,10 +242,6 @@ class AdaptiveK:
     DECAY = 0.98        # per round: old acceptance counts fade (round-to-round acceptance is mostly noise)
     PROBE_EVERY = 8     # after this many rounds without drafting, draft one token to re-measure...
     PROBE_MAX = 64      # ...and twice as many after each probe that changed nothing, up to this
-    # rounds before a probe whose verify asks for a feature-reading draft's rows (the others, which draft
-    # nothing, do not: speculative_round's features): the head, which starts its rows again after the
-    # gap, attends to those when it drafts
-    PROBE_LEAD = 4
 
     def __init__(self, costs: CostModel, k_max: int, steps: int = 1, lookup: int = 0, prompt: list[int] = ()):
         """lookup: the tokens a pass of a round that drafts nothing also verifies from the target's
@@ -264,7 +259,6 @@ class AdaptiveK:
         # what those copies would bring, in calls of as many tokens as rounds that draft nothing ask for
         self.copies = CopyYield(list(prompt), lookup, costs.decode_steps(steps)) if lookup > 0 else None
         self.seen = 0  # rounds of this request observed
-        self.ahead = True  # whether the next round may draft (KPolicy.ahead)
 
     @property
     def alpha(self) -> float:
@@ -336,16 +330,6 @@ class AdaptiveK:
             self.idle = 0
             if best > 0:
                 self.wait = self.costs.probe_wait = self.PROBE_EVERY
-        # a round that drafts is likely followed by one that does; one that does not, by a probe only
-        # where the probe is due within PROBE_LEAD rounds (or where the price turns, which the round after
-        # finds: it drafts nothing and asks for the rows, and the next one drafts)
-        if best > 0:
-            self.ahead = True
-        elif pipelined:
-            self.ahead = top > 0 and self.idle + self.PROBE_LEAD >= self.wait
-        else:
-            costs = self.costs
-            self.ahead = top > 0 and costs.rounds + self.PROBE_LEAD - costs.drafted_at >= costs.probe_wait
         self.stop_below = self.stop_for(best, alpha, batch, pipelined) if best else 0.0
         return best
 

@@ -387,7 +387,6 @@ class TargetEngine(RunnerEngine):
                                  pending)
             if call.drop_features:
                 session.feature_layers = ()
-        session.skip_features = call.skip_features
         committed = len(session.tokens) + len(call.append)
         session.tokens.extend(call.append)
         drafted = list(proposal.tokens)
@@ -407,15 +406,14 @@ def _feature_layers(sessions: list[Session]) -> tuple[int, ...]:
     """The layers a pass captures: every one some session of it asks for (usually all the same)."""
     layers: dict[int, None] = {}
     for session in sessions:
-        if not session.skip_features:
-            layers.update(dict.fromkeys(session.feature_layers))
+        layers.update(dict.fromkeys(session.feature_layers))
     return tuple(layers)
 
 
 def _committed_features(session: Session, capture: tuple[int, ...], states: list, j: int) -> Features | None:
     """The feature rows of feed j's session for the positions the pass fed and the session kept
     (all its tokens but the last, which was sampled and is fed next call), in its layers' order."""
-    if not session.feature_layers or session.skip_features:
+    if not session.feature_layers:
         return None
     start, captured = states[j]  # [fed, len(capture), D]
     kept = min(captured.shape[0], len(session.tokens) - 1 - start)

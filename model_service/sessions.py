@@ -36,7 +36,6 @@ class Session:
     cached: int = 0
     proposed: int = 0  # draft only: tokens of the last proposal, which a rollback may drop
     feature_layers: tuple[int, ...] = ()  # target only: the layers whose hidden states its answers return
-    skip_features: bool = False  # target only: the call at hand's answer carries none (VerifyCall.skip_features)
     grammar: Any = None  # a structured-output constraint's matcher (grammar.SessionGrammar), if it has one
     lookup: Any = None  # target only: an index of a prefix of `tokens` its copies come from (lookup.NgramIndex)
     last_used: float = field(default_factory=time.monotonic)

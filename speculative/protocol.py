@@ -221,7 +221,6 @@ class VerifyCall:
     drop_features: bool = False  # the session's answers carry no more feature rows from this call on
     lookup: int = 0      # with no proposal and steps > 1: each pass also verifies up to this many tokens the
     #                      target copies from the session's context (prompt lookup; VerifyRequest.lookup_tokens)
-    skip_features: bool = False  # this call's answer carries no feature rows (the session keeps its layers)
 
 
 @dataclass
@@ -368,14 +367,14 @@ def verify_call_to_proto(call: VerifyCall, turn: tuple[int, int] = (0, 0)) -> pb
                             turn_id=turn[0], turn_size=turn[1], decode_steps=call.steps if call.steps > 1 else 0,
                             feature_layers=call.feature_layers, constraint=constraint_to_proto(call.constraint),
                             traceparent=call.trace, drop_features=call.drop_features,
-                            lookup_tokens=call.lookup if call.steps > 1 else 0, skip_features=call.skip_features)
+                            lookup_tokens=call.lookup if call.steps > 1 else 0)
 
 
 def verify_call_from_proto(msg: pb.VerifyRequest) -> VerifyCall:
     return VerifyCall(msg.session_id, msg.start, list(msg.append), proposal_from_proto(msg.proposal),
                       params_from_proto(msg.sampling), max(1, msg.decode_steps), tuple(msg.feature_layers),
                       constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None, msg.traceparent,
-                      msg.drop_features, msg.lookup_tokens, msg.skip_features)
+                      msg.drop_features, msg.lookup_tokens)
 
 
 def verdict_to_proto(verdict: Verdict, cost: Cost) -> pb.VerifyResponse:

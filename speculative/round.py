@@ -56,10 +56,7 @@ class KPolicy(Protocol):
     # (FixedK, AcceptanceK): then a round whose draft proposes nothing commits one token, since how
     # many decode steps a call carries follows timings and load and would move later rounds' draws
     replays: bool
-    k: int  # the most tokens it drafts a round (0: it never drafts; a feature-reading draft's rows are not asked for)
-    # after choose: whether the next round may draft; where it will not, a feature-reading draft's rows
-    # are not asked for this round (speculative_round's features)
-    ahead: bool
+    k: int  # the most tokens it drafts a round (0: it never drafts, and a feature-reading draft's rows are not asked for)
 
     # remaining: tokens still to generate, or fewer where the draft has less room (K < remaining)
     def choose(self, remaining: int) -> int: ...
@@ -80,10 +77,6 @@ class FixedK:
     def __init__(self, k: int, steps: int = 1):
         self.k = k
         self.steps = steps
-
-    @property
-    def ahead(self) -> bool:
-        return self.k > 0
 
     def choose(self, remaining: int) -> int:
         return max(0, min(self.k, remaining - 1))
@@ -201,7 +194,7 @@ class Round:
 async def speculative_round(
     draft: DraftPeer, target: TargetPeer, seq: Sequence, k: int, params: SamplingParams, p_min: float = 0.0,
     predraft: bool = False, draft_context: int | None = None, max_call_tokens: int | None = None, steps: int = 1,
-    lookup: int = 0, features: bool = True,
+    lookup: int = 0,
 ) -> Round:
     """One round: the draft proposes up to k tokens, the target verifies them in one pass.
 
@@ -223,16 +216,9 @@ async def speculative_round(
     from the q it is verified against, on the very prefix the target commits. The pre-draft is
     cut to what the draft session's context (draft_context) and one call (max_call_tokens) allow,
     and skipped where that is nothing.
-
-    features: whether the target's answer carries its feature rows (a feature-reading draft's; False
-    where the next round will not draft: VerifyCall.skip_features). A feature-reading draft drafts
-    only where the rows reach the committed tokens: a round after one without them drafts nothing
-    and asks for them (the draft then starts its rows again after the gap, FeatureLog).
     """
-    if seq.feature_layers and (not seq.features.end or seq.features.end < len(seq.tokens) - 1):
-        # the draft drafts from the target's features: none yet before its first pass, or not up to date
-        features = features or k > 0
-        k = 0
+    if seq.feature_layers and not seq.features.end:
+        k = 0  # the draft drafts from the target's features: none yet before its first pass
     proposal, draft_cost = Proposal(), Cost()
     ready, seq.ready = seq.ready, None
     held = 0  # proposals the draft holds past what is committed
@@ -245,7 +231,7 @@ async def speculative_round(
         proposal, draft_cost = proposed or (Proposal(), Cost())
         held = len(proposal.tokens)
     draft_pass_ms = draft_cost.pass_ms
-    verify = _verify(target, seq, proposal, params, 1 if proposal.tokens else steps, lookup, features)
+    verify = _verify(target, seq, proposal, params, 1 if proposal.tokens else steps, lookup)
     ahead = None
     ahead_k = 0
     if predraft and proposal.tokens and len(proposal.tokens) == held:
@@ -321,15 +307,12 @@ def _featured(seq: Sequence) -> None:
 
 
 async def _verify(target: TargetPeer, seq: Sequence, proposal: Proposal, params: SamplingParams,
-                  steps: int, lookup: int = 0, features: bool = True) -> tuple[Verdict, Cost]:
-    """The target's verdict on the proposal, from a session started again if the target lost it
-    (whose answer carries the rows, `features` or not: a new session's first rows)."""
+                  steps: int, lookup: int = 0) -> tuple[Verdict, Cost]:
+    """The target's verdict on the proposal, from a session started again if the target lost it."""
     if seq.target_seen:
         try:
-            answer = await target.verify(VerifyCall(
-                seq.session_id, False, seq.tokens[seq.target_seen :], proposal, params, steps,
-                drop_features=seq.drop_features, lookup=lookup,
-                skip_features=bool(seq.feature_layers) and not features))
+            answer = await target.verify(VerifyCall(seq.session_id, False, seq.tokens[seq.target_seen :], proposal,
+                                                    params, steps, drop_features=seq.drop_features, lookup=lookup))
             seq.drop_features = False
             return answer
         except SessionLost:
@@ -498,7 +481,7 @@ async def generate(
                 stop = max(p_min, k.stop_below) if chosen else p_min
                 r = await speculative_round(draft, target, seq, chosen, params, stop, predraft,
                                             draft_context=draft_context, max_call_tokens=max_call_tokens, steps=steps,
-                                            lookup=lookup, features=chosen > 0 or k.ahead)
+                                            lookup=lookup)
                 if span.is_recording():
                     span.set_attributes({"specdec.proposed": r.proposed, "specdec.accepted": r.accepted,
                                          "specdec.tokens": len(r.tokens), "specdec.predraft_hit": r.predraft_hit,

@@ -160,32 +160,6 @@ def test_requests_one_after_another_share_the_probes_wait():
     assert picks_of(AdaptiveK(costs, k_max=4), 2) == [0, 1]
 
 
-def test_rounds_that_draft_nothing_ask_for_features_only_before_a_probe():
-    """A round's verify asks for a feature-reading draft's rows only where the next round may draft
-    (KPolicy.ahead): after a round that drafts, and in the PROBE_LEAD rounds before a probe, alone
-    and under load; the other rounds at K = 0 ask for none."""
-    for in_flight in (1, 2):
-        costs = CostModel(TARGET, DRAFT, alpha=0.0)
-        costs.in_flight = in_flight
-        policy = AdaptiveK(costs, k_max=4)
-        picks, aheads = [], []
-        for _ in range(300):
-            picks.append(policy.choose(100))
-            aheads.append(policy.ahead)
-            policy.observe(Round([], picks[-1], 0, Cost(), Cost(batch_size=1), asked=picks[-1]), 10.0)
-        probes = [i for i, k in enumerate(picks) if k]
-        assert len(probes) >= (4 if in_flight == 1 else 1)
-        for p in probes:
-            assert all(aheads[p - AdaptiveK.PROBE_LEAD : p + 1])
-        if in_flight == 1:  # exactly those
-            asked = {p - j for p in probes for j in range(AdaptiveK.PROBE_LEAD + 1)}
-            assert [i for i, a in enumerate(aheads) if a] == sorted(asked)
-        else:  # (and before the waits that end without a probe: another request's drafting is current)
-            assert sum(aheads) < len(aheads) / 4
-    drafting = AdaptiveK(CostModel(TARGET, DRAFT, alpha=0.9), k_max=4)
-    assert drafting.choose(100) > 0 and drafting.ahead
-
-
 def test_a_lone_request_prices_decoding_as_its_calls_ran():
     """A call that decodes several tokens runs its passes back to back, faster than the verify pass
     that waits while the draft drafts (the EAGLE head and the int4 target on 2 cores: 4.2 ms a pass
