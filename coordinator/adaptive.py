@@ -72,6 +72,12 @@ class CostModel:
         self.decode_scale = 1.0
         self.steps_scale = 1.0  # the same, averaged over ~100 rounds: what decode_steps reads
         self.draft_scale = 1.0   # the same for the draft (reported; see round_cost)
+        # a lone request's verify call: the target's time for it beyond its pass (the hand-off to the model
+        # thread and back, the servicer), and the draft's call beyond its calibrated steps' price (the
+        # take-in of the tokens and feature rows since its last call, its hand-off): what a drafting round
+        # costs besides its passes, where a round that decodes is priced over its whole call (decode_scale)
+        self.verify_extra_ms = 0.0
+        self.draft_extra_ms = 0.0
         self.overhead_ms = overhead_ms  # per peer call, outside both services (wire, coordinator)
         self.alpha = alpha  # acceptance over all recent rounds: the prior of a new request
         self.alpha_rounds = 0  # drafted rounds it has seen
@@ -108,6 +114,11 @@ class CostModel:
                 ratio = t.pass_ms / predicted
                 self.target_scale += EMA * (ratio - self.target_scale)
                 self.steps_scale += STEPS_EMA * (ratio - self.steps_scale)
+        if r.proposed and t.batch_size == 1 and self.in_flight <= 1 and t.service_ms > t.pass_ms > 0:
+            self.verify_extra_ms += EMA * (t.service_ms - t.pass_ms - self.verify_extra_ms)
+        if r.proposed and r.draft_calls == 1 and d.batch_size == 1 and self.in_flight <= 1 and d.service_ms > 0:
+            predicted = max(1, r.asked) * self.draft(1, 1)
+            self.draft_extra_ms += EMA * (max(0.0, d.service_ms - predicted) - self.draft_extra_ms)
         if r.proposed and d.pass_ms > 0 and d.batch_size > 0:
             steps = max(1.0, d.batch_tokens / d.batch_size)
             predicted = steps * self.draft(d.batch_size, d.batch_size)
@@ -162,12 +173,14 @@ class CostModel:
         weak draft on 2 cores, 8 streams: 85.7-87.4 tokens/s against 61.0 with the larger share), and
         the draft is charged what it measures, not only what it calibrated (the EAGLE head on 2
         cores, 8 streams: 68.0 tokens/s at mean K 0.18 against 55.2 at K 0.81 with the calibrated
-        price; the target alone 62.7). A lone request keeps the calibrated price: charged its
-        measured time there too (~2x the calibrated steps: the call's take-in of features), the head
-        stopped drafting at one stream (mean K 0.23, 18.9 tokens/s against the target alone's 20.2),
-        where K = 4 runs ~10% faster than no drafting: a round of decode steps through the services
-        costs more than its price (a' 30.2 tokens/s alone, 24.5 through them; figures before a lone request's
-        rounds at K = 0 were priced as such calls run: decode_scale)."""
+        price; the target alone 62.7). A lone request's draft keeps its calibrated steps' price, plus what
+        its calls measured beyond it (draft_extra_ms: a head's take-in of the rows since its last call,
+        the hand-offs), and its verify what the target's call took beyond its pass (verify_extra_ms): a
+        round at K = 0 is priced over its whole call (decode_scale), and without them a drafting round
+        looked a third cheaper than it ran (the EAGLE head on the int4 target: ~10 ms priced, ~14.7 run
+        at K = 4), and the first requests of a fresh coordinator drafted 30-68 times over 16 requests
+        where 5-10 paid. (Charged its measured steps scaled, before K = 0 was priced as its calls run,
+        the head stopped drafting at one stream where K = 4 ran ~10% faster than no drafting.)"""
         # the pass of `batch` sessions of k + 1 tokens each, shared among them (its free rows too)
         tokens, rows = (1.0, k + 1.0) if k else step_yield
         # a lone call that decodes on: priced as such calls have run (decode_scale), not as the verify
@@ -184,6 +197,8 @@ class CostModel:
             scale = self.draft_scale if pipelined and self.shared_cpus else min(self.draft_scale, 1.0)
             draft = scale * k * step
         overhead = self.overhead_ms * (1 + (k > 0)) / batch / (steps if k == 0 else 1)
+        if k and not pipelined:  # what a lone drafting round's calls cost besides their passes, as measured
+            overhead += self.verify_extra_ms + self.draft_extra_ms
         if k and pipelined and self.shared_cpus:
             # the target's next pass waits for the sessions at work (--batch-wait-ms): while this
             # one's draft call is on its way there and back, the whole batch waits, so that call's

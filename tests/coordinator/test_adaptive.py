@@ -160,6 +160,29 @@ def test_requests_one_after_another_share_the_probes_wait():
     assert picks_of(AdaptiveK(costs, k_max=4), 2) == [0, 1]
 
 
+def test_a_lone_drafting_round_is_priced_with_what_its_calls_cost_besides_their_passes():
+    """A round that decodes is priced over its whole call (decode_scale); a lone round that drafts
+    pays, besides its passes, the target's time for the call beyond its pass and the draft's beyond
+    its calibrated steps (a head's take-in of new rows, hand-offs), as measured: 2 and 1.5 ms here.
+    Under load neither is learnt (a call there waits for others' passes) nor charged."""
+    costs = CostModel(TARGET, DRAFT, alpha=0.5)
+    lone, loaded = costs.round_cost(3, 1, 1), costs.round_cost(3, 4, 4, pipelined=True)
+    verify = Cost(service_ms=TARGET(4, 1) + 2.0, batch_size=1, pass_ms=TARGET(4, 1))
+    for _ in range(200):
+        costs.observe(Round([1, 2], 3, 1, Cost(service_ms=3 * DRAFT(1, 1) + 1.5, batch_size=1), verify, asked=3,
+                            draft_calls=1), 20.0)
+    assert costs.verify_extra_ms == pytest.approx(2.0, rel=1e-3)
+    assert costs.draft_extra_ms == pytest.approx(1.5, rel=1e-3)
+    assert costs.round_cost(3, 1, 1) == pytest.approx(lone + 3.5 + (costs.overhead_ms - 0.5) * 2)
+    assert costs.round_cost(0, 1, 1, steps=8) < costs.round_cost(3, 1, 1)  # (K = 0 charges neither)
+    assert costs.round_cost(3, 4, 4, pipelined=True) == pytest.approx(loaded + (costs.overhead_ms - 0.5) * 2 / 4)
+    costs.in_flight = 2
+    slow = Cost(service_ms=TARGET(4, 1) + 20.0, batch_size=1, pass_ms=TARGET(4, 1))
+    costs.observe(Round([1, 2], 3, 1, Cost(service_ms=50.0, batch_size=1), slow, asked=3, draft_calls=1), 80.0)
+    assert costs.verify_extra_ms == pytest.approx(2.0, rel=1e-3)
+    assert costs.draft_extra_ms == pytest.approx(1.5, rel=1e-3)
+
+
 def test_a_lone_request_prices_decoding_as_its_calls_ran():
     """A call that decodes several tokens runs its passes back to back, faster than the verify pass
     that waits while the draft drafts (the EAGLE head and the int4 target on 2 cores: 4.2 ms a pass
