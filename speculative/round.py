@@ -56,7 +56,7 @@ class KPolicy(Protocol):
     # (FixedK, AcceptanceK): then a round whose draft proposes nothing commits one token, since how
     # many decode steps a call carries follows timings and load and would move later rounds' draws
     replays: bool
-    k: int  # the most tokens it drafts a round (0: it never drafts, and a feature-reading draft's rows are not asked for)
+    k: int  # the most tokens it drafts a round (0: it never drafts; a feature-reading draft's rows are not asked for)
 
     # remaining: tokens still to generate, or fewer where the draft has less room (K < remaining)
     def choose(self, remaining: int) -> int: ...
