@@ -116,7 +116,10 @@ class CostModel:
                 self.steps_scale += STEPS_EMA * (ratio - self.steps_scale)
         if r.proposed and t.batch_size == 1 and self.in_flight <= 1 and t.service_ms > t.pass_ms > 0:
             self.verify_extra_ms += EMA * (t.service_ms - t.pass_ms - self.verify_extra_ms)
-        if r.proposed and r.draft_calls == 1 and d.batch_size == 1 and self.in_flight <= 1 and d.service_ms > 0:
+        # (not a call that started the draft's session, taking in the whole context: once a request; nor a
+        # pre-draft's, made while the target verified)
+        if (r.proposed and r.draft_calls == 1 and not r.draft_started and not r.predrafted and d.batch_size == 1
+                and self.in_flight <= 1 and d.service_ms > 0):
             predicted = max(1, r.asked) * self.draft(1, 1)
             self.draft_extra_ms += EMA * (max(0.0, d.service_ms - predicted) - self.draft_extra_ms)
         if r.proposed and d.pass_ms > 0 and d.batch_size > 0:

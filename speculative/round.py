@@ -167,6 +167,7 @@ class Sequence:
     draft_featured: int = 0      # the draft session holds feature rows up to this position
     constraint: Constraint | None = None  # the structured output both sessions follow (given on their start)
     drop_features: bool = False  # the target session is to send no more feature rows: said on its next verify
+    draft_starts: int = 0        # draft calls that started its session (each takes in the whole context)
 
     def draft_lost(self) -> None:
         """The draft session is gone: the next draft call starts it again."""
@@ -189,6 +190,7 @@ class Round:
     draft_lost: bool = False   # a draft call failed or was late (failover): the round went on without it
     draft_pass_ms: float = 0.0  # the passes its draft calls rode in, on the draft's model (draft.pass_ms: the last's)
     copied: int = 0  # of `tokens`, those the target copied from the context and kept (lookup: Verdict.copied)
+    draft_started: bool = False  # a draft call of this round started the draft's session (took in the whole context)
 
 
 async def speculative_round(
@@ -220,6 +222,7 @@ async def speculative_round(
     if seq.feature_layers and not seq.features.end:
         k = 0  # the draft drafts from the target's features: none yet before its first pass
     proposal, draft_cost = Proposal(), Cost()
+    starts = seq.draft_starts
     ready, seq.ready = seq.ready, None
     held = 0  # proposals the draft holds past what is committed
     lost = False  # the draft lost its session this round (and holds nothing)
@@ -274,7 +277,8 @@ async def speculative_round(
     calls = (k > 0 and ready is None) + (ahead is not None)
     return Round(accepted + [verdict.token] + verdict.decoded, len(proposal.tokens), verdict.accepted, draft_cost,
                  target_cost, k, calls, ahead is not None, hit,
-                 len(verdict.features.data) if verdict.features is not None else 0, lost, draft_pass_ms, verdict.copied)
+                 len(verdict.features.data) if verdict.features is not None else 0, lost, draft_pass_ms, verdict.copied,
+                 draft_started=seq.draft_starts > starts)
 
 
 async def _propose(draft: DraftPeer, seq: Sequence, k: int, params: SamplingParams,
@@ -292,6 +296,7 @@ async def _propose(draft: DraftPeer, seq: Sequence, k: int, params: SamplingPara
             return answer
         except SessionLost:
             seq.draft_lost()
+    seq.draft_starts += 1
     answer = await _unless_lost(draft.propose(ProposeCall(seq.session_id, True, 0, seq.tokens[:], k, params, p_min,
                                                           seq.features.held() if reads else None, seq.constraint)))
     if answer is not None:

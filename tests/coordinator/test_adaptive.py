@@ -164,7 +164,8 @@ def test_a_lone_drafting_round_is_priced_with_what_its_calls_cost_besides_their_
     """A round that decodes is priced over its whole call (decode_scale); a lone round that drafts
     pays, besides its passes, the target's time for the call beyond its pass and the draft's beyond
     its calibrated steps (a head's take-in of new rows, hand-offs), as measured: 2 and 1.5 ms here.
-    Under load neither is learnt (a call there waits for others' passes) nor charged."""
+    Under load neither is learnt (a call there waits for others' passes) nor charged; nor is the draft's
+    from a call that started its session or a pre-draft's."""
     costs = CostModel(TARGET, DRAFT, alpha=0.5)
     lone, loaded = costs.round_cost(3, 1, 1), costs.round_cost(3, 4, 4, pipelined=True)
     verify = Cost(service_ms=TARGET(4, 1) + 2.0, batch_size=1, pass_ms=TARGET(4, 1))
@@ -176,6 +177,12 @@ def test_a_lone_drafting_round_is_priced_with_what_its_calls_cost_besides_their_
     assert costs.round_cost(3, 1, 1) == pytest.approx(lone + 3.5 + (costs.overhead_ms - 0.5) * 2)
     assert costs.round_cost(0, 1, 1, steps=8) < costs.round_cost(3, 1, 1)  # (K = 0 charges neither)
     assert costs.round_cost(3, 4, 4, pipelined=True) == pytest.approx(loaded + (costs.overhead_ms - 0.5) * 2 / 4)
+    # nor from a call that started the draft's session (it took in the whole prompt) or a pre-draft's
+    costs.observe(Round([1, 2], 3, 1, Cost(service_ms=50.0, batch_size=1), verify, asked=3, draft_calls=1,
+                        draft_started=True), 70.0)
+    costs.observe(Round([1, 2], 3, 1, Cost(service_ms=50.0, batch_size=1), verify, asked=3, draft_calls=1,
+                        predrafted=True), 70.0)
+    assert costs.draft_extra_ms == pytest.approx(1.5, rel=1e-3)
     costs.in_flight = 2
     slow = Cost(service_ms=TARGET(4, 1) + 20.0, batch_size=1, pass_ms=TARGET(4, 1))
     costs.observe(Round([1, 2], 3, 1, Cost(service_ms=50.0, batch_size=1), slow, asked=3, draft_calls=1), 80.0)

@@ -144,9 +144,13 @@ def test_a_draft_left_behind_past_the_window_starts_again_after_the_gap(pair, ea
 
     class Scripted(FixedK):
         schedule = [0, 2, 2, 2] + [0] * 12 + [2] * 30
+        started: list[bool] = []  # per round: whether a draft call of it started the draft's session
 
         def choose(self, remaining: int) -> int:
             return min(self.schedule.pop(0) if self.schedule else 2, remaining - 1)
+
+        def observe(self, r, wall_ms: float) -> None:
+            self.started.append(r.draft_started)
 
     class Recording(LocalDraft):
         calls: list[tuple[int, int]] = []  # each call's feature rows: (start, rows)
@@ -174,6 +178,7 @@ def test_a_draft_left_behind_past_the_window_starts_again_after_the_gap(pair, ea
     gaps = [i for i in range(1, len(calls)) if calls[i][0] > sum(calls[i - 1])]
     assert len(gaps) == 1 and calls[gaps[0]][1] <= 6  # the window's rows, after the 12 rounds without a call
     assert all(rows <= 6 for _, rows in calls[gaps[0]:])
+    assert Scripted.started[:3] == [False, True, False] and sum(Scripted.started) == 1  # (the gap is no new session)
     assert len(eagle.sessions) == held
 
 
