@@ -44,18 +44,28 @@ from speculative.round import Round
 
 EMA = 0.1  # weight of a new observation in the running scales
 STEPS_EMA = 0.01  # ... in the slower one decode steps read (CostModel.decode_steps)
-ALPHA_EMA = 0.02  # ... in the coordinator-wide acceptance, once it has seen enough rounds
-ALPHA_PRIOR_ROUNDS = 4  # the starting acceptance counts as this many drafted rounds
+ALPHA_EMA = 0.02  # per drafted round, the fade of the counts the coordinator-wide acceptance pools (~50 rounds)
+ALPHA_PRIOR_TOKENS = 8.0  # the starting acceptance counts as this many draft tokens tried
 DEFAULT_ALPHA = 0.6  # the acceptance assumed of a draft whose own (ModelInfo.acceptance_prior) is not known
 STOP_MAX = 0.9  # the highest probability AdaptiveK.stop_for asks of a draft token (a sure one is always drafted)
 DECODE_CHUNK_MS = 100.0  # a round that drafts nothing decodes at most about this long before its tokens stream
+POSITION_DECAY = 0.995  # per drafted round: the fade of the counts CostModel.shape reads (~200 rounds)
+POSITION_PRIOR = 8.0  # tries a position's acceptance needs to count as much as the one before it (CostModel.shape)
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens a round commits on average: accepted draft tokens plus the target's own."""
-    if alpha >= 1.0:
-        return k + 1.0
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+def expected_tokens(alpha: float, k: int, shape: list[float] | None = None) -> float:
+    """Tokens a round commits on average: accepted draft tokens plus the target's own. With
+    `shape`, draft position i (from 0) is accepted with probability alpha * shape[i] once the ones
+    before it were (CostModel.shape), else alpha everywhere: (1 - alpha^(k+1)) / (1 - alpha)."""
+    if shape is None:
+        if alpha >= 1.0:
+            return k + 1.0
+        return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    total, run = 1.0, 1.0
+    for i in range(k):
+        run *= min(0.999, alpha * (shape[i] if i < len(shape) else 1.0))
+        total += run
+    return total
 
 
 class CostModel:
@@ -70,6 +80,9 @@ class CostModel:
         # its handling with the passes): its passes run back to back, and run faster than a verify pass that
         # waited while the draft drafted (round_cost)
         self.decode_scale = 1.0
+        # the same for a lone request's verify pass, after its draft call: what a lone drafting round's
+        # pass is priced at (target_scale follows every round's, mostly decode steps where drafting is rare)
+        self.verify_scale = 1.0
         self.steps_scale = 1.0  # the same, averaged over ~100 rounds: what decode_steps reads
         self.draft_scale = 1.0   # the same for the draft (reported; see round_cost)
         # a lone request's verify call: the target's time for it beyond its pass (the hand-off to the model
@@ -79,8 +92,14 @@ class CostModel:
         self.verify_extra_ms = 0.0
         self.draft_extra_ms = 0.0
         self.overhead_ms = overhead_ms  # per peer call, outside both services (wire, coordinator)
-        self.alpha = alpha  # acceptance over all recent rounds: the prior of a new request
-        self.alpha_rounds = 0  # drafted rounds it has seen
+        # acceptance over all recent rounds (alpha): the prior of a new request; the draft tokens
+        # accepted and tried, faded per drafted round, and the starting figure's weight, faded alike
+        self.alpha_start = alpha
+        self.alpha_accepted, self.alpha_tried, self.alpha_weight = 0.0, 0.0, ALPHA_PRIOR_TOKENS
+        # each draft position's tries and acceptances (from 0: the round's first draft token), faded per
+        # drafted round: how acceptance moves along a round (shape)
+        self.position_tried: list[float] = []
+        self.position_accepted: list[float] = []
         self.in_flight = 0  # requests generating now (the coordinator counts them)
         self.rounds = 0  # rounds observed, every request's
         self.drafted_at = 0  # `rounds` when a request last drafted or chose to probe (AdaptiveK.choose)
@@ -116,6 +135,10 @@ class CostModel:
                 self.steps_scale += STEPS_EMA * (ratio - self.steps_scale)
         if r.proposed and t.batch_size == 1 and self.in_flight <= 1 and t.service_ms > t.pass_ms > 0:
             self.verify_extra_ms += EMA * (t.service_ms - t.pass_ms - self.verify_extra_ms)
+        if r.proposed and t.batch_size == 1 and self.in_flight <= 1 and t.pass_ms > 0 and t.batch_tokens > 0:
+            predicted = self.target(t.batch_tokens, 1)
+            if predicted > 0:
+                self.verify_scale += EMA * (min(4.0, max(0.25, t.pass_ms / predicted)) - self.verify_scale)
         # (not a call that started the draft's session, taking in the whole context: once a request; nor a
         # pre-draft's, made while the target verified)
         if (r.proposed and r.draft_calls == 1 and not r.draft_started and not r.predrafted and d.batch_size == 1
@@ -131,15 +154,62 @@ class CostModel:
         outside = max(0.0, wall_ms - d.service_ms - t.service_ms) / calls
         self.overhead_ms += EMA * (outside - self.overhead_ms)
         if r.proposed or stopped:
-            # the mean of the rounds seen (the starting figure counting as ALPHA_PRIOR_ROUNDS) until
-            # that weighs less than ALPHA_EMA, then a moving average: a prior (the draft's card's, else 0.6) made
-            # before the pair has drafted anything gives way within a few requests' rounds, not
-            # after ~100 of them (SmolLM2's draft: 0.2-0.3; at 0.6 the first requests drafted where
-            # it did not pay)
             tried = r.accepted + (r.accepted < r.proposed or stopped)
-            self.alpha_rounds += 1
-            weight = max(ALPHA_EMA, 1.0 / (self.alpha_rounds + ALPHA_PRIOR_ROUNDS))
-            self.alpha += weight * (r.accepted / tried - self.alpha)
+            self.count_positions(r.accepted, tried)
+            fade = 1.0 - ALPHA_EMA
+            self.alpha_accepted = fade * self.alpha_accepted + r.accepted
+            self.alpha_tried = fade * self.alpha_tried + tried
+            self.alpha_weight *= fade
+
+    @property
+    def alpha(self) -> float:
+        """The acceptance over recent rounds, the prior of a new request: draft tokens accepted per
+        token tried, pooled over the rounds (as AdaptiveK.alpha pools a request's), each round's
+        counts fading by ALPHA_EMA a drafted round (~50 rounds), the starting figure (the draft's
+        card's, else 0.6) counting as ALPHA_PRIOR_TOKENS tried and fading alike: made before the
+        pair has drafted anything, it gives way within a few requests' rounds, not after ~100 of
+        them (SmolLM2's draft: 0.2-0.3; at 0.6 the first requests drafted where it did not pay).
+        Not the mean of the rounds' rates, which a round of 0 of 1 pulls down as much as one of 3
+        of 4 pulls up: with the EAGLE-3 head it read 0.32-0.42 where the rounds' tokens were
+        accepted at 0.52-0.62, and its requests, which start from it, drafted less than paid."""
+        return (self.alpha_accepted + self.alpha_weight * self.alpha_start) / (self.alpha_tried + self.alpha_weight)
+
+    def count_positions(self, accepted: int, tried: int) -> None:
+        """A drafted round's positions: 0 .. accepted - 1 accepted, and `accepted` tried and lost
+        where tried says so (a rejection, or a stop: see observe)."""
+        grow = tried - len(self.position_tried)
+        if grow > 0:
+            self.position_tried += [0.0] * grow
+            self.position_accepted += [0.0] * grow
+        for i in range(len(self.position_tried)):
+            self.position_tried[i] *= POSITION_DECAY
+            self.position_accepted[i] *= POSITION_DECAY
+        for i in range(tried):
+            self.position_tried[i] += 1.0
+            self.position_accepted[i] += i < accepted
+
+    def shape(self, k: int) -> list[float]:
+        """How acceptance moves along a round: for draft positions 0 .. k - 1, the acceptance of
+        position i (given the ones before it were accepted) over the rate over every token tried
+        (pooled, as CostModel.alpha and AdaptiveK.alpha pool theirs).
+        A draft's tokens are not alike: the first of a round follows a rejection, where the draft
+        has just gone wrong, and a token after several accepted ones follows text the draft reads
+        well (the EAGLE-3 head on SmolLM2, float32, K = 8, 260 rounds: 0.49, 0.56, 0.61, 0.65, 0.79,
+        0.91, 0.90, 0.94), so one rate for all, fitted where rounds are short, prices the longer
+        rounds below what they bring. Each position's estimate is its own counts with the position
+        before's estimate (for the first, the pooled rate) counted as POSITION_PRIOR tries: a
+        position seldom reached reads like the one before it. All 1 before any round drafted."""
+        tried_all = sum(self.position_tried)
+        if tried_all <= 0:
+            return [1.0] * k
+        pooled = min(max(sum(self.position_accepted) / tried_all, 1e-3), 0.999)
+        factors, before = [], pooled
+        for i in range(k):
+            tried = self.position_tried[i] if i < len(self.position_tried) else 0.0
+            accepted = self.position_accepted[i] if i < len(self.position_tried) else 0.0
+            before = (accepted + POSITION_PRIOR * before) / (tried + POSITION_PRIOR)
+            factors.append(before / pooled)
+        return factors
 
     def decode_steps(self, most: int) -> int:
         """Tokens a round that drafts nothing asks for: as many target passes of one session (a
@@ -188,8 +258,16 @@ class CostModel:
         tokens, rows = (1.0, k + 1.0) if k else step_yield
         # a lone call that decodes on: priced as such calls have run (decode_scale), not as the verify
         # passes after a draft call (the EAGLE head and the int4 target on 2 cores: 4.2 ms a pass in the
-        # calls, 5.4 a verify pass; priced alike, the head drafted at the start of each stack)
-        scale = self.decode_scale if k == 0 and steps > 1 and not pipelined else self.target_scale
+        # calls, 5.4 a verify pass; priced alike, the head drafted at the start of each stack); a lone
+        # drafting round's verify as such passes have run (verify_scale), not as every round's passes
+        # (target_scale): where drafting is rare those are the decode steps', and the head's int4 rounds
+        # at K = 4 were priced ~12 ms where they ran ~15-18
+        if pipelined:
+            scale = self.target_scale
+        elif k == 0:
+            scale = self.decode_scale if steps > 1 else self.target_scale
+        else:
+            scale = self.verify_scale
         target = scale * self.target(rows * batch, batch) / batch / tokens
         draft = 0.0
         if k:
@@ -312,7 +390,8 @@ class AdaptiveK:
         steps = 1 if pipelined else self.decode_steps(remaining)
         batch = max(self.batch, self.costs.batch) if pipelined else self.batch
         step_yield = self.step_yield if steps > 1 else (1.0, 1.0)  # (a call of one token copies nothing)
-        best = max(range(top + 1), key=lambda k: expected_tokens(alpha, k)
+        shape = self.costs.shape(top + 1)
+        best = max(range(top + 1), key=lambda k: expected_tokens(alpha, k, shape)
                    / self.costs.round_cost(k, batch, self.draft_batch, pipelined, steps, step_yield))
         if best == 0 and top > 0 and not pipelined:
             # alone: the coordinator's rounds since any request drafted or probed, against a wait that
@@ -348,10 +427,10 @@ class AdaptiveK:
             self.idle = 0
             if best > 0:
                 self.wait = self.costs.probe_wait = self.PROBE_EVERY
-        self.stop_below = self.stop_for(best, alpha, batch, pipelined) if best else 0.0
+        self.stop_below = self.stop_for(best, alpha, batch, pipelined, shape) if best else 0.0
         return best
 
-    def stop_for(self, k: int, alpha: float, batch: float, pipelined: bool) -> float:
+    def stop_for(self, k: int, alpha: float, batch: float, pipelined: bool, shape: list[float] | None = None) -> float:
         """The draft's top probability below which a token is not worth drafting in a round of k:
         one more drafted token costs what the cost model adds for it (a draft step, a verified row
         past the free ones), and brings at most its probability of acceptance (a greedy draft's
@@ -365,7 +444,7 @@ class AdaptiveK:
         if self.costs.draft.costs_nothing:
             return 0.0  # a draft that costs nothing (n-gram copies, q = 1): it stops where no copy goes on
         cost = lambda n: self.costs.round_cost(n, batch, self.draft_batch, pipelined)  # noqa: E731
-        per_token = cost(k) / expected_tokens(alpha, k)
+        per_token = cost(k) / expected_tokens(alpha, k, shape)
         return min(STOP_MAX, max(0.0, (cost(k + 1) - cost(k)) / per_token)) if per_token > 0 else 0.0
 
     def observe(self, r: Round, wall_ms: float) -> None:

@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 
-from coordinator.adaptive import DECODE_CHUNK_MS, AcceptanceK, AdaptiveK, CostModel, expected_tokens
+from coordinator.adaptive import (ALPHA_EMA, ALPHA_PRIOR_TOKENS, DECODE_CHUNK_MS, AcceptanceK, AdaptiveK, CostModel,
+                                  expected_tokens)
 from speculative.protocol import Cost, PassCost
 from speculative.round import FixedK, Round
 
@@ -20,11 +21,48 @@ def test_expected_tokens():
     assert expected_tokens(0.0, 5) == 1.0
     assert expected_tokens(1.0, 4) == 5.0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    # with a shape, position i is accepted (after the ones before it) with probability alpha * shape[i]
+    assert expected_tokens(0.5, 2, [1.0, 1.0]) == pytest.approx(1.75)
+    assert expected_tokens(0.5, 3, [0.8, 1.2, 1.6]) == pytest.approx(1 + 0.4 + 0.4 * 0.6 + 0.4 * 0.6 * 0.8)
+    assert expected_tokens(0.9, 2, [2.0, 2.0]) == pytest.approx(1 + 0.999 + 0.999 ** 2)  # never certain
 
 
 def rounds_of(policy: AdaptiveK, accepted: int, proposed: int, batch: int, n: int = 20) -> None:
     for _ in range(n):
         policy.observe(Round([], proposed, accepted, Cost(), Cost(batch_size=batch), asked=proposed), 10.0)
+
+
+# 40 rounds of 4 draft tokens, each the number accepted: position 0 accepted in 16 of 40 (0.4), 1 in 10
+# of those 16 (0.625), 2 in 8 of 10 (0.8), 3 in 7 of 8 (0.875); mixed, so that the counts' fading
+# weighs no kind of round more
+RISING = [4, 0, 0, 1, 0, 2, 0, 4, 0, 1, 0, 0, 3, 0, 4, 0, 1, 0, 0, 4, 0, 2, 0, 1, 0, 4, 0, 0, 1, 0, 4, 0, 0, 1, 0, 4,
+          0, 0, 0, 0]
+
+
+def test_acceptance_along_a_round_is_learnt_per_position():
+    """CostModel.shape: each draft position's acceptance (after the ones before it were accepted)
+    over the pooled rate, from the rounds' counts (the EAGLE-3 head's rises along a round); a
+    position no round reached reads like the one before it; before any round, one rate for all. A
+    request prices its rounds with it, and so drafts further than one rate for all would have it."""
+    costs = CostModel(TARGET, DRAFT, alpha=0.6)
+    assert costs.shape(4) == [1.0] * 4
+    policy = AdaptiveK(costs, k_max=8)
+    for i in range(400):
+        policy.observe(Round([], 4, RISING[i % 40], Cost(), Cost(batch_size=1), asked=4), 10.0)
+    pooled = sum(costs.position_accepted) / sum(costs.position_tried)
+    assert pooled == pytest.approx(41 / 74, abs=0.01)  # (16 + 10 + 8 + 7) of (40 + 16 + 10 + 8)
+    got = [pooled * f for f in costs.shape(6)]
+    # (each position's estimate leans on the one before it by POSITION_PRIOR tries)
+    assert got[:4] == pytest.approx([0.4, 0.625, 0.8, 0.875], abs=0.035), got
+    assert got[4] == pytest.approx(got[3]) and got[5] == pytest.approx(got[3])  # never reached
+    shape = costs.shape(8)
+    # a round of 4 brings 1 + 0.4 + 0.4 * 0.625 + ... = 2.025 tokens; one rate would read the 8 as 1 + 0.55 + ...
+    assert expected_tokens(policy.alpha, 4, shape) == pytest.approx(2.025, abs=0.1)
+    assert expected_tokens(policy.alpha, 8, shape) > expected_tokens(policy.alpha, 8) + 0.15
+    for target in (TARGET, PassCost(fixed=20.0, per_token=2.0)):  # rows cheap, and dear
+        costs.target = target
+        flat = max(range(9), key=lambda k: expected_tokens(policy.alpha, k) / costs.round_cost(k, 1, 1))
+        assert policy.choose(100) >= flat + 1, target
 
 
 def test_k_follows_acceptance():
@@ -60,9 +98,9 @@ def test_the_first_extra_row_is_priced():
     chosen = {}
     for name, target in (("linear", linear), ("jump", jump)):
         policy = AdaptiveK(CostModel(target, small_draft, alpha=0.3), k_max=8)
-        for _ in range(10):  # this request's own acceptance: 1 of 3 tried (alpha 1/3)
-            rounds_of(policy, accepted=0, proposed=2, batch=1, n=1)
-            rounds_of(policy, accepted=1, proposed=2, batch=1, n=1)
+        for _ in range(10):  # this request's own acceptance: 1 of 3 tried (alpha 1/3), the first token's too
+            rounds_of(policy, accepted=0, proposed=1, batch=1, n=2)
+            rounds_of(policy, accepted=1, proposed=1, batch=1, n=1)
         chosen[name] = policy.choose(100)
         rounds_of(policy, accepted=2, proposed=2, batch=8)  # a batch of 8: every pass has rows to spare
         chosen[name + " batch 8"] = policy.choose(100)
@@ -188,6 +226,33 @@ def test_a_lone_drafting_round_is_priced_with_what_its_calls_cost_besides_their_
     costs.observe(Round([1, 2], 3, 1, Cost(service_ms=50.0, batch_size=1), slow, asked=3, draft_calls=1), 80.0)
     assert costs.verify_extra_ms == pytest.approx(2.0, rel=1e-3)
     assert costs.draft_extra_ms == pytest.approx(1.5, rel=1e-3)
+
+
+def test_a_lone_drafting_round_prices_its_verify_pass_as_such_passes_ran():
+    """Where a request seldom drafts, most passes are decode steps', which run back to back faster
+    than a verify pass after a draft call: a lone drafting round's pass is priced at what the verify
+    passes measured (verify_scale), not at every round's (target_scale). Under load, a pass is
+    every request's (target_scale)."""
+    costs = CostModel(TARGET, DRAFT, alpha=0.5)
+    lone = costs.round_cost(4, 1, 1)
+    verify = Cost(service_ms=1.5 * TARGET(5, 1), batch_size=1, pass_ms=1.5 * TARGET(5, 1), batch_tokens=5)
+    step = Cost(service_ms=0.8 * TARGET(1, 1), batch_size=1, pass_ms=0.8 * TARGET(1, 1), batch_tokens=1)
+    for i in range(300):  # one drafting round in four (0.5 ms a call outside the services, as the model starts)
+        if i % 4 == 0:
+            costs.observe(Round([1, 2], 4, 1, Cost(), verify, asked=4), verify.service_ms + 1.0)
+        else:
+            costs.observe(Round([1], 0, 0, Cost(), step), step.service_ms + 0.5)
+    assert costs.verify_scale == pytest.approx(1.5, rel=1e-3)
+    assert 0.8 < costs.target_scale < 1.2  # every round's: mostly the decode steps'
+    assert costs.round_cost(4, 1, 1) == pytest.approx(lone + 0.5 * TARGET(5, 1), rel=1e-3)
+    loaded = costs.round_cost(4, 4, 4, pipelined=True)
+    costs.verify_scale = 7.0
+    assert costs.round_cost(4, 4, 4, pipelined=True) == loaded and costs.round_cost(4, 1, 1) > 2 * lone
+    costs.verify_scale = 1.5
+    costs.in_flight = 2  # a verify under load waited for others' passes: not a sample
+    costs.observe(Round([1, 2], 4, 1, Cost(), Cost(service_ms=90.0, batch_size=1, pass_ms=80.0, batch_tokens=5),
+                        asked=4), 91.0)
+    assert costs.verify_scale == pytest.approx(1.5, rel=1e-3)
 
 
 def test_a_lone_request_prices_decoding_as_its_calls_ran():
@@ -351,20 +416,30 @@ def test_acceptance_k_follows_only_the_request_s_rounds():
 
 def test_the_shared_acceptance_leaves_its_starting_guess_within_a_few_rounds():
     """The coordinator-wide acceptance (a new request's prior) starts at a guess, 0.6 unless told;
-    against a draft whose rounds accept 1 of 5 tried it is the running mean of what it has seen
-    (the guess weighing as ALPHA_PRIOR_ROUNDS rounds) and then a slow moving average, so it neither
-    keeps the guess for ~100 rounds nor forgets a long history at once."""
+    against a draft's rounds it is their tokens accepted per token tried, pooled, the guess counting
+    as ALPHA_PRIOR_TOKENS tried, everything fading by ALPHA_EMA a round: it neither keeps the guess
+    for ~100 rounds nor forgets a long history at once, and a round of 0 of 1 weighs as one token
+    tried, not as much as a round of 3 of 4 (the mean of the rounds' rates read a draft's
+    acceptance low)."""
     costs = CostModel(TARGET, DRAFT)
     assert costs.alpha == 0.6
     for _ in range(20):
         costs.observe(Round([], 4, 1, Cost(), Cost(batch_size=1), asked=4), 10.0)  # 1 accepted of 2 tried
-    assert costs.alpha == pytest.approx((4 * 0.6 + 20 * 0.5) / 24)
+    fade = 1 - ALPHA_EMA
+    kept = sum(fade ** i for i in range(20))
+    assert costs.alpha == pytest.approx((kept + 0.6 * ALPHA_PRIOR_TOKENS * fade ** 20)
+                                        / (2 * kept + ALPHA_PRIOR_TOKENS * fade ** 20))
+    assert 0.5 < costs.alpha < 0.52
     for _ in range(30):
         costs.observe(Round([], 4, 0, Cost(), Cost(batch_size=1), asked=4), 10.0)  # 0 of 1
-    assert 0.2 < costs.alpha < 0.3  # the mean of 54 rounds, near 0.23 (not 0.0: no one round decides)
+    assert 0.2 < costs.alpha < 0.3  # 50 rounds, ~0.25 (not 0.0: no one round decides)
+    mixed = CostModel(TARGET, DRAFT)
+    for i in range(200):  # 0 of 1 and 3 of 4 in turn: 3 of 5 tokens tried, a mean of the rates of 0.375
+        mixed.observe(Round([], 4, 3 * (i % 2), Cost(), Cost(batch_size=1), asked=4), 10.0)
+    assert mixed.alpha == pytest.approx(0.6, abs=0.01)
     for _ in range(600):
         costs.observe(Round([], 4, 4, Cost(), Cost(batch_size=1), asked=4), 10.0)  # 4 of 4
-    assert costs.alpha > 0.99  # past 1 / ALPHA_EMA rounds, a moving average that follows the draft
+    assert costs.alpha > 0.99  # past 1 / ALPHA_EMA rounds, it follows the draft
 
 
 # ----------------------------------------------------------------- the prior from the draft's card
@@ -434,8 +509,8 @@ def test_a_draft_on_the_targets_cores_is_paid_for_under_load():
     for name, costs in (("apart", apart), ("shared", shared)):
         costs.in_flight = 8
         policy = AdaptiveK(costs, k_max=8)
-        for _ in range(20):  # half the draft tokens tried accepted, target passes of 4 sessions
-            policy.observe(Round([], 4, 2, Cost(), Cost(batch_size=4), asked=4), 1.0)
+        for i in range(20):  # 0 to 4 of 4 accepted in turn (0.69 of the tokens tried), passes of 4 sessions
+            policy.observe(Round([], 4, i % 5, Cost(), Cost(batch_size=4), asked=4), 1.0)
         chosen[name] = policy.choose(100)
     assert chosen["shared"] < chosen["apart"], chosen
 
