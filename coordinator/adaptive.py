@@ -3,12 +3,14 @@
 `AdaptiveK` picks, before each round of one request, the K that maximises expected tokens
 per unit of cost, the "goodput" of SmartSpec (Liu et al. 2024):
 
-    tokens(K) = (1 - a^(K+1)) / (1 - a)        expected tokens a round commits (Leviathan)
+    tokens(K) = 1 + sum over j <= K of prod over i <= j of a s_i     expected tokens a round commits
     cost(K)   = target share + draft share + overhead          one request in flight
               = max(target share, draft share) + overhead     several: pipelined
 
-with `a` the request's acceptance (its own counts, decayed so it follows the text, pulled
-towards the coordinator-wide figure while they are few), and the costs from `CostModel`:
+with `a` the request's acceptance, draft tokens accepted per token tried (its own counts, decayed
+so it follows the text, pulled towards the coordinator-wide figure while they are few), `s_i` how
+the i-th draft position's acceptance stands to it (CostModel.shape; all 1: Leviathan's
+(1 - a^(K+1)) / (1 - a)), and the costs from `CostModel`:
 each service's pass time fitted at start-up (`ModelRunner.calibrate`: fixed + per token +
 per session), scaled by how its passes run now, and divided among the sessions that share
 a pass. With one request the round is sequential: the draft drafts, then the target verifies.
