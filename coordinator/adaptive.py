@@ -121,7 +121,9 @@ class CostModel:
         if t.batch_size > 0:
             self.batch += EMA * (t.batch_size - self.batch)
         passes = len(r.tokens) - r.copied  # a pass commits its copies kept and one token of its own
-        if not r.proposed and passes > 1 and t.batch_size == 1 and self.in_flight <= 1 and t.service_ms > 0:
+        alone = self.in_flight <= 1  # a lone request's calls: not waiting behind others' passes
+        lone_verify = r.proposed and t.batch_size == 1 and alone  # ... a drafting round's verify
+        if not r.proposed and passes > 1 and t.batch_size == 1 and alone and t.service_ms > 0:
             # a lone request's call that decoded alone: its passes as a whole (one token's, and the rows they feed
             # lately); bounded, as a call that first takes in a whole context (a target session started again)
             # is one sample, not what decoding costs
@@ -135,16 +137,16 @@ class CostModel:
                 ratio = t.pass_ms / predicted
                 self.target_scale += EMA * (ratio - self.target_scale)
                 self.steps_scale += STEPS_EMA * (ratio - self.steps_scale)
-        if r.proposed and t.batch_size == 1 and self.in_flight <= 1 and t.service_ms > t.pass_ms > 0:
+        if lone_verify and t.service_ms > t.pass_ms > 0:
             self.verify_extra_ms += EMA * (t.service_ms - t.pass_ms - self.verify_extra_ms)
-        if r.proposed and t.batch_size == 1 and self.in_flight <= 1 and t.pass_ms > 0 and t.batch_tokens > 0:
+        if lone_verify and t.pass_ms > 0 and t.batch_tokens > 0:
             predicted = self.target(t.batch_tokens, 1)
             if predicted > 0:
                 self.verify_scale += EMA * (min(4.0, max(0.25, t.pass_ms / predicted)) - self.verify_scale)
         # (not a call that started the draft's session, taking in the whole context: once a request; nor a
         # pre-draft's, made while the target verified)
         if (r.proposed and r.draft_calls == 1 and not r.draft_started and not r.predrafted and d.batch_size == 1
-                and self.in_flight <= 1 and d.service_ms > 0):
+                and alone and d.service_ms > 0):
             predicted = max(1, r.asked) * self.draft(1, 1)
             self.draft_extra_ms += EMA * (max(0.0, d.service_ms - predicted) - self.draft_extra_ms)
         if r.proposed and d.pass_ms > 0 and d.batch_size > 0:
@@ -392,7 +394,7 @@ class AdaptiveK:
         steps = 1 if pipelined else self.decode_steps(remaining)
         batch = max(self.batch, self.costs.batch) if pipelined else self.batch
         step_yield = self.step_yield if steps > 1 else (1.0, 1.0)  # (a call of one token copies nothing)
-        shape = self.costs.shape(top + 1)
+        shape = self.costs.shape(top + 1) if top else None  # (at top 0 the only choice is 0)
         best = max(range(top + 1), key=lambda k: expected_tokens(alpha, k, shape)
                    / self.costs.round_cost(k, batch, self.draft_batch, pipelined, steps, step_yield))
         if best == 0 and top > 0 and not pipelined:
