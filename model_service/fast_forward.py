@@ -95,6 +95,9 @@ class FastForward:
         # in the C++ loop, the feature layers' inputs copied out by the one call (q4_layers_capturing);
         # off: a call per segment between them, as TorchScript's loop runs (A/B, tests)
         self.capture_in_loop = True
+        # in the C++ loop, the final RMSNorm and the output layer run by the loop's call (its last
+        # segment's) where the output layer is in tiles or panels; off: by two more torch calls (A/B, tests)
+        self.head_in_loop = True
         # the layer loop through TorchScript (scripted.py) on CPU; CUDA keeps the eager
         # loop, which has not been measured against it there
         self.scripted = scripted.LAYERS is not None and self.embed.device.type == "cpu"
@@ -415,15 +418,19 @@ class FastForward:
                                     dtype=torch.long).to(device)
         states: dict[int, torch.Tensor] = {}
         captured = None
+        # the C++ loop's last call returns the logits (x is then [rows, V / world])
+        head = (c_loop and self.head_in_loop and self.gather is None
+                and isinstance(self.lm_head_packed, (Q4Tiles, Panels)))
         if c_loop and wanted and self.capture_in_loop:  # the C++ loop copies the layers' inputs out, one call
             x, captured = self._scripted_layers(x, cos, sin, feeds, spans, masks, slots, keep, 0, last + 1, True,
-                                                capture)
+                                                capture, head)
             layers = []
         elif self.scripted and self.reduce is None:  # the same layers, run by TorchScript (see scripted.py)
             lo = 0
             for hi in [*wanted, last + 1]:  # segments between the captured layers
                 if hi > lo:
-                    x = self._scripted_layers(x, cos, sin, feeds, spans, masks, slots, keep, lo, hi, hi == last + 1)
+                    x = self._scripted_layers(x, cos, sin, feeds, spans, masks, slots, keep, lo, hi, hi == last + 1,
+                                              head=head and hi == last + 1)
                 if hi <= last:
                     states[hi] = x.clone()
                 lo = hi
@@ -467,8 +474,11 @@ class FastForward:
         for (_, cache, _), (_, _, _, end) in zip(feeds, spans):
             cache.length = end
         # x: the asked rows only (see keep), each feed's last num_logits in feed order
-        logits = self._mm(self._norm(x, self.final_norm.weight), self.lm_head, self.lm_head_packed, None,
-                          rows)  # [rows, V / world]
+        if head:
+            logits = x
+        else:
+            logits = self._mm(self._norm(x, self.final_norm.weight), self.lm_head, self.lm_head_packed, None,
+                              rows)  # [rows, V / world]
         if self.gather is not None:
             logits = self.gather(logits)  # [rows, V]
         if self.head_ids is not None:  # [rows, N] -> [rows, V], -inf where the head does not score
@@ -479,11 +489,13 @@ class FastForward:
         return list(logits.split([n for _, _, n in feeds])), captured
 
     def _scripted_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, feeds, spans, masks,
-                         slots: SlotBatch | None, keep, lo: int, hi: int, final: bool, capture: tuple[int, ...] = ()):
+                         slots: SlotBatch | None, keep, lo: int, hi: int, final: bool, capture: tuple[int, ...] = (),
+                         head: bool = False):
         """Layers lo..hi-1 by TorchScript or specdec's C++ loop (scripted.py, q4_kernel.py): their
         cache and weights are the layer-sliced views of the whole model's; only the `final` segment
         keeps just the asked rows at its last layer. With `capture` (the C++ loop over every layer
-        only) -> (x, the inputs of those layers [T, len(capture), D]), else x."""
+        only) -> (x, the inputs of those layers [T, len(capture), D]), else x; with `head` (the C++
+        loop's final segment, the output layer in tiles or panels) the kept rows' logits for x."""
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         args = self._scripted_args()
         if lo or hi < len(self.layers):
@@ -495,9 +507,10 @@ class FastForward:
             common = (x, cos, sin, [cache.data[lo:hi] for _, cache, _ in feeds], [start for _, _, start, _ in spans],
                       lengths, kept, heads, kv_heads, head_dim, self.eps, scaling, in_norm, post_norm, half, qkv_bias,
                       tiles, outs)
+            output = (self.final_norm.weight, self.lm_head_packed.tiles, self.lm_head_packed.out) if head else ()
             if capture:
-                return torch.ops.specdec.q4_layers_capturing(*common, list(capture))
-            return torch.ops.specdec.q4_layers(*common)
+                return torch.ops.specdec.q4_layers_capturing(*common, list(capture), *output)
+            return torch.ops.specdec.q4_layers(*common, *output)
         if len(feeds) == 1:
             return scripted.LAYERS(x, cos, sin, feeds[0][1].data[lo:hi], spans[0][2], masks[0],
                                    feeds[0][2] if final else 0, heads, kv_heads, head_dim, self.eps, *args)

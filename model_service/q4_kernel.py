@@ -58,12 +58,14 @@ _library.define("f32_mm(Tensor x, Tensor panels, int n) -> Tensor")
 _library.define("q4_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!)[] kv, int[] starts, int[] lengths, int[] keeps,"
                 " int heads, int kv_heads,"
                 " int head_dim, float eps, float[] scaling, Tensor[] in_norm, Tensor[] post_norm, int[] half,"
-                " Tensor?[] qkv_bias, Tensor[] tiles, int[] outs) -> Tensor")
+                " Tensor?[] qkv_bias, Tensor[] tiles, int[] outs, Tensor? final_norm=None, Tensor? head=None,"
+                " int head_out=0) -> Tensor")
+# (with a head, its tiles or panels, and final_norm: the kept rows' logits [R, head_out], not their states)
 # the same, and the inputs of the `capture` layers for every row ([T, len(capture), D]: an EAGLE head's features)
 _library.define("q4_layers_capturing(Tensor x, Tensor cos, Tensor sin, Tensor(a!)[] kv, int[] starts, int[] lengths,"
                 " int[] keeps, int heads, int kv_heads, int head_dim, float eps, float[] scaling, Tensor[] in_norm,"
-                " Tensor[] post_norm, int[] half, Tensor?[] qkv_bias, Tensor[] tiles, int[] outs, int[] capture)"
-                " -> (Tensor, Tensor)")
+                " Tensor[] post_norm, int[] half, Tensor?[] qkv_bias, Tensor[] tiles, int[] outs, int[] capture,"
+                " Tensor? final_norm=None, Tensor? head=None, int head_out=0) -> (Tensor, Tensor)")
 # an EAGLE-3 head's step (Eagle3Head.step / step_many) with every linear in tiles (csrc/q4_mm.cpp)
 _library.define("q4_eagle_step(Tensor embeds, Tensor hidden, Tensor cos, Tensor sin, Tensor(a!)[] keys,"
                 " Tensor(b!)[] values, int[] pasts, int[] lengths, int heads, int kv_heads, int head_dim, float eps,"

@@ -522,3 +522,49 @@ def test_the_c_loop_copies_the_feature_layers_out_in_one_call_as_the_segments_do
         assert all(torch.equal(a, b) for a, b in zip(logits, want_logits))
     assert not torch.equal(results[True][0][1][:, 0], results[True][0][1][:, 1])  # layers 3 and 0 differ
     assert all(torch.equal(a, b) for a, b in zip(results[True][2], results[False][2]))
+
+
+@pytest.mark.parametrize("weights", ["int4", "float32"])
+def test_the_c_loop_runs_the_output_layer_in_its_call(tmp_path, weights):
+    """The C++ loop's call ends with the final RMSNorm and the output layer (its tiles or panels):
+    no torch product for the logits after it (a spy on FastForward._mm sees none), every path of
+    the loop (one call, with the feature layers' inputs copied out, or a call per segment between
+    them), and the logits those of the norm and product run after the call (head_in_loop off),
+    within float32 rounding of the norm (its sum's order), the same argmax; the states unchanged."""
+    fast = _c_loop_model(tmp_path, weights)
+    calls = []
+    product = fast._mm
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return product(*args, **kwargs)
+
+    fast._mm = spy
+    prompt, verify = list(range(3, 70)), [71, 72, 73, 74, 75]
+    results = {}
+    for in_loop, capture, one_call in [(True, (), True), (True, (2, 0), True), (True, (2, 0), False),
+                                       (False, (), True), (False, (2, 0), True)]:
+        fast.head_in_loop, fast.capture_in_loop = in_loop, one_call
+        calls.clear()
+        cache = fast.new_cache()
+        first = fast.many_capturing([(prompt, cache, 1)], capture)
+        second = fast.many_capturing([(verify, cache, len(verify))], capture)
+        assert len(calls) == (0 if in_loop else 2), calls
+        results[in_loop, capture, one_call] = (torch.cat([*first[0], *second[0]]), second[1])
+    want, want_states = results[False, (), True]
+    assert want.shape == (1 + len(verify), fast.vocab_size)
+    for (in_loop, capture, _), (logits, states) in results.items():
+        assert torch.allclose(logits, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        assert torch.equal(logits.argmax(-1), want.argmax(-1))
+        if capture:
+            assert torch.equal(states, results[False, capture, True][1])
+    tiles = [torch.zeros(n // 16, 2 * 320, dtype=torch.uint8) for n in (192, 64, 128, 64)]  # a valid 1-layer loop
+    layer = (torch.zeros(1, 64), torch.zeros(1, 32), torch.zeros(1, 32), [torch.zeros(1, 2, 1, 2, 8, 32)], [0], [1],
+             [1], 2, 2, 32, 1e-5, [1.0], [torch.ones(64)], [torch.ones(64)], [64], [None], tiles, [192, 64, 128, 64])
+    assert torch.ops.specdec.q4_layers(*layer, torch.ones(64), tiles[1], 64).shape == (1, 64)
+    with pytest.raises(RuntimeError, match="a head needs its final_norm"):
+        torch.ops.specdec.q4_layers(*layer, None, tiles[1], 64)
+    with pytest.raises(RuntimeError, match="final_norm must have 64 weights"):
+        torch.ops.specdec.q4_layers(*layer, torch.ones(32), tiles[1], 64)
+    with pytest.raises(RuntimeError, match="need \\[2, 640\\]"):  # 32 outputs: 2 tiles, not 4
+        torch.ops.specdec.q4_layers(*layer, torch.ones(64), tiles[1], 32)
