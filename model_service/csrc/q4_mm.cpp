@@ -791,6 +791,56 @@ void attend(const float* q, const float* keys, const float* values, int64_t stri
   std::fill(out, out + hd, 0.f);
   for (int64_t j = 0; j < seen; ++j) axpy(scores[j] * inv, values + j * stride, out, hd);
 }
+
+// attend_shared's steps 16 lanes wide (AVX-512, head_dim 16 NC): one query's scores for keys j0 ..
+// end - 1 of a block (key j at keys + (j - j0) * stride), 16 keys at a time as attend_head scores them
+// (sum16), the rest by dot
+template <int NC>
+inline void scores16(const float* q, const float* keys, int64_t stride, int64_t j0, int64_t end, float scale,
+                     float* s) {
+  __m512 qv[NC];
+  for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  int64_t j = j0;
+  for (; j + 16 <= end; j += 16) {
+    __m512 part[16];
+    for (int k = 0; k < 16; ++k) {
+      const float* kr = keys + (j - j0 + k) * stride;
+      __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+      for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), a);
+      part[k] = a;
+    }
+    _mm512_storeu_ps(s + j, _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale)));
+  }
+  for (; j < end; ++j) s[j] = dot(q, keys + (j - j0) * stride, 16 * NC) * scale;
+}
+
+// out += p[j] * inv * v_j for keys j0 .. j1 - 1 (value j at values + (j - j0) * stride): even and odd
+// keys in two sets of registers, as attend_head sums them, added into out at the block's end
+template <int NC>
+inline void accumulate16(const float* p, float inv, const float* values, int64_t stride, int64_t j0, int64_t j1,
+                         float* out) {
+  __m512 even[NC], odd[NC];
+  for (int c = 0; c < NC; ++c) {
+    even[c] = _mm512_loadu_ps(out + 16 * c);
+    odd[c] = _mm512_setzero_ps();
+  }
+  int64_t j = j0;
+  for (; j + 2 <= j1; j += 2) {
+    const float* v0 = values + (j - j0) * stride;
+    const float* v1 = v0 + stride;
+    const __m512 p0 = _mm512_set1_ps(p[j] * inv), p1 = _mm512_set1_ps(p[j + 1] * inv);
+    for (int c = 0; c < NC; ++c) {
+      even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), even[c]);
+      odd[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), odd[c]);
+    }
+  }
+  if (j < j1) {
+    const __m512 p0 = _mm512_set1_ps(p[j] * inv);
+    for (int c = 0; c < NC; ++c)
+      even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(values + (j - j0) * stride + 16 * c), even[c]);
+  }
+  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_add_ps(even[c], odd[c]));
+}
 #endif
 
 // attend_shared and attend_rows: every build's attention over float16 caches, and the AVX2 and plain
@@ -873,6 +923,10 @@ inline float max_of(const float* v, int64_t n) {
 // n float16 values as floats
 inline void to_floats(const half_bits* h, float* out, int64_t n) {
   int64_t i = 0;
+#if defined(Q4_AVX512)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+#endif
 #if defined(Q4_V8)
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
@@ -921,6 +975,12 @@ void attend_shared(const Query* qs, int64_t n, const KvHead<C>& kv, int64_t hd, 
     for (int64_t i = 0; i < n; ++i) {
       float* s = scores + i * width;
       const int64_t end = std::min(j1, qs[i].seen);
+#if defined(Q4_AVX512)
+      if (hd == 64 || hd == 128) {
+        if (end > j0) (hd == 64 ? scores16<4> : scores16<8>)(qs[i].q, keys, stride, j0, end, scale, s);
+        continue;
+      }
+#endif
       int64_t j = j0;
 #if defined(Q4_V8)
       const __m256 sv = _mm256_set1_ps(scale);
@@ -945,6 +1005,12 @@ void attend_shared(const Query* qs, int64_t n, const KvHead<C>& kv, int64_t hd, 
       const float* s = scores + i * width;
       const int64_t end = std::min(j1, qs[i].seen);
       if (end <= j0) continue;
+#if defined(Q4_AVX512)
+      if (hd == 64 || hd == 128) {
+        (hd == 64 ? accumulate16<4> : accumulate16<8>)(s, inv[i], values, stride, j0, end, qs[i].out);
+        continue;
+      }
+#endif
 #if defined(Q4_V8)
       if (hd == 64) {
         accumulate<8>(s, inv[i], values, stride, j0, end, qs[i].out);
