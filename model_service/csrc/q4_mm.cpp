@@ -46,10 +46,12 @@ constexpr int64_t QK = 32;   // weights a block
 // 2-core Xeon whose L3 holds the weights, a SmolLM2 int4 pass of one token 4.1-4.4 -> 2.8-2.9 ms,
 // five 6.9-7.1 -> 4.4-4.7 (the 5 lines of a block, each issued once; within noise on an AMD EPYC)
 constexpr int64_t Q4_AHEAD = 4096;
-// rows a tile (the row loop's accumulators); more rows take more tiles. 16 (a 9-row verify unpacking
-// each block once, not for 5 + 4 rows) ran slower on an AMD EPYC with AVX-512 and level on a Xeon
-// with AVX-512 VNNI (9 rows 1.76-1.98x a one-token pass with 16, 1.77-1.87x with 8; four alternating runs)
-constexpr int MAX_ROWS = 8;
+// rows a tile (the row loop's accumulators); more rows take more tiles. 9: a K = 8 verify's rows
+// unpack each block once, not for 5 + 4 rows (2-core Xeon, AVX-512 VNNI, its weights in L3: a 9-token
+// pass 1.91-2.03x a one-token pass against 1.99-2.13x with 8, five alternating runs in one process each).
+// 16 had run slower on an AMD EPYC with AVX-512 and level on the Xeon (then with the 5 + 4 split's
+// per-row float steps of the time)
+constexpr int MAX_ROWS = 9;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define Q4_AVX512 1
@@ -314,7 +316,7 @@ void tile(const uint8_t* W, const Rows& x, int64_t r0, float* out) {
 void tiles(const uint8_t* W, const Rows& x, float* Y, int64_t N, int64_t t0, int64_t t1) {
   float out[MAX_ROWS * TILE];
   const int64_t tile_bytes = x.nb * BLOCK_BYTES;
-  // the rows in even groups of at most MAX_ROWS (9 rows: 5 + 4, not 8 + 1: a group of one row pays
+  // the rows in even groups of at most MAX_ROWS (10 rows: 5 + 5, not 9 + 1: a group of one row pays
   // a tile's unpacking for one row's products)
   const int64_t groups = (x.M + MAX_ROWS - 1) / MAX_ROWS, each = (x.M + groups - 1) / groups;
   for (int64_t t = t0; t < t1; ++t) {
@@ -330,7 +332,8 @@ void tiles(const uint8_t* W, const Rows& x, float* Y, int64_t N, int64_t t0, int
         case 5: tile<5>(w, x, r0, out); break;
         case 6: tile<6>(w, x, r0, out); break;
         case 7: tile<7>(w, x, r0, out); break;
-        default: tile<8>(w, x, r0, out); break;
+        case 8: tile<8>(w, x, r0, out); break;
+        default: tile<9>(w, x, r0, out); break;
       }
       for (int r = 0; r < rows; ++r) std::memcpy(Y + (r0 + r) * N + t * TILE, out + r * TILE, width * sizeof(float));
     }
