@@ -98,6 +98,9 @@ class FastForward:
         # in the C++ loop, the final RMSNorm and the output layer run by the loop's call (its last
         # segment's) where the output layer is in tiles or panels; off: by two more torch calls (A/B, tests)
         self.head_in_loop = True
+        # in the C++ loop's one call, the rows' embeddings and RoPE rows looked up by the call from the
+        # token ids (where the RoPE table is fixed); off: by torch calls before it (A/B, tests)
+        self.lookup_in_loop = True
         # the layer loop through TorchScript (scripted.py) on CPU; CUDA keeps the eager
         # loop, which has not been measured against it there
         self.scripted = scripted.LAYERS is not None and self.embed.device.type == "cpu"
@@ -379,18 +382,22 @@ class FastForward:
             return [logits[logits.shape[0] - feeds[0][2] :]], states
         device = self.embed.device
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
+        # specdec's C++ loop does its own attention and row bookkeeping: no slot batch, masks or kept-row index
+        c_loop = self.runs_c_loop()
+        # where the loop runs in one call, it looks the rows' embeddings and RoPE rows up itself (from ids)
+        lookup = (c_loop and self.lookup_in_loop and self.rope_table is not None
+                  and (not wanted or self.capture_in_loop))
         spans, positions, ids = [], [], []
         offset = 0
         for input_ids, cache, _ in feeds:
             n, start = len(input_ids), cache.length
             cache.reserve(start + n)
             spans.append((offset, offset + n, start, start + n))
-            positions.append(torch.arange(start, start + n, device=device))
+            if not lookup:
+                positions.append(torch.arange(start, start + n, device=device))
             ids.extend(input_ids)
             offset += n
         total = offset
-        # specdec's C++ loop does its own attention and row bookkeeping: no slot batch, masks or kept-row index
-        c_loop = self.runs_c_loop()
         if self.kv_dtype is not None and not c_loop:
             raise RuntimeError("float16 keys and values are read by specdec's C++ layer loop alone (set_kv_dtype)")
         slots = None if c_loop else slot_batch(self.pool, feeds, spans)
@@ -398,14 +405,17 @@ class FastForward:
         if slots is None and not c_loop:  # query i of a sequence sits at position start+i and sees keys 0..start+i
             masks = [torch.ones(b - a, end, dtype=torch.bool, device=device).tril(diagonal=start) if b - a > 1 else None
                      for a, b, start, end in spans]
-        x = F.embedding(torch.tensor(ids, dtype=torch.long, device=device), self.embed)  # [T, D]
-        position = positions[0] if len(feeds) == 1 else torch.cat(positions)  # [T]
-        if self.rope_table is not None:
-            cos, sin = self.rope_table[0][position], self.rope_table[1][position]  # [T, head_dim]
-        else:  # each sequence's own call: these variants pick their frequencies from the call's longest position
-            tables = [self.rotary(x[None], p[None]) for p in positions]
-            cos, sin = (torch.cat([t[i][0] for t in tables]) for i in (0, 1))
-        cos, sin = cos[:, None], sin[:, None]  # [T, 1, head_dim]: broadcast over heads
+        if lookup:  # the tables themselves: the call indexes them by the ids and the rows' positions
+            x, (cos, sin) = self.embed, self.rope_table
+        else:
+            x = F.embedding(torch.tensor(ids, dtype=torch.long, device=device), self.embed)  # [T, D]
+            position = positions[0] if len(feeds) == 1 else torch.cat(positions)  # [T]
+            if self.rope_table is not None:
+                cos, sin = self.rope_table[0][position], self.rope_table[1][position]  # [T, head_dim]
+            else:  # each sequence's own call: these variants pick their frequencies from the call's longest position
+                tables = [self.rotary(x[None], p[None]) for p in positions]
+                cos, sin = (torch.cat([t[i][0] for t in tables]) for i in (0, 1))
+            cos, sin = cos[:, None], sin[:, None]  # [T, 1, head_dim]: broadcast over heads
         # the rows whose logits are asked for (each feed's last num_logits), where fewer than all: the
         # last layer needs every row's keys and values but only these rows' attention output and MLP
         # (a prompt's pass: 1 row of ~100 needs them, 12% of a 6-layer model's arithmetic)
@@ -423,14 +433,14 @@ class FastForward:
                 and isinstance(self.lm_head_packed, (Q4Tiles, Panels)))
         if c_loop and wanted and self.capture_in_loop:  # the C++ loop copies the layers' inputs out, one call
             x, captured = self._scripted_layers(x, cos, sin, feeds, spans, masks, slots, keep, 0, last + 1, True,
-                                                capture, head)
+                                                capture, head, ids if lookup else None)
             layers = []
         elif self.scripted and self.reduce is None:  # the same layers, run by TorchScript (see scripted.py)
             lo = 0
             for hi in [*wanted, last + 1]:  # segments between the captured layers
                 if hi > lo:
                     x = self._scripted_layers(x, cos, sin, feeds, spans, masks, slots, keep, lo, hi, hi == last + 1,
-                                              head=head and hi == last + 1)
+                                              head=head and hi == last + 1, ids=ids if lookup else None)
                 if hi <= last:
                     states[hi] = x.clone()
                 lo = hi
@@ -490,12 +500,14 @@ class FastForward:
 
     def _scripted_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, feeds, spans, masks,
                          slots: SlotBatch | None, keep, lo: int, hi: int, final: bool, capture: tuple[int, ...] = (),
-                         head: bool = False):
+                         head: bool = False, ids: list[int] | None = None):
         """Layers lo..hi-1 by TorchScript or specdec's C++ loop (scripted.py, q4_kernel.py): their
         cache and weights are the layer-sliced views of the whole model's; only the `final` segment
         keeps just the asked rows at its last layer. With `capture` (the C++ loop over every layer
         only) -> (x, the inputs of those layers [T, len(capture), D]), else x; with `head` (the C++
-        loop's final segment, the output layer in tiles or panels) the kept rows' logits for x."""
+        loop's final segment, the output layer in tiles or panels) the kept rows' logits for x; with
+        `ids` (the C++ loop in one call) x is the embedding table and cos and sin the RoPE tables,
+        which the call indexes by the ids and the rows' positions."""
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         args = self._scripted_args()
         if lo or hi < len(self.layers):
@@ -507,10 +519,11 @@ class FastForward:
             common = (x, cos, sin, [cache.data[lo:hi] for _, cache, _ in feeds], [start for _, _, start, _ in spans],
                       lengths, kept, heads, kv_heads, head_dim, self.eps, scaling, in_norm, post_norm, half, qkv_bias,
                       tiles, outs)
-            output = (self.final_norm.weight, self.lm_head_packed.tiles, self.lm_head_packed.out) if head else ()
+            output = (self.final_norm.weight, self.lm_head_packed.tiles, self.lm_head_packed.out) if head \
+                else (None, None, 0)
             if capture:
-                return torch.ops.specdec.q4_layers_capturing(*common, list(capture), *output)
-            return torch.ops.specdec.q4_layers(*common, *output)
+                return torch.ops.specdec.q4_layers_capturing(*common, list(capture), *output, ids)
+            return torch.ops.specdec.q4_layers(*common, *output, ids)
         if len(feeds) == 1:
             return scripted.LAYERS(x, cos, sin, feeds[0][1].data[lo:hi], spans[0][2], masks[0],
                                    feeds[0][2] if final else 0, heads, kv_heads, head_dim, self.eps, *args)

@@ -59,13 +59,14 @@ _library.define("q4_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!)[] kv, in
                 " int heads, int kv_heads,"
                 " int head_dim, float eps, float[] scaling, Tensor[] in_norm, Tensor[] post_norm, int[] half,"
                 " Tensor?[] qkv_bias, Tensor[] tiles, int[] outs, Tensor? final_norm=None, Tensor? head=None,"
-                " int head_out=0) -> Tensor")
-# (with a head, its tiles or panels, and final_norm: the kept rows' logits [R, head_out], not their states)
+                " int head_out=0, int[]? ids=None) -> Tensor")
+# (with a head, its tiles or panels, and final_norm: the kept rows' logits [R, head_out], not their states;
+# with ids, the rows' token ids: x is the embedding table and cos and sin the RoPE tables they index)
 # the same, and the inputs of the `capture` layers for every row ([T, len(capture), D]: an EAGLE head's features)
 _library.define("q4_layers_capturing(Tensor x, Tensor cos, Tensor sin, Tensor(a!)[] kv, int[] starts, int[] lengths,"
                 " int[] keeps, int heads, int kv_heads, int head_dim, float eps, float[] scaling, Tensor[] in_norm,"
                 " Tensor[] post_norm, int[] half, Tensor?[] qkv_bias, Tensor[] tiles, int[] outs, int[] capture,"
-                " Tensor? final_norm=None, Tensor? head=None, int head_out=0) -> (Tensor, Tensor)")
+                " Tensor? final_norm=None, Tensor? head=None, int head_out=0, int[]? ids=None) -> (Tensor, Tensor)")
 # an EAGLE-3 head's step (Eagle3Head.step / step_many) with every linear in tiles (csrc/q4_mm.cpp)
 _library.define("q4_eagle_step(Tensor embeds, Tensor hidden, Tensor cos, Tensor sin, Tensor(a!)[] keys,"
                 " Tensor(b!)[] values, int[] pasts, int[] lengths, int heads, int kv_heads, int head_dim, float eps,"

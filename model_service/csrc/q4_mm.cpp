@@ -1328,14 +1328,54 @@ at::Tensor output_layer(const at::Tensor& x, const std::optional<at::Tensor>& fi
   return logits;
 }
 
+// The loop's input rows where the caller gives token ids: x is then the embedding table [V, D] and cos
+// and sin the RoPE tables [positions, head_dim], and the rows are the ids' embeddings and their
+// positions' cos and sin (sequence s's at starts[s]...): the lookups the caller would otherwise
+// dispatch (an embedding, a tensor of ids, positions and two indexings), each ~10-60 us on the
+// pass's cold caches. -> (x [T, D], cos [T, head_dim], sin [T, head_dim]); the inputs as they are without ids.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> looked_up(const at::Tensor& x_in, const at::Tensor& cos_in,
+                                                         const at::Tensor& sin_in, at::IntArrayRef starts,
+                                                         at::IntArrayRef lengths, at::OptionalIntArrayRef ids) {
+  if (!ids.has_value()) return {x_in, cos_in, sin_in};
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "q4_layers: with ids, x is the float32 embedding table [V, D]");
+  TORCH_CHECK(cos_in.dim() == 2 && sin_in.sizes() == cos_in.sizes() && cos_in.scalar_type() == at::kFloat &&
+              sin_in.scalar_type() == at::kFloat, "q4_layers: with ids, cos and sin are float32 tables [positions, head_dim]");
+  TORCH_CHECK(starts.size() == lengths.size(), "q4_layers: one cache, start, length and keep per sequence");
+  const int64_t T = static_cast<int64_t>(ids->size()), V = x_in.size(0), D = x_in.size(1), P = cos_in.size(0);
+  const int64_t hd = cos_in.size(1);
+  // the table as it is (a tied model's is the output layer's transposed: not contiguous), read by its strides
+  const float* table = x_in.data_ptr<float>();
+  const int64_t by_id = x_in.stride(0), by_dim = x_in.stride(1);
+  const at::Tensor c = cos_in.contiguous(), sn = sin_in.contiguous();
+  at::Tensor x = at::empty({T, D}, x_in.options()), cos = at::empty({T, hd}, c.options()), sin = at::empty({T, hd}, c.options());
+  int64_t row = 0;
+  for (size_t s = 0; s < starts.size(); ++s) {
+    TORCH_CHECK(lengths[s] >= 0 && row + lengths[s] <= T, "q4_layers: the sequences' lengths exceed the ", T, " ids");
+    for (int64_t j = 0; j < lengths[s]; ++j, ++row) {
+      const int64_t id = (*ids)[row], position = starts[s] + j;
+      TORCH_CHECK(id >= 0 && id < V, "q4_layers: token id ", id, " is outside the embedding table's ", V, " rows");
+      TORCH_CHECK(position >= 0 && position < P, "q4_layers: position ", position, " is outside the RoPE table's ", P, " rows");
+      float* out = x.data_ptr<float>() + row * D;
+      const float* from = table + id * by_id;
+      if (by_dim == 1) std::memcpy(out, from, D * sizeof(float));
+      else for (int64_t i = 0; i < D; ++i) out[i] = from[i * by_dim];
+      std::memcpy(cos.data_ptr<float>() + row * hd, c.data_ptr<float>() + position * hd, hd * sizeof(float));
+      std::memcpy(sin.data_ptr<float>() + row * hd, sn.data_ptr<float>() + position * hd, hd * sizeof(float));
+    }
+  }
+  TORCH_CHECK(row == T, "q4_layers: the sequences' lengths sum to ", row, ", not the ", T, " ids");
+  return {x, cos, sin};
+}
+
 at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, at::TensorList kv,
                      at::IntArrayRef starts, at::IntArrayRef lengths, at::IntArrayRef keeps, int64_t H, int64_t Hkv,
                      int64_t hd, double eps, at::ArrayRef<double> scaling, at::TensorList in_norm,
                      at::TensorList post_norm, at::IntArrayRef half, const c10::List<std::optional<at::Tensor>>& qkv_bias,
                      at::TensorList weights, at::IntArrayRef outs, const std::optional<at::Tensor>& final_norm,
-                     const std::optional<at::Tensor>& head, int64_t head_out) {
-  const at::Tensor x = layers_loop_any(x_in, cos_in, sin_in, kv, starts, lengths, keeps, H, Hkv, hd, eps, scaling,
-                                       in_norm, post_norm, half, qkv_bias, weights, outs, {}, nullptr);
+                     const std::optional<at::Tensor>& head, int64_t head_out, at::OptionalIntArrayRef ids) {
+  const auto [x0, cos, sin] = looked_up(x_in, cos_in, sin_in, starts, lengths, ids);
+  const at::Tensor x = layers_loop_any(x0, cos, sin, kv, starts, lengths, keeps, H, Hkv, hd, eps, scaling, in_norm,
+                                       post_norm, half, qkv_bias, weights, outs, {}, nullptr);
   return output_layer(x, final_norm, head, head_out, eps);
 }
 
@@ -1347,10 +1387,11 @@ std::tuple<at::Tensor, at::Tensor> q4_layers_capturing(
     at::ArrayRef<double> scaling, at::TensorList in_norm, at::TensorList post_norm, at::IntArrayRef half,
     const c10::List<std::optional<at::Tensor>>& qkv_bias, at::TensorList weights, at::IntArrayRef outs,
     at::IntArrayRef capture, const std::optional<at::Tensor>& final_norm, const std::optional<at::Tensor>& head,
-    int64_t head_out) {
+    int64_t head_out, at::OptionalIntArrayRef ids) {
   at::Tensor states;
-  const at::Tensor x = layers_loop_any(x_in, cos_in, sin_in, kv, starts, lengths, keeps, H, Hkv, hd, eps, scaling,
-                                       in_norm, post_norm, half, qkv_bias, weights, outs, capture, &states);
+  const auto [x0, cos, sin] = looked_up(x_in, cos_in, sin_in, starts, lengths, ids);
+  const at::Tensor x = layers_loop_any(x0, cos, sin, kv, starts, lengths, keeps, H, Hkv, hd, eps, scaling, in_norm,
+                                       post_norm, half, qkv_bias, weights, outs, capture, &states);
   return {output_layer(x, final_norm, head, head_out, eps), states};
 }
 

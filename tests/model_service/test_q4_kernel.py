@@ -568,3 +568,43 @@ def test_the_c_loop_runs_the_output_layer_in_its_call(tmp_path, weights):
         torch.ops.specdec.q4_layers(*layer, torch.ones(32), tiles[1], 64)
     with pytest.raises(RuntimeError, match="need \\[2, 640\\]"):  # 32 outputs: 2 tiles, not 4
         torch.ops.specdec.q4_layers(*layer, torch.ones(64), tiles[1], 32)
+
+
+@pytest.mark.parametrize("weights", ["int4", "float32"])
+def test_the_c_loop_looks_the_rows_up_from_their_ids(tmp_path, weights, monkeypatch):
+    """In the C++ loop's one call the rows' embeddings and RoPE rows are looked up by the call from
+    the token ids and each row's position (a tied model's embedding table is a transposed view: read
+    by its strides): no torch embedding before it, and the logits and features bit for bit those of
+    the lookups done by torch (lookup_in_loop off), for several sequences at once, at their own
+    positions; ids or positions outside the tables are refused."""
+    import model_service.fast_forward as fast_forward
+
+    fast = _c_loop_model(tmp_path, weights)
+    embedded = []
+    embedding = fast_forward.F.embedding
+    monkeypatch.setattr(fast_forward.F, "embedding", lambda *a, **k: embedded.append(1) or embedding(*a, **k))
+    prompts, steps = [list(range(3, 60)), list(range(70, 75))], [[61, 62, 63], [76]]
+    results = {}
+    table = fast.embed
+    for strided, in_loop in [(False, True), (True, True), (False, False)]:
+        # strided: the same table as a transposed view, as a tied model's is
+        fast.embed, fast.lookup_in_loop = (table.t().contiguous().t() if strided else table), in_loop
+        assert fast.embed.is_contiguous() != strided
+        embedded.clear()
+        caches = [fast.new_cache() for _ in prompts]
+        first = fast.many_capturing([(p, c, 1) for p, c in zip(prompts, caches)], (1,))
+        second = fast.many_capturing([(ids, c, len(ids)) for ids, c in zip(steps, caches)], (1, 0))
+        assert len(embedded) == (0 if in_loop else 2)
+        results[strided, in_loop] = [*first[0], *second[0], first[1], second[1]]
+    for key in [(False, True), (True, True)]:
+        assert all(torch.equal(a, b) for a, b in zip(results[key], results[False, False]))
+    cos, sin = fast.rope_table
+    layer = fast._scripted_args()
+    cache = fast.new_cache()
+    args = lambda start, ids: (table, cos, sin, [cache.data], [start], [len(ids)], [1], fast.heads, fast.kv_heads,
+                               fast.head_dim, fast.eps, layer[0], layer[1], layer[2], layer[3], layer[4], layer[7],
+                               layer[9], None, None, 0, ids)
+    with pytest.raises(RuntimeError, match="token id .* outside the embedding table"):
+        torch.ops.specdec.q4_layers(*args(0, [3, fast.embed.shape[0]]))
+    with pytest.raises(RuntimeError, match="position .* outside the RoPE table"):
+        torch.ops.specdec.q4_layers(*args(cos.shape[0] - 1, [3, 4]))
