@@ -284,7 +284,7 @@ class EagleDraft:
         copied = {j for j, (_, call, session) in enumerate(live) if self._copy(call, session, picked[j][0])}
         drafting = [j for j, (_, call, session) in enumerate(live)
                     if call.k and session.cache.hidden and j not in copied]
-        logits = head.lm_head(head.norm(torch.stack([live[j][2].cache.hidden[-1] for j in drafting]))) if drafting \
+        logits = head.logits(torch.stack([live[j][2].cache.hidden[-1] for j in drafting])) if drafting \
             else None  # each session's last row: the token after its last
         while drafting:
             still = []

@@ -336,6 +336,14 @@ class Eagle3Head(nn.Module):
         out = self.layer.finish(attention, residual)[0]
         return out, self.lm_head(self.norm(out)) if logits else None
 
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """lm_head(norm(out)) for out_hidden rows [S, H] -> [S, Vd]: in one call where the fused step
+        runs (q4_kernel's q4_output, the step's own arithmetic for its logits), else two torch calls."""
+        if self._q4_step is not None:
+            norms, tiles, outs = self._q4_step
+            return torch.ops.specdec.q4_output(out.float(), norms[3], tiles[4], outs[4], self.config.rms_norm_eps)
+        return self.lm_head(self.norm(out))
+
     def step_many(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                   caches: list[HeadCache], end: int | None = None):
         """One row for each of B sessions at once: input_ids [B], hidden [B, H], positions [B], each

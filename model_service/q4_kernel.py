@@ -67,6 +67,8 @@ _library.define("q4_layers_capturing(Tensor x, Tensor cos, Tensor sin, Tensor(a!
                 " int[] keeps, int heads, int kv_heads, int head_dim, float eps, float[] scaling, Tensor[] in_norm,"
                 " Tensor[] post_norm, int[] half, Tensor?[] qkv_bias, Tensor[] tiles, int[] outs, int[] capture,"
                 " Tensor? final_norm=None, Tensor? head=None, int head_out=0, int[]? ids=None) -> (Tensor, Tensor)")
+# the loop's output layer on its own: rows -> RMSNorm -> head (tiles or panels) -> logits (csrc/q4_mm.cpp)
+_library.define("q4_output(Tensor x, Tensor final_norm, Tensor head, int head_out, float eps) -> Tensor")
 # an EAGLE-3 head's step (Eagle3Head.step / step_many) with every linear in tiles (csrc/q4_mm.cpp)
 _library.define("q4_eagle_step(Tensor embeds, Tensor hidden, Tensor cos, Tensor sin, Tensor(a!)[] keys,"
                 " Tensor(b!)[] values, int[] pasts, int[] lengths, int heads, int kv_heads, int head_dim, float eps,"

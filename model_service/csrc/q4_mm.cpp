@@ -1367,6 +1367,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> looked_up(const at::Tensor& x_in,
   return {x, cos, sin};
 }
 
+// output_layer on its own: rows x [R, D] -> their logits [R, head_out] (an EAGLE head's first draft
+// from the last row it took in: one call instead of a torch RMSNorm and product)
+at::Tensor q4_output(const at::Tensor& x_in, const at::Tensor& final_norm, const at::Tensor& head, int64_t head_out,
+                     double eps) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.device().is_cpu(),
+              "q4_output: x must be float32 [rows, in] on CPU, not ", x_in.sizes());
+  return output_layer(x_in.contiguous(), final_norm, head, head_out, eps);
+}
+
 at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in, at::TensorList kv,
                      at::IntArrayRef starts, at::IntArrayRef lengths, at::IntArrayRef keeps, int64_t H, int64_t Hkv,
                      int64_t hd, double eps, at::ArrayRef<double> scaling, at::TensorList in_norm,
@@ -1539,6 +1548,7 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("q4_mm", &q4_mm);
   m.impl("f32_mm", &f32_mm);
   m.impl("q4_layers", &q4_layers);
+  m.impl("q4_output", &q4_output);
   m.impl("q4_layers_capturing", &q4_layers_capturing);
   m.impl("q4_eagle_step", &q4_eagle_step);
 }

@@ -251,6 +251,8 @@ def test_the_fused_int4_step_computes_the_op_by_op_step(shape):
             (out, logits), (want_out, want_logits) = both(lambda caches: head.step(ids, hidden, torch.arange(n), caches[s]))
             assert relative(out, want_out) < 0.03 and relative(logits, want_logits) < 0.03
             assert head.step(ids, hidden, torch.arange(n), head.new_cache(), logits=False)[1] is None
+            # the logits of rows taken in without them (EagleDraft's first draft): the step's own, bit for bit
+            assert torch.equal(head.logits(out), logits)
             last.append(want_out[-1])
         for k in range(4):
             ids = torch.randint(0, V, (len(lengths),))
@@ -260,6 +262,8 @@ def test_the_fused_int4_step_computes_the_op_by_op_step(shape):
             assert relative(out, want_out) < 0.03 and relative(logits, want_logits) < 0.03
             assert torch.equal(logits.argmax(-1), want_logits.argmax(-1))
             last = list(want_out)
+    with pytest.raises(RuntimeError, match="q4_output: x must be float32 \\[rows, in\\]"):
+        torch.ops.specdec.q4_output(torch.zeros(H), *[part[i] for part, i in zip(fused, (3, 4, 4))], 1e-5)
     for got, want in zip(fused_caches, plain_caches):
         assert got.length == want.length
         assert relative(got.k[:, : got.length], want.k[:, : want.length]) < 0.03
