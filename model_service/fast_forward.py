@@ -428,7 +428,7 @@ class FastForward:
                                     dtype=torch.long).to(device)
         states: dict[int, torch.Tensor] = {}
         captured = None
-        # the C++ loop's last call returns the logits (x is then [rows, V / world])
+        # the C++ loop's last call returns the logits (x is then [rows, the output layer's outputs])
         head = (c_loop and self.head_in_loop and self.gather is None
                 and isinstance(self.lm_head_packed, (Q4Tiles, Panels)))
         if c_loop and wanted and self.capture_in_loop:  # the C++ loop copies the layers' inputs out, one call
