@@ -599,11 +599,13 @@ def test_the_c_loop_looks_the_rows_up_from_their_ids(tmp_path, weights, monkeypa
     for key in [(False, True), (True, True)]:
         assert all(torch.equal(a, b) for a, b in zip(results[key], results[False, False]))
     cos, sin = fast.rope_table
-    layer = fast._scripted_args()
+    scaling, in_norm, post_norm, half, qkv_bias, _, _, tiles, _, outs, _, _ = fast._scripted_args()
     cache = fast.new_cache()
-    args = lambda start, ids: (table, cos, sin, [cache.data], [start], [len(ids)], [1], fast.heads, fast.kv_heads,
-                               fast.head_dim, fast.eps, layer[0], layer[1], layer[2], layer[3], layer[4], layer[7],
-                               layer[9], None, None, 0, ids)
+
+    def args(start: int, ids: list[int]) -> tuple:
+        return (table, cos, sin, [cache.data], [start], [len(ids)], [1], fast.heads, fast.kv_heads, fast.head_dim,
+                fast.eps, scaling, in_norm, post_norm, half, qkv_bias, tiles, outs, None, None, 0, ids)
+
     with pytest.raises(RuntimeError, match="token id .* outside the embedding table"):
         torch.ops.specdec.q4_layers(*args(0, [3, fast.embed.shape[0]]))
     with pytest.raises(RuntimeError, match="position .* outside the RoPE table"):
