@@ -713,6 +713,24 @@ inline void silu_mul(const float* gate, const float* up, float* out, int64_t n) 
   for (; j < n; ++j) out[j] = gate[j] / (1.f + std::exp(-gate[j])) * up[j];
 }
 
+// the largest of v[0 .. n - 1] (-inf for none): a max is exact, so 8 lanes give the one-at-a-time
+// result (where a score is NaN the row's softmax is NaN either way)
+inline float max_of(const float* v, int64_t n) {
+  float top = -INFINITY;
+  int64_t j = 0;
+#if defined(Q4_V8)
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(v);
+    for (j = 8; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(v + j));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    for (const float x : lanes) top = std::max(top, x);
+  }
+#endif
+  for (; j < n; ++j) top = std::max(top, v[j]);
+  return top;
+}
+
 // One query head's attention over `seen` cached positions: scores q . k_j * scale, softmax,
 // out = sum_j p_j v_j (keys and values `stride` floats apart, head_dim `hd`). `scores` holds seen
 // floats. Where head_dim is 64 or 128 (NC = hd / 16 vectors) the AVX-512 path scores 16 keys at a
@@ -737,67 +755,9 @@ inline __m512 sum16(const __m512* v) {
                        _mm512_shuffle_f32x4(x0, x1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-template <int NC>
-void attend_head(const float* q, const float* keys, const float* values, int64_t stride, int64_t seen, float scale,
-                 float* scores, float* out) {
-  __m512 qv[NC];
-  for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-  int64_t j = 0;
-  __m512 top16 = _mm512_set1_ps(-INFINITY);
-  for (; j + 16 <= seen; j += 16) {
-    __m512 part[16];
-    for (int k = 0; k < 16; ++k) {
-      const float* kr = keys + (j + k) * stride;
-      __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
-      for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), a);
-      part[k] = a;
-    }
-    const __m512 sc = _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale));
-    _mm512_storeu_ps(scores + j, sc);
-    top16 = _mm512_max_ps(top16, sc);
-  }
-  float top = _mm512_reduce_max_ps(top16);
-  for (; j < seen; ++j) {
-    scores[j] = dot(q, keys + j * stride, 16 * NC) * scale;
-    top = std::max(top, scores[j]);
-  }
-  const float inv = 1.f / exp_sum(scores, seen, top);
-  __m512 even[NC], odd[NC];
-  for (int c = 0; c < NC; ++c) even[c] = odd[c] = _mm512_setzero_ps();
-  j = 0;
-  for (; j + 2 <= seen; j += 2) {
-    const float* v0 = values + j * stride;
-    const float* v1 = v0 + stride;
-    const __m512 p0 = _mm512_set1_ps(scores[j] * inv), p1 = _mm512_set1_ps(scores[j + 1] * inv);
-    for (int c = 0; c < NC; ++c) {
-      even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), even[c]);
-      odd[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), odd[c]);
-    }
-  }
-  if (j < seen) {
-    const __m512 p0 = _mm512_set1_ps(scores[j] * inv);
-    for (int c = 0; c < NC; ++c) even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(values + j * stride + 16 * c), even[c]);
-  }
-  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_add_ps(even[c], odd[c]));
-}
-
-void attend(const float* q, const float* keys, const float* values, int64_t stride, int64_t seen, int64_t hd,
-            float scale, float* scores, float* out) {
-  if (hd == 64) return attend_head<4>(q, keys, values, stride, seen, scale, scores, out);
-  if (hd == 128) return attend_head<8>(q, keys, values, stride, seen, scale, scores, out);
-  float top = -INFINITY;
-  for (int64_t j = 0; j < seen; ++j) {
-    scores[j] = dot(q, keys + j * stride, hd) * scale;
-    top = std::max(top, scores[j]);
-  }
-  const float inv = 1.f / exp_sum(scores, seen, top);
-  std::fill(out, out + hd, 0.f);
-  for (int64_t j = 0; j < seen; ++j) axpy(scores[j] * inv, values + j * stride, out, hd);
-}
-
-// attend_shared's steps 16 lanes wide (AVX-512, head_dim 16 NC): one query's scores for keys j0 ..
-// end - 1 of a block (key j at keys + (j - j0) * stride), 16 keys at a time as attend_head scores them
-// (sum16), the rest by dot
+// attend_head's and attend_shared's steps 16 lanes wide (AVX-512, head_dim 16 NC): one query's scores
+// for keys j0 .. end - 1 (key j at keys + (j - j0) * stride), 16 keys at a time, their sums transposed
+// by sum16, the rest by dot
 template <int NC>
 inline void scores16(const float* q, const float* keys, int64_t stride, int64_t j0, int64_t end, float scale,
                      float* s) {
@@ -818,7 +778,7 @@ inline void scores16(const float* q, const float* keys, int64_t stride, int64_t 
 }
 
 // out += p[j] * inv * v_j for keys j0 .. j1 - 1 (value j at values + (j - j0) * stride): even and odd
-// keys in two sets of registers, as attend_head sums them, added into out at the block's end
+// keys in two sets of registers, added into out at the end
 template <int NC>
 inline void accumulate16(const float* p, float inv, const float* values, int64_t stride, int64_t j0, int64_t j1,
                          float* out) {
@@ -843,6 +803,29 @@ inline void accumulate16(const float* p, float inv, const float* values, int64_t
       even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(values + (j - j0) * stride + 16 * c), even[c]);
   }
   for (int c = 0; c < NC; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_add_ps(even[c], odd[c]));
+}
+
+template <int NC>
+void attend_head(const float* q, const float* keys, const float* values, int64_t stride, int64_t seen, float scale,
+                 float* scores, float* out) {
+  scores16<NC>(q, keys, stride, 0, seen, scale, scores);
+  const float inv = 1.f / exp_sum(scores, seen, max_of(scores, seen));
+  std::fill(out, out + 16 * NC, 0.f);
+  accumulate16<NC>(scores, inv, values, stride, 0, seen, out);
+}
+
+void attend(const float* q, const float* keys, const float* values, int64_t stride, int64_t seen, int64_t hd,
+            float scale, float* scores, float* out) {
+  if (hd == 64) return attend_head<4>(q, keys, values, stride, seen, scale, scores, out);
+  if (hd == 128) return attend_head<8>(q, keys, values, stride, seen, scale, scores, out);
+  float top = -INFINITY;
+  for (int64_t j = 0; j < seen; ++j) {
+    scores[j] = dot(q, keys + j * stride, hd) * scale;
+    top = std::max(top, scores[j]);
+  }
+  const float inv = 1.f / exp_sum(scores, seen, top);
+  std::fill(out, out + hd, 0.f);
+  for (int64_t j = 0; j < seen; ++j) axpy(scores[j] * inv, values + j * stride, out, hd);
 }
 #endif
 
@@ -904,24 +887,6 @@ inline void accumulate(const float* p, float inv, const float* values, int64_t s
   for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
 }
 #endif
-
-// the largest of v[0 .. n - 1] (-inf for none): a max is exact, so 8 lanes give the one-at-a-time
-// result (where a score is NaN the row's softmax is NaN either way)
-inline float max_of(const float* v, int64_t n) {
-  float top = -INFINITY;
-  int64_t j = 0;
-#if defined(Q4_V8)
-  if (n >= 8) {
-    __m256 m = _mm256_loadu_ps(v);
-    for (j = 8; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(v + j));
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, m);
-    for (const float x : lanes) top = std::max(top, x);
-  }
-#endif
-  for (; j < n; ++j) top = std::max(top, v[j]);
-  return top;
-}
 
 // n float16 values as floats
 inline void to_floats(const half_bits* h, float* out, int64_t n) {
