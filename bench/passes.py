@@ -13,6 +13,12 @@ that a drift in the machine's speed moves them alike), and prints beside it:
 
   x 1 token   the pass against the same sessions' one-token pass (the bars of cheap verification:
               int4 five tokens <= 1.3x, nine <= 1.6x; float32 five <= 1.2x)
+  warm ms     the same pass right after another of the same weights (bursts of each token count,
+              no other format's pass between them: what a decode or verify loop's pass meets), and
+  warm x 1    its ratio to the warm one-token pass. In turn, a format's pass follows the others'
+              (float32's 540 MB among them), which leave little of its weights in the caches: on a
+              CPU whose L3 holds the int4 model (84 MB) the warm one-token pass is the faster by
+              ~20%, and a pass of more rows, which computes more, by less
   floor       the bytes of weights one pass reads over this process's memory bandwidth (a sum over
               256 MB), the least a memory-bound pass can take
 
@@ -32,7 +38,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.systems import machine, memory_bandwidth_gbs  # noqa: E402
-from bench.verify_latency import time_runners_side_by_side  # noqa: E402
+from bench.verify_latency import time_runner_back_to_back, time_runners_side_by_side  # noqa: E402
 from model_service import q4_kernel  # noqa: E402
 from model_service.model_runner import ModelRunner  # noqa: E402
 
@@ -70,8 +76,8 @@ def main(argv=None) -> None:
     report = {"machine": machine(), "threads": torch.get_num_threads(), "bandwidth_gbs": bandwidth,
               "context": args.context, "rows": []}
     print(f"{report['machine']}; {report['threads']} threads; memory {bandwidth:.1f} GB/s (a sum over 256 MB)\n")
-    print("| weights | sessions | tokens each | ms | x 1 token | floor ms |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| weights | sessions | tokens each | ms | x 1 token | warm ms | warm x 1 | floor ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     runners = []
     for name in weights:  # all of them held, so that their passes are taken in turn (a drift moves them alike)
         start = time.perf_counter()
@@ -79,18 +85,24 @@ def main(argv=None) -> None:
         report.setdefault("load_s", {})[name] = time.perf_counter() - start
     for s in sessions:
         results = time_runners_side_by_side(runners, s, [t - 1 for t in tokens], args.context, args.reps)
-        for name, runner, times in zip(weights, runners, results):
+        warm = [time_runner_back_to_back(runner, s, [t - 1 for t in tokens], args.context, args.reps)
+                for runner in runners]
+        for name, runner, times, warm_times in zip(weights, runners, results, warm):
             floor = runner.fast.weight_bytes() / (bandwidth * 1e9) * 1e3
-            one = None
+            one = warm_one = None
             for t in tokens:
-                ms = times[t - 1]
-                one = ms if t == 1 else one
+                ms, warm_ms = times[t - 1], warm_times[t - 1]
+                if t == 1:
+                    one, warm_one = ms, warm_ms
                 ratio = ms / one if one else None
+                warm_ratio = warm_ms / warm_one if warm_one else None
                 report["rows"].append({"weights": name, "sessions": s, "tokens": t, "ms": ms, "x_one_token": ratio,
+                                       "warm_ms": warm_ms, "warm_x_one_token": warm_ratio,
                                        "floor_ms": floor, "weight_bytes": runner.fast.weight_bytes(),
                                        "kv_dtype": str(runner.kv_dtype).removeprefix("torch.")})
-                shown = f"{ratio:.2f}" if ratio is not None else "-"
-                print(f"| {name} | {s} | {t} | {ms:.2f} | {shown} | {floor:.2f} |", flush=True)
+                shown = [f"{r:.2f}" if r is not None else "-" for r in (ratio, warm_ratio)]
+                print(f"| {name} | {s} | {t} | {ms:.2f} | {shown[0]} | {warm_ms:.2f} | {shown[1]} | {floor:.2f} |",
+                      flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
 

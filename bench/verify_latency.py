@@ -81,6 +81,38 @@ def time_runners_side_by_side(runners: list[ModelRunner], batch: int, ks: list[i
     return [{k: statistics.median(samples[r, k]) for k in ks} for r in range(len(runners))]
 
 
+def time_runner_back_to_back(runner: ModelRunner, batch: int, ks: list[int], context: int, reps: int,
+                             burst: int = 3) -> dict[int, float]:
+    """time_runners_side_by_side's passes for one runner with nothing of another runner's between them:
+    each rep a burst of `burst` passes of each k in turn, the burst's first dropped (the one after
+    another k's), so that what is timed follows a pass over the same weights, as a decode or verify
+    loop's pass does, whose weights the last pass left in the caches (on a CPU whose L3 holds them
+    that decides much of a small pass's time). -> k -> median ms"""
+    sessions = {k: [runner.start_session(f"w{batch}-k{k}-{i}", i) for i in range(batch)] for k in ks}
+    for k, group in sessions.items():
+        for i, session in enumerate(group):
+            session.tokens = [(31 * i + j) % runner.vocab_size for j in range(context)]
+        runner.forward_many([(s, 1) for s in group])  # prefill
+    samples = {k: [] for k in ks}
+    for rep in range(reps + 1):
+        for k, group in sessions.items():
+            for b in range(burst):
+                for session in group:
+                    session.tokens.extend([(rep + b + j) % runner.vocab_size for j in range(k + 1)])
+                synchronize(runner.device)
+                start = time.perf_counter()
+                runner.forward_many([(s, k + 1) for s in group])
+                synchronize(runner.device)
+                if rep >= 1 and b >= 1:  # a warm-up rep; each burst's first pass
+                    samples[k].append((time.perf_counter() - start) * 1e3)
+                for session in group:
+                    session.truncate(context)
+    for group in sessions.values():
+        for session in group:
+            runner.sessions.release(session.id)
+    return {k: statistics.median(samples[k]) for k in ks}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.verify_latency", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

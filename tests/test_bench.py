@@ -239,3 +239,46 @@ def test_tiny_eagle_rows_measure_a_prime_again_after_g(pair, tmp_path, capsys):
     out = capsys.readouterr().out
     bar = next(line for line in out.splitlines() if line.startswith("bar g eagle >= 1.6x a'"))
     assert f"{g['tokens_per_s'] / alone['tokens_per_s']:.2f}x" in bar and "the mean of its runs" in bar
+
+
+def test_tiny_passes_bench_times_each_pass_in_turn_and_back_to_back(pair, tmp_path, capsys):
+    """`make bench-passes` on the tiny target: a row per weight format, sessions and tokens, each with its
+    in-turn and back-to-back (warm) medians and both against the one-token pass; the one-token rows' own
+    ratios are 1, and a back-to-back pass is timed only after a pass of the same tokens (none of another
+    runner or token count between them)."""
+    from bench import passes, verify_latency
+
+    _, target = pair
+    order = []  # (runner, tokens) of every pass, in the order taken
+    real = verify_latency.ModelRunner.forward_many
+
+    def spy(runner, feeds, *args, **kwargs):
+        order.append((id(runner), feeds[0][1]))
+        return real(runner, feeds, *args, **kwargs)
+
+    verify_latency.ModelRunner.forward_many = spy
+    try:
+        out = tmp_path / "passes.json"
+        passes.main(["--target", str(target), "--weights", "float32 onednn,int4 torch", "--tokens", "1,3",
+                     "--sessions", "1", "--context", "8", "--reps", "3", "--out", str(out)])
+    finally:
+        verify_latency.ModelRunner.forward_many = real
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["weights"], r["tokens"]) for r in rows] == [("float32 onednn", 1), ("float32 onednn", 3),
+                                                          ("int4 torch", 1), ("int4 torch", 3)]
+    for r in rows:
+        assert r["ms"] > 0 and r["warm_ms"] > 0 and r["floor_ms"] > 0
+        if r["tokens"] == 1:
+            assert r["x_one_token"] == r["warm_x_one_token"] == 1.0
+        else:
+            assert r["warm_x_one_token"] == pytest.approx(r["warm_ms"] / rows[rows.index(r) - 1]["warm_ms"])
+    # the back-to-back passes: each runner's in one stretch (3 + 1 reps x 2 token counts x bursts of 3, after
+    # its prefills), each token count's in bursts of 3
+    runners = list(dict.fromkeys(runner for runner, _ in order))
+    tail = order[-2 * (2 + 4 * 2 * 3):]
+    first, second = tail[: len(tail) // 2], tail[len(tail) // 2:]
+    assert {r for r, _ in first} == {runners[0]} and {r for r, _ in second} == {runners[1]}
+    for stretch in (first, second):
+        sizes = [n for _, n in stretch[2:]]  # after the two prefills
+        assert sizes == [n for n in (1, 3) for _ in range(3)] * 4
+    assert "warm x 1" in capsys.readouterr().out
