@@ -96,6 +96,7 @@ class EagleDraft:
     """A drafting method (drafting.py): an EAGLE-3 head reading the target's hidden states."""
 
     method = "eagle"  # ModelInfo.draft_method
+    fused_draft = True  # greedy sessions draft in one call of the head where it can (_draft_fused); False: step by step
 
     def __init__(self, head: Eagle3Head, tokenizer, logits_size: int | None = None, *, max_support: int = 64,
                  max_tokens: int = 16, max_sessions: int = 256, idle_timeout: float = 600.0,
@@ -284,6 +285,8 @@ class EagleDraft:
         copied = {j for j, (_, call, session) in enumerate(live) if self._copy(call, session, picked[j][0])}
         drafting = [j for j, (_, call, session) in enumerate(live)
                     if call.k and session.cache.hidden and j not in copied]
+        if drafting and self.fused_draft and self._draft_fused(live, drafting, picked):
+            drafting = []
         logits = head.logits(torch.stack([live[j][2].cache.hidden[-1] for j in drafting])) if drafting \
             else None  # each session's last row: the token after its last
         while drafting:
@@ -324,6 +327,27 @@ class EagleDraft:
             proposals.append(Proposal(tokens, *one_hot_supports(tokens)) if call.params.greedy or not q_ids
                              else Proposal(tokens, *encode_supports(q_ids, q_probs)))
         return proposals
+
+    def _draft_fused(self, live: list[tuple[int, ProposeCall, Session]], drafting: list[int], picked: list) -> bool:
+        """The draft loop's tokens and rows for the `drafting` sessions in one call of the head
+        (Eagle3Head.draft_greedy: its fused int4 step) where every one of them is greedy and free of a
+        constraint: the loop's own arithmetic without its Python between the steps (SmolLM2's int4 head,
+        K = 4, 2 Xeon cores: ~0.2 ms a step of the ~0.3 it took). -> whether it drafted them."""
+        calls, sessions = [live[j][1] for j in drafting], [live[j][2] for j in drafting]
+        if not all(call.params.greedy and session.grammar is None for call, session in zip(calls, sessions)):
+            return False
+        states = [session.cache for session in sessions]
+        drafted = self.head.draft_greedy(torch.stack([state.hidden[-1] for state in states]),
+                                         [state.end for state in states], [state.cache for state in states],
+                                         [call.k for call in calls], [call.p_min for call in calls], self._known,
+                                         self._target_ids)
+        if drafted is None:
+            return False
+        for j, session, state, (tokens, rows) in zip(drafting, sessions, states, drafted):
+            picked[j][0].extend(tokens)
+            session.tokens.extend(tokens)
+            state.hidden.extend(rows)
+        return True
 
     def _copy(self, call: ProposeCall, session: Session, tokens: list[int]) -> bool:
         """The lookup (the module docstring): up to k tokens copied into `tokens` and the session,

@@ -303,17 +303,22 @@ class Eagle3Head(nn.Module):
         rope_type = getattr(self.rotary, "rope_type", "default")
         if not isinstance(rope_type, str) or rope_type in ("dynamic", "longrope"):
             return self.rotary(x, positions)
-        rows = self._rope_rows
         if end is None:
             end = int(positions.max()) + 1 if positions.numel() else 0
-        if rows is None or rows[0].shape[0] < end or rows[0].device != positions.device:
-            size = max(end, 2 * rows[0].shape[0] if rows is not None else 256)
-            probe = torch.zeros(1, 1, self.config.head_dim, device=positions.device)
-            with torch.inference_mode(False), torch.no_grad():  # (a plain tensor: training reads it too)
-                cos, sin = self.rotary(probe, torch.arange(size, device=positions.device)[None])
-            rows = self._rope_rows = cos[0], sin[0]  # float32, [size, head_dim]
+        rows = self._rope_table(end, positions.device)
         cos, sin = rows[0][positions], rows[1][positions]
         return (cos, sin) if x.dtype == cos.dtype else (cos.to(x.dtype), sin.to(x.dtype))
+
+    def _rope_table(self, end: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """rope's table: cos, sin [size >= end, head_dim] float32, grown (doubled) as positions pass it."""
+        rows = self._rope_rows
+        if rows is None or rows[0].shape[0] < end or rows[0].device != torch.device(device):
+            size = max(end, 2 * rows[0].shape[0] if rows is not None else 256)
+            probe = torch.zeros(1, 1, self.config.head_dim, device=device)
+            with torch.inference_mode(False), torch.no_grad():  # (a plain tensor: training reads it too)
+                cos, sin = self.rotary(probe, torch.arange(size, device=device)[None])
+            rows = self._rope_rows = cos[0], sin[0]  # float32, [size, head_dim]
+        return rows
 
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: HeadCache,
              end: int | None = None, logits: bool = True):
@@ -361,6 +366,34 @@ class Eagle3Head(nn.Module):
                                                        cache.v[None, :, : cache.length], enable_gqa=True))
         out = self.layer.finish(torch.cat(outs), residual)[:, 0]
         return out, self.lm_head(self.norm(out))
+
+    def draft_greedy(self, hidden: torch.Tensor, positions: list[int], caches: list[HeadCache], ks: list[int],
+                     p_mins: list[float], known: torch.Tensor | None,
+                     target_ids: torch.Tensor) -> list[tuple[list[int], torch.Tensor]] | None:
+        """Up to ks[s] greedy tokens for each of S sessions in one call (q4_kernel's q4_eagle_draft: the
+        fused step's head, the first from the logits of hidden [S, H], each session's last out_hidden, at
+        `positions`; the argmax over the draft ids `known` allows (None: all), mapped by target_ids,
+        stopping where its probability is under p_mins[s]). -> per session, (its target token ids, the
+        out_hidden [n, H] of the rows its steps appended: one fewer than its tokens, or none), or None
+        where the fused step does not run (EagleDraft then drafts step by step: step_many)."""
+        if self._q4_step is None or self.embed_tokens.weight.dtype != torch.float32:
+            return None
+        c = self.config
+        norms, tiles, outs = self._q4_step
+        table = self._rope_table(max(p + max(k - 1, 0) for p, k in zip(positions, ks)) + 1, hidden.device)
+        for cache, k in zip(caches, ks):
+            cache.reserve(cache.length + max(k - 1, 0), torch.float32)
+        tokens, rows, steps = torch.ops.specdec.q4_eagle_draft(
+            hidden.float(), self.embed_tokens.weight, table[0], table[1], [cache.k for cache in caches],
+            [cache.v for cache in caches], [cache.length for cache in caches], positions, ks, p_mins, known,
+            target_ids, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps, c.head_dim ** -0.5,
+            c.norm_before_residual, norms, tiles, outs)
+        drafted = []
+        for s, (cache, n) in enumerate(zip(caches, steps.tolist())):
+            cache.length += n
+            ids = tokens[s].tolist()
+            drafted.append((ids[: ids.index(-1)] if -1 in ids else ids, rows[s, :n]))
+        return drafted
 
     def quantize_int8(self) -> "Eagle3Head":
         """The decoder layer's linears and lm_head as int8 with dynamic activation scales (torch's

@@ -554,3 +554,69 @@ def test_a_head_with_a_shorter_context_drafts_until_it_is_full_then_asks_for_no_
         else:  # no room at all: the draft is never called
             assert drafted.draft_tokens == 0 and drafted.feature_bytes == 0 and drafted.draft_calls == 0
     assert len(eagle.sessions) == 0 and len(runner.sessions) == 0
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_greedy_sessions_drafted_in_one_call_match_the_step_by_step_loop(tmp_path, padded):
+    """An int4 head drafts greedy sessions in one call (Eagle3Head.draft_greedy, q4_kernel's
+    q4_eagle_draft): per session the tokens, the rows it appends (out_hidden and keys and values) and
+    the stops at p_min are the step-by-step loop's (step_many), bit for bit, sessions of different
+    k drafting together; over a draft vocabulary smaller than the target's, and one whose ids past
+    the tokenizer are never drawn (padded). A sampled session in the call sends all of them the loop's way."""
+    if not q4_kernel.available():
+        pytest.skip("specdec's int4 kernel is not built here")
+    tokenizer = make_tokenizer(tmp_path / "tok", vocab="chars")
+    target_dir = make_model(tmp_path / "target", tokenizer, vocab_size=len(tokenizer) + (40 if padded else 0),
+                            hidden=32, heads=4, kv_heads=2, layers=4)
+    head_dir = make_head(target_dir, tmp_path / "head", std=0.6, draft_vocab=None if padded else 8)
+    target = TargetEngine(ModelRunner(target_dir))
+    prompts = {"a": [5, 1, 4, 9, 10, 7], "b": [3, 11, 2, 6, 5, 3, 8, 7], "c": [2, 7, 1]}
+    ks = {"a": 4, "b": 7, "c": 1}
+    cases = [(GREEDY, 0.0), (GREEDY, 0.3), (GREEDY, 0.9)]  # p_min: some drafts stopped short (checked below)
+
+    def draft(fused: bool, params, p_min: float):
+        eagle = EagleDraft.load(head_dir, target_dir, "cpu", quantize="int4", lookup=range(0))
+        eagle.fused_draft = fused
+        calls = []
+        for name, prompt in prompts.items():
+            verdict, _ = target.verify(VerifyCall(name, True, prompt, Proposal(), params, 1, eagle.layers))
+            calls.append(ProposeCall(name, True, 0, prompt + [verdict.token], ks[name], params, p_min=p_min,
+                                     features=verdict.features))
+            target.release(name)
+        spy = []
+        real = eagle.head.step_many
+        eagle.head.step_many = lambda *a, **k: spy.append(1) or real(*a, **k)
+        proposals = [p.tokens for p, _ in eagle.propose_many(calls)]
+        rows = {name: eagle.sessions.get(name).cache for name in prompts}
+        return proposals, rows, len(spy)
+
+    stopped = set()
+    for params, p_min in cases:
+        (fused, fused_rows, fused_steps), (loop, loop_rows, loop_steps) = draft(True, params, p_min), \
+            draft(False, params, p_min)
+        assert fused == loop and fused_steps == 0 and (loop_steps > 0) == any(len(t) > 1 for t in loop)
+        for name in prompts:
+            a, b = fused_rows[name], loop_rows[name]
+            assert (a.base, a.featured, a.end, a.cache.length) == (b.base, b.featured, b.end, b.cache.length)
+            assert all(torch.equal(x, y) for x, y in zip(a.hidden, b.hidden))
+            n = a.cache.length
+            assert torch.equal(a.cache.k[:, :n], b.cache.k[:, :n]) and torch.equal(a.cache.v[:, :n], b.cache.v[:, :n])
+        stopped |= {(p_min, len(tokens) < ks[name]) for name, tokens in zip(prompts, fused)}
+        assert all(len(tokens) == ks[name] for name, tokens in zip(prompts, fused)) or p_min > 0
+        if padded:
+            assert all(t < len(tokenizer) for tokens in fused for t in tokens)
+    assert any(p_min > 0 and short for p_min, short in stopped)  # p_min cut a draft short
+    # a sampled session among them: the loop drafts every one (the fused call takes greedy ones only)
+    params = SamplingParams(0.8, seed=3)
+    eagle = EagleDraft.load(head_dir, target_dir, "cpu", quantize="int4", lookup=range(0))
+    calls = []
+    for name, prompt in prompts.items():
+        verdict, _ = target.verify(VerifyCall(name, True, prompt, Proposal(), GREEDY, 1, eagle.layers))
+        calls.append(ProposeCall(name, True, 0, prompt + [verdict.token], ks[name], params if name == "b" else GREEDY,
+                                 features=verdict.features))
+        target.release(name)
+    fused_call = []
+    real = eagle.head.draft_greedy
+    eagle.head.draft_greedy = lambda *a, **k: fused_call.append(1) or real(*a, **k)
+    assert all(len(p.tokens) == ks[name] for (p, _), name in zip(eagle.propose_many(calls), prompts))
+    assert not fused_call
