@@ -620,3 +620,32 @@ def test_greedy_sessions_drafted_in_one_call_match_the_step_by_step_loop(tmp_pat
     eagle.head.draft_greedy = lambda *a, **k: fused_call.append(1) or real(*a, **k)
     assert all(len(p.tokens) == ks[name] for (p, _), name in zip(eagle.propose_many(calls), prompts))
     assert not fused_call
+
+
+def test_the_one_call_draft_refuses_what_it_cannot_draft(pair, tmp_path):
+    """q4_eagle_draft's checks: a list per session that does not match the caches, and a draft reaching
+    past the RoPE table, are refused with the op's name (nothing is written: the caches keep their rows)."""
+    if not q4_kernel.available():
+        pytest.skip("specdec's int4 kernel is not built here")
+    _, target_dir = pair
+    eagle = EagleDraft.load(make_head(target_dir, tmp_path / "head"), target_dir, "cpu", quantize="int4")
+    head, c = eagle.head, eagle.head.config
+    norms, tiles, outs = head._q4_step
+    cache = head.new_cache()
+    cache.reserve(8, torch.float32)
+    cos, sin = head._rope_table(8, "cpu")
+
+    def call(ks, positions, cos=cos, sin=sin):
+        return torch.ops.specdec.q4_eagle_draft(
+            torch.zeros(1, c.hidden_size), head.embed_tokens.weight, cos, sin, [cache.k], [cache.v], [0], positions,
+            ks, [0.0] * len(ks), None, eagle._target_ids, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+            c.rms_norm_eps, c.head_dim ** -0.5, c.norm_before_residual, norms, tiles, outs)
+
+    tokens, rows, steps = call([3], [0])
+    assert tokens.shape == (1, 3) and steps.tolist() == [2] and rows.shape == (1, 2, c.hidden_size)
+    before = cache.k.clone()
+    with pytest.raises(RuntimeError, match="q4_eagle_draft: a cache, past, position, k and p_min per row"):
+        call([3, 3], [0, 0])
+    with pytest.raises(RuntimeError, match="q4_eagle_draft: the RoPE tables hold"):
+        call([3], [0], cos[:1], sin[:1])
+    assert torch.equal(cache.k, before)
