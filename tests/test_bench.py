@@ -241,7 +241,7 @@ def test_tiny_eagle_rows_measure_a_prime_again_after_g(pair, tmp_path, capsys):
     assert f"{g['tokens_per_s'] / alone['tokens_per_s']:.2f}x" in bar and "the mean of its runs" in bar
 
 
-def test_tiny_passes_bench_times_each_pass_in_turn_and_back_to_back(pair, tmp_path, capsys):
+def test_tiny_passes_bench_times_each_pass_in_turn_and_back_to_back(pair, tmp_path, capsys, monkeypatch):
     """`make bench-passes` on the tiny target: a row per weight format, sessions and tokens, each with its
     in-turn and back-to-back (warm) medians and both against the one-token pass; the one-token rows' own
     ratios are 1, and a back-to-back pass is timed only after a pass of the same tokens (none of another
@@ -256,13 +256,10 @@ def test_tiny_passes_bench_times_each_pass_in_turn_and_back_to_back(pair, tmp_pa
         order.append((id(runner), feeds[0][1]))
         return real(runner, feeds, *args, **kwargs)
 
-    verify_latency.ModelRunner.forward_many = spy
-    try:
-        out = tmp_path / "passes.json"
-        passes.main(["--target", str(target), "--weights", "float32 onednn,int4 torch", "--tokens", "1,3",
-                     "--sessions", "1", "--context", "8", "--reps", "3", "--out", str(out)])
-    finally:
-        verify_latency.ModelRunner.forward_many = real
+    monkeypatch.setattr(verify_latency.ModelRunner, "forward_many", spy)
+    out = tmp_path / "passes.json"
+    passes.main(["--target", str(target), "--weights", "float32 onednn,int4 torch", "--tokens", "1,3",
+                 "--sessions", "1", "--context", "8", "--reps", "3", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [(r["weights"], r["tokens"]) for r in rows] == [("float32 onednn", 1), ("float32 onednn", 3),
                                                           ("int4 torch", 1), ("int4 torch", 3)]
