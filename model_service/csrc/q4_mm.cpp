@@ -1552,7 +1552,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_eagle_draft(
   if (active.empty()) return {tokens, rows, steps};
   const at::Tensor hidden = hidden_in.contiguous();
   at::Tensor logits = output_layer(hidden.index_select(0, at::tensor(active, at::kLong)), norms[3], weights[4], V, eps);
-  const at::Tensor cos_c = cos_table.contiguous(), sin_c = sin_table.contiguous();
   for (int64_t t = 0; !active.empty(); ++t) {
     std::vector<int64_t> next;
     const float* lp = logits.data_ptr<float>();
@@ -1578,25 +1577,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_eagle_draft(
     }
     if (next.empty()) break;
     const int64_t n = static_cast<int64_t>(next.size());
-    at::Tensor embeds = at::empty({n, D}, hidden.options()), hid = at::empty({n, D}, hidden.options());
-    at::Tensor cos = at::empty({n, hd}, hidden.options()), sin = at::empty({n, hd}, hidden.options());
+    at::Tensor hid = at::empty({n, D}, hidden.options());
     std::vector<at::Tensor> k_sub, v_sub;
-    std::vector<int64_t> past_sub, ones(n, 1);
+    std::vector<int64_t> past_sub, position_sub, id_sub, ones(n, 1);
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t s = next[i], id = tp[s * kmax + t], position = positions[s] + t;
-      TORCH_CHECK(id >= 0 && id < table.size(0), "q4_eagle_draft: target id ", id, " is outside the embedding table");
-      const float* from = table.data_ptr<float>() + id * table.stride(0);
-      float* e = embeds.data_ptr<float>() + i * D;
-      for (int64_t j = 0; j < D; ++j) e[j] = from[j * table.stride(1)];
+      const int64_t s = next[i];
       std::memcpy(hid.data_ptr<float>() + i * D,
                   t == 0 ? hidden.data_ptr<float>() + s * D : rows.data_ptr<float>() + (s * rows.size(1) + t - 1) * D,
                   D * sizeof(float));
-      std::memcpy(cos.data_ptr<float>() + i * hd, cos_c.data_ptr<float>() + position * hd, hd * sizeof(float));
-      std::memcpy(sin.data_ptr<float>() + i * hd, sin_c.data_ptr<float>() + position * hd, hd * sizeof(float));
       k_sub.push_back(keys[s]);
       v_sub.push_back(values[s]);
       past_sub.push_back(pasts[s] + t);
+      position_sub.push_back(positions[s] + t);
+      id_sub.push_back(tp[s * kmax + t]);
     }
+    // the tokens' embeddings and their positions' cos and sin, as the layer loop looks them up
+    const auto [embeds, cos, sin] = looked_up(table, cos_table, sin_table, position_sub, ones, id_sub);
     auto [out, next_logits] = q4_eagle_step(embeds, hid, cos, sin, k_sub, v_sub, past_sub, ones, H, Hkv, hd, eps, scale,
                                             norm_before_residual, norms, weights, outs, true);
     for (int64_t i = 0; i < n; ++i) {
