@@ -49,35 +49,47 @@ def time_passes_side_by_side(runner: ModelRunner, batch: int, ks: list[int], con
     return time_runners_side_by_side([runner], batch, ks, context, reps)[0]
 
 
+def prefilled(runner: ModelRunner, batch: int, k: int, context: int, tag: str) -> list:
+    """`batch` new sessions of `context` cached tokens each, for passes of k + 1 tokens."""
+    group = [runner.start_session(f"{tag}{batch}-k{k}-{i}", i) for i in range(batch)]
+    for i, session in enumerate(group):
+        session.tokens = [(31 * i + j) % runner.vocab_size for j in range(context)]
+    runner.forward_many([(s, 1) for s in group])  # prefill
+    return group
+
+
+def timed_pass(runner: ModelRunner, group: list, k: int, seed: int, context: int) -> float:
+    """One pass of k + 1 new tokens for each session of `group`, then back to `context`. -> ms"""
+    for session in group:
+        session.tokens.extend([(seed + j) % runner.vocab_size for j in range(k + 1)])
+    synchronize(runner.device)
+    start = time.perf_counter()
+    runner.forward_many([(s, k + 1) for s in group])
+    synchronize(runner.device)
+    ms = (time.perf_counter() - start) * 1e3
+    for session in group:
+        session.truncate(context)
+    return ms
+
+
+def release(runner: ModelRunner, group: list) -> None:
+    for session in group:
+        runner.sessions.release(session.id)
+
+
 def time_runners_side_by_side(runners: list[ModelRunner], batch: int, ks: list[int], context: int,
                               reps: int) -> list[dict[int, float]]:
     """time_passes_side_by_side for several runners (weight formats, cache dtypes) at once: each rep
     one pass of every runner and k in turn, so a drift moves them all alike. -> per runner, k -> ms"""
-    sessions = {}
-    for r, runner in enumerate(runners):
-        vocab = runner.vocab_size
-        for k in ks:
-            sessions[r, k] = [runner.start_session(f"b{batch}-k{k}-{i}", i) for i in range(batch)]
-            for i, session in enumerate(sessions[r, k]):
-                session.tokens = [(31 * i + j) % vocab for j in range(context)]
-            runner.forward_many([(s, 1) for s in sessions[r, k]])  # prefill
+    sessions = {(r, k): prefilled(runner, batch, k, context, "b") for r, runner in enumerate(runners) for k in ks}
     samples = {key: [] for key in sessions}
     for rep in range(reps + 2):
         for (r, k), group in sessions.items():
-            runner = runners[r]
-            for session in group:
-                session.tokens.extend([(rep + j) % runner.vocab_size for j in range(k + 1)])
-            synchronize(runner.device)
-            start = time.perf_counter()
-            runner.forward_many([(s, k + 1) for s in group])
-            synchronize(runner.device)
+            ms = timed_pass(runners[r], group, k, rep, context)
             if rep >= 2:  # warm-up passes dropped
-                samples[r, k].append((time.perf_counter() - start) * 1e3)
-            for session in group:
-                session.truncate(context)
-    for (r, k), group in sessions.items():
-        for session in group:
-            runners[r].sessions.release(session.id)
+                samples[r, k].append(ms)
+    for (r, _), group in sessions.items():
+        release(runners[r], group)
     return [{k: statistics.median(samples[r, k]) for k in ks} for r in range(len(runners))]
 
 
@@ -88,28 +100,16 @@ def time_runner_back_to_back(runner: ModelRunner, batch: int, ks: list[int], con
     another k's), so that what is timed follows a pass over the same weights, as a decode or verify
     loop's pass does, whose weights the last pass left in the caches (on a CPU whose L3 holds them
     that decides much of a small pass's time). -> k -> median ms"""
-    sessions = {k: [runner.start_session(f"w{batch}-k{k}-{i}", i) for i in range(batch)] for k in ks}
-    for k, group in sessions.items():
-        for i, session in enumerate(group):
-            session.tokens = [(31 * i + j) % runner.vocab_size for j in range(context)]
-        runner.forward_many([(s, 1) for s in group])  # prefill
+    sessions = {k: prefilled(runner, batch, k, context, "w") for k in ks}
     samples = {k: [] for k in ks}
     for rep in range(reps + 1):
         for k, group in sessions.items():
             for b in range(burst):
-                for session in group:
-                    session.tokens.extend([(rep + b + j) % runner.vocab_size for j in range(k + 1)])
-                synchronize(runner.device)
-                start = time.perf_counter()
-                runner.forward_many([(s, k + 1) for s in group])
-                synchronize(runner.device)
+                ms = timed_pass(runner, group, k, rep + b, context)
                 if rep >= 1 and b >= 1:  # a warm-up rep; each burst's first pass
-                    samples[k].append((time.perf_counter() - start) * 1e3)
-                for session in group:
-                    session.truncate(context)
+                    samples[k].append(ms)
     for group in sessions.values():
-        for session in group:
-            runner.sessions.release(session.id)
+        release(runner, group)
     return {k: statistics.median(samples[k]) for k in ks}
 
 
