@@ -36,24 +36,53 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     # shifted so the largest logit is 0 before dividing: a tiny temperature (down to float32's
     # subnormals) then tends to the argmax (0 / t = 0, the rest -> -inf) instead of inf / inf = nan
-    logits = (logits - logits.max(-1, keepdim=True).values) / params.temperature
+    logits = (logits - row_max(logits)).div_(params.temperature)
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        outside = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
-        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = nucleus(probs, params.top_p)
     return probs
 
 
+# tokens nucleus() looks among first: at T = 0.7 a chat model's top 256 almost always hold 0.95 of p
+NUCLEUS_FIRST = 256
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs [..., V] cut to top-p: in each row the smallest set of its most probable tokens whose mass
+    reaches top_p (the first always stays; a token stays when the mass before it is under top_p),
+    renormalised. The set is found among the top NUCLEUS_FIRST tokens (torch.topk), 8x more while their
+    mass falls short, up to a sort of the whole row: a full sort of SmolLM2's 49,152 took ~4 ms a row
+    on 2 Xeon cores, 21 ms for a five-row verify (topk of 256: ~0.2 ms)."""
+    vocab = probs.shape[-1]
+    k = min(vocab, NUCLEUS_FIRST)
+    while True:
+        top, order = torch.topk(probs, k, dim=-1)  # each row's k largest, descending
+        before = top.cumsum(-1) - top  # the mass ahead of each
+        if k == vocab or bool(((before[..., -1] + top[..., -1]) >= top_p).all()):
+            break  # every row's cut lies within its top k: the tokens after them have >= top_p before them
+        k = min(vocab, 8 * k)
+    top = top.masked_fill(before >= top_p, 0.0)
+    probs = torch.zeros_like(probs).scatter_(-1, order, top)
+    return probs / probs.sum(-1, keepdim=True)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from a [V] distribution."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One token from a [V] distribution (non-negative, any positive total): the first whose
+    cumulative mass (float64) exceeds one uniform draw of the generator times the total, so a token
+    of probability 0 is never drawn. torch.multinomial draws one exponential per token instead
+    (49,152 for SmolLM2): ~1.2 ms a token on 2 Xeon cores, against ~0.05."""
+    cdf = probs.double().cumsum(-1)
+    total = float(cdf[-1])
+    if not 0.0 < total < float("inf"):
+        raise ValueError(f"cannot sample from a distribution of total mass {total}")
+    u = torch.rand(1, dtype=torch.float64, device=probs.device, generator=generator)
+    i = int(torch.searchsorted(cdf, u * total, right=True))
+    if i >= cdf.shape[-1]:  # u * total rounded up to the total
+        i = int(probs.nonzero()[-1])
+    return i
 
 
 def draft_support(probs: torch.Tensor, max_support: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,6 +140,14 @@ def argmax_rows(logits: torch.Tensor) -> list[int] | int:
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return logits.detach().numpy().argmax(-1).tolist()
     return logits.argmax(-1).tolist()
+
+
+def row_max(logits: torch.Tensor) -> torch.Tensor:
+    """The largest value of each row of `logits` [..., V], kept as [..., 1]; float32 on the CPU through
+    numpy, as argmax_rows (5 x 49,152 logits: ~15 us against torch's ~150)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(logits.detach().numpy().max(-1, keepdims=True))
+    return logits.max(-1, keepdim=True).values
 
 
 def greedy_verify(logits: torch.Tensor, draft_tokens: list[int]) -> tuple[int, int]:

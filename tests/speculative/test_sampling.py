@@ -18,8 +18,11 @@ from speculative.sampling import (
     encode_supports,
     greedy_verify,
     logits_to_probs,
+    nucleus,
     one_hot_supports,
     rejection_sample,
+    row_max,
+    sample,
 )
 
 V = 8
@@ -55,6 +58,64 @@ def test_extreme_temperatures_stay_distributions(temperature):
         assert torch.isfinite(p).all() and torch.allclose(p.sum(-1), torch.ones(2)), (top_k, top_p)
         if temperature < 1e-8:
             assert torch.equal(p.argmax(-1), logits.argmax(-1)) and torch.allclose(p.max(-1).values, torch.ones(2))
+
+
+def _nucleus_by_sorting(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """top-p as written out in full: sort the whole row, keep the tokens with under top_p before them."""
+    ordered, order = torch.sort(probs, dim=-1, descending=True)
+    ordered = ordered.masked_fill(ordered.cumsum(-1) - ordered >= top_p, 0.0)
+    kept = torch.zeros_like(probs).scatter_(-1, order, ordered)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def test_nucleus_keeps_what_sorting_the_whole_row_keeps():
+    """Rows of 5,000 tokens whose top-p set is small (peaked), past the first 256 tokens looked at
+    (flatter), or nearly the whole row (uniform): the same tokens kept, the same renormalised
+    probabilities, as a sort of the whole row; rows of different cuts in one call. (Which of tied
+    tokens stay is either way's choice: of the uniform row, as many.)"""
+    g = torch.Generator().manual_seed(11)
+    vocab = 5000
+    peaked = torch.softmax(torch.randn(3, vocab, generator=g) * 4, -1)
+    flat = torch.softmax(torch.randn(3, vocab, generator=g) * 0.3, -1)
+    uniform = torch.full((1, vocab), 1.0 / vocab)
+    rows = torch.cat([peaked, flat, uniform])
+    for top_p in (0.05, 0.5, 0.9, 0.999):
+        cut = nucleus(rows, top_p)
+        expected = _nucleus_by_sorting(rows, top_p)
+        assert torch.equal(cut[:6] > 0, expected[:6] > 0), top_p
+        assert torch.allclose(cut[:6], expected[:6], rtol=1e-5, atol=1e-8), top_p
+        assert torch.allclose(cut[6].sort().values, expected[6].sort().values, rtol=1e-5, atol=0), top_p
+        for i, row in enumerate(rows):  # row by row as the whole batch
+            assert torch.equal(nucleus(row, top_p) > 0, cut[i] > 0)
+    kept = (nucleus(rows, 0.9) > 0).sum(-1)
+    assert kept[:3].max() < 256 < kept[3:6].min() and kept[6] == 4500  # all three ways to the cut taken
+
+
+def test_sample_draws_each_token_by_its_probability():
+    """4,000 draws from a distribution with zeros, given unnormalised: the chi-squared test at
+    alpha = 1e-4, no zero-probability token ever drawn, one draw of the generator a token (the same
+    seed, the same tokens); a distribution of no mass or NaN is refused."""
+    weights = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 2.0, 0.05])  # total 6.55
+    g = torch.Generator().manual_seed(4)
+    draws = [sample(weights, g) for _ in range(4000)]
+    counts = torch.bincount(torch.tensor(draws), minlength=V).float()
+    assert counts[weights == 0].sum() == 0
+    stat, df = chi2_stat(counts, weights / weights.sum())
+    assert stat < chi2_critical(df), f"chi2 {stat:.1f} on {df} df"
+    again = torch.Generator().manual_seed(4)
+    assert [sample(weights, again) for _ in range(50)] == draws[:50]
+    assert sample(torch.tensor([0.0, 0.0, 1.0]), g) == 2
+    for bad in (torch.zeros(4), torch.tensor([0.5, float("nan"), 0.5])):
+        with pytest.raises(ValueError, match="total mass"):
+            sample(bad, g)
+
+
+def test_row_max_is_torchs_max():
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(5, 300, generator=g)
+    assert torch.equal(row_max(logits), logits.max(-1, keepdim=True).values)
+    assert torch.equal(row_max(logits[2]), logits[2].max(-1, keepdim=True).values)
+    assert torch.equal(row_max(logits.double()), logits.double().max(-1, keepdim=True).values)
 
 
 def test_draft_support_truncates_and_renormalises():
