@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from assets.prompts import HELD_OUT, normalized
 from model_service.model_runner import ModelRunner
+from speculative.sampling import sample
 
 from . import everyday, loop
 from .distill import chat_ids, log
@@ -72,7 +73,7 @@ def answer(runner: ModelRunner, prompts: list[list[int]], new_tokens: int, tempe
                 row = row[-1, : runner.vocab_size].float()
                 if temperature > 0:
                     probs = torch.softmax(row / temperature, dim=-1)
-                    token = int(torch.multinomial(probs, 1, generator=sessions[i].generator))
+                    token = sample(probs, sessions[i].generator)  # (torch.multinomial: ~1.2 ms a token)
                 else:
                     token = int(row.argmax())
                 answers[i].append(token)
