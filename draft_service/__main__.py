@@ -88,6 +88,8 @@ def parse_args(argv=None, prog: str = "python -m draft_service"):
         parser.error(f"--oracle-acceptance must lie in [0, 1], not {args.oracle_acceptance}")
     if args.method != "model" and args.oracle:
         parser.error(f"--oracle replaces the model method's drafting, not {args.method}'s")
+    if args.max_support < 1:
+        parser.error(f"--max-support must be at least 1, not {args.max_support}")
     if not 1 <= args.ngram_min <= args.ngram_max:
         parser.error(f"need 1 <= --ngram-min <= --ngram-max, not {args.ngram_min} and {args.ngram_max}")
     if args.lookup_min and not 1 <= args.lookup_min <= args.ngram_max:

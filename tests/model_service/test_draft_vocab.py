@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from draft_service.__main__ import vocab_subset
+from draft_service.__main__ import parse_args, vocab_subset
 from model_service.engines import DraftEngine, TargetEngine
 from model_service.local import LocalDraft, LocalTarget
 from model_service.model_runner import ModelRunner
@@ -55,6 +55,16 @@ def test_draft_vocab_flag(tmp_path):
     assert vocab_subset("full", str(tmp_path)) == 0 and vocab_subset("7", None) == 7
     with pytest.raises(SystemExit, match="auto, full or a number"):
         vocab_subset("many", None)
+
+
+def test_max_support_flag_is_checked(capsys):
+    """q holds at least one token: --max-support 0 is refused at start, not at the first sampled draft."""
+    ngram = ["--method", "ngram", "--tokenizer", "tok"]
+    assert parse_args([*ngram, "--max-support", "1"]).max_support == 1
+    for bad in ("0", "-3"):
+        with pytest.raises(SystemExit):
+            parse_args([*ngram, "--max-support", bad])
+        assert f"--max-support must be at least 1, not {bad}" in capsys.readouterr().err
 
 
 def run(draft, target, params, k, seed, n, prompt=PROMPT):
