@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: setup stubs kernel models run cluster test test-all prometheus test-gpu bench-gpu bench-passes bench-structured bench-tracing bench-deps bench bench-eagle bench-concurrency bench-ceiling soak draft eagle clean
+.PHONY: setup stubs kernel models run cluster test test-all prometheus test-gpu bench-gpu bench-passes bench-sampling bench-structured bench-tracing bench-deps bench bench-eagle bench-concurrency bench-ceiling soak draft eagle clean
 
 TARGET := models/target/conversion.json
 
@@ -75,6 +75,11 @@ test-gpu: setup
 # floor (bench/passes.py); bench/results/passes.json
 bench-passes: setup
 	$(PY) -m bench.passes
+
+# what sampling's maths costs a token (the draw, p, a draft token) beside what it replaced (bench/sampling.py);
+# bench/results/sampling.json
+bench-sampling: setup
+	$(PY) -m bench.sampling
 
 # structured output (a JSON schema) on the real pair beside the same requests unconstrained (bench/structured.py)
 bench-structured: setup

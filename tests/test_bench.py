@@ -7,6 +7,7 @@ import math
 import statistics
 
 import pytest
+import torch
 
 from bench.__main__ import main as bench_main
 from bench.systems import interleaved
@@ -279,3 +280,29 @@ def test_tiny_passes_bench_times_each_pass_in_turn_and_back_to_back(pair, tmp_pa
         sizes = [n for _, n in stretch[2:]]  # after the two prefills
         assert sizes == [n for n in (1, 3) for _ in range(3)] * 4
     assert "warm x 1" in capsys.readouterr().out
+
+
+def test_tiny_sampling_bench_times_each_step_beside_what_it_replaced(tmp_path, capsys):
+    """`make bench-sampling` on a small vocabulary: per vocabulary and top_p a row for the draw and the
+    draft token (one row) and for p at each row count, each with both timings; and its 'before' ways
+    compute what specdec's do (p to rounding, the cut's tokens; the old draft's token from the support
+    draft_token draws from), so that the ratios compare like with like."""
+    from bench import sampling
+    from speculative.protocol import SamplingParams
+    from speculative.sampling import draft_token, logits_to_probs
+
+    out = tmp_path / "sampling.json"
+    sampling.main(["--vocab", "700", "--rows", "1,3", "--top-p", "1.0,0.8", "--reps", "3", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["step"], r["rows"], r["top_p"]) for r in rows] == [
+        (step, n, top_p) for top_p in (1.0, 0.8) for step, n in (("draw", 1), ("p", 1), ("draft token", 1), ("p", 3))]
+    assert all(r["now_us"] > 0 and r["before_us"] > 0 and r["x"] == r["before_us"] / r["now_us"] for r in rows)
+    assert "before / now" in capsys.readouterr().out
+    logits = sampling.chat_like_rows(4, 700, seed=3)
+    g = torch.Generator().manual_seed(0)
+    for top_p in (1.0, 0.8, 0.3):
+        params = SamplingParams(sampling.TEMPERATURE, top_p=top_p)
+        now, before = logits_to_probs(logits, params), sampling.probs_by_sorting(logits, params)
+        assert torch.equal(now > 0, before > 0) and torch.allclose(now, before, atol=1e-6)
+        _, ids, _ = draft_token(logits[0], params, 0.0, sampling.SUPPORT, g)
+        assert all(sampling.draft_as_it_was(logits[0], params, g) in ids.tolist() for _ in range(20))
