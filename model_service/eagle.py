@@ -96,7 +96,7 @@ class EagleDraft:
     """A drafting method (drafting.py): an EAGLE-3 head reading the target's hidden states."""
 
     method = "eagle"  # ModelInfo.draft_method
-    fused_draft = True  # greedy sessions draft in one call of the head where it can (_draft_fused); False: step by step
+    fused_draft = True  # sessions draft in one call of the head where they can (_draft_fused); False: step by step
 
     def __init__(self, head: Eagle3Head, tokenizer, logits_size: int | None = None, *, max_support: int = 64,
                  max_tokens: int = 16, max_sessions: int = 256, idle_timeout: float = 600.0,
@@ -285,8 +285,8 @@ class EagleDraft:
         copied = {j for j, (_, call, session) in enumerate(live) if self._copy(call, session, picked[j][0])}
         drafting = [j for j, (_, call, session) in enumerate(live)
                     if call.k and session.cache.hidden and j not in copied]
-        if drafting and self.fused_draft and self._draft_fused(live, drafting, picked):
-            drafting = []
+        if drafting and self.fused_draft:
+            drafting = self._draft_fused(live, drafting, picked)
         logits = head.logits(torch.stack([live[j][2].cache.hidden[-1] for j in drafting])) if drafting \
             else None  # each session's last row: the token after its last
         while drafting:
@@ -328,26 +328,46 @@ class EagleDraft:
                              else Proposal(tokens, *encode_supports(q_ids, q_probs)))
         return proposals
 
-    def _draft_fused(self, live: list[tuple[int, ProposeCall, Session]], drafting: list[int], picked: list) -> bool:
-        """The draft loop's tokens and rows for the `drafting` sessions in one call of the head
-        (Eagle3Head.draft_greedy: its fused int4 step) where every one of them is greedy and free of a
-        constraint: the loop's own arithmetic without its Python between the steps (SmolLM2's int4 head,
-        K = 4, 2 Xeon cores: a call 1.70 -> 1.49 ms in one process). -> whether it drafted them."""
-        calls, sessions = [live[j][1] for j in drafting], [live[j][2] for j in drafting]
-        if not all(call.params.greedy and session.grammar is None for call, session in zip(calls, sessions)):
-            return False
+    def _draft_fused(self, live: list[tuple[int, ProposeCall, Session]], drafting: list[int],
+                     picked: list) -> list[int]:
+        """The draft loop's tokens, q and rows for the `drafting` sessions free of a constraint, greedy or
+        sampled, in one call of the head (Eagle3Head.draft_fused: its fused int4 step): the loop's own
+        arithmetic without its Python between the steps (SmolLM2's int4 head, K = 4, 2 Xeon cores: a greedy
+        call 1.70 -> 1.49 ms in one process). A sampled session's uniforms are drawn from its generator up
+        front, and it is left having given as many as the tokens it drew, one a token as the loop draws.
+        -> the sessions left to the loop (those with a constraint; all where the fused step does not run)."""
+        fused = [j for j in drafting if live[j][2].grammar is None]
+        if not fused:
+            return drafting
+        calls, sessions = [live[j][1] for j in fused], [live[j][2] for j in fused]
+        kmax = max(call.k for call in calls)
+        uniforms, generator_states = None, {}
+        if not all(call.params.greedy for call in calls):
+            uniforms = torch.zeros(len(fused), kmax, dtype=torch.float64)
+            for s, (call, session) in enumerate(zip(calls, sessions)):
+                if not call.params.greedy:
+                    generator_states[s] = session.generator.get_state()
+                    uniforms[s, : call.k] = torch.rand(call.k, dtype=torch.float64, generator=session.generator)
         states = [session.cache for session in sessions]
-        drafted = self.head.draft_greedy(torch.stack([state.hidden[-1] for state in states]),
-                                         [state.end for state in states], [state.cache for state in states],
-                                         [call.k for call in calls], [call.p_min for call in calls], self._known,
-                                         self._target_ids)
+        drafted = self.head.draft_fused(torch.stack([state.hidden[-1] for state in states]),
+                                        [state.end for state in states], [state.cache for state in states],
+                                        [call.k for call in calls], [call.p_min for call in calls], self._known,
+                                        self._target_ids, [call.params for call in calls], uniforms, self.max_support)
         if drafted is None:
-            return False
-        for j, session, state, (tokens, rows) in zip(drafting, sessions, states, drafted):
+            for s, state in generator_states.items():
+                sessions[s].generator.set_state(state)
+            return drafting
+        for s, (j, session, state, (tokens, rows, supports)) in enumerate(zip(fused, sessions, states, drafted)):
             picked[j][0].extend(tokens)
+            for ids, q in supports:
+                picked[j][1].append(ids)
+                picked[j][2].append(q)
             session.tokens.extend(tokens)
             state.hidden.extend(rows)
-        return True
+            if s in generator_states:  # the uniforms it used, as the loop draws them
+                session.generator.set_state(generator_states[s])
+                torch.rand(len(tokens), dtype=torch.float64, generator=session.generator)
+        return [j for j in drafting if j not in set(fused)]
 
     def _copy(self, call: ProposeCall, session: Session, tokens: list[int]) -> bool:
         """The lookup (the module docstring): up to k tokens copied into `tokens` and the session,

@@ -367,15 +367,20 @@ class Eagle3Head(nn.Module):
         out = self.layer.finish(torch.cat(outs), residual)[:, 0]
         return out, self.lm_head(self.norm(out))
 
-    def draft_greedy(self, hidden: torch.Tensor, positions: list[int], caches: list[HeadCache], ks: list[int],
-                     p_mins: list[float], known: torch.Tensor | None,
-                     target_ids: torch.Tensor) -> list[tuple[list[int], torch.Tensor]] | None:
-        """Up to ks[s] greedy tokens for each of S sessions in one call (q4_kernel's q4_eagle_draft: the
-        fused step's head, the first from the logits of hidden [S, H], each session's last out_hidden, at
-        `positions`; the argmax over the draft ids `known` allows (None: all), mapped by target_ids,
-        stopping where its probability is under p_mins[s]). -> per session, (its target token ids, the
-        out_hidden [n, H] of the rows its steps appended: one fewer than its tokens, or none), or None
-        where the fused step does not run (EagleDraft then drafts step by step: step_many)."""
+    def draft_fused(self, hidden: torch.Tensor, positions: list[int], caches: list[HeadCache], ks: list[int],
+                    p_mins: list[float], known: torch.Tensor | None, target_ids: torch.Tensor,
+                    params: list | None = None, uniforms: torch.Tensor | None = None,
+                    max_support: int = 64) -> list[tuple[list[int], torch.Tensor, list]] | None:
+        """Up to ks[s] tokens for each of S sessions in one call (q4_kernel's q4_eagle_draft: the fused
+        step's head, the first from the logits of hidden [S, H], each session's last out_hidden, at
+        `positions`; over the draft ids `known` allows (None: all), mapped by target_ids): greedy, the
+        argmax, stopping where its probability is under p_mins[s]; sampled (params[s]: SamplingParams,
+        None or greedy ones draw nothing), speculative.sampling.draft_token's draw at its temperature,
+        top-k and top-p with q over at most `max_support` ids, the t-th token's uniform uniforms[s, t]
+        (float64 [S, max k]). -> per session, (its target token ids, the out_hidden [n, H] of the rows
+        its steps appended: one fewer than its tokens, or none, and per sampled token (its support's
+        target ids, q)), or None where the fused step does not run (EagleDraft then drafts step by
+        step: step_many)."""
         if self._q4_step is None or self.embed_tokens.weight.dtype != torch.float32:
             return None
         c = self.config
@@ -383,16 +388,25 @@ class Eagle3Head(nn.Module):
         table = self._rope_table(max(p + max(k - 1, 0) for p, k in zip(positions, ks)) + 1, hidden.device)
         for cache, k in zip(caches, ks):
             cache.reserve(cache.length + max(k - 1, 0), torch.float32)
-        tokens, rows, steps = torch.ops.specdec.q4_eagle_draft(
+        params = params or [None] * len(caches)
+        sampled = [p is not None and not p.greedy for p in params]
+        tokens, rows, steps, support, q = torch.ops.specdec.q4_eagle_draft(
             hidden.float(), self.embed_tokens.weight, table[0], table[1], [cache.k for cache in caches],
             [cache.v for cache in caches], [cache.length for cache in caches], positions, ks, p_mins, known,
             target_ids, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps, c.head_dim ** -0.5,
-            c.norm_before_residual, norms, tiles, outs)
+            c.norm_before_residual, norms, tiles, outs,
+            [float(p.temperature) if s else 0.0 for p, s in zip(params, sampled)],
+            [int(p.top_k) if s else 0 for p, s in zip(params, sampled)],
+            [float(p.top_p) if s else 1.0 for p, s in zip(params, sampled)], max_support,
+            uniforms if any(sampled) else None)
         drafted = []
-        for s, (cache, n) in enumerate(zip(caches, steps.tolist())):
+        sizes = (support >= 0).sum(-1).tolist() if any(sampled) else None
+        for s, (cache, n, ids) in enumerate(zip(caches, steps.tolist(), tokens.tolist())):
             cache.length += n
-            ids = tokens[s].tolist()
-            drafted.append((ids[: ids.index(-1)] if -1 in ids else ids, rows[s, :n]))
+            ids = ids[: ids.index(-1)] if -1 in ids else ids
+            supports = [(support[s, t, :size], q[s, t, :size]) for t, size in enumerate(sizes[s][: len(ids)])] \
+                if sampled[s] else []
+            drafted.append((ids, rows[s, :n], supports))
         return drafted
 
     def quantize_int8(self) -> "Eagle3Head":

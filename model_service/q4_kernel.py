@@ -74,11 +74,13 @@ _library.define("q4_eagle_step(Tensor embeds, Tensor hidden, Tensor cos, Tensor 
                 " Tensor(b!)[] values, int[] pasts, int[] lengths, int heads, int kv_heads, int head_dim, float eps,"
                 " float scale, bool norm_before_residual, Tensor[] norms, Tensor[] tiles, int[] outs, bool logits)"
                 " -> (Tensor, Tensor)")
-# up to k greedy draft tokens per sequence, a q4_eagle_step each (EagleDraft's draft loop in one call)
+# up to k draft tokens per sequence, greedy or sampled, a q4_eagle_step each (EagleDraft's draft loop in one call)
 _library.define("q4_eagle_draft(Tensor hidden, Tensor table, Tensor cos, Tensor sin, Tensor(a!)[] keys,"
                 " Tensor(b!)[] values, int[] pasts, int[] positions, int[] ks, float[] p_mins, Tensor? known,"
                 " Tensor target_ids, int heads, int kv_heads, int head_dim, float eps, float scale,"
-                " bool norm_before_residual, Tensor[] norms, Tensor[] tiles, int[] outs) -> (Tensor, Tensor, Tensor)")
+                " bool norm_before_residual, Tensor[] norms, Tensor[] tiles, int[] outs, float[] temperatures,"
+                " int[] top_ks, float[] top_ps, int max_support, Tensor? uniforms)"
+                " -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 def cflags(openmp: bool = True) -> list[str]:

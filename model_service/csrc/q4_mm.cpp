@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -1492,23 +1493,120 @@ std::tuple<at::Tensor, at::Tensor> q4_eagle_step(const at::Tensor& embeds_in, co
   return {out, scores};
 }
 
-// A greedy draft of up to ks[s] tokens for each of S sequences, each token a q4_eagle_step: from
-// the last row's out_hidden (hidden [S, D]) its logits (output_layer), the argmax over the draft ids
-// `known` allows (all where none; the first maximum on ties), stopping where its probability is under
-// p_mins[s] (the softmax over those ids), mapped to the target's vocabulary by target_ids; then, while
+// A sampled draft token from one row of logits [V] (speculative.sampling.draft_token's sampled branch,
+// over the ids `allowed` lets it draw, none where null): temperature, top-k (0: off) and top-p keep the
+// logits' order, so q's support is the row's top min(max_support, kept) ids, p there their softmax over
+// the ids top-k keeps (at temperature), cut where the mass before a token reaches top_p; q is p renormalised
+// over what is left and the token the first whose cumulative q (double) exceeds u times q's total, u a
+// uniform in [0, 1). Ties between logits go to the lower id. -> the draft id drawn, -1 where the draft
+// stops (p's top under p_min, or no id with probability); ids and q get the support (n entries, q > 0).
+int64_t draw_sampled(const float* row, int64_t V, const bool* allowed, double temperature, int64_t top_k,
+                     double top_p, int64_t max_support, double p_min, double u, std::vector<int64_t>& ids,
+                     std::vector<float>& q) {
+  ids.clear();
+  q.clear();
+  std::vector<float> x(V);  // the logits, -inf where it may not draw
+  int64_t n_ok = 0;
+  for (int64_t v = 0; v < V; ++v) {
+    const bool ok = (allowed == nullptr || allowed[v]) && !std::isnan(row[v]) && row[v] > -INFINITY;
+    x[v] = ok ? row[v] : -INFINITY;
+    n_ok += ok;
+  }
+  if (n_ok == 0) return -1;
+  const int64_t kept = std::min<int64_t>(top_k > 0 && top_k < V ? top_k : V, n_ok);
+  const int64_t m = std::min<int64_t>(std::max<int64_t>(max_support, 1), kept);
+  // the top m (value, id), best first: one pass keeping a heap of them whose front is the worst (an id
+  // later than an equal value's is not taken: ties go to the lower id)
+  using Entry = std::pair<float, int64_t>;
+  const auto better = [](const Entry& a, const Entry& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  std::vector<Entry> top;
+  top.reserve(m);
+  for (int64_t v = 0; v < V; ++v) {
+    if (!(x[v] > -INFINITY)) continue;
+    if (static_cast<int64_t>(top.size()) < m) {
+      top.emplace_back(x[v], v);
+      std::push_heap(top.begin(), top.end(), better);
+    } else if (x[v] > top.front().first) {
+      std::pop_heap(top.begin(), top.end(), better);
+      top.back() = {x[v], v};
+      std::push_heap(top.begin(), top.end(), better);
+    }
+  }
+  std::sort(top.begin(), top.end(), better);
+  // p = exp((x - the largest) / temperature), over its sum for the ids top-k keeps (as draft_token
+  // computes it: a tiny temperature tends to the argmax)
+  const float shift = top[0].first, t = static_cast<float>(temperature);
+  double mass = 0;
+  if (kept == m) {
+    for (const Entry& entry : top) mass += std::exp((entry.first - shift) / t);
+  } else {
+    std::vector<float> e;
+    if (kept == n_ok) {
+      e = x;  // (an id it may not draw adds exp(-inf) = 0, or under 1e-44 where exp is vectorised)
+    } else {
+      e.reserve(n_ok);
+      for (const float value : x)
+        if (value > -INFINITY) e.push_back(value);
+      std::nth_element(e.begin(), e.begin() + (kept - 1), e.end(), std::greater<float>());
+      e.resize(kept);
+    }
+    for (float& value : e) value = (value - shift) / t;
+    mass = exp_sum(e.data(), static_cast<int64_t>(e.size()), 0.f);
+  }
+  std::vector<float> p(m);
+  for (int64_t i = 0; i < m; ++i) p[i] = static_cast<float>(std::exp((top[i].first - shift) / t) / mass);
+  if (p_min > 0 && !(p[0] >= p_min)) return -1;
+  double before_mass = 0, total = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    const float pi = p[i];
+    if (top_p < 1.0 && before_mass >= top_p) break;  // the cut: everything from here on is past it
+    before_mass += pi;
+    if (pi > 0) {
+      ids.push_back(top[i].second);
+      q.push_back(pi);
+      total += pi;
+    }
+  }
+  if (ids.empty() || !(total > 0)) return -1;
+  double cdf_total = 0;
+  for (float& qi : q) {
+    qi = static_cast<float>(qi / total);
+    cdf_total += qi;
+  }
+  const double target = u * cdf_total;
+  double cdf = 0;
+  for (size_t i = 0; i < q.size(); ++i) {
+    cdf += q[i];
+    if (cdf > target) return ids[i];
+  }
+  for (size_t i = q.size(); i-- > 0;)  // u * total rounded up to the total: the last id with mass
+    if (q[i] > 0) return ids[i];
+  return -1;
+}
+
+// A draft of up to ks[s] tokens for each of S sequences, each token a q4_eagle_step: from the last
+// row's out_hidden (hidden [S, D]) its logits (output_layer); where temperatures[s] is 0 the argmax over
+// the draft ids `known` allows (all where none; the first maximum on ties), stopping where its
+// probability is under p_mins[s] (the softmax over those ids), else a draw (draw_sampled: at that
+// temperature, top_ks[s], top_ps[s], q over at most max_support ids, the uniform uniforms[s, t], float64
+// [S, max k]); mapped to the target's vocabulary by target_ids; then, while
 // a sequence wants more, one step of all of them (token's embedding from `table` [V, D], the row's
 // position's cos and sin from the RoPE tables, the caches' next row at pasts[s] + t, position
 // positions[s] + t) gives the next row and logits. EagleDraft's draft loop (model_service/eagle.py) in
 // one call, without its Python between the steps (SmolLM2's int4 head at K = 4 on 2 Xeon cores: a draft
 // call 1.70 -> 1.49 ms). The caller reserves ks[s] - 1 rows in each cache and counts those steps[s] made after.
 // -> (tokens [S, max k] (target ids, -1 past a sequence's last), rows [S, max(1, max k - 1), D] (the
-// out_hidden of the rows the steps appended), steps [S]).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_eagle_draft(
+// out_hidden of the rows the steps appended), steps [S], and each sampled token's q: its support's target
+// ids [S, max k, M] (-1 past its last; M max_support where a sequence samples, else 0) and q there).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> q4_eagle_draft(
     const at::Tensor& hidden_in, const at::Tensor& table, const at::Tensor& cos_table, const at::Tensor& sin_table,
     at::TensorList keys, at::TensorList values, at::IntArrayRef pasts, at::IntArrayRef positions, at::IntArrayRef ks,
     at::ArrayRef<double> p_mins, const std::optional<at::Tensor>& known_in, const at::Tensor& target_ids_in, int64_t H,
     int64_t Hkv, int64_t hd, double eps, double scale, bool norm_before_residual, at::TensorList norms,
-    at::TensorList weights, at::IntArrayRef outs) {
+    at::TensorList weights, at::IntArrayRef outs, at::ArrayRef<double> temperatures, at::IntArrayRef top_ks,
+    at::ArrayRef<double> top_ps, int64_t max_support, const std::optional<at::Tensor>& uniforms_in) {
   const int64_t S = static_cast<int64_t>(keys.size());
   TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.size(0) == S && hidden_in.scalar_type() == at::kFloat,
               "q4_eagle_draft: float32 hidden [S, D], a row per cache");
@@ -1517,6 +1615,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_eagle_draft(
               static_cast<int64_t>(p_mins.size()) == S, "q4_eagle_draft: a cache, past, position, k and p_min per row");
   TORCH_CHECK(norms.size() == 4 && weights.size() == 5 && outs.size() == 5,
               "q4_eagle_draft: q4_eagle_step's norms and tiles");
+  TORCH_CHECK(static_cast<int64_t>(temperatures.size()) == S && static_cast<int64_t>(top_ks.size()) == S &&
+              static_cast<int64_t>(top_ps.size()) == S, "q4_eagle_draft: a temperature, top_k and top_p per row");
+  bool sampled = false;
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(temperatures[s] >= 0 && top_ps[s] > 0 && top_ps[s] <= 1,
+                "q4_eagle_draft: temperatures must be >= 0 and top_ps in (0, 1]");
+    sampled = sampled || temperatures[s] > 0;
+  }
   const int64_t D = hidden_in.size(1), V = outs[4], P = cos_table.size(0);
   TORCH_CHECK(table.dim() == 2 && table.size(1) == D && table.scalar_type() == at::kFloat,
               "q4_eagle_draft: a float32 embedding table [V, ", D, "]");
@@ -1541,6 +1647,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_eagle_draft(
                 " positions, the draft needs ", positions[s] + ks[s] - 1);
     kmax = std::max(kmax, ks[s]);
   }
+  at::Tensor uniforms;
+  if (sampled) {
+    TORCH_CHECK(max_support >= 1, "q4_eagle_draft: max_support must be >= 1");
+    TORCH_CHECK(uniforms_in.has_value() && uniforms_in->defined(), "q4_eagle_draft: sampled rows need uniforms");
+    uniforms = uniforms_in->to(at::kDouble).contiguous();
+    TORCH_CHECK(uniforms.dim() == 2 && uniforms.size(0) == S && uniforms.size(1) >= kmax,
+                "q4_eagle_draft: uniforms must be [S, max k]");
+  }
+  const int64_t M = sampled ? std::min(max_support, V) : 0;
+  at::Tensor support = at::full({S, kmax, M}, -1, target_ids.options());
+  at::Tensor q_out = at::zeros({S, kmax, M}, hidden_in.options());
+  std::vector<int64_t> drawn_ids;
+  std::vector<float> drawn_q;
   at::Tensor tokens = at::full({S, kmax}, -1, target_ids.options());
   at::Tensor rows = at::zeros({S, std::max<int64_t>(1, kmax - 1), D}, hidden_in.options());
   at::Tensor steps = at::zeros({S}, target_ids.options());
@@ -1549,7 +1668,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_eagle_draft(
   std::vector<int64_t> active;  // the sequences drafting, in order; logits row i is active[i]'s
   for (int64_t s = 0; s < S; ++s)
     if (ks[s] > 0) active.push_back(s);
-  if (active.empty()) return {tokens, rows, steps};
+  if (active.empty()) return {tokens, rows, steps, support, q_out};
   const at::Tensor hidden = hidden_in.contiguous();
   at::Tensor logits = output_layer(hidden.index_select(0, at::tensor(active, at::kLong)), norms[3], weights[4], V, eps);
   for (int64_t t = 0; !active.empty(); ++t) {
@@ -1558,6 +1677,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_eagle_draft(
     for (size_t i = 0; i < active.size(); ++i) {
       const int64_t s = active[i];
       const float* row = lp + static_cast<int64_t>(i) * V;
+      if (temperatures[s] > 0) {
+        const int64_t drawn = draw_sampled(row, V, allowed, temperatures[s], top_ks[s], top_ps[s], M, p_mins[s],
+                                           uniforms.data_ptr<double>()[s * uniforms.size(1) + t], drawn_ids, drawn_q);
+        if (drawn < 0) continue;
+        int64_t* sp = support.data_ptr<int64_t>() + (s * kmax + t) * M;
+        float* qp = q_out.data_ptr<float>() + (s * kmax + t) * M;
+        for (size_t j = 0; j < drawn_ids.size(); ++j) {
+          sp[j] = to_target[drawn_ids[j]];
+          qp[j] = drawn_q[j];
+        }
+        tp[s * kmax + t] = to_target[drawn];
+        if (t + 1 < ks[s]) next.push_back(s);
+        continue;
+      }
       int64_t pick = -1;
       float top = -INFINITY;
       for (int64_t v = 0; v < V; ++v)
@@ -1604,7 +1737,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q4_eagle_draft(
     logits = next_logits;
     active = next;
   }
-  return {tokens, rows, steps};
+  return {tokens, rows, steps, support, q_out};
 }
 
 std::string q4_path() { return kPath; }

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -241,7 +242,7 @@ def next_probs(model, ids, params):
 def test_sampled_tokens_drafted_from_features_follow_the_target(small_vocab_pair, tmp_path, quantize, prompt):
     """k=2, 3 tokens: the first round has no features and decodes the first token alone; the
     second verifies the head's two tokens, so the second token's marginal is the head's doing.
-    The head op by op, and in int4 through its fused step; after the prompt that repeats itself the
+    The head op by op, and in int4 through its one-call draft; after the prompt that repeats itself the
     lookup copies where the first token repeats it too (7 after 3 5 4: one-hot q at 3)."""
     if quantize == "int4" and not q4_kernel.available():
         pytest.skip("specdec's int4 kernel is not built here")
@@ -557,14 +558,19 @@ def test_a_head_with_a_shorter_context_drafts_until_it_is_full_then_asks_for_no_
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_greedy_sessions_drafted_in_one_call_match_the_step_by_step_loop(tmp_path, padded):
-    """An int4 head drafts greedy sessions in one call (Eagle3Head.draft_greedy, q4_kernel's
-    q4_eagle_draft): per session the tokens, the rows it appends (out_hidden and keys and values) and
-    the stops at p_min are the step-by-step loop's (step_many), bit for bit, sessions of different
-    k drafting together; over a draft vocabulary smaller than the target's, and one whose ids past
-    the tokenizer are never drawn (padded). A sampled session in the call sends all of them the loop's way."""
+def test_sessions_drafted_in_one_call_match_the_step_by_step_loop(tmp_path, padded):
+    """An int4 head drafts its sessions in one call (Eagle3Head.draft_fused, q4_kernel's q4_eagle_draft),
+    greedy and sampled together: per session the tokens, the rows it appends (out_hidden and keys and
+    values) and the stops at p_min are the step-by-step loop's (step_many and draft_token), bit for bit;
+    a sampled token's q the loop's (its support's ids, the probabilities to float rounding), drawn with
+    as many of its generator's uniforms; sessions of different k drafting together; over a draft
+    vocabulary smaller than the target's, and one whose ids past the tokenizer are never drawn (padded);
+    a support cut short of the draft vocabulary (max_support). A session with a constraint goes the
+    loop's way while the others still draft in one call."""
     if not q4_kernel.available():
         pytest.skip("specdec's int4 kernel is not built here")
+    from speculative.protocol import Constraint
+
     tokenizer = make_tokenizer(tmp_path / "tok", vocab="chars")
     target_dir = make_model(tmp_path / "target", tokenizer, vocab_size=len(tokenizer) + (40 if padded else 0),
                             hidden=32, heads=4, kv_heads=2, layers=4)
@@ -572,54 +578,59 @@ def test_greedy_sessions_drafted_in_one_call_match_the_step_by_step_loop(tmp_pat
     target = TargetEngine(ModelRunner(target_dir))
     prompts = {"a": [5, 1, 4, 9, 10, 7], "b": [3, 11, 2, 6, 5, 3, 8, 7], "c": [2, 7, 1]}
     ks = {"a": 4, "b": 7, "c": 1}
-    cases = [(GREEDY, 0.0), (GREEDY, 0.3), (GREEDY, 0.9)]  # p_min: some drafts stopped short (checked below)
+    sampled = {"a": SamplingParams(0.8, seed=3), "b": SamplingParams(1.4, top_k=5, seed=4),
+               "c": SamplingParams(0.6, top_p=0.8, seed=5)}
+    mixed = {"a": SamplingParams(1.0, top_k=3, top_p=0.7, seed=6), "b": GREEDY, "c": SamplingParams(2.0, seed=7)}
+    # (params per session, p_min, max_support): some drafts stopped short at p_min (checked below)
+    cases = [({n: GREEDY for n in prompts}, p_min, 64) for p_min in (0.0, 0.3, 0.9)] + [
+        (sampled, 0.0, 64), (sampled, 0.0, 2), (sampled, 0.3, 3), (sampled, 0.3, 64), (mixed, 0.0, 5), (mixed, 0.2, 64)]
 
-    def draft(fused: bool, params, p_min: float):
+    def draft(fused: bool, params: dict, p_min: float, max_support: int, constrained: str | None = None):
         eagle = EagleDraft.load(head_dir, target_dir, "cpu", quantize="int4", lookup=range(0))
-        eagle.fused_draft = fused
+        eagle.fused_draft, eagle.max_support = fused, max_support
         calls = []
         for name, prompt in prompts.items():
-            verdict, _ = target.verify(VerifyCall(name, True, prompt, Proposal(), params, 1, eagle.layers))
-            calls.append(ProposeCall(name, True, 0, prompt + [verdict.token], ks[name], params, p_min=p_min,
-                                     features=verdict.features))
+            verdict, _ = target.verify(VerifyCall(name, True, prompt, Proposal(), params[name], 1, eagle.layers))
+            calls.append(ProposeCall(name, True, 0, prompt + [verdict.token], ks[name], params[name], p_min=p_min,
+                                     features=verdict.features,
+                                     constraint=Constraint("regex", "[a-z ]*") if name == constrained else None))
             target.release(name)
         spy = []
         real = eagle.head.step_many
-        eagle.head.step_many = lambda *a, **k: spy.append(1) or real(*a, **k)
-        proposals = [p.tokens for p, _ in eagle.propose_many(calls)]
-        rows = {name: eagle.sessions.get(name).cache for name in prompts}
-        return proposals, rows, len(spy)
+        eagle.head.step_many = lambda *a, **k: spy.append(len(a[0])) or real(*a, **k)
+        proposals = [p for p, _ in eagle.propose_many(calls)]
+        sessions = {name: eagle.sessions.get(name) for name in prompts}
+        return proposals, sessions, spy
 
-    stopped = set()
-    for params, p_min in cases:
-        (fused, fused_rows, fused_steps), (loop, loop_rows, loop_steps) = draft(True, params, p_min), \
-            draft(False, params, p_min)
-        assert fused == loop and fused_steps == 0 and (loop_steps > 0) == any(len(t) > 1 for t in loop)
-        for name in prompts:
-            a, b = fused_rows[name], loop_rows[name]
+    stopped, drew = set(), 0
+    for params, p_min, max_support in cases:
+        (fused, fused_sessions, fused_steps), (loop, loop_sessions, loop_steps) = \
+            draft(True, params, p_min, max_support), draft(False, params, p_min, max_support)
+        assert fused_steps == [] and bool(loop_steps) == any(len(p.tokens) > 1 for p in loop)
+        for name, a_prop, b_prop in zip(prompts, fused, loop):
+            assert a_prop.tokens == b_prop.tokens and a_prop.support_sizes == b_prop.support_sizes
+            assert a_prop.support_ids == b_prop.support_ids
+            a_q, b_q = (np.frombuffer(p.support_probs, dtype=np.float32) for p in (a_prop, b_prop))
+            np.testing.assert_allclose(a_q, b_q, rtol=1e-5, atol=1e-6)
+            if not params[name].greedy:
+                assert all(size <= max_support for size in a_prop.support_sizes)
+                drew += len(a_prop.tokens)
+            a, b = fused_sessions[name].cache, loop_sessions[name].cache
             assert (a.base, a.featured, a.end, a.cache.length) == (b.base, b.featured, b.end, b.cache.length)
             assert all(torch.equal(x, y) for x, y in zip(a.hidden, b.hidden))
             n = a.cache.length
             assert torch.equal(a.cache.k[:, :n], b.cache.k[:, :n]) and torch.equal(a.cache.v[:, :n], b.cache.v[:, :n])
-        stopped |= {(p_min, len(tokens) < ks[name]) for name, tokens in zip(prompts, fused)}
-        assert all(len(tokens) == ks[name] for name, tokens in zip(prompts, fused)) or p_min > 0
+            assert torch.equal(fused_sessions[name].generator.get_state(), loop_sessions[name].generator.get_state())
+        stopped |= {(p_min, len(p.tokens) < ks[name]) for name, p in zip(prompts, fused)}
+        assert all(len(p.tokens) == ks[name] for name, p in zip(prompts, fused)) or p_min > 0
         if padded:
-            assert all(t < len(tokenizer) for tokens in fused for t in tokens)
+            assert all(t < len(tokenizer) for p in fused for t in p.tokens)
     assert any(p_min > 0 and short for p_min, short in stopped)  # p_min cut a draft short
-    # a sampled session among them: the loop drafts every one (the fused call takes greedy ones only)
-    params = SamplingParams(0.8, seed=3)
-    eagle = EagleDraft.load(head_dir, target_dir, "cpu", quantize="int4", lookup=range(0))
-    calls = []
-    for name, prompt in prompts.items():
-        verdict, _ = target.verify(VerifyCall(name, True, prompt, Proposal(), GREEDY, 1, eagle.layers))
-        calls.append(ProposeCall(name, True, 0, prompt + [verdict.token], ks[name], params if name == "b" else GREEDY,
-                                 features=verdict.features))
-        target.release(name)
-    fused_call = []
-    real = eagle.head.draft_greedy
-    eagle.head.draft_greedy = lambda *a, **k: fused_call.append(1) or real(*a, **k)
-    assert all(len(p.tokens) == ks[name] for (p, _), name in zip(eagle.propose_many(calls), prompts))
-    assert not fused_call
+    assert drew > 20  # sampled tokens compared
+    # a session with a constraint drafts step by step, the others in one call, as each would alone
+    (fused, _, fused_steps), (loop, _, _) = draft(True, mixed, 0.0, 64, "b"), draft(False, mixed, 0.0, 64, "b")
+    assert [p.tokens for p in fused] == [p.tokens for p in loop] and len(fused[1].tokens) == ks["b"]
+    assert fused_steps == [1] * (ks["b"] - 1)  # the loop's steps: "b"'s only
 
 
 def test_the_one_call_draft_refuses_what_it_cannot_draft(pair, tmp_path):
@@ -639,10 +650,12 @@ def test_the_one_call_draft_refuses_what_it_cannot_draft(pair, tmp_path):
         return torch.ops.specdec.q4_eagle_draft(
             torch.zeros(1, c.hidden_size), head.embed_tokens.weight, cos, sin, [cache.k], [cache.v], [0], positions,
             ks, [0.0] * len(ks), None, eagle._target_ids, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-            c.rms_norm_eps, c.head_dim ** -0.5, c.norm_before_residual, norms, tiles, outs)
+            c.rms_norm_eps, c.head_dim ** -0.5, c.norm_before_residual, norms, tiles, outs, [0.0] * len(ks),
+            [0] * len(ks), [1.0] * len(ks), 64, None)
 
-    tokens, rows, steps = call([3], [0])
+    tokens, rows, steps, support, q = call([3], [0])
     assert tokens.shape == (1, 3) and steps.tolist() == [2] and rows.shape == (1, 2, c.hidden_size)
+    assert support.shape == q.shape == (1, 3, 0)  # greedy: no q
     before = cache.k.clone()
     with pytest.raises(RuntimeError, match="q4_eagle_draft: a cache, past, position, k and p_min per row"):
         call([3, 3], [0, 0])
