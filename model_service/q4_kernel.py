@@ -155,11 +155,25 @@ def _build(openmp: bool) -> None:
     if shutil.which("ninja") is None:  # the venv's own (pip's ninja), when its bin is not on PATH
         os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     directory = build_directory(openmp)
-    lock = directory / "lock"  # torch's build lock: one a killed build left would make this wait forever
-    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-        lock.unlink(missing_ok=True)
+    wait_for_build_lock(directory / "lock")
     load_extension(name=directory.name, sources=[str(SOURCE)], build_directory=str(directory),
                    extra_cflags=cflags(openmp), is_python_module=False, verbose=False)
+
+
+def wait_for_build_lock(lock: Path, stale_s: float = STALE_LOCK_S, poll_s: float = 0.5) -> None:
+    """Wait while another process's build holds torch's build lock `lock` (its FileBaton: made when a
+    build starts, removed when it ends); remove it once it is `stale_s` old. A killed build leaves it
+    behind, and torch's own wait for it never ends: a service or test started within `stale_s` of one
+    (a run interrupted while it built the kernel) hung there until someone removed it."""
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > stale_s:
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(poll_s)
 
 
 def threaded() -> bool:

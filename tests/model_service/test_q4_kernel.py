@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -459,6 +460,25 @@ print("ok", q4_kernel.path())
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith(f"ok {expected}"), done.stdout
+
+
+def test_a_build_lock_left_by_a_killed_build_is_waited_out_then_removed(tmp_path):
+    """torch waits for its build lock without end; a killed build leaves it behind: the kernel's load
+    removes one older than STALE_LOCK_S at once, waits for a younger one until it is gone (another
+    build finished) or that old (one a killed build left), then removes it."""
+    lock = tmp_path / "lock"
+    q4_kernel.wait_for_build_lock(lock)  # none: nothing to wait for
+    lock.touch()
+    then = time.time() - 2 * q4_kernel.STALE_LOCK_S
+    os.utime(lock, (then, then))
+    q4_kernel.wait_for_build_lock(lock)
+    assert not lock.exists()
+    lock.touch()
+    then = time.time() - (q4_kernel.STALE_LOCK_S - 0.3)  # stale in 0.3 s
+    os.utime(lock, (then, then))
+    start = time.time()
+    q4_kernel.wait_for_build_lock(lock, poll_s=0.05)
+    assert not lock.exists() and time.time() - start >= 0.25
 
 
 def test_the_kernel_splits_its_work_across_torchs_threads():
