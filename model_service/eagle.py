@@ -337,7 +337,7 @@ class EagleDraft:
         front, and it is left having given as many as the tokens it drew, one a token as the loop draws.
         -> the sessions left to the loop (those with a constraint; all where the fused step does not run)."""
         fused = [j for j in drafting if live[j][2].grammar is None]
-        if not fused:
+        if not fused or not self.head.fuses_draft:  # (before any uniform is drawn: a CUDA session's generator)
             return drafting
         calls, sessions = [live[j][1] for j in fused], [live[j][2] for j in fused]
         kmax = max(call.k for call in calls)
@@ -353,10 +353,6 @@ class EagleDraft:
                                         [state.end for state in states], [state.cache for state in states],
                                         [call.k for call in calls], [call.p_min for call in calls], self._known,
                                         self._target_ids, [call.params for call in calls], uniforms, self.max_support)
-        if drafted is None:
-            for s, state in generator_states.items():
-                sessions[s].generator.set_state(state)
-            return drafting
         for s, (j, session, state, (tokens, rows, supports)) in enumerate(zip(fused, sessions, states, drafted)):
             picked[j][0].extend(tokens)
             for ids, q in supports:

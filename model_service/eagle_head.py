@@ -367,6 +367,11 @@ class Eagle3Head(nn.Module):
         out = self.layer.finish(torch.cat(outs), residual)[:, 0]
         return out, self.lm_head(self.norm(out))
 
+    @property
+    def fuses_draft(self) -> bool:
+        """Whether draft_fused runs: the fused int4 step (quantize_int4, a CPU kernel) with float32 embeddings."""
+        return self._q4_step is not None and self.embed_tokens.weight.dtype == torch.float32
+
     def draft_fused(self, hidden: torch.Tensor, positions: list[int], caches: list[HeadCache], ks: list[int],
                     p_mins: list[float], known: torch.Tensor | None, target_ids: torch.Tensor,
                     params: list | None = None, uniforms: torch.Tensor | None = None,
@@ -381,7 +386,7 @@ class Eagle3Head(nn.Module):
         its steps appended: one fewer than its tokens, or none, and per sampled token (its support's
         target ids, q)), or None where the fused step does not run (EagleDraft then drafts step by
         step: step_many)."""
-        if self._q4_step is None or self.embed_tokens.weight.dtype != torch.float32:
+        if not self.fuses_draft:
             return None
         c = self.config
         norms, tiles, outs = self._q4_step
