@@ -15,11 +15,11 @@ from speculative.errors import CapacityExceeded, InvalidRequest
 from speculative.lookup import LOOKUP_SIZES, NgramIndex
 from speculative.protocol import Cost, Features, Proposal, ProposeCall, Verdict, VerifyCall
 from speculative.sampling import (
+    ProbRows,
     check_supports,
     draft_token,
     encode_supports,
     greedy_verify,
-    logits_to_probs,
     one_hot_supports,
     rejection_sample,
     supports_to_tensors,
@@ -237,7 +237,7 @@ class TargetEngine(RunnerEngine):
         if params.greedy:
             return greedy_verify(rows, drafted)
         draft = torch.tensor(drafted, dtype=torch.long, device=self.runner.device)
-        return rejection_sample(logits_to_probs(rows, params), draft, q_ids, q_probs, session.generator)
+        return rejection_sample(ProbRows(rows, params), draft, q_ids, q_probs, session.generator)
 
     def _copy(self, session: Session, most: int) -> list[int]:
         """Up to `most` tokens copied from the session's context (prompt lookup, the class

@@ -11,6 +11,7 @@ from speculative.errors import InvalidRequest
 from tests.stats import chi2_critical, chi2_stat
 from speculative.protocol import SamplingParams
 from speculative.sampling import (
+    ProbRows,
     argmax_rows,
     check_supports,
     decode_supports,
@@ -296,3 +297,34 @@ def test_the_statistical_check_can_fail():
     samples = torch.multinomial(q, 4000, replacement=True, generator=g)
     stat, df = chi2_stat(torch.bincount(samples, minlength=V).float(), p)
     assert stat > 10 * chi2_critical(df)
+
+
+def test_rejection_sampling_over_rows_computed_as_read_returns_the_same_and_reads_no_further():
+    """ProbRows (a verify's p, each row computed when rejection_sample first reads it) gives what the
+    whole p [K+1, V] gives from the same generator seed, for random logits, K 0 to 5, drafts partly drawn
+    from p and partly not, at a temperature, with top-k and with top-p; and no row past the first
+    rejection is computed (the bonus row only where every draft token was accepted)."""
+    g = torch.Generator().manual_seed(11)
+    settings = [SamplingParams(0.8), SamplingParams(1.2, top_k=5), SamplingParams(0.7, top_p=0.8)]
+    outcomes = set()
+    for case in range(300):
+        k, params = case % 6, settings[case % 3]
+        logits = torch.randn(k + 1, V, generator=g) * 2
+        p = logits_to_probs(logits, params)
+        draft = torch.where(torch.rand(k, generator=g) < 0.6, torch.multinomial(p[:k], 1, generator=g)[:, 0],
+                            torch.randint(0, V, (k,), generator=g)) if k else torch.zeros(0, dtype=torch.long)
+        q_ids, q_probs = [], []
+        for x in draft.tolist():
+            others = torch.randperm(V, generator=g)[:4]
+            ids = torch.cat([torch.tensor([x]), others[others != x]])
+            q = torch.rand(len(ids), generator=g) + 0.05
+            q_ids.append(ids)
+            q_probs.append(q / q.sum())
+        seed = int(torch.randint(0, 2**31, (1,), generator=g))
+        expected = rejection_sample(p, draft, q_ids, q_probs, torch.Generator().manual_seed(seed))
+        rows = ProbRows(logits, params)
+        assert rejection_sample(rows, draft, q_ids, q_probs, torch.Generator().manual_seed(seed)) == expected
+        assert sorted(rows._rows) == list(range(expected[0] + 1))
+        assert all(torch.equal(row, p[i]) for i, row in rows._rows.items())
+        outcomes.add((k, expected[0] == k))
+    assert {(k, all_kept) for k in range(1, 6) for all_kept in (False, True)} <= outcomes  # rejections and none
