@@ -57,6 +57,7 @@ from speculative.protocol import Cost, PassCost, Proposal, ProposeCall
 from speculative.sampling import argmax_rows, draft_token, encode_supports, one_hot_supports
 
 from . import features as wire
+from . import q4_kernel
 from .drafting import MethodSessions, advance, one_result
 from .eagle_head import Eagle3Head, HeadCache
 from .grammar import Grammars, next_masks
@@ -120,6 +121,7 @@ class EagleDraft:
         self.num_parameters = (c.fused_size * c.hidden_size + attention + 3 * c.hidden_size * c.intermediate_size
                                + c.draft_vocab_size * c.hidden_size + 4 * c.hidden_size)
         self.device = head.norm.weight.device
+        self._support = q4_kernel.draft_support_on(self.device)  # a sampled token's q in one kernel call
         self.tokenizer = tokenizer
         self.logits_size = logits_size or head.config.vocab_size
         self.pairing = tokenizer_fields(tokenizer, self.logits_size)
@@ -298,7 +300,7 @@ class EagleDraft:
                     if allowed is not self._known and not allowed.any():
                         continue  # none in the draft vocabulary: nothing to propose
                     row = row.masked_fill(~allowed, float("-inf"))
-                drawn = draft_token(row, call.params, call.p_min, self.max_support, session.generator)
+                drawn = draft_token(row, call.params, call.p_min, self.max_support, session.generator, self._support)
                 if drawn is None:
                     continue
                 x, ids, q = drawn

@@ -25,7 +25,7 @@ from speculative.sampling import (
     supports_to_tensors,
 )
 
-from . import features, grammar
+from . import features, grammar, q4_kernel
 from .drafting import advance, one_result
 from .model_runner import ModelRunner, Timer
 from .sessions import Session, SessionTable
@@ -78,6 +78,7 @@ class DraftEngine(RunnerEngine):
         super().__init__(runner, max_tokens)
         self.max_support = max_support
         self.acceptance_prior = acceptance_prior  # ModelInfo.acceptance_prior (0: not known)
+        self._support = q4_kernel.draft_support_on(runner.device)  # a sampled token's q in one kernel call
 
     def info(self) -> dict:
         return {**self.runner.info(), "draft_method": self.method, "acceptance_prior": self.acceptance_prior}
@@ -134,7 +135,8 @@ class DraftEngine(RunnerEngine):
                     continue
                 tokens, q_ids, q_probs = out[j]
                 row = row[-1:, :vocab] if mask is None else grammar.apply(row[-1:, :vocab], mask[None])
-                drawn = draft_token(row[0], call.params, call.p_min, self.max_support, session.generator)
+                drawn = draft_token(row[0], call.params, call.p_min, self.max_support, session.generator,
+                                    self._support)
                 if drawn is None:
                     continue
                 x, ids, q = drawn

@@ -81,6 +81,9 @@ _library.define("q4_eagle_draft(Tensor hidden, Tensor table, Tensor cos, Tensor 
                 " bool norm_before_residual, Tensor[] norms, Tensor[] tiles, int[] outs, float[] temperatures,"
                 " int[] top_ks, float[] top_ps, int max_support, Tensor? uniforms)"
                 " -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+# a sampled draft token's q from one float32 row of logits (speculative.sampling.draft_token's support)
+_library.define("q4_draft_support(Tensor row, float temperature, int top_k, float top_p, int max_support,"
+                " float p_min, Tensor? allowed=None) -> (Tensor, Tensor)")
 
 
 def cflags(openmp: bool = True) -> list[str]:
@@ -158,6 +161,24 @@ def _build(openmp: bool) -> None:
     wait_for_build_lock(directory / "lock")
     load_extension(name=directory.name, sources=[str(SOURCE)], build_directory=str(directory),
                    extra_cflags=cflags(openmp), is_python_module=False, verbose=False)
+
+
+def draft_support(row: torch.Tensor, params, p_min: float, max_support: int,
+                  allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """speculative.sampling.draft_token's q for a sampled draft token from one row of logits [V] in one
+    call of the kernel (q4_draft_support: the top `max_support` ids by one heap pass, top-k's mass in one
+    vectorised sum of exponentials): -> (ids, q), or None where the draft stops. The row must be float32
+    on the CPU and the kernel built (`available()`); SmolLM2's 49,152 ids on 2 Xeon cores: ~0.03 ms
+    against ~0.25 for torch's ops."""
+    ids, q = torch.ops.specdec.q4_draft_support(row.float(), float(params.temperature), int(params.top_k),
+                                                float(params.top_p), max_support, float(p_min), allowed)
+    return (ids, q) if ids.numel() else None
+
+
+def draft_support_on(device: torch.device | str):
+    """draft_support where a draft's rows are on the CPU and the kernel is built, else None (then
+    draft_token computes q with torch's ops)."""
+    return draft_support if torch.device(device).type == "cpu" and available() else None
 
 
 def wait_for_build_lock(lock: Path, stale_s: float = STALE_LOCK_S, poll_s: float = 0.5) -> None:

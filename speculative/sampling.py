@@ -261,8 +261,8 @@ def decode_supports(
     return supports_to_tensors(*check_supports(num_tokens, sizes, ids, probs, vocab), device)
 
 
-def draft_token(row: torch.Tensor, params, p_min: float, max_support: int,
-                generator: torch.Generator | None) -> tuple[int, torch.Tensor | None, torch.Tensor | None] | None:
+def draft_token(row: torch.Tensor, params, p_min: float, max_support: int, generator: torch.Generator | None,
+                support=None) -> tuple[int, torch.Tensor | None, torch.Tensor | None] | None:
     """A draft's next token from its logits `row` [V]: the argmax (greedy) or a draw from its sparse
     support -> (token, support ids, q), ids and q None when greedy; None where the draft's top
     probability (greedy: of softmax(row); sampled: of p after temperature and top-k, before top-p)
@@ -273,11 +273,21 @@ def draft_token(row: torch.Tensor, params, p_min: float, max_support: int,
     support is the row's top `max_support` tokens (one torch.topk), and p there needs only the mass
     of the tokens top-k keeps (one sum of exponentials); top-p's cut is a prefix of them, or lies past
     them, where the support ends anyway (`make bench-sampling`, 2 Xeon cores, the EAGLE head's 11,264
-    ids: ~105 us a token as building p over the row took; with top_p 0.9 ~160 against ~980)."""
+    ids: ~105 us a token as building p over the row took; with top_p 0.9 ~160 against ~980).
+
+    support: a function computing the sampled q as this does, (row, params, p_min, max_support) -> (ids, q)
+    or None where the draft stops (a model service's kernel, model_service.q4_kernel.draft_support); the
+    token is then drawn from it here, with the generator's one uniform."""
     if params.greedy:
         if p_min > 0 and float(torch.softmax(row.float(), -1).max()) < p_min:
             return None
         return argmax_rows(row), None, None
+    if support is not None:
+        found = support(row, params, p_min, max_support)
+        if found is None:
+            return None
+        ids, q = found
+        return int(ids[sample(q, generator)]), ids, q
     row = row.float()
     vocab = row.shape[-1]
     kept = params.top_k if 0 < params.top_k < vocab else vocab  # the tokens top-k keeps

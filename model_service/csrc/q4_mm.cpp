@@ -1493,15 +1493,14 @@ std::tuple<at::Tensor, at::Tensor> q4_eagle_step(const at::Tensor& embeds_in, co
   return {out, scores};
 }
 
-// A sampled draft token from one row of logits [V] (speculative.sampling.draft_token's sampled branch,
-// over the ids `allowed` lets it draw, none where null): temperature, top-k (0: off) and top-p keep the
-// logits' order, so q's support is the row's top min(max_support, kept) ids, p there their softmax over
-// the ids top-k keeps (at temperature), cut where the mass before a token reaches top_p; q is p renormalised
-// over what is left and the token the first whose cumulative q (double) exceeds u times q's total, u a
-// uniform in [0, 1). Ties between logits go to the lower id. -> the draft id drawn, -1 where the draft
-// stops (p's top under p_min, or no id with probability); ids and q get the support (n entries, q > 0).
-int64_t draw_sampled(const float* row, int64_t V, const bool* allowed, double temperature, int64_t top_k,
-                     double top_p, int64_t max_support, double p_min, double u, std::vector<int64_t>& ids,
+// A sampled draft token's q from one row of logits [V] (speculative.sampling.draft_token's sampled
+// branch, over the ids `allowed` lets it draw, none where null): temperature, top-k (0: off) and top-p
+// keep the logits' order, so q's support is the row's top min(max_support, kept) ids, p there their
+// softmax over the ids top-k keeps (at temperature), cut where the mass before a token reaches top_p; q
+// is p renormalised over what is left. Ties between logits go to the lower id. -> whether the draft draws
+// (false: p's top under p_min, or no id with probability); ids and q get the support (q > 0, descending).
+bool sampled_support(const float* row, int64_t V, const bool* allowed, double temperature, int64_t top_k,
+                     double top_p, int64_t max_support, double p_min, std::vector<int64_t>& ids,
                      std::vector<float>& q) {
   ids.clear();
   q.clear();
@@ -1512,7 +1511,7 @@ int64_t draw_sampled(const float* row, int64_t V, const bool* allowed, double te
     x[v] = ok ? row[v] : -INFINITY;
     n_ok += ok;
   }
-  if (n_ok == 0) return -1;
+  if (n_ok == 0) return false;
   const int64_t kept = std::min<int64_t>(top_k > 0 && top_k < V ? top_k : V, n_ok);
   const int64_t m = std::min<int64_t>(std::max<int64_t>(max_support, 1), kept);
   // the top m (value, id), best first: one pass keeping a heap of them whose front is the worst (an id
@@ -1557,7 +1556,7 @@ int64_t draw_sampled(const float* row, int64_t V, const bool* allowed, double te
   }
   std::vector<float> p(m);
   for (int64_t i = 0; i < m; ++i) p[i] = static_cast<float>(std::exp((top[i].first - shift) / t) / mass);
-  if (p_min > 0 && !(p[0] >= p_min)) return -1;
+  if (p_min > 0 && !(p[0] >= p_min)) return false;
   double before_mass = 0, total = 0;
   for (int64_t i = 0; i < m; ++i) {
     const float pi = p[i];
@@ -1569,13 +1568,17 @@ int64_t draw_sampled(const float* row, int64_t V, const bool* allowed, double te
       total += pi;
     }
   }
-  if (ids.empty() || !(total > 0)) return -1;
-  double cdf_total = 0;
-  for (float& qi : q) {
-    qi = static_cast<float>(qi / total);
-    cdf_total += qi;
-  }
-  const double target = u * cdf_total;
+  if (ids.empty() || !(total > 0)) return false;
+  for (float& qi : q) qi = static_cast<float>(qi / total);
+  return true;
+}
+
+// A draw from q (sampled_support's) with the uniform u in [0, 1): the first id whose cumulative q
+// (double) exceeds u times q's total, as speculative.sampling.sample draws.
+int64_t draw_from(const std::vector<int64_t>& ids, const std::vector<float>& q, double u) {
+  double total = 0;
+  for (const float qi : q) total += qi;
+  const double target = u * total;
   double cdf = 0;
   for (size_t i = 0; i < q.size(); ++i) {
     cdf += q[i];
@@ -1586,11 +1589,40 @@ int64_t draw_sampled(const float* row, int64_t V, const bool* allowed, double te
   return -1;
 }
 
+// sampled_support for one row [V] of float32 logits as tensors: (ids int64, q float32), both empty
+// where the draft stops; `allowed` (bool [V]) the ids it may draw, all where none
+std::tuple<at::Tensor, at::Tensor> q4_draft_support(const at::Tensor& row_in, double temperature, int64_t top_k,
+                                                    double top_p, int64_t max_support, double p_min,
+                                                    const std::optional<at::Tensor>& allowed_in) {
+  TORCH_CHECK(row_in.dim() == 1 && row_in.scalar_type() == at::kFloat, "q4_draft_support: a float32 row [V]");
+  TORCH_CHECK(temperature > 0 && top_p > 0 && top_p <= 1 && max_support >= 1,
+              "q4_draft_support: temperature > 0, top_p in (0, 1], max_support >= 1");
+  const at::Tensor row = row_in.contiguous();
+  const int64_t V = row.size(0);
+  at::Tensor allowed;
+  if (allowed_in.has_value() && allowed_in->defined()) {
+    allowed = allowed_in->to(at::kBool).contiguous();
+    TORCH_CHECK(allowed.dim() == 1 && allowed.size(0) == V, "q4_draft_support: allowed must have ", V, " entries");
+  }
+  std::vector<int64_t> ids;
+  std::vector<float> q;
+  if (!sampled_support(row.data_ptr<float>(), V, allowed.defined() ? allowed.data_ptr<bool>() : nullptr, temperature,
+                       top_k, top_p, max_support, p_min, ids, q)) {
+    ids.clear();
+    q.clear();
+  }
+  at::Tensor ids_out = at::empty({static_cast<int64_t>(ids.size())}, row.options().dtype(at::kLong));
+  at::Tensor q_out = at::empty({static_cast<int64_t>(q.size())}, row.options());
+  std::copy(ids.begin(), ids.end(), ids_out.data_ptr<int64_t>());
+  std::copy(q.begin(), q.end(), q_out.data_ptr<float>());
+  return {ids_out, q_out};
+}
+
 // A draft of up to ks[s] tokens for each of S sequences, each token a q4_eagle_step: from the last
 // row's out_hidden (hidden [S, D]) its logits (output_layer); where temperatures[s] is 0 the argmax over
 // the draft ids `known` allows (all where none; the first maximum on ties), stopping where its
-// probability is under p_mins[s] (the softmax over those ids), else a draw (draw_sampled: at that
-// temperature, top_ks[s], top_ps[s], q over at most max_support ids, the uniform uniforms[s, t], float64
+// probability is under p_mins[s] (the softmax over those ids), else a draw (sampled_support and draw_from:
+// at that temperature, top_ks[s], top_ps[s], q over at most max_support ids, the uniform uniforms[s, t], float64
 // [S, max k]); mapped to the target's vocabulary by target_ids; then, while
 // a sequence wants more, one step of all of them (token's embedding from `table` [V, D], the row's
 // position's cos and sin from the RoPE tables, the caches' next row at pasts[s] + t, position
@@ -1678,8 +1710,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> q4_eagle_
       const int64_t s = active[i];
       const float* row = lp + static_cast<int64_t>(i) * V;
       if (temperatures[s] > 0) {
-        const int64_t drawn = draw_sampled(row, V, allowed, temperatures[s], top_ks[s], top_ps[s], M, p_mins[s],
-                                           uniforms.data_ptr<double>()[s * uniforms.size(1) + t], drawn_ids, drawn_q);
+        if (!sampled_support(row, V, allowed, temperatures[s], top_ks[s], top_ps[s], M, p_mins[s], drawn_ids,
+                             drawn_q))
+          continue;
+        const int64_t drawn = draw_from(drawn_ids, drawn_q, uniforms.data_ptr<double>()[s * uniforms.size(1) + t]);
         if (drawn < 0) continue;
         int64_t* sp = support.data_ptr<int64_t>() + (s * kmax + t) * M;
         float* qp = q_out.data_ptr<float>() + (s * kmax + t) * M;
@@ -1769,4 +1803,5 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("q4_layers_capturing", &q4_layers_capturing);
   m.impl("q4_eagle_step", &q4_eagle_step);
   m.impl("q4_eagle_draft", &q4_eagle_draft);
+  m.impl("q4_draft_support", &q4_draft_support);
 }

@@ -462,6 +462,49 @@ print("ok", q4_kernel.path())
     assert done.stdout.strip().endswith(f"ok {expected}"), done.stdout
 
 
+def test_the_kernels_sampled_draft_support_is_draft_tokens():
+    """q4_kernel.draft_support (q4_draft_support: one call) gives the q speculative.sampling.draft_token
+    computes with torch's ops, for temperatures, top-k under and over the support, top-p inside and past
+    it, a support cut short, rows with masked (-inf) tokens or an `allowed` mask, at 3,000 and 11,264
+    ids; the same p_min stops; nothing allowed drafts nothing; and draft_token given it draws the token
+    the torch way draws from the same generator state, with as many uniforms."""
+    from speculative.protocol import SamplingParams
+    from speculative.sampling import draft_token
+
+    if not q4_kernel.available():
+        pytest.skip("specdec's int4 kernel is not built here")
+    g = torch.Generator().manual_seed(21)
+    checked = 0
+    for vocab, support in ((3000, 64), (11264, 64), (3000, 7)):
+        for temperature in (0.3, 0.7, 1.5):
+            for top_k in (0, 5, 100, vocab):
+                for top_p in (1.0, 0.9, 0.3):
+                    row = torch.randn(vocab, generator=g) * 3
+                    row[torch.randperm(vocab, generator=g)[:500]] = float("-inf")
+                    allowed = torch.rand(vocab, generator=g) > 0.2 if checked % 2 else None
+                    masked = row if allowed is None else row.masked_fill(~allowed, float("-inf"))
+                    params = SamplingParams(temperature, top_k=top_k, top_p=top_p)
+                    ids, q = q4_kernel.draft_support(row, params, 0.0, support, allowed)
+                    state = g.get_state()
+                    token, want_ids, want_q = draft_token(masked, params, 0.0, support, g)
+                    assert torch.equal(ids, want_ids), (vocab, temperature, top_k, top_p)
+                    assert torch.allclose(q, want_q, rtol=1e-5, atol=1e-7)
+                    after = g.get_state()
+                    g.set_state(state)
+                    assert draft_token(masked, params, 0.0, support, g, q4_kernel.draft_support)[0] == token
+                    assert torch.equal(g.get_state(), after)
+                    kept = masked.sub(masked.max()).div(temperature).topk(top_k or vocab).values
+                    top = float(torch.softmax(kept, -1)[0])  # p's top before top-p
+                    for p_min in (top * 0.99, top * 1.01):
+                        assert (q4_kernel.draft_support(row, params, p_min, support, allowed) is None) == (p_min > top)
+                    checked += 1
+    assert checked == 108
+    nothing = torch.full((3000,), float("-inf"))
+    assert q4_kernel.draft_support(nothing, SamplingParams(0.7), 0.0, 64) is None
+    none_allowed = torch.zeros(3000, dtype=torch.bool)
+    assert q4_kernel.draft_support(torch.randn(3000), SamplingParams(0.7), 0.0, 64, none_allowed) is None
+
+
 def test_a_build_lock_left_by_a_killed_build_is_waited_out_then_removed(tmp_path):
     """torch waits for its build lock without end; a killed build leaves it behind: the kernel's load
     removes one older than STALE_LOCK_S at once, waits for a younger one until it is gone (another
