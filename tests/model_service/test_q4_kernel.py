@@ -423,8 +423,8 @@ def _cpu_flags() -> set[str]:
 def test_every_path_of_the_kernel_computes_the_same(tmp_path, extra):
     """The kernel's other paths, built here with the wider instruction sets turned off (AVX2; plain
     C++), pass the same checks as the one this machine builds by default (int4 and float32
-    products, the layer loop, an EAGLE head's fused step and one-call draft): machines of this kind differ
-    (some have AVX2 only)."""
+    products, the layer loop, an EAGLE head's fused step and one-call draft, a sampled draft token's q):
+    machines of this kind differ (some have AVX2 only)."""
     expected = "avx2" if "-mno-avx2" not in extra and {"avx2", "fma", "f16c"} <= _cpu_flags() else "scalar"
     code = f"""
 import pathlib, tempfile
@@ -453,6 +453,7 @@ for shape in [{{"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 
     e.test_the_fused_int4_step_computes_the_op_by_op_step(shape)
 from tests.model_service import test_eagle as d
 d.test_sessions_drafted_in_one_call_match_the_step_by_step_loop(pathlib.Path(tempfile.mkdtemp()), False)
+t.test_the_kernels_sampled_draft_support_is_draft_tokens()
 print("ok", q4_kernel.path())
 """
     env = dict(os.environ, SPECDEC_Q4_CFLAGS=extra, SPECDEC_EXTENSIONS=str(tmp_path / "ext"))
