@@ -167,9 +167,9 @@ def draft_support(row: torch.Tensor, params, p_min: float, max_support: int,
                   allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """speculative.sampling.draft_token's q for a sampled draft token from one row of logits [V] in one
     call of the kernel (q4_draft_support: the top `max_support` ids by one heap pass, top-k's mass in one
-    vectorised sum of exponentials): -> (ids, q), or None where the draft stops. The row must be float32
-    on the CPU and the kernel built (`available()`); SmolLM2's 49,152 ids on 2 Xeon cores: ~0.03 ms
-    against ~0.25 for torch's ops."""
+    vectorised sum of exponentials): -> (ids, q), or None where the draft stops. The row must be on the CPU
+    and the kernel built (`available()`). The distilled draft's sampled K = 4 call over SmolLM2's 49,152 ids
+    (int4, 1 Xeon core): 5.33 -> ~4.1 ms against torch's ops."""
     ids, q = torch.ops.specdec.q4_draft_support(row.float(), float(params.temperature), int(params.top_k),
                                                 float(params.top_p), max_support, float(p_min), allowed)
     return (ids, q) if ids.numel() else None
