@@ -365,7 +365,7 @@ class EagleDraft:
             if s in generator_states:  # the uniforms it used, as the loop draws them
                 session.generator.set_state(generator_states[s])
                 torch.rand(len(tokens), dtype=torch.float64, generator=session.generator)
-        return [j for j in drafting if j not in set(fused)]
+        return [j for j in drafting if live[j][2].grammar is not None]
 
     def _copy(self, call: ProposeCall, session: Session, tokens: list[int]) -> bool:
         """The lookup (the module docstring): up to k tokens copied into `tokens` and the session,

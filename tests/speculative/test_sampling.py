@@ -197,6 +197,19 @@ def test_rejection_sample_greedy():
     assert rejection_sample(p[:1], torch.tensor([], dtype=torch.long), [], [], g) == (0, 2)  # no draft: plain step
 
 
+def _supports_holding(draft: torch.Tensor, g: torch.Generator, others: int, floor: float):
+    """Random q supports, one a draft token: the token and up to `others` random ids, each with a random
+    probability of at least about `floor`, renormalised. -> (q_ids, q_probs)"""
+    q_ids, q_probs = [], []
+    for x in draft.tolist():
+        extra = torch.randperm(V, generator=g)[:others]
+        ids = torch.cat([torch.tensor([x]), extra[extra != x]])
+        q = torch.rand(len(ids), generator=g) + floor
+        q_ids.append(ids)
+        q_probs.append(q / q.sum())
+    return q_ids, q_probs
+
+
 def test_greedy_verify_is_rejection_sampling_of_one_hot_p():
     """The greedy shortcut returns what rejection_sample returns on temperature-0 p, for random
     logits with ties (small integers), random drafts mostly matching the argmax, and random q
@@ -209,13 +222,7 @@ def test_greedy_verify_is_rejection_sampling_of_one_hot_p():
         logits = torch.randint(0, 4, (k + 1, V), generator=g).float()  # many ties
         best = logits.argmax(-1)
         draft = torch.where(torch.rand(k, generator=g) < 0.7, best[:k], torch.randint(0, V, (k,), generator=g))
-        q_ids, q_probs = [], []
-        for x in draft.tolist():
-            others = torch.randperm(V, generator=g)[:3]
-            ids = torch.cat([torch.tensor([x]), others[others != x]])
-            q = torch.rand(len(ids), generator=g) + 0.1
-            q_ids.append(ids)
-            q_probs.append(q / q.sum())
+        q_ids, q_probs = _supports_holding(draft, g, 3, 0.1)
         expected = rejection_sample(logits_to_probs(logits, greedy), draft, q_ids, q_probs, g)
         assert greedy_verify(logits, draft.tolist()) == expected
         cases += 1
@@ -313,13 +320,7 @@ def test_rejection_sampling_over_rows_computed_as_read_returns_the_same_and_read
         p = logits_to_probs(logits, params)
         draft = torch.where(torch.rand(k, generator=g) < 0.6, torch.multinomial(p[:k], 1, generator=g)[:, 0],
                             torch.randint(0, V, (k,), generator=g)) if k else torch.zeros(0, dtype=torch.long)
-        q_ids, q_probs = [], []
-        for x in draft.tolist():
-            others = torch.randperm(V, generator=g)[:4]
-            ids = torch.cat([torch.tensor([x]), others[others != x]])
-            q = torch.rand(len(ids), generator=g) + 0.05
-            q_ids.append(ids)
-            q_probs.append(q / q.sum())
+        q_ids, q_probs = _supports_holding(draft, g, 4, 0.05)
         seed = int(torch.randint(0, 2**31, (1,), generator=g))
         expected = rejection_sample(p, draft, q_ids, q_probs, torch.Generator().manual_seed(seed))
         rows = ProbRows(logits, params)
