@@ -59,9 +59,12 @@ def runner_alone(target_dir, prompts, temperature: float, new_tokens: int, eos: 
     """The target decoding alone on specdec's ModelRunner, one token per forward (`quantize`: its
     --quantize); each prompt's generated ids appended to `outputs` when given.
     -> (tokens, seconds, bytes of weights one pass reads)"""
+    from model_service import q4_kernel
     from speculative.sampling import logits_to_probs, sample
 
     runner = ModelRunner(target_dir, quantize=quantize)
+    to_probs, draw = q4_kernel.sampling_on(runner.device)  # (the target service's sampling)
+    to_probs = to_probs or logits_to_probs
     weight_bytes = runner.fast.weight_bytes() if runner.fast is not None else 0
     generated, start = 0, time.perf_counter()
     for i, prompt in enumerate(prompts):
@@ -71,7 +74,7 @@ def runner_alone(target_dir, prompts, temperature: float, new_tokens: int, eos: 
         for _ in range(new_tokens):
             logits = runner.forward(session)[-1]
             # greedy: the argmax, as the target service takes it (no one-hot distribution to sample)
-            token = int(logits.argmax()) if params.greedy else sample(logits_to_probs(logits, params), session.generator)
+            token = int(logits.argmax()) if params.greedy else sample(to_probs(logits, params), session.generator, draw)
             session.tokens.append(token)
             generated += 1
             if token in eos:

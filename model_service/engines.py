@@ -174,6 +174,11 @@ class TargetEngine(RunnerEngine):
     copies nothing. Where the context repeats itself (input-grounded requests) a pass then commits
     several tokens."""
 
+    def __init__(self, runner: ModelRunner, max_tokens: int = 16):
+        super().__init__(runner, max_tokens)
+        # a sampled row's p and a draw from it in one kernel call each where the rows are on the CPU
+        self._to_probs, self._draw = q4_kernel.sampling_on(runner.device)
+
     def verify(self, call: VerifyCall) -> tuple[Verdict, Cost]:
         return one_result(self.verify_many([call]))
 
@@ -239,7 +244,8 @@ class TargetEngine(RunnerEngine):
         if params.greedy:
             return greedy_verify(rows, drafted)
         draft = torch.tensor(drafted, dtype=torch.long, device=self.runner.device)
-        return rejection_sample(ProbRows(rows, params), draft, q_ids, q_probs, session.generator)
+        return rejection_sample(ProbRows(rows, params, self._to_probs), draft, q_ids, q_probs, session.generator,
+                                self._draw)
 
     def _copy(self, session: Session, most: int) -> list[int]:
         """Up to `most` tokens copied from the session's context (prompt lookup, the class

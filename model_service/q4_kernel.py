@@ -84,6 +84,9 @@ _library.define("q4_eagle_draft(Tensor hidden, Tensor table, Tensor cos, Tensor 
 # a sampled draft token's q from one float32 row of logits (speculative.sampling.draft_token's support)
 _library.define("q4_draft_support(Tensor row, float temperature, int top_k, float top_p, int max_support,"
                 " float p_min, Tensor? allowed=None) -> (Tensor, Tensor)")
+# the target's p from float32 logits [..., V] (speculative.sampling.logits_to_probs, sampled), and a draw from p
+_library.define("q4_target_probs(Tensor logits, float temperature, int top_k, float top_p) -> Tensor")
+_library.define("q4_sample(Tensor probs, float u) -> int")
 
 
 def cflags(openmp: bool = True) -> list[str]:
@@ -179,6 +182,27 @@ def draft_support_on(device: torch.device | str):
     """draft_support where a draft's rows are on the CPU and the kernel is built, else None (then
     draft_token computes q with torch's ops)."""
     return draft_support if torch.device(device).type == "cpu" and available() else None
+
+
+def target_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    """speculative.sampling.logits_to_probs for sampled params (temperature > 0) in one call of the kernel
+    (q4_target_probs: the softmax's exponentials vectorised; top-p's cut sought among the tokens of
+    probability >= 1e-3 first, not a torch.topk of 256): logits [..., V] on the CPU, float32 out."""
+    return torch.ops.specdec.q4_target_probs(logits.float(), float(params.temperature), int(params.top_k),
+                                             float(params.top_p))
+
+
+def draw(probs: torch.Tensor, u: float) -> int:
+    """speculative.sampling.sample's draw from p [V] (float32, on the CPU) with the uniform u in one call of the
+    kernel (q4_sample: sums 16 ids at a time, then id by id in the block the draw lies in). -> the id, or -1
+    where p's total is not a positive finite number."""
+    return torch.ops.specdec.q4_sample(probs, u)
+
+
+def sampling_on(device: torch.device | str):
+    """(target_probs, draw) where the target's rows are on the CPU and the kernel is built, else (None, None)
+    (then speculative.sampling computes p and draws with torch's ops)."""
+    return (target_probs, draw) if torch.device(device).type == "cpu" and available() else (None, None)
 
 
 def wait_for_build_lock(lock: Path, stale_s: float = STALE_LOCK_S, poll_s: float = 0.5) -> None:

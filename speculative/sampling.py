@@ -69,11 +69,18 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return probs / probs.sum(-1, keepdim=True)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+def sample(probs: torch.Tensor, generator: torch.Generator | None, draw=None) -> int:
     """One token from a [V] distribution (non-negative, any positive total): the first whose
     cumulative mass (float64) exceeds one uniform draw of the generator times the total, so a token
     of probability 0 is never drawn. torch.multinomial draws one exponential per token instead
-    (49,152 for SmolLM2): ~1.2 ms a token on 2 Xeon cores, against ~0.05."""
+    (49,152 for SmolLM2): ~1.2 ms a token on 2 Xeon cores, against ~0.05. draw(probs, u) -> the id
+    (-1: no positive finite total), where given and the row is float32 on the CPU: the same draw in one
+    call (model_service.q4_kernel.draw: ~15 us, the sums 16 ids at a time)."""
+    if draw is not None and probs.device.type == "cpu" and probs.dtype == torch.float32:
+        i = draw(probs, float(torch.rand(1, dtype=torch.float64, generator=generator)))
+        if i < 0:
+            raise ValueError(f"cannot sample from a distribution of total mass {float(probs.double().sum())}")
+        return i
     cdf = probs.double().cumsum(-1)
     total = float(cdf[-1])
     if not 0.0 < total < float("inf"):
@@ -100,10 +107,13 @@ class ProbRows:
     """logits_to_probs(logits, params) for logits [R, V], each row computed when first read (`rows[i]`):
     rejection sampling reads the rows only up to its first rejection, ~1.3 of a K = 4 verify's 5 at an
     acceptance of 0.25, and a row of p costs its softmax and top-k or top-p (SmolLM2's 49,152 ids on 2
-    Xeon cores: ~0.07 ms a row at top_p 1, ~0.4-0.8 ms with top-p 0.9's cut: `make bench-sampling`)."""
+    Xeon cores: ~0.07 ms a row at top_p 1, ~0.4-0.8 ms with top-p 0.9's cut: `make bench-sampling`).
+    to_probs(logits, params): how a row is computed (logits_to_probs where not given; the target service
+    passes the kernel's model_service.q4_kernel.target_probs, ~0.04-0.06 ms a row, where it is built)."""
 
-    def __init__(self, logits: torch.Tensor, params: SamplingParams):
+    def __init__(self, logits: torch.Tensor, params: SamplingParams, to_probs=None):
         self.logits, self.params = logits, params
+        self.to_probs = to_probs or logits_to_probs
         self.device = logits.device
         self._rows: dict[int, torch.Tensor] = {}
 
@@ -113,7 +123,7 @@ class ProbRows:
     def __getitem__(self, i: int) -> torch.Tensor:
         row = self._rows.get(i)
         if row is None:
-            row = self._rows[i] = logits_to_probs(self.logits[i], self.params)
+            row = self._rows[i] = self.to_probs(self.logits[i], self.params)
         return row
 
 
@@ -123,12 +133,14 @@ def rejection_sample(
     q_ids: list[torch.Tensor],
     q_probs: list[torch.Tensor],
     generator: torch.Generator | None,
+    draw=None,
 ) -> tuple[int, int]:
     """Verify K draft tokens against the target.
 
     p: [K+1, V] target distributions, or ProbRows computing them as read; row i is at draft position
        i, row K is the bonus position (rows past the first rejection are not read).
     draft_tokens: [K]; q_ids[i], q_probs[i]: [S_i], the support of q at position i.
+    draw: sample's (the kernel's draw, where given).
     Returns (accepted, token): the number of accepted draft tokens and the
     recovered token (accepted < K) or the bonus token (accepted == K).
     """
@@ -147,9 +159,9 @@ def rejection_sample(
                 residual.clamp_(min=0.0)
                 if residual.sum() <= 0:  # p == q up to rounding: rejection was a rounding event
                     residual = p_i
-                return i, sample(residual / residual.sum(), generator)
+                return i, sample(residual / residual.sum(), generator, draw)
     # every draft token accepted: bonus token ~ p at position K
-    return k, sample(p[k], generator)
+    return k, sample(p[k], generator, draw)
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int] | int:

@@ -1618,6 +1618,147 @@ std::tuple<at::Tensor, at::Tensor> q4_draft_support(const at::Tensor& row_in, do
   return {ids_out, q_out};
 }
 
+// (value, id) of each value of p [V] at or above `at`, in id order: 16 compared at a time where AVX-512 is
+// (most blocks hold none)
+inline void at_least(const float* p, int64_t V, float at, std::vector<std::pair<float, int64_t>>& out) {
+  int64_t v = 0;
+#if defined(Q4_AVX512)
+  const __m512 bound = _mm512_set1_ps(at);
+  for (; v + 16 <= V; v += 16) {
+    __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(p + v), bound, _CMP_GE_OQ);
+    while (hit) {
+      const int i = __builtin_ctz(hit);
+      out.emplace_back(p[v + i], v + i);
+      hit &= hit - 1;
+    }
+  }
+#endif
+  for (; v < V; ++v)
+    if (p[v] >= at) out.emplace_back(p[v], v);
+}
+
+// The target's p for one row of float32 logits x [V] into p [V] (speculative.sampling.logits_to_probs, not
+// greedy): (x - the largest) / temperature; top-k (0 < top_k < V) keeps the values at or above the k-th
+// largest; the softmax; top-p (< 1) keeps, in descending order, each token whose mass before it is under
+// top_p, renormalised. The cut's tokens are sought among those of probability >= 1e-3 first (at most a
+// thousand), lower while their mass falls short of top_p; below (1 - top_p) / V, where the rest's mass
+// cannot reach 1 - top_p, they hold it; past that (rounding), every token of nonzero probability. Ties in
+// the cut go to the lower id; a probability under ~1e-30 is 0 (LOW below). A row with a NaN or no finite
+// largest value comes out NaN, as torch's arithmetic gives.
+void target_probs_row(const float* x, int64_t V, double temperature, int64_t top_k, double top_p, float* p) {
+  const float largest = max_of(x, V);
+  if (!std::isfinite(largest)) {  // (no finite value; a NaN among finite ones shows in the sum below)
+    std::fill(p, p + V, NAN);
+    return;
+  }
+  // (x - the largest) / temperature, at least LOW: exp(LOW) ~ 1e-30 is a normal float, and a token whose
+  // exponential falls under it gets probability 0 (torch's softmax gives it a subnormal or 0: a total under
+  // V * 1e-30). No subnormal is then made: each would cost a microcode assist (~100 cycles here).
+  constexpr float LOW = -69.f, ZERO_UNDER = 1.1e-30f;
+  const float scale = static_cast<float>(1.0 / temperature);
+  for (int64_t v = 0; v < V; ++v) p[v] = std::max((x[v] - largest) * scale, LOW);  // (a NaN stays NaN)
+  if (top_k > 0 && top_k < V) {  // the k-th largest: one pass keeping a heap of the top k, the least in front
+    std::vector<float> top(p, p + top_k);
+    std::make_heap(top.begin(), top.end(), std::greater<float>());
+    for (int64_t v = top_k; v < V; ++v)
+      if (p[v] > top.front()) {
+        std::pop_heap(top.begin(), top.end(), std::greater<float>());
+        top.back() = p[v];
+        std::push_heap(top.begin(), top.end(), std::greater<float>());
+      }
+    const float kth = top.front();
+    for (int64_t v = 0; v < V; ++v) p[v] = p[v] < kth ? LOW : p[v];
+  }
+  const float sum = exp_sum(p, V, 0.f);  // (the largest is 0: its exp is 1, the sum >= 1)
+  if (std::isnan(sum)) {
+    std::fill(p, p + V, NAN);
+    return;
+  }
+  const float inv = 1.f / sum;
+  for (int64_t v = 0; v < V; ++v) p[v] = p[v] < ZERO_UNDER ? 0.f : p[v] * inv;
+  if (!(top_p < 1.0)) return;
+  using Entry = std::pair<float, int64_t>;
+  std::vector<Entry> kept;
+  const double floor = (1.0 - top_p) / static_cast<double>(V);
+  for (double threshold = std::max(1e-3, floor);; threshold = std::max(threshold / 64, floor)) {
+    const float at = static_cast<float>(threshold);
+    kept.clear();
+    at_least(p, V, at, kept);
+    double mass = 0;
+    for (const Entry& entry : kept) mass += entry.first;
+    if (mass >= top_p) break;
+    if (threshold <= floor) {  // (rounding): every token of nonzero probability
+      kept.clear();
+      for (int64_t v = 0; v < V; ++v)
+        if (p[v] > 0) kept.emplace_back(p[v], v);
+      break;
+    }
+  }
+  std::sort(kept.begin(), kept.end(), [](const Entry& a, const Entry& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  });
+  // the mass before a token as nucleus() computes it: torch's cumsum (double sums, as floats) less the token,
+  // against top_p as a float
+  const float cut = static_cast<float>(top_p);
+  double before = 0, total = 0;
+  size_t n = 0;
+  for (; n < kept.size(); ++n) {
+    const float cum = static_cast<float>(before + kept[n].first);
+    if (cum - kept[n].first >= cut) break;
+    before += kept[n].first;
+    total += kept[n].first;
+  }
+  std::fill(p, p + V, 0.f);
+  const float kept_mass = static_cast<float>(total);
+  for (size_t i = 0; i < n; ++i) p[kept[i].second] = kept[i].first / kept_mass;
+}
+
+// p (target_probs_row) for each row of float32 logits [R, V] or [V]
+at::Tensor q4_target_probs(const at::Tensor& logits_in, double temperature, int64_t top_k, double top_p) {
+  TORCH_CHECK(logits_in.dim() >= 1 && logits_in.scalar_type() == at::kFloat, "q4_target_probs: float32 logits [..., V]");
+  TORCH_CHECK(temperature > 0 && top_p > 0 && top_p <= 1 && top_k >= 0,
+              "q4_target_probs: temperature > 0, top_k >= 0, top_p in (0, 1]");
+  const at::Tensor logits = logits_in.contiguous();
+  at::Tensor probs = at::empty_like(logits);
+  const int64_t V = logits.size(-1), R = V ? logits.numel() / V : 0;
+  for (int64_t r = 0; r < R; ++r)
+    target_probs_row(logits.data_ptr<float>() + r * V, V, temperature, top_k, top_p, probs.data_ptr<float>() + r * V);
+  return probs;
+}
+
+// A draw from p [V] (float32, non-negative) with the uniform u in [0, 1) (speculative.sampling.sample): the
+// first id whose cumulative mass (double) exceeds u times the total, the sums taken 16 ids at a time to
+// find the block it lies in, then id by id; the last id of nonzero mass where u times the total rounds up
+// to it. -> the id, or -1 where the total is not a positive finite number.
+int64_t q4_sample(const at::Tensor& probs_in, double u) {
+  TORCH_CHECK(probs_in.dim() == 1 && probs_in.scalar_type() == at::kFloat, "q4_sample: a float32 row [V]");
+  const at::Tensor probs = probs_in.contiguous();
+  const float* p = probs.data_ptr<float>();
+  const int64_t V = probs.size(0), blocks = V / 16;
+  std::vector<double> sums(blocks);
+  double total = 0;
+  for (int64_t b = 0; b < blocks; ++b) {  // (eight independent pairs, then a tree: no chain of 16 adds)
+    const float* x = p + 16 * b;
+    double pair[8];
+    for (int i = 0; i < 8; ++i) pair[i] = static_cast<double>(x[i]) + static_cast<double>(x[i + 8]);
+    sums[b] = ((pair[0] + pair[4]) + (pair[2] + pair[6])) + ((pair[1] + pair[5]) + (pair[3] + pair[7]));
+    total += sums[b];
+  }
+  for (int64_t v = 16 * blocks; v < V; ++v) total += p[v];
+  if (!(total > 0 && total < INFINITY)) return -1;
+  const double target = u * total;
+  double cdf = 0;
+  int64_t v = 0;
+  for (int64_t b = 0; b < blocks && cdf + sums[b] <= target; ++b, v += 16) cdf += sums[b];
+  for (; v < V; ++v) {  // (past the block where rounding puts the crossing a block on, into the next)
+    cdf += p[v];
+    if (cdf > target) return v;
+  }
+  for (v = V; v-- > 0;)
+    if (p[v] > 0) return v;
+  return -1;
+}
+
 // A draft of up to ks[s] tokens for each of S sequences, each token a q4_eagle_step: from the last
 // row's out_hidden (hidden [S, D]) its logits (output_layer); where temperatures[s] is 0 the argmax over
 // the draft ids `known` allows (all where none; the first maximum on ties), stopping where its
@@ -1804,4 +1945,6 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("q4_eagle_step", &q4_eagle_step);
   m.impl("q4_eagle_draft", &q4_eagle_draft);
   m.impl("q4_draft_support", &q4_draft_support);
+  m.impl("q4_target_probs", &q4_target_probs);
+  m.impl("q4_sample", &q4_sample);
 }

@@ -423,7 +423,8 @@ def _cpu_flags() -> set[str]:
 def test_every_path_of_the_kernel_computes_the_same(tmp_path, extra):
     """The kernel's other paths, built here with the wider instruction sets turned off (AVX2; plain
     C++), pass the same checks as the one this machine builds by default (int4 and float32
-    products, the layer loop, an EAGLE head's fused step and one-call draft, a sampled draft token's q):
+    products, the layer loop, an EAGLE head's fused step and one-call draft, a sampled draft token's q,
+    the target's sampled p and a draw from it):
     machines of this kind differ (some have AVX2 only)."""
     expected = "avx2" if "-mno-avx2" not in extra and {"avx2", "fma", "f16c"} <= _cpu_flags() else "scalar"
     code = f"""
@@ -454,6 +455,8 @@ for shape in [{{"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 
 from tests.model_service import test_eagle as d
 d.test_sessions_drafted_in_one_call_match_the_step_by_step_loop(pathlib.Path(tempfile.mkdtemp()), False)
 t.test_the_kernels_sampled_draft_support_is_draft_tokens()
+t.test_the_kernels_target_probs_are_logits_to_probs()
+t.test_the_kernels_draw_is_samples_draw()
 print("ok", q4_kernel.path())
 """
     env = dict(os.environ, SPECDEC_Q4_CFLAGS=extra, SPECDEC_EXTENSIONS=str(tmp_path / "ext"))
@@ -504,6 +507,117 @@ def test_the_kernels_sampled_draft_support_is_draft_tokens():
     assert q4_kernel.draft_support(nothing, SamplingParams(0.7), 0.0, 64) is None
     none_allowed = torch.zeros(3000, dtype=torch.bool)
     assert q4_kernel.draft_support(torch.randn(3000), SamplingParams(0.7), 0.0, 64, none_allowed) is None
+
+
+def test_the_kernels_target_probs_are_logits_to_probs():
+    """q4_kernel.target_probs (q4_target_probs: one call) gives the p speculative.sampling.logits_to_probs
+    computes with torch's ops, for temperatures, top-k, top-p (its cut found among the likely tokens first,
+    lower while they fall short: a flat row takes it to every token), rows with masked (-inf) tokens and
+    logits spread past where exponentials underflow, at 3,000 and 49,152 ids, one row and several: the same
+    values up to float rounding, the same tokens kept but for those torch gives under 1e-30; a row with a
+    NaN, or with no finite logit, comes out NaN as torch's does."""
+    from speculative.protocol import SamplingParams
+    from speculative.sampling import logits_to_probs
+
+    if not q4_kernel.available():
+        pytest.skip("specdec's int4 kernel is not built here")
+    g = torch.Generator().manual_seed(22)
+    checked = 0
+    for vocab in (3000, 49152):
+        for temperature in (0.3, 0.7, 1.5):
+            for top_k in (0, 5, 100, vocab):
+                for top_p in (1.0, 0.95, 0.3):
+                    logits = torch.randn(2, vocab, generator=g) * 3
+                    logits[0, torch.randperm(vocab, generator=g)[:500]] = float("-inf")
+                    logits[1, :20] += 8  # a peaked row: the cut among the first candidates
+                    params = SamplingParams(temperature, top_k=top_k, top_p=top_p)
+                    for rows in (logits, logits[1]):
+                        got, want = q4_kernel.target_probs(rows, params), logits_to_probs(rows, params)
+                        assert got.shape == want.shape and got.dtype == torch.float32
+                        assert torch.allclose(got, want, rtol=1e-5, atol=1e-7), (vocab, temperature, top_k, top_p)
+                        assert torch.equal(got > 0, (want > 0) & ((want >= 1e-30) | (got > 0)))
+                        assert torch.allclose(got.sum(-1), torch.ones(()), atol=1e-5)
+                    checked += 1
+    assert checked == 72
+    flat = torch.linspace(0, 0.05, 5000)[torch.randperm(5000, generator=g)]  # top-p keeps ~90% of near-equal tokens:
+    for top_p in (0.9, 0.999):  # no threshold above the floor holds the cut
+        params = SamplingParams(1.0, top_p=top_p)
+        got, want = q4_kernel.target_probs(flat, params), logits_to_probs(flat, params)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-9) and torch.equal(got > 0, want > 0)
+        assert 0.85 * 5000 < int((got > 0).sum()) < 5000
+    for bad in (torch.tensor([0.0, float("nan"), 1.0]), torch.full((3,), float("-inf")),
+                torch.tensor([0.0, float("inf"), 1.0])):
+        assert torch.isnan(q4_kernel.target_probs(bad, SamplingParams(0.7))).all()
+        assert torch.isnan(logits_to_probs(bad, SamplingParams(0.7))).any()
+
+
+def test_the_kernels_draw_is_samples_draw():
+    """sample given q4_kernel.draw (q4_sample: sums 16 ids at a time, then id by id) draws the token the torch
+    way draws from the same generator state, taking one uniform: over dense and sparse rows, a one-hot row,
+    lengths not a multiple of 16, a row's ids of probability 0 never drawn, a uniform next to 1 the last id
+    of nonzero mass; a row of no positive finite total is refused both ways."""
+    from speculative.sampling import sample
+
+    if not q4_kernel.available():
+        pytest.skip("specdec's int4 kernel is not built here")
+    g = torch.Generator().manual_seed(23)
+    rows = [torch.softmax(torch.randn(49152, generator=g) * 2, -1), torch.rand(37, generator=g),
+            torch.zeros(1000).index_fill_(0, torch.tensor([999]), 1.0)]
+    sparse = torch.rand(4000, generator=g)
+    sparse[torch.rand(4000, generator=g) < 0.95] = 0
+    rows.append(sparse)
+    for p in rows:
+        drawn = set()
+        for _ in range(300):
+            state = g.get_state()
+            want = sample(p, g)
+            after = g.get_state()
+            g.set_state(state)
+            assert sample(p, g, q4_kernel.draw) == want
+            assert torch.equal(g.get_state(), after)
+            drawn.add(want)
+        assert all(p[i] > 0 for i in drawn)
+        assert q4_kernel.draw(p, 1 - 2 ** -53) == int(p.nonzero()[-1])
+        assert q4_kernel.draw(p, 0.0) == int(p.nonzero()[0])
+    for bad in (torch.zeros(40), torch.full((40,), float("nan")), torch.tensor([1.0, float("inf")] * 20)):
+        with pytest.raises(ValueError, match="total mass"):
+            sample(bad, g, q4_kernel.draw)
+        with pytest.raises(ValueError, match="total mass"):
+            sample(bad, g)
+
+
+def test_rejection_sampling_with_the_kernels_p_and_draw_emits_the_target_distribution():
+    """A sampled verify as the target service runs it where the kernel is built (ProbRows over
+    q4_kernel.target_probs, the draws by q4_kernel.draw): every emitted position is distributed as
+    logits_to_probs' p (temperature 0.8, top_p 0.9 over 40 ids), for a q far from it; chi-squared per
+    position at alpha = 1e-4 over 4,000 rounds. The draft's tokens uncorrected fail it."""
+    from speculative.protocol import SamplingParams
+    from speculative.sampling import ProbRows, draft_support, logits_to_probs, rejection_sample
+    from tests.stats import chi2_critical, chi2_stat
+
+    if not q4_kernel.available():
+        pytest.skip("specdec's int4 kernel is not built here")
+    g = torch.Generator().manual_seed(24)
+    vocab, k, params = 40, 2, SamplingParams(0.8, top_p=0.9)
+    logits = torch.randn(k + 1, vocab, generator=g) * 1.5
+    p = logits_to_probs(logits, params)
+    supports = [draft_support(torch.softmax(torch.randn(vocab, generator=g), -1), vocab) for _ in range(k)]
+    counts, reached, uncorrected = torch.zeros(k + 1, vocab), torch.zeros(k + 1), torch.zeros(vocab)
+    for _ in range(4000):
+        draft = torch.stack([ids[torch.multinomial(q, 1, generator=g)][0] for ids, q in supports])
+        uncorrected[draft[0]] += 1
+        accepted, token = rejection_sample(ProbRows(logits, params, q4_kernel.target_probs), draft,
+                                           [s[0] for s in supports], [s[1] for s in supports], g, q4_kernel.draw)
+        for j, t in enumerate(draft[:accepted].tolist() + [token]):
+            counts[j, t] += 1
+            reached[j] += 1
+    for j in range(k + 1):
+        if reached[j] >= 50:
+            stat, df = chi2_stat(counts[j], p[j])
+            assert stat < chi2_critical(df), f"position {j}: chi2 {stat:.1f} on {df} df"
+    assert float(uncorrected[p[0] == 0].sum()) > 0  # (tokens top-p cut: chi2_stat refuses them)
+    stat, df = chi2_stat(uncorrected.masked_fill(p[0] == 0, 0), p[0])
+    assert stat > 10 * chi2_critical(df)
 
 
 def test_a_build_lock_left_by_a_killed_build_is_waited_out_then_removed(tmp_path):
