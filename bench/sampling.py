@@ -7,13 +7,17 @@ A sampled token is drawn from p over the vocabulary (temperature, top-k, top-p:
 speculative/sampling.py), a sampled verify builds p for its K + 1 rows, a sampled draft token its
 q (the top 64 of its own p). On a small int4 target (~4 ms a pass on 2 CPU cores) this maths had
 cost as much as a pass. For each vocabulary size, rows per call and top_p this times (median of
---reps, after warm-up) each step as specdec takes it beside the whole-row way it replaced, on rows
-shaped like a chat model's at T = 0.7 (a peaked head of 20 tokens over a long random tail):
+--reps, after warm-up) each step three ways, in turn: in one call of specdec's kernel (where it is
+built: the services' way on the CPU), with torch's ops (its way elsewhere), and the whole-row way
+they replaced, on rows shaped like a chat model's at T = 0.7 (a peaked head of 20 tokens over a long
+random tail):
 
-  draw         sample (one uniform, inverse CDF)            against torch.multinomial
-  p            logits_to_probs (top-p among the top tokens) against a sort of the whole row
-  draft token  draft_token (the top 64 logits and a mass)   against p over the whole row, its top 64
-                                                            (draft_support), torch.multinomial
+  draw         sample: one uniform, inverse CDF             against torch.multinomial
+               (kernel: q4_kernel.draw)
+  p            logits_to_probs: top-p among the top tokens   against a sort of the whole row
+               (kernel: q4_kernel.target_probs)
+  draft token  draft_token: the top 64 logits and a mass     against p over the whole row, its top 64
+               (kernel: q4_kernel.draft_support)             (draft_support), torch.multinomial
 
 The draw and the draft token take one row (their callers' shape); p takes --rows rows. Writes a
 table to stdout and bench/results/sampling.json.
@@ -30,6 +34,7 @@ from pathlib import Path
 import torch
 
 from bench.systems import machine
+from model_service import q4_kernel
 from speculative.protocol import SamplingParams
 from speculative.sampling import draft_support, draft_token, logits_to_probs, sample
 
@@ -71,28 +76,39 @@ def timed_us(fn) -> float:
 
 def measure(vocab: int, rows: int, top_p: float, reps: int, one_row: bool = True) -> list[dict]:
     """The steps' rows for one vocabulary, row count and top_p (one_row: also the draw and the draft
-    token, which take one row): now and before, µs."""
+    token, which take one row): the kernel's way (where it is built), torch's and the way before, µs."""
     params = SamplingParams(TEMPERATURE, top_p=top_p)
     logits = chat_like_rows(rows, vocab)
     row = logits[0]
     p = logits_to_probs(row, params)
     g = torch.Generator().manual_seed(1)
+    kernel = q4_kernel.available()
     steps = {
-        "draw": (lambda: sample(p, g), lambda: int(torch.multinomial(p, 1, generator=g)), 1),
-        "p": (lambda: logits_to_probs(logits, params), lambda: probs_by_sorting(logits, params), rows),
-        "draft token": (lambda: draft_token(row, params, 0.0, SUPPORT, g), lambda: draft_as_it_was(row, params, g), 1),
+        "draw": {"kernel": lambda: sample(p, g, q4_kernel.draw), "torch": lambda: sample(p, g),
+                 "before": lambda: int(torch.multinomial(p, 1, generator=g))},
+        "p": {"kernel": lambda: q4_kernel.target_probs(logits, params), "torch": lambda: logits_to_probs(logits, params),
+              "before": lambda: probs_by_sorting(logits, params)},
+        "draft token": {"kernel": lambda: draft_token(row, params, 0.0, SUPPORT, g, q4_kernel.draft_support),
+                        "torch": lambda: draft_token(row, params, 0.0, SUPPORT, g),
+                        "before": lambda: draft_as_it_was(row, params, g)},
     }
     if not one_row:
         steps = {"p": steps["p"]}
     out = []
-    for step, (now, before, n) in steps.items():
+    for step, ways in steps.items():
+        if not kernel:
+            del ways["kernel"]
         for _ in range(3):  # warm-up
-            now(), before()
-        # each rep one of each, in turn, so that a drift in the machine's speed moves both alike
-        pair = [(timed_us(now), timed_us(before)) for _ in range(reps)]
-        now_us, before_us = (statistics.median(times) for times in zip(*pair))
-        out.append({"step": step, "vocab": vocab, "rows": n, "top_p": top_p, "now_us": now_us,
-                    "before_us": before_us, "x": before_us / now_us if now_us else 0.0})
+            for fn in ways.values():
+                fn()
+        # each rep one of each, in turn, so that a drift in the machine's speed moves them alike
+        times = {way: [] for way in ways}
+        for _ in range(reps):
+            for way, fn in ways.items():
+                times[way].append(timed_us(fn))
+        us = {way: statistics.median(t) for way, t in times.items()}
+        out.append({"step": step, "vocab": vocab, "rows": rows if step == "p" else 1, "top_p": top_p,
+                    "kernel_us": us.get("kernel"), "torch_us": us["torch"], "before_us": us["before"]})
     return out
 
 
@@ -110,15 +126,17 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     report = {"machine": machine(), "threads": torch.get_num_threads(), "temperature": TEMPERATURE, "rows": []}
     print(f"{report['machine']}; {report['threads']} threads; T = {TEMPERATURE}; µs, medians of {args.reps}\n")
-    print("| step | vocab | rows | top_p | now | before | before / now |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| step | vocab | rows | top_p | kernel | torch | before | torch / kernel | before / kernel |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for vocab in (int(v) for v in args.vocab.split(",")):
         for top_p in (float(t) for t in args.top_p.split(",")):
             for i, rows in enumerate(int(r) for r in args.rows.split(",")):
                 for r in measure(vocab, rows, top_p, args.reps, one_row=i == 0):
                     report["rows"].append(r)
-                    print(f"| {r['step']} | {vocab:,} | {r['rows']} | {top_p} | {r['now_us']:.0f} | "
-                          f"{r['before_us']:.0f} | {r['x']:.1f}x |", flush=True)
+                    k = r["kernel_us"]
+                    kernel = (f"{k:.0f}", f"{r['torch_us'] / k:.1f}x", f"{r['before_us'] / k:.1f}x") if k else ("-",) * 3
+                    print(f"| {r['step']} | {vocab:,} | {r['rows']} | {top_p} | {kernel[0]} | {r['torch_us']:.0f} | "
+                          f"{r['before_us']:.0f} | {kernel[1]} | {kernel[2]} |", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(f"\nwrote {args.out}")
