@@ -187,7 +187,12 @@ def draft_support_on(device: torch.device | str):
 def target_probs(logits: torch.Tensor, params) -> torch.Tensor:
     """speculative.sampling.logits_to_probs for sampled params (temperature > 0) in one call of the kernel
     (q4_target_probs: the softmax's exponentials vectorised; top-p's cut sought among the tokens of
-    probability >= 1e-3 first, not a torch.topk of 256): logits [..., V] on the CPU, float32 out."""
+    probability >= 1e-3 first, not a torch.topk of 256): logits [..., V] on the CPU, float32 out. Greedy
+    params: logits_to_probs' one-hot."""
+    if params.greedy:
+        from speculative.sampling import logits_to_probs
+
+        return logits_to_probs(logits, params)
     return torch.ops.specdec.q4_target_probs(logits.float(), float(params.temperature), int(params.top_k),
                                              float(params.top_p))
 

@@ -1655,8 +1655,12 @@ void target_probs_row(const float* x, int64_t V, double temperature, int64_t top
   // exponential falls under it gets probability 0 (torch's softmax gives it a subnormal or 0: a total under
   // V * 1e-30). No subnormal is then made: each would cost a microcode assist (~100 cycles here).
   constexpr float LOW = -69.f, ZERO_UNDER = 1.1e-30f;
-  const float scale = static_cast<float>(1.0 / temperature);
-  for (int64_t v = 0; v < V; ++v) p[v] = std::max((x[v] - largest) * scale, LOW);  // (a NaN stays NaN)
+  const float t = static_cast<float>(temperature), scale = 1.f / t;
+  if (std::isfinite(scale)) {
+    for (int64_t v = 0; v < V; ++v) p[v] = std::max((x[v] - largest) * scale, LOW);  // (a NaN stays NaN)
+  } else {  // a temperature under ~3e-39: 0 / t stays 0 for the largest, as torch divides
+    for (int64_t v = 0; v < V; ++v) p[v] = std::max((x[v] - largest) / t, LOW);
+  }
   if (top_k > 0 && top_k < V) {  // the k-th largest: one pass keeping a heap of the top k, the least in front
     std::vector<float> top(p, p + top_k);
     std::make_heap(top.begin(), top.end(), std::greater<float>());

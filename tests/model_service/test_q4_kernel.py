@@ -558,6 +558,16 @@ def test_the_kernels_target_probs_are_logits_to_probs():
         got, want = q4_kernel.target_probs(flat, params), logits_to_probs(flat, params)
         _same_p(got, want, logits_to_probs(flat, SamplingParams(1.0)), ("flat", top_p))
         assert 0.85 * 5000 < int((got > 0).sum()) < 5000
+    row = torch.randn(3000, generator=g) * 3
+    for temperature in (1e-9, 1e-30, 1.4e-45, 3e38):  # (tests/coordinator/test_fuzz.py's for torch's)
+        got = q4_kernel.target_probs(row, SamplingParams(temperature, top_p=0.9))
+        assert torch.isfinite(got).all() and abs(float(got.sum()) - 1) < 1e-5
+        if temperature < 1:  # the argmax alone; at 3e38 near-uniform, top-p keeping ~90% of the ids
+            assert torch.equal(got, logits_to_probs(row, SamplingParams(0.0)))
+        else:
+            assert 0.85 * 3000 < int((got > 0).sum()) < 0.95 * 3000
+    greedy = q4_kernel.target_probs(row, SamplingParams(0.0))
+    assert torch.equal(greedy, logits_to_probs(row, SamplingParams(0.0)))
     for bad in (torch.tensor([0.0, float("nan"), 1.0]), torch.full((3,), float("-inf")),
                 torch.tensor([0.0, float("inf"), 1.0])):
         assert torch.isnan(q4_kernel.target_probs(bad, SamplingParams(0.7))).all()
