@@ -426,4 +426,5 @@ def _committed_features(session: Session, capture: tuple[int, ...], states: list
     start, captured = states[j]  # [fed, len(capture), D]
     kept = min(captured.shape[0], len(session.tokens) - 1 - start)
     order = [capture.index(layer) for layer in session.feature_layers]
-    return features.pack(start, captured[: max(kept, 0), order])
+    rows = captured[: max(kept, 0)]
+    return features.pack(start, rows if order == list(range(len(capture))) else rows[:, order])

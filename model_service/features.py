@@ -8,6 +8,7 @@ or as bfloat16 where a value is beyond float16's range (a few models carry activ
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from speculative.errors import InvalidRequest
@@ -29,6 +30,10 @@ def pack(start: int, states: torch.Tensor) -> Features:
         start, states = start + states.shape[0] - fit, states[-fit:]
     rows = states.shape[0]
     flat = states.flatten(1).float()
+    if flat.device.type == "cpu":  # the same through numpy: a few calls, not ten of torch's (~0.1 ms after a pass)
+        values = flat.numpy()
+        if not rows or np.maximum(values.max(), -values.min()) <= FLOAT16_MAX:  # (NaN: not so; torch's way below)
+            return Features(start, rows, flat.shape[1], "float16", values.astype("<f2").tobytes())
     if rows and not bool(flat.abs().max() <= FLOAT16_MAX):  # (also NaN: bfloat16 keeps it as it is)
         data = flat.to(torch.bfloat16).view(torch.int16).cpu().numpy().astype("<i2").tobytes()
         return Features(start, rows, flat.shape[1], "bfloat16", data)

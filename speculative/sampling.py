@@ -17,6 +17,7 @@ token distributed exactly as p, whatever q is.
 
 from __future__ import annotations
 
+import math
 
 import numpy as np
 import torch
@@ -238,23 +239,55 @@ def check_supports(
         )
     if not total:
         return ids_np, probs_np, sizes
-    if ids_np.min() < 0 or ids_np.max() >= vocab:
+    (_check_few if total <= FEW_SUPPORT_ENTRIES else _check_many)(tokens, sizes, ids_np, probs_np, vocab)
+    return ids_np, probs_np, sizes
+
+
+# supports of at most this many entries in all (a greedy K <= 16 proposal's one-hot ones) are checked in
+# plain Python: numpy's dozen calls cost ~0.1 ms a verify call there, more than the checks themselves
+FEW_SUPPORT_ENTRIES = 32
+
+
+def _check_many(tokens: list[int] | int, sizes: list[int], ids: np.ndarray, probs: np.ndarray, vocab: int) -> None:
+    """check_supports' checks of the values (ids in the vocabulary, q finite, non-negative and summing to 1
+    at each position, each draft token in its q), over numpy arrays."""
+    if ids.min() < 0 or ids.max() >= vocab:
         raise InvalidRequest(f"support ids must lie in [0, {vocab})")
-    if not np.all(np.isfinite(probs_np)) or probs_np.min() < 0:
+    if not np.all(np.isfinite(probs)) or probs.min() < 0:
         raise InvalidRequest("draft probabilities must be finite and non-negative")
     starts = np.cumsum([0, *sizes[:-1]])
-    mass = np.add.reduceat(probs_np, starts, dtype=np.float64)
+    mass = np.add.reduceat(probs, starts, dtype=np.float64)
     off = np.abs(mass - 1.0) > 1e-3
     if off.any():
         i = int(off.argmax())
         raise InvalidRequest(f"draft probabilities at position {i} sum to {mass[i]:.6f}, not 1")
     if not isinstance(tokens, int):
         owner = np.repeat(np.asarray(tokens, dtype=np.int64), sizes)  # each support entry's draft token
-        found = np.logical_or.reduceat((ids_np == owner) & (probs_np > 0), starts)
+        found = np.logical_or.reduceat((ids == owner) & (probs > 0), starts)
         if not found.all():
             i = int(found.argmin())
             raise InvalidRequest(f"draft token {tokens[i]} at position {i} has no probability in its q")
-    return ids_np, probs_np, sizes
+
+
+def _check_few(tokens: list[int] | int, sizes: list[int], ids: np.ndarray, probs: np.ndarray, vocab: int) -> None:
+    """_check_many's checks, in the same order and with the same messages, in plain Python."""
+    id_list, p_list = ids.tolist(), probs.tolist()
+    if min(id_list) < 0 or max(id_list) >= vocab:
+        raise InvalidRequest(f"support ids must lie in [0, {vocab})")
+    if not all(math.isfinite(p) and p >= 0 for p in p_list):
+        raise InvalidRequest("draft probabilities must be finite and non-negative")
+    bounds, start = [], 0
+    for size in sizes:
+        bounds.append((start, start + size))
+        start += size
+    for i, (a, b) in enumerate(bounds):
+        mass = sum(p_list[a:b])  # (float64, in order, as numpy's reduceat sums)
+        if abs(mass - 1.0) > 1e-3:
+            raise InvalidRequest(f"draft probabilities at position {i} sum to {mass:.6f}, not 1")
+    if not isinstance(tokens, int):
+        for i, (a, b) in enumerate(bounds):
+            if not any(id_list[j] == tokens[i] and p_list[j] > 0 for j in range(a, b)):
+                raise InvalidRequest(f"draft token {tokens[i]} at position {i} has no probability in its q")
 
 
 def supports_to_tensors(

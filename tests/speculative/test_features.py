@@ -49,6 +49,23 @@ def test_float16_and_bfloat16_parts_join_as_bfloat16():
     assert wire.pack(0, torch.zeros(0, W)).rows == 0
 
 
+def test_packed_rows_are_torchs_float16_and_rows_past_its_range_or_nan_bfloat16():
+    """pack (numpy's conversion on the CPU) writes the bytes torch's float16 conversion gives, rounding,
+    subnormals and the range's ends included; a row past float16's range, infinite or NaN goes as bfloat16,
+    as torch's way decides."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 3, W, generator=g) * 300
+    x[0, 0, :4] = torch.tensor([65504.0, -65504.0, 6e-8, 1e-6])  # the range's ends, float16 subnormals
+    packed = wire.pack(7, x)
+    assert (packed.start, packed.rows, packed.width, packed.dtype) == (7, 5, 3 * W, "float16")
+    assert packed.data == x.flatten(1).to(torch.float16).numpy().astype("<f2").tobytes()
+    for bad in (70000.0, float("inf"), float("nan")):
+        y = x.clone()
+        y[2, 1, 3] = bad
+        assert wire.pack(7, y).dtype == "bfloat16"
+    assert wire.pack(7, x[:0]).rows == 0
+
+
 def test_check_refuses_inconsistent_rows():
     with pytest.raises(InvalidRequest, match="bytes"):
         Features(0, 2, W, "float16", b"\0" * 3).check()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -183,6 +184,60 @@ def test_supports_round_trip_and_validation():
     for tokens, p in (([2, 0], probs), ([3, 1], probs), ([1, 0], zero)):  # absent, absent at its position, q = 0
         with pytest.raises(InvalidRequest, match="has no probability"):
             check_supports(tokens, sizes, ids, p, V)
+
+
+def test_few_and_many_support_entries_are_checked_alike():
+    """check_supports checks a proposal of at most FEW_SUPPORT_ENTRIES entries in plain Python, more with numpy:
+    over random supports, valid and with one fault each (an id out of the vocabulary, a negative, NaN or
+    infinite probability, a position whose q does not sum to 1, a draft token absent from its q or of q 0),
+    the two ways pass or fail alike, with the same message; and check_supports takes each way by size."""
+    from speculative import sampling
+
+    g = torch.Generator().manual_seed(31)
+    faults = ["none", "id", "negative", "nan", "inf", "sum", "absent", "zero"]
+    outcomes = {}
+    for case in range(400):
+        k = int(torch.randint(1, 6, (1,), generator=g))
+        sizes = [int(torch.randint(1, 5, (1,), generator=g)) for _ in range(k)]
+        q_ids = [torch.randperm(V, generator=g)[:n] for n in sizes]
+        q_probs = [torch.softmax(torch.randn(n, generator=g), -1) for n in sizes]
+        tokens = [int(ids[0]) for ids in q_ids]
+        fault, i = faults[case % len(faults)], int(torch.randint(0, k, (1,), generator=g))
+        if fault == "id":
+            q_ids[i][0] = V
+        elif fault in ("negative", "nan", "inf"):
+            q_probs[i][0] = {"negative": -0.5, "nan": float("nan"), "inf": float("inf")}[fault]
+        elif fault == "sum":
+            q_probs[i] = q_probs[i] * 0.5
+        elif fault == "absent":
+            tokens[i] = next(t for t in range(V) if t not in q_ids[i].tolist())
+        elif fault == "zero":
+            q_probs[i][0], tokens[i] = 0.0, int(q_ids[i][0])
+            q_probs[i] = q_probs[i] / q_probs[i].sum() if q_probs[i].sum() > 0 else q_probs[i]
+        _, ids, probs = encode_supports(q_ids, q_probs)
+        ids_np, probs_np = np.frombuffer(ids, dtype="<i4"), np.frombuffer(probs, dtype="<f4")
+        results = []
+        for way in (sampling._check_few, sampling._check_many):
+            try:
+                way(tokens, sizes, ids_np, probs_np, V)
+                results.append("ok")
+            except InvalidRequest as e:
+                results.append(str(e))
+        assert results[0] == results[1], (fault, results)
+        outcomes[fault] = outcomes.get(fault, set()) | {results[0] == "ok"}
+    assert outcomes["none"] == {True} and all(False in outcomes[f] for f in faults[1:])
+    ways = []
+    for n in (sampling.FEW_SUPPORT_ENTRIES, sampling.FEW_SUPPORT_ENTRIES + 1):
+        seen = []
+        few, many = sampling._check_few, sampling._check_many
+        sampling._check_few = lambda *a: seen.append("few") or few(*a)
+        sampling._check_many = lambda *a: seen.append("many") or many(*a)
+        try:
+            check_supports(n, [1] * n, *one_hot_supports([0] * n)[1:], V)
+        finally:
+            sampling._check_few, sampling._check_many = few, many
+        ways += seen
+    assert ways == ["few", "many"]
 
 
 def test_rejection_sample_greedy():
