@@ -86,8 +86,8 @@ def measure(vocab: int, rows: int, top_p: float, reps: int, one_row: bool = True
     steps = {
         "draw": {"kernel": lambda: sample(p, g, q4_kernel.draw), "torch": lambda: sample(p, g),
                  "before": lambda: int(torch.multinomial(p, 1, generator=g))},
-        "p": {"kernel": lambda: q4_kernel.target_probs(logits, params), "torch": lambda: logits_to_probs(logits, params),
-              "before": lambda: probs_by_sorting(logits, params)},
+        "p": {"kernel": lambda: q4_kernel.target_probs(logits, params),
+              "torch": lambda: logits_to_probs(logits, params), "before": lambda: probs_by_sorting(logits, params)},
         "draft token": {"kernel": lambda: draft_token(row, params, 0.0, SUPPORT, g, q4_kernel.draft_support),
                         "torch": lambda: draft_token(row, params, 0.0, SUPPORT, g),
                         "before": lambda: draft_as_it_was(row, params, g)},
@@ -134,7 +134,8 @@ def main(argv=None) -> None:
                 for r in measure(vocab, rows, top_p, args.reps, one_row=i == 0):
                     report["rows"].append(r)
                     k = r["kernel_us"]
-                    kernel = (f"{k:.0f}", f"{r['torch_us'] / k:.1f}x", f"{r['before_us'] / k:.1f}x") if k else ("-",) * 3
+                    kernel = (f"{k:.0f}", f"{r['torch_us'] / k:.1f}x", f"{r['before_us'] / k:.1f}x") if k \
+                        else ("-",) * 3
                     print(f"| {r['step']} | {vocab:,} | {r['rows']} | {top_p} | {kernel[0]} | {r['torch_us']:.0f} | "
                           f"{r['before_us']:.0f} | {kernel[1]} | {kernel[2]} |", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

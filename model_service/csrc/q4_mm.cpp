@@ -1681,7 +1681,8 @@ void target_probs_row(const float* x, int64_t V, double temperature, int64_t top
   for (; v8 + 8 <= V; v8 += 8)
     for (int j = 0; j < 8; ++j) chains[j] += p[v8 + j];
   for (; v8 < V; ++v8) chains[0] += p[v8];
-  const double sum = ((chains[0] + chains[4]) + (chains[2] + chains[6])) + ((chains[1] + chains[5]) + (chains[3] + chains[7]));
+  const double sum =
+      ((chains[0] + chains[4]) + (chains[2] + chains[6])) + ((chains[1] + chains[5]) + (chains[3] + chains[7]));
   if (std::isnan(sum)) {
     std::fill(p, p + V, NAN);
     return;
@@ -1727,7 +1728,8 @@ void target_probs_row(const float* x, int64_t V, double temperature, int64_t top
 
 // p (target_probs_row) for each row of float32 logits [R, V] or [V]
 at::Tensor q4_target_probs(const at::Tensor& logits_in, double temperature, int64_t top_k, double top_p) {
-  TORCH_CHECK(logits_in.dim() >= 1 && logits_in.scalar_type() == at::kFloat, "q4_target_probs: float32 logits [..., V]");
+  TORCH_CHECK(logits_in.dim() >= 1 && logits_in.scalar_type() == at::kFloat,
+              "q4_target_probs: float32 logits [..., V]");
   TORCH_CHECK(temperature > 0 && top_p > 0 && top_p <= 1 && top_k >= 0,
               "q4_target_probs: temperature > 0, top_k >= 0, top_p in (0, 1]");
   const at::Tensor logits = logits_in.contiguous();

@@ -516,11 +516,13 @@ def _same_p(got: torch.Tensor, want: torch.Tensor, uncut: torch.Tensor, case) ->
     both = (got > 0) & (want > 0)
     assert torch.allclose(got[both], want[both], rtol=1e-4, atol=1e-7), case
     assert torch.allclose(got.sum(-1), torch.ones(()), atol=1e-5), case
-    for g, w, u in zip(got.reshape(-1, got.shape[-1]), want.reshape(-1, got.shape[-1]), uncut.reshape(-1, got.shape[-1])):
+    vocab = got.shape[-1]
+    for g, w, u in zip(got.reshape(-1, vocab), want.reshape(-1, vocab), uncut.reshape(-1, vocab)):
         differ = ((g > 0) != (w > 0)) & ((w >= 1e-30) | (g > 0))
         if differ.any():  # only ties at the cut: within rounding of the least token torch kept, a few of them
             edge = float(u[w > 0].min())
-            assert int(differ.sum()) <= 4 and torch.allclose(u[differ], torch.full_like(u[differ], edge), rtol=1e-4), case
+            assert int(differ.sum()) <= 4, case
+            assert torch.allclose(u[differ], torch.full_like(u[differ], edge), rtol=1e-4), case
 
 
 def test_the_kernels_target_probs_are_logits_to_probs():
