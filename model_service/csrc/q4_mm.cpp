@@ -1641,25 +1641,45 @@ inline void at_least(const float* p, int64_t V, float at, std::vector<std::pair<
 // greedy): (x - the largest) / temperature; top-k (0 < top_k < V) keeps the values at or above the k-th
 // largest; the softmax; top-p (< 1) keeps, in descending order, each token whose mass before it is under
 // top_p, renormalised. The cut's tokens are sought among those of probability >= 1e-3 first (at most a
-// thousand), lower while their mass falls short of top_p; below (1 - top_p) / V, where the rest's mass
-// cannot reach 1 - top_p, they hold it; past that (rounding), every token of nonzero probability. Ties in
-// the cut go to the lower id; a probability under ~1e-30 is 0 (LOW below). A row with a NaN or no finite
-// largest value comes out NaN, as torch's arithmetic gives.
+// thousand), lower while their mass falls short of top_p or the cut lies past them; at (1 - top_p) / V,
+// where the rest's mass cannot reach 1 - top_p, they hold it; past that (rounding), every token of nonzero
+// probability. Ties in the cut go to the lower id; a probability under ~1e-30 is 0 (LOW below). A row with
+// a NaN or no finite largest value comes out NaN, as torch's arithmetic gives; a temperature under float's
+// least is its limit, one-hot at the first largest (where torch's division gives NaN).
 void target_probs_row(const float* x, int64_t V, double temperature, int64_t top_k, double top_p, float* p) {
   const float largest = max_of(x, V);
-  if (!std::isfinite(largest)) {  // (no finite value; a NaN among finite ones shows in the sum below)
+  if (!std::isfinite(largest)) {  // no finite value: NaN, as torch's arithmetic gives
     std::fill(p, p + V, NAN);
+    return;
+  }
+  const float t = static_cast<float>(temperature), scale = 1.f / t;
+  if (t == 0.f) {  // a temperature under float's least (~1.4e-45): its limit, all mass on the first largest
+    std::fill(p, p + V, 0.f);
+    p[std::find(x, x + V, largest) - x] = 1.f;
     return;
   }
   // (x - the largest) / temperature, at least LOW: exp(LOW) ~ 1e-30 is a normal float, and a token whose
   // exponential falls under it gets probability 0 (torch's softmax gives it a subnormal or 0: a total under
   // V * 1e-30). No subnormal is then made: each would cost a microcode assist (~100 cycles here).
   constexpr float LOW = -69.f, ZERO_UNDER = 1.1e-30f;
-  const float t = static_cast<float>(temperature), scale = 1.f / t;
   if (std::isfinite(scale)) {
-    for (int64_t v = 0; v < V; ++v) p[v] = std::max((x[v] - largest) * scale, LOW);  // (a NaN stays NaN)
+    for (int64_t v = 0; v < V; ++v) p[v] = std::max((x[v] - largest) * scale, LOW);
   } else {  // a temperature under ~3e-39: 0 / t stays 0 for the largest, as torch divides
     for (int64_t v = 0; v < V; ++v) p[v] = std::max((x[v] - largest) / t, LOW);
+  }
+  // a NaN logit: a NaN row, as torch's arithmetic gives (looked for here, in a sum of the values, finite
+  // but for a NaN: the vectorised max above and exp below pass a NaN over, their min / max taking the other
+  // operand; sixteen chains, so that the sum is vectorised)
+  float lanes[16] = {};
+  int64_t v16 = 0;
+  for (; v16 + 16 <= V; v16 += 16)
+    for (int j = 0; j < 16; ++j) lanes[j] += p[v16 + j];
+  float probe = 0.f;
+  for (; v16 < V; ++v16) probe += p[v16];
+  for (const float lane : lanes) probe += lane;
+  if (std::isnan(probe)) {
+    std::fill(p, p + V, NAN);
+    return;
   }
   if (top_k > 0 && top_k < V) {  // the k-th largest: one pass keeping a heap of the top k, the least in front
     std::vector<float> top(p, p + top_k);
@@ -1683,43 +1703,43 @@ void target_probs_row(const float* x, int64_t V, double temperature, int64_t top
   for (; v8 < V; ++v8) chains[0] += p[v8];
   const double sum =
       ((chains[0] + chains[4]) + (chains[2] + chains[6])) + ((chains[1] + chains[5]) + (chains[3] + chains[7]));
-  if (std::isnan(sum)) {
-    std::fill(p, p + V, NAN);
-    return;
-  }
   const float inv = static_cast<float>(1.0 / sum);
   for (int64_t v = 0; v < V; ++v) p[v] = p[v] < ZERO_UNDER ? 0.f : p[v] * inv;
   if (!(top_p < 1.0)) return;
+  // the cut: sorted by probability (ties to the lower id), a token stays while the mass before it, as
+  // nucleus() computes it (torch's cumsum: double sums, as floats, less the token), is under top_p as a
+  // float. Sought among the candidates at or above a threshold; where their mass falls short of top_p, or
+  // every one of them stays (the cut may lie past them), among those at a lower one, down to every token
+  // of nonzero probability.
   using Entry = std::pair<float, int64_t>;
   std::vector<Entry> kept;
   const double floor = (1.0 - top_p) / static_cast<double>(V);
-  for (double threshold = std::max(1e-3, floor);; threshold = std::max(threshold / 64, floor)) {
-    const float at = static_cast<float>(threshold);
+  const float cut = static_cast<float>(top_p);
+  double total = 0;
+  size_t n = 0;
+  for (double threshold = std::max(1e-3, floor);;
+       threshold = threshold > floor ? std::max(threshold / 64, floor) : 0) {
     kept.clear();
-    at_least(p, V, at, kept);
-    double mass = 0;
-    for (const Entry& entry : kept) mass += entry.first;
-    if (mass >= top_p) break;
-    if (threshold <= floor) {  // (rounding): every token of nonzero probability
-      kept.clear();
+    if (threshold > 0) {
+      at_least(p, V, static_cast<float>(threshold), kept);
+    } else {
       for (int64_t v = 0; v < V; ++v)
         if (p[v] > 0) kept.emplace_back(p[v], v);
-      break;
     }
-  }
-  std::sort(kept.begin(), kept.end(), [](const Entry& a, const Entry& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
-  });
-  // the mass before a token as nucleus() computes it: torch's cumsum (double sums, as floats) less the token,
-  // against top_p as a float
-  const float cut = static_cast<float>(top_p);
-  double before = 0, total = 0;
-  size_t n = 0;
-  for (; n < kept.size(); ++n) {
-    const float cum = static_cast<float>(before + kept[n].first);
-    if (cum - kept[n].first >= cut) break;
-    before += kept[n].first;
-    total += kept[n].first;
+    double mass = 0;
+    for (const Entry& entry : kept) mass += entry.first;
+    if (mass < top_p && threshold > 0) continue;
+    std::sort(kept.begin(), kept.end(), [](const Entry& a, const Entry& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);
+    });
+    double before = 0;
+    for (total = 0, n = 0; n < kept.size(); ++n) {
+      const float cum = static_cast<float>(before + kept[n].first);
+      if (cum - kept[n].first >= cut) break;
+      before += kept[n].first;
+      total += kept[n].first;
+    }
+    if (n < kept.size() || threshold == 0) break;
   }
   std::fill(p, p + V, 0.f);
   const float kept_mass = static_cast<float>(total);
