@@ -110,7 +110,7 @@ class ProbRows:
     acceptance of 0.25, and a row of p costs its softmax and top-k or top-p (SmolLM2's 49,152 ids on 2
     Xeon cores: ~0.07 ms a row at top_p 1, ~0.4-0.8 ms with top-p 0.9's cut: `make bench-sampling`).
     to_probs(logits, params): how a row is computed (logits_to_probs where not given; the target service
-    passes the kernel's model_service.q4_kernel.target_probs, ~0.04-0.06 ms a row, where it is built)."""
+    passes the kernel's model_service.q4_kernel.target_probs, ~0.05-0.07 ms a row, where it is built)."""
 
     def __init__(self, logits: torch.Tensor, params: SamplingParams, to_probs=None):
         self.logits, self.params = logits, params
