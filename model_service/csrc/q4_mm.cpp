@@ -1709,8 +1709,8 @@ void target_probs_row(const float* x, int64_t V, double temperature, int64_t top
   // the cut: sorted by probability (ties to the lower id), a token stays while the mass before it, as
   // nucleus() computes it (torch's cumsum: double sums, as floats, less the token), is under top_p as a
   // float. Sought among the candidates at or above a threshold; where their mass falls short of top_p, or
-  // every one of them stays (the cut may lie past them), among those at a lower one, down to every token
-  // of nonzero probability.
+  // every one of them stays and their mass is within the threshold of it (the cut may lie past them), among
+  // those at a lower one, down to every token of nonzero probability.
   using Entry = std::pair<float, int64_t>;
   std::vector<Entry> kept;
   const double floor = (1.0 - top_p) / static_cast<double>(V);
@@ -1739,7 +1739,9 @@ void target_probs_row(const float* x, int64_t V, double temperature, int64_t top
       before += kept[n].first;
       total += kept[n].first;
     }
-    if (n < kept.size() || threshold == 0) break;
+    // every candidate stays: the cut lies right after them where their mass clears top_p by more than any
+    // other token's probability (each under the threshold), else perhaps past them
+    if (n < kept.size() || threshold == 0 || total - threshold >= cut) break;
   }
   std::fill(p, p + V, 0.f);
   const float kept_mass = static_cast<float>(total);
