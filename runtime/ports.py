@@ -7,15 +7,27 @@ The port is free when asked for; it may be taken again before its server binds i
 from __future__ import annotations
 
 import socket
+from collections import deque
+
+# ports this process handed out lately: the OS may pick one again once its probe socket is closed (a
+# stack's draft, target and coordinator asked one after another then shared a port, and gRPC's servers,
+# which bind with SO_REUSEPORT, both listened there: a client's Generate reached a model service,
+# "Method not found")
+_handed: deque[int] = deque(maxlen=1024)
 
 
 def free_port(preferred: int = 0, host: str = "127.0.0.1") -> int:
-    """`preferred` if it is free on `host` ("": every interface), else a free port the OS picks."""
+    """`preferred` if it is free on `host` ("": every interface), else a free port the OS picks, none
+    this process handed out lately."""
     for port in (preferred, 0) if preferred else (0,):
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return s.getsockname()[1]
+        for _ in range(64):
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    break
+                got = s.getsockname()[1]
+            if port or got not in _handed:
+                _handed.append(got)
+                return got
     raise OSError("no free port")
