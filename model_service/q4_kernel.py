@@ -40,6 +40,8 @@ from typing import NamedTuple
 
 import torch
 
+from speculative.sampling import logits_to_probs
+
 SOURCE = Path(__file__).parent / "csrc" / "q4_mm.cpp"
 TILE = 16  # outputs a tile
 STALE_LOCK_S = 300  # a build takes ~10 s: a build lock this old was left by a killed build
@@ -181,7 +183,7 @@ def draft_support(row: torch.Tensor, params, p_min: float, max_support: int,
 def draft_support_on(device: torch.device | str):
     """draft_support where a draft's rows are on the CPU and the kernel is built, else None (then
     draft_token computes q with torch's ops)."""
-    return draft_support if torch.device(device).type == "cpu" and available() else None
+    return draft_support if _runs_on(device) else None
 
 
 def target_probs(logits: torch.Tensor, params) -> torch.Tensor:
@@ -190,8 +192,6 @@ def target_probs(logits: torch.Tensor, params) -> torch.Tensor:
     probability >= 1e-3 first, not a torch.topk of 256): logits [..., V] on the CPU, float32 out. Greedy
     params: logits_to_probs' one-hot."""
     if params.greedy:
-        from speculative.sampling import logits_to_probs
-
         return logits_to_probs(logits, params)
     return torch.ops.specdec.q4_target_probs(logits.float(), float(params.temperature), int(params.top_k),
                                              float(params.top_p))
@@ -207,7 +207,12 @@ def draw(probs: torch.Tensor, u: float) -> int:
 def sampling_on(device: torch.device | str):
     """(target_probs, draw) where the target's rows are on the CPU and the kernel is built, else (None, None)
     (then speculative.sampling computes p and draws with torch's ops)."""
-    return (target_probs, draw) if torch.device(device).type == "cpu" and available() else (None, None)
+    return (target_probs, draw) if _runs_on(device) else (None, None)
+
+
+def _runs_on(device: torch.device | str) -> bool:
+    """Whether the kernel's ops serve rows on `device`: the CPU, with the kernel built."""
+    return torch.device(device).type == "cpu" and available()
 
 
 def wait_for_build_lock(lock: Path, stale_s: float = STALE_LOCK_S, poll_s: float = 0.5) -> None:
