@@ -25,6 +25,7 @@ starts every service as a plain process (tests/conftest.py).
 from __future__ import annotations
 
 import atexit
+import ctypes
 import io
 import multiprocessing
 import multiprocessing.util  # (its exit handler, which joins the children, runs after ours: see _kill_left)
@@ -72,8 +73,27 @@ def _forkserver():
         return _context
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent ends
+
+
+def _die_with_the_suite() -> None:
+    """In the forked child: be killed when the forkserver, its parent, ends, which it does when the
+    suite's process does (it reads the end of its pipe from it), however that ends. _kill_left runs
+    only at a normal exit: a suite that was SIGTERMed or killed left its services listening (nine
+    of them, one evening, on loopback ports a later run's stacks were given). Linux only."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return
+    suite = multiprocessing.parent_process()
+    if suite is not None and not suite.is_alive():  # it ended before the prctl: no signal will come
+        os._exit(1)
+
+
 def _run(module: str, args: list[str], env: dict[str, str], cwd: str, log: str, mode: str) -> None:
     """In the forked child: become `python -m module *args` writing to `log`."""
+    _die_with_the_suite()
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if mode == "w" else 0), 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -119,7 +139,8 @@ class ForkedProcess:
 
 def launch(command: list[str], cwd: str | Path, env: dict[str, str], log: Path, mode: str):
     """LocalStack.launcher: `command` forked from the forkserver where it is `sys.executable -m MODULE ...`.
-    One a test leaves running is killed when the suite's process exits (_kill_left)."""
+    One a test leaves running is killed when the suite's process exits (_kill_left), or is killed
+    (_die_with_the_suite)."""
     if len(command) < 3 or command[0] != sys.executable or command[1] != "-m":
         return subprocess.Popen(command, cwd=cwd, env=env, stdout=log.open(mode), stderr=subprocess.STDOUT)
     process = _forkserver().Process(target=_run, args=(command[2], command[3:], env, str(cwd), str(log), mode),

@@ -84,3 +84,33 @@ sys.stdin.readline()  # exits once the test holds the child's pidfd
         os.close(child)
         suite.stdout.close()
         suite.stderr.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["term", "kill"])
+def test_a_forked_server_ends_with_a_suite_that_was_signalled(tmp_path, sig):
+    """A suite's process ended by a signal runs no exit handler (_kill_left): its forked services
+    must end with it all the same, not stay listening on their ports."""
+    script = f"""
+import os, sys
+from pathlib import Path
+from tests import prefork
+prefork.PRELOAD = []  # (the forkserver need not load torch for http.server)
+proc = prefork.launch([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "{free_port()}"], Path("{tmp_path}"),
+                      dict(os.environ), Path("{tmp_path}") / "out.log", "w")
+print(proc.pid, flush=True)
+sys.stdin.readline()  # held until the test signals this process
+"""
+    suite = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    line = suite.stdout.readline()
+    assert line, suite.communicate(timeout=60)[1]
+    child = os.pidfd_open(int(line))  # readable once the child has ended
+    try:
+        assert not select.select([child], [], [], 0)[0], "the server ended before the suite did"
+        suite.send_signal(sig)
+        assert suite.wait(60) == -sig
+        assert select.select([child], [], [], 60)[0], "the forked server outlived the suite's process"
+    finally:
+        os.close(child)
+        for stream in (suite.stdin, suite.stdout, suite.stderr):
+            stream.close()
