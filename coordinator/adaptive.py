@@ -8,7 +8,8 @@ per unit of cost, the "goodput" of SmartSpec (Liu et al. 2024):
               = max(target share, draft share) + overhead     several: pipelined
 
 with `a` the request's acceptance, draft tokens accepted per token tried (its own counts, decayed
-so it follows the text, pulled towards the coordinator-wide figure while they are few), `s_i` how
+so it follows the text, pulled towards the coordinator-wide figure of its kind, greedy or sampled,
+while they are few: CostModel.alpha_of), `s_i` how
 the i-th draft position's acceptance stands to it (CostModel.shape; all 1: Leviathan's
 (1 - a^(K+1)) / (1 - a)), and the costs from `CostModel`:
 each service's pass time fitted at start-up (`ModelRunner.calibrate`: fixed + per token +
@@ -70,6 +71,32 @@ def expected_tokens(alpha: float, k: int, shape: list[float] | None = None) -> f
     return total
 
 
+class Acceptance:
+    """A draft's acceptance over recent rounds: draft tokens accepted per token tried, pooled over
+    the rounds (as AdaptiveK.alpha pools a request's), each round's counts fading by ALPHA_EMA a
+    drafted round (~50 rounds), the starting figure (the draft's card's, else 0.6) counting as
+    ALPHA_PRIOR_TOKENS tried and fading alike: made before the pair has drafted anything, it gives
+    way within a few requests' rounds, not after ~100 of them (SmolLM2's draft: 0.2-0.3; at 0.6 the
+    first requests drafted where it did not pay). Not the mean of the rounds' rates, which a round
+    of 0 of 1 pulls down as much as one of 3 of 4 pulls up: with the EAGLE-3 head it read 0.32-0.42
+    where the rounds' tokens were accepted at 0.52-0.62, and its requests, which start from it,
+    drafted less than paid."""
+
+    def __init__(self, start: float):
+        self.start = start
+        self.accepted, self.tried, self.weight = 0.0, 0.0, ALPHA_PRIOR_TOKENS
+
+    def add(self, accepted: float, tried: float) -> None:
+        fade = 1.0 - ALPHA_EMA
+        self.accepted = fade * self.accepted + accepted
+        self.tried = fade * self.tried + tried
+        self.weight *= fade
+
+    @property
+    def value(self) -> float:
+        return (self.accepted + self.weight * self.start) / (self.tried + self.weight)
+
+
 class CostModel:
     """Round costs, shared by all of a coordinator's requests and updated from every round."""
 
@@ -94,10 +121,10 @@ class CostModel:
         self.verify_extra_ms = 0.0
         self.draft_extra_ms = 0.0
         self.overhead_ms = overhead_ms  # per peer call, outside both services (wire, coordinator)
-        # acceptance over all recent rounds (alpha): the prior of a new request; the draft tokens
-        # accepted and tried, faded per drafted round, and the starting figure's weight, faded alike
-        self.alpha_start = alpha
-        self.alpha_accepted, self.alpha_tried, self.alpha_weight = 0.0, 0.0, ALPHA_PRIOR_TOKENS
+        # acceptance over all recent rounds (alpha, reported), and over greedy requests' and sampled
+        # ones' (alpha_of: the prior of a new request of that kind)
+        self.acceptance = Acceptance(alpha)
+        self.modes = {False: Acceptance(alpha), True: Acceptance(alpha)}
         # each draft position's tries and acceptances (from 0: the round's first draft token), faded per
         # drafted round: how acceptance moves along a round (shape)
         self.position_tried: list[float] = []
@@ -111,9 +138,10 @@ class CostModel:
         # commits, rows it feeds (AdaptiveK.step_yield: the requests' figures, lately)
         self.step_yield, self.step_rows = 1.0, 1.0
 
-    def observe(self, r: Round, wall_ms: float, stopped: bool = False) -> None:
+    def observe(self, r: Round, wall_ms: float, stopped: bool = False, sampled: bool | None = None) -> None:
         """stopped: the draft stopped short of the tokens asked at one too unsure to draft
-        (AdaptiveK.stop_for), which for the tokens the round brings is a rejection there."""
+        (AdaptiveK.stop_for), which for the tokens the round brings is a rejection there. sampled:
+        whether the round's request samples (alpha_of), None where not known (counted in alpha only)."""
         t, d = r.target, r.draft
         self.rounds += 1
         if r.asked:
@@ -160,23 +188,25 @@ class CostModel:
         if r.proposed or stopped:
             tried = r.accepted + (r.accepted < r.proposed or stopped)
             self.count_positions(r.accepted, tried)
-            fade = 1.0 - ALPHA_EMA
-            self.alpha_accepted = fade * self.alpha_accepted + r.accepted
-            self.alpha_tried = fade * self.alpha_tried + tried
-            self.alpha_weight *= fade
+            self.acceptance.add(r.accepted, tried)
+            if sampled is not None:
+                self.modes[sampled].add(r.accepted, tried)
 
     @property
     def alpha(self) -> float:
-        """The acceptance over recent rounds, the prior of a new request: draft tokens accepted per
-        token tried, pooled over the rounds (as AdaptiveK.alpha pools a request's), each round's
-        counts fading by ALPHA_EMA a drafted round (~50 rounds), the starting figure (the draft's
-        card's, else 0.6) counting as ALPHA_PRIOR_TOKENS tried and fading alike: made before the
-        pair has drafted anything, it gives way within a few requests' rounds, not after ~100 of
-        them (SmolLM2's draft: 0.2-0.3; at 0.6 the first requests drafted where it did not pay).
-        Not the mean of the rounds' rates, which a round of 0 of 1 pulls down as much as one of 3
-        of 4 pulls up: with the EAGLE-3 head it read 0.32-0.42 where the rounds' tokens were
-        accepted at 0.52-0.62, and its requests, which start from it, drafted less than paid."""
-        return (self.alpha_accepted + self.alpha_weight * self.alpha_start) / (self.alpha_tried + self.alpha_weight)
+        """The acceptance over every request's recent rounds (Acceptance), greedy and sampled: what
+        the coordinator reports (ServerInfo.acceptance). Requests start from their kind's (alpha_of)."""
+        return self.acceptance.value
+
+    def alpha_of(self, sampled: bool) -> float:
+        """The acceptance over recent rounds of greedy requests (sampled False) or of sampled ones: the
+        prior of a new request of that kind, each from the draft's card's figure until its kind has
+        drafted. The two differ: a greedy round accepts a token where it is the target's top one, a
+        sampled round with probability sum over x of min(p(x), q(x)), and they are priced apart. Pooled,
+        sampled requests after greedy ones started from greedy's figure (the EAGLE head, int4 target,
+        T = 0.7, 2 Xeon cores: the pool read 0.62-0.68 where the sampled rounds accepted ~0.5, and one
+        run of 16 requests drafted in 73 calls at 190.6 tokens/s, where drafting nothing ran 230)."""
+        return self.modes[sampled].value
 
     def count_positions(self, accepted: int, tried: int) -> None:
         """A drafted round's positions: 0 .. accepted - 1 accepted, and `accepted` tried and lost
@@ -314,8 +344,9 @@ class AcceptanceK:
     stop_below = 0.0  # (its K sequence reads nothing but the request: neither does where the draft stops)
     replays = True
 
-    def __init__(self, k_max: int, costs: CostModel | None = None, steps: int = 1):
+    def __init__(self, k_max: int, costs: CostModel | None = None, steps: int = 1, sampled: bool = True):
         self.k = k_max
+        self.sampled = sampled  # (CostModel.alpha_of: the coordinator gives it to sampled requests)
         self.next = max(1, k_max // 2)
         self.costs = costs  # fed (for the other requests' AdaptiveK), never read
         self.steps = steps
@@ -328,7 +359,7 @@ class AcceptanceK:
 
     def observe(self, r: Round, wall_ms: float) -> None:
         if self.costs is not None:
-            self.costs.observe(r, wall_ms)
+            self.costs.observe(r, wall_ms, sampled=self.sampled)
         if r.proposed:
             self.next = min(self.k, self.next + 2) if r.accepted == r.proposed else max(1, self.next - 1)
 
@@ -343,10 +374,13 @@ class AdaptiveK:
     PROBE_EVERY = 8     # after this many rounds without drafting, draft one token to re-measure...
     PROBE_MAX = 64      # ...and twice as many after each probe that changed nothing, up to this
 
-    def __init__(self, costs: CostModel, k_max: int, steps: int = 1, lookup: int = 0, prompt: list[int] = ()):
+    def __init__(self, costs: CostModel, k_max: int, steps: int = 1, lookup: int = 0, prompt: list[int] = (),
+                 sampled: bool = False):
         """lookup: the tokens a pass of a round that drafts nothing also verifies from the target's
-        copies of the context (VerifyCall.lookup; 0: none), `prompt` the context they start from."""
+        copies of the context (VerifyCall.lookup; 0: none), `prompt` the context they start from;
+        sampled: whether the request samples (its acceptance's prior: CostModel.alpha_of)."""
         self.costs = costs
+        self.sampled = sampled
         self.k = k_max
         self.steps = steps  # the most tokens a K = 0 round asks the target for
         self.accepted = 0.0
@@ -363,7 +397,7 @@ class AdaptiveK:
     @property
     def alpha(self) -> float:
         w = self.PRIOR_WEIGHT
-        return (self.accepted + w * self.costs.alpha) / (self.tried + w)
+        return (self.accepted + w * self.costs.alpha_of(self.sampled)) / (self.tried + w)
 
     def decode_steps(self, remaining: int) -> int:
         return self.costs.decode_steps(min(self.steps, remaining))
@@ -458,7 +492,7 @@ class AdaptiveK:
         # and drafting looked better than it ran: the EAGLE head with the int4 target drafted at
         # mean K 1.04 and made 0.73x of the target alone, acceptance 0.54, alpha 0.66)
         stopped = self.stop_below > 0 and r.proposed < r.asked
-        self.costs.observe(r, wall_ms, stopped)
+        self.costs.observe(r, wall_ms, stopped, self.sampled)
         self.seen += 1
         self.batch = max(1.0, r.target.batch_size)
         if r.asked:

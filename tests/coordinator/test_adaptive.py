@@ -442,6 +442,30 @@ def test_the_shared_acceptance_leaves_its_starting_guess_within_a_few_rounds():
     assert costs.alpha > 0.99  # past 1 / ALPHA_EMA rounds, it follows the draft
 
 
+
+def test_greedy_and_sampled_requests_start_from_their_own_kinds_acceptance():
+    """A greedy round accepts where the draft's top token is the target's, a sampled one with
+    probability sum min(p, q): their acceptance is learnt apart (CostModel.alpha_of), and a sampled
+    request after many greedy ones that accepted nearly everything starts from the sampled rounds'
+    figure, not theirs; the coordinator's reported figure pools both. A request of either kind feeds
+    its own kind only, seeded sampled ones (AcceptanceK) too."""
+    costs = CostModel(TARGET, DRAFT, alpha=0.2)
+    greedy = AdaptiveK(costs, k_max=4)
+    rounds_of(greedy, accepted=4, proposed=4, batch=1, n=100)
+    assert costs.alpha_of(False) > 0.95
+    assert costs.alpha_of(True) == 0.2  # untouched: the card's figure
+    sampled = AdaptiveK(costs, k_max=4, sampled=True)
+    assert sampled.alpha == pytest.approx(0.2)
+    assert sampled.choose(100) == 0  # at the card's 0.2 drafting does not pay here; at greedy's it would
+    assert AdaptiveK(costs, k_max=4).choose(100) == 4
+    rounds_of(sampled, accepted=0, proposed=1, batch=1, n=60)  # its kind's rounds: nothing accepted
+    assert costs.alpha_of(True) < 0.05 and costs.alpha_of(False) > 0.95
+    assert costs.alpha_of(True) < costs.alpha < costs.alpha_of(False)
+    seeded = AcceptanceK(k_max=4, costs=costs)
+    before = costs.alpha_of(False), costs.alpha_of(True)
+    seeded.observe(Round([], 4, 4, Cost(), Cost(batch_size=1), asked=4), 10.0)
+    assert costs.alpha_of(False) == before[0] and costs.alpha_of(True) > before[1]
+
 # ----------------------------------------------------------------- the prior from the draft's card
 
 def test_acceptance_prior_flag(tmp_path):

@@ -77,6 +77,9 @@ def test_defaults_fill_what_the_request_leaves_out(bpe):
     assert plan.max_new_tokens == 12  # the room left, under the default 256
     assert (plan.params.temperature, plan.params.top_k, plan.params.top_p, plan.p_min) == (1.0, 0, 1.0, 0.0)
     assert isinstance(plan.policy, AdaptiveK) and plan.policy.k == 8
+    assert plan.policy.sampled  # (temperature 1: its acceptance is the sampled requests', CostModel.alpha_of)
+    greedy = check(GenerationRequest(prompt="a", temperature=0.0), bpe)
+    assert isinstance(greedy.policy, AdaptiveK) and not greedy.policy.sampled
     seeded = check(GenerationRequest(prompt="a", seed=7, temperature=0.5), bpe)
     assert seeded.params.seed == 7 and isinstance(seeded.policy, AcceptanceK)  # reproducible under any load
     fixed = check(GenerationRequest(prompt="a", num_speculative_tokens=3, temperature=0.0, stop=["\n"]), bpe,
