@@ -288,8 +288,15 @@ class TargetEngine(RunnerEngine):
                 results[i] = exc
                 continue
             rows.append((session.grammar, list(call.proposal.tokens)))
-            owners.append(i)
-        return dict(zip(owners, self.grammars.masks(rows)))
+            owners.append((i, call))
+        masks = {}
+        for (i, call), (ruled, _), mask in zip(owners, rows, self.grammars.masks(rows)):
+            if ruled.error is not None:  # it allows nothing more: refused, not ended as if complete
+                self.runner.sessions.release(call.session_id)
+                results[i] = ruled.failed()
+            else:
+                masks[i] = mask
+        return masks
 
     def _decode_on(self, calls: list[tuple[int, VerifyCall, Session]], results: list,
                    busy: Callable[[], bool] | None) -> None:
@@ -346,7 +353,10 @@ class TargetEngine(RunnerEngine):
             for j, ((i, call, session, copy), rows) in enumerate(zip(fits, logits)):
                 rows = rows[:, : runner.vocab_size]
                 if session.grammar is not None:  # (copies nothing)
-                    rows = grammar.apply(rows, next(masks))
+                    allowed = next(masks)
+                    if session.grammar.error is not None:  # nothing allowed: the next call's verify refuses it
+                        continue
+                    rows = grammar.apply(rows, allowed)
                 accepted, token = self._check(rows, copy, *self._one_hot(copy, call.params), call.params, session)
                 session.truncate(len(session.tokens) - len(copy) + accepted)
                 session.tokens.append(token)

@@ -136,7 +136,7 @@ class Grammars:
         for (g, draft), offset in zip(rows, offsets):
             part = allowed[offset : offset + len(draft) + 1]
             empty = ~part.any(-1)
-            if empty.any():  # nothing allowed (a matcher in error): let the sequence end there
+            if empty.any():  # nothing allowed (a matcher in error, SessionGrammar.error: its callers refuse it)
                 part[empty.nonzero()[:, 0].unsqueeze(-1), torch.tensor(self.eos_token_ids or [0])] = True
             out.append(part)
         self.ms += (time.perf_counter() - start) * 1e3
@@ -193,9 +193,22 @@ class SessionGrammar:
         if new:
             taken = self.matcher.try_consume_tokens(new)
             have.extend(new[:taken])
+            if self.error is not None:
+                raise self.failed()
             if taken < len(new):
                 raise InvalidRequest(f"output token {new[taken]} at position {self.output_from + len(have)} is not"
                                      f" one the constraint allows")
+
+    @property
+    def error(self) -> str | None:
+        """The matcher's error where it has stopped on one (llguidance's parser limits met, or a
+        grammar no text completes): it allows nothing after, and the output cannot go on under it."""
+        return self.matcher.get_error() if self.matcher.is_error() else None
+
+    def failed(self) -> InvalidRequest:
+        return InvalidRequest(f"the constraint cannot be followed past {len(self.consumed)} output tokens: the matcher"
+                              f" stopped with {self.error!r} (a constraint too complex for the parser's limits, or"
+                              f" one that no text completes)")
 
     def mask(self, tokens: list[int]) -> torch.Tensor:
         """bool [vocab_size]: the tokens allowed after the session's `tokens`."""

@@ -262,6 +262,24 @@ def test_bad_constraints_are_invalid_argument_with_the_compilers_reason(stub, co
                        temperature=0.0).text.isdigit()
 
 
+UNFOLLOWABLE = [pb.Constraint(grammar="start: a\na: a"), pb.Constraint(json_schema='{"$ref": "#"}'),
+                pb.Constraint(regex="a{1000000}")]
+
+
+@pytest.mark.parametrize("constraint", UNFOLLOWABLE, ids=["no-text", "self-ref", "lexer-limit"])
+def test_a_constraint_that_compiles_but_cannot_be_followed_is_refused_each_time(stub, constraint):
+    """The compiler's check passes these, but no text completes the first two, and the third's lexer
+    passes llguidance's limits at its first tokens: refused (INVALID_ARGUMENT, the matcher's error),
+    every time, never a complete-looking empty output; the stack serves the next request."""
+    for _ in range(2):  # (the second meets the constraint compiled for the first)
+        with pytest.raises(grpc.RpcError) as e:
+            constrained(stub, constraint, prompt=PROMPT, max_new_tokens=8, temperature=0.0)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "cannot be followed" in e.value.details(), e.value.details()
+    assert constrained(stub, pb.Constraint(regex="[0-9]{3}"), prompt=PROMPT, max_new_tokens=8,
+                       temperature=0.0).text.isdigit()
+
+
 def post(api, body: dict) -> tuple[int, dict]:
     request = urllib.request.Request(api.http_url + "/v1/chat/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
