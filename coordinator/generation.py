@@ -202,14 +202,14 @@ def least(*limits: int) -> int:
     return min(limit for limit in limits if limit)
 
 
-def check_length(chars: int, what: str, models: Models) -> None:
+def check_length(chars: int, what: str, models: Models, param: str = "prompt") -> None:
     """A text that cannot fit is refused untokenized: a prompt of a few MB takes seconds to encode.
     (PROMPT_SLACK: a normalizer may shorten the text before it is split; a chat template adds text)"""
     fits = PROMPT_SLACK * models.max_token_chars * models.max_context
     if models.max_token_chars and chars > fits:
         raise InvalidRequest(
             f"{what} has {chars} characters, more than the context of {models.max_context} "
-            f"tokens can hold (no token of this tokenizer spans more than {models.max_token_chars} characters)")
+            f"tokens can hold (no token of this tokenizer spans more than {models.max_token_chars} characters)", param)
 
 
 async def prompt_ids(request: GenerationRequest, models: Models) -> list[int]:
@@ -224,7 +224,8 @@ async def prompt_ids(request: GenerationRequest, models: Models) -> list[int]:
         ids = list(request.prompt_token_ids)
         bad = [t for t in ids if not 0 <= t < models.vocab_size]
         if bad:
-            raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {models.vocab_size})")
+            raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {models.vocab_size})",
+                                 "prompt_token_ids")
         return ids
     if request.messages:
         return await chat_ids(request.messages, models)
@@ -232,7 +233,7 @@ async def prompt_ids(request: GenerationRequest, models: Models) -> list[int]:
     # off the event loop: encoding a long prompt must not hold up the other requests' rounds
     ids = await asyncio.to_thread(lambda: models.tokenizer(request.prompt)["input_ids"])
     if not ids:
-        raise InvalidRequest("the prompt encodes to no tokens")
+        raise InvalidRequest("the prompt encodes to no tokens", "prompt")
     return ids
 
 
@@ -242,10 +243,15 @@ async def chat_ids(messages: list[Message], models: Models) -> list[int]:
     if not tokenizer.chat_template:
         raise NotPossible("the target model has no chat template: send `prompt` or `prompt_token_ids`,"
                           " not `messages`")
+    if len(messages) > models.max_context:
+        # (a template marks each message with a token or more: many short ones fit no context, and
+        # rendering 100,000 of them held a core for seconds)
+        raise InvalidRequest(f"{len(messages)} messages cannot fit in the context of {models.max_context} tokens",
+                             "messages")
     for i, m in enumerate(messages):
         if not m.role:
-            raise InvalidRequest(f"messages[{i}] has no role (system, user or assistant)")
-    check_length(sum(len(m.content) for m in messages), "the conversation", models)
+            raise InvalidRequest(f"messages[{i}] has no role (system, user or assistant)", "messages")
+    check_length(sum(len(m.role) + len(m.content) for m in messages), "the conversation", models, "messages")
     conversation = [{"role": m.role, "content": m.content} for m in messages]
 
     def encode() -> list[int]:
@@ -255,7 +261,7 @@ async def chat_ids(messages: list[Message], models: Models) -> list[int]:
     try:
         return await asyncio.to_thread(encode)
     except Exception as e:  # the template's own refusals (jinja's raise_exception: roles out of order...)
-        raise InvalidRequest(f"the chat template refused the messages: {e}") from e
+        raise InvalidRequest(f"the chat template refused the messages: {e}", "messages") from e
 
 
 async def resolve(request: GenerationRequest, models: Models, limits: Limits) -> Plan:
@@ -270,11 +276,11 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
     if max_new is None:
         max_new = min(limits.default_max_new_tokens, room)
     if max_new <= 0:
-        raise InvalidRequest(f"max_new_tokens must be > 0, not {max_new}")
+        raise InvalidRequest(f"max_new_tokens must be > 0, not {max_new}", "max_new_tokens")
     if max_new > room:
         raise InvalidRequest(
             f"max_new_tokens={max_new} goes beyond the context: the prompt has {len(prompt)} tokens "
-            f"and the context holds {models.max_context}, so at most {room} new tokens"
+            f"and the context holds {models.max_context}, so at most {room} new tokens", "max_new_tokens"
         )
     seeded = request.seed is not None
     params = SamplingParams(
@@ -286,12 +292,13 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
     adaptive = limits.adaptive and request.num_speculative_tokens is None
     k = models.default_k if request.num_speculative_tokens is None else request.num_speculative_tokens
     if not 0 <= k <= models.max_k:
-        raise InvalidRequest(f"num_speculative_tokens must lie in [0, {models.max_k}], not {k}")
+        raise InvalidRequest(f"num_speculative_tokens must lie in [0, {models.max_k}], not {k}",
+                             "num_speculative_tokens")
     p_min = limits.draft_p_min if request.draft_p_min is None else request.draft_p_min
     if not 0.0 <= p_min <= 1.0:  # also NaN
-        raise InvalidRequest(f"draft_p_min must lie in [0, 1], not {p_min}")
+        raise InvalidRequest(f"draft_p_min must lie in [0, 1], not {p_min}", "draft_p_min")
     if len(request.stop) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}")
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}", "stop")
     steps = 1 if limits.lockstep_ms > 0 else models.decode_steps  # a lockstep turn is one pass
     lookup = limits.target_lookup if request.constraint is None else 0  # (TargetEngine copies nothing there)
     if not adaptive:
@@ -305,7 +312,7 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
     if request.constraint is not None:
         if request.ignore_eos:
             raise InvalidRequest("ignore_eos cannot go with a structured-output constraint: the output ends where the"
-                                 " constraint is complete")
+                                 " constraint is complete", "ignore_eos")
         await asyncio.to_thread(constraints.check, request.constraint)  # the compiler's reason, before any service
     return Plan(prompt, max_new, params, policy, p_min, list(request.stop), request.constraint, lookup)
 

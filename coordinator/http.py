@@ -88,10 +88,18 @@ class ApiError(Exception):
         return JSONResponse(self.body(), self.status)
 
 
+# GenerationRequest's fields as the OpenAI API names them, where it names them otherwise
+HTTP_FIELDS = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}
+
+
 def core_error(error: Exception) -> ApiError:
-    """A refusal of the generation core (InvalidRequest, NotPossible, NotReady, PeerError)."""
+    """A refusal of the generation core (InvalidRequest, NotPossible, NotReady, PeerError), naming
+    the field at fault (`param`) as this API does where the core names one."""
     code = outcome(error)
-    return ApiError(HTTP_STATUS.get(code, 500), str(error), code=code.lower())
+    message, param = str(error), getattr(error, "param", None)
+    if param in HTTP_FIELDS:
+        message, param = message.replace(param, HTTP_FIELDS[param]), HTTP_FIELDS[param]
+    return ApiError(HTTP_STATUS.get(code, 500), message, param, code.lower())
 
 
 # ------------------------------------------------------------------ requests
@@ -124,13 +132,13 @@ class Body(Lenient):
     top_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False  # (null: OpenAI's default, false)
     stream_options: StreamOptions | None = None
     # specdec's own (vLLM reads top_k too)
     top_k: int | None = None
     num_speculative_tokens: int | None = None
     draft_p_min: float | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
     # structured output (one of): OpenAI's response_format, vLLM's guided_* and structured_outputs
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -151,6 +159,9 @@ class ChatBody(Body):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None  # (the functions API before tools)
+    function_call: str | dict[str, Any] | None = None
 
 
 class CompletionBody(Body):
@@ -161,9 +172,10 @@ class CompletionBody(Body):
     suffix: str | None = None
 
 
-# fields specdec cannot honour, with the one value (besides absent) it accepts
-UNSUPPORTED = {"n": 1, "logprobs": False, "top_logprobs": 0, "best_of": 1, "echo": False, "suffix": "",
-               "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": {}, "tools": []}
+# fields specdec cannot honour, with the values (besides absent) it accepts: those that ask for nothing
+UNSUPPORTED = {"n": (1,), "logprobs": (False,), "top_logprobs": (0,), "best_of": (1,), "echo": (False,),
+               "suffix": ("",), "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "logit_bias": ({},),
+               "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto")}
 
 B = TypeVar("B", bound=Body)
 
@@ -192,9 +204,11 @@ async def parse(request: Request, kind: type[B], limit: int) -> B:
                        str(error["loc"][0]) if error["loc"] else None) from None
     for name, neutral in UNSUPPORTED.items():
         value = getattr(body, name, None)
-        if value is not None and not (type(value) is type(neutral) and value == neutral):
+        if value is not None and not any(type(value) is type(n) and value == n for n in neutral):
             raise ApiError(400, f"{name}={value!r} is not supported (specdec answers with one choice, without"
                                 f" logprobs, penalties or tools)", name, "unsupported_parameter")
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
     return body
 
 
@@ -202,7 +216,8 @@ def generation_request(body: Body, max_new_tokens: int | None, **prompt) -> Gene
     return GenerationRequest(
         **prompt, max_new_tokens=max_new_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         seed=body.seed, stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
-        num_speculative_tokens=body.num_speculative_tokens, draft_p_min=body.draft_p_min, ignore_eos=body.ignore_eos,
+        num_speculative_tokens=body.num_speculative_tokens, draft_p_min=body.draft_p_min,
+        ignore_eos=bool(body.ignore_eos),
         constraint=constraint_of(body),
     )
 
@@ -394,11 +409,18 @@ class OpenAIApi:
                            "model_not_found")
         return name
 
-    async def models(self, request: Request) -> Response:
+    def model_card(self) -> dict:
         models = self.coordinator.ready()
-        return JSONResponse({"object": "list", "data": [{
-            "id": models.name, "object": "model", "created": self.created, "owned_by": "specdec",
-            "max_model_len": models.max_context}]})
+        return {"id": models.name, "object": "model", "created": self.created, "owned_by": "specdec",
+                "max_model_len": models.max_context}
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{model}: the served model's card (OpenAI's models.retrieve), else 404."""
+        self.model_name(request.path_params["model"])
+        return JSONResponse(self.model_card())
 
     async def health(self, request: Request) -> Response:
         self.coordinator.ready()
@@ -480,7 +502,8 @@ def app(coordinator: Coordinator, api_key: str | None = None,
         max_request_bytes: int = MAX_REQUEST_BYTES) -> Starlette:
     """The ASGI application: /v1/* (behind `api_key` if given), /health, /metrics."""
     api = OpenAIApi(coordinator, max_request_bytes)
-    v1 = [Route("/models", api.models), api.route(CHAT), api.route(COMPLETIONS)]
+    v1 = [Route("/models", api.models), Route("/models/{model:path}", api.model), api.route(CHAT),
+          api.route(COMPLETIONS)]
     open_routes = [Route("/health", api.health)]
     if coordinator.metrics is not None:
         open_routes.append(Route("/metrics", api.metrics))

@@ -2,7 +2,12 @@
 
 
 class InvalidRequest(ValueError):
-    """The request is malformed or out of range (INVALID_ARGUMENT)."""
+    """The request is malformed or out of range (INVALID_ARGUMENT). `param`: the request's field at
+    fault where one is (GenerationRequest's name: a front door names it as its clients do)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class SessionNotFound(KeyError):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -55,15 +56,32 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> "SamplingParams":
-        """Raise InvalidRequest naming the first field out of range; return self."""
+        """Raise InvalidRequest naming the first field out of range; return self. In range means as the
+        wire carries it too (SamplingParams in specdec.proto: float temperature and top_p, int32 top_k,
+        uint64 seed): a value the services would read as another (1e39 as inf, a top_p of 1e-300 as 0)
+        is refused here, in the client's terms, not by a service in its own."""
         t = self.temperature
-        if not math.isfinite(t) or t < 0:  # also NaN
-            raise InvalidRequest(f"temperature must be a finite number >= 0, not {t}")
-        if self.top_k < 0:
-            raise InvalidRequest(f"top_k must be >= 0, not {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:  # also NaN
-            raise InvalidRequest(f"top_p must lie in (0, 1], not {self.top_p}")
+        if not math.isfinite(t) or t < 0 or float32(t) == math.inf:  # also NaN
+            raise InvalidRequest(f"temperature must be a finite number >= 0 (a 32-bit float), not {t}", "temperature")
+        if not 0 <= self.top_k <= INT32_MAX:
+            raise InvalidRequest(f"top_k must lie in [0, {INT32_MAX}], not {self.top_k}", "top_k")
+        if not 0.0 < self.top_p <= 1.0 or float32(self.top_p) == 0.0:  # also NaN
+            raise InvalidRequest(f"top_p must lie in (0, 1] (and be above 0 as a 32-bit float), not {self.top_p}",
+                                 "top_p")
+        if not 0 <= self.seed < 2**64:
+            raise InvalidRequest(f"seed must lie in [0, 2^64), not {self.seed}", "seed")
         return self
+
+
+INT32_MAX = 2**31 - 1
+
+
+def float32(x: float) -> float:
+    """x as a 32-bit float holds it (what a protobuf float field carries), inf past its range."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")

@@ -48,15 +48,26 @@ BAD = {
     "prompt text of megabytes": (dict(prompt="x = 1\n" * 200_000), "characters, more than the context"),
     "max_new_tokens zero": (dict(prompt="a", max_new_tokens=0), "max_new_tokens must be > 0, not 0"),
     "max_new_tokens beyond context": (dict(prompt_token_ids=[5] * 10, max_new_tokens=503), "at most 502 new tokens"),
-    "temperature nan": (dict(prompt="a", temperature=NAN), "temperature must be a finite number >= 0, not nan"),
-    "top_p zero": (dict(prompt="a", top_p=0.0), "top_p must lie in (0, 1], not 0.0"),
-    "top_k negative": (dict(prompt="a", top_k=-1), "top_k must be >= 0, not -1"),
+    "temperature nan": (dict(prompt="a", temperature=NAN),
+                        "temperature must be a finite number >= 0 (a 32-bit float), not nan"),
+    "top_p zero": (dict(prompt="a", top_p=0.0), "top_p must lie in (0, 1] (and be above 0 as a 32-bit float), not 0.0"),
+    "top_k negative": (dict(prompt="a", top_k=-1), "top_k must lie in [0, 2147483647], not -1"),
     "token id outside vocabulary": (dict(prompt_token_ids=[1, 10**6]), "prompt token id 1000000 is outside"),
     "K too large": (dict(prompt="a", num_speculative_tokens=17), "num_speculative_tokens must lie in [0, 16], not 17"),
     "too many stop strings": (dict(prompt="a", stop=["x"] * 17), "at most 16 stop strings, got 17"),
     "draft_p_min nan": (dict(prompt="a", draft_p_min=NAN), "draft_p_min must lie in [0, 1], not nan"),
     "message without a role": (dict(messages=[Message("", "hi")]), "messages[0] has no role"),
+    "top_k past int32": (dict(prompt="a", top_k=2**31), "top_k must lie in [0, 2147483647], not 2147483648"),
+    "seed negative": (dict(prompt="a", seed=-1), "seed must lie in [0, 2^64), not -1"),
+    "seed past uint64": (dict(prompt="a", seed=2**64), "seed must lie in [0, 2^64)"),
+    "temperature past float32": (dict(prompt="a", temperature=1e39), "(a 32-bit float), not 1e+39"),
+    "top_p 0 as float32": (dict(prompt="a", top_p=1e-300), "above 0 as a 32-bit float), not 1e-300"),
 }
+# the field a front door names (`param`), where it is not the first word of the message
+PARAMS = {"prompt fills context": None, "prompt text of megabytes": "prompt", "max_new_tokens beyond context":
+          "max_new_tokens", "token id outside vocabulary": "prompt_token_ids", "too many stop strings": "stop",
+          "message without a role": "messages", "empty prompt": None, "prompt and ids": None,
+          "temperature past float32": "temperature", "top_p 0 as float32": "top_p"}
 
 
 @pytest.mark.parametrize("name", list(BAD))
@@ -65,6 +76,7 @@ def test_a_bad_request_is_invalid_naming_what_is_wrong(bpe, name):
     with pytest.raises(InvalidRequest) as err:
         check(GenerationRequest(**fields), bpe)
     assert says in str(err.value)
+    assert err.value.param == PARAMS.get(name, says.split()[0].split("=")[0])
 
 
 def test_messages_without_a_chat_template_are_not_possible(chars):
@@ -90,6 +102,21 @@ def test_defaults_fill_what_the_request_leaves_out(bpe):
     assert chat.prompt == bpe.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}],
                                                             add_generation_prompt=True, tokenize=True,
                                                             return_dict=True)["input_ids"]
+
+
+def test_a_conversation_that_cannot_fit_is_refused_before_its_template_runs(bpe, monkeypatch):
+    """Refused untokenized, the field named: more messages than the context has tokens (each is marked
+    by its template: 100,000 empty ones held a core for seconds), and roles counted with the contents."""
+    rendered = []
+    monkeypatch.setattr(bpe.tokenizer, "apply_chat_template", lambda *a, **k: rendered.append(1))
+    many = [Message("user", "")] * (bpe.max_context + 1)
+    with pytest.raises(InvalidRequest, match="messages cannot fit") as refused:
+        check(GenerationRequest(messages=many), bpe)
+    assert refused.value.param == "messages"
+    long_role = [Message("u" * (bpe.max_token_chars * bpe.max_context * 8), "hi")]
+    with pytest.raises(InvalidRequest, match="characters") as refused:
+        check(GenerationRequest(messages=long_role), bpe)
+    assert refused.value.param == "messages" and not rendered
 
 
 def test_refusals_are_counted_by_their_status(bpe):

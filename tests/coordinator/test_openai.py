@@ -98,6 +98,10 @@ def cancelled(api, method: str) -> float:
 
 def test_models_lists_the_target(client):
     assert [m.id for m in client.models.list().data] == ["target"]
+    assert client.models.retrieve("target").id == "target"
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.models.retrieve("gpt-4o")
+    assert refused.value.code == "model_not_found"
 
 
 def test_chat_unary_equals_grpc_generate(client, stub):
@@ -209,15 +213,25 @@ def test_a_body_past_max_request_bytes_is_413(api):
     assert status == 413 and "--max-request-bytes" in reply["error"]["message"]
 
 
-@pytest.mark.parametrize("fields, words", [
+@pytest.mark.parametrize("fields, param", [
     ({"temperature": -1}, "temperature"),
-    ({"max_tokens": 10_000}, "max_new_tokens"),
+    ({"max_tokens": 10_000}, "max_tokens"),
     ({"extra_body": {"num_speculative_tokens": 99}}, "num_speculative_tokens"),
+    # what the wire's fields cannot carry (uint64 seed, int32 top_k, 32-bit floats): refused here, in these
+    # terms, not by a service (a seed of -1 was a 500)
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**64}, "seed"),
+    ({"extra_body": {"top_k": 2**31}}, "top_k"),
+    ({"temperature": 1e39}, "temperature"),
+    ({"top_p": 1e-300}, "top_p"),
+    ({"prompt": [10**9]}, "prompt"),
 ])
-def test_what_the_core_refuses_is_400(client, fields, words):
+def test_what_the_core_refuses_is_400_naming_the_field(client, fields, param):
+    fields = {"prompt": PROMPT, **fields}
     with pytest.raises(openai.BadRequestError) as refused:
-        client.completions.create(model="target", prompt=PROMPT, **fields)
-    assert words in refused.value.message and refused.value.code == "invalid_argument"
+        client.completions.create(model="target", **fields)
+    assert refused.value.code == "invalid_argument" and refused.value.param == param
+    assert param in refused.value.message and "service at" not in refused.value.message
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -225,6 +239,10 @@ def test_what_the_core_refuses_is_400(client, fields, words):
     ({"logprobs": True}, "logprobs"),
     ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"functions": [{"name": "f", "parameters": {}}], "function_call": "auto"}, "functions"),
+    ({"function_call": {"name": "f"}}, "function_call"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # (without stream)
 ])
 def test_what_specdec_cannot_honour_is_400_naming_the_field(client, fields, param):
     with pytest.raises(openai.BadRequestError) as refused:
@@ -234,8 +252,15 @@ def test_what_specdec_cannot_honour_is_400_naming_the_field(client, fields, para
 
 def test_neutral_values_of_those_fields_are_accepted(client):
     reply = client.chat.completions.create(model="target", messages=chat(QUESTION), max_tokens=4, n=1,
-                                           logprobs=False, presence_penalty=0, temperature=0)
+                                           logprobs=False, presence_penalty=0, temperature=0, tool_choice="none",
+                                           stream=None, extra_body={"ignore_eos": None})
     assert reply.usage.completion_tokens <= 4
+
+
+def test_null_stream_and_ignore_eos_are_their_defaults(api):
+    status, reply = post(api, "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+                                                             "stream": None, "ignore_eos": None}).encode())
+    assert status == 200 and reply["object"] == "text_completion", reply
 
 
 def test_an_unknown_model_is_404(client):
