@@ -85,6 +85,10 @@ class Acceptance:
     def __init__(self, start: float):
         self.start = start
         self.accepted, self.tried, self.weight = 0.0, 0.0, ALPHA_PRIOR_TOKENS
+        # when it was last measured: CostModel.rounds when a request of its kind last drafted or chose to
+        # probe, and a lone request's rounds without drafting before the next probe (AdaptiveK.choose)
+        self.drafted_at = 0
+        self.probe_wait = AdaptiveK.PROBE_EVERY
 
     def add(self, accepted: float, tried: float) -> None:
         fade = 1.0 - ALPHA_EMA
@@ -131,8 +135,6 @@ class CostModel:
         self.position_accepted: list[float] = []
         self.in_flight = 0  # requests generating now (the coordinator counts them)
         self.rounds = 0  # rounds observed, every request's
-        self.drafted_at = 0  # `rounds` when a request last drafted or chose to probe (AdaptiveK.choose)
-        self.probe_wait = AdaptiveK.PROBE_EVERY  # a lone request's: rounds without drafting before the next probe
         self.batch = 1.0  # sessions a target pass has held lately, over every request's rounds
         # a pass of a round that drafts nothing, where the target's copies are on (VerifyCall.lookup): tokens it
         # commits, rows it feeds (AdaptiveK.step_yield: the requests' figures, lately)
@@ -144,8 +146,9 @@ class CostModel:
         whether the round's request samples (alpha_of), None where not known (counted in alpha only)."""
         t, d = r.target, r.draft
         self.rounds += 1
-        if r.asked:
-            self.drafted_at = self.rounds
+        if r.asked:  # (a round of a kind not known: both kinds')
+            for kind in self.modes.values() if sampled is None else (self.modes[sampled],):
+                kind.drafted_at = self.rounds
         if t.batch_size > 0:
             self.batch += EMA * (t.batch_size - self.batch)
         passes = len(r.tokens) - r.copied  # a pass commits its copies kept and one token of its own
@@ -438,12 +441,13 @@ class AdaptiveK:
             # PRIOR_WEIGHT), and each request waiting PROBE_EVERY of its own rounds afresh had every
             # request probe once or twice (the EAGLE head, int4 target, 16 requests of 128 tokens: 16
             # probes, each a draft call taking in the rows since the last and a verify of 1.6 tokens)
-            # (not in its first round, which a draft that reads the target's features cannot draft in)
-            costs = self.costs
-            if self.seen and costs.rounds - costs.drafted_at >= costs.probe_wait:
+            # (not in its first round, which a draft that reads the target's features cannot draft in).
+            # Each kind (greedy, sampled) its own: a probe measures its kind's acceptance only (alpha_of)
+            costs, kind = self.costs, self.costs.modes[self.sampled]
+            if self.seen and costs.rounds - kind.drafted_at >= kind.probe_wait:
                 best = 1
-                costs.drafted_at = costs.rounds
-                costs.probe_wait = min(2 * costs.probe_wait, self.PROBE_MAX)
+                kind.drafted_at = costs.rounds
+                kind.probe_wait = min(2 * kind.probe_wait, self.PROBE_MAX)
         elif best == 0 and top > 0:
             self.idle += 1
             if self.idle >= self.wait:
@@ -455,16 +459,17 @@ class AdaptiveK:
                 # that pass: every request probing on its own, the coordinator probed in_flight times
                 # as often as one request alone (EAGLE head, 2 cores, 8 streams at K ~ 0: spec 0.94x
                 # no spec, batches of 6.8 sessions against 7.25)
-                shared = pipelined and self.costs.rounds - self.costs.drafted_at < self.wait * self.costs.in_flight
+                kind = self.costs.modes[self.sampled]  # (the acceptance they share is their kind's)
+                shared = pipelined and self.costs.rounds - kind.drafted_at < self.wait * self.costs.in_flight
                 self.idle = 0
                 self.wait = min(2 * self.wait, self.PROBE_MAX)
                 if not shared:
                     best = 1
-                    self.costs.drafted_at = self.costs.rounds
+                    kind.drafted_at = self.costs.rounds
         else:
             self.idle = 0
             if best > 0:
-                self.wait = self.costs.probe_wait = self.PROBE_EVERY
+                self.wait = self.costs.modes[self.sampled].probe_wait = self.PROBE_EVERY
         self.stop_below = self.stop_for(best, alpha, batch, pipelined, shape) if best else 0.0
         return best
 

@@ -40,7 +40,7 @@ from runtime import tracing
 
 from speculative import constraints
 from speculative.errors import InvalidRequest
-from speculative.protocol import Constraint, SamplingParams, pass_cost_from_info
+from speculative.protocol import Constraint, SamplingParams, float32, pass_cost_from_info
 from speculative.round import FixedK, KPolicy, Stats
 from speculative.round import generate as speculative_rounds
 
@@ -217,9 +217,10 @@ async def prompt_ids(request: GenerationRequest, models: Models) -> list[int]:
                                       ("prompt_token_ids", bool(request.prompt_token_ids)),
                                       ("messages", bool(request.messages))) if there]
     if len(given) > 1:
-        raise InvalidRequest(f"give exactly one of prompt, prompt_token_ids and messages, not {' and '.join(given)}")
+        raise InvalidRequest(f"give exactly one of prompt, prompt_token_ids and messages, not {' and '.join(given)}",
+                             given[1])
     if not given:
-        raise InvalidRequest("the prompt is empty: give prompt text, prompt_token_ids or messages")
+        raise InvalidRequest("the prompt is empty: give prompt text, prompt_token_ids or messages", "prompt")
     if request.prompt_token_ids:
         ids = list(request.prompt_token_ids)
         bad = [t for t in ids if not 0 <= t < models.vocab_size]
@@ -270,8 +271,8 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
     room = models.max_context - len(prompt)
     if room <= 0:
         raise InvalidRequest(
-            f"the prompt has {len(prompt)} tokens; the context holds {models.max_context}, leaving no room to generate"
-        )
+            f"the prompt has {len(prompt)} tokens; the context holds {models.max_context}, leaving no room to generate",
+            "messages" if request.messages else "prompt_token_ids" if request.prompt_token_ids else "prompt")
     max_new = request.max_new_tokens
     if max_new is None:
         max_new = min(limits.default_max_new_tokens, room)
@@ -283,8 +284,11 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
             f"and the context holds {models.max_context}, so at most {room} new tokens", "max_new_tokens"
         )
     seeded = request.seed is not None
+    temperature = 1.0 if request.temperature is None else request.temperature
+    if temperature > 0 and float32(temperature) == 0.0:
+        temperature = 0.0  # greedy, as the services read it (a float on the wire)
     params = SamplingParams(
-        temperature=1.0 if request.temperature is None else request.temperature,
+        temperature=temperature,
         top_k=0 if request.top_k is None else request.top_k,
         top_p=1.0 if request.top_p is None else request.top_p,
         seed=request.seed if seeded else random.getrandbits(63),

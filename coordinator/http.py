@@ -4,9 +4,9 @@
     curl -N http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
       -d '{"model": "target", "messages": [{"role": "user", "content": "Hi"}], "stream": true}'
 
-Endpoints: GET /v1/models; POST /v1/chat/completions and POST /v1/completions, unary or with
-`stream: true` (one event per speculative round, then `data: [DONE]`; `stream_options.include_usage`
-adds a last event with the usage). GET /health (200 once the coordinator has found its services,
+Endpoints: GET /v1/models and /v1/models/{model}; POST /v1/chat/completions and POST
+/v1/completions, unary or with `stream: true` (one event per speculative round, then `data:
+[DONE]`; `stream_options.include_usage` adds a last event with the usage). GET /health (200 once the coordinator has found its services,
 else 503) and GET /metrics (the coordinator's Prometheus metrics) need no API key.
 
 What OpenAI's API has no word for goes in an extra field, `specdec` (rounds, acceptance, K, seed;
@@ -213,9 +213,11 @@ async def parse(request: Request, kind: type[B], limit: int) -> B:
 
 
 def generation_request(body: Body, max_new_tokens: int | None, **prompt) -> GenerationRequest:
+    """(seed -1: a random one, as llama.cpp's clients mean it; top_k -1: off, as vLLM reads it)"""
     return GenerationRequest(
-        **prompt, max_new_tokens=max_new_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-        seed=body.seed, stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        **prompt, max_new_tokens=max_new_tokens, temperature=body.temperature, top_p=body.top_p,
+        top_k=0 if body.top_k == -1 else body.top_k, seed=None if body.seed == -1 else body.seed,
+        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         num_speculative_tokens=body.num_speculative_tokens, draft_p_min=body.draft_p_min,
         ignore_eos=bool(body.ignore_eos),
         constraint=constraint_of(body),
@@ -418,8 +420,12 @@ class OpenAIApi:
         return JSONResponse({"object": "list", "data": [self.model_card()]})
 
     async def model(self, request: Request) -> Response:
-        """GET /v1/models/{model}: the served model's card (OpenAI's models.retrieve), else 404."""
-        self.model_name(request.path_params["model"])
+        """GET /v1/models/{model}: the served model's card (OpenAI's models.retrieve), else 404; with
+        no name (/v1/models/), the list."""
+        name = request.path_params["model"].removesuffix("/")
+        if not name:
+            return await self.models(request)
+        self.model_name(name)
         return JSONResponse(self.model_card())
 
     async def health(self, request: Request) -> Response:

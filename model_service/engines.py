@@ -345,13 +345,21 @@ class TargetEngine(RunnerEngine):
                     runner.sessions.release(call.session_id)  # its cache may be half-written
                     results[i] = exc
                 return
-            ruled = [session for _, _, session, _ in fits if session.grammar is not None]
-            for session in ruled:
-                session.grammar.follow(session.tokens)  # its own tokens, each drawn under the mask
+            ruled, stuck = [], set()
+            for _, _, session, _ in fits:
+                if session.grammar is None:
+                    continue
+                try:
+                    session.grammar.follow(session.tokens)  # its own tokens, each drawn under the mask
+                    ruled.append(session)
+                except InvalidRequest:  # its matcher stopped on an error: the next call's verify refuses it
+                    stuck.add(id(session))
             masks = iter(self.grammars.masks([(session.grammar, []) for session in ruled]))
             decoding = []
             for j, ((i, call, session, copy), rows) in enumerate(zip(fits, logits)):
                 rows = rows[:, : runner.vocab_size]
+                if id(session) in stuck:
+                    continue
                 if session.grammar is not None:  # (copies nothing)
                     allowed = next(masks)
                     if session.grammar.error is not None:  # nothing allowed: the next call's verify refuses it

@@ -203,7 +203,7 @@ class SessionGrammar:
     def error(self) -> str | None:
         """The matcher's error where it has stopped on one (llguidance's parser limits met, or a
         grammar no text completes): it allows nothing after, and the output cannot go on under it."""
-        return self.matcher.get_error() if self.matcher.is_error() else None
+        return self.matcher.get_error().split("\n", 1)[0] if self.matcher.is_error() else None  # (not its dump)
 
     def failed(self) -> InvalidRequest:
         return InvalidRequest(f"the constraint cannot be followed past {len(self.consumed)} output tokens: the matcher"

@@ -111,6 +111,10 @@ sys.stdin.readline()  # held until the test signals this process
         assert suite.wait(60) == -sig
         assert select.select([child], [], [], 60)[0], "the forked server outlived the suite's process"
     finally:
+        if not select.select([child], [], [], 0)[0]:  # (the test failed, or the suite was not signalled)
+            signal.pidfd_send_signal(child, signal.SIGKILL)
+        if suite.poll() is None:
+            suite.kill()
         os.close(child)
         for stream in (suite.stdin, suite.stdout, suite.stderr):
             stream.close()

@@ -306,6 +306,30 @@ def test_requests_in_flight_share_their_probes():
     assert 1 <= probes(8) <= 2 * alone  # each of 8 on its own: 8 x 5
 
 
+def test_each_kind_of_request_probes_for_its_own_acceptance():
+    """The probes' waits are per kind: a greedy request drafting under load keeps greedy's acceptance
+    current, not the sampled requests' (a pool only their rounds move), so sampled requests at K = 0
+    go on probing; and a lone sampled request's wait is not reset by greedy requests' drafting."""
+    costs = CostModel(TARGET, DRAFT, alpha=0.0)
+    costs.in_flight = 4
+    greedy = AdaptiveK(costs, k_max=4)
+    rounds_of(greedy, accepted=4, proposed=4, batch=4, n=50)  # greedy's draft is right every time
+    sampled = [AdaptiveK(costs, k_max=4, sampled=True) for _ in range(3)]
+    probes = 0
+    for _ in range(200):
+        greedy.observe(Round([], 4, 4, Cost(), Cost(batch_size=4), asked=4), 10.0)  # drafting on, every round
+        for policy in sampled:
+            k = policy.choose(100)
+            probes += k > 0
+            policy.observe(Round([], k, 0, Cost(), Cost(batch_size=4), asked=k), 10.0)
+    assert probes >= 3  # (with one wait for both kinds, greedy's drafting stopped every probe: 0)
+    lone = CostModel(TARGET, DRAFT, alpha=0.0)
+    request = AdaptiveK(lone, k_max=4, sampled=True)
+    picks = picks_of(request, AdaptiveK.PROBE_EVERY)  # rounds 1..8 without drafting
+    AdaptiveK(lone, k_max=4).observe(Round([], 4, 4, Cost(), Cost(batch_size=1), asked=4), 10.0)  # a greedy round
+    assert picks == [0] * AdaptiveK.PROBE_EVERY and picks_of(request, 1) == [1]
+
+
 def test_cost_model_scales_to_measured_passes():
     costs = CostModel(TARGET, DRAFT)
     predicted = TARGET(10, 2)

@@ -64,9 +64,9 @@ BAD = {
     "top_p 0 as float32": (dict(prompt="a", top_p=1e-300), "above 0 as a 32-bit float), not 1e-300"),
 }
 # the field a front door names (`param`), where it is not the first word of the message
-PARAMS = {"prompt fills context": None, "prompt text of megabytes": "prompt", "max_new_tokens beyond context":
+PARAMS = {"prompt fills context": "prompt_token_ids", "prompt text of megabytes": "prompt", "max_new_tokens beyond context":
           "max_new_tokens", "token id outside vocabulary": "prompt_token_ids", "too many stop strings": "stop",
-          "message without a role": "messages", "empty prompt": None, "prompt and ids": None,
+          "message without a role": "messages", "empty prompt": "prompt", "prompt and ids": "prompt_token_ids",
           "temperature past float32": "temperature", "top_p 0 as float32": "top_p"}
 
 
@@ -92,6 +92,8 @@ def test_defaults_fill_what_the_request_leaves_out(bpe):
     assert plan.policy.sampled  # (temperature 1: its acceptance is the sampled requests', CostModel.alpha_of)
     greedy = check(GenerationRequest(prompt="a", temperature=0.0), bpe)
     assert isinstance(greedy.policy, AdaptiveK) and not greedy.policy.sampled
+    tiny = check(GenerationRequest(prompt="a", temperature=1e-50, seed=3), bpe)  # 0 as the wire's float: greedy
+    assert tiny.params.greedy and isinstance(tiny.policy, AdaptiveK) and not tiny.policy.sampled
     seeded = check(GenerationRequest(prompt="a", seed=7, temperature=0.5), bpe)
     assert seeded.params.seed == 7 and isinstance(seeded.policy, AcceptanceK)  # reproducible under any load
     fixed = check(GenerationRequest(prompt="a", num_speculative_tokens=3, temperature=0.0, stop=["\n"]), bpe,

@@ -96,9 +96,13 @@ def cancelled(api, method: str) -> float:
 # ------------------------------------------------------------------ the same text as gRPC
 
 
-def test_models_lists_the_target(client):
+def test_models_lists_the_target(api, client):
     assert [m.id for m in client.models.list().data] == ["target"]
     assert client.models.retrieve("target").id == "target"
+    for path, want in (("/v1/models/", "list"), ("/v1/models/target/", "model")):
+        request = urllib.request.Request(api.http_url + path, headers={"Authorization": f"Bearer {KEY}"})
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            assert json.load(reply)["object"] == want
     with pytest.raises(openai.NotFoundError) as refused:
         client.models.retrieve("gpt-4o")
     assert refused.value.code == "model_not_found"
@@ -219,7 +223,7 @@ def test_a_body_past_max_request_bytes_is_413(api):
     ({"extra_body": {"num_speculative_tokens": 99}}, "num_speculative_tokens"),
     # what the wire's fields cannot carry (uint64 seed, int32 top_k, 32-bit floats): refused here, in these
     # terms, not by a service (a seed of -1 was a 500)
-    ({"seed": -1}, "seed"),
+    ({"seed": -2}, "seed"),  # (-1: a random seed, as llama.cpp's clients mean it)
     ({"seed": 2**64}, "seed"),
     ({"extra_body": {"top_k": 2**31}}, "top_k"),
     ({"temperature": 1e39}, "temperature"),
@@ -257,10 +261,17 @@ def test_neutral_values_of_those_fields_are_accepted(client):
     assert reply.usage.completion_tokens <= 4
 
 
-def test_null_stream_and_ignore_eos_are_their_defaults(api):
+def test_null_stream_and_ignore_eos_are_their_defaults_and_minus_one_seed_and_top_k_are_off(api):
     status, reply = post(api, "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2, "temperature": 0,
                                                              "stream": None, "ignore_eos": None}).encode())
     assert status == 200 and reply["object"] == "text_completion", reply
+    seeds = set()
+    for _ in range(2):  # llama.cpp's clients' seed -1 (random), vLLM's top_k -1 (off)
+        status, reply = post(api, "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2, "seed": -1,
+                                                                 "top_k": -1}).encode())
+        assert status == 200, reply
+        seeds.add(reply["specdec"]["seed"])
+    assert len(seeds) == 2
 
 
 def test_an_unknown_model_is_404(client):

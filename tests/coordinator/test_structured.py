@@ -26,7 +26,8 @@ from model_service.ngram import NgramDraft
 from runtime.ports import free_port
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from speculative.protocol import Constraint, ProposeCall, SamplingParams, VerifyCall
+from speculative.errors import InvalidRequest
+from speculative.protocol import Constraint, Proposal, ProposeCall, SamplingParams, VerifyCall
 from speculative.sampling import logits_to_probs
 from tests.services.test_metrics import scrape, value
 from tests.stats import chi2_stat, fits
@@ -222,6 +223,32 @@ def test_a_constrained_session_and_unconstrained_ones_share_a_pass_unaffected(pa
     assert together["ruled"] == run({"ruled": rule})["ruled"]
     assert tokenizer.decode(together["ruled"], skip_special_tokens=True).isdigit()
     assert together["ruled"] != together["a"]
+
+
+def test_a_constraint_failing_mid_call_costs_only_its_own_session(pair):
+    """Calls that decode on (steps > 1) share their passes: one whose constraint's matcher stops on an
+    error as it consumes a token (a regex past llguidance's lexer limits) is refused at its next
+    verify, while the others in its passes get their verdicts, as if it were not there."""
+    _, target_dir = pair
+    target = TargetEngine(ModelRunner(target_dir))
+    prompt = target.runner.tokenizer.encode(PROMPT)
+    greedy = SamplingParams(0.0)
+
+    def calls(*names):
+        return [VerifyCall(n, True, list(prompt), Proposal(), greedy, 4,
+                           constraint=Constraint("regex", "a{1000000}", len(prompt)) if n == "lexer" else None)
+                for n in names]
+
+    alone = target.verify_many(calls("plain"))
+    target.release("plain")
+    together = target.verify_many(calls("plain", "lexer"))
+    assert together[0][0].token == alone[0][0].token and together[0][0].decoded == alone[0][0].decoded
+    if isinstance(together[1], tuple):  # it decoded until its matcher failed: the next call refuses it
+        refused = target.verify_many([VerifyCall("lexer", False, [], Proposal(), greedy)])[0]
+    else:
+        refused = together[1]
+    assert isinstance(refused, InvalidRequest) and "cannot be followed" in str(refused)
+    assert "lexer" not in target.runner.sessions
 
 
 def test_an_ngram_draft_copies_only_what_the_constraint_allows(pair):
