@@ -8,7 +8,10 @@ the round (speculative/round.py) starts the session again from what its Sequence
 committed. Nothing is lost and nothing repeated.
 
 - The draft: with no draft replica left a start raises SessionLost too, and the round goes on
-  without drafts (target-only rounds); it drafts again once a replica is back.
+  without drafts (target-only rounds); it drafts again once a replica is back. A draft replica
+  with no room for the session (RESOURCE_EXHAUSTED: its sessions or tokens at their caps) is
+  left alone by the request for FULL_WAIT: it drafts on another or not at all, rather than fail
+  (drafting is optional: a draft filled by other callers failed every drafting request).
 - A late draft gives way: a draft call not answered within its replica's bound (a few times
   its recent calls' 99th percentile, at least 50 ms: pool.RecentLatency) raises SessionLost at
   the bound, and the round goes on with a plain target step. Its answer, when it comes, is
@@ -50,6 +53,7 @@ TRIES = 3
 MISSES = 3  # late draft calls in a row that take a replica out
 FORGET_WAIT = 120.0  # s: how long a release that failed waits for its hung replica to serve again
 FORGET_POLL = 0.5    # s: how often it looks
+FULL_WAIT = 1.0  # s: how long a request leaves a draft replica that had no room for its session
 # work left to the background: releases on replicas a request moved away from (see _lost), late
 # calls awaited to drop their answers (see FailoverDraft._late)
 FORGETTING: set[asyncio.Task] = set()
@@ -73,6 +77,7 @@ class _Failover:
         self.starts = 0  # sessions started for the request
         self.error: PeerError | None = None  # the last call's failure
         self.behind: set[Replica] = set()  # replicas yet to answer a late call of the request's
+        self.full: dict[Replica, float] = {}  # replicas that had no room for the session: until when left alone
 
     def _name(self, session_id: str, start: bool) -> str:
         """The session's id on the service: a start after the first takes a new one."""
@@ -92,11 +97,17 @@ class _Failover:
                     self.pool.recheck_soon()
             if not self._candidates():
                 return None
-            self.replica = self.pool.acquire(exclude=self.behind)
+            self.replica = self.pool.acquire(exclude=self._left())
         return self.replica
 
     def _candidates(self) -> list[Replica]:
-        return [r for r in self.pool.healthy() if r not in self.behind]
+        left = self._left()
+        return [r for r in self.pool.healthy() if r not in left]
+
+    def _left(self) -> set[Replica]:
+        """Replicas the request leaves alone now: those yet to answer a late call, and those full lately."""
+        now = time.monotonic()
+        return self.behind | {r for r, until in self.full.items() if until > now}
 
     def _lost(self, error: PeerError, session: str) -> None:
         self.error = error
@@ -173,6 +184,9 @@ class FailoverDraft(_Failover):
             try:
                 answer = answering.result()
             except PeerError as e:
+                if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self._no_room(e, session, start)
+                    continue
                 if e.code not in RESTART:
                     raise
                 self._lost(e, session)
@@ -181,6 +195,16 @@ class FailoverDraft(_Failover):
             replica.missed = 0
             return answer
         raise SessionLost(call.session_id)
+
+    def _no_room(self, error: PeerError, session: str, start: bool) -> None:
+        """The replica has no room for the session (FULL_WAIT); one it held is released there."""
+        replica, self.replica, self.error = self.replica, None, error
+        self.full[replica] = time.monotonic() + FULL_WAIT
+        self.pool.release(replica)
+        if not start:
+            self._in_background(self._forget(replica, session))
+        log.info("draft replica %s has no room for a session (%s): the request drafts elsewhere or not at all"
+                 " for %.0f s", replica.address, error, FULL_WAIT)
 
     def _late(self, replica: Replica, session: str, call: asyncio.Future, bound: float, start: bool,
               prefix: int) -> None:

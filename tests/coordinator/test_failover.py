@@ -284,6 +284,62 @@ def test_a_late_draft_gives_way(pair):
     asyncio.run(go())
 
 
+def test_a_draft_with_no_room_is_left_alone_not_the_request_failed(pair, monkeypatch):
+    """A draft replica whose sessions are all in use answers a start RESOURCE_EXHAUSTED: drafting is
+    optional, so the request drafts on another replica, or goes on without drafts and asks the full
+    one again only after FULL_WAIT; its output is what a faultless run decodes. (It failed the request.)"""
+    import asyncio
+
+    import grpc
+
+    from coordinator import failover
+    from coordinator.failover import FailoverDraft, FailoverTarget
+    from coordinator.peers import PeerError
+    from model_service.engines import DraftEngine, TargetEngine
+    from model_service.local import LocalDraft, LocalTarget
+    from model_service.model_runner import ModelRunner
+    from speculative.protocol import SamplingParams
+    from speculative.round import Stats, generate
+
+    draft_dir, target_dir = pair
+    monkeypatch.setattr(failover, "FULL_WAIT", 3600.0)  # (no second try within a run, however slow the machine)
+
+    class Draft(LocalDraft):
+        def __init__(self, address: str, full: bool):
+            super().__init__(DraftEngine(ModelRunner(draft_dir)))
+            self.address, self.name, self.full, self.calls = address, "draft", full, 0
+
+        async def propose(self, call, *, turn=(0, 0)):
+            self.calls += 1
+            if self.full:
+                raise PeerError(self, grpc.StatusCode.RESOURCE_EXHAUSTED, "all 1 sessions are in use")
+            return await super().propose(call)
+
+    target = LocalTarget(TargetEngine(ModelRunner(target_dir)))
+    target.address, target.name = "t0", "target"
+
+    async def run(*drafts: Draft) -> tuple[list[int], Stats]:
+        out, stats = [], Stats()
+        draft = FailoverDraft(local_pool("draft", drafts))
+        async for new in generate(draft, FailoverTarget(local_pool("target", [target])), PROMPT, max_new_tokens=40,
+                                  k=3, params=SamplingParams(0.0), max_context=512, stats=stats):
+            out += new
+        draft.close()
+        return out, stats
+
+    async def go():
+        expected, clean = await run(Draft("d0", False))
+        assert clean.draft_tokens > 0
+        full = Draft("d1", True)
+        tokens, stats = await run(full)
+        assert tokens == expected and stats.draft_tokens == 0 and full.calls == 1
+        full, room = Draft("d1", True), Draft("d2", False)
+        tokens, stats = await run(full, room)
+        assert tokens == expected and stats.draft_tokens > 0 and full.calls <= 1 and room.calls > 1
+
+    asyncio.run(go())
+
+
 def test_the_late_bound_follows_the_replica():
     """A draft call is late past 4 x the 99th percentile of the replica's recent calls of its kind, at
     least 50 ms; a start's bound grows with the prefix it carries; with no history yet, 1 s."""
