@@ -10,7 +10,7 @@ import grpc
 
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from speculative.errors import InvalidRequest
+from speculative.errors import InvalidRequest, status_details
 from speculative.protocol import constraint_from_proto
 
 from .generation import Chunk, Coordinator, Finish, GenerationRequest, Message, NotPossible, NotReady, Summary
@@ -100,7 +100,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 async for chunk in chunks:
                     yield chunk
         except (InvalidRequest, NotPossible, NotReady, PeerError) as e:
-            await context.abort(status_code(e), str(e))
+            await context.abort(status_code(e), status_details(str(e)))
 
     async def GenerateStream(self, request: pb.GenerateRequest, context):
         async for chunk in self._chunks(request, context, "GenerateStream"):
@@ -123,7 +123,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             models = coordinator.ready()
         except NotReady as e:
-            await context.abort(status_code(e), str(e))
+            await context.abort(status_code(e), status_details(str(e)))
         return pb.ServerInfo(
             draft=coordinator.draft.reference, target=coordinator.target.reference, max_context=models.max_context,
             default_max_new_tokens=coordinator.limits.default_max_new_tokens,

@@ -17,7 +17,8 @@ import grpc
 from runtime import tracing
 from runtime.host import host_facts
 from specdec.v1 import specdec_pb2 as pb
-from speculative.errors import CapacityExceeded, InvalidRequest, SessionExists, SessionNotFound, WorkerLost
+from speculative.errors import (CapacityExceeded, InvalidRequest, SessionExists, SessionNotFound, WorkerLost,
+                               status_details)
 
 from .batcher import Batcher, Batching
 from .metrics import ModelMetrics
@@ -46,8 +47,8 @@ def translate(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     code = status_of(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("internal error", exc_info=exc)
-        return code, f"{type(exc).__name__}: {exc}"
-    return code, str(exc)
+        return code, status_details(f"{type(exc).__name__}: {exc}")
+    return code, status_details(str(exc))
 
 
 async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:

@@ -37,6 +37,8 @@ def grammar_text(constraint: Constraint) -> str:
         raise
     except json.JSONDecodeError as e:
         raise InvalidRequest(f"the {kind} constraint is not valid JSON: {e}") from e
+    except RecursionError as e:  # (json's parser, on arrays or objects nested some thousand deep)
+        raise InvalidRequest(f"the {kind} constraint is nested too deeply to read") from e
     except ValueError as e:
         raise InvalidRequest(f"the {kind} constraint does not compile: {e}") from e
     raise InvalidRequest(f"unknown constraint kind {kind!r}")

@@ -10,6 +10,18 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
+MAX_DETAILS = 4000  # characters of a status's message: at most 16,000 bytes of UTF-8
+
+
+def status_details(message: str) -> str:
+    """A message as a gRPC status's details: gRPC refuses metadata past 16 KiB, and a message that
+    quoted a long input (a constraint's text, a chat role) reached the client as RESOURCE_EXHAUSTED
+    'received metadata size exceeds hard limit' instead of its own status. Cut past MAX_DETAILS."""
+    if len(message) <= MAX_DETAILS:
+        return message
+    return f"{message[: MAX_DETAILS - 40]}... ({len(message):,} characters in all)"
+
+
 class SessionNotFound(KeyError):
     """No session with that id (NOT_FOUND)."""
 

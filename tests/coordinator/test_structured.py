@@ -275,6 +275,9 @@ BAD = [
     (pb.Constraint(choice=pb.ChoiceList()), "at least one choice"),
     (pb.Constraint(json_schema=json.dumps({"type": "object", "properties": {
         f"field_{i}": {"type": "string", "pattern": "[a-z]{3,9}" * 40} for i in range(3000)}})), "bytes; at most"),
+    (pb.Constraint(json_schema="[" * 100_000 + "]" * 100_000), "nested too deeply"),  # (was UNKNOWN)
+    # messages that quote a long input, cut to fit gRPC's metadata (were RESOURCE_EXHAUSTED from gRPC itself)
+    (pb.Constraint(regex="a" * 100_000 + "("), "characters in all"),
 ]
 
 

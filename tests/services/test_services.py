@@ -143,3 +143,17 @@ def test_the_target_waits_half_its_pass_for_sessions_at_work_and_the_draft_half_
     assert waits and float(waits.group(1)) == pytest.approx(auto_wait_ms(cost), abs=0.006)
     assert 0 < auto_wait_ms(cost) == pytest.approx(min(8.0, 0.5 * cost(1, 1)))
     assert "a pass waits up to 0.50 ms" in stack.logs["draft"].read_text()
+
+
+def test_a_long_error_message_is_cut_to_fit_a_grpc_status():
+    """gRPC refuses a status whose details pass 16 KiB of metadata: the client got RESOURCE_EXHAUSTED
+    from gRPC itself, not the error, where a message quoted a long input. Cut, the status stays."""
+    from model_service.servicer import call_status, translate
+    from speculative.errors import MAX_DETAILS, InvalidRequest
+
+    long = InvalidRequest("the regex constraint does not compile: " + "é" * 100_000)
+    code, message = translate(long)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and len(message) <= MAX_DETAILS
+    assert len(message.encode()) < 16_384 and message.startswith("the regex constraint does not compile")
+    assert "100,039 characters in all" in message and call_status(long).message == message
+    assert translate(InvalidRequest("short"))[1] == "short"
