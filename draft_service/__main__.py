@@ -172,7 +172,7 @@ def make_engine(args, load_model) -> DraftMethod:
                                 max_context=args.max_context or None, threads=args.threads,
                                 batched_threads=args.batched_threads,
                                 lookup=range(args.lookup_min, args.ngram_max + 1) if args.lookup_min else range(0),
-                                **prior)
+                                max_kv_tokens=args.max_kv_tokens, **prior)
         eagle.calibrate()
         return eagle
     if args.method == "ngram":
@@ -180,7 +180,8 @@ def make_engine(args, load_model) -> DraftMethod:
 
         return NgramDraft.load(args.tokenizer, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
                                max_tokens=args.max_tokens_per_call, max_sessions=args.max_sessions,
-                               idle_timeout=args.session_idle_timeout, max_context=args.max_context or NGRAM_CONTEXT)
+                               idle_timeout=args.session_idle_timeout, max_context=args.max_context or NGRAM_CONTEXT,
+                               max_kv_tokens=args.max_kv_tokens)
     if args.oracle:
         from model_service.oracle import OracleDraftEngine
 

@@ -69,7 +69,7 @@ from typing import Protocol
 
 import torch
 
-from speculative.errors import InvalidRequest
+from speculative.errors import CapacityExceeded, InvalidRequest
 from speculative.protocol import Cost, Proposal, ProposeCall
 
 from .model_runner import mix_seed
@@ -151,12 +151,15 @@ def advance(call: ProposeCall, max_tokens: int, host: SessionHost, pending: int 
 
 class MethodSessions:
     """A SessionHost for a method that holds no ModelRunner (ngram.py, eagle.py): a session table,
-    ids below `vocab_size`, at most `max_context` tokens a session."""
+    ids below `vocab_size`, at most `max_context` tokens a session and `max_kv_tokens` (0: no cap)
+    all sessions together, as ModelRunner.check_context counts them."""
 
-    def __init__(self, table: SessionTable, vocab_size: int, max_context: int, device: torch.device | str = "cpu"):
+    def __init__(self, table: SessionTable, vocab_size: int, max_context: int, device: torch.device | str = "cpu",
+                 max_kv_tokens: int = 0):
         self.sessions = table
         self.vocab_size = vocab_size
         self.max_context = max_context
+        self.max_kv_tokens = max_kv_tokens
         self.device = device  # where a session's generator draws
 
     def check_session_id(self, session_id: str) -> None:
@@ -171,6 +174,12 @@ class MethodSessions:
         if length > self.max_context:
             raise InvalidRequest(
                 f"session {session_id!r} would hold {length} tokens, beyond the context of {self.max_context}")
+        if self.max_kv_tokens and length > held:
+            total = sum(len(s.tokens) for s in self.sessions) - held + length + pending
+            if total > self.max_kv_tokens:
+                raise CapacityExceeded(
+                    f"the sessions would hold {total} tokens, beyond this service's cap of {self.max_kv_tokens}"
+                    " (--max-kv-tokens); retry later")
 
     def start_session(self, session_id: str, seed: int) -> Session:
         if not session_id:

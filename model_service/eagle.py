@@ -103,7 +103,7 @@ class EagleDraft:
                  max_tokens: int = 16, max_sessions: int = 256, idle_timeout: float = 600.0,
                  max_context: int | None = None, acceptance_prior: float = 0.0, name: str = "eagle",
                  quantization: str = "none", threads: int = 0, batched_threads: int = 0,
-                 lookup: range = range(3, 5)):
+                 lookup: range = range(3, 5), max_kv_tokens: int = 0):
         """threads / batched_threads: torch threads for a call while its session is the one at work /
         for the rest (0: leave torch's as the process set them). With the int8 head a lone session's
         call ran ~20% faster on 2 threads than on 1 (SmolLM2's head, 65 calls replayed: 5.85 -> 4.64
@@ -111,7 +111,7 @@ class EagleDraft:
         --batched-threads 1 against 1 and 1): one stream +7% tokens/s, 8 streams -8% with the int8
         head; +4% and -5% with the int4 one (medians of 6 alternating runs): the service's default
         stays one thread. lookup: the suffix lengths the lookup tries (the module docstring; empty:
-        the head always drafts)."""
+        the head always drafts). max_kv_tokens: the tokens all sessions may hold together (0: no cap)."""
         self.head = head
         self.threads, self.batched_threads = threads, batched_threads
         self.quantization = quantization
@@ -135,7 +135,7 @@ class EagleDraft:
         self.width = head.config.fused_size
         self.sessions = SessionTable(max_sessions, idle_timeout,
                                      lambda: Rows(head.new_cache(), lookup=NgramIndex(lookup) if lookup else None))
-        self.host = MethodSessions(self.sessions, self.vocab_size, self.max_context, self.device)
+        self.host = MethodSessions(self.sessions, self.vocab_size, self.max_context, self.device, max_kv_tokens)
         eos = tokenizer.eos_token_id
         self.grammars = Grammars(tokenizer, self.vocab_size, [] if eos is None else [eos])
         # per draft id, its target id, on the host (masks come in target ids; a drafted token is mapped

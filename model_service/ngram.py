@@ -74,9 +74,10 @@ class NgramDraft:
 
     def __init__(self, tokenizer, logits_size: int | None = None, *, ngram_max: int = 4, ngram_min: int = 2,
                  max_tokens: int = 16, max_sessions: int = 256, idle_timeout: float = 600.0,
-                 max_context: int = NGRAM_CONTEXT):
+                 max_context: int = NGRAM_CONTEXT, max_kv_tokens: int = 0):
         """logits_size: the output width of the model the tokenizer belongs to, if known (a
-        model's vocab_size is the smaller of the two); max_context: tokens a session may hold."""
+        model's vocab_size is the smaller of the two); max_context: tokens a session may hold;
+        max_kv_tokens: all sessions together (0: no cap)."""
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"need 1 <= --ngram-min <= --ngram-max, not {ngram_min} and {ngram_max}")
         self.tokenizer = tokenizer
@@ -87,7 +88,7 @@ class NgramDraft:
         self.max_tokens = max_tokens
         self.max_context = max_context
         self.sessions = SessionTable(max_sessions, idle_timeout, lambda: NgramIndex(self.sizes))
-        self.host = MethodSessions(self.sessions, self.vocab_size, max_context)
+        self.host = MethodSessions(self.sessions, self.vocab_size, max_context, max_kv_tokens=max_kv_tokens)
         eos = tokenizer.eos_token_id
         self.grammars = Grammars(tokenizer, self.vocab_size, [] if eos is None else [eos])
         self.at_work = 0  # a call costs microseconds: the batcher never waits for others

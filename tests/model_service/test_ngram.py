@@ -147,6 +147,25 @@ def test_capacity_and_idle_eviction(pair):
     proposed(draft, "b", True, 0, [1, 2], 1)
 
 
+def test_the_kv_token_cap_holds_for_a_method_without_a_model(pair):
+    """--max-kv-tokens caps the tokens all sessions hold together on a draft that holds no
+    ModelRunner too (ngram, EAGLE: MethodSessions): a start or a call that would pass it gets
+    RESOURCE_EXHAUSTED and changes nothing (it was ignored: three 5,000-token sessions under a cap
+    of 100)."""
+    draft = NgramDraft.load(pair[1], max_kv_tokens=20)
+    proposed(draft, "a", True, 0, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 2)
+    with pytest.raises(CapacityExceeded, match="--max-kv-tokens"):
+        proposed(draft, "b", True, 0, [1] * 10, 2)
+    held = list(draft.sessions.get("a").tokens)
+    with pytest.raises(CapacityExceeded):
+        proposed(draft, "a", False, 0, [5] * 12, 2)
+    assert "b" not in draft.sessions and draft.sessions.get("a").tokens == held
+    proposed(draft, "a", False, 0, [5] * 4, 2)  # within the cap
+    from draft_service.__main__ import make_engine, parse_args  # the service's flag reaches it
+    args = parse_args(["--method", "ngram", "--tokenizer", str(pair[1]), "--max-kv-tokens", "77"])
+    assert make_engine(args, None).host.max_kv_tokens == 77
+
+
 def test_info_pairs_with_the_target(pair, ngram):
     runner = ModelRunner(pair[1])
     target, info = runner.info(), ngram.info()
