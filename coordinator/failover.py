@@ -185,7 +185,7 @@ class FailoverDraft(_Failover):
                 answer = answering.result()
             except PeerError as e:
                 if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    self._no_room(e, session, start)
+                    self._no_room(replica, e, session, start)
                     continue
                 if e.code not in RESTART:
                     raise
@@ -196,11 +196,14 @@ class FailoverDraft(_Failover):
             return answer
         raise SessionLost(call.session_id)
 
-    def _no_room(self, error: PeerError, session: str, start: bool) -> None:
-        """The replica has no room for the session (FULL_WAIT); one it held is released there."""
-        replica, self.replica, self.error = self.replica, None, error
+    def _no_room(self, replica: Replica, error: PeerError, session: str, start: bool) -> None:
+        """`replica` has no room for the session (FULL_WAIT); one it held is released there. (Also a
+        queue full for a moment (--max-queue): the session goes all the same, and starts again later.)"""
+        self.error = error
         self.full[replica] = time.monotonic() + FULL_WAIT
-        self.pool.release(replica)
+        if self.replica is replica:  # (not where the request let it go meanwhile: a pre-draft's answer)
+            self.pool.release(replica)
+            self.replica = None
         if not start:
             self._in_background(self._forget(replica, session))
         log.info("draft replica %s has no room for a session (%s): the request drafts elsewhere or not at all"

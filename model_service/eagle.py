@@ -196,11 +196,13 @@ class EagleDraft:
         timer = Timer()
         results: list = [None] * len(calls)
         staged = []
+        pending = 0  # tokens the calls admitted so far will draft (the KV-token cap counts them)
         for i, call in enumerate(calls):
             try:
                 rows = self._check_features(call)
                 held = None if call.start else len(self.sessions.get(call.session_id).tokens) - call.rollback
-                session = advance(call, self.max_tokens, self.host, grammars=self.grammars)
+                session = advance(call, self.max_tokens, self.host, pending, grammars=self.grammars)
+                pending += call.k
             except Exception as exc:
                 results[i] = exc
                 continue

@@ -10,16 +10,22 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
-MAX_DETAILS = 4000  # characters of a status's message: at most 16,000 bytes of UTF-8
+MAX_DETAILS = 4000  # bytes a status's message may take on the wire (gRPC's metadata: 8 KiB soft, 16 KiB hard)
 
 
 def status_details(message: str) -> str:
-    """A message as a gRPC status's details: gRPC refuses metadata past 16 KiB, and a message that
-    quoted a long input (a constraint's text, a chat role) reached the client as RESOURCE_EXHAUSTED
-    'received metadata size exceeds hard limit' instead of its own status. Cut past MAX_DETAILS."""
-    if len(message) <= MAX_DETAILS:
-        return message
-    return f"{message[: MAX_DETAILS - 40]}... ({len(message):,} characters in all)"
+    """A message as a gRPC status's details: gRPC refuses metadata past 16 KiB (and past 8 KiB now and
+    then), and a message that quoted a long input (a constraint's text, a chat role) reached the
+    client as RESOURCE_EXHAUSTED 'received metadata size exceeds hard limit' instead of its own
+    status. Cut where it would take more than MAX_DETAILS bytes on the wire, where grpc-message is
+    percent-encoded: a byte outside printable ASCII, or a '%', takes 3."""
+    budget, end = MAX_DETAILS - 60, 0  # (room for the note)
+    for end, char in enumerate(message):
+        code = ord(char)
+        budget -= 1 if 0x20 <= code < 0x7F and char != "%" else 3 * len(char.encode("utf-8", "replace"))
+        if budget < 0:
+            return f"{message[:end]}... ({len(message):,} characters in all)"
+    return message
 
 
 class SessionNotFound(KeyError):

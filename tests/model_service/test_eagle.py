@@ -19,7 +19,7 @@ from model_service.eagle_head import Eagle3Config, Eagle3Head
 from model_service.engines import TargetEngine
 from model_service.local import LocalDraft, LocalTarget
 from model_service.model_runner import ModelRunner
-from speculative.errors import InvalidRequest
+from speculative.errors import CapacityExceeded, InvalidRequest
 from speculative.protocol import Features, Proposal, ProposeCall, SamplingParams, VerifyCall
 from speculative.round import FixedK, Stats, generate
 from speculative.sampling import logits_to_probs
@@ -230,6 +230,26 @@ def test_bad_feature_requests_are_refused_and_leave_no_trace(pair, eagle):
     # no features at all: nothing to draft from
     proposal, _ = eagle.propose(ProposeCall("n", True, 0, tokens, 2, GREEDY))
     assert proposal.tokens == []
+
+
+def test_the_kv_token_cap_counts_what_calls_drafted_together_will_add(eagle, monkeypatch):
+    """--max-kv-tokens on the head's sessions: calls admitted to one propose_many draft their tokens
+    only after all are admitted, so the cap counts those tokens for the calls after them, as it would
+    had they come one by one (it did not: four starts of 5 + 8 under a cap of 26 held 39 tokens)."""
+    held = sum(len(s.tokens) for s in eagle.sessions)  # (other tests' sessions on the module's head)
+    monkeypatch.setattr(eagle.host, "max_kv_tokens", held + 26)
+    width = eagle.width
+    rows = Features(0, 4, width, "float16", bytes(2 * width * 4))
+    calls = [ProposeCall(f"cap{i}", True, 0, [4, 5, 6, 7, 8], 8, GREEDY, features=rows) for i in range(4)]
+    results = eagle.propose_many(calls)
+    try:
+        admitted = [not isinstance(r, Exception) for r in results]
+        assert admitted == [True, True, False, False], results
+        assert all(isinstance(r, CapacityExceeded) for r in results[2:])
+        assert sum(len(s.tokens) for s in eagle.sessions) <= held + 26
+    finally:
+        for call in calls:
+            eagle.release(call.session_id)
 
 
 def next_probs(model, ids, params):
