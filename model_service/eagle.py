@@ -66,6 +66,12 @@ from .ngram import allowed_copy
 from .sessions import Session, SessionTable
 from .threads import pass_threads
 
+# the most chain rows (a head step each, no feature row) a call extends a session's rows by to reach its last
+# token: past them it drafts nothing until features come. The coordinator's calls chain one or two (the tokens
+# committed since the target's last features); a peer's start of 8,000 tokens with one feature row held the
+# model thread for 2.8 s of head steps (the tiny test head), every other session's call waiting
+CHAIN_MAX = 64
+
 
 @dataclass
 class Rows:
@@ -273,7 +279,7 @@ class EagleDraft:
                 out, _ = head.step(ids, head.fuse(new), positions, state.cache, first + len(new), logits=False)
                 state.hidden.extend(out)
                 state.featured = state.end
-        if call.k and state.hidden:
+        if call.k and state.hidden and len(tokens) - 1 - state.end <= CHAIN_MAX:
             while state.end < len(tokens) - 1:  # row p from row p - 1's out_hidden and token p + 1
                 self._step(state, tokens[state.end + 1])
         if state.lookup is not None:  # it held a prefix of what the session held: keep what is left of it
@@ -287,8 +293,9 @@ class EagleDraft:
         head = self.head
         picked: list[tuple[list[int], list, list]] = [([], [], []) for _ in live]
         copied = {j for j, (_, call, session) in enumerate(live) if self._copy(call, session, picked[j][0])}
-        drafting = [j for j, (_, call, session) in enumerate(live)
-                    if call.k and session.cache.hidden and j not in copied]
+        drafting = [j for j, (_, call, session) in enumerate(live)  # (rows up to its last token: _take_in)
+                    if call.k and session.cache.hidden and session.cache.end >= len(session.tokens) - 1
+                    and j not in copied]
         if drafting and self.fused_draft:
             drafting = self._draft_fused(live, drafting, picked)
         logits = head.logits(torch.stack([live[j][2].cache.hidden[-1] for j in drafting])) if drafting \

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from model_service import features as wire
 from model_service import q4_kernel
-from model_service.eagle import EagleDraft
+from model_service.eagle import CHAIN_MAX, EagleDraft
 from model_service.eagle_head import Eagle3Config, Eagle3Head
 from model_service.engines import TargetEngine
 from model_service.local import LocalDraft, LocalTarget
@@ -230,6 +230,26 @@ def test_bad_feature_requests_are_refused_and_leave_no_trace(pair, eagle):
     # no features at all: nothing to draft from
     proposal, _ = eagle.propose(ProposeCall("n", True, 0, tokens, 2, GREEDY))
     assert proposal.tokens == []
+
+
+def test_tokens_far_past_the_feature_rows_are_not_chained_step_by_step(eagle):
+    """A call whose tokens run more than CHAIN_MAX past its feature rows drafts nothing (a head step a
+    token would hold the model thread, every other session waiting), and drafts again once features
+    reach its tokens; within CHAIN_MAX the rows are chained to the last token as before."""
+    width = eagle.width
+    rows = lambda start, n: Features(start, n, width, "float16", bytes(2 * width * n))  # noqa: E731
+    tokens = [4, 5, 6, 7] * 100  # 400 tokens, rows for the first two positions only
+    try:
+        proposal, _ = eagle.propose(ProposeCall("far", True, 0, tokens, 2, GREEDY, features=rows(0, 2)))
+        assert proposal.tokens == [] and eagle.sessions.get("far").cache.end == 2  # none chained
+        proposal, _ = eagle.propose(ProposeCall("far", False, 0, [4], 2, GREEDY, features=rows(2, 397)))
+        assert len(proposal.tokens) == 2  # features up to its last token but one: chained one row, drafted
+        near = tokens[: 2 + CHAIN_MAX + 1]
+        proposal, _ = eagle.propose(ProposeCall("near", True, 0, near, 2, GREEDY, features=rows(0, 2)))
+        assert len(proposal.tokens) == 2 and eagle.sessions.get("near").cache.end >= len(near) - 1
+    finally:
+        eagle.release("far")
+        eagle.release("near")
 
 
 def test_the_kv_token_cap_counts_what_calls_drafted_together_will_add(eagle, monkeypatch):
