@@ -76,8 +76,9 @@ class Grammars:
     def compile(self, constraint: Constraint):
         """The constraint compiled for this tokenizer, from the cache or now (a refusal is cached
         too). The servicer calls it off the model thread as a start call arrives, so that a new
-        constraint's compilation (~0.4 s for a small JSON schema on SmolLM2's vocabulary) does not
-        hold up the pass the session's first call rides in. InvalidRequest with the compiler's reason."""
+        constraint's compilation (~0.4 s for a small JSON schema on SmolLM2's vocabulary) and its
+        first mask do not hold up the pass the session's first call rides in. InvalidRequest with the
+        compiler's reason, or the matcher's where its first mask stops on an error."""
         key = (constraint.kind, constraint.text)
         with self._lock:
             found = self._compiled.get(key)
@@ -94,6 +95,14 @@ class Grammars:
                 found = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits())
                 if found.is_error():
                     raise InvalidRequest(f"the {constraint.kind} constraint does not compile: {found.get_error()}")
+                # its first mask, here: the lexer's first states are built once for every copy (a{655000}:
+                # ~0.4 s, a JSON schema of 40 fields ~4 ms), not on the model thread while every session
+                # waits; a grammar no text completes stops on its error here, refused before its first pass
+                first = found.deep_copy()
+                first.compute_bitmask()
+                if first.is_error():
+                    raise InvalidRequest(f"the {constraint.kind} constraint cannot be followed: the matcher stopped"
+                                         f" with {first.get_error().splitlines()[0]!r}")
             except InvalidRequest as e:
                 found = e
             with self._lock:

@@ -225,6 +225,22 @@ def test_a_constrained_session_and_unconstrained_ones_share_a_pass_unaffected(pa
     assert together["ruled"] != together["a"]
 
 
+def test_a_service_finds_a_constraint_no_text_completes_at_compilation(pair):
+    """Each service computes a new constraint's first mask as it compiles it, off the model thread
+    (the lexer's first states: ~0.4 s for a{655000} on SmolLM2's vocabulary, else taken by the model
+    thread while every session waited): a grammar whose matcher stops there is refused before any pass."""
+    from model_service.grammar import Grammars
+
+    tokenizer = AutoTokenizer.from_pretrained(pair[1])
+    grammars = Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    for constraint in (Constraint("grammar", "start: a\na: a"), Constraint("json_schema", '{"$ref": "#"}')):
+        with pytest.raises(InvalidRequest, match="cannot be followed"):
+            grammars.compile(constraint)
+        with pytest.raises(InvalidRequest, match="cannot be followed"):  # (refused again from the cache)
+            grammars.session(constraint)
+    assert grammars.session(Constraint("regex", "[0-9]{3}")).error is None
+
+
 def test_a_constraint_failing_mid_call_costs_only_its_own_session(pair):
     """Calls that decode on (steps > 1) share their passes: one whose constraint's matcher stops on an
     error as it consumes a token (a regex past llguidance's lexer limits) is refused at its next
