@@ -176,11 +176,11 @@ def make_engine(args, load_model) -> DraftMethod:
         eagle.calibrate()
         return eagle
     if args.method == "ngram":
-        from model_service.ngram import NGRAM_CONTEXT, NgramDraft
+        from model_service.ngram import NgramDraft
 
         return NgramDraft.load(args.tokenizer, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
                                max_tokens=args.max_tokens_per_call, max_sessions=args.max_sessions,
-                               idle_timeout=args.session_idle_timeout, max_context=args.max_context or NGRAM_CONTEXT,
+                               idle_timeout=args.session_idle_timeout, max_context=args.max_context or None,
                                max_kv_tokens=args.max_kv_tokens)
     if args.oracle:
         from model_service.oracle import OracleDraftEngine

@@ -48,8 +48,10 @@ from .grammar import Grammars
 from .model_runner import Timer, saved_tokenizer_files, tokenizer_fields
 from .sessions import Session, SessionTable
 
-NGRAM_CONTEXT = 1 << 20  # tokens a session may hold unless --max-context says fewer (past the draft's
-# context the coordinator drafts no more: speculative.round.generate's draft_context)
+# tokens a session may hold where neither --max-context nor the model's config says (past the draft's context
+# the coordinator drafts no more: speculative.round.generate's draft_context); from a model's directory its
+# context, as the target's sessions (a peer's session of 1M tokens held ~590 MB and the model thread ~7 s)
+NGRAM_CONTEXT = 1 << 20
 
 
 def allowed_copy(session: Session, copy: list[int]) -> list[int]:
@@ -95,16 +97,19 @@ class NgramDraft:
         self._tokenizer_files: list[tuple[str, bytes]] | None = None
 
     @classmethod
-    def load(cls, directory: str | Path, **kwargs) -> "NgramDraft":
-        """From a tokenizer directory, or a model's (whose config.json gives the output width)."""
+    def load(cls, directory: str | Path, max_context: int | None = None, **kwargs) -> "NgramDraft":
+        """From a tokenizer directory, or a model's (whose config.json gives the output width and, where
+        max_context is not given, the context: a session holds no more than the target's would;
+        NGRAM_CONTEXT without one)."""
         from transformers import AutoConfig, AutoTokenizer
 
         path = Path(directory)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        logits_size = None
+        logits_size, context = None, None
         if (path / "config.json").is_file():
-            logits_size = getattr(AutoConfig.from_pretrained(path, local_files_only=True), "vocab_size", None)
-        return cls(tokenizer, logits_size, **kwargs)
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+            logits_size, context = getattr(config, "vocab_size", None), getattr(config, "max_position_embeddings", None)
+        return cls(tokenizer, logits_size, max_context=max_context or context or NGRAM_CONTEXT, **kwargs)
 
     # ------------------------------------------------------------ drafting.py's contract
 

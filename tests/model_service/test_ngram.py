@@ -17,7 +17,7 @@ from coordinator.adaptive import AdaptiveK, CostModel
 from model_service.engines import TargetEngine
 from model_service.local import LocalDraft, LocalTarget
 from model_service.model_runner import ModelRunner
-from model_service.ngram import NgramDraft, NgramIndex
+from model_service.ngram import NGRAM_CONTEXT, NgramDraft, NgramIndex
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from speculative.errors import CapacityExceeded, InvalidRequest, SessionExists, SessionNotFound
@@ -163,7 +163,12 @@ def test_the_kv_token_cap_holds_for_a_method_without_a_model(pair):
     proposed(draft, "a", False, 0, [5] * 4, 2)  # within the cap
     from draft_service.__main__ import make_engine, parse_args  # the service's flag reaches it
     args = parse_args(["--method", "ngram", "--tokenizer", str(pair[1]), "--max-kv-tokens", "77"])
-    assert make_engine(args, None).host.max_kv_tokens == 77
+    engine = make_engine(args, None)
+    assert engine.host.max_kv_tokens == 77
+    # from a model's directory a session holds at most its context (as the target's), not NGRAM_CONTEXT
+    assert engine.max_context == ModelRunner(pair[1]).max_context < NGRAM_CONTEXT
+    args = parse_args(["--method", "ngram", "--tokenizer", str(pair[1]), "--max-context", "100"])
+    assert make_engine(args, None).max_context == 100
 
 
 def test_info_pairs_with_the_target(pair, ngram):
