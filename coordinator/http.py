@@ -6,8 +6,9 @@
 
 Endpoints: GET /v1/models and /v1/models/{model}; POST /v1/chat/completions and POST
 /v1/completions, unary or with `stream: true` (one event per speculative round, then `data:
-[DONE]`; `stream_options.include_usage` adds a last event with the usage). GET /health (200 once the coordinator has found its services,
-else 503) and GET /metrics (the coordinator's Prometheus metrics) need no API key.
+[DONE]`; `stream_options.include_usage` adds a last event with the usage). GET /health (200 once
+the coordinator has found its services, else 503) and GET /metrics (the coordinator's Prometheus
+metrics) need no API key.
 
 What OpenAI's API has no word for goes in an extra field, `specdec` (rounds, acceptance, K, seed;
 in a stream on the event with the finish_reason), and, unary, in x-specdec-* headers. Extra body
@@ -97,8 +98,9 @@ def core_error(error: Exception) -> ApiError:
     the field at fault (`param`) as this API does where the core names one."""
     code = outcome(error)
     message, param = str(error), getattr(error, "param", None)
-    if param in HTTP_FIELDS:
-        message, param = message.replace(param, HTTP_FIELDS[param]), HTTP_FIELDS[param]
+    if param == "max_new_tokens":  # (its messages name it: this API's clients know it as max_tokens)
+        message = message.replace(param, HTTP_FIELDS[param])
+    param = HTTP_FIELDS.get(param, param)
     return ApiError(HTTP_STATUS.get(code, 500), message, param, code.lower())
 
 
