@@ -69,7 +69,7 @@ from typing import Protocol
 
 import torch
 
-from speculative.errors import CapacityExceeded, InvalidRequest
+from speculative.errors import InvalidRequest
 from speculative.protocol import Cost, Proposal, ProposeCall
 
 from .model_runner import mix_seed
@@ -171,15 +171,7 @@ class MethodSessions:
             raise InvalidRequest(f"{what} token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
 
     def check_context(self, session_id: str, length: int, held: int = 0, pending: int = 0) -> None:
-        if length > self.max_context:
-            raise InvalidRequest(
-                f"session {session_id!r} would hold {length} tokens, beyond the context of {self.max_context}")
-        if self.max_kv_tokens and length > held:
-            total = sum(len(s.tokens) for s in self.sessions) - held + length + pending
-            if total > self.max_kv_tokens:
-                raise CapacityExceeded(
-                    f"the sessions would hold {total} tokens, beyond this service's cap of {self.max_kv_tokens}"
-                    " (--max-kv-tokens); retry later")
+        self.sessions.check_room(session_id, length, self.max_context, self.max_kv_tokens, held, pending)
 
     def start_session(self, session_id: str, seed: int) -> Session:
         if not session_id:

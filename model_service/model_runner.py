@@ -24,7 +24,7 @@ import torch
 from transformers import AutoTokenizer, DynamicCache
 
 from speculative.protocol import PassCost
-from speculative.errors import CapacityExceeded, InvalidRequest
+from speculative.errors import InvalidRequest
 from .fast_forward import DTYPES, FastForward
 from . import int4, q4_kernel
 from .kv_cache import POOL_CAPACITY
@@ -436,17 +436,8 @@ class ModelRunner:
     def check_context(self, session_id: str, length: int, held: int = 0, pending: int = 0) -> None:
         """Refuse a call that would grow a session (holding `held` tokens now) to `length` tokens
         past the context, or all sessions past max_kv_tokens; `pending`: tokens the calls already
-        admitted to the same pass will add beyond what their sessions hold now."""
-        if length > self.max_context:
-            raise InvalidRequest(
-                f"session {session_id!r} would hold {length} tokens, beyond the context of {self.max_context}"
-            )
-        if self.max_kv_tokens and length > held:
-            total = sum(len(s.tokens) for s in self.sessions) - held + length + pending
-            if total > self.max_kv_tokens:
-                raise CapacityExceeded(
-                    f"the sessions would hold {total} tokens, beyond this service's cap of {self.max_kv_tokens}"
-                    " (--max-kv-tokens); retry later")
+        admitted to the same pass will add beyond what their sessions hold now (SessionTable.check_room)."""
+        self.sessions.check_room(session_id, length, self.max_context, self.max_kv_tokens, held, pending)
 
     def forward(self, session: Session, num_logits: int = 1) -> torch.Tensor:
         """Feed the session's uncached tokens; return the last `num_logits` rows of logits.
