@@ -16,8 +16,9 @@ fields read: num_speculative_tokens, draft_p_min, top_k, ignore_eos (as vLLM's: 
 Structured output (model_service/grammar.py): `response_format` (OpenAI's json_object and json_schema,
 which the official client's `chat.completions.parse` sends for a pydantic model) and vLLM's
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` and `structured_outputs`; one of
-them, else 400; one that does not compile is 400 with the compiler's reason. A field specdec cannot
-honour (n > 1, logprobs, penalties, tools...) is refused, naming it; a field it does not know is ignored.
+them, else 400; one that does not compile is 400 with the compiler's reason. `tools` and `tool_choice`
+(tools.py): any model's tool calls, by structured output. A field specdec cannot honour (n > 1,
+logprobs, penalties, the older functions API) is refused, naming it; a field it does not know is ignored.
 /v1/completions generates 16 tokens where max_tokens is not given, as OpenAI's does.
 
 Errors are OpenAI's error object, with the HTTP status of the core's canonical code
@@ -59,6 +60,7 @@ from speculative.protocol import Constraint
 
 from .generation import Chunk, Coordinator, Finish, GenerationRequest, Message, NotPossible, NotReady, Summary, outcome
 from .peers import PeerError
+from .tools import ToolUse, call_of, conversation
 
 T = TypeVar("T")
 CORE_ERRORS = (InvalidRequest, NotPossible, NotReady, PeerError)
@@ -123,6 +125,8 @@ class ContentPart(Lenient):
 class ChatMessage(Lenient):
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (tools.py)
+    tool_call_id: str | None = None  # a tool result's (role tool)
 
 
 class Body(Lenient):
@@ -160,8 +164,9 @@ class ChatBody(Body):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # (tools.py)
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None  # (the functions API before tools)
     function_call: str | dict[str, Any] | None = None
 
@@ -177,7 +182,7 @@ class CompletionBody(Body):
 # fields specdec cannot honour, with the values (besides absent) it accepts: those that ask for nothing
 UNSUPPORTED = {"n": (1,), "logprobs": (False,), "top_logprobs": (0,), "best_of": (1,), "echo": (False,),
                "suffix": ("",), "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "logit_bias": ({},),
-               "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto")}
+               "functions": ([],), "function_call": ("none", "auto")}
 
 B = TypeVar("B", bound=Body)
 
@@ -208,7 +213,7 @@ async def parse(request: Request, kind: type[B], limit: int) -> B:
         value = getattr(body, name, None)
         if value is not None and not any(type(value) is type(n) and value == n for n in neutral):
             raise ApiError(400, f"{name}={value!r} is not supported (specdec answers with one choice, without"
-                                f" logprobs, penalties or tools)", name, "unsupported_parameter")
+                                f" logprobs or penalties; tools, not functions)", name, "unsupported_parameter")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
     return body
@@ -279,18 +284,26 @@ def constraint_of(body: Body) -> Constraint | None:
     return found[0][1] if found else None
 
 
-def chat_request(body: ChatBody) -> GenerationRequest:
-    messages = []
+def chat_request(body: ChatBody) -> tuple[GenerationRequest, Reply]:
+    use = ToolUse.of(body.tools, body.tool_choice, body.parallel_tool_calls)
     for i, m in enumerate(body.messages):
         parts = [ContentPart(type="text", text=m.content)] if isinstance(m.content, str) else m.content or []
         if any(p.type != "text" for p in parts):
             raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
-        messages.append(Message(m.role, "\n".join(p.text or "" for p in parts)))
+        m.content = "\n".join(p.text or "" for p in parts)
+    messages = [Message(role, text) for role, text in conversation(body.messages, use)]
     most = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
-    return generation_request(body, most, messages=messages)
+    request = generation_request(body, most, messages=messages)
+    if use is None:
+        return request, chat_choice
+    if request.constraint is not None:
+        raise ApiError(400, "tools are answered by a structured output of their own: give tools or a"
+                            " structured-output constraint, not both (or tool_choice none)", "tool_choice")
+    request.constraint = use.constraint()
+    return request, ToolReply(use)
 
 
-def completion_request(body: CompletionBody) -> GenerationRequest:
+def completion_request(body: CompletionBody) -> tuple[GenerationRequest, Reply]:
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):  # a batch of prompts
         if len(prompt) > 1:
@@ -298,8 +311,8 @@ def completion_request(body: CompletionBody) -> GenerationRequest:
         prompt = prompt[0]
     most = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     if isinstance(prompt, str):
-        return generation_request(body, most, prompt=prompt)
-    return generation_request(body, most, prompt_token_ids=prompt)
+        return generation_request(body, most, prompt=prompt), text_choice
+    return generation_request(body, most, prompt_token_ids=prompt), text_choice
 
 
 # ------------------------------------------------------------------ responses
@@ -341,23 +354,57 @@ def text_choice(text: str, finish: str | None, stream: bool, first: bool) -> dic
     return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
 
 
+class ToolReply:
+    """chat_choice for a request whose tools are in use: its answer read back into tool calls
+    (tools.py). Streamed, a named function's arguments go out as they come; another mode's answer is
+    held to its end (None: no event for the round)."""
+
+    def __init__(self, use: ToolUse):
+        self.use, self.held = use, []
+
+    def __call__(self, text: str, finish: str | None, stream: bool, first: bool) -> dict | None:
+        if not stream:
+            content, calls, finish = self.use.read(text, finish)
+            message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+            return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        delta: dict[str, Any] = {"role": "assistant", "content": None} if first else {}
+        if self.use.mode == "function":
+            if first:
+                delta["tool_calls"] = [{"index": 0, **call_of(self.use.named, text)}]
+            elif text:
+                delta["tool_calls"] = [{"index": 0, "function": {"arguments": text}}]
+        else:
+            self.held.append(text)
+            if finish is None and not first:
+                return None
+            if finish is not None:
+                content, calls, finish = self.use.read("".join(self.held), finish)
+                if calls:
+                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+                elif content:
+                    delta["content"] = content
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+# (text, finish_reason, stream, first event) -> a choice, or None: nothing to send for this round
+Reply = Callable[[str, str | None, bool, bool], dict | None]
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """How one endpoint words its answers."""
 
     path: str
     body: type[Body]
-    request: Callable[[Any], GenerationRequest]
+    request: Callable[[Any], tuple[GenerationRequest, Reply]]  # the request, and how its choices read
     object: str         # a unary response's
     chunk_object: str   # a stream event's
     id_prefix: str
-    choice: Callable[[str, str | None, bool, bool], dict]  # (text, finish_reason, stream, first event)
 
 
-CHAT = Endpoint("/chat/completions", ChatBody, chat_request, "chat.completion", "chat.completion.chunk", "chatcmpl",
-                chat_choice)
+CHAT = Endpoint("/chat/completions", ChatBody, chat_request, "chat.completion", "chat.completion.chunk", "chatcmpl")
 COMPLETIONS = Endpoint("/completions", CompletionBody, completion_request, "text_completion", "text_completion",
-                       "cmpl", text_choice)
+                       "cmpl")
 
 
 class EventStream(StreamingResponse):
@@ -441,20 +488,21 @@ class OpenAIApi:
         async def handle(request: Request) -> Response:
             body = await parse(request, endpoint.body, self.max_request_bytes)
             model = self.model_name(body.model)
-            chunks = self.coordinator.generate(endpoint.request(body), f"/v1{endpoint.path}",
+            generation, reply = endpoint.request(body)
+            chunks = self.coordinator.generate(generation, f"/v1{endpoint.path}",
                                                traceparent=request.headers.get("traceparent", ""))
             head = {"id": f"{endpoint.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
             if not body.stream:
-                return await unless_hung_up(request, self.unary(chunks, endpoint, head))
+                return await unless_hung_up(request, self.unary(chunks, endpoint, head, reply))
             # the first round before the response starts: a refusal gets its own status, not a 200 stream
             first = await unless_hung_up(request, anext(chunks))
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return EventStream(self.events(first, chunks, endpoint, head, include_usage),
+            return EventStream(self.events(first, chunks, endpoint, head, include_usage, reply),
                                headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
         return Route(endpoint.path, handle, methods=["POST"])
 
-    async def unary(self, chunks: AsyncIterator[Chunk], endpoint: Endpoint, head: dict) -> Response:
+    async def unary(self, chunks: AsyncIterator[Chunk], endpoint: Endpoint, head: dict, reply: Reply) -> Response:
         pieces = []
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
@@ -462,12 +510,12 @@ class OpenAIApi:
         summary = chunk.summary
         return JSONResponse({
             **head, "object": endpoint.object,
-            "choices": [endpoint.choice("".join(pieces), FINISH[chunk.finish], False, True)],
+            "choices": [reply("".join(pieces), FINISH[chunk.finish], False, True)],
             "usage": usage(summary), "specdec": specdec_fields(summary),
         }, headers=specdec_headers(summary))
 
     async def events(self, first: Chunk, chunks: AsyncIterator[Chunk], endpoint: Endpoint, head: dict,
-                     include_usage: bool) -> AsyncIterator[str]:
+                     include_usage: bool, reply: Reply) -> AsyncIterator[str]:
         """One event per round that brought text, the finish_reason (and `specdec`) on the last;
         with include_usage one more, its usage; then [DONE]. A failure after the first round
         is an error event."""
@@ -478,10 +526,11 @@ class OpenAIApi:
                 while True:
                     finish = None if chunk.finish is None else FINISH[chunk.finish]
                     if chunk.text or finish or (not opened and endpoint is CHAT):
-                        extra = {} if chunk.summary is None else {"specdec": specdec_fields(chunk.summary)}
-                        yield event({**head, "choices": [endpoint.choice(chunk.text, finish, True, not opened)],
-                                     **extra})
-                        opened = True
+                        choice = reply(chunk.text, finish, True, not opened)
+                        if choice is not None:
+                            extra = {} if chunk.summary is None else {"specdec": specdec_fields(chunk.summary)}
+                            yield event({**head, "choices": [choice], **extra})
+                            opened = True
                     if chunk.summary is not None:
                         break
                     chunk = await anext(chunks)

@@ -1,0 +1,199 @@
+"""Tool calls on the chat endpoint (OpenAI's `tools` and `tool_choice`), for any model, by
+structured output: the request's tools are described to the model in a system message, and its
+answer is constrained to a JSON shape that says which tools it calls with which arguments, each
+call's arguments following the tool's own JSON schema. The answer is then read back into OpenAI's
+`tool_calls`. (llama.cpp's server does the same for models without a tool-call format of their
+own; vLLM instead parses each model family's own format.)
+
+    tool_choice             the model's answer (the constraint)               the reply
+    none                    free text; the tools are not described           content
+    auto (with tools)       {"tool_calls": [CALL, ...]} or {"response": S}    tool_calls, or S as content
+    required                {"tool_calls": [CALL, ...]}                       tool_calls
+    {"type": "function",    the function's arguments                          one tool call
+     "function": {"name"}}
+
+CALL is {"name": a tool's name, "arguments": that tool's parameters}; `parallel_tool_calls: false`
+allows one call. A tool's arguments are those its schema lists: where the parameters object does not
+say, additionalProperties is false (JSON schema's default, true, let a model invent arguments).
+finish_reason is "tool_calls" where the model chose to call (auto, required) and "stop" for a named
+function (as OpenAI's); an answer cut short (max_tokens, a stop string) that is not the whole JSON
+comes back as content, with its finish_reason. A conversation's earlier calls
+(an assistant message's `tool_calls`) are shown to the model in the same JSON, and tool results
+(role `tool`) as user turns, so that any chat template can render them.
+
+Streamed, a named function's arguments arrive as they are generated; the other modes' answers are
+read whole, so their tool calls (or content) come in the stream's last event.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from speculative.errors import InvalidRequest
+from speculative.protocol import Constraint
+
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
+CHOICES = ("none", "auto", "required")
+COMPACT = {"x-guidance": {"whitespace_flexible": False}}  # the answer's JSON without free whitespace
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]  # a JSON schema of its arguments
+
+
+def tools_of(tools: list[Any]) -> list[Tool]:
+    """The request's `tools`, checked: each {"type": "function", "function": {"name", "description"?,
+    "parameters"?}}, names unique."""
+    found: dict[str, Tool] = {}
+    for i, item in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(item, dict) or item.get("type") != "function" or not isinstance(item.get("function"), dict):
+            raise InvalidRequest(f'{where}: a tool is {{"type": "function", "function": {{"name": ...}}}}', "tools")
+        function = item["function"]
+        name, description = function.get("name"), function.get("description", "")
+        parameters = function.get("parameters", {"type": "object"})
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise InvalidRequest(f"{where}.function.name: 1 to 64 letters, digits, '_' or '-', not {name!r}", "tools")
+        if name in found:
+            raise InvalidRequest(f"{where}.function.name: {name!r} names two tools", "tools")
+        if not isinstance(description, str):
+            raise InvalidRequest(f"{where}.function.description: a string", "tools")
+        if not isinstance(parameters, dict):
+            raise InvalidRequest(f"{where}.function.parameters: a JSON schema object", "tools")
+        if "properties" in parameters and "additionalProperties" not in parameters:
+            # a function takes the arguments it lists: a model left free to add others (as JSON schema's
+            # default allows) invents some
+            parameters = {**parameters, "additionalProperties": False}
+        found[name] = Tool(name, description, parameters)
+    return list(found.values())
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """How one chat request uses its tools: `mode` none, auto, required or function (`named`)."""
+
+    tools: list[Tool]
+    mode: str
+    named: str = ""
+    parallel: bool = True
+
+    @classmethod
+    def of(cls, tools: list[Any] | None, choice: str | dict | None, parallel: bool | None) -> "ToolUse | None":
+        """From the request's fields; None where no tool is in play (tool_choice none, or no tools)."""
+        listed = tools_of(tools or [])
+        if isinstance(choice, dict):
+            function = choice.get("function")
+            name = function.get("name") if isinstance(function, dict) else None
+            if choice.get("type") != "function" or not isinstance(name, str):
+                raise InvalidRequest('tool_choice: "none", "auto", "required" or {"type": "function", "function":'
+                                     ' {"name": ...}}', "tool_choice")
+            if name not in {t.name for t in listed}:
+                raise InvalidRequest(f"tool_choice names the function {name!r}, which is not among the tools",
+                                     "tool_choice")
+            return cls(listed, "function", name, parallel is not False)
+        if choice is not None and choice not in CHOICES:
+            raise InvalidRequest(f"tool_choice must be one of {', '.join(CHOICES)} or a function, not {choice!r}",
+                                 "tool_choice")
+        if choice == "required" and not listed:
+            raise InvalidRequest("tool_choice required needs tools", "tool_choice")
+        if choice == "none" or not listed:
+            return None
+        return cls(listed, choice or "auto", "", parallel is not False)
+
+    # ---------------------------------------------------------------- what the model is given
+
+    def constraint(self) -> Constraint:
+        """The answer's shape (the module docstring's table) as a JSON-schema constraint."""
+        if self.mode == "function":
+            schema = {**COMPACT, **self.tool(self.named).parameters}
+        else:
+            call = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                               "required": ["name", "arguments"], "additionalProperties": False}
+                              for t in self.tools]}
+            calls = {"type": "array", "items": call, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}
+            called = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
+                      "additionalProperties": False}
+            answered = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+                        "additionalProperties": False}
+            schema = {**COMPACT, **(called if self.mode == "required" else {"anyOf": [called, answered]})}
+        return Constraint("json_schema", json.dumps(schema))
+
+    def instructions(self) -> str:
+        """The system message's words on the tools and how to answer (compact: they take prompt tokens)."""
+        listed = json.dumps([{"name": t.name, **({"description": t.description} if t.description else {}),
+                              "parameters": t.parameters} for t in self.tools],
+                            ensure_ascii=False, separators=(",", ":"))
+        calls = '{"tool_calls":[{"name":NAME,"arguments":{...}}' + (",...]}" if self.parallel else "]}")
+        how = {"function": f"Call the tool {self.named}: answer with its arguments as one JSON object.",
+               "required": f"Call {'one or more tools' if self.parallel else 'one tool'}: answer {calls}",
+               "auto": f"To call {'tools' if self.parallel else 'a tool'}, answer {calls}; to answer directly,"
+                       ' {"response":"..."}'}[self.mode]
+        return f"Tools (their arguments as JSON schemas): {listed}\n{how}"
+
+    def tool(self, name: str) -> Tool:
+        return next(t for t in self.tools if t.name == name)
+
+    # ---------------------------------------------------------------- what comes back
+
+    def read(self, text: str, finish: str) -> tuple[str | None, list[dict], str]:
+        """The answer's text -> (content, tool_calls, finish_reason)."""
+        if self.mode == "function":
+            return None, [call_of(self.named, text)], finish
+        try:
+            answer = json.loads(text)
+            if isinstance(answer, dict) and isinstance(answer.get("response"), str):
+                return answer["response"], [], finish
+            calls = [call_of(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in answer["tool_calls"]]
+        except (ValueError, KeyError, TypeError):  # cut short (max_tokens, a stop string): the text as it is
+            return text, [], finish
+        return None, calls, "tool_calls" if finish == "stop" else finish
+
+
+def call_of(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def conversation(messages: list, use: ToolUse | None) -> list[tuple[str, str]]:
+    """The chat's messages as (role, text) turns any template renders: earlier tool calls as the JSON
+    the model answers with, tool results (role tool) as one user turn per run of them, and where tools
+    are in use their instructions in the system message (added to the first one, or a new one first).
+    Each message has role, content (a str or None) and, where given, tool_calls / tool_call_id / name."""
+    turns: list[tuple[str, str]] = []
+    for i, m in enumerate(messages):
+        if m.role == "tool":
+            result = {"tool_call_id": m.tool_call_id or "", "content": m.content or ""}
+            text = json.dumps({"tool_response": result}, ensure_ascii=False, separators=(",", ":"))
+            if turns and turns[-1][0] == "user" and turns[-1][1].startswith('{"tool_response"'):
+                turns[-1] = ("user", f"{turns[-1][1]}\n{text}")
+            else:
+                turns.append(("user", text))
+        elif m.tool_calls:
+            calls = []
+            for j, call in enumerate(m.tool_calls):
+                function = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                    raise InvalidRequest(f"messages[{i}].tool_calls[{j}]: a call is {{\"type\": \"function\","
+                                         f" \"function\": {{\"name\": ..., \"arguments\": ...}}}}", "messages")
+                arguments = function.get("arguments", "{}")
+                try:  # (a string of JSON, as OpenAI's API sends them)
+                    arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+                except ValueError:
+                    pass
+                calls.append({"name": function["name"], "arguments": arguments})
+            turns.append((m.role, json.dumps({"tool_calls": calls}, ensure_ascii=False, separators=(",", ":"))))
+        else:
+            turns.append((m.role, m.content or ""))
+    if use is not None:
+        if turns and turns[0][0] == "system":
+            turns[0] = ("system", f"{turns[0][1]}\n\n{use.instructions()}" if turns[0][1] else use.instructions())
+        else:
+            turns.insert(0, ("system", use.instructions()))
+    return turns

@@ -1,0 +1,289 @@
+"""Tool calls on the chat endpoint (coordinator/tools.py): the constraint each tool_choice gives holds
+exactly the answers it should, answers read back into OpenAI's tool_calls, earlier calls and tool
+results render through any chat template, and through the three services the official client gets
+calls whose arguments follow each tool's schema, unary and streamed; bad tool fields are 400."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import jsonschema
+import openai
+import pytest
+
+from coordinator.http import ToolReply
+from coordinator.launch import LocalStack
+from coordinator.tools import ToolUse, conversation, tools_of
+from speculative.errors import InvalidRequest
+from speculative.tiny import make_model, make_tokenizer
+from tests.coordinator.test_structured import post
+
+# bounded arguments, so that even a random-weight model completes a call within the token budget
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5}, "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+       "required": ["a"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "A city's weather.",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "parameters": ADD}}]
+SCHEMAS = {"weather": WEATHER, "add": ADD}
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def schema_of(use: ToolUse) -> dict:
+    constraint = use.constraint()
+    assert constraint.kind == "json_schema"
+    return json.loads(constraint.text)
+
+
+def valid(schema: dict, answer) -> bool:
+    try:
+        jsonschema.validate(answer, schema)
+        return True
+    except jsonschema.ValidationError:
+        return False
+
+
+@pytest.mark.parametrize("tools,reason", [
+    ([{"type": "function"}], "a tool is"),
+    ([{"type": "retrieval", "function": {"name": "a"}}], "a tool is"),
+    ([{"type": "function", "function": {"name": "has space"}}], "letters, digits"),
+    ([{"type": "function", "function": {"name": "x" * 65}}], "1 to 64"),
+    ([{"type": "function", "function": {"name": "a"}}, {"type": "function", "function": {"name": "a"}}], "two tools"),
+    ([{"type": "function", "function": {"name": "a", "parameters": "{}"}}], "JSON schema object"),
+    ([{"type": "function", "function": {"name": "a", "description": 3}}], "description"),
+])
+def test_bad_tools_are_refused_naming_the_tool(tools, reason):
+    with pytest.raises(InvalidRequest, match=reason) as refused:
+        tools_of(tools)
+    assert refused.value.param == "tools"
+
+
+@pytest.mark.parametrize("tools,choice,reason", [
+    (TOOLS, "sometimes", "one of none, auto, required"),
+    (TOOLS, {"type": "function", "function": {"name": "mail"}}, "'mail', which is not among the tools"),
+    (TOOLS, {"type": "function"}, "tool_choice"),
+    (None, "required", "needs tools"),
+    (None, {"type": "function", "function": {"name": "add"}}, "not among the tools"),
+])
+def test_bad_tool_choices_are_refused(tools, choice, reason):
+    with pytest.raises(InvalidRequest, match=reason) as refused:
+        ToolUse.of(tools, choice, None)
+    assert refused.value.param == "tool_choice"
+
+
+def test_a_tool_takes_only_the_arguments_its_schema_lists_unless_it_says_otherwise():
+    listed = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    given = [{"type": "function", "function": {"name": "f", "parameters": listed}},
+             {"type": "function", "function": {"name": "g", "parameters": {**listed, "additionalProperties": True}}},
+             {"type": "function", "function": {"name": "h"}}]
+    assert [t.parameters.get("additionalProperties") for t in tools_of(given)] == [False, True, None]
+    f = ToolUse.of(given, {"type": "function", "function": {"name": "f"}}, None)
+    assert valid(schema_of(f), {"x": 1}) and not valid(schema_of(f), {"x": 1, "y": 2})
+    assert "additionalProperties" not in listed  # (the request's own schema is left as it was)
+
+
+def test_which_mode_a_request_is_in():
+    assert ToolUse.of(None, None, None) is None and ToolUse.of([], "auto", None) is None
+    assert ToolUse.of(TOOLS, "none", None) is None
+    assert ToolUse.of(TOOLS, None, None).mode == "auto"  # OpenAI's default where tools are given
+    named = ToolUse.of(TOOLS, {"type": "function", "function": {"name": "add"}}, False)
+    assert (named.mode, named.named) == ("function", "add")
+    assert ToolUse.of(TOOLS, "required", False).parallel is False
+
+
+def call(name: str, **arguments) -> dict:
+    return {"name": name, "arguments": arguments}
+
+
+def test_each_modes_constraint_holds_exactly_its_answers():
+    auto, required = ToolUse.of(TOOLS, "auto", None), ToolUse.of(TOOLS, "required", False)
+    named = ToolUse.of(TOOLS, {"type": "function", "function": {"name": "weather"}}, None)
+    good_calls = {"tool_calls": [call("weather", city="Paris", unit="c"), call("add", a=2)]}
+    one_call = {"tool_calls": [call("add", a=2)]}
+    bad = [{"tool_calls": []}, {"tool_calls": [call("mail", to="x")]}, {"tool_calls": [call("add")]},
+           {"tool_calls": [call("add", a=20)]}, {"tool_calls": [call("add", a=2, b=3)]},
+           {"tool_calls": [call("weather", city="Paris", unit="k")]}, {"tool_calls": [{"name": "add"}]},
+           {"tool_calls": [{**call("add", a=1), "extra": 1}]}, {"response": 3}, {"response": "x", "other": 1},
+           {"tool_calls": [call("add", a=1)], "response": "x"}, [call("add", a=1)], "hello"]
+    assert valid(schema_of(auto), good_calls) and valid(schema_of(auto), {"response": "It is sunny."})
+    assert valid(schema_of(required), one_call)
+    assert not valid(schema_of(required), good_calls)  # parallel_tool_calls false: one call
+    assert not valid(schema_of(required), {"response": "It is sunny."})  # required: a call
+    assert valid(schema_of(ToolUse.of(TOOLS, "required", None)), good_calls)
+    for answer in bad:
+        assert not valid(schema_of(auto), answer), answer
+    assert valid(schema_of(named), {"city": "Paris", "unit": "f"})
+    assert not valid(schema_of(named), {"a": 1}) and not valid(schema_of(named), call("weather", city="P"))
+    # the answer's JSON without free whitespace (llguidance's option), the schema's own keys kept
+    assert schema_of(named)["x-guidance"] == {"whitespace_flexible": False}
+    assert schema_of(named)["required"] == ["city", "unit"]
+
+
+def test_answers_are_read_back_into_tool_calls():
+    auto = ToolUse.of(TOOLS, "auto", None)
+    text = json.dumps({"tool_calls": [call("weather", city="Paris", unit="c"), call("add", a=2)]})
+    content, calls, finish = auto.read(text, "stop")
+    assert content is None and finish == "tool_calls"
+    assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("function", "weather", {"city": "Paris", "unit": "c"}), ("function", "add", {"a": 2})]
+    assert len({c["id"] for c in calls}) == 2 and all(c["id"].startswith("call_") for c in calls)
+    assert auto.read('{"response":"Sunny."}', "stop") == ("Sunny.", [], "stop")
+    # cut short: the text as it is, with the reason it ended
+    assert auto.read('{"tool_calls":[{"name":"add","argu', "length") == ('{"tool_calls":[{"name":"add","argu', [],
+                                                                         "length")
+    named = ToolUse.of(TOOLS, {"type": "function", "function": {"name": "add"}}, None)
+    content, calls, finish = named.read('{"a":2}', "stop")
+    assert content is None and finish == "stop" and calls[0]["function"] == {"name": "add", "arguments": '{"a":2}'}
+
+
+def message(role: str, content: str | None = None, **fields):
+    return SimpleNamespace(role=role, content=content, tool_calls=fields.get("tool_calls"),
+                           tool_call_id=fields.get("tool_call_id"))
+
+
+def test_a_conversation_with_calls_and_results_renders_as_plain_turns():
+    asked = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}
+    history = [message("system", "Be brief."), message("user", "2 + 3?"),
+               message("assistant", None, tool_calls=[asked, {**asked, "id": "call_2"}]),
+               message("tool", "5", tool_call_id="call_1"), message("tool", "5", tool_call_id="call_2"),
+               message("assistant", "5."), message("user", "Thanks.")]
+    use = ToolUse.of(TOOLS, "auto", None)
+    turns = conversation(history, use)
+    assert [role for role, _ in turns] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert turns[0][1].startswith("Be brief.\n\n") and '"name":"weather"' in turns[0][1]
+    assert json.loads(turns[2][1]) == {"tool_calls": [call("add", a=2)] * 2}  # as the model answers
+    results = [json.loads(line) for line in turns[3][1].splitlines()]  # both results in one user turn
+    assert results == [{"tool_response": {"tool_call_id": f"call_{i}", "content": "5"}} for i in (1, 2)]
+    # tool_choice none: no instructions, the history still renders; a conversation without a system message
+    # gets one first
+    assert [t for t in conversation(history, None)] == [("system", "Be brief."), *turns[1:]]
+    assert conversation(history[1:2], use)[0] == ("system", use.instructions())
+    with pytest.raises(InvalidRequest, match=r"messages\[0\].tool_calls\[0\]"):
+        conversation([message("assistant", None, tool_calls=[{"type": "function"}])], use)
+
+
+def test_a_streamed_reply_sends_a_named_call_as_it_comes_and_holds_the_others():
+    named = ToolReply(ToolUse.of(TOOLS, {"type": "function", "function": {"name": "add"}}, None))
+    events = [named('{"a', None, True, True), named('":', None, True, False), named('2}', "stop", True, False)]
+    deltas = [e["delta"] for e in events]
+    assert deltas[0]["role"] == "assistant" and deltas[0]["tool_calls"][0]["function"]["name"] == "add"
+    arguments = "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas)
+    assert arguments == '{"a":2}' and events[-1]["finish_reason"] == "stop"
+    held = ToolReply(ToolUse.of(TOOLS, "auto", None))
+    text = json.dumps({"tool_calls": [call("add", a=2)]})
+    first = held(text[:5], None, True, True)
+    assert first["delta"] == {"role": "assistant", "content": None}
+    assert held(text[5:9], None, True, False) is None  # nothing sent mid-answer
+    last = held(text[9:], "stop", True, False)
+    assert last["finish_reason"] == "tool_calls"
+    assert [(c["index"], c["function"]["name"]) for c in last["delta"]["tool_calls"]] == [(0, "add")]
+    answered = ToolReply(ToolUse.of(TOOLS, "auto", None))
+    answered('{"response":"Fi', None, True, True)
+    assert answered('ve."}', "stop", True, False)["delta"] == {"content": "Five."}
+
+
+# ------------------------------------------------------------------ through the services
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory, request):
+    """The suite's tiny pair with a context of 2,048 tokens: the tools' instructions take ~460 of its tokens."""
+    out = tmp_path_factory.mktemp("tools")
+    tokenizer = make_tokenizer(out / "tokenizer")
+    target = make_model(out / "target", tokenizer, seed=1, max_context=2048)
+    draft = make_model(out / "draft", tokenizer, hidden=32, layers=1, heads=2, kv_heads=1, seed=2, max_context=2048)
+    stack = LocalStack(draft, target, http_port=0).start()
+    request.addfinalizer(stack.stop)
+    return stack
+
+
+@pytest.fixture(scope="module")
+def client(api):
+    with openai.OpenAI(base_url=f"{api.http_url}/v1", api_key="none", max_retries=0, timeout=120) as made:
+        yield made
+
+
+def test_a_named_function_is_called_with_arguments_its_schema_takes(client):
+    for temperature, seed in ((0.0, None), (1.0, 1), (1.0, 2)):
+        reply = client.chat.completions.create(
+            model="target", messages=MESSAGES, tools=TOOLS, max_tokens=120, temperature=temperature, seed=seed,
+            tool_choice={"type": "function", "function": {"name": "weather"}})
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", choice
+        assert choice.message.content is None and len(choice.message.tool_calls) == 1
+        made = choice.message.tool_calls[0]
+        assert made.type == "function" and made.function.name == "weather"
+        jsonschema.validate(json.loads(made.function.arguments), WEATHER)
+
+
+def test_required_and_auto_calls_follow_their_tools_schemas(client):
+    kinds = set()
+    for i in range(6):
+        choice, parallel = "required" if i % 2 else "auto", i < 4
+        reply = client.chat.completions.create(model="target", messages=MESSAGES, tools=TOOLS, tool_choice=choice,
+                                               parallel_tool_calls=parallel, max_tokens=160, temperature=1.0, seed=i)
+        answer = reply.choices[0]
+        if answer.finish_reason == "length":  # (a random model's string ran past the budget: the raw answer)
+            assert answer.message.content.startswith("{") and not answer.message.tool_calls
+            continue
+        if answer.message.tool_calls:
+            assert answer.finish_reason == "tool_calls" and answer.message.content is None
+            assert parallel or len(answer.message.tool_calls) == 1
+            for made in answer.message.tool_calls:
+                jsonschema.validate(json.loads(made.function.arguments), SCHEMAS[made.function.name])
+            kinds.add("calls")
+        else:
+            assert choice == "auto" and answer.finish_reason == "stop" and isinstance(answer.message.content, str)
+            kinds.add("content")
+    assert "calls" in kinds
+
+
+def test_a_streamed_call_adds_up_to_the_unary_one(client):
+    for choice in ({"type": "function", "function": {"name": "add"}}, "required"):
+        fields = dict(model="target", messages=MESSAGES, tools=TOOLS, tool_choice=choice, max_tokens=120,
+                      temperature=0.0, parallel_tool_calls=False)  # (one call: a random model may add calls on)
+        whole = client.chat.completions.create(**fields).choices[0]
+        assert whole.message.tool_calls, whole
+        calls: dict[int, dict] = {}
+        finish = None
+        for event in client.chat.completions.create(**fields, stream=True):
+            for part in event.choices[0].delta.tool_calls or []:
+                made = calls.setdefault(part.index, {"name": "", "arguments": ""})
+                made["name"] += part.function.name or ""
+                made["arguments"] += part.function.arguments or ""
+            finish = event.choices[0].finish_reason or finish
+        assert finish == whole.finish_reason
+        assert [calls[i] for i in sorted(calls)] == [
+            {"name": c.function.name, "arguments": c.function.arguments} for c in whole.message.tool_calls]
+
+
+def test_a_conversation_carrying_calls_and_results_is_answered(client):
+    history = [*MESSAGES,
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a":2}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+    for tools in (TOOLS, None):
+        reply = client.chat.completions.create(model="target", messages=history, max_tokens=8, temperature=0.0,
+                                               **({"tools": tools} if tools else {}))
+        assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.parametrize("body,param,reason", [
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "letters, digits"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "mail"}}}, "tool_choice", "not among"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tool_choice", "not both"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"functions": [{"name": "a"}]}, "functions", "not supported"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "x"}]}]}, "messages", "tool_calls[0]"),
+])
+def test_bad_tool_fields_are_400_naming_the_field(api, body, param, reason):
+    status, answer = post(api, {"messages": MESSAGES, "max_tokens": 8, **body})
+    assert status == 400, answer
+    assert answer["error"]["param"] == param and reason in answer["error"]["message"], answer
+    # tool_choice none leaves a structured output as it is
+    status, answer = post(api, {"messages": MESSAGES, "max_tokens": 40, "tools": TOOLS, "tool_choice": "none",
+                                "guided_regex": "[a-c]{3}"})
+    assert status == 200 and answer["choices"][0]["message"]["content"] in {a + b + c for a in "abc" for b in "abc"
+                                                                           for c in "abc"}
