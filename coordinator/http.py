@@ -17,8 +17,10 @@ Structured output (model_service/grammar.py): `response_format` (OpenAI's json_o
 which the official client's `chat.completions.parse` sends for a pydantic model) and vLLM's
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` and `structured_outputs`; one of
 them, else 400; one that does not compile is 400 with the compiler's reason. `tools` and `tool_choice`
-(tools.py): any model's tool calls, by structured output. A field specdec cannot honour (n > 1,
-logprobs, penalties, the older functions API) is refused, naming it; a field it does not know is ignored.
+(tools.py): any model's tool calls, by structured output. `n` (at most MAX_CHOICES) runs that many
+generations side by side (a seeded request's choices seeded seed, seed + 1, ...; streamed, their
+rounds' events interleave, each choice with its index). A field specdec cannot honour (logprobs,
+penalties, best_of, the older functions API) is refused, naming it; a field it does not know is ignored.
 /v1/completions generates 16 tokens where max_tokens is not given, as OpenAI's does.
 
 Errors are OpenAI's error object, with the HTTP status of the core's canonical code
@@ -57,6 +59,7 @@ from runtime.auth import bearer_ok
 from runtime.transport import MAX_REQUEST_BYTES
 from speculative.errors import InvalidRequest
 from speculative.protocol import Constraint
+from speculative.round import Stats
 
 from .generation import Chunk, Coordinator, Finish, GenerationRequest, Message, NotPossible, NotReady, Summary, outcome
 from .peers import PeerError
@@ -70,6 +73,7 @@ HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANG
                "UNIMPLEMENTED": 501, "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
 FINISH = {Finish.LENGTH: "length", Finish.STOP: "stop", Finish.EOS: "stop"}
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' default, as OpenAI's
+MAX_CHOICES = 16  # the most choices (`n`) one request may ask for: each is a generation of its own
 
 
 # ------------------------------------------------------------------ errors
@@ -180,7 +184,7 @@ class CompletionBody(Body):
 
 
 # fields specdec cannot honour, with the values (besides absent) it accepts: those that ask for nothing
-UNSUPPORTED = {"n": (1,), "logprobs": (False,), "top_logprobs": (0,), "best_of": (1,), "echo": (False,),
+UNSUPPORTED = {"logprobs": (False,), "top_logprobs": (0,), "best_of": (1,), "echo": (False,),
                "suffix": ("",), "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "logit_bias": ({},),
                "functions": ([],), "function_call": ("none", "auto")}
 
@@ -216,6 +220,8 @@ async def parse(request: Request, kind: type[B], limit: int) -> B:
                                 f" logprobs or penalties; tools, not functions)", name, "unsupported_parameter")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
+    if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
+        raise ApiError(400, f"n must be between 1 and {MAX_CHOICES}, not {body.n}", "n")
     return body
 
 
@@ -316,6 +322,35 @@ def completion_request(body: CompletionBody) -> tuple[GenerationRequest, Reply]:
 
 
 # ------------------------------------------------------------------ responses
+
+
+async def all_of(works: list[Awaitable[T]]) -> list[T]:
+    """Each work's result, in order; the first to fail cancels the others (a choice's generation
+    failing, or the handler cancelled), and its error is raised."""
+    tasks = [asyncio.ensure_future(work) for work in works]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in tasks:
+            task.cancel()  # (a no-op on those done)
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for task in tasks:
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception()
+    return [task.result() for task in tasks]
+
+
+def together(summaries: list[Summary]) -> Summary:
+    """A request's summary over its choices (n > 1): their rounds' counts summed, the first's seed
+    and K, the longest wall time; the prompt counted once, as OpenAI's usage counts it."""
+    if len(summaries) == 1:
+        return summaries[0]
+    stats = Stats()
+    for summary in summaries:
+        stats.merge(summary.stats)
+    first = summaries[0]
+    return Summary(stats, first.num_speculative_tokens, first.adaptive, first.seed, first.prompt_tokens,
+                   max(s.wall_ms for s in summaries))
 
 
 def usage(summary: Summary) -> dict:
@@ -488,56 +523,89 @@ class OpenAIApi:
         async def handle(request: Request) -> Response:
             body = await parse(request, endpoint.body, self.max_request_bytes)
             model = self.model_name(body.model)
-            generation, reply = endpoint.request(body)
-            chunks = self.coordinator.generate(generation, f"/v1{endpoint.path}",
-                                               traceparent=request.headers.get("traceparent", ""))
+            choices = [endpoint.request(body) for _ in range(body.n or 1)]  # (each its own reply: tools.py's)
+            for i, (generation, _) in enumerate(choices[1:], 1):  # a seeded request's choices: seed, seed + 1, ...
+                if generation.seed is not None:
+                    generation.seed = (generation.seed + i) % 2**64
+            streams = [self.coordinator.generate(generation, f"/v1{endpoint.path}",
+                                                 traceparent=request.headers.get("traceparent", ""))
+                       for generation, _ in choices]
+            replies = [reply for _, reply in choices]
             head = {"id": f"{endpoint.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
             if not body.stream:
-                return await unless_hung_up(request, self.unary(chunks, endpoint, head, reply))
-            # the first round before the response starts: a refusal gets its own status, not a 200 stream
-            first = await unless_hung_up(request, anext(chunks))
+                return await unless_hung_up(request, self.unary(streams, endpoint, head, replies))
+            # each choice's first round before the response starts: a refusal gets its own status, not a 200 stream
+            try:
+                firsts = await unless_hung_up(request, all_of([anext(chunks) for chunks in streams]))
+            except BaseException:
+                await asyncio.gather(*(chunks.aclose() for chunks in streams), return_exceptions=True)
+                raise
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return EventStream(self.events(first, chunks, endpoint, head, include_usage, reply),
+            return EventStream(self.events(firsts, streams, endpoint, head, include_usage, replies),
                                headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
         return Route(endpoint.path, handle, methods=["POST"])
 
-    async def unary(self, chunks: AsyncIterator[Chunk], endpoint: Endpoint, head: dict, reply: Reply) -> Response:
-        pieces = []
-        async with contextlib.aclosing(chunks):
-            async for chunk in chunks:
-                pieces.append(chunk.text)
-        summary = chunk.summary
+    async def unary(self, streams: list[AsyncIterator[Chunk]], endpoint: Endpoint, head: dict,
+                    replies: list[Reply]) -> Response:
+        async def whole(chunks: AsyncIterator[Chunk]) -> tuple[str, Chunk]:
+            pieces = []
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    pieces.append(chunk.text)
+            return "".join(pieces), chunk
+
+        answers = await all_of([whole(chunks) for chunks in streams])
+        choices = [{**reply(text, FINISH[last.finish], False, True), "index": i}
+                   for i, ((text, last), reply) in enumerate(zip(answers, replies))]
+        summary = together([last.summary for _, last in answers])
         return JSONResponse({
-            **head, "object": endpoint.object,
-            "choices": [reply("".join(pieces), FINISH[chunk.finish], False, True)],
+            **head, "object": endpoint.object, "choices": choices,
             "usage": usage(summary), "specdec": specdec_fields(summary),
         }, headers=specdec_headers(summary))
 
-    async def events(self, first: Chunk, chunks: AsyncIterator[Chunk], endpoint: Endpoint, head: dict,
-                     include_usage: bool, reply: Reply) -> AsyncIterator[str]:
-        """One event per round that brought text, the finish_reason (and `specdec`) on the last;
-        with include_usage one more, its usage; then [DONE]. A failure after the first round
-        is an error event."""
+    async def events(self, firsts: list[Chunk], streams: list[AsyncIterator[Chunk]], endpoint: Endpoint,
+                     head: dict, include_usage: bool, replies: list[Reply]) -> AsyncIterator[str]:
+        """One event per choice and round that brought text, the finish_reason (and the choice's
+        `specdec`) on its last; with include_usage one more, the usage of all; then [DONE]. The
+        choices' rounds come as they are made. A failure after the first round is an error event."""
         head = {**head, "object": endpoint.chunk_object, **({"usage": None} if include_usage else {})}
-        chunk, opened = first, False
+        rounds: asyncio.Queue[tuple[int, Chunk | BaseException]] = asyncio.Queue(maxsize=1)
+
+        async def pump(i: int, chunk: Chunk, chunks: AsyncIterator[Chunk]) -> None:  # a choice's rounds, in turn
+            try:
+                async with contextlib.aclosing(chunks):
+                    await rounds.put((i, chunk))
+                    while chunk.summary is None:
+                        chunk = await anext(chunks)
+                        await rounds.put((i, chunk))
+            except Exception as e:
+                await rounds.put((i, e))
+
+        pumps = [asyncio.ensure_future(pump(i, *made)) for i, made in enumerate(zip(firsts, streams))]
+        opened, summaries = [False] * len(pumps), []
         try:
-            async with contextlib.aclosing(chunks):
-                while True:
-                    finish = None if chunk.finish is None else FINISH[chunk.finish]
-                    if chunk.text or finish or (not opened and endpoint is CHAT):
-                        choice = reply(chunk.text, finish, True, not opened)
-                        if choice is not None:
-                            extra = {} if chunk.summary is None else {"specdec": specdec_fields(chunk.summary)}
-                            yield event({**head, "choices": [choice], **extra})
-                            opened = True
-                    if chunk.summary is not None:
-                        break
-                    chunk = await anext(chunks)
+            while len(summaries) < len(pumps):
+                i, chunk = await rounds.get()
+                if isinstance(chunk, BaseException):
+                    raise chunk
+                finish = None if chunk.finish is None else FINISH[chunk.finish]
+                if chunk.text or finish or (not opened[i] and endpoint is CHAT):
+                    choice = replies[i](chunk.text, finish, True, not opened[i])
+                    if choice is not None:
+                        extra = {} if chunk.summary is None else {"specdec": specdec_fields(chunk.summary)}
+                        yield event({**head, "choices": [{**choice, "index": i}], **extra})
+                        opened[i] = True
+                if chunk.summary is not None:
+                    summaries.append(chunk.summary)
             if include_usage:
-                yield event({**head, "choices": [], "usage": usage(chunk.summary)})
+                yield event({**head, "choices": [], "usage": usage(together(summaries))})
         except CORE_ERRORS as e:
             yield event(core_error(e).body())
+        finally:  # (the client gone, or a choice failed: the others' generations stop)
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
         yield event("[DONE]")
 
 

@@ -192,6 +192,42 @@ def test_seeded_sampling_repeats(client):
     assert a == b or lost_a or lost_b
 
 
+def test_n_choices_are_each_a_generation_of_their_own(client):
+    greedy = client.chat.completions.create(model="target", messages=chat(QUESTION), max_tokens=10, temperature=0)
+    three = client.chat.completions.create(model="target", messages=chat(QUESTION), max_tokens=10, temperature=0, n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert {c.message.content for c in three.choices} == {greedy.choices[0].message.content}  # greedy: the target's
+    assert three.usage.prompt_tokens == greedy.usage.prompt_tokens  # (the prompt counted once)
+    assert three.usage.completion_tokens == 3 * greedy.usage.completion_tokens
+    assert three.specdec["rounds"] >= 3 * greedy.specdec["rounds"] - 3  # the choices' rounds summed
+    sampled = client.completions.create(model="target", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=5, n=4)
+    texts = [c.text for c in sampled.choices]
+    assert len(set(texts)) == 4, texts  # seeds 5, 6, 7, 8: four draws of 12 tokens
+    assert 4 <= sampled.usage.completion_tokens <= 4 * 12
+
+
+def test_n_streamed_choices_interleave_by_index_and_add_up_to_the_unary_ones(api):
+    async def go():
+        async with async_client(api) as client:
+            fields = dict(model="target", messages=chat(QUESTION), max_tokens=12, temperature=0, n=2)
+            whole = await client.chat.completions.create(**fields)
+            texts, finishes, usage = {0: "", 1: ""}, {}, None
+            async for event in await client.chat.completions.create(**fields, stream=True,
+                                                                      stream_options={"include_usage": True}):
+                for choice in event.choices:
+                    texts[choice.index] += choice.delta.content or ""
+                    if choice.finish_reason:
+                        assert choice.index not in finishes  # one finish a choice
+                        finishes[choice.index] = choice.finish_reason
+                usage = event.usage or usage
+            return whole, texts, finishes, usage
+
+    whole, texts, finishes, usage = asyncio.run(go())
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    assert finishes == {c.index: c.finish_reason for c in whole.choices}
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+
 # ------------------------------------------------------------------ refusals
 
 
@@ -239,7 +275,8 @@ def test_what_the_core_refuses_is_400_naming_the_field(client, fields, param):
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 17}, "n"),
     ({"logprobs": True}, "logprobs"),
     ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
@@ -398,17 +435,18 @@ def target_stopped(api, stub):
         until("serving again", lambda: targets(stub) == [("serving", 0)])
 
 
-def cancelled_and_released(api, before: float) -> None:
-    assert cancelled(api, "/v1/completions") == before + 1
+def cancelled_and_released(api, before: float, n: int = 1) -> None:
+    assert cancelled(api, "/v1/completions") == before + n
     assert sessions(api) == (0, 0)
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_request_whose_client_hangs_up_is_cancelled_and_frees_its_sessions(api, stub, stream):
-    """Unary, and streamed before its first event (the response starts after the first round)."""
+@pytest.mark.parametrize("stream, n", [(False, 1), (True, 1), (False, 3), (True, 3)])
+def test_a_request_whose_client_hangs_up_is_cancelled_and_frees_its_sessions(api, stub, stream, n):
+    """Unary, and streamed before its first event (the response starts after the first round); one
+    choice, and three (each a generation of its own: all are cancelled)."""
     until("free of sessions", lambda: sessions(api) == (0, 0))  # what earlier tests held is released
     before = cancelled(api, "/v1/completions")
-    body = json.dumps({**HELD, "stream": stream}).encode()
+    body = json.dumps({**HELD, "stream": stream, "n": n}).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
             f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
     host, port = api.http_url.removeprefix("http://").split(":")
@@ -416,8 +454,8 @@ def test_a_request_whose_client_hangs_up_is_cancelled_and_frees_its_sessions(api
         with socket.create_connection((host, int(port))) as conn:
             conn.sendall(head + body)
             # in flight: the draft holds its session, the target replica is leased to it (its call on the way)
-            until("in the draft", lambda: draft_sessions(api) == 1)
-            until("leased the target", lambda: [leased for _, leased in targets(stub)] == [1])
+            until("in the draft", lambda: draft_sessions(api) == n)
+            until("leased the target", lambda: [leased for _, leased in targets(stub)] == [n])
         # hung up: the generation is cancelled while the target still cannot answer
         until("released on the draft", lambda: draft_sessions(api) == 0)
-    eventually(lambda: cancelled_and_released(api, before), timeout=30)
+    eventually(lambda: cancelled_and_released(api, before, n), timeout=30)
