@@ -377,31 +377,31 @@ def specdec_headers(summary: Summary) -> dict[str, str]:
             "x-specdec-adaptive": str(summary.adaptive).lower(), "x-specdec-seed": str(summary.seed)}
 
 
-def chat_choice(text: str, finish: str | None, stream: bool, first: bool) -> dict:
+def chat_choice(text: str, finish: str | None, stream: bool, first: bool) -> list[dict]:
     if not stream:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": finish}
+        return [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                 "finish_reason": finish}]
     delta = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
 
 
-def text_choice(text: str, finish: str | None, stream: bool, first: bool) -> dict:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+def text_choice(text: str, finish: str | None, stream: bool, first: bool) -> list[dict]:
+    return [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
 
 
 class ToolReply:
     """chat_choice for a request whose tools are in use: its answer read back into tool calls
     (tools.py). Streamed, a named function's arguments go out as they come; another mode's answer is
-    held to its end (None: no event for the round)."""
+    held to its end; the finish_reason comes in an event of its own after the calls."""
 
     def __init__(self, use: ToolUse):
         self.use, self.held = use, []
 
-    def __call__(self, text: str, finish: str | None, stream: bool, first: bool) -> dict | None:
+    def __call__(self, text: str, finish: str | None, stream: bool, first: bool) -> list[dict]:
         if not stream:
             content, calls, finish = self.use.read(text, finish)
             message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
-            return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+            return [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}]
         delta: dict[str, Any] = {"role": "assistant", "content": None} if first else {}
         if self.use.mode == "function":
             if first:
@@ -410,19 +410,21 @@ class ToolReply:
                 delta["tool_calls"] = [{"index": 0, "function": {"arguments": text}}]
         else:
             self.held.append(text)
-            if finish is None and not first:
-                return None
             if finish is not None:
                 content, calls, finish = self.use.read("".join(self.held), finish)
                 if calls:
                     delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
                 elif content:
                     delta["content"] = content
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        events = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}] if delta else []
+        if finish is not None:
+            events.append({"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish})
+        return events
 
 
-# (text, finish_reason, stream, first event) -> a choice, or None: nothing to send for this round
-Reply = Callable[[str, str | None, bool, bool], dict | None]
+# (text, finish_reason, stream, first event) -> the choices to send for it: unary one; streamed one an
+# event, none (nothing to send for this round) or more
+Reply = Callable[[str, str | None, bool, bool], list[dict]]
 
 
 @dataclass(frozen=True)
@@ -532,13 +534,21 @@ class OpenAIApi:
                        for generation, _ in choices]
             replies = [reply for _, reply in choices]
             head = {"id": f"{endpoint.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
-            if not body.stream:
-                return await unless_hung_up(request, self.unary(streams, endpoint, head, replies))
-            # each choice's first round before the response starts: a refusal gets its own status, not a 200 stream
             try:
-                firsts = await unless_hung_up(request, all_of([anext(chunks) for chunks in streams]))
-            except BaseException:
-                await asyncio.gather(*(chunks.aclose() for chunks in streams), return_exceptions=True)
+                if not body.stream:
+                    return await unless_hung_up(request, self.unary(streams, endpoint, head, replies))
+                # each choice's first round before the response starts: a refusal gets its own status, not a 200
+                # stream
+                try:
+                    firsts = await unless_hung_up(request, all_of([anext(chunks) for chunks in streams]))
+                except BaseException:
+                    await asyncio.gather(*(chunks.aclose() for chunks in streams), return_exceptions=True)
+                    raise
+            except CORE_ERRORS as e:
+                refused = core_error(e)
+                if isinstance(replies[0], ToolReply) and refused.status == 400 and "constraint" in str(refused):
+                    # (the constraint is the tools': a schema of theirs that does not compile)
+                    raise ApiError(400, f"the tools' schemas: {refused}", "tools", refused.code) from e
                 raise
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return EventStream(self.events(firsts, streams, endpoint, head, include_usage, replies),
@@ -556,7 +566,7 @@ class OpenAIApi:
             return "".join(pieces), chunk
 
         answers = await all_of([whole(chunks) for chunks in streams])
-        choices = [{**reply(text, FINISH[last.finish], False, True), "index": i}
+        choices = [{**reply(text, FINISH[last.finish], False, True)[0], "index": i}
                    for i, ((text, last), reply) in enumerate(zip(answers, replies))]
         summary = together([last.summary for _, last in answers])
         return JSONResponse({
@@ -591,9 +601,10 @@ class OpenAIApi:
                     raise chunk
                 finish = None if chunk.finish is None else FINISH[chunk.finish]
                 if chunk.text or finish or (not opened[i] and endpoint is CHAT):
-                    choice = replies[i](chunk.text, finish, True, not opened[i])
-                    if choice is not None:
-                        extra = {} if chunk.summary is None else {"specdec": specdec_fields(chunk.summary)}
+                    choices = replies[i](chunk.text, finish, True, not opened[i])
+                    for n, choice in enumerate(choices, 1):
+                        extra = {"specdec": specdec_fields(chunk.summary)} if chunk.summary and n == len(choices) \
+                            else {}
                         yield event({**head, "choices": [{**choice, "index": i}], **extra})
                         opened[i] = True
                 if chunk.summary is not None:

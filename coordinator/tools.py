@@ -13,16 +13,21 @@ own; vLLM instead parses each model family's own format.)
      "function": {"name"}}
 
 CALL is {"name": a tool's name, "arguments": that tool's parameters}; `parallel_tool_calls: false`
-allows one call. A tool's arguments are those its schema lists: where the parameters object does not
-say, additionalProperties is false (JSON schema's default, true, let a model invent arguments).
-finish_reason is "tool_calls" where the model chose to call (auto, required) and "stop" for a named
-function (as OpenAI's); an answer cut short (max_tokens, a stop string) that is not the whole JSON
-comes back as content, with its finish_reason. A conversation's earlier calls
-(an assistant message's `tool_calls`) are shown to the model in the same JSON, and tool results
-(role `tool`) as user turns, so that any chat template can render them.
+allows one call. A tool's parameters are a JSON schema of an object (none given: no arguments), each
+moved under the answer's $defs with its references; its arguments are those it lists: where the
+schema does not say otherwise (additionalProperties, a combinator, a reference), additionalProperties
+is false (JSON schema's default, true, lets a model invent arguments). Each call's arguments are the
+model's text as it wrote it. finish_reason is "tool_calls" where the model chose to call (auto,
+required) and "stop" for a named function (as OpenAI's); an answer cut short (max_tokens, a stop
+string) gives what it has, with that finish_reason: the response's text so far, or the calls begun,
+the last one's arguments cut. A conversation's earlier calls (an assistant message's `tool_calls`,
+after its content) are shown to the model in the same JSON, and tool results (role `tool`, named by
+the call they answer) in user turns, a user message after them joining theirs, so that templates
+that want turns to alternate render them.
 
 Streamed, a named function's arguments arrive as they are generated; the other modes' answers are
-read whole, so their tool calls (or content) come in the stream's last event.
+read whole, so their tool calls (or content) come at the stream's end, the finish_reason in an event
+of its own after them (as OpenAI's streams end: the openai client's stream helper reads it so).
 """
 
 from __future__ import annotations
@@ -39,6 +44,13 @@ from speculative.protocol import Constraint
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 CHOICES = ("none", "auto", "required")
 COMPACT = {"x-guidance": {"whitespace_flexible": False}}  # the answer's JSON without free whitespace
+# keys past which a schema's own properties are not all it takes: additionalProperties false would
+# forbid what they add
+OPEN = {"anyOf", "allOf", "oneOf", "not", "$ref", "patternProperties", "additionalProperties",
+        "unevaluatedProperties", "if", "then", "else", "dependentSchemas"}
+DATA = {"enum", "const", "default", "examples"}  # keys whose values are data, not schemas
+# the answer's layout (llguidance keeps a schema's property order, and COMPACT leaves no whitespace)
+CALLS, NAME_KEY, ARGUMENTS_KEY, RESPONSE = '{"tool_calls":[', '{"name":', ',"arguments":', '{"response":'
 
 
 @dataclass(frozen=True)
@@ -57,20 +69,23 @@ def tools_of(tools: list[Any]) -> list[Tool]:
         if not isinstance(item, dict) or item.get("type") != "function" or not isinstance(item.get("function"), dict):
             raise InvalidRequest(f'{where}: a tool is {{"type": "function", "function": {{"name": ...}}}}', "tools")
         function = item["function"]
-        name, description = function.get("name"), function.get("description", "")
-        parameters = function.get("parameters", {"type": "object"})
+        name, description = function.get("name"), function.get("description") or ""
+        parameters = function.get("parameters")
+        if parameters is None:  # (OpenAI's: a function without parameters takes none)
+            parameters = {"type": "object", "properties": {}}
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise InvalidRequest(f"{where}.function.name: 1 to 64 letters, digits, '_' or '-', not {name!r}", "tools")
         if name in found:
             raise InvalidRequest(f"{where}.function.name: {name!r} names two tools", "tools")
         if not isinstance(description, str):
             raise InvalidRequest(f"{where}.function.description: a string", "tools")
-        if not isinstance(parameters, dict):
-            raise InvalidRequest(f"{where}.function.parameters: a JSON schema object", "tools")
-        if "properties" in parameters and "additionalProperties" not in parameters:
+        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+            raise InvalidRequest(f"{where}.function.parameters: a JSON schema of an object (its arguments)", "tools")
+        parameters = {"type": "object", **parameters}  # (arguments are an object even where the schema omits it)
+        if not OPEN & parameters.keys():
             # a function takes the arguments it lists: a model left free to add others (as JSON schema's
             # default allows) invents some
-            parameters = {**parameters, "additionalProperties": False}
+            parameters["additionalProperties"] = False
         found[name] = Tool(name, description, parameters)
     return list(found.values())
 
@@ -114,7 +129,10 @@ class ToolUse:
         if self.mode == "function":
             schema = {**COMPACT, **self.tool(self.named).parameters}
         else:
-            call = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+            # each tool's schema under $defs, its references (to its own root "#", its $defs...) pointing there
+            defs = {f"tool-{t.name}": rebased(t.parameters, f"#/$defs/tool-{t.name}") for t in self.tools}
+            call = {"anyOf": [{"type": "object", "properties": {"name": {"const": t.name},
+                                                                "arguments": {"$ref": f"#/$defs/tool-{t.name}"}},
                                "required": ["name", "arguments"], "additionalProperties": False}
                               for t in self.tools]}
             calls = {"type": "array", "items": call, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}
@@ -122,7 +140,8 @@ class ToolUse:
                       "additionalProperties": False}
             answered = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
                         "additionalProperties": False}
-            schema = {**COMPACT, **(called if self.mode == "required" else {"anyOf": [called, answered]})}
+            schema = {**COMPACT, "$defs": defs,
+                      **(called if self.mode == "required" else {"anyOf": [called, answered]})}
         return Constraint("json_schema", json.dumps(schema))
 
     def instructions(self) -> str:
@@ -143,22 +162,82 @@ class ToolUse:
     # ---------------------------------------------------------------- what comes back
 
     def read(self, text: str, finish: str) -> tuple[str | None, list[dict], str]:
-        """The answer's text -> (content, tool_calls, finish_reason)."""
+        """The answer's text -> (content, tool_calls, finish_reason). Each call's arguments are the
+        model's own text (not parsed and written again: numbers stay as they were). An answer cut
+        short (max_tokens, a stop string) gives what it has: the response's text so far, or its
+        calls, the last one's arguments cut."""
         if self.mode == "function":
             return None, [call_of(self.named, text)], finish
-        try:
-            answer = json.loads(text)
-            if isinstance(answer, dict) and isinstance(answer.get("response"), str):
-                return answer["response"], [], finish
-            calls = [call_of(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in answer["tool_calls"]]
-        except (ValueError, KeyError, TypeError):  # cut short (max_tokens, a stop string): the text as it is
-            return text, [], finish
-        return None, calls, "tool_calls" if finish == "stop" else finish
+        if text.startswith(RESPONSE):
+            return string_prefix(text[len(RESPONSE) + 1 :]), [], finish
+        calls, whole = calls_in(text)
+        made = [call_of(name, arguments) for name, arguments in calls]
+        if whole:
+            return None, made, "tool_calls" if finish == "stop" else finish
+        return None if made else "", made, finish
 
 
 def call_of(name: str, arguments: str) -> dict:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
+
+
+def rebased(schema: Any, root: str) -> Any:
+    """A schema moved from a document's root to `root`: its local references ("#", "#/$defs/..."...)
+    rewritten to point there."""
+    if isinstance(schema, list):
+        return [rebased(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = root + value[1:]
+        else:
+            out[key] = value if key in DATA else rebased(value, root)
+    return out
+
+
+def calls_in(text: str) -> tuple[list[tuple[str, str]], bool]:
+    """(name, arguments' text) of each call an answer {"tool_calls": [...]} holds, and whether it is
+    whole; of an answer cut short, the calls begun (the last one's arguments as far as they go)."""
+    decoder, calls = json.JSONDecoder(), []
+    if not text.startswith(CALLS):
+        return calls, False
+    at = len(CALLS)
+    while text.startswith(NAME_KEY, at):
+        try:
+            name, at = decoder.raw_decode(text, at + len(NAME_KEY))
+        except ValueError:
+            break  # the name is cut
+        if not text.startswith(ARGUMENTS_KEY, at):
+            calls.append((name, ""))
+            break
+        start = at = at + len(ARGUMENTS_KEY)
+        try:
+            _, at = decoder.raw_decode(text, at)
+        except ValueError:
+            calls.append((name, text[start:]))
+            break
+        calls.append((name, text[start:at]))
+        if text.startswith("},", at):
+            at += 2
+        else:
+            return calls, text[at:] == "}]}"
+    return calls, False
+
+
+def string_prefix(body: str) -> str:
+    """The text of a JSON string from just after its opening quote, however far it goes (its closing
+    quote and what follows dropped; an escape cut short too)."""
+    for cut in range(len(body), max(-1, len(body) - 16), -1):
+        try:
+            text = json.loads(f'"{body[:cut]}"')
+            text.encode()  # (not a lone surrogate)
+            return text
+        except (ValueError, UnicodeEncodeError):
+            continue
+    return ""
 
 
 def conversation(messages: list, use: ToolUse | None) -> list[tuple[str, str]]:
@@ -167,15 +246,24 @@ def conversation(messages: list, use: ToolUse | None) -> list[tuple[str, str]]:
     are in use their instructions in the system message (added to the first one, or a new one first).
     Each message has role, content (a str or None) and, where given, tool_calls / tool_call_id / name."""
     turns: list[tuple[str, str]] = []
+    named: dict[str, str] = {}  # call id -> its function's name
+    results = False  # whether the last turn holds tool results (a user turn the next user message joins)
     for i, m in enumerate(messages):
-        if m.role == "tool":
-            result = {"tool_call_id": m.tool_call_id or "", "content": m.content or ""}
-            text = json.dumps({"tool_response": result}, ensure_ascii=False, separators=(",", ":"))
-            if turns and turns[-1][0] == "user" and turns[-1][1].startswith('{"tool_response"'):
+        if m.role == "tool" or (m.role == "user" and results):
+            if m.role == "tool":
+                result = {"name": named.get(m.tool_call_id or "", ""), "tool_call_id": m.tool_call_id or "",
+                          "content": m.content or ""}
+                text = json.dumps({"tool_response": result}, ensure_ascii=False, separators=(",", ":"))
+            else:
+                text = m.content or ""
+            if results:
                 turns[-1] = ("user", f"{turns[-1][1]}\n{text}")
             else:
                 turns.append(("user", text))
-        elif m.tool_calls:
+            results = m.role == "tool"
+            continue
+        results = False
+        if m.tool_calls:
             calls = []
             for j, call in enumerate(m.tool_calls):
                 function = call.get("function") if isinstance(call, dict) else None
@@ -188,7 +276,10 @@ def conversation(messages: list, use: ToolUse | None) -> list[tuple[str, str]]:
                 except ValueError:
                     pass
                 calls.append({"name": function["name"], "arguments": arguments})
-            turns.append((m.role, json.dumps({"tool_calls": calls}, ensure_ascii=False, separators=(",", ":"))))
+                if isinstance(call.get("id"), str):
+                    named[call["id"]] = function["name"]
+            said = json.dumps({"tool_calls": calls}, ensure_ascii=False, separators=(",", ":"))
+            turns.append((m.role, f"{m.content}\n{said}" if m.content else said))
         else:
             turns.append((m.role, m.content or ""))
     if use is not None:

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from coordinator.http import ToolReply
@@ -51,7 +52,8 @@ def valid(schema: dict, answer) -> bool:
     ([{"type": "function", "function": {"name": "has space"}}], "letters, digits"),
     ([{"type": "function", "function": {"name": "x" * 65}}], "1 to 64"),
     ([{"type": "function", "function": {"name": "a"}}, {"type": "function", "function": {"name": "a"}}], "two tools"),
-    ([{"type": "function", "function": {"name": "a", "parameters": "{}"}}], "JSON schema object"),
+    ([{"type": "function", "function": {"name": "a", "parameters": "{}"}}], "JSON schema of an object"),
+    ([{"type": "function", "function": {"name": "a", "parameters": {"type": "string"}}}], "JSON schema of an object"),
     ([{"type": "function", "function": {"name": "a", "description": 3}}], "description"),
 ])
 def test_bad_tools_are_refused_naming_the_tool(tools, reason):
@@ -78,7 +80,7 @@ def test_a_tool_takes_only_the_arguments_its_schema_lists_unless_it_says_otherwi
     given = [{"type": "function", "function": {"name": "f", "parameters": listed}},
              {"type": "function", "function": {"name": "g", "parameters": {**listed, "additionalProperties": True}}},
              {"type": "function", "function": {"name": "h"}}]
-    assert [t.parameters.get("additionalProperties") for t in tools_of(given)] == [False, True, None]
+    assert [t.parameters.get("additionalProperties") for t in tools_of(given)] == [False, True, False]  # h: none
     f = ToolUse.of(given, {"type": "function", "function": {"name": "f"}}, None)
     assert valid(schema_of(f), {"x": 1}) and not valid(schema_of(f), {"x": 1, "y": 2})
     assert "additionalProperties" not in listed  # (the request's own schema is left as it was)
@@ -121,21 +123,72 @@ def test_each_modes_constraint_holds_exactly_its_answers():
     assert schema_of(named)["required"] == ["city", "unit"]
 
 
+def compact(answer) -> str:
+    """An answer as the model writes it under the constraint: JSON without whitespace."""
+    return json.dumps(answer, separators=(",", ":"))
+
+
 def test_answers_are_read_back_into_tool_calls():
     auto = ToolUse.of(TOOLS, "auto", None)
-    text = json.dumps({"tool_calls": [call("weather", city="Paris", unit="c"), call("add", a=2)]})
+    text = compact({"tool_calls": [call("weather", city="Paris", unit="c"), call("add", a=2)]})
     content, calls, finish = auto.read(text, "stop")
     assert content is None and finish == "tool_calls"
     assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("function", "weather", {"city": "Paris", "unit": "c"}), ("function", "add", {"a": 2})]
     assert len({c["id"] for c in calls}) == 2 and all(c["id"].startswith("call_") for c in calls)
-    assert auto.read('{"response":"Sunny."}', "stop") == ("Sunny.", [], "stop")
-    # cut short: the text as it is, with the reason it ended
-    assert auto.read('{"tool_calls":[{"name":"add","argu', "length") == ('{"tool_calls":[{"name":"add","argu', [],
-                                                                         "length")
+    assert auto.read('{"response":"Sunny \\"and\\" warm."}', "stop") == ('Sunny "and" warm.', [], "stop")
+    # each call's arguments are the model's own text: numbers as written (json would read 1e999 as inf and
+    # write Infinity, which is not JSON, and round 12345678901234567890.5)
+    raw = '{"tool_calls":[{"name":"add","arguments":{"a":1e999,"b":12345678901234567890.5}}]}'
+    assert [c["function"]["arguments"] for c in auto.read(raw, "stop")[1]] == [
+        '{"a":1e999,"b":12345678901234567890.5}']
     named = ToolUse.of(TOOLS, {"type": "function", "function": {"name": "add"}}, None)
     content, calls, finish = named.read('{"a":2}', "stop")
     assert content is None and finish == "stop" and calls[0]["function"] == {"name": "add", "arguments": '{"a":2}'}
+
+
+@pytest.mark.parametrize("text,content,calls", [
+    ('{"response":"Hello, wor', "Hello, wor", []),
+    ('{"response":"caf\\u00', "caf", []),  # an escape cut short
+    ('{"response":"done"', "done", []),
+    ('{"response":', "", []),
+    ('{"too', "", []),
+    ('{"tool_calls":[{"name":"weather","arguments":{"city":"Pa', None, [("weather", '{"city":"Pa')]),
+    ('{"tool_calls":[{"name":"add","arguments":{"a":2}},{"name":"wea', None, [("add", '{"a":2}')]),
+    ('{"tool_calls":[{"name":"add","arguments":{"a":2}}]', None, [("add", '{"a":2}')]),
+])
+def test_an_answer_cut_short_gives_what_it_has(text, content, calls):
+    for finish in ("length", "stop"):  # (max_tokens, or a stop string)
+        said, made, reason = ToolUse.of(TOOLS, "auto", None).read(text, finish)
+        assert said == content and [(c["function"]["name"], c["function"]["arguments"]) for c in made] == calls
+        assert reason == finish
+
+
+def test_parameters_are_an_object_and_references_keep_their_meaning():
+    # none given: no arguments (OpenAI's empty parameter list); no type: still an object
+    bare, untyped = tools_of([{"type": "function", "function": {"name": "now"}},
+                              {"type": "function", "function": {"name": "u", "parameters": {"properties": {
+                                  "c": {"enum": ["a"]}}}}}])
+    now = ToolUse.of([{"type": "function", "function": {"name": "now", "parameters": None}}],
+                     {"type": "function", "function": {"name": "now"}}, None)
+    assert valid(schema_of(now), {}) and not valid(schema_of(now), {"x": 1}) and not valid(schema_of(now), 8)
+    assert untyped.parameters["type"] == "object" and bare.parameters["additionalProperties"] is False
+    # a schema with its own $defs and references, to them and to its root ("#"), under required and auto
+    tree = {"type": "object", "properties": {"n": {"$ref": "#/$defs/Name"}, "child": {"$ref": "#"}},
+            "required": ["n"], "$defs": {"Name": {"type": "string", "maxLength": 3}}}
+    use = ToolUse.of([{"type": "function", "function": {"name": "tree", "parameters": tree}}], "required", None)
+    good = {"tool_calls": [call("tree", n="a", child={"n": "b", "child": {"n": "c"}})]}
+    assert valid(schema_of(use), good)
+    assert not valid(schema_of(use), {"tool_calls": [call("tree", n="a", child={"tool_calls": []})]})
+    assert not valid(schema_of(use), {"tool_calls": [call("tree", n="abcd")]})
+    # a combinator adds properties: additionalProperties is not forced false beside it
+    either = {"type": "object", "properties": {"kind": {"enum": ["a", "b"]}}, "required": ["kind"],
+              "anyOf": [{"properties": {"x": {"type": "integer"}}, "required": ["x"]}]}
+    (tool,) = tools_of([{"type": "function", "function": {"name": "e", "parameters": either}}])
+    assert "additionalProperties" not in tool.parameters
+    named = ToolUse.of([{"type": "function", "function": {"name": "e", "parameters": either}}],
+                       {"type": "function", "function": {"name": "e"}}, None)
+    assert valid(schema_of(named), {"kind": "a", "x": 1})
 
 
 def message(role: str, content: str | None = None, **fields):
@@ -146,16 +199,21 @@ def message(role: str, content: str | None = None, **fields):
 def test_a_conversation_with_calls_and_results_renders_as_plain_turns():
     asked = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}
     history = [message("system", "Be brief."), message("user", "2 + 3?"),
-               message("assistant", None, tool_calls=[asked, {**asked, "id": "call_2"}]),
+               message("assistant", "Adding.", tool_calls=[asked, {**asked, "id": "call_2"}]),
                message("tool", "5", tool_call_id="call_1"), message("tool", "5", tool_call_id="call_2"),
-               message("assistant", "5."), message("user", "Thanks.")]
+               message("user", "And?"), message("assistant", "5."), message("user", "Thanks.")]
     use = ToolUse.of(TOOLS, "auto", None)
     turns = conversation(history, use)
     assert [role for role, _ in turns] == ["system", "user", "assistant", "user", "assistant", "user"]
     assert turns[0][1].startswith("Be brief.\n\n") and '"name":"weather"' in turns[0][1]
-    assert json.loads(turns[2][1]) == {"tool_calls": [call("add", a=2)] * 2}  # as the model answers
-    results = [json.loads(line) for line in turns[3][1].splitlines()]  # both results in one user turn
-    assert results == [{"tool_response": {"tool_call_id": f"call_{i}", "content": "5"}} for i in (1, 2)]
+    said, calls = turns[2][1].split("\n")  # the assistant's words, then its calls as the model answers them
+    assert said == "Adding." and json.loads(calls) == {"tool_calls": [call("add", a=2)] * 2}
+    # both results, named by the call they answer, and the user's next message in one user turn (templates
+    # that want turns to alternate)
+    *results, then = turns[3][1].splitlines()
+    assert [json.loads(line) for line in results] == [
+        {"tool_response": {"name": "add", "tool_call_id": f"call_{i}", "content": "5"}} for i in (1, 2)]
+    assert then == "And?"
     # tool_choice none: no instructions, the history still renders; a conversation without a system message
     # gets one first
     assert [t for t in conversation(history, None)] == [("system", "Be brief."), *turns[1:]]
@@ -166,22 +224,26 @@ def test_a_conversation_with_calls_and_results_renders_as_plain_turns():
 
 def test_a_streamed_reply_sends_a_named_call_as_it_comes_and_holds_the_others():
     named = ToolReply(ToolUse.of(TOOLS, {"type": "function", "function": {"name": "add"}}, None))
-    events = [named('{"a', None, True, True), named('":', None, True, False), named('2}', "stop", True, False)]
+    events = [*named('{"a', None, True, True), *named('":', None, True, False), *named('2}', "stop", True, False)]
     deltas = [e["delta"] for e in events]
     assert deltas[0]["role"] == "assistant" and deltas[0]["tool_calls"][0]["function"]["name"] == "add"
-    arguments = "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas)
-    assert arguments == '{"a":2}' and events[-1]["finish_reason"] == "stop"
+    arguments = "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas if d)
+    assert arguments == '{"a":2}'
+    # the finish_reason in an event of its own after the calls, as OpenAI's streams end (the openai
+    # client's stream helper reads a call as done only then)
+    assert [e["finish_reason"] for e in events] == [None, None, None, "stop"] and deltas[-1] == {}
     held = ToolReply(ToolUse.of(TOOLS, "auto", None))
-    text = json.dumps({"tool_calls": [call("add", a=2)]})
-    first = held(text[:5], None, True, True)
-    assert first["delta"] == {"role": "assistant", "content": None}
-    assert held(text[5:9], None, True, False) is None  # nothing sent mid-answer
-    last = held(text[9:], "stop", True, False)
-    assert last["finish_reason"] == "tool_calls"
-    assert [(c["index"], c["function"]["name"]) for c in last["delta"]["tool_calls"]] == [(0, "add")]
+    text = compact({"tool_calls": [call("add", a=2)]})
+    assert [e["delta"] for e in held(text[:5], None, True, True)] == [{"role": "assistant", "content": None}]
+    assert held(text[5:9], None, True, False) == []  # nothing sent mid-answer
+    calls, last = held(text[9:], "stop", True, False)
+    assert calls["finish_reason"] is None and last == {"index": 0, "delta": {}, "logprobs": None,
+                                                        "finish_reason": "tool_calls"}
+    assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in calls["delta"]["tool_calls"]] == [
+        (0, "add", '{"a":2}')]
     answered = ToolReply(ToolUse.of(TOOLS, "auto", None))
     answered('{"response":"Fi', None, True, True)
-    assert answered('ve."}', "stop", True, False)["delta"] == {"content": "Five."}
+    assert [e["delta"] for e in answered('ve."}', "stop", True, False)] == [{"content": "Five."}, {}]
 
 
 # ------------------------------------------------------------------ through the services
@@ -225,8 +287,11 @@ def test_required_and_auto_calls_follow_their_tools_schemas(client):
         reply = client.chat.completions.create(model="target", messages=MESSAGES, tools=TOOLS, tool_choice=choice,
                                                parallel_tool_calls=parallel, max_tokens=160, temperature=1.0, seed=i)
         answer = reply.choices[0]
-        if answer.finish_reason == "length":  # (a random model's string ran past the budget: the raw answer)
-            assert answer.message.content.startswith("{") and not answer.message.tool_calls
+        if answer.finish_reason == "length":  # (a random model's string ran past the budget: what it has)
+            calls = answer.message.tool_calls or []
+            assert (answer.message.content is None) == bool(calls)
+            for made in calls[:-1]:  # (the last one's arguments cut)
+                jsonschema.validate(json.loads(made.function.arguments), SCHEMAS[made.function.name])
             continue
         if answer.message.tool_calls:
             assert answer.finish_reason == "tool_calls" and answer.message.content is None
@@ -259,6 +324,29 @@ def test_a_streamed_call_adds_up_to_the_unary_one(client):
             {"name": c.function.name, "arguments": c.function.arguments} for c in whole.message.tool_calls]
 
 
+class Place(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=5)
+
+
+class Trip(pydantic.BaseModel):
+    start: Place
+    end: Place
+
+
+def test_a_pydantic_tool_with_nested_models_streams_to_the_clients_helper(client):
+    """openai.pydantic_function_tool: a strict schema whose nested models are $defs; the client's stream
+    helper reads each call as done once the finish_reason comes in an event of its own."""
+    tools = [openai.pydantic_function_tool(Trip)]
+    for choice in ("required", {"type": "function", "function": {"name": "Trip"}}):
+        with client.chat.completions.stream(model="target", messages=MESSAGES, tools=tools, tool_choice=choice,
+                                            parallel_tool_calls=False, max_tokens=200, temperature=0.0) as stream:
+            done = [e for e in stream if e.type == "tool_calls.function.arguments.done"]
+            final = stream.get_final_completion()
+        assert [e.name for e in done] == ["Trip"]
+        made = final.choices[0].message.tool_calls[0]
+        assert isinstance(made.function.parsed_arguments, Trip), made
+
+
 def test_a_conversation_carrying_calls_and_results_is_answered(client):
     history = [*MESSAGES,
                {"role": "assistant", "content": None, "tool_calls": [
@@ -276,6 +364,8 @@ def test_a_conversation_carrying_calls_and_results_is_answered(client):
     ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tool_choice", "not both"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"functions": [{"name": "a"}]}, "functions", "not supported"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": {
+        "a": {"type": "nosuch"}}}}}]}, "tools", "nosuch"),  # (a schema the services' compiler refuses)
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "x"}]}]}, "messages", "tool_calls[0]"),
 ])
 def test_bad_tool_fields_are_400_naming_the_field(api, body, param, reason):
