@@ -177,7 +177,7 @@ class Plan:
     p_min: float
     stop: list[str]
     constraint: Constraint | None = None
-    lookup: int = 0  # tokens a pass of a round that drafts nothing may copy (a constrained session copies none)
+    lookup: int = 0  # tokens a pass of a round that drafts nothing may copy (a constrained session: what it forces)
 
 
 # ------------------------------------------------------------------ checking a request
@@ -304,7 +304,7 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
     if len(request.stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}", "stop")
     steps = 1 if limits.lockstep_ms > 0 else models.decode_steps  # a lockstep turn is one pass
-    lookup = limits.target_lookup if request.constraint is None else 0  # (TargetEngine copies nothing there)
+    lookup = limits.target_lookup  # (a constrained session copies what its grammar forces: TargetEngine)
     if not adaptive:
         policy = FixedK(k, models.costs.decode_steps(steps))
     elif params.temperature > 0 and seeded:

@@ -170,9 +170,14 @@ class TargetEngine(RunnerEngine):
     accepted with probability p(x), else the token comes from p without x,
     renormalised, so each token the call returns is still drawn from p, and under greedy params it is
     the argmax, as decoding it alone would give. Copies stop short of an end-of-sequence token, of
-    the call's `steps` (its tokens stay within them) and of the context; a session with a constraint
-    copies nothing. Where the context repeats itself (input-grounded requests) a pass then commits
-    several tokens."""
+    the call's `steps` (its tokens stay within them) and of the context. Where the context repeats
+    itself (input-grounded requests) a pass then commits several tokens.
+
+    A session with a constraint copies what its grammar forces instead (llguidance's fast-forward
+    tokens: the JSON's keys and punctuation, a tool's name once begun...), as many as the call's steps
+    leave room for, not only `lookup`: each is verified as a copy is, its row masked as any, so the
+    output is what decoding them one by one gives (a forced text the model would tokenize otherwise
+    is rejected there). A JSON answer then comes several tokens a pass where its schema fixes them."""
 
     def __init__(self, runner: ModelRunner, max_tokens: int = 16):
         super().__init__(runner, max_tokens)
@@ -247,18 +252,28 @@ class TargetEngine(RunnerEngine):
         return rejection_sample(ProbRows(rows, params, self._to_probs), draft, q_ids, q_probs, session.generator,
                                 self._draw)
 
-    def _copy(self, session: Session, most: int) -> list[int]:
-        """Up to `most` tokens copied from the session's context (prompt lookup, the class
-        docstring), stopping short of an end-of-sequence token and of the context (the token the pass
-        samples after them must fit too); none for a session with a constraint."""
-        most = min(most, self.runner.max_context - len(session.tokens) - 1)
-        if most <= 0 or session.grammar is not None:
+    def _copy(self, session: Session, lookup: int, left: int) -> list[int]:
+        """Tokens the pass verifies beside the one it decodes, `left` the call's steps after that one:
+        up to `lookup` copied from the session's context (prompt lookup, the class docstring), or for
+        a session with a constraint what its grammar forces; none where lookup is 0 (the call must
+        not copy). They stop short of an end-of-sequence token and of the context (the token the pass
+        samples after them must fit too)."""
+        most = min(left if session.grammar is not None else min(lookup, left),
+                   self.runner.max_context - len(session.tokens) - 1)
+        if most <= 0 or lookup <= 0:
             return []
-        index = session.lookup
-        if index is None or len(index.tokens) > len(session.tokens):
-            index = session.lookup = NgramIndex(LOOKUP_SIZES)  # (only truncate shrinks `tokens`, and crops it)
-        index.extend(session.tokens[len(index.tokens):])
-        copy = index.continuation(most)
+        if session.grammar is not None:
+            try:
+                session.grammar.follow(session.tokens)
+            except InvalidRequest:  # (its verify refuses it)
+                return []
+            copy = session.grammar.forced(most)
+        else:
+            index = session.lookup
+            if index is None or len(index.tokens) > len(session.tokens):
+                index = session.lookup = NgramIndex(LOOKUP_SIZES)  # (only truncate shrinks `tokens`, and crops it)
+            index.extend(session.tokens[len(index.tokens):])
+            copy = index.continuation(most)
         eos = self.runner.eos_token_ids
         for n, token in enumerate(copy):
             if token in eos:
@@ -278,7 +293,7 @@ class TargetEngine(RunnerEngine):
         the constraint allows after the committed tokens and the first i draft tokens. A session
         whose committed tokens the constraint forbids gets the error (and is dropped)."""
         rows, owners = [], []
-        for i, call, session, committed, *_ in live:
+        for i, call, session, committed, drafted, *_ in live:
             if session.grammar is None:
                 continue
             try:
@@ -287,7 +302,7 @@ class TargetEngine(RunnerEngine):
                 self.runner.sessions.release(call.session_id)
                 results[i] = exc
                 continue
-            rows.append((session.grammar, list(call.proposal.tokens)))
+            rows.append((session.grammar, drafted))  # (the proposal's tokens, or what the call copies)
             owners.append((i, call))
         masks = {}
         for (i, call), (ruled, _), mask in zip(owners, rows, self.grammars.masks(rows)):
@@ -319,7 +334,7 @@ class TargetEngine(RunnerEngine):
             pending = 0  # the tokens those will add
             for i, call, session in decoding:
                 held = len(session.tokens)
-                copy = self._copy(session, min(call.lookup, more(i, call) - 1))
+                copy = self._copy(session, call.lookup, more(i, call) - 1)
                 try:
                     try:
                         runner.check_context(call.session_id, held + 1 + len(copy), held, pending)
@@ -346,21 +361,22 @@ class TargetEngine(RunnerEngine):
                     results[i] = exc
                 return
             ruled, stuck = [], set()
-            for _, _, session, _ in fits:
+            for _, _, session, copy in fits:
                 if session.grammar is None:
                     continue
                 try:
-                    session.grammar.follow(session.tokens)  # its own tokens, each drawn under the mask
-                    ruled.append(session)
+                    # its own tokens, each drawn under the mask, up to what it copies (its forced tokens)
+                    session.grammar.follow(session.tokens[: len(session.tokens) - len(copy)])
+                    ruled.append((session.grammar, copy))
                 except InvalidRequest:  # its matcher stopped on an error: the next call's verify refuses it
                     stuck.add(id(session))
-            masks = iter(self.grammars.masks([(session.grammar, []) for session in ruled]))
+            masks = iter(self.grammars.masks(ruled))
             decoding = []
             for j, ((i, call, session, copy), rows) in enumerate(zip(fits, logits)):
                 rows = rows[:, : runner.vocab_size]
                 if id(session) in stuck:
                     continue
-                if session.grammar is not None:  # (copies nothing)
+                if session.grammar is not None:  # a row per copied token, and the next
                     allowed = next(masks)
                     if session.grammar.error is not None:  # nothing allowed: the next call's verify refuses it
                         continue
@@ -417,7 +433,7 @@ class TargetEngine(RunnerEngine):
         session.tokens.extend(call.append)
         drafted = list(proposal.tokens)
         if not k and call.steps > 1 and call.lookup > 0:
-            copy = self._copy(session, min(call.lookup, call.steps - 1))
+            copy = self._copy(session, call.lookup, call.steps - 1)
             try:
                 runner.check_context(call.session_id, committed + len(copy), committed, pending)
                 drafted = copy

@@ -228,6 +228,12 @@ class SessionGrammar:
         """How many of `tokens`, in a row after those followed, the constraint allows (none consumed)."""
         return self.matcher.validate_tokens(list(tokens)) if tokens else 0
 
+    def forced(self, most: int) -> list[int]:
+        """Up to `most` tokens the constraint forces next, after those followed (llguidance's
+        fast-forward tokens: where only one text may come, its canonical tokens), none consumed; none
+        where the output is complete."""
+        return [] if most <= 0 or self.matcher.is_stopped() else list(self.matcher.compute_ff_tokens()[:most])
+
     @property
     def done(self) -> bool:
         """The output is complete and nothing more may follow but end-of-sequence."""

@@ -6,6 +6,7 @@ call's steps and the context; through the round, the target service and the coor
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import pytest
@@ -18,7 +19,7 @@ from model_service.model_runner import ModelRunner
 from model_service.ngram import NgramDraft
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from speculative.protocol import Proposal, SamplingParams, VerifyCall
+from speculative.protocol import Constraint, Proposal, SamplingParams, VerifyCall
 from speculative.round import FixedK, Stats, generate
 from tests.stats import chi2_stat, fits
 
@@ -209,6 +210,69 @@ def test_sampled_copies_of_a_later_pass_follow_the_target(small_vocab_pair):
     assert 0 < copied < len(seen)  # the copied y was kept and rejected
     counts = torch.bincount(torch.tensor(seen), minlength=second.shape[0]).double()
     assert fits(counts, second), chi2_stat(counts, second)
+
+
+# a record whose keys and punctuation its schema fixes, written without free whitespace: much of it is forced
+RECORD = Constraint("json_schema", json.dumps({
+    "type": "object", "properties": {"name": {"enum": ["alpha", "beta"]}, "n": {"type": "integer", "minimum": 0,
+                                                                            "maximum": 9}},
+    "required": ["name", "n"], "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}))
+
+
+def constrained(target: TargetEngine, session: str, prompt: list[int], steps: int, lookup: int,
+                params: SamplingParams = GREEDY) -> tuple[list[int], int, int]:
+    """The whole constrained output in calls of `steps` tokens. -> (tokens, copied, passes)"""
+    tokens, copied, passes, start = [], 0, 0, True
+    while not tokens or tokens[-1] not in target.runner.eos_token_ids:
+        verdict, _ = target.verify(VerifyCall(session, start, prompt if start else [], Proposal(), params, steps,
+                                              constraint=RECORD.at(len(prompt)) if start else None, lookup=lookup))
+        got = [verdict.token, *verdict.decoded]
+        tokens, copied, start, passes = tokens + got, copied + verdict.copied, False, passes + len(got) - verdict.copied
+        assert len(tokens) < 64
+    target.release(session)
+    return tokens, copied, passes
+
+
+def test_a_constrained_session_copies_what_its_grammar_forces(target):
+    """Greedy: the tokens of decoding one a call, in fewer passes; a call that must not copy (lookup 0:
+    a seeded request's replay) copies nothing."""
+    tokenizer = target.runner.tokenizer
+    for i, prompt in enumerate(PROMPTS):
+        want, copied, passes = constrained(target, f"one{i}", prompt, steps=1, lookup=0)
+        json.loads(tokenizer.decode(want[:-1]))  # (the record, then the EOS)
+        assert copied == 0 and passes == len(want)
+        got, copied, passes = constrained(target, f"ff{i}", prompt, steps=8, lookup=4)
+        assert got == want and copied > 0 and passes == len(got) - copied
+        assert constrained(target, f"off{i}", prompt, steps=8, lookup=0)[:2] == (want, 0)
+
+
+def test_sampled_tokens_after_forced_copies_follow_the_targets_masked_p(pair):
+    """The constraint fixes a text, then allows a digit: the call's first pass copies the fixed text's
+    tokens (each the one token its mask allows: llguidance allows a forced text's own tokens only)
+    and samples the digit in the same pass, from p(. | prompt + text) renormalised over the digits
+    (chi-squared over seeds): each copy's row and the row after them are masked."""
+    _, target_dir = pair
+    target = TargetEngine(ModelRunner(target_dir))
+    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    prompt, fixed = [5, 17, 42], Constraint("regex", "abcdef[0-9]")
+    ruled = target.grammars.session(fixed.at(len(prompt)))
+    ruled.follow(prompt)
+    forced = ruled.forced(8)
+    assert all(int(ruled.mask(prompt + forced[:i]).sum()) == 1 for i in range(len(forced)))
+    allowed = ruled.mask(prompt + forced)
+    p = next_p(model, prompt + forced)[: allowed.shape[0]] * allowed
+    p /= p.sum()
+    assert int(allowed.sum()) >= 10 and float(p.max()) < 0.5
+    seen = []
+    for seed in range(1500):
+        verdict, _ = target.verify(VerifyCall("s", True, prompt, Proposal(), SamplingParams(1.0, seed=seed),
+                                              len(forced) + 1, constraint=fixed.at(len(prompt)), lookup=1))
+        target.release("s")
+        got = [verdict.token, *verdict.decoded]
+        assert got[: len(forced)] == forced and verdict.copied == len(forced)  # (in the one pass)
+        seen.append(got[len(forced)])
+    counts = torch.bincount(torch.tensor(seen), minlength=p.shape[0]).double()
+    assert fits(counts, p), chi2_stat(counts, p)
 
 
 def test_the_round_passes_lookup_and_counts_copies(pair):
