@@ -391,11 +391,13 @@ def text_choice(text: str, finish: str | None, stream: bool, first: bool) -> lis
 
 class ToolReply:
     """chat_choice for a request whose tools are in use: its answer read back into tool calls
-    (tools.py). Streamed, a named function's arguments go out as they come; another mode's answer is
-    held to its end; the finish_reason comes in an event of its own after the calls."""
+    (tools.py). Streamed, a named function's arguments go out as they come; under auto and required,
+    a response's text as it comes and each call once its arguments are whole; the finish_reason in
+    an event of its own after them."""
 
     def __init__(self, use: ToolUse):
         self.use, self.held = use, []
+        self.said, self.called = 0, 0  # characters of content and calls sent so far
 
     def __call__(self, text: str, finish: str | None, stream: bool, first: bool) -> list[dict]:
         if not stream:
@@ -410,12 +412,18 @@ class ToolReply:
                 delta["tool_calls"] = [{"index": 0, "function": {"arguments": text}}]
         else:
             self.held.append(text)
-            if finish is not None:
-                content, calls, finish = self.use.read("".join(self.held), finish)
-                if calls:
-                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
-                elif content:
-                    delta["content"] = content
+            answer = "".join(self.held)
+            if finish is None:
+                said, calls = self.use.so_far(answer)
+            else:
+                content, made, finish = self.use.read(answer, finish)
+                said, calls = content or "", [(c["function"]["name"], c["function"]["arguments"]) for c in made]
+            if len(said) > self.said:
+                delta["content"], self.said = said[self.said :], len(said)
+            if len(calls) > self.called:
+                delta["tool_calls"] = [{"index": i, **call_of(name, arguments)}
+                                       for i, (name, arguments) in enumerate(calls[self.called :], self.called)]
+                self.called = len(calls)
         events = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}] if delta else []
         if finish is not None:
             events.append({"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish})

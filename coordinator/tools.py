@@ -25,9 +25,10 @@ after its content) are shown to the model in the same JSON, and tool results (ro
 the call they answer) in user turns, a user message after them joining theirs, so that templates
 that want turns to alternate render them.
 
-Streamed, a named function's arguments arrive as they are generated; the other modes' answers are
-read whole, so their tool calls (or content) come at the stream's end, the finish_reason in an event
-of its own after them (as OpenAI's streams end: the openai client's stream helper reads it so).
+Streamed, a named function's arguments arrive as they are generated; under auto and required, a
+response's text as it is generated, and each call once its arguments are whole; the finish_reason
+in an event of its own after them (as OpenAI's streams end: the openai client's stream helper reads
+it so).
 """
 
 from __future__ import annotations
@@ -171,10 +172,18 @@ class ToolUse:
         if text.startswith(RESPONSE):
             return string_prefix(text[len(RESPONSE) + 1 :]), [], finish
         calls, whole = calls_in(text)
-        made = [call_of(name, arguments) for name, arguments in calls]
+        made = [call_of(name, arguments) for name, arguments, _ in calls]
         if whole:
             return None, made, "tool_calls" if finish == "stop" else finish
         return None if made else "", made, finish
+
+
+    def so_far(self, text: str) -> tuple[str, list[tuple[str, str]]]:
+        """Of an answer still being written (auto, required): (the response's text so far, "" where it
+        is calls, the calls whose arguments are whole), as a stream sends them."""
+        if text.startswith(RESPONSE):
+            return string_prefix(text[len(RESPONSE) + 1 :]), []
+        return "", [(name, arguments) for name, arguments, whole in calls_in(text)[0] if whole]
 
 
 def call_of(name: str, arguments: str) -> dict:
@@ -198,9 +207,10 @@ def rebased(schema: Any, root: str) -> Any:
     return out
 
 
-def calls_in(text: str) -> tuple[list[tuple[str, str]], bool]:
-    """(name, arguments' text) of each call an answer {"tool_calls": [...]} holds, and whether it is
-    whole; of an answer cut short, the calls begun (the last one's arguments as far as they go)."""
+def calls_in(text: str) -> tuple[list[tuple[str, str, bool]], bool]:
+    """(name, arguments' text, whether they are whole) of each call an answer {"tool_calls": [...]}
+    holds, and whether the answer is whole; of an answer cut short (or still being written), the
+    calls begun, the last one's arguments as far as they go."""
     decoder, calls = json.JSONDecoder(), []
     if not text.startswith(CALLS):
         return calls, False
@@ -211,15 +221,15 @@ def calls_in(text: str) -> tuple[list[tuple[str, str]], bool]:
         except ValueError:
             break  # the name is cut
         if not text.startswith(ARGUMENTS_KEY, at):
-            calls.append((name, ""))
+            calls.append((name, "", False))
             break
         start = at = at + len(ARGUMENTS_KEY)
         try:
-            _, at = decoder.raw_decode(text, at)
+            _, at = decoder.raw_decode(text, at)  # (arguments are an object: whole once it closes)
         except ValueError:
-            calls.append((name, text[start:]))
+            calls.append((name, text[start:], False))
             break
-        calls.append((name, text[start:at]))
+        calls.append((name, text[start:at], True))
         if text.startswith("},", at):
             at += 2
         else:

@@ -222,7 +222,7 @@ def test_a_conversation_with_calls_and_results_renders_as_plain_turns():
         conversation([message("assistant", None, tool_calls=[{"type": "function"}])], use)
 
 
-def test_a_streamed_reply_sends_a_named_call_as_it_comes_and_holds_the_others():
+def test_a_streamed_reply_sends_text_and_arguments_as_they_come_and_calls_once_whole():
     named = ToolReply(ToolUse.of(TOOLS, {"type": "function", "function": {"name": "add"}}, None))
     events = [*named('{"a', None, True, True), *named('":', None, True, False), *named('2}', "stop", True, False)]
     deltas = [e["delta"] for e in events]
@@ -232,18 +232,25 @@ def test_a_streamed_reply_sends_a_named_call_as_it_comes_and_holds_the_others():
     # the finish_reason in an event of its own after the calls, as OpenAI's streams end (the openai
     # client's stream helper reads a call as done only then)
     assert [e["finish_reason"] for e in events] == [None, None, None, "stop"] and deltas[-1] == {}
+    # auto and required: each call once its arguments are whole, the response's text as it comes
     held = ToolReply(ToolUse.of(TOOLS, "auto", None))
-    text = compact({"tool_calls": [call("add", a=2)]})
+    text = compact({"tool_calls": [call("add", a=2), call("weather", city="Oslo", unit="c")]})
+    cut = text.index("}") + 1  # the first call's arguments whole
     assert [e["delta"] for e in held(text[:5], None, True, True)] == [{"role": "assistant", "content": None}]
-    assert held(text[5:9], None, True, False) == []  # nothing sent mid-answer
-    calls, last = held(text[9:], "stop", True, False)
+    assert held(text[5:cut - 1], None, True, False) == []  # nothing sent mid-arguments
+    (first,) = held(text[cut - 1 : cut], None, True, False)
+    assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in first["delta"]["tool_calls"]] == [
+        (0, "add", '{"a":2}')]
+    calls, last = held(text[cut:], "stop", True, False)
+    assert [(c["index"], c["function"]["name"]) for c in calls["delta"]["tool_calls"]] == [(1, "weather")]
     assert calls["finish_reason"] is None and last == {"index": 0, "delta": {}, "logprobs": None,
                                                         "finish_reason": "tool_calls"}
-    assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in calls["delta"]["tool_calls"]] == [
-        (0, "add", '{"a":2}')]
     answered = ToolReply(ToolUse.of(TOOLS, "auto", None))
-    answered('{"response":"Fi', None, True, True)
-    assert [e["delta"] for e in answered('ve."}', "stop", True, False)] == [{"content": "Five."}, {}]
+    parts = ['{"resp', 'onse":"Fi', 've \\u00e9', "t\\u00e", '9\\n', '"}']
+    deltas = [e["delta"] for n, part in enumerate(parts) for e in answered(part, "stop" if n == 5 else None, True,
+                                                                             n == 0)]
+    assert deltas == [{"role": "assistant", "content": None}, {"content": "Fi"}, {"content": "ve \u00e9"},
+                      {"content": "t"}, {"content": "\u00e9\n"}, {}]  # (an escape cut short waits for the rest)
 
 
 # ------------------------------------------------------------------ through the services
