@@ -554,7 +554,8 @@ class OpenAIApi:
                     raise
             except CORE_ERRORS as e:
                 refused = core_error(e)
-                if isinstance(replies[0], ToolReply) and refused.status == 400 and "constraint" in str(refused):
+                if isinstance(replies[0], ToolReply) and refused.status == 400 and refused.param is None \
+                        and "constraint" in str(refused):
                     # (the constraint is the tools': a schema of theirs that does not compile)
                     raise ApiError(400, f"the tools' schemas: {refused}", "tools", refused.code) from e
                 raise
@@ -597,7 +598,11 @@ class OpenAIApi:
                     while chunk.summary is None:
                         chunk = await anext(chunks)
                         await rounds.put((i, chunk))
-            except Exception as e:
+            except BaseException as e:
+                if asyncio.current_task().cancelling():  # (this stream is being closed: nobody reads on)
+                    raise
+                # anything else ends the stream, a CancelledError from below (a peer's call cancelled
+                # under it) too: the reader waits on this queue for it
                 await rounds.put((i, e))
 
         pumps = [asyncio.ensure_future(pump(i, *made)) for i, made in enumerate(zip(firsts, streams))]
@@ -605,6 +610,9 @@ class OpenAIApi:
         try:
             while len(summaries) < len(pumps):
                 i, chunk = await rounds.get()
+                if isinstance(chunk, asyncio.CancelledError):
+                    raise ApiError(503, "a model service call was cancelled (the server is stopping?)",
+                                   code="unavailable") from chunk
                 if isinstance(chunk, BaseException):
                     raise chunk
                 finish = None if chunk.finish is None else FINISH[chunk.finish]
@@ -621,6 +629,8 @@ class OpenAIApi:
                 yield event({**head, "choices": [], "usage": usage(together(summaries))})
         except CORE_ERRORS as e:
             yield event(core_error(e).body())
+        except ApiError as e:
+            yield event(e.body())
         finally:  # (the client gone, or a choice failed: the others' generations stop)
             for task in pumps:
                 task.cancel()

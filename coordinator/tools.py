@@ -49,7 +49,8 @@ COMPACT = {"x-guidance": {"whitespace_flexible": False}}  # the answer's JSON wi
 # forbid what they add
 OPEN = {"anyOf", "allOf", "oneOf", "not", "$ref", "patternProperties", "additionalProperties",
         "unevaluatedProperties", "if", "then", "else", "dependentSchemas"}
-DATA = {"enum", "const", "default", "examples"}  # keys whose values are data, not schemas
+DATA = {"enum", "const", "default", "examples"}  # a schema's keys whose values are data, not schemas
+NAMED = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}  # name -> schema maps
 # the answer's layout (llguidance keeps a schema's property order, and COMPACT leaves no whitespace)
 CALLS, NAME_KEY, ARGUMENTS_KEY, RESPONSE = '{"tool_calls":[', '{"name":', ',"arguments":', '{"response":'
 
@@ -193,7 +194,7 @@ def call_of(name: str, arguments: str) -> dict:
 
 def rebased(schema: Any, root: str) -> Any:
     """A schema moved from a document's root to `root`: its local references ("#", "#/$defs/..."...)
-    rewritten to point there."""
+    rewritten to point there (not inside data: an enum's values, a default)."""
     if isinstance(schema, list):
         return [rebased(item, root) for item in schema]
     if not isinstance(schema, dict):
@@ -202,6 +203,8 @@ def rebased(schema: Any, root: str) -> Any:
     for key, value in schema.items():
         if key == "$ref" and isinstance(value, str) and value.startswith("#"):
             out[key] = root + value[1:]
+        elif key in NAMED and isinstance(value, dict):  # (its keys are names, "default" among them maybe)
+            out[key] = {name: rebased(each, root) for name, each in value.items()}
         else:
             out[key] = value if key in DATA else rebased(value, root)
     return out

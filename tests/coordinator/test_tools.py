@@ -181,6 +181,13 @@ def test_parameters_are_an_object_and_references_keep_their_meaning():
     assert valid(schema_of(use), good)
     assert not valid(schema_of(use), {"tool_calls": [call("tree", n="a", child={"tool_calls": []})]})
     assert not valid(schema_of(use), {"tool_calls": [call("tree", n="abcd")]})
+    # references inside properties whose names are also keywords whose values are data ("default", "enum")
+    odd = {"type": "object", "properties": {"default": {"$ref": "#/$defs/Inner"}, "enum": {"$ref": "#/$defs/Inner"}},
+           "required": ["default"], "$defs": {"Inner": {"type": "integer", "maximum": 5}}}
+    use = ToolUse.of([{"type": "function", "function": {"name": "odd", "parameters": odd}}], "required", None)
+    assert valid(schema_of(use), {"tool_calls": [call("odd", default=3, enum=1)]})
+    assert not valid(schema_of(use), {"tool_calls": [call("odd", default=9)]})
+    assert '"#/$defs/Inner"' not in use.constraint().text
     # a combinator adds properties: additionalProperties is not forced false beside it
     either = {"type": "object", "properties": {"kind": {"enum": ["a", "b"]}}, "required": ["kind"],
               "anyOf": [{"properties": {"x": {"type": "integer"}}, "required": ["x"]}]}
@@ -370,6 +377,7 @@ def test_a_conversation_carrying_calls_and_results_is_answered(client):
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "mail"}}}, "tool_choice", "not among"),
     ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tool_choice", "not both"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": TOOLS, "ignore_eos": True}, "ignore_eos", "ignore_eos cannot go with"),  # (not the tools' fault)
     ({"functions": [{"name": "a"}]}, "functions", "not supported"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": {
         "a": {"type": "nosuch"}}}}}]}, "tools", "nosuch"),  # (a schema the services' compiler refuses)

@@ -1,0 +1,68 @@
+"""The HTTP API's event stream over several choices (coordinator/http.py OpenAIApi.events), with
+generations faked: each choice's rounds come through, a choice that fails ends the stream with an
+error event and [DONE] (a CancelledError from below included: it hung the stream), and the other
+choices' generations are closed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from coordinator.generation import Chunk, Finish, Summary
+from coordinator.http import CHAT, OpenAIApi, chat_choice
+from speculative.errors import InvalidRequest
+from speculative.round import Stats
+
+
+def summary() -> Summary:
+    return Summary(Stats(generated_tokens=3), 4, True, 1, 3, 1.0)
+
+
+async def generation(name: str, rounds: int, closed: list[str], fail: BaseException | None = None):
+    """A choice's chunks: `rounds` of text (the third raising `fail`), then the last with its summary."""
+    try:
+        for i in range(rounds):
+            await asyncio.sleep(0)  # (the other choices' turn)
+            if fail is not None and i == 2:
+                raise fail
+            yield Chunk([1], f"{name}{i} ")
+        yield Chunk([], "", Finish.EOS, summary())
+    finally:
+        closed.append(name)
+
+
+def events(streams: list) -> list:
+    async def run():
+        firsts = [await anext(stream) for stream in streams]
+        api = OpenAIApi.__new__(OpenAIApi)
+        sent = api.events(firsts, streams, CHAT, {"id": "x"}, True, [chat_choice] * len(streams))
+        return [e async for e in sent]
+
+    out = asyncio.run(asyncio.wait_for(run(), timeout=60))
+    return [e.removeprefix("data: ").strip() for e in out]
+
+
+def test_each_choices_rounds_come_through_and_the_usage_counts_them_all():
+    closed = []
+    sent = events([generation("a", 3, closed), generation("b", 4, closed)])
+    assert sent[-1] == "[DONE]"
+    parsed = [json.loads(e) for e in sent[:-1]]
+    texts = {0: "", 1: ""}
+    for e in parsed[:-1]:
+        for choice in e["choices"]:
+            texts[choice["index"]] += choice["delta"].get("content") or ""
+    assert texts == {0: "a0 a1 a2 ", 1: "b0 b1 b2 b3 "}
+    assert parsed[-1]["usage"]["completion_tokens"] == 6 and sorted(closed) == ["a", "b"]
+
+
+@pytest.mark.parametrize("fail,status", [(InvalidRequest("boom"), "invalid_argument"),
+                                         (asyncio.CancelledError(), "unavailable")])
+def test_a_choice_that_fails_ends_the_stream_with_an_error_and_closes_the_others(fail, status):
+    closed = []
+    sent = events([generation("a", 50, closed), generation("b", 5, closed, fail=fail)])
+    assert sent[-1] == "[DONE]"
+    error = json.loads(sent[-2])["error"]
+    assert error["code"] == status, error
+    assert sorted(closed) == ["a", "b"]
