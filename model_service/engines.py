@@ -173,11 +173,12 @@ class TargetEngine(RunnerEngine):
     the call's `steps` (its tokens stay within them) and of the context. Where the context repeats
     itself (input-grounded requests) a pass then commits several tokens.
 
-    A session with a constraint copies what its grammar forces instead (llguidance's fast-forward
-    tokens: the JSON's keys and punctuation, a tool's name once begun...), as many as the call's steps
-    leave room for, not only `lookup`: each is verified as a copy is, its row masked as any, so the
-    output is what decoding them one by one gives (a forced text the model would tokenize otherwise
-    is rejected there). A JSON answer then comes several tokens a pass where its schema fixes them."""
+    A session with a constraint copies what its grammar forces (llguidance's fast-forward tokens: the
+    JSON's keys and punctuation, a tool's name once begun...), as many as the call's steps leave room
+    for, not only `lookup`; where it forces nothing, the context's copy as far as the grammar allows
+    it. Each is verified as a copy is, its row masked as any, so the output is what decoding them one
+    by one gives. A JSON answer then comes several tokens a pass where its schema fixes them, or where
+    it copies its values from the prompt."""
 
     def __init__(self, runner: ModelRunner, max_tokens: int = 16):
         super().__init__(runner, max_tokens)
@@ -254,26 +255,29 @@ class TargetEngine(RunnerEngine):
 
     def _copy(self, session: Session, lookup: int, left: int) -> list[int]:
         """Tokens the pass verifies beside the one it decodes, `left` the call's steps after that one:
-        up to `lookup` copied from the session's context (prompt lookup, the class docstring), or for
-        a session with a constraint what its grammar forces; none where lookup is 0 (the call must
-        not copy). They stop short of an end-of-sequence token and of the context (the token the pass
+        up to `lookup` copied from the session's context (prompt lookup, the class docstring); for a
+        session with a constraint, what its grammar forces (up to `left`), or where it forces nothing
+        the context's copy as far as the grammar allows it; none where lookup is 0 (the call must not
+        copy). They stop short of an end-of-sequence token and of the context (the token the pass
         samples after them must fit too)."""
-        most = min(left if session.grammar is not None else min(lookup, left),
-                   self.runner.max_context - len(session.tokens) - 1)
-        if most <= 0 or lookup <= 0:
+        room = self.runner.max_context - len(session.tokens) - 1
+        if min(lookup, left, room) <= 0:
             return []
+        copy = []
         if session.grammar is not None:
             try:
                 session.grammar.follow(session.tokens)
             except InvalidRequest:  # (its verify refuses it)
                 return []
-            copy = session.grammar.forced(most)
-        else:
+            copy = session.grammar.forced(min(left, room))
+        if not copy:
             index = session.lookup
             if index is None or len(index.tokens) > len(session.tokens):
                 index = session.lookup = NgramIndex(LOOKUP_SIZES)  # (only truncate shrinks `tokens`, and crops it)
             index.extend(session.tokens[len(index.tokens):])
-            copy = index.continuation(most)
+            copy = index.continuation(min(lookup, left, room))
+            if session.grammar is not None:
+                copy = copy[: session.grammar.prefix(copy)]  # (what it forbids would only be rejected)
         eos = self.runner.eos_token_ids
         for n, token in enumerate(copy):
             if token in eos:

@@ -220,20 +220,20 @@ RECORD = Constraint("json_schema", json.dumps({
 
 
 def constrained(target: TargetEngine, session: str, prompt: list[int], steps: int, lookup: int,
-                params: SamplingParams = GREEDY) -> tuple[list[int], int, int]:
-    """The whole constrained output in calls of `steps` tokens. -> (tokens, copied, passes: the
-    runner's forward passes, counted where they run)"""
+                params: SamplingParams = GREEDY, rule: Constraint = RECORD, most: int = 0) -> tuple[list[int], int, int]:
+    """The whole constrained output (or its first `most` tokens) in calls of `steps` tokens. ->
+    (tokens, copied, passes: the runner's forward passes, counted where they run)"""
     tokens, copied, start, passes = [], 0, True, []
     runner = target.runner
     forward = runner.forward_capturing
     runner.forward_capturing = lambda *args: passes.append(1) or forward(*args)
     try:
-        while not tokens or tokens[-1] not in runner.eos_token_ids:
+        while (not tokens or tokens[-1] not in runner.eos_token_ids) and not (most and len(tokens) >= most):
             verdict, _ = target.verify(VerifyCall(session, start, prompt if start else [], Proposal(), params, steps,
-                                                  constraint=RECORD.at(len(prompt)) if start else None,
+                                                  constraint=rule.at(len(prompt)) if start else None,
                                                   lookup=lookup))
             tokens, copied, start = tokens + [verdict.token, *verdict.decoded], copied + verdict.copied, False
-            assert len(tokens) < 64
+            assert len(tokens) < 64 + steps
     finally:
         runner.forward_capturing = forward
     target.release(session)
@@ -251,6 +251,19 @@ def test_a_constrained_session_copies_what_its_grammar_forces(target):
         got, copied, passes = constrained(target, f"ff{i}", prompt, steps=8, lookup=4)
         assert got == want and copied > 0 and passes == len(got) - copied < len(got)
         assert constrained(target, f"off{i}", prompt, steps=8, lookup=0)[:2] == (want, 0)
+
+
+def test_where_nothing_is_forced_a_constrained_session_copies_the_context_as_far_as_allowed(target):
+    """A constraint that forces nothing (free text, no newline): the calls copy from the context as
+    unconstrained ones do, cut where the constraint forbids, and decode what one token a call does."""
+    free = Constraint("regex", "[^\\n]{0,400}")
+    copied = 0
+    for i, prompt in enumerate(PROMPTS):
+        want = constrained(target, f"one{i}", prompt, steps=1, lookup=0, rule=free, most=40)[0][:40]
+        got, c, passes = constrained(target, f"copy{i}", prompt, steps=8, lookup=4, rule=free, most=40)
+        assert got[:40] == want and passes == len(got) - c
+        copied += c
+    assert copied > 0
 
 
 def test_sampled_tokens_after_forced_copies_follow_the_targets_masked_p(pair):
