@@ -67,10 +67,33 @@ RECORD_SCHEMA = {
     "additionalProperties": False,
 }
 
+# requests for a tool call (bench/structured.py's t rows: tool_choice required, one call each)
+TOOL_REQUESTS = [
+    "What's the weather like in Paris today?",
+    "What is 12.5 plus 30?",
+    "Is it cold in Oslo right now, in celsius?",
+    "Add 7 and 35 for me.",
+    "What's the weather in Tokyo, in fahrenheit?",
+    "What do 1999 and 2026 add up to?",
+    "Do I need an umbrella in London?",
+    "Sum 100 and 250.",
+]
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                        "unit": {"enum": ["celsius", "fahrenheit"]}},
+                       "required": ["city", "unit"]}}},
+    {"type": "function", "function": {
+        "name": "add", "description": "Add two numbers",
+        "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                       "required": ["a", "b"]}}},
+]
+
 
 def normalized(text: str) -> str:
     """The form two prompts are compared in to keep held-out prompts out of training."""
     return " ".join("".join(c for c in text.lower() if c.isalnum() or c.isspace()).split())
 
 
-HELD_OUT = frozenset(normalized(p) for p in CHAT + GROUNDED + RECORDS)
+HELD_OUT = frozenset(normalized(p) for p in CHAT + GROUNDED + RECORDS + TOOL_REQUESTS)

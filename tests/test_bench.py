@@ -12,6 +12,7 @@ import torch
 from bench.__main__ import main as bench_main
 from bench.systems import interleaved
 from model_service import q4_kernel
+from speculative.tiny import make_model, make_tokenizer
 from tests.model_service.test_eagle import make_head
 
 KEYS = {"name", "mode", "k", "tokens_per_s", "speedup", "acceptance_rate", "mean_accepted", "ideal_speedup",
@@ -203,18 +204,26 @@ def test_interleaved_runs_two_systems_turn_about_and_keeps_the_median():
     assert first["tokens_per_s"] == 12.0 and len(first["tokens_per_s_runs"]) == 3
 
 
-def test_tiny_structured_bench(pair, tmp_path, capsys):
-    """`make bench-structured`'s rows (u, c at adaptive K and K = 4 over gRPC; m, x in one process) and its bars."""
+def test_tiny_structured_bench(tmp_path, capsys):
+    """`make bench-structured`'s rows (u, c at adaptive K and K = 4 over gRPC; t, t0 tool calls over HTTP; m, x
+    in one process) and its bars. (The tiny pair with a context of 2,048 tokens: the tools' description takes
+    ~400 of its tokens.)"""
     from bench import structured
 
-    draft, target = pair
+    tokenizer = make_tokenizer(tmp_path / "tokenizer")
+    target = make_model(tmp_path / "target", tokenizer, seed=1, max_context=2048)
+    draft = make_model(tmp_path / "draft", tokenizer, hidden=32, layers=1, heads=2, kv_heads=1, seed=2,
+                       max_context=2048)
     out = tmp_path / "structured.json"
     structured.main(["--draft", str(draft), "--target", str(target), "--prompts", "2", "--new-tokens", "24",
-                     "--threads", "1", "--out", str(out)])
+                     "--tool-tokens", "24", "--threads", "1", "--out", str(out)])
     result = json.loads(out.read_text())
     assert [(r["row"], r["k"]) for r in result["rows"]] == [("u", "adaptive"), ("c", "adaptive"), ("u", 4), ("c", 4),
-                                                           ("m", 4), ("x", 4)]
+                                                           ("t", "adaptive"), ("t0", "adaptive"), ("m", 4), ("x", 4)]
     assert all(r["tokens"] > 0 and r["tokens_per_s"] > 0 for r in result["rows"])
+    t, t0 = result["rows"][4:6]
+    assert t["copied_tokens"] > 0 and t0["copied_tokens"] == 0  # the forced tokens, copied with lookup on only
+    assert t["same_calls_as_t0"] and result["bars"]["t_same_calls_as_t0"]  # greedy: the same calls either way
     constrained = [r for r in result["rows"] if r["row"] == "c"]
     assert all(r["mask_ms_per_round"] > 0 for r in constrained)  # scraped from both services' metrics
     assert result["rows"][-1]["same_output_as_m"]  # greedy: masking q changes acceptance, not the output
