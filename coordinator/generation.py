@@ -312,9 +312,8 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
         # read from them once, as FixedK's: they change the round trips, not the tokens)
         policy = AcceptanceK(k, models.costs, models.costs.decode_steps(steps))
     else:
-        # (its price of a K = 0 pass replays n-gram copies: a constrained session copies forced tokens instead)
-        copies = lookup if steps > 1 and request.constraint is None else 0
-        policy = AdaptiveK(models.costs, k, steps, copies, prompt, params.temperature > 0)
+        # (its price of a K = 0 pass replays n-gram copies; a constrained session's forced ones come on top)
+        policy = AdaptiveK(models.costs, k, steps, lookup if steps > 1 else 0, prompt, params.temperature > 0)
     if request.constraint is not None:
         if request.ignore_eos:
             raise InvalidRequest("ignore_eos cannot go with a structured-output constraint: the output ends where the"

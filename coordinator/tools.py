@@ -50,7 +50,8 @@ COMPACT = {"x-guidance": {"whitespace_flexible": False}}  # the answer's JSON wi
 OPEN = {"anyOf", "allOf", "oneOf", "not", "$ref", "patternProperties", "additionalProperties",
         "unevaluatedProperties", "if", "then", "else", "dependentSchemas"}
 DATA = {"enum", "const", "default", "examples"}  # a schema's keys whose values are data, not schemas
-NAMED = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}  # name -> schema maps
+NAMED = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas",  # name -> schema maps
+         "dependencies"}
 # the answer's layout (llguidance keeps a schema's property order, and COMPACT leaves no whitespace)
 CALLS, NAME_KEY, ARGUMENTS_KEY, RESPONSE = '{"tool_calls":[', '{"name":', ',"arguments":', '{"response":'
 

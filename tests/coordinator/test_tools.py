@@ -15,7 +15,7 @@ import pytest
 
 from coordinator.http import ToolReply
 from coordinator.launch import LocalStack
-from coordinator.tools import ToolUse, conversation, tools_of
+from coordinator.tools import ToolUse, conversation, rebased, tools_of
 from speculative.errors import InvalidRequest
 from speculative.tiny import make_model, make_tokenizer
 from tests.coordinator.test_structured import post
@@ -188,6 +188,8 @@ def test_parameters_are_an_object_and_references_keep_their_meaning():
     assert valid(schema_of(use), {"tool_calls": [call("odd", default=3, enum=1)]})
     assert not valid(schema_of(use), {"tool_calls": [call("odd", default=9)]})
     assert '"#/$defs/Inner"' not in use.constraint().text
+    assert rebased({"dependencies": {"default": {"$ref": "#/$defs/X"}, "b": ["a"]}}, "#/$defs/t") == {
+        "dependencies": {"default": {"$ref": "#/$defs/t/$defs/X"}, "b": ["a"]}}  # (draft-07's dependencies)
     # a combinator adds properties: additionalProperties is not forced false beside it
     either = {"type": "object", "properties": {"kind": {"enum": ["a", "b"]}}, "required": ["kind"],
               "anyOf": [{"properties": {"x": {"type": "integer"}}, "required": ["x"]}]}
