@@ -149,9 +149,8 @@ class ToolUse:
 
     def instructions(self) -> str:
         """The system message's words on the tools and how to answer (compact: they take prompt tokens)."""
-        listed = json.dumps([{"name": t.name, **({"description": t.description} if t.description else {}),
-                              "parameters": t.parameters} for t in self.tools],
-                            ensure_ascii=False, separators=(",", ":"))
+        listed = compact([{"name": t.name, **({"description": t.description} if t.description else {}),
+                           "parameters": t.parameters} for t in self.tools])
         calls = '{"tool_calls":[{"name":NAME,"arguments":{...}}' + (",...]}" if self.parallel else "]}")
         how = {"function": f"Call the tool {self.named}: answer with its arguments as one JSON object.",
                "required": f"Call {'one or more tools' if self.parallel else 'one tool'}: answer {calls}",
@@ -265,9 +264,8 @@ def conversation(messages: list, use: ToolUse | None) -> list[tuple[str, str]]:
     for i, m in enumerate(messages):
         if m.role == "tool" or (m.role == "user" and results):
             if m.role == "tool":
-                result = {"name": named.get(m.tool_call_id or "", ""), "tool_call_id": m.tool_call_id or "",
-                          "content": m.content or ""}
-                text = json.dumps({"tool_response": result}, ensure_ascii=False, separators=(",", ":"))
+                text = compact({"tool_response": {"name": named.get(m.tool_call_id or "", ""),
+                                                  "tool_call_id": m.tool_call_id or "", "content": m.content or ""}})
             else:
                 text = m.content or ""
             if results:
@@ -278,21 +276,7 @@ def conversation(messages: list, use: ToolUse | None) -> list[tuple[str, str]]:
             continue
         results = False
         if m.tool_calls:
-            calls = []
-            for j, call in enumerate(m.tool_calls):
-                function = call.get("function") if isinstance(call, dict) else None
-                if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                    raise InvalidRequest(f"messages[{i}].tool_calls[{j}]: a call is {{\"type\": \"function\","
-                                         f" \"function\": {{\"name\": ..., \"arguments\": ...}}}}", "messages")
-                arguments = function.get("arguments", "{}")
-                try:  # (a string of JSON, as OpenAI's API sends them)
-                    arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-                except ValueError:
-                    pass
-                calls.append({"name": function["name"], "arguments": arguments})
-                if isinstance(call.get("id"), str):
-                    named[call["id"]] = function["name"]
-            said = json.dumps({"tool_calls": calls}, ensure_ascii=False, separators=(",", ":"))
+            said = calls_said(i, m.tool_calls, named)
             turns.append((m.role, f"{m.content}\n{said}" if m.content else said))
         else:
             turns.append((m.role, m.content or ""))
@@ -302,3 +286,28 @@ def conversation(messages: list, use: ToolUse | None) -> list[tuple[str, str]]:
         else:
             turns.insert(0, ("system", use.instructions()))
     return turns
+
+
+def calls_said(i: int, tool_calls: list, named: dict[str, str]) -> str:
+    """An assistant message's (messages[i]) earlier calls as the model answers with them; each call's
+    id -> its function's name into `named`."""
+    calls = []
+    for j, call in enumerate(tool_calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidRequest(f"messages[{i}].tool_calls[{j}]: a call is {{\"type\": \"function\","
+                                 f" \"function\": {{\"name\": ..., \"arguments\": ...}}}}", "messages")
+        arguments = function.get("arguments", "{}")
+        try:  # (a string of JSON, as OpenAI's API sends them)
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            pass
+        calls.append({"name": function["name"], "arguments": arguments})
+        if isinstance(call.get("id"), str):
+            named[call["id"]] = function["name"]
+    return compact({"tool_calls": calls})
+
+
+def compact(value: Any) -> str:
+    """JSON as the model writes it under the constraint (COMPACT): no whitespace."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
