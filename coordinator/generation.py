@@ -40,7 +40,7 @@ from runtime import tracing
 
 from speculative import constraints
 from speculative.errors import InvalidRequest
-from speculative.protocol import Constraint, SamplingParams, float32, pass_cost_from_info
+from speculative.protocol import Constraint, Logprobs, SamplingParams, float32, pass_cost_from_info
 from speculative.round import FixedK, KPolicy, Stats
 from speculative.round import generate as speculative_rounds
 
@@ -117,6 +117,7 @@ class GenerationRequest:
     draft_p_min: float | None = None
     ignore_eos: bool = False  # go on past end-of-sequence tokens (benchmarks; vLLM's ignore_eos)
     constraint: Constraint | None = None  # structured output (JSON schema, regex, grammar, choice)
+    logprobs: int | None = None  # each token's log-probability under the target and the n most likely (Chunk.logprobs)
 
 
 class Finish(enum.Enum):
@@ -145,6 +146,7 @@ class Chunk:
     text: str
     finish: Finish | None = None
     summary: Summary | None = None
+    logprobs: Logprobs | None = None  # the request's logprobs set: those of token_ids
 
 
 @dataclass(frozen=True)
@@ -292,6 +294,7 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
         top_k=0 if request.top_k is None else request.top_k,
         top_p=1.0 if request.top_p is None else request.top_p,
         seed=request.seed if seeded else random.getrandbits(63),
+        logprobs=request.logprobs,
     ).validate()
     adaptive = limits.adaptive and request.num_speculative_tokens is None
     k = models.default_k if request.num_speculative_tokens is None else request.num_speculative_tokens
@@ -460,12 +463,13 @@ class Coordinator:
             draft, target = GatedDraft(draft, self.gate), GatedTarget(target, self.gate)
             self.gate.joined()
         eos = frozenset() if request.ignore_eos else models.eos_token_ids
+        scored: list[Logprobs] | None = [] if plan.params.logprobs is not None else None  # each round's, in turn
         rounds = speculative_rounds(
             draft, target, plan.prompt, max_new_tokens=plan.max_new_tokens, k=plan.policy, params=plan.params,
             eos_token_ids=eos, max_context=models.max_context, draft_context=models.draft_context or None, stats=stats,
             session_id=uuid.uuid4().hex, p_min=plan.p_min, predraft=self.limits.predraft,
             max_call_tokens=models.max_draft_call, feature_layers=models.feature_layers, constraint=plan.constraint,
-            trace_context=trace_context, lookup=plan.lookup,
+            trace_context=trace_context, lookup=plan.lookup, logprobs=scored,
         )
         models.costs.in_flight += 1
         try:
@@ -483,7 +487,9 @@ class Coordinator:
                         if new and new[-1] in eos:
                             finish = Finish.EOS
                     clock.tokens(len(ids))
-                    yield Chunk(token_ids=ids, text=text.take())
+                    # (an end-of-sequence token ends the text and has no place in it: nor in its logprobs)
+                    scores = scored.pop(0).slice(0, len(ids) - (finish is Finish.EOS)) if scored else None
+                    yield Chunk(token_ids=ids, text=text.take(), logprobs=scores)
                     if finish is Finish.STOP:
                         break
         finally:

@@ -58,10 +58,11 @@ from starlette.routing import Mount, Route
 from runtime.auth import bearer_ok
 from runtime.transport import MAX_REQUEST_BYTES
 from speculative.errors import InvalidRequest
-from speculative.protocol import Constraint
+from speculative.protocol import MAX_TOP_LOGPROBS, Constraint, Logprobs
 from speculative.round import Stats
 
 from .generation import Chunk, Coordinator, Finish, GenerationRequest, Message, NotPossible, NotReady, Summary, outcome
+from .logprobs import ChoiceLogprobs, TokenText
 from .peers import PeerError
 from .tools import ToolUse, call_of, conversation
 
@@ -184,7 +185,7 @@ class CompletionBody(Body):
 
 
 # fields specdec cannot honour, with the values (besides absent) it accepts: those that ask for nothing
-UNSUPPORTED = {"logprobs": (False,), "top_logprobs": (0,), "best_of": (1,), "echo": (False,),
+UNSUPPORTED = {"best_of": (1,), "echo": (False,),
                "suffix": ("",), "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "logit_bias": ({},),
                "functions": ([],), "function_call": ("none", "auto")}
 
@@ -216,13 +217,27 @@ async def parse(request: Request, kind: type[B], limit: int) -> B:
     for name, neutral in UNSUPPORTED.items():
         value = getattr(body, name, None)
         if value is not None and not any(type(value) is type(n) and value == n for n in neutral):
-            raise ApiError(400, f"{name}={value!r} is not supported (specdec answers with one choice, without"
-                                f" logprobs or penalties; tools, not functions)", name, "unsupported_parameter")
+            raise ApiError(400, f"{name}={value!r} is not supported (specdec answers without penalties, best_of,"
+                                f" echo or suffix; tools, not functions)", name, "unsupported_parameter")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
     if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
         raise ApiError(400, f"n must be between 1 and {MAX_CHOICES}, not {body.n}", "n")
+    top = body.top_logprobs if isinstance(body, ChatBody) else body.logprobs if isinstance(body, CompletionBody) \
+        else None
+    name = "top_logprobs" if isinstance(body, ChatBody) else "logprobs"
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, not {top}", name)
+    if isinstance(body, ChatBody) and top and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     return body
+
+
+def logprobs_asked(body: Body) -> int | None:
+    """The most likely tokens a request wants beside each token's logprob; None: no logprobs."""
+    if isinstance(body, ChatBody):
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return body.logprobs if isinstance(body, CompletionBody) else None
 
 
 def generation_request(body: Body, max_new_tokens: int | None, **prompt) -> GenerationRequest:
@@ -233,7 +248,7 @@ def generation_request(body: Body, max_new_tokens: int | None, **prompt) -> Gene
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         num_speculative_tokens=body.num_speculative_tokens, draft_p_min=body.draft_p_min,
         ignore_eos=bool(body.ignore_eos),
-        constraint=constraint_of(body),
+        constraint=constraint_of(body), logprobs=logprobs_asked(body),
     )
 
 
@@ -541,10 +556,11 @@ class OpenAIApi:
                                                  traceparent=request.headers.get("traceparent", ""))
                        for generation, _ in choices]
             replies = [reply for _, reply in choices]
+            scorers = self.scorers(endpoint, len(choices)) if logprobs_asked(body) is not None else None
             head = {"id": f"{endpoint.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
             try:
                 if not body.stream:
-                    return await unless_hung_up(request, self.unary(streams, endpoint, head, replies))
+                    return await unless_hung_up(request, self.unary(streams, endpoint, head, replies, scorers))
                 # each choice's first round before the response starts: a refusal gets its own status, not a 200
                 # stream
                 try:
@@ -560,31 +576,41 @@ class OpenAIApi:
                     raise ApiError(400, f"the tools' schemas: {refused}", "tools", refused.code) from e
                 raise
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return EventStream(self.events(firsts, streams, endpoint, head, include_usage, replies),
+            return EventStream(self.events(firsts, streams, endpoint, head, include_usage, replies, scorers),
                                headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
         return Route(endpoint.path, handle, methods=["POST"])
 
+    def scorers(self, endpoint: Endpoint, count: int) -> list[ChoiceLogprobs]:
+        """Each choice's logprobs object maker (a request that asks for them)."""
+        texts = TokenText(self.coordinator.ready().tokenizer)
+        return [ChoiceLogprobs(texts, endpoint is CHAT) for _ in range(count)]
+
     async def unary(self, streams: list[AsyncIterator[Chunk]], endpoint: Endpoint, head: dict,
-                    replies: list[Reply]) -> Response:
-        async def whole(chunks: AsyncIterator[Chunk]) -> tuple[str, Chunk]:
-            pieces = []
+                    replies: list[Reply], scorers: list[ChoiceLogprobs] | None = None) -> Response:
+        async def whole(chunks: AsyncIterator[Chunk]) -> tuple[str, Chunk, list[int], Logprobs | None]:
+            pieces, tokens, scores = [], [], []
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     pieces.append(chunk.text)
-            return "".join(pieces), chunk
+                    tokens += chunk.token_ids
+                    scores.append(chunk.logprobs)
+            return "".join(pieces), chunk, tokens, Logprobs.join(scores)
 
         answers = await all_of([whole(chunks) for chunks in streams])
-        choices = [{**reply(text, FINISH[last.finish], False, True)[0], "index": i}
-                   for i, ((text, last), reply) in enumerate(zip(answers, replies))]
-        summary = together([last.summary for _, last in answers])
+        choices = [{**reply(text, FINISH[last.finish], False, True)[0], "index": i} for i, ((text, last, *_), reply)
+                   in enumerate(zip(answers, replies))]
+        for choice, scorer, (_, _, tokens, scores) in zip(choices, scorers or [], answers):
+            choice["logprobs"] = scorer(tokens, scores)
+        summary = together([answer[1].summary for answer in answers])
         return JSONResponse({
             **head, "object": endpoint.object, "choices": choices,
             "usage": usage(summary), "specdec": specdec_fields(summary),
         }, headers=specdec_headers(summary))
 
     async def events(self, firsts: list[Chunk], streams: list[AsyncIterator[Chunk]], endpoint: Endpoint,
-                     head: dict, include_usage: bool, replies: list[Reply]) -> AsyncIterator[str]:
+                     head: dict, include_usage: bool, replies: list[Reply],
+                     scorers: list[ChoiceLogprobs] | None = None) -> AsyncIterator[str]:
         """One event per choice and round that brought text, the finish_reason (and the choice's
         `specdec`) on its last; with include_usage one more, the usage of all; then [DONE]. The
         choices' rounds come as they are made. A failure after the first round is an error event."""
@@ -607,6 +633,8 @@ class OpenAIApi:
 
         pumps = [asyncio.ensure_future(pump(i, *made)) for i, made in enumerate(zip(firsts, streams))]
         opened, summaries = [False] * len(pumps), []
+        # each choice's tokens not yet sent with an event, and their logprobs
+        unsent: list[tuple[list[int], list[Logprobs | None]]] = [([], []) for _ in pumps]
         try:
             while len(summaries) < len(pumps):
                 i, chunk = await rounds.get()
@@ -616,11 +644,18 @@ class OpenAIApi:
                 if isinstance(chunk, BaseException):
                     raise chunk
                 finish = None if chunk.finish is None else FINISH[chunk.finish]
+                if scorers:
+                    unsent[i][0].extend(chunk.token_ids)
+                    unsent[i][1].append(chunk.logprobs)
                 if chunk.text or finish or (not opened[i] and endpoint is CHAT):
                     choices = replies[i](chunk.text, finish, True, not opened[i])
                     for n, choice in enumerate(choices, 1):
                         extra = {"specdec": specdec_fields(chunk.summary)} if chunk.summary and n == len(choices) \
                             else {}
+                        scores = Logprobs.join(unsent[i][1]) if scorers else None
+                        if scores is not None and len(scores):  # (the first event of a round that has tokens)
+                            choice = {**choice, "logprobs": scorers[i](unsent[i][0], scores)}
+                            unsent[i] = ([], [])
                         yield event({**head, "choices": [{**choice, "index": i}], **extra})
                         opened[i] = True
                 if chunk.summary is not None:

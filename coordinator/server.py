@@ -11,7 +11,7 @@ import grpc
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from speculative.errors import InvalidRequest, status_details
-from speculative.protocol import constraint_from_proto
+from speculative.protocol import Logprobs, constraint_from_proto, logprobs_to_proto
 
 from .generation import Chunk, Coordinator, Finish, GenerationRequest, Message, NotPossible, NotReady, Summary
 from .generation import prompt_bound as prompt_bound  # (re-exported: tests import it from here)
@@ -32,6 +32,7 @@ def request_from_proto(r: pb.GenerateRequest) -> GenerationRequest:
         top_k=optional("top_k"), seed=optional("seed"), stop=list(r.stop),
         num_speculative_tokens=optional("num_speculative_tokens"), draft_p_min=optional("draft_p_min"),
         constraint=constraint_from_proto(r.constraint) if r.HasField("constraint") else None,
+        logprobs=optional("logprobs"),
     )
 
 
@@ -68,10 +69,11 @@ def stats_proto(summary: Summary) -> pb.GenerationStats:
 
 
 def chunk_proto(chunk: Chunk) -> pb.GenerateChunk:
+    scores = logprobs_to_proto(chunk.logprobs)
     if chunk.summary is None:
-        return pb.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids)
+        return pb.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids, logprobs=scores)
     return pb.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids, finish_reason=FINISH[chunk.finish],
-                            stats=stats_proto(chunk.summary))
+                            stats=stats_proto(chunk.summary), logprobs=scores)
 
 
 def status_code(error: InvalidRequest | NotPossible | NotReady | PeerError) -> grpc.StatusCode:
@@ -108,14 +110,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
         response = pb.GenerateResponse()
-        pieces = []
+        pieces, scores = [], []
         async for chunk in self._chunks(request, context, "Generate"):
             pieces.append(chunk.text)
+            scores.append(chunk.logprobs)
             response.token_ids.extend(chunk.token_ids)
             if chunk.summary is not None:
                 response.finish_reason = FINISH[chunk.finish]
                 response.stats.CopyFrom(stats_proto(chunk.summary))
         response.text = "".join(pieces)
+        if request.HasField("logprobs"):
+            response.logprobs.CopyFrom(logprobs_to_proto(Logprobs.join(scores) or Logprobs(request.logprobs)))
         return response
 
     async def GetInfo(self, request, context) -> pb.ServerInfo:

@@ -13,7 +13,7 @@ import torch
 
 from speculative.errors import CapacityExceeded, InvalidRequest
 from speculative.lookup import LOOKUP_SIZES, NgramIndex
-from speculative.protocol import Cost, Features, Proposal, ProposeCall, Verdict, VerifyCall
+from speculative.protocol import Cost, Features, Logprobs, Proposal, ProposeCall, Verdict, VerifyCall
 from speculative.sampling import (
     ProbRows,
     check_supports,
@@ -237,6 +237,8 @@ class TargetEngine(RunnerEngine):
                 else:  # the call proposed nothing: what it copied and kept is the target's own
                     results[i] = Verdict(0, kept[0], kept[1:], copied=accepted)
                 results[i].features = _committed_features(session, capture, states, j)
+                if call.params.logprobs is not None:
+                    results[i].logprobs = token_logprobs(rows, kept, call.params.logprobs)
             pass_ms = timer.ms
             if live and all(call.steps > 1 for _, call, *_ in live):
                 self._decode_on([(i, call, session) for i, call, session, *_ in live], results, busy)
@@ -390,6 +392,9 @@ class TargetEngine(RunnerEngine):
                 session.tokens.append(token)
                 results[i].decoded.extend([*copy[:accepted], token])
                 results[i].copied += accepted
+                if call.params.logprobs is not None:
+                    results[i].logprobs = Logprobs.join(
+                        [results[i].logprobs, token_logprobs(rows, [*copy[:accepted], token], call.params.logprobs)])
                 step = _committed_features(session, capture, states, j)
                 if step is not None:
                     results[i].features = Features.join([results[i].features, step]) if results[i].features else step
@@ -446,6 +451,18 @@ class TargetEngine(RunnerEngine):
                 pass  # room for the token, not for the copy
         session.tokens.extend(drafted)
         return session, committed, drafted, q_ids, q_probs
+
+
+def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> Logprobs:
+    """Logprobs of `tokens`, token i scored by row i of a pass's rows (its position's logits, masked by a
+    constraint), with the `top` most likely tokens of each row."""
+    lp = torch.log_softmax(rows[: len(tokens)].float(), dim=-1)
+    values = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0]
+    if not top:
+        return Logprobs(0, values.tolist())
+    best = lp.topk(min(top, lp.shape[-1]), dim=-1)
+    return Logprobs(best.values.shape[-1], values.tolist(), best.indices.flatten().tolist(),
+                    best.values.flatten().tolist())
 
 
 def _feature_layers(sessions: list[Session]) -> tuple[int, ...]:

@@ -8,6 +8,8 @@ The round (round.py), both model services and the coordinator share these words:
   VerifyCall       one session's call to the target: the delta and the proposal to verify
   Verdict          how many of them the target accepted, and its own next token (or tokens: a
                    call with no proposal may ask the target to decode several on its own)
+  Logprobs         per token a verdict commits, its log-probability under the target and the most
+                   likely tokens' (a request's SamplingParams.logprobs asks for them)
   Constraint       a structured-output constraint (JSON schema, regex, grammar, choice) a session
                    follows: the target masks p with it, the draft masks q (model_service/grammar.py)
   Features         the target's hidden states at some layers for consecutive committed
@@ -50,6 +52,9 @@ class SamplingParams:
     top_k: int = 0            # 0 = off
     top_p: float = 1.0        # 1 = off
     seed: int = 0
+    # the target's log-probabilities of each committed token (Verdict.logprobs): None = none; n = with
+    # the n most likely tokens' beside it (0..MAX_TOP_LOGPROBS). What is sampled does not change
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -70,10 +75,13 @@ class SamplingParams:
                                  "top_p")
         if not 0 <= self.seed < 2**64:
             raise InvalidRequest(f"seed must lie in [0, 2^64), not {self.seed}", "seed")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"top logprobs must lie in [0, {MAX_TOP_LOGPROBS}], not {self.logprobs}", "logprobs")
         return self
 
 
 INT32_MAX = 2**31 - 1
+MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs bound
 
 
 def float32(x: float) -> float:
@@ -254,12 +262,67 @@ class Cost:
 
 
 @dataclass
+class Logprobs:
+    """For consecutive committed tokens: each one's log-probability under the target's distribution at
+    its position (log-softmax of the model's logits, a constraint's mask applied, before temperature,
+    top-k and top-p: the model's own figures, as vLLM reports by default), and the `top` most likely
+    tokens there, most likely first (top_ids / top_values: `top` entries a token, in its order; a
+    masked-out token's value is -inf)."""
+
+    top: int = 0
+    values: list[float] = field(default_factory=list)
+    top_ids: list[int] = field(default_factory=list)
+    top_values: list[float] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def slice(self, start: int, stop: int | None = None) -> "Logprobs":
+        stop = len(self.values) if stop is None else min(stop, len(self.values))
+        start = min(start, stop)
+        t = self.top
+        return Logprobs(t, self.values[start:stop], self.top_ids[t * start : t * stop],
+                        self.top_values[t * start : t * stop])
+
+    def tops(self, i: int) -> list[tuple[int, float]]:
+        """Token i's most likely tokens: (id, log-probability), most likely first."""
+        t = self.top
+        return list(zip(self.top_ids[t * i : t * (i + 1)], self.top_values[t * i : t * (i + 1)]))
+
+    @staticmethod
+    def join(parts: "list[Logprobs | None]") -> "Logprobs | None":
+        """Consecutive parts as one (None where there are none)."""
+        parts = [p for p in parts if p is not None]
+        if not parts:
+            return None
+        if len({p.top for p in parts}) > 1:
+            raise ValueError(f"logprobs do not join: top {[p.top for p in parts]}")
+        return Logprobs(parts[0].top, [v for p in parts for v in p.values], [i for p in parts for i in p.top_ids],
+                        [v for p in parts for v in p.top_values])
+
+    def check(self, tokens: int) -> "Logprobs":
+        """Raise InvalidRequest unless the fields agree with each other and cover `tokens` tokens."""
+        if len(self.values) != tokens or len(self.top_ids) != self.top * tokens or \
+                len(self.top_values) != self.top * tokens:
+            raise InvalidRequest(f"logprobs for {len(self.values)} tokens, {len(self.top_ids)} top ids and "
+                                 f"{len(self.top_values)} top values (top {self.top}), for {tokens} tokens")
+        return self
+
+
+@dataclass
 class Verdict:
     accepted: int  # draft tokens accepted, a prefix of the proposal
     token: int     # recovered (accepted < K) or bonus (accepted == K) token
     decoded: list[int] = field(default_factory=list)  # tokens after `token` the target decoded on its own
     features: Features | None = None  # a session with feature layers: the rows this call fed and committed
     copied: int = 0  # of `token` and `decoded`, those the target copied from the context and accepted (lookup)
+    # params.logprobs set: those of the committed tokens (the accepted draft tokens, `token`, `decoded`)
+    logprobs: Logprobs | None = None
+
+    @property
+    def committed(self) -> int:
+        """Tokens the call committed: the accepted draft tokens, `token` and `decoded`."""
+        return self.accepted + 1 + len(self.decoded)
 
 
 @dataclass(frozen=True)
@@ -308,11 +371,22 @@ class TargetPeer(Protocol):
 
 def params_to_proto(params: SamplingParams) -> pb.SamplingParams:
     return pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                             seed=params.seed)
+                             seed=params.seed, logprobs=0 if params.logprobs is None else 1 + params.logprobs)
 
 
 def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    return SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed)
+    return SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed, msg.logprobs - 1 if msg.logprobs else None)
+
+
+def logprobs_to_proto(logprobs: Logprobs | None) -> pb.Logprobs | None:
+    if logprobs is None:
+        return None
+    return pb.Logprobs(top=logprobs.top, values=logprobs.values, top_ids=logprobs.top_ids,
+                       top_values=logprobs.top_values)
+
+
+def logprobs_from_proto(msg: pb.Logprobs) -> Logprobs:
+    return Logprobs(msg.top, list(msg.values), list(msg.top_ids), list(msg.top_values))
 
 
 def proposal_to_proto(proposal: Proposal) -> pb.DraftProposal:
@@ -399,12 +473,13 @@ def verdict_to_proto(verdict: Verdict, cost: Cost) -> pb.VerifyResponse:
     return pb.VerifyResponse(accepted=verdict.accepted, token=verdict.token, service_ms=cost.service_ms,
                              batch_size=cost.batch_size, batch_tokens=cost.batch_tokens, pass_ms=cost.pass_ms,
                              decoded=verdict.decoded, features=features_to_proto(verdict.features),
-                             copied=verdict.copied)
+                             copied=verdict.copied, logprobs=logprobs_to_proto(verdict.logprobs))
 
 
 def verdict_from_proto(msg: pb.VerifyResponse) -> Verdict:
     return Verdict(msg.accepted, msg.token, list(msg.decoded),
-                   features_from_proto(msg.features) if msg.HasField("features") else None, msg.copied)
+                   features_from_proto(msg.features) if msg.HasField("features") else None, msg.copied,
+                   logprobs_from_proto(msg.logprobs) if msg.HasField("logprobs") else None)
 
 
 def pass_cost_from_info(info: pb.ModelInfo) -> PassCost:

@@ -35,7 +35,8 @@ from typing import Protocol
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from .protocol import Constraint, Cost, DraftPeer, Features, Proposal, ProposeCall, SamplingParams, TargetPeer, Verdict, VerifyCall
+from .protocol import (Constraint, Cost, DraftPeer, Features, Logprobs, Proposal, ProposeCall, SamplingParams,
+                       TargetPeer, Verdict, VerifyCall)
 
 tracer = trace.get_tracer("specdec")  # a no-op unless runtime/tracing.py configured one
 
@@ -191,6 +192,7 @@ class Round:
     draft_pass_ms: float = 0.0  # the passes its draft calls rode in, on the draft's model (draft.pass_ms: the last's)
     copied: int = 0  # of `tokens`, those the target copied from the context and kept (lookup: Verdict.copied)
     draft_started: bool = False  # a draft call of this round started the draft's session (took in the whole context)
+    logprobs: Logprobs | None = None  # params.logprobs set: the target's, of `tokens`
 
 
 async def speculative_round(
@@ -253,6 +255,11 @@ async def speculative_round(
                           ahead_cost.batch_size, ahead_cost.batch_tokens, ahead_cost.pass_ms)
     else:
         verdict, target_cost = await verify
+    if params.logprobs is not None:
+        if verdict.logprobs is None:
+            raise RuntimeError("the target answered without the logprobs asked for (a service older than this"
+                               " coordinator?)")
+        verdict.logprobs.check(verdict.committed)
     before = len(seq.tokens)
     accepted = proposal.tokens[: verdict.accepted]
     seq.tokens.extend(accepted)
@@ -278,7 +285,7 @@ async def speculative_round(
     return Round(accepted + [verdict.token] + verdict.decoded, len(proposal.tokens), verdict.accepted, draft_cost,
                  target_cost, k, calls, ahead is not None, hit,
                  len(verdict.features.data) if verdict.features is not None else 0, lost, draft_pass_ms, verdict.copied,
-                 draft_started=seq.draft_starts > starts)
+                 draft_started=seq.draft_starts > starts, logprobs=verdict.logprobs)
 
 
 async def _propose(draft: DraftPeer, seq: Sequence, k: int, params: SamplingParams,
@@ -433,6 +440,7 @@ async def generate(
     constraint: Constraint | None = None,
     trace_context: Context | None = None,
     lookup: int = 0,
+    logprobs: list[Logprobs] | None = None,
 ) -> AsyncIterator[list[int]]:
     """Yield each round's new tokens until max_new_tokens, the context or an EOS.
 
@@ -449,8 +457,9 @@ async def generate(
     masks p with it); trace_context: the request's span, each round's span's parent
     (runtime/tracing.py); lookup: in a round that decodes steps, the tokens each pass may also verify
     from the target's own copies of the context (speculative_round; greedy, or a policy that does not
-    replay: see KPolicy.replays). Tokens past an EOS or past max_new_tokens are dropped. Both sessions are
-    released when the generator ends or is closed early.
+    replay: see KPolicy.replays); logprobs: where params.logprobs is set, each round's Logprobs of the
+    tokens it yields is appended to it before they are. Tokens past an EOS or past max_new_tokens are
+    dropped. Both sessions are released when the generator ends or is closed early.
     """
     if isinstance(k, int):
         k = FixedK(k)
@@ -499,6 +508,8 @@ async def generate(
                     new = new[: i + 1]
                     break
             stats.generated_tokens += len(new)
+            if logprobs is not None and r.logprobs is not None:
+                logprobs.append(r.logprobs.slice(0, len(new)))
             if len(seq.tokens) >= draft_context and (asked_draft or seq.feature_layers):
                 # the draft can take no more: its session goes now, not at the end (its memory and its
                 # place in --max-sessions), and the target sends no more rows for it

@@ -277,8 +277,6 @@ def test_what_the_core_refuses_is_400_naming_the_field(client, fields, param):
 @pytest.mark.parametrize("fields, param", [
     ({"n": 0}, "n"),
     ({"n": 17}, "n"),
-    ({"logprobs": True}, "logprobs"),
-    ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"functions": [{"name": "f", "parameters": {}}], "function_call": "auto"}, "functions"),

@@ -1,0 +1,108 @@
+"""OpenAI's `logprobs` objects from the target's (speculative/protocol.py Logprobs).
+
+Each generated token's log-probability is the target's, at the position the token was committed in
+(a verify pass's row, or a decode step's): speculation changes how many passes it takes, never the
+figure. It is the log-softmax of the model's logits, a structured output's mask applied, before
+temperature, top-k and top-p (vLLM's default), so a request sampled at any temperature reads the
+model's own confidence. A token the mask forbids has -inf, sent as -9999.0 (JSON has no infinity;
+OpenAI's figure for "never").
+
+Chat completions (`logprobs: true`, `top_logprobs: n`): `{"content": [{"token", "logprob", "bytes",
+"top_logprobs": [{"token", "logprob", "bytes"}...]}...], "refusal": null}`. Completions (`logprobs:
+n`): `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}...], "text_offset"}`, each
+top dict with the sampled token beside the n most likely (OpenAI's "up to logprobs + 1"), offsets
+counted in characters from the completion's start. A token's text is what the tokenizer decodes it
+to alone (special tokens as written), its bytes the UTF-8 bytes it stands for (a byte-level BPE
+token's own bytes, which may be part of a character).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from typing import Any
+
+from speculative.protocol import Logprobs
+
+NEVER = -9999.0  # a masked-out token's log-probability, as sent
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the printable character each byte is written as, reversed."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+class TokenText:
+    """A tokenizer's tokens as logprobs show them: (text, UTF-8 bytes), each worked out once."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.known: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token: int) -> tuple[str, list[int]]:
+        if token not in self.known:
+            text = self.tokenizer.decode([token], skip_special_tokens=False)
+            self.known[token] = (text, list(self._bytes(token, text)))
+        return self.known[token]
+
+    def _bytes(self, token: int, text: str) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(token)
+        if isinstance(piece, str):
+            byte = BYTE_TOKEN.fullmatch(piece)
+            if byte:
+                return bytes([int(byte.group(1), 16)])
+            decoder = _byte_decoder()
+            if piece and "\ufffd" in text and all(c in decoder for c in piece):
+                return bytes(decoder[c] for c in piece)  # part of a character: the bytes it carries
+        return text.encode("utf-8")
+
+
+def _figure(value: float) -> float:
+    return value if math.isfinite(value) else NEVER
+
+
+class ChoiceLogprobs:
+    """One choice's logprobs object, made from the Logprobs of its tokens as they come (a streamed
+    choice sends each event's part: the completions' text offsets run on across them)."""
+
+    def __init__(self, texts: TokenText, chat: bool):
+        self.texts, self.chat = texts, chat
+        self.offset = 0  # characters of completion before the next token (completions)
+
+    def __call__(self, tokens: list[int], scores: Logprobs | None) -> dict | None:
+        if scores is None:
+            return None
+        return self._chat(tokens, scores) if self.chat else self._completion(tokens, scores)
+
+    def _entry(self, token: int, value: float) -> dict:
+        text, raw = self.texts(token)
+        return {"token": text, "logprob": _figure(value), "bytes": raw}
+
+    def _chat(self, tokens: list[int], scores: Logprobs) -> dict:
+        content = [{**self._entry(token, value), "top_logprobs": [self._entry(t, v) for t, v in scores.tops(i)]}
+                   for i, (token, value) in enumerate(zip(tokens, scores.values))]
+        return {"content": content, "refusal": None}
+
+    def _completion(self, tokens: list[int], scores: Logprobs) -> dict:
+        texts, offsets, tops = [], [], []
+        for i, (token, value) in enumerate(zip(tokens, scores.values)):
+            text = self.texts(token)[0]
+            texts.append(text)
+            offsets.append(self.offset)
+            self.offset += len(text)
+            top: dict[str, float] = {}
+            for t, v in [(token, value), *scores.tops(i)]:  # (texts that coincide: the sampled token's, or the likelier)
+                top.setdefault(self.texts(t)[0], _figure(v))
+            tops.append(dict(sorted(top.items(), key=lambda item: -item[1])))
+        return {"tokens": texts, "token_logprobs": [_figure(v) for v in scores.values], "top_logprobs": tops,
+                "text_offset": offsets}
