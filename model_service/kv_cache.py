@@ -153,7 +153,10 @@ class KVCache:
         if pool is not None:
             self.slot = pool.take(self)
         if self.slot < 0:
-            self.own = torch.empty((layers, 2, 1, kv_heads, capacity, head_dim), dtype=dtype, device=device)
+            # zeros, not empty, as a pool's: a graphed pass (cuda_graphs.py) reads every position of the
+            # storage, masked past its own, and 0 x a NaN left in recycled memory is NaN; it cleans a
+            # storage it has not seen, but one allocated where a freed one of the same shape was looks seen
+            self.own = torch.zeros((layers, 2, 1, kv_heads, capacity, head_dim), dtype=dtype, device=device)
         else:
             self._give_back = weakref.finalize(self, pool.give, self.slot)
 
@@ -192,7 +195,7 @@ class KVCache:
         if length <= self.own.shape[4]:
             return
         capacity = _doubled(self.own.shape[4], length)
-        grown = torch.empty(self.own.shape[:4] + (capacity,) + self.own.shape[5:], dtype=self.own.dtype,
-                            device=self.own.device)
+        grown = torch.zeros(self.own.shape[:4] + (capacity,) + self.own.shape[5:], dtype=self.own.dtype,
+                            device=self.own.device)  # (zeros: see __init__)
         grown[:, :, :, :, : self.length] = self.own[:, :, :, :, : self.length]
         self.own = grown

@@ -120,6 +120,22 @@ def test_kv_cache_crop():
     assert cache.get_seq_length() == 0
 
 
+def test_a_cache_of_its_own_holds_zeros_past_what_it_was_given_even_in_recycled_memory():
+    """A graphed pass reads every position of its storage, masked (cuda_graphs.py): garbage there must
+    not be NaN, or 0 x NaN poisons the pass (a recycled address looks like a storage already cleaned).
+    Memory that held NaNs is freed just before each allocation, so that the allocator hands it out again."""
+    cpu = torch.device("cpu")
+    for _ in range(20):
+        torch.full((1, 2, 1, 1, 4, 2), float("nan"))  # (a NaN-filled block of the size the cache takes, freed)
+        cache = KVCache(layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, device=cpu, capacity=4)
+        assert not cache.data.isnan().any() and (cache.data == 0).all()
+        cache.data[..., :3, :] = 1.0
+        cache.length = 3
+        torch.full((1, 2, 1, 1, 8, 2), float("nan"))
+        cache.reserve(6)  # grown: what it held, then zeros
+        assert (cache.data[..., :3, :] == 1).all() and (cache.data[..., 3:, :] == 0).all()
+
+
 def test_rejects_unknown_forward(tmp_path, tokenizer):
     model_dir = make_model(tmp_path / "m", tokenizer)
     with pytest.raises(ValueError, match="--forward"):
