@@ -512,6 +512,7 @@ class OpenAIApi:
     def __init__(self, coordinator: Coordinator, max_request_bytes: int):
         self.coordinator, self.max_request_bytes = coordinator, max_request_bytes
         self.created = int(time.time())
+        self.texts: TokenText | None = None  # the tokenizer's tokens as logprobs show them
 
     def model_name(self, asked: str | None) -> str:
         name = self.coordinator.ready().name
@@ -583,8 +584,10 @@ class OpenAIApi:
 
     def scorers(self, endpoint: Endpoint, count: int) -> list[ChoiceLogprobs]:
         """Each choice's logprobs object maker (a request that asks for them)."""
-        texts = TokenText(self.coordinator.ready().tokenizer)
-        return [ChoiceLogprobs(texts, endpoint is CHAT) for _ in range(count)]
+        tokenizer = self.coordinator.ready().tokenizer
+        if self.texts is None or self.texts.tokenizer is not tokenizer:
+            self.texts = TokenText(tokenizer)  # (kept: the tokens' texts are worked out once, not per request)
+        return [ChoiceLogprobs(self.texts, endpoint is CHAT) for _ in range(count)]
 
     async def unary(self, streams: list[AsyncIterator[Chunk]], endpoint: Endpoint, head: dict,
                     replies: list[Reply], scorers: list[ChoiceLogprobs] | None = None) -> Response:

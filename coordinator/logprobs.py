@@ -4,20 +4,25 @@ Each generated token's log-probability is the target's, at the position the toke
 (a verify pass's row, or a decode step's): speculation changes how many passes it takes, never the
 figure. It is the log-softmax of the model's logits, a structured output's mask applied, before
 temperature, top-k and top-p (vLLM's default), so a request sampled at any temperature reads the
-model's own confidence. A token the mask forbids has -inf, sent as -9999.0 (JSON has no infinity;
-OpenAI's figure for "never").
+model's own confidence. A token the mask forbids has -inf: such a token is left out of the top lists, which
+then hold fewer than n (a constrained position where few tokens are allowed), and -9999.0 stands
+for any other -inf (JSON has none; OpenAI's figure for "never").
 
 Chat completions (`logprobs: true`, `top_logprobs: n`): `{"content": [{"token", "logprob", "bytes",
 "top_logprobs": [{"token", "logprob", "bytes"}...]}...], "refusal": null}`. Completions (`logprobs:
 n`): `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}...], "text_offset"}`, each
-top dict with the sampled token beside the n most likely (OpenAI's "up to logprobs + 1"), offsets
-counted in characters from the completion's start. A token's text is what the tokenizer decodes it
-to alone (special tokens as written), its bytes the UTF-8 bytes it stands for (a byte-level BPE
-token's own bytes, which may be part of a character).
+top dict with the sampled token beside the n most likely (OpenAI's "up to logprobs + 1"); a token's
+offset is where its text starts in the completion's text, in characters (the bytes of the tokens
+before it decoded as the text is: a token that ends a character split over several starts where
+the character does; special tokens, which the text leaves out, take no room). A token's text is what
+the tokenizer decodes it to alone (special tokens as written; part of a character is U+FFFD), its
+bytes the UTF-8 bytes it stands for (a byte-level BPE token's own bytes, which may be part of a
+character).
 """
 
 from __future__ import annotations
 
+import codecs
 import functools
 import math
 import re
@@ -43,11 +48,13 @@ def _byte_decoder() -> dict[str, int]:
 
 
 class TokenText:
-    """A tokenizer's tokens as logprobs show them: (text, UTF-8 bytes), each worked out once."""
+    """A tokenizer's tokens as logprobs show them: (text, UTF-8 bytes), each worked out once (one of
+    these serves every request: at most a vocabulary's entries)."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.known: dict[int, tuple[str, list[int]]] = {}
+        self.special = frozenset(getattr(tokenizer, "all_special_ids", ()))  # left out of the text
 
     def __call__(self, token: int) -> tuple[str, list[int]]:
         if token not in self.known:
@@ -78,6 +85,7 @@ class ChoiceLogprobs:
     def __init__(self, texts: TokenText, chat: bool):
         self.texts, self.chat = texts, chat
         self.offset = 0  # characters of completion before the next token (completions)
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")  # the tokens' bytes, as the text decodes
 
     def __call__(self, tokens: list[int], scores: Logprobs | None) -> dict | None:
         if scores is None:
@@ -89,20 +97,27 @@ class ChoiceLogprobs:
         return {"token": text, "logprob": _figure(value), "bytes": raw}
 
     def _chat(self, tokens: list[int], scores: Logprobs) -> dict:
-        content = [{**self._entry(token, value), "top_logprobs": [self._entry(t, v) for t, v in scores.tops(i)]}
+        content = [{**self._entry(token, value),
+                    "top_logprobs": [self._entry(t, v) for t, v in scores.tops(i) if math.isfinite(v)]}
                    for i, (token, value) in enumerate(zip(tokens, scores.values))]
         return {"content": content, "refusal": None}
 
     def _completion(self, tokens: list[int], scores: Logprobs) -> dict:
         texts, offsets, tops = [], [], []
         for i, (token, value) in enumerate(zip(tokens, scores.values)):
-            text = self.texts(token)[0]
+            text, raw = self.texts(token)
             texts.append(text)
+            special = token in self.texts.special
+            if not special and self.decoder.getstate()[0] and raw and not 0x80 <= raw[0] < 0xC0:
+                # bytes of a character that this token does not go on with: U+FFFD before its own text
+                self.offset += len(self.decoder.decode(b"", final=True))
+                self.decoder.reset()
             offsets.append(self.offset)
-            self.offset += len(text)
+            if not special:
+                self.offset += len(self.decoder.decode(bytes(raw)))
             top: dict[str, float] = {}
-            for t, v in [(token, value), *scores.tops(i)]:  # (texts that coincide: the sampled token's, or the likelier)
-                top.setdefault(self.texts(t)[0], _figure(v))
+            for t, v in [(token, value), *((t, v) for t, v in scores.tops(i) if math.isfinite(v))]:
+                top.setdefault(self.texts(t)[0], _figure(v))  # (texts that coincide: the sampled token's, or the likelier)
             tops.append(dict(sorted(top.items(), key=lambda item: -item[1])))
         return {"tokens": texts, "token_logprobs": [_figure(v) for v in scores.values], "top_logprobs": tops,
                 "text_offset": offsets}

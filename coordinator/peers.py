@@ -363,7 +363,10 @@ class GrpcTarget(Peer):
             span.set_attribute("specdec.accepted", reply.accepted)
         cost = Cost(reply.service_ms, request.ByteSize() + reply.ByteSize(), reply.batch_size, reply.batch_tokens,
                     reply.pass_ms)
-        return verdict_from_proto(reply), cost
+        verdict = verdict_from_proto(reply)
+        if call.params.logprobs is not None and (fault := verdict.logprobs_fault(call.params.logprobs)) is not None:
+            raise PeerError(self, grpc.StatusCode.FAILED_PRECONDITION, f"asked for logprobs, {fault}")
+        return verdict, cost
 
 
 def check_compatible(draft: pb.ModelInfo, target: pb.ModelInfo) -> None:

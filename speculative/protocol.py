@@ -300,13 +300,14 @@ class Logprobs:
         return Logprobs(parts[0].top, [v for p in parts for v in p.values], [i for p in parts for i in p.top_ids],
                         [v for p in parts for v in p.top_values])
 
-    def check(self, tokens: int) -> "Logprobs":
-        """Raise InvalidRequest unless the fields agree with each other and cover `tokens` tokens."""
-        if len(self.values) != tokens or len(self.top_ids) != self.top * tokens or \
+    def fault(self, tokens: int, top: int) -> str | None:
+        """Why these do not answer a call that committed `tokens` tokens and asked for `top` (None: they do;
+        a vocabulary smaller than `top` gives fewer)."""
+        if len(self.values) != tokens or not 0 <= self.top <= top or len(self.top_ids) != self.top * tokens or \
                 len(self.top_values) != self.top * tokens:
-            raise InvalidRequest(f"logprobs for {len(self.values)} tokens, {len(self.top_ids)} top ids and "
-                                 f"{len(self.top_values)} top values (top {self.top}), for {tokens} tokens")
-        return self
+            return (f"logprobs for {len(self.values)} tokens with {len(self.top_ids)} top ids and"
+                    f" {len(self.top_values)} top values (top {self.top}), for {tokens} tokens and top {top}")
+        return None
 
 
 @dataclass
@@ -323,6 +324,12 @@ class Verdict:
     def committed(self) -> int:
         """Tokens the call committed: the accepted draft tokens, `token` and `decoded`."""
         return self.accepted + 1 + len(self.decoded)
+
+    def logprobs_fault(self, top: int) -> str | None:
+        """Why this verdict does not answer a call whose params asked for logprobs with `top` (None: it does)."""
+        if self.logprobs is None:
+            return "it sent no logprobs (a service older than this coordinator?)"
+        return self.logprobs.fault(self.committed, top)
 
 
 @dataclass(frozen=True)

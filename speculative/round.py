@@ -255,11 +255,8 @@ async def speculative_round(
                           ahead_cost.batch_size, ahead_cost.batch_tokens, ahead_cost.pass_ms)
     else:
         verdict, target_cost = await verify
-    if params.logprobs is not None:
-        if verdict.logprobs is None:
-            raise RuntimeError("the target answered without the logprobs asked for (a service older than this"
-                               " coordinator?)")
-        verdict.logprobs.check(verdict.committed)
+    if params.logprobs is not None and (fault := verdict.logprobs_fault(params.logprobs)) is not None:
+        raise RuntimeError(f"the target's answer: {fault}")  # (a peer over the wire says so itself: GrpcTarget)
     before = len(seq.tokens)
     accepted = proposal.tokens[: verdict.accepted]
     seq.tokens.extend(accepted)

@@ -21,7 +21,7 @@ from model_service.model_runner import ModelRunner
 from speculative.errors import InvalidRequest
 from speculative.protocol import (Logprobs, SamplingParams, Verdict, verdict_from_proto, verdict_to_proto,
                                   Cost, params_from_proto, params_to_proto)
-from speculative.round import generate
+from speculative.round import FixedK, Stats, generate
 from tests.coordinator.test_openai import post
 
 PROMPT = "def fibonacci(n):"
@@ -35,28 +35,42 @@ def reference(target_dir, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits.float(), -1)
 
 
-def run(pair, k: int, params: SamplingParams, max_new: int = 24, lookup: int = 0) -> tuple[list[int], Logprobs, list]:
-    draft_dir, target_dir = pair
+def run(pair, k: int | FixedK, params: SamplingParams, max_new: int = 24, lookup: int = 0,
+        draft_dir=None, prompt: str = PROMPT) -> tuple[list[int], Logprobs, list, Stats]:
+    target_dir = pair[1]
     target = LocalTarget(TargetEngine(ModelRunner(target_dir)))
-    draft = LocalDraft(DraftEngine(ModelRunner(draft_dir)))
-    prompt = AutoTokenizer.from_pretrained(target_dir).encode(PROMPT)
+    draft = LocalDraft(DraftEngine(ModelRunner(draft_dir or pair[0])))
+    prompt = AutoTokenizer.from_pretrained(target_dir).encode(prompt)
+    stats = Stats()
 
     async def go():
         out, scored = [], []
         async for new in generate(draft, target, prompt, max_new_tokens=max_new, k=k, params=params, max_context=512,
-                                  logprobs=scored, lookup=lookup):
+                                  logprobs=scored, lookup=lookup, stats=stats):
             out += new
         return out, scored
 
     out, scored = asyncio.run(go())
     assert [len(s) for s in scored] == [len(s) for s in scored if s]  # (each round's, none empty)
-    return out, Logprobs.join(scored), prompt
+    return out, Logprobs.join(scored), prompt, stats
 
 
-@pytest.mark.parametrize("k, lookup", [(0, 0), (3, 0), (0, 4)])
-def test_each_tokens_logprob_is_the_targets_own_whatever_the_speculation(pair, k, lookup):
+# a prompt that repeats itself: a call decoding steps copies from it (lookup)
+REPEATS = "a b c d e f g h a b c d e f g h a b c d e f g h a b c d"
+
+
+@pytest.mark.parametrize("case", ["decode steps", "draft tokens accepted", "copies"])
+def test_each_tokens_logprob_is_the_targets_own_whatever_the_speculation(pair, case):
     params = SamplingParams(0.0, logprobs=5)
-    out, scores, prompt = run(pair, k, params, lookup=lookup)
+    if case == "decode steps":  # K = 0, 6 tokens a call
+        out, scores, prompt, stats = run(pair, FixedK(0, steps=6), params)
+        assert stats.rounds < 24
+    elif case == "draft tokens accepted":  # the target drafting for itself: every draft token accepted
+        out, scores, prompt, stats = run(pair, 3, params, draft_dir=pair[1])
+        assert stats.accepted_tokens > 12
+    else:
+        out, scores, prompt, stats = run(pair, FixedK(0, steps=8), params, lookup=4, prompt=REPEATS)
+        assert stats.copied_tokens > 0
     assert len(scores) == len(out) == 24 and scores.top == 5
     want = reference(pair[1], prompt, out)
     got = torch.tensor(scores.values)
@@ -71,7 +85,7 @@ def test_each_tokens_logprob_is_the_targets_own_whatever_the_speculation(pair, k
 @pytest.mark.parametrize("k", [0, 4])
 def test_sampled_logprobs_are_the_models_before_temperature(pair, k):
     params = SamplingParams(1.7, top_k=8, seed=3, logprobs=0)
-    out, scores, prompt = run(pair, k, params)
+    out, scores, prompt, _ = run(pair, k, params)
     assert scores.top == 0 and not scores.top_ids and len(scores) == len(out)
     want = reference(pair[1], prompt, out)  # the model's log-softmax: no temperature, no top-k
     assert torch.allclose(torch.tensor(scores.values), want[torch.arange(len(out)), torch.tensor(out)], atol=1e-4)
@@ -99,26 +113,29 @@ def test_logprobs_cross_the_wire_and_refuse_what_does_not_add_up():
     assert params_from_proto(params_to_proto(SamplingParams())).logprobs is None
     scores = Logprobs(2, [-0.5, -1.25], [4, 5, 6, 7], [-0.5, -2.0, -1.25, float("-inf")])
     back = verdict_from_proto(verdict_to_proto(Verdict(1, 6, logprobs=scores), Cost()))
-    assert back.logprobs == scores and back.committed == 2
+    assert back.logprobs == scores and back.committed == 2 and back.logprobs_fault(2) is None
+    assert back.logprobs_fault(3) is None  # (a vocabulary smaller than asked gives fewer)
     assert scores.slice(1) == Logprobs(2, [-1.25], [6, 7], [-1.25, float("-inf")])
     assert Logprobs.join([scores.slice(0, 1), None, scores.slice(1)]) == scores
-    with pytest.raises(InvalidRequest):
-        scores.check(3)
-    with pytest.raises(InvalidRequest):
-        Logprobs(2, [-0.5], [4], [-0.5]).check(1)
+    assert "older" in Verdict(1, 6).logprobs_fault(2)  # a target that does not know the field
+    assert Verdict(2, 6, logprobs=scores).logprobs_fault(2)  # three tokens committed, two scored
+    assert Verdict(1, 6, logprobs=scores).logprobs_fault(1)  # more than asked
+    assert Verdict(0, 6, logprobs=Logprobs(2, [-0.5], [4], [-0.5])).logprobs_fault(2)
     for bad in (-1, 21):
         with pytest.raises(InvalidRequest, match="top logprobs"):
             SamplingParams(logprobs=bad).validate()
 
 
 class Pieces:
-    """A tokenizer of three tokens: 'a', ' b' and half of 'é' (one byte of two)."""
+    """A byte-level tokenizer of five tokens: 'a', ' b', the two bytes of 'é' apart, and a special one."""
+
+    all_special_ids = [4]
 
     def decode(self, ids, skip_special_tokens=False):
-        return {0: "a", 1: " b", 2: "\ufffd"}[ids[0]]
+        return {0: "a", 1: " b", 2: "\ufffd", 3: "\ufffd", 4: "<end>"}[ids[0]]
 
     def convert_ids_to_tokens(self, token):
-        return {0: "a", 1: "Ġb", 2: "Ã"}[token]
+        return {0: "a", 1: "Ġb", 2: "Ã", 3: "©", 4: "<end>"}[token]
 
 
 def test_openai_objects_for_chat_and_completions():
@@ -129,10 +146,18 @@ def test_openai_objects_for_chat_and_completions():
     assert [c["bytes"] for c in chat["content"]] == [[97], [32, 98], [0xC3]]  # the byte the token carries
     assert [c["logprob"] for c in chat["content"]] == [-0.25, NEVER, -3.0]
     assert chat["content"][1]["top_logprobs"] == [{"token": "a", "logprob": -0.5, "bytes": [97]}]
+    masked = ChoiceLogprobs(texts, chat=True)([0], Logprobs(2, [-0.1], [0, 1], [-0.1, float("-inf")]))
+    assert [t["token"] for t in masked["content"][0]["top_logprobs"]] == ["a"]  # a forbidden token is no candidate
     json.dumps(chat, allow_nan=False)
     view = ChoiceLogprobs(texts, chat=False)
     first, second = view([0, 1], scores.slice(0, 2)), view([2], scores.slice(2))
     assert first["tokens"] == ["a", " b"] and first["text_offset"] == [0, 1] and second["text_offset"] == [3]
+    # "a bé" then "a": é's second byte starts where é does; the special token takes no room in the text
+    rest = view([3, 4, 0], Logprobs(0, [-1.0, -1.0, -1.0]))
+    assert rest["text_offset"] == [3, 4, 4] and rest["tokens"] == ["\ufffd", "<end>", "a"]
+    # é's first byte, then not its second: U+FFFD, then the next token's text after it ("a bé" "a" "\ufffd" " b")
+    assert view([2, 1], Logprobs(0, [-1.0, -1.0]))["text_offset"] == [5, 6]
+    assert [c["bytes"] for c in ChoiceLogprobs(texts, chat=True)([3], Logprobs(0, [-1.0]))["content"]] == [[0xA9]]
     assert first["top_logprobs"] == [{"a": -0.25}, {"a": -0.5, " b": NEVER}]  # the sampled token beside the top
     assert list(first["top_logprobs"][1]) == ["a", " b"]  # most likely first
     assert first["token_logprobs"] == [-0.25, NEVER]
@@ -190,17 +215,33 @@ def test_streamed_logprobs_add_up_to_the_unary_ones(api, client):
     got = asyncio.run(go())
     for i in (0, 1):
         want = whole.choices[i].logprobs.content
-        assert [(c.token, c.logprob) for c in got[i]] == [(c.token, c.logprob) for c in want]
+        assert [c.token for c in got[i]] == [c.token for c in want]
+        assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(got[i], want))
 
 
 def test_completion_logprobs(client):
     reply = client.completions.create(model="target", prompt=PROMPT, max_tokens=12, temperature=0.8, seed=2,
                                       logprobs=2, extra_body={"ignore_eos": True})
-    lp = reply.choices[0].logprobs
+    lp, text = reply.choices[0].logprobs, reply.choices[0].text
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 12
-    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(12)]
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] <= len(text)
+    whole = [(token, at) for token, at in zip(lp.tokens, lp.text_offset) if "\ufffd" not in token]
+    assert all(text[at : at + len(token)] == token for token, at in whole) and whole
     for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert top[token] == value and 1 <= len(top) <= 3 and value <= 0
+
+
+def test_constrained_logprobs_end_before_the_end_of_sequence_and_list_only_allowed_tokens(client):
+    reply = client.chat.completions.create(model="target", messages=MESSAGES, max_tokens=40, temperature=0,
+                                           logprobs=True, top_logprobs=5,
+                                           extra_body={"guided_choice": ["alpha beta gamma", "delta"]})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content in ("alpha beta gamma", "delta")
+    content = choice.logprobs.content
+    assert len(content) == reply.usage.completion_tokens - 1  # (the end-of-sequence token has none)
+    assert "".join(c.token for c in content) == choice.message.content
+    assert any(len(c.top_logprobs) < 5 for c in content)  # forced positions: the one allowed token
+    assert all(t.logprob > NEVER for c in content for t in c.top_logprobs)
 
 
 @pytest.mark.parametrize("path, body, param", [
