@@ -118,6 +118,9 @@ class GenerationRequest:
     ignore_eos: bool = False  # go on past end-of-sequence tokens (benchmarks; vLLM's ignore_eos)
     constraint: Constraint | None = None  # structured output (JSON schema, regex, grammar, choice)
     logprobs: int | None = None  # each token's log-probability under the target and the n most likely (Chunk.logprobs)
+    frequency_penalty: float | None = None  # default 0: the target's logits (SamplingParams)
+    presence_penalty: float | None = None   # default 0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
 
 
 class Finish(enum.Enum):
@@ -295,6 +298,8 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
         top_p=1.0 if request.top_p is None else request.top_p,
         seed=request.seed if seeded else random.getrandbits(63),
         logprobs=request.logprobs,
+        frequency_penalty=request.frequency_penalty or 0.0, presence_penalty=request.presence_penalty or 0.0,
+        logit_bias=tuple(sorted((request.logit_bias or {}).items())),
     ).validate()
     adaptive = limits.adaptive and request.num_speculative_tokens is None
     k = models.default_k if request.num_speculative_tokens is None else request.num_speculative_tokens

@@ -157,11 +157,11 @@ class Body(Lenient):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
-    # not honoured: refused unless neutral (UNSUPPORTED)
-    n: int | None = None
+    n: int | None = None  # choices (MAX_CHOICES)
+    # the target's logits before sampling (SamplingParams: OpenAI's ranges)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
 
 
 class ChatBody(Body):
@@ -186,7 +186,7 @@ class CompletionBody(Body):
 
 # fields specdec cannot honour, with the values (besides absent) it accepts: those that ask for nothing
 UNSUPPORTED = {"best_of": (1,), "echo": (False,),
-               "suffix": ("",), "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "logit_bias": ({},),
+               "suffix": ("",),
                "functions": ([],), "function_call": ("none", "auto")}
 
 B = TypeVar("B", bound=Body)
@@ -217,8 +217,8 @@ async def parse(request: Request, kind: type[B], limit: int) -> B:
     for name, neutral in UNSUPPORTED.items():
         value = getattr(body, name, None)
         if value is not None and not any(type(value) is type(n) and value == n for n in neutral):
-            raise ApiError(400, f"{name}={value!r} is not supported (specdec answers without penalties, best_of,"
-                                f" echo or suffix; tools, not functions)", name, "unsupported_parameter")
+            raise ApiError(400, f"{name}={value!r} is not supported (specdec answers without best_of, echo or"
+                                f" suffix; tools, not functions)", name, "unsupported_parameter")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
     if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
@@ -231,6 +231,20 @@ async def parse(request: Request, kind: type[B], limit: int) -> B:
     if isinstance(body, ChatBody) and top and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     return body
+
+
+def logit_bias_of(body: Body) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as the JSON object's keys) by id."""
+    if not body.logit_bias:
+        return None
+    try:
+        bias = {int(key): value for key, value in body.logit_bias.items()}
+    except ValueError:
+        raise ApiError(400, "logit_bias: keys must be token ids (integers as strings)", "logit_bias",
+                       "invalid_argument") from None
+    if len(bias) != len(body.logit_bias):
+        raise ApiError(400, "logit_bias names a token twice", "logit_bias", "invalid_argument")
+    return bias
 
 
 def logprobs_asked(body: Body) -> int | None:
@@ -248,7 +262,8 @@ def generation_request(body: Body, max_new_tokens: int | None, **prompt) -> Gene
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         num_speculative_tokens=body.num_speculative_tokens, draft_p_min=body.draft_p_min,
         ignore_eos=bool(body.ignore_eos),
-        constraint=constraint_of(body), logprobs=logprobs_asked(body),
+        constraint=constraint_of(body), logprobs=logprobs_asked(body), frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty, logit_bias=logit_bias_of(body),
     )
 
 

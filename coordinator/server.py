@@ -32,7 +32,8 @@ def request_from_proto(r: pb.GenerateRequest) -> GenerationRequest:
         top_k=optional("top_k"), seed=optional("seed"), stop=list(r.stop),
         num_speculative_tokens=optional("num_speculative_tokens"), draft_p_min=optional("draft_p_min"),
         constraint=constraint_from_proto(r.constraint) if r.HasField("constraint") else None,
-        logprobs=optional("logprobs"),
+        logprobs=optional("logprobs"), frequency_penalty=optional("frequency_penalty"),
+        presence_penalty=optional("presence_penalty"), logit_bias=dict(r.logit_bias) or None,
     )
 
 

@@ -223,6 +223,9 @@ class TargetEngine(RunnerEngine):
                 rows = rows[:, : runner.vocab_size]
                 if i in masks:  # the constraint's mask at each position (a forbidden draft token has p = 0)
                     rows = grammar.apply(rows, masks[i])
+                scored = rows  # (logprobs: the model's, before penalties and biases)
+                if call.params.shapes_logits:
+                    rows = shaped(rows, session.tokens[session.output_from : committed], drafted, call.params)
                 try:
                     accepted, token = self._check(rows, drafted, q_ids, q_probs, call.params, session)
                 except Exception as exc:
@@ -238,7 +241,7 @@ class TargetEngine(RunnerEngine):
                     results[i] = Verdict(0, kept[0], kept[1:], copied=accepted)
                 results[i].features = _committed_features(session, capture, states, j)
                 if call.params.logprobs is not None:
-                    results[i].logprobs = token_logprobs(rows, kept, call.params.logprobs)
+                    results[i].logprobs = token_logprobs(scored, kept, call.params.logprobs)
             pass_ms = timer.ms
             if live and all(call.steps > 1 for _, call, *_ in live):
                 self._decode_on([(i, call, session) for i, call, session, *_ in live], results, busy)
@@ -387,6 +390,10 @@ class TargetEngine(RunnerEngine):
                     if session.grammar.error is not None:  # nothing allowed: the next call's verify refuses it
                         continue
                     rows = grammar.apply(rows, allowed)
+                scored = rows
+                if call.params.shapes_logits:
+                    before = session.tokens[session.output_from : len(session.tokens) - len(copy)]
+                    rows = shaped(rows, before, copy, call.params)
                 accepted, token = self._check(rows, copy, *self._one_hot(copy, call.params), call.params, session)
                 session.truncate(len(session.tokens) - len(copy) + accepted)
                 session.tokens.append(token)
@@ -394,7 +401,7 @@ class TargetEngine(RunnerEngine):
                 results[i].copied += accepted
                 if call.params.logprobs is not None:
                     results[i].logprobs = Logprobs.join(
-                        [results[i].logprobs, token_logprobs(rows, [*copy[:accepted], token], call.params.logprobs)])
+                        [results[i].logprobs, token_logprobs(scored, [*copy[:accepted], token], call.params.logprobs)])
                 step = _committed_features(session, capture, states, j)
                 if step is not None:
                     results[i].features = Features.join([results[i].features, step]) if results[i].features else step
@@ -429,9 +436,13 @@ class TargetEngine(RunnerEngine):
             layers = features.check_layers(tuple(call.feature_layers), runner.num_hidden_layers)
             runner.check_context(call.session_id, len(call.append) + k, pending=pending)
             ruled = self.grammars.session(call.constraint) if call.constraint is not None else None
+            if not 0 <= call.output_from <= len(call.append):
+                raise InvalidRequest(f"output_from ({call.output_from}) must lie within the {len(call.append)}"
+                                     f" tokens appended")
             session = runner.start_session(call.session_id, call.params.seed)
             session.feature_layers = layers
             session.grammar = ruled
+            session.output_from = call.output_from
         else:
             session = runner.sessions.get(call.session_id)
             runner.check_context(call.session_id, len(session.tokens) + len(call.append) + k, len(session.tokens),
@@ -451,6 +462,27 @@ class TargetEngine(RunnerEngine):
                 pass  # room for the token, not for the copy
         session.tokens.extend(drafted)
         return session, committed, drafted, q_ids, q_probs
+
+
+def shaped(rows: torch.Tensor, before: list[int], tokens: list[int], params) -> torch.Tensor:
+    """Rows [len(tokens) + 1 or more, V] of logits with params' penalties and bias: row i follows the
+    output `before` and tokens[:i], and is lowered by frequency_penalty for each time a token occurs
+    in them and by presence_penalty for a token that does, and raised by logit_bias (ids past the
+    vocabulary are none of its tokens: ignored)."""
+    n, vocab = rows.shape
+    device = rows.device
+    counts = torch.zeros(n, vocab, dtype=torch.float32, device=device)
+    if before:
+        counts += torch.bincount(torch.tensor(before, dtype=torch.long, device=device), minlength=vocab)[:vocab]
+    for i, token in enumerate(tokens[: n - 1]):  # row i + 1 follows tokens[i] too
+        counts[i + 1 :, token] += 1
+    shift = counts * -params.frequency_penalty - (counts > 0).float() * params.presence_penalty
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=device)
+        bias = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=device)
+        inside = ids < vocab
+        shift[:, ids[inside]] += bias[inside]
+    return rows.float() + shift
 
 
 def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> Logprobs:

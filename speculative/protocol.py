@@ -55,6 +55,17 @@ class SamplingParams:
     # the target's log-probabilities of each committed token (Verdict.logprobs): None = none; n = with
     # the n most likely tokens' beside it (0..MAX_TOP_LOGPROBS). What is sampled does not change
     logprobs: int | None = None
+    # the target's logits before sampling, as OpenAI's and vLLM's: minus frequency_penalty times each
+    # token's count in the output so far (VerifyCall.output_from on), minus presence_penalty for a token
+    # in it at all, plus logit_bias[token]; p, and so what is sampled, is that distribution's
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether penalties or a bias change the target's logits."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -77,11 +88,30 @@ class SamplingParams:
             raise InvalidRequest(f"seed must lie in [0, 2^64), not {self.seed}", "seed")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequest(f"top logprobs must lie in [0, {MAX_TOP_LOGPROBS}], not {self.logprobs}", "logprobs")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):  # also NaN
+                raise InvalidRequest(f"{name} must lie in [-{MAX_PENALTY}, {MAX_PENALTY}], not {value}", name)
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"logit_bias holds {len(self.logit_bias)} tokens; at most {MAX_LOGIT_BIAS}",
+                                 "logit_bias")
+        ids = [token for token, _ in self.logit_bias]
+        if ids != sorted(set(ids)):
+            raise InvalidRequest("logit_bias must name each token once, ids ascending", "logit_bias")
+        for token, bias in self.logit_bias:
+            if not 0 <= token <= INT32_MAX:
+                raise InvalidRequest(f"logit_bias names token {token}: ids lie in [0, {INT32_MAX}]", "logit_bias")
+            if not (math.isfinite(bias) and -MAX_LOGIT_BIAS_VALUE <= bias <= MAX_LOGIT_BIAS_VALUE):
+                raise InvalidRequest(f"logit_bias of token {token} must lie in [-{MAX_LOGIT_BIAS_VALUE},"
+                                     f" {MAX_LOGIT_BIAS_VALUE}], not {bias}", "logit_bias")
         return self
 
 
 INT32_MAX = 2**31 - 1
 MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs bound
+MAX_PENALTY = 2.0  # OpenAI's bound on frequency_penalty and presence_penalty
+MAX_LOGIT_BIAS = 1024  # tokens one request's logit_bias may name
+MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's bound on a bias
 
 
 def float32(x: float) -> float:
@@ -247,6 +277,7 @@ class VerifyCall:
     drop_features: bool = False  # the session's answers carry no more feature rows from this call on
     lookup: int = 0      # with no proposal and steps > 1: each pass also verifies up to this many tokens the
     #                      target copies from the session's context (prompt lookup; VerifyRequest.lookup_tokens)
+    output_from: int = 0  # on start: where the output begins in `append` (params' penalties count the tokens from it)
 
 
 @dataclass
@@ -378,11 +409,14 @@ class TargetPeer(Protocol):
 
 def params_to_proto(params: SamplingParams) -> pb.SamplingParams:
     return pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                             seed=params.seed, logprobs=0 if params.logprobs is None else 1 + params.logprobs)
+                             seed=params.seed, logprobs=0 if params.logprobs is None else 1 + params.logprobs,
+                             frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
+                             logit_bias=dict(params.logit_bias))
 
 
 def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    return SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed, msg.logprobs - 1 if msg.logprobs else None)
+    return SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed, msg.logprobs - 1 if msg.logprobs else None,
+                          msg.frequency_penalty, msg.presence_penalty, tuple(sorted(msg.logit_bias.items())))
 
 
 def logprobs_to_proto(logprobs: Logprobs | None) -> pb.Logprobs | None:
@@ -466,14 +500,14 @@ def verify_call_to_proto(call: VerifyCall, turn: tuple[int, int] = (0, 0)) -> pb
                             turn_id=turn[0], turn_size=turn[1], decode_steps=call.steps if call.steps > 1 else 0,
                             feature_layers=call.feature_layers, constraint=constraint_to_proto(call.constraint),
                             traceparent=call.trace, drop_features=call.drop_features,
-                            lookup_tokens=call.lookup if call.steps > 1 else 0)
+                            lookup_tokens=call.lookup if call.steps > 1 else 0, output_from=call.output_from)
 
 
 def verify_call_from_proto(msg: pb.VerifyRequest) -> VerifyCall:
     return VerifyCall(msg.session_id, msg.start, list(msg.append), proposal_from_proto(msg.proposal),
                       params_from_proto(msg.sampling), max(1, msg.decode_steps), tuple(msg.feature_layers),
                       constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None, msg.traceparent,
-                      msg.drop_features, msg.lookup_tokens)
+                      msg.drop_features, msg.lookup_tokens, msg.output_from)
 
 
 def verdict_to_proto(verdict: Verdict, cost: Cost) -> pb.VerifyResponse:

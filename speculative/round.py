@@ -169,6 +169,7 @@ class Sequence:
     constraint: Constraint | None = None  # the structured output both sessions follow (given on their start)
     drop_features: bool = False  # the target session is to send no more feature rows: said on its next verify
     draft_starts: int = 0        # draft calls that started its session (each takes in the whole context)
+    output_from: int = 0         # the prompt's length: where the output begins (the target's penalties count from it)
 
     def draft_lost(self) -> None:
         """The draft session is gone: the next draft call starts it again."""
@@ -328,7 +329,8 @@ async def _verify(target: TargetPeer, seq: Sequence, proposal: Proposal, params:
             seq.target_seen = 0
     seq.drop_features = False  # (a new session asks for seq.feature_layers, none once dropped)
     return await target.verify(VerifyCall(seq.session_id, True, seq.tokens[:], proposal, params, steps,
-                                          seq.feature_layers, seq.constraint, lookup=lookup))
+                                          seq.feature_layers, seq.constraint, lookup=lookup,
+                                          output_from=seq.output_from))
 
 
 async def _unless_lost(call: Awaitable[tuple[Proposal, Cost]]) -> tuple[Proposal, Cost] | None:
@@ -474,7 +476,8 @@ async def generate(
         feature_layers = ()
     seq = Sequence(session_id or uuid.uuid4().hex, list(prompt), feature_layers=tuple(feature_layers),
                    features=FeatureLog(feature_window),
-                   constraint=constraint.at(len(prompt)) if constraint is not None else None)
+                   constraint=constraint.at(len(prompt)) if constraint is not None else None,
+                   output_from=len(prompt))
     limit = min(max_new_tokens, max_context - len(prompt))
     try:
         while stats.generated_tokens < limit:

@@ -181,6 +181,17 @@ def test_ignore_eos_generates_every_token_asked_for(client, stub):
     assert reply.choices[0].text.startswith(ended.text)
 
 
+def test_penalties_and_logit_bias_shape_the_targets_output_on_both_front_doors(client, stub):
+    forced = grpc_text(stub, prompt=PROMPT, max_new_tokens=5, logit_bias={65: 100.0})
+    assert list(forced.token_ids) == [65] * 5  # (greedy under the bias: nothing else comes near)
+    shaped = dict(frequency_penalty=1.5, presence_penalty=0.5)
+    want = grpc_text(stub, prompt=PROMPT, max_new_tokens=24, **shaped, logit_bias={65: 3.0})
+    assert want.text != grpc_text(stub, prompt=PROMPT, max_new_tokens=24).text
+    got = client.completions.create(model="target", prompt=PROMPT, max_tokens=24, temperature=0, **shaped,
+                                    logit_bias={"65": 3.0})
+    assert got.choices[0].text == want.text
+
+
 def test_seeded_sampling_repeats(client):
     def once():
         reply = client.completions.create(model="target", prompt=PROMPT, max_tokens=12, temperature=0.9, top_p=0.9,
@@ -265,6 +276,12 @@ def test_a_body_past_max_request_bytes_is_413(api):
     ({"temperature": 1e39}, "temperature"),
     ({"top_p": 1e-300}, "top_p"),
     ({"prompt": [10**9]}, "prompt"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"presence_penalty": -2.5}, "presence_penalty"),
+    ({"logit_bias": {"7": 101}}, "logit_bias"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
 ])
 def test_what_the_core_refuses_is_400_naming_the_field(client, fields, param):
     fields = {"prompt": PROMPT, **fields}
@@ -277,7 +294,6 @@ def test_what_the_core_refuses_is_400_naming_the_field(client, fields, param):
 @pytest.mark.parametrize("fields, param", [
     ({"n": 0}, "n"),
     ({"n": 17}, "n"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"functions": [{"name": "f", "parameters": {}}], "function_call": "auto"}, "functions"),
     ({"function_call": {"name": "f"}}, "function_call"),

@@ -1,0 +1,161 @@
+"""Penalties and logit bias on the target's logits (SamplingParams.frequency_penalty, presence_penalty,
+logit_bias; model_service/engines.py `shaped`): greedy output is transformers' own greedy decode under
+them, whatever the speculation (decode steps, draft tokens accepted, copies), each verify row counting
+the draft tokens before it; sampled tokens follow the shaped p (chi-squared over seeds), in a verify
+pass's bonus row and in a decode step alike; the output counted from where it begins, not the prompt."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from model_service.engines import DraftEngine, TargetEngine, shaped
+from model_service.local import LocalDraft, LocalTarget
+from model_service.model_runner import ModelRunner
+from speculative.errors import InvalidRequest
+from speculative.protocol import Proposal, SamplingParams, VerifyCall, params_from_proto, params_to_proto
+from speculative.round import FixedK, Stats, generate
+from tests.stats import chi2_stat, fits
+
+PROMPT = "def fibonacci(n):"
+REPEATS = "a b c d e f g h a b c d e f g h a b c d e f g h a b c d"  # (copies: lookup)
+
+
+def shift_of(params: SamplingParams, output: list[int], vocab: int) -> torch.Tensor:
+    """What the penalties and bias add to the next token's logits after `output`, written out plainly."""
+    shift = torch.zeros(vocab, dtype=torch.float64)
+    for token in set(output):
+        shift[token] -= params.frequency_penalty * output.count(token) + params.presence_penalty
+    for token, bias in params.logit_bias:
+        shift[token] += bias
+    return shift
+
+
+def reference_greedy(target, prompt: list[int], params: SamplingParams, n: int) -> list[int]:
+    """transformers' greedy decode under the penalties and bias; target: its directory or the model."""
+    model = target if isinstance(target, torch.nn.Module) else \
+        AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32).eval()
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([prompt + out])).logits[0, -1].double()
+            out.append(int((logits + shift_of(params, out, logits.shape[0])).argmax()))
+    return out
+
+
+def run(pair, k, params: SamplingParams, prompt: str = PROMPT, lookup: int = 0, draft_dir=None, n: int = 24):
+    target = LocalTarget(TargetEngine(ModelRunner(pair[1])))
+    draft = LocalDraft(DraftEngine(ModelRunner(draft_dir or pair[0])))
+    ids = AutoTokenizer.from_pretrained(pair[1]).encode(prompt)
+    stats = Stats()
+
+    async def go():
+        out = []
+        async for new in generate(draft, target, ids, max_new_tokens=n, k=k, params=params, max_context=512,
+                                  lookup=lookup, stats=stats):
+            out += new
+        return out
+
+    return asyncio.run(go()), ids, stats
+
+
+@pytest.mark.parametrize("case", ["decode steps", "draft tokens accepted", "copies"])
+def test_greedy_output_is_the_targets_own_under_penalties_and_bias(pair, case):
+    params = SamplingParams(0.0, frequency_penalty=0.7, presence_penalty=0.9, logit_bias=((5, 2.5), (40, -3.0)))
+    if case == "decode steps":
+        out, prompt, stats = run(pair, FixedK(0, steps=6), params)
+        assert stats.rounds < 24
+    elif case == "draft tokens accepted":  # the target drafting for itself, without the penalties: some rejected
+        out, prompt, stats = run(pair, 3, params, draft_dir=pair[1])
+        assert stats.accepted_tokens > 0
+    else:
+        out, prompt, stats = run(pair, FixedK(0, steps=8), params, prompt=REPEATS, lookup=4)
+    assert out == reference_greedy(pair[1], prompt, params, 24)
+    plain, _, _ = run(pair, FixedK(0, steps=6), SamplingParams(0.0), prompt=REPEATS if case == "copies" else PROMPT)
+    assert plain != out  # (they change the output: the test above can fail)
+
+
+def test_the_rows_of_one_pass_count_the_draft_tokens_before_them():
+    rows = torch.zeros(3, 6)
+    params = SamplingParams(0.0, frequency_penalty=1.0, presence_penalty=0.5, logit_bias=((2, 4.0), (9, 1.0)))
+    got = shaped(rows, [1, 1, 3], [3, 4], params)
+    for i, output in enumerate([[1, 1, 3], [1, 1, 3, 3], [1, 1, 3, 3, 4]]):
+        want = shift_of(params, output, 10)[:6].float()  # (id 9 lies past this vocabulary: none of its tokens)
+        assert torch.equal(got[i], want), (i, got[i], want)
+    masked = torch.full((1, 6), float("-inf"))
+    assert torch.isinf(shaped(masked, [1], [], params)).all()  # what a constraint forbids stays forbidden
+
+
+def next_p(model, prompt: list[int], params: SamplingParams, output: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1].double()
+    return torch.softmax(logits + shift_of(params, output, logits.shape[0]), -1)
+
+
+def test_sampled_tokens_follow_the_shaped_p_in_a_bonus_row_and_a_decode_step(small_vocab_pair):
+    """t1 from the first row (bias only), t2 after t1 (penalised for it): through a verify pass's bonus
+    row (a draft token d, q one-hot, accepted) and through a decode step (steps 2). Chi-squared, 1,500 seeds."""
+    _, target_dir = small_vocab_pair
+    target = TargetEngine(ModelRunner(target_dir))
+    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    prompt = [3, 1, 4, 1, 5]
+    base = SamplingParams(1.0)
+    first = next_p(model, prompt, base, [])
+    d = int(first.argmax())  # the likeliest, penalised after itself: the bias on the runner-up changes p
+    runner_up = int(first.topk(2).indices[1])
+    params = SamplingParams(1.0, frequency_penalty=0.8, presence_penalty=0.6, logit_bias=((runner_up, 0.7),))
+    p1 = next_p(model, prompt, params, [])
+    proposal = Proposal([d], [1], torch.tensor([d], dtype=torch.int32).numpy().tobytes(),
+                        torch.tensor([1.0]).numpy().tobytes())
+    firsts, after_d, steps_first, steps_after = [], [], [], []
+    for seed in range(1500):
+        seeded = SamplingParams(1.0, seed=seed, frequency_penalty=0.8, presence_penalty=0.6,
+                                logit_bias=((runner_up, 0.7),))
+        verdict, _ = target.verify(VerifyCall("s", True, prompt, proposal, seeded, output_from=len(prompt)))
+        target.release("s")
+        if verdict.accepted:
+            firsts.append(d)
+            after_d.append(verdict.token)
+        else:
+            firsts.append(verdict.token)
+        verdict, _ = target.verify(VerifyCall("s", True, prompt, Proposal(), seeded, 2, output_from=len(prompt)))
+        target.release("s")
+        steps_first.append(verdict.token)
+        if verdict.token == d and verdict.decoded:
+            steps_after.append(verdict.decoded[0])
+    vocab = p1.shape[0]
+    p2 = next_p(model, prompt + [d], params, [d])
+    for seen, p in ((firsts, p1), (steps_first, p1), (after_d, p2), (steps_after, p2)):
+        assert len(seen) >= 300, len(seen)
+        counts = torch.bincount(torch.tensor(seen), minlength=vocab).double()
+        assert fits(counts, p), chi2_stat(counts, p)
+    assert not fits(torch.bincount(torch.tensor(after_d), minlength=vocab).double(), next_p(model, prompt + [d],
+                                                                                           base, []))
+
+
+def test_penalties_count_the_output_only_and_cross_the_wire(pair):
+    params = SamplingParams(0.0, frequency_penalty=2.0, presence_penalty=-1.5, logit_bias=((3, -100.0), (7, 100.0)))
+    assert params_from_proto(params_to_proto(params)) == params
+    target = TargetEngine(ModelRunner(pair[1]))
+    greedy = SamplingParams(0.0, frequency_penalty=1.5, presence_penalty=1.0)
+    model = AutoModelForCausalLM.from_pretrained(pair[1], torch_dtype=torch.float32).eval()
+    for start in range(10, 60):  # a prompt whose own tokens, counted, would change the output
+        prompt = [start, start + 1] * 3
+        output_only = reference_greedy(model, prompt, greedy, 3)
+        with torch.no_grad():
+            first = model(torch.tensor([prompt])).logits[0, -1].double()
+        if int((first + shift_of(greedy, prompt, first.shape[0])).argmax()) != output_only[0]:
+            break
+    verdict, _ = target.verify(VerifyCall("s", True, prompt, Proposal(), greedy, 3, output_from=len(prompt)))
+    assert [verdict.token, *verdict.decoded] == output_only  # (counting the prompt too would differ)
+    with pytest.raises(InvalidRequest, match="output_from"):
+        target.verify(VerifyCall("t", True, prompt, Proposal(), params, output_from=len(prompt) + 1))
+    for bad, field in [(dict(frequency_penalty=2.5), "frequency_penalty"), (dict(presence_penalty=float("nan")),
+                       "presence_penalty"), (dict(logit_bias=((4, 1.0), (2, 1.0))), "logit_bias"),
+                       (dict(logit_bias=((2, 101.0),)), "logit_bias"), (dict(logit_bias=((-1, 1.0),)), "logit_bias")]:
+        with pytest.raises(InvalidRequest) as refused:
+            SamplingParams(**bad).validate()
+        assert refused.value.param == field
