@@ -18,6 +18,9 @@ committed. Nothing is lost and nothing repeated.
   discarded and the session it was for released; until then the request leaves that replica
   alone (it drafts on another, or not at all), then starts a session there again. A replica
   late MISSES times in a row is taken out as a failed one is, until its health check passes.
+  A request that replays from its seed (sampled under a fixed K, or a seeded one's AcceptanceK:
+  `patient`) waits up to PATIENT_BOUND instead: a round that went on without its draft would draw
+  other random numbers, and the seed would give another output under load than without it.
 - The target: with no target replica left the request fails with UNAVAILABLE. A target
   session started again draws from a generator seeded afresh with the request's seed, so
   a sampled request stays exactly target-distributed but is no longer token-for-token the
@@ -54,6 +57,7 @@ MISSES = 3  # late draft calls in a row that take a replica out
 FORGET_WAIT = 120.0  # s: how long a release that failed waits for its hung replica to serve again
 FORGET_POLL = 0.5    # s: how often it looks
 FULL_WAIT = 1.0  # s: how long a request leaves a draft replica that had no room for its session
+PATIENT_BOUND = 10.0  # s: how long a replaying request waits for a draft call before it is late
 # work left to the background: releases on replicas a request moved away from (see _lost), late
 # calls awaited to drop their answers (see FailoverDraft._late)
 FORGETTING: set[asyncio.Task] = set()
@@ -163,6 +167,11 @@ class _Failover:
 
 
 class FailoverDraft(_Failover):
+    def __init__(self, pool: Pool, patient: bool = False):
+        """patient: the request replays from its seed (the module's docstring): late only past PATIENT_BOUND."""
+        super().__init__(pool)
+        self.patient = patient
+
     async def propose(self, call: ProposeCall, *, turn: tuple[int, int] = (0, 0)) -> tuple[Proposal, Cost]:
         start, prefix = call.start, len(call.append)
         for _ in range(TRIES if start else 1):
@@ -172,6 +181,8 @@ class FailoverDraft(_Failover):
             session = self._name(call.session_id, start)
             began = time.perf_counter()
             bound = replica.recent.bound(start, prefix)
+            if self.patient:
+                bound = max(bound, PATIENT_BOUND)
             answering = asyncio.ensure_future(replica.peer.propose(replace(call, session_id=session), turn=turn))
             try:
                 await asyncio.wait([answering], timeout=bound)

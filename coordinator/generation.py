@@ -462,7 +462,9 @@ class Coordinator:
         text = TextStream(models.tokenizer, plan.stop)
         finish = Finish.LENGTH
         # one replica of each pool at a time, moving to another if it fails (coordinator/failover.py)
-        failover_draft, failover_target = FailoverDraft(self.draft), FailoverTarget(self.target)
+        # (a request that replays from its seed waits for a late draft: its draws depend on the proposals)
+        replays = plan.policy.replays and not plan.params.greedy
+        failover_draft, failover_target = FailoverDraft(self.draft, patient=replays), FailoverTarget(self.target)
         draft, target = failover_draft, failover_target
         if self.gate is not None:
             draft, target = GatedDraft(draft, self.gate), GatedTarget(target, self.gate)

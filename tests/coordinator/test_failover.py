@@ -284,6 +284,60 @@ def test_a_late_draft_gives_way(pair):
     asyncio.run(go())
 
 
+def test_a_request_replaying_its_seed_waits_for_a_late_draft(pair):
+    """A sampled request under a fixed K draws its tokens from its seed and the proposals: one whose round
+    went on without a late draft call would give another output under load than alone. Such a request
+    (patient) waits for the call (up to PATIENT_BOUND) and gives the faultless run's tokens; the replica
+    is not counted late."""
+    import asyncio
+
+    from coordinator.failover import FailoverDraft, FailoverTarget
+    from model_service.engines import DraftEngine, TargetEngine
+    from model_service.local import LocalDraft, LocalTarget
+    from model_service.model_runner import ModelRunner
+    from speculative.protocol import SamplingParams
+    from speculative.round import generate
+
+    draft_dir, target_dir = pair
+
+    class Slow(LocalDraft):
+        """Answers its 13th call a second late (past its bound of ~50 ms), if `late`."""
+
+        def __init__(self, late: bool):
+            super().__init__(DraftEngine(ModelRunner(draft_dir)))
+            self.address, self.name, self.calls, self.late = "d0", "draft", 0, late
+
+        async def propose(self, call, *, turn=(0, 0)):
+            self.calls += 1
+            if self.calls == 13 and self.late:
+                woken = asyncio.Event()
+                asyncio.get_running_loop().call_later(1.0, woken.set)
+                await woken.wait()
+            return await super().propose(call)
+
+    target = LocalTarget(TargetEngine(ModelRunner(target_dir)))
+    target.address, target.name = "t0", "target"
+
+    async def run(patient: bool, late: bool = True) -> tuple[list[int], object]:
+        draft_pool = local_pool("draft", [Slow(late)])
+        draft = FailoverDraft(draft_pool, patient=patient)
+        out = []
+        async for new in generate(draft, FailoverTarget(local_pool("target", [target])), PROMPT, max_new_tokens=60,
+                                  k=3, params=SamplingParams(0.9, seed=7), max_context=512):
+            out += new
+        draft.close()
+        return out, draft_pool.replicas["d0"]
+
+    async def go():
+        expected, _ = await run(patient=False, late=False)
+        tokens, replica = await asyncio.wait_for(run(patient=True), 120)
+        assert tokens == expected and replica.missed == 0 and replica.peer.calls > 13
+        hasty, replica = await asyncio.wait_for(run(patient=False), 120)
+        assert replica.missed == 1  # (the same call, late for a request that does not replay)
+
+    asyncio.run(go())
+
+
 def test_a_draft_with_no_room_is_left_alone_not_the_request_failed(pair, monkeypatch):
     """A draft replica whose sessions are all in use answers a start RESOURCE_EXHAUSTED: drafting is
     optional, so the request drafts on another replica, or goes on without drafts and asks the full
