@@ -20,7 +20,9 @@ committed. Nothing is lost and nothing repeated.
   late MISSES times in a row is taken out as a failed one is, until its health check passes.
   A request that replays from its seed (sampled under a fixed K, or a seeded one's AcceptanceK:
   `patient`) waits up to PATIENT_BOUND instead: a round that went on without its draft would draw
-  other random numbers, and the seed would give another output under load than without it.
+  other random numbers, and the seed would give another output under load than without it. An
+  answer past the bound still counts as late for the replica (and as the bound in its latency
+  record), so a replica grown slow is taken out for patient requests as for the others.
 - The target: with no target replica left the request fails with UNAVAILABLE. A target
   session started again draws from a generator seeded afresh with the request's seed, so
   a sampled request stays exactly target-distributed but is no longer token-for-token the
@@ -181,17 +183,16 @@ class FailoverDraft(_Failover):
             session = self._name(call.session_id, start)
             began = time.perf_counter()
             bound = replica.recent.bound(start, prefix)
-            if self.patient:
-                bound = max(bound, PATIENT_BOUND)
             answering = asyncio.ensure_future(replica.peer.propose(replace(call, session_id=session), turn=turn))
             try:
-                await asyncio.wait([answering], timeout=bound)
+                await asyncio.wait([answering], timeout=max(bound, PATIENT_BOUND) if self.patient else bound)
             except asyncio.CancelledError:
                 answering.cancel()
                 raise
             if not answering.done():
                 self._late(replica, session, answering, bound, start, prefix)
                 break
+            took = time.perf_counter() - began
             try:
                 answer = answering.result()
             except PeerError as e:
@@ -202,8 +203,17 @@ class FailoverDraft(_Failover):
                     raise
                 self._lost(e, session)
                 continue
-            replica.recent.add(time.perf_counter() - began, start, prefix)
-            replica.missed = 0
+            replica.recent.add(min(took, bound), start, prefix)
+            if took <= bound:
+                replica.missed = 0
+            else:  # a patient call past the bound was late all the same: the replica's record as any request's
+                replica.missed += 1
+                if replica.missed >= MISSES:  # taken out: the request's next call drafts elsewhere or not at all
+                    self.pool.failed(replica, PeerError(replica.peer, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                        f"late {replica.missed} calls in a row"))
+                    self.pool.release(replica)
+                    self.replica = None
+                    self._in_background(self._forget(replica, session))
             return answer
         raise SessionLost(call.session_id)
 

@@ -29,7 +29,7 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from opentelemetry import trace
@@ -76,6 +76,14 @@ class Limits:
     # ... and each of those passes also verifies up to this many tokens the target copies from the
     # context (prompt lookup in the target, VerifyCall.lookup; 0: off)
     target_lookup: int = 4
+
+
+def patient(plan: "Plan", gated: bool) -> bool:
+    """Whether a request waits for a late draft call (failover.PATIENT_BOUND): one that replays from its
+    seed, whose draws depend on the proposals (sampled, under a replaying policy: a fixed K, a seeded
+    one's AcceptanceK), unless the lockstep gate runs its calls (one call held there holds every
+    request's turns)."""
+    return plan.policy.replays and not plan.params.greedy and not gated
 
 
 class NotPossible(ValueError):
@@ -301,6 +309,14 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
         frequency_penalty=request.frequency_penalty or 0.0, presence_penalty=request.presence_penalty or 0.0,
         logit_bias=tuple(sorted((request.logit_bias or {}).items())),
     ).validate()
+    outside = [token for token, _ in params.logit_bias if token >= models.vocab_size]
+    if outside:
+        raise InvalidRequest(f"logit_bias names token {outside[0]}, outside the vocabulary [0, {models.vocab_size})",
+                             "logit_bias")
+    if params.shapes_logits:  # as the services read them (32-bit floats on the wire), in one process too
+        params = replace(params, frequency_penalty=float32(params.frequency_penalty),
+                         presence_penalty=float32(params.presence_penalty),
+                         logit_bias=tuple((token, float32(bias)) for token, bias in params.logit_bias))
     adaptive = limits.adaptive and request.num_speculative_tokens is None
     k = models.default_k if request.num_speculative_tokens is None else request.num_speculative_tokens
     if not 0 <= k <= models.max_k:
@@ -462,9 +478,8 @@ class Coordinator:
         text = TextStream(models.tokenizer, plan.stop)
         finish = Finish.LENGTH
         # one replica of each pool at a time, moving to another if it fails (coordinator/failover.py)
-        # (a request that replays from its seed waits for a late draft: its draws depend on the proposals)
-        replays = plan.policy.replays and not plan.params.greedy
-        failover_draft, failover_target = FailoverDraft(self.draft, patient=replays), FailoverTarget(self.target)
+        failover_draft = FailoverDraft(self.draft, patient=patient(plan, self.gate is not None))
+        failover_target = FailoverTarget(self.target)
         draft, target = failover_draft, failover_target
         if self.gate is not None:
             draft, target = GatedDraft(draft, self.gate), GatedTarget(target, self.gate)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import socket
 import ssl
 import time
@@ -237,11 +238,10 @@ def logit_bias_of(body: Body) -> dict[int, float] | None:
     """OpenAI's logit_bias (token ids as the JSON object's keys) by id."""
     if not body.logit_bias:
         return None
-    try:
-        bias = {int(key): value for key, value in body.logit_bias.items()}
-    except ValueError:
+    if not all(re.fullmatch(r"-?[0-9]+", key) for key in body.logit_bias):
         raise ApiError(400, "logit_bias: keys must be token ids (integers as strings)", "logit_bias",
-                       "invalid_argument") from None
+                       "invalid_argument")
+    bias = {int(key): value for key, value in body.logit_bias.items()}
     if len(bias) != len(body.logit_bias):
         raise ApiError(400, "logit_bias names a token twice", "logit_bias", "invalid_argument")
     return bias

@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -66,6 +66,13 @@ class SamplingParams:
     def shapes_logits(self) -> bool:
         """Whether penalties or a bias change the target's logits."""
         return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
+
+    def drafting(self) -> "SamplingParams":
+        """What a draft samples by: these without what only the target reads (logprobs, penalties, bias:
+        up to 1,024 entries that would go on every draft call for nothing)."""
+        if self.logprobs is None and not self.shapes_logits:
+            return self
+        return replace(self, logprobs=None, frequency_penalty=0.0, presence_penalty=0.0, logit_bias=())
 
     @property
     def greedy(self) -> bool:

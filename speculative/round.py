@@ -248,7 +248,7 @@ async def speculative_round(
             ahead_k = min(ahead_k, draft_context - len(seq.tokens) - held)
     if ahead_k > 0:
         (verdict, target_cost), predrafted = await asyncio.gather(
-            verify, _unless_lost(draft.propose(ProposeCall(seq.session_id, False, 0, [], ahead_k, params, p_min))))
+            verify, _unless_lost(draft.propose(ProposeCall(seq.session_id, False, 0, [], ahead_k, params.drafting(), p_min))))
         lost = predrafted is None  # a miss
         ahead, ahead_cost = predrafted or (Proposal(), Cost())
         draft_pass_ms += ahead_cost.pass_ms
@@ -291,6 +291,7 @@ async def _propose(draft: DraftPeer, seq: Sequence, k: int, params: SamplingPara
     """The draft's proposal after the committed tokens, from a session started again if the draft
     lost it; None if it cannot start one. A feature-reading draft gets the rows new to it (a new
     session: those the sequence holds, FeatureLog)."""
+    params = params.drafting()  # (what only the target reads stays off the draft's calls)
     reads = bool(seq.feature_layers)
     if seq.draft_seen:
         try:

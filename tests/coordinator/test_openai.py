@@ -281,6 +281,8 @@ def test_a_body_past_max_request_bytes_is_413(api):
     ({"logit_bias": {"7": 101}}, "logit_bias"),
     ({"logit_bias": {"-1": 1}}, "logit_bias"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"٧": 1}}, "logit_bias"),  # (an Arabic-Indic seven: int() would take it)
+    ({"logit_bias": {"200000": 1}}, "logit_bias"),  # past the vocabulary
     ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
 ])
 def test_what_the_core_refuses_is_400_naming_the_field(client, fields, param):

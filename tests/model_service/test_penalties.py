@@ -17,7 +17,7 @@ from model_service.local import LocalDraft, LocalTarget
 from model_service.model_runner import ModelRunner
 from speculative.errors import InvalidRequest
 from speculative.protocol import Proposal, SamplingParams, VerifyCall, params_from_proto, params_to_proto
-from speculative.round import FixedK, Stats, generate
+from speculative.round import FixedK, SessionLost, Stats, generate
 from tests.stats import chi2_stat, fits
 
 PROMPT = "def fibonacci(n):"
@@ -46,9 +46,33 @@ def reference_greedy(target, prompt: list[int], params: SamplingParams, n: int) 
     return out
 
 
-def run(pair, k, params: SamplingParams, prompt: str = PROMPT, lookup: int = 0, draft_dir=None, n: int = 24):
-    target = LocalTarget(TargetEngine(ModelRunner(pair[1])))
-    draft = LocalDraft(DraftEngine(ModelRunner(draft_dir or pair[0])))
+class Losing(LocalTarget):
+    """Loses its session (SessionLost, as failover raises) on the `at`th call."""
+
+    def __init__(self, engine, at: int | None):
+        super().__init__(engine)
+        self.at, self.calls, self.starts = at, 0, []
+
+    async def verify(self, call, *, turn=(0, 0)):
+        self.calls += 1
+        if call.start:
+            self.starts.append(call.output_from)
+        if self.calls == self.at:
+            await self.release(call.session_id)
+            raise SessionLost(call.session_id)
+        return await super().verify(call)
+
+
+class Recording(LocalDraft):
+    async def propose(self, call, *, turn=(0, 0)):
+        assert call.params.logit_bias == () and not call.params.shapes_logits  # (the target's alone)
+        return await super().propose(call)
+
+
+def run(pair, k, params: SamplingParams, prompt: str = PROMPT, lookup: int = 0, draft_dir=None, n: int = 24,
+        lose_target_at: int | None = None):
+    target = Losing(TargetEngine(ModelRunner(pair[1])), lose_target_at)
+    draft = Recording(DraftEngine(ModelRunner(draft_dir or pair[0])))
     ids = AutoTokenizer.from_pretrained(pair[1]).encode(prompt)
     stats = Stats()
 
@@ -59,23 +83,32 @@ def run(pair, k, params: SamplingParams, prompt: str = PROMPT, lookup: int = 0, 
             out += new
         return out
 
-    return asyncio.run(go()), ids, stats
+    out = asyncio.run(go())
+    if lose_target_at is not None:
+        assert target.starts == [len(ids), len(ids)]  # (started again: the output counted from the prompt's end)
+    return out, ids, stats
 
 
-@pytest.mark.parametrize("case", ["decode steps", "draft tokens accepted", "copies"])
+@pytest.mark.parametrize("case", ["decode steps", "draft tokens accepted", "copies", "target restarted"])
 def test_greedy_output_is_the_targets_own_under_penalties_and_bias(pair, case):
     params = SamplingParams(0.0, frequency_penalty=0.7, presence_penalty=0.9, logit_bias=((5, 2.5), (40, -3.0)))
+    if case == "copies":  # (mild: a text that may still repeat itself, so that copies are kept)
+        params = SamplingParams(0.0, frequency_penalty=0.02, presence_penalty=0.01, logit_bias=((5, 0.3),))
     if case == "decode steps":
         out, prompt, stats = run(pair, FixedK(0, steps=6), params)
         assert stats.rounds < 24
     elif case == "draft tokens accepted":  # the target drafting for itself, without the penalties: some rejected
         out, prompt, stats = run(pair, 3, params, draft_dir=pair[1])
         assert stats.accepted_tokens > 0
-    else:
+    elif case == "copies":
         out, prompt, stats = run(pair, FixedK(0, steps=8), params, prompt=REPEATS, lookup=4)
+        assert stats.copied_tokens > 0
+    else:  # the target's session lost mid-stream: started again with the output so far, counted from the prompt's end
+        out, prompt, stats = run(pair, FixedK(0, steps=3), params, lose_target_at=4)
     assert out == reference_greedy(pair[1], prompt, params, 24)
-    plain, _, _ = run(pair, FixedK(0, steps=6), SamplingParams(0.0), prompt=REPEATS if case == "copies" else PROMPT)
-    assert plain != out  # (they change the output: the test above can fail)
+    if case != "copies":
+        plain, _, _ = run(pair, FixedK(0, steps=6), SamplingParams(0.0))
+        assert plain != out  # (they change the output: the test above can fail)
 
 
 def test_the_rows_of_one_pass_count_the_draft_tokens_before_them():
