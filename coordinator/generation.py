@@ -129,6 +129,7 @@ class GenerationRequest:
     frequency_penalty: float | None = None  # default 0: the target's logits (SamplingParams)
     presence_penalty: float | None = None   # default 0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    repetition_penalty: float | None = None  # default 1 (off)
 
 
 class Finish(enum.Enum):
@@ -308,6 +309,7 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
         logprobs=request.logprobs,
         frequency_penalty=request.frequency_penalty or 0.0, presence_penalty=request.presence_penalty or 0.0,
         logit_bias=tuple(sorted((request.logit_bias or {}).items())),
+        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
     ).validate()
     outside = [token for token, _ in params.logit_bias if token >= models.vocab_size]
     if outside:
@@ -316,6 +318,7 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
     if params.shapes_logits:  # as the services read them (32-bit floats on the wire), in one process too
         params = replace(params, frequency_penalty=float32(params.frequency_penalty),
                          presence_penalty=float32(params.presence_penalty),
+                         repetition_penalty=float32(params.repetition_penalty),
                          logit_bias=tuple((token, float32(bias)) for token, bias in params.logit_bias))
     adaptive = limits.adaptive and request.num_speculative_tokens is None
     k = models.default_k if request.num_speculative_tokens is None else request.num_speculative_tokens

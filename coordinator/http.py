@@ -163,6 +163,7 @@ class Body(Lenient):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    repetition_penalty: float | None = None  # (vLLM's)
 
 
 class ChatBody(Body):
@@ -186,9 +187,8 @@ class CompletionBody(Body):
 
 
 # fields specdec cannot honour, with the values (besides absent) it accepts: those that ask for nothing
-UNSUPPORTED = {"best_of": (1,), "echo": (False,),
-               "suffix": ("",),
-               "functions": ([],), "function_call": ("none", "auto")}
+UNSUPPORTED = {"best_of": (1,), "echo": (False,), "suffix": ("",), "functions": ([],),
+               "function_call": ("none", "auto")}
 
 B = TypeVar("B", bound=Body)
 
@@ -264,6 +264,7 @@ def generation_request(body: Body, max_new_tokens: int | None, **prompt) -> Gene
         ignore_eos=bool(body.ignore_eos),
         constraint=constraint_of(body), logprobs=logprobs_asked(body), frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty, logit_bias=logit_bias_of(body),
+        repetition_penalty=body.repetition_penalty,
     )
 
 

@@ -116,8 +116,9 @@ class ChoiceLogprobs:
             if not special:
                 self.offset += len(self.decoder.decode(bytes(raw)))
             top: dict[str, float] = {}
+            # (texts that coincide: the sampled token's, or the likelier)
             for t, v in [(token, value), *((t, v) for t, v in scores.tops(i) if math.isfinite(v))]:
-                top.setdefault(self.texts(t)[0], _figure(v))  # (texts that coincide: the sampled token's, or the likelier)
+                top.setdefault(self.texts(t)[0], _figure(v))
             tops.append(dict(sorted(top.items(), key=lambda item: -item[1])))
         return {"tokens": texts, "token_logprobs": [_figure(v) for v in scores.values], "top_logprobs": tops,
                 "text_offset": offsets}

@@ -34,6 +34,7 @@ def request_from_proto(r: pb.GenerateRequest) -> GenerationRequest:
         constraint=constraint_from_proto(r.constraint) if r.HasField("constraint") else None,
         logprobs=optional("logprobs"), frequency_penalty=optional("frequency_penalty"),
         presence_penalty=optional("presence_penalty"), logit_bias=dict(r.logit_bias) or None,
+        repetition_penalty=optional("repetition_penalty"),
     )
 
 

@@ -225,7 +225,7 @@ class TargetEngine(RunnerEngine):
                     rows = grammar.apply(rows, masks[i])
                 scored = rows  # (logprobs: the model's, before penalties and biases)
                 if call.params.shapes_logits:
-                    rows = shaped(rows, session.tokens[session.output_from : committed], drafted, call.params)
+                    rows = shaped(rows, session.tokens[:committed], session.output_from, drafted, call.params)
                 try:
                     accepted, token = self._check(rows, drafted, q_ids, q_probs, call.params, session)
                 except Exception as exc:
@@ -392,8 +392,8 @@ class TargetEngine(RunnerEngine):
                     rows = grammar.apply(rows, allowed)
                 scored = rows
                 if call.params.shapes_logits:
-                    before = session.tokens[session.output_from : len(session.tokens) - len(copy)]
-                    rows = shaped(rows, before, copy, call.params)
+                    before = session.tokens[: len(session.tokens) - len(copy)]
+                    rows = shaped(rows, before, session.output_from, copy, call.params)
                 accepted, token = self._check(rows, copy, *self._one_hot(copy, call.params), call.params, session)
                 session.truncate(len(session.tokens) - len(copy) + accepted)
                 session.tokens.append(token)
@@ -464,25 +464,47 @@ class TargetEngine(RunnerEngine):
         return session, committed, drafted, q_ids, q_probs
 
 
-def shaped(rows: torch.Tensor, before: list[int], tokens: list[int], params) -> torch.Tensor:
+def shaped(rows: torch.Tensor, before: list[int], output_from: int, tokens: list[int], params) -> torch.Tensor:
     """Rows [len(tokens) + 1 or more, V] of logits with params' penalties and bias: row i follows the
-    output `before` and tokens[:i], and is lowered by frequency_penalty for each time a token occurs
-    in them and by presence_penalty for a token that does, and raised by logit_bias (ids past the
-    vocabulary are none of its tokens: ignored)."""
+    session's tokens `before` (its output from `output_from` on) and tokens[:i]. A token in any of
+    them has its logit divided by repetition_penalty where positive, multiplied where not; then a
+    row is lowered by frequency_penalty for each time a token occurs in the output and by
+    presence_penalty for a token that does, and raised by logit_bias (ids past the vocabulary are
+    none of its tokens: ignored). Only the columns of the tokens concerned are computed (a few
+    hundred of a vocabulary's tens of thousands); the rows are copied, not changed."""
     n, vocab = rows.shape
+
+    def ids(values: list[int]) -> torch.Tensor:
+        made = torch.tensor(values, dtype=torch.long)
+        return made[made < vocab]
+
+    output = ids(before[output_from:])
+    drafted = [(i, token) for i, token in enumerate(tokens[: n - 1]) if token < vocab]  # row i + 1 follows tokens[i]
+    bias = [(token, value) for token, value in params.logit_bias if token < vocab]
+    repeat = params.repetition_penalty != 1.0
+    prompt = ids(before[:output_from]) if repeat else ids([])
+    out = rows.float().clone()
+    named = torch.cat([output, torch.tensor([t for _, t in drafted] + [t for t, _ in bias], dtype=torch.long), prompt])
+    if not len(named):
+        return out
+    columns, column = torch.unique(named, return_inverse=True)  # (sorted) and each name's column
+    a, b = len(output), len(output) + len(drafted)
+    counts = torch.zeros(len(columns)).index_add_(0, column[:a], torch.ones(a)).repeat(n, 1)
+    for (i, _), j in zip(drafted, column[a:b].tolist()):
+        counts[i + 1 :, j] += 1
     device = rows.device
-    counts = torch.zeros(n, vocab, dtype=torch.float32, device=device)
-    if before:
-        counts += torch.bincount(torch.tensor(before, dtype=torch.long, device=device), minlength=vocab)[:vocab]
-    for i, token in enumerate(tokens[: n - 1]):  # row i + 1 follows tokens[i] too
-        counts[i + 1 :, token] += 1
-    shift = counts * -params.frequency_penalty - (counts > 0).float() * params.presence_penalty
-    if params.logit_bias:
-        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=device)
-        bias = torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=device)
-        inside = ids < vocab
-        shift[:, ids[inside]] += bias[inside]
-    return rows.float() + shift
+    counts, columns = counts.to(device), columns.to(device)
+    part = out[:, columns]
+    if repeat:  # every token seen: the prompt's and the output's
+        seen = counts > 0
+        seen[:, column[b + len(bias) :].to(device)] = True
+        r = params.repetition_penalty
+        part = torch.where(seen, torch.where(part > 0, part / r, part * r), part)
+    part = part - counts * params.frequency_penalty - (counts > 0).float() * params.presence_penalty
+    if bias:
+        part[:, column[b : b + len(bias)].to(device)] += torch.tensor([v for _, v in bias], device=device)
+    out[:, columns] = part
+    return out
 
 
 def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> Logprobs:

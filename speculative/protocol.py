@@ -55,24 +55,29 @@ class SamplingParams:
     # the target's log-probabilities of each committed token (Verdict.logprobs): None = none; n = with
     # the n most likely tokens' beside it (0..MAX_TOP_LOGPROBS). What is sampled does not change
     logprobs: int | None = None
-    # the target's logits before sampling, as OpenAI's and vLLM's: minus frequency_penalty times each
-    # token's count in the output so far (VerifyCall.output_from on), minus presence_penalty for a token
-    # in it at all, plus logit_bias[token]; p, and so what is sampled, is that distribution's
+    # the target's logits before sampling, as OpenAI's and vLLM's: a token in the prompt or the output so
+    # far has its logit divided by repetition_penalty where positive, multiplied where not (vLLM's and
+    # transformers'); then minus frequency_penalty times each token's count in the output so far
+    # (VerifyCall.output_from on), minus presence_penalty for a token in it at all, plus
+    # logit_bias[token]; p, and so what is sampled, is that distribution's
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+    repetition_penalty: float = 1.0  # 1: off
 
     @property
     def shapes_logits(self) -> bool:
         """Whether penalties or a bias change the target's logits."""
-        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias or
+                    self.repetition_penalty != 1.0)
 
     def drafting(self) -> "SamplingParams":
         """What a draft samples by: these without what only the target reads (logprobs, penalties, bias:
         up to 1,024 entries that would go on every draft call for nothing)."""
         if self.logprobs is None and not self.shapes_logits:
             return self
-        return replace(self, logprobs=None, frequency_penalty=0.0, presence_penalty=0.0, logit_bias=())
+        return replace(self, logprobs=None, frequency_penalty=0.0, presence_penalty=0.0, logit_bias=(),
+                       repetition_penalty=1.0)
 
     @property
     def greedy(self) -> bool:
@@ -99,6 +104,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):  # also NaN
                 raise InvalidRequest(f"{name} must lie in [-{MAX_PENALTY}, {MAX_PENALTY}], not {value}", name)
+        r = self.repetition_penalty
+        if not (math.isfinite(r) and 0.0 < r <= MAX_REPETITION_PENALTY) or float32(r) == 0.0:
+            raise InvalidRequest(f"repetition_penalty must lie in (0, {MAX_REPETITION_PENALTY:g}] (1: off), not {r}",
+                                 "repetition_penalty")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise InvalidRequest(f"logit_bias holds {len(self.logit_bias)} tokens; at most {MAX_LOGIT_BIAS}",
                                  "logit_bias")
@@ -119,6 +128,7 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs bound
 MAX_PENALTY = 2.0  # OpenAI's bound on frequency_penalty and presence_penalty
 MAX_LOGIT_BIAS = 1024  # tokens one request's logit_bias may name
 MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's bound on a bias
+MAX_REPETITION_PENALTY = 100.0
 
 
 def float32(x: float) -> float:
@@ -418,12 +428,14 @@ def params_to_proto(params: SamplingParams) -> pb.SamplingParams:
     return pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                              seed=params.seed, logprobs=0 if params.logprobs is None else 1 + params.logprobs,
                              frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
-                             logit_bias=dict(params.logit_bias))
+                             logit_bias=dict(params.logit_bias),
+                             repetition_penalty=0.0 if params.repetition_penalty == 1.0 else params.repetition_penalty)
 
 
 def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed, msg.logprobs - 1 if msg.logprobs else None,
-                          msg.frequency_penalty, msg.presence_penalty, tuple(sorted(msg.logit_bias.items())))
+                          msg.frequency_penalty, msg.presence_penalty, tuple(sorted(msg.logit_bias.items())),
+                          msg.repetition_penalty or 1.0)
 
 
 def logprobs_to_proto(logprobs: Logprobs | None) -> pb.Logprobs | None:

@@ -247,8 +247,8 @@ async def speculative_round(
         if draft_context is not None:  # the draft session holds the committed tokens and `held` proposals
             ahead_k = min(ahead_k, draft_context - len(seq.tokens) - held)
     if ahead_k > 0:
-        (verdict, target_cost), predrafted = await asyncio.gather(
-            verify, _unless_lost(draft.propose(ProposeCall(seq.session_id, False, 0, [], ahead_k, params.drafting(), p_min))))
+        ahead_call = ProposeCall(seq.session_id, False, 0, [], ahead_k, params.drafting(), p_min)
+        (verdict, target_cost), predrafted = await asyncio.gather(verify, _unless_lost(draft.propose(ahead_call)))
         lost = predrafted is None  # a miss
         ahead, ahead_cost = predrafted or (Proposal(), Cost())
         draft_pass_ms += ahead_cost.pass_ms

@@ -24,14 +24,20 @@ PROMPT = "def fibonacci(n):"
 REPEATS = "a b c d e f g h a b c d e f g h a b c d e f g h a b c d"  # (copies: lookup)
 
 
-def shift_of(params: SamplingParams, output: list[int], vocab: int) -> torch.Tensor:
-    """What the penalties and bias add to the next token's logits after `output`, written out plainly."""
-    shift = torch.zeros(vocab, dtype=torch.float64)
+def shaped_by_hand(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """The next token's logits after `prompt` and `output` under the penalties and bias, written out plainly."""
+    logits = logits.double().clone()
+    vocab = logits.shape[0]
+    for token in set(prompt + output):
+        if token < vocab:
+            r = params.repetition_penalty
+            logits[token] = logits[token] / r if logits[token] > 0 else logits[token] * r
     for token in set(output):
-        shift[token] -= params.frequency_penalty * output.count(token) + params.presence_penalty
+        logits[token] -= params.frequency_penalty * output.count(token) + params.presence_penalty
     for token, bias in params.logit_bias:
-        shift[token] += bias
-    return shift
+        if token < vocab:
+            logits[token] += bias
+    return logits
 
 
 def reference_greedy(target, prompt: list[int], params: SamplingParams, n: int) -> list[int]:
@@ -41,8 +47,8 @@ def reference_greedy(target, prompt: list[int], params: SamplingParams, n: int) 
     out: list[int] = []
     with torch.no_grad():
         for _ in range(n):
-            logits = model(torch.tensor([prompt + out])).logits[0, -1].double()
-            out.append(int((logits + shift_of(params, out, logits.shape[0])).argmax()))
+            logits = model(torch.tensor([prompt + out])).logits[0, -1]
+            out.append(int(shaped_by_hand(logits, params, prompt, out).argmax()))
     return out
 
 
@@ -91,9 +97,11 @@ def run(pair, k, params: SamplingParams, prompt: str = PROMPT, lookup: int = 0, 
 
 @pytest.mark.parametrize("case", ["decode steps", "draft tokens accepted", "copies", "target restarted"])
 def test_greedy_output_is_the_targets_own_under_penalties_and_bias(pair, case):
-    params = SamplingParams(0.0, frequency_penalty=0.7, presence_penalty=0.9, logit_bias=((5, 2.5), (40, -3.0)))
+    params = SamplingParams(0.0, frequency_penalty=0.7, presence_penalty=0.9, logit_bias=((5, 2.5), (40, -3.0)),
+                            repetition_penalty=1.3)
     if case == "copies":  # (mild: a text that may still repeat itself, so that copies are kept)
-        params = SamplingParams(0.0, frequency_penalty=0.02, presence_penalty=0.01, logit_bias=((5, 0.3),))
+        params = SamplingParams(0.0, frequency_penalty=0.02, presence_penalty=0.01, logit_bias=((5, 0.3),),
+                                repetition_penalty=1.02)
     if case == "decode steps":
         out, prompt, stats = run(pair, FixedK(0, steps=6), params)
         assert stats.rounds < 24
@@ -112,20 +120,24 @@ def test_greedy_output_is_the_targets_own_under_penalties_and_bias(pair, case):
 
 
 def test_the_rows_of_one_pass_count_the_draft_tokens_before_them():
-    rows = torch.zeros(3, 6)
-    params = SamplingParams(0.0, frequency_penalty=1.0, presence_penalty=0.5, logit_bias=((2, 4.0), (9, 1.0)))
-    got = shaped(rows, [1, 1, 3], [3, 4], params)
+    rows = torch.tensor([[1.5, -2.0, 3.0, 0.5, -1.0, 2.0, 0.25]] * 3)
+    params = SamplingParams(0.0, frequency_penalty=1.0, presence_penalty=0.5, logit_bias=((2, 4.0), (9, 1.0)),
+                            repetition_penalty=2.0)
+    # the session's tokens [5, 0 | 1, 1, 3] (the output from 2), then draft tokens 3 and 4
+    got = shaped(rows, [5, 0, 1, 1, 3], 2, [3, 4], params)
     for i, output in enumerate([[1, 1, 3], [1, 1, 3, 3], [1, 1, 3, 3, 4]]):
-        want = shift_of(params, output, 10)[:6].float()  # (id 9 lies past this vocabulary: none of its tokens)
-        assert torch.equal(got[i], want), (i, got[i], want)
-    masked = torch.full((1, 6), float("-inf"))
-    assert torch.isinf(shaped(masked, [1], [], params)).all()  # what a constraint forbids stays forbidden
+        want = shaped_by_hand(rows[i], params, [5, 0], output).float()  # (id 9: past this vocabulary, none)
+        assert torch.allclose(got[i], want), (i, got[i], want)
+    assert got[0, 6] == rows[0, 6] and got[0, 5] == rows[0, 5] / 2  # unseen; in the prompt only: repetition alone
+    masked = torch.full((1, 7), float("-inf"))
+    assert torch.isinf(shaped(masked, [1], 0, [], params)).all()  # what a constraint forbids stays forbidden
 
 
 def next_p(model, prompt: list[int], params: SamplingParams, output: list[int]) -> torch.Tensor:
+    """p after prompt + output, output counted as such."""
     with torch.no_grad():
-        logits = model(torch.tensor([prompt])).logits[0, -1].double()
-    return torch.softmax(logits + shift_of(params, output, logits.shape[0]), -1)
+        logits = model(torch.tensor([prompt + output])).logits[0, -1]
+    return torch.softmax(shaped_by_hand(logits, params, prompt, output), -1)
 
 
 def test_sampled_tokens_follow_the_shaped_p_in_a_bonus_row_and_a_decode_step(small_vocab_pair):
@@ -160,18 +172,19 @@ def test_sampled_tokens_follow_the_shaped_p_in_a_bonus_row_and_a_decode_step(sma
         if verdict.token == d and verdict.decoded:
             steps_after.append(verdict.decoded[0])
     vocab = p1.shape[0]
-    p2 = next_p(model, prompt + [d], params, [d])
+    p2 = next_p(model, prompt, params, [d])
     for seen, p in ((firsts, p1), (steps_first, p1), (after_d, p2), (steps_after, p2)):
         assert len(seen) >= 300, len(seen)
         counts = torch.bincount(torch.tensor(seen), minlength=vocab).double()
         assert fits(counts, p), chi2_stat(counts, p)
-    assert not fits(torch.bincount(torch.tensor(after_d), minlength=vocab).double(), next_p(model, prompt + [d],
-                                                                                           base, []))
+    assert not fits(torch.bincount(torch.tensor(after_d), minlength=vocab).double(), next_p(model, prompt, base, [d]))
 
 
 def test_penalties_count_the_output_only_and_cross_the_wire(pair):
-    params = SamplingParams(0.0, frequency_penalty=2.0, presence_penalty=-1.5, logit_bias=((3, -100.0), (7, 100.0)))
+    params = SamplingParams(0.0, frequency_penalty=2.0, presence_penalty=-1.5, logit_bias=((3, -100.0), (7, 100.0)),
+                            repetition_penalty=1.25)
     assert params_from_proto(params_to_proto(params)) == params
+    assert params_from_proto(params_to_proto(SamplingParams())).repetition_penalty == 1.0
     target = TargetEngine(ModelRunner(pair[1]))
     greedy = SamplingParams(0.0, frequency_penalty=1.5, presence_penalty=1.0)
     model = AutoModelForCausalLM.from_pretrained(pair[1], torch_dtype=torch.float32).eval()
@@ -180,7 +193,7 @@ def test_penalties_count_the_output_only_and_cross_the_wire(pair):
         output_only = reference_greedy(model, prompt, greedy, 3)
         with torch.no_grad():
             first = model(torch.tensor([prompt])).logits[0, -1].double()
-        if int((first + shift_of(greedy, prompt, first.shape[0])).argmax()) != output_only[0]:
+        if int(shaped_by_hand(first, greedy, [], prompt).argmax()) != output_only[0]:
             break
     verdict, _ = target.verify(VerifyCall("s", True, prompt, Proposal(), greedy, 3, output_from=len(prompt)))
     assert [verdict.token, *verdict.decoded] == output_only  # (counting the prompt too would differ)
@@ -188,7 +201,9 @@ def test_penalties_count_the_output_only_and_cross_the_wire(pair):
         target.verify(VerifyCall("t", True, prompt, Proposal(), params, output_from=len(prompt) + 1))
     for bad, field in [(dict(frequency_penalty=2.5), "frequency_penalty"), (dict(presence_penalty=float("nan")),
                        "presence_penalty"), (dict(logit_bias=((4, 1.0), (2, 1.0))), "logit_bias"),
-                       (dict(logit_bias=((2, 101.0),)), "logit_bias"), (dict(logit_bias=((-1, 1.0),)), "logit_bias")]:
+                       (dict(logit_bias=((2, 101.0),)), "logit_bias"), (dict(logit_bias=((-1, 1.0),)), "logit_bias"),
+                       (dict(repetition_penalty=0.0), "repetition_penalty"),
+                       (dict(repetition_penalty=101.0), "repetition_penalty")]:
         with pytest.raises(InvalidRequest) as refused:
             SamplingParams(**bad).validate()
         assert refused.value.param == field
