@@ -225,7 +225,8 @@ class TargetEngine(RunnerEngine):
                     rows = grammar.apply(rows, masks[i])
                 scored = rows  # (logprobs: the model's, before penalties and biases)
                 if call.params.shapes_logits:
-                    rows = shaped(rows, session.tokens[:committed], session.output_from, drafted, call.params)
+                    rows = shaped(rows, session.tokens[session.output_from : committed], drafted, call.params,
+                                  prompt_ids(session))
                 try:
                     accepted, token = self._check(rows, drafted, q_ids, q_probs, call.params, session)
                 except Exception as exc:
@@ -392,8 +393,8 @@ class TargetEngine(RunnerEngine):
                     rows = grammar.apply(rows, allowed)
                 scored = rows
                 if call.params.shapes_logits:
-                    before = session.tokens[: len(session.tokens) - len(copy)]
-                    rows = shaped(rows, before, session.output_from, copy, call.params)
+                    output = session.tokens[session.output_from : len(session.tokens) - len(copy)]
+                    rows = shaped(rows, output, copy, call.params, prompt_ids(session))
                 accepted, token = self._check(rows, copy, *self._one_hot(copy, call.params), call.params, session)
                 session.truncate(len(session.tokens) - len(copy) + accepted)
                 session.tokens.append(token)
@@ -464,26 +465,25 @@ class TargetEngine(RunnerEngine):
         return session, committed, drafted, q_ids, q_probs
 
 
-def shaped(rows: torch.Tensor, before: list[int], output_from: int, tokens: list[int], params) -> torch.Tensor:
+def shaped(rows: torch.Tensor, output: list[int], tokens: list[int], params,
+           prompt: torch.Tensor | None = None) -> torch.Tensor:
     """Rows [len(tokens) + 1 or more, V] of logits with params' penalties and bias: row i follows the
-    session's tokens `before` (its output from `output_from` on) and tokens[:i]. A token in any of
-    them has its logit divided by repetition_penalty where positive, multiplied where not; then a
+    session's `output` so far and tokens[:i] (draft tokens or copies), after its prompt, whose token
+    ids `prompt` holds (prompt_ids: read for repetition_penalty alone). A token in the prompt or the
+    output has its logit divided by repetition_penalty where positive, multiplied where not; then a
     row is lowered by frequency_penalty for each time a token occurs in the output and by
     presence_penalty for a token that does, and raised by logit_bias (ids past the vocabulary are
-    none of its tokens: ignored). Only the columns of the tokens concerned are computed (a few
-    hundred of a vocabulary's tens of thousands); the rows are copied, not changed."""
+    none of its tokens: ignored), last (vLLM adds a bias before its penalties). Only the columns of
+    the tokens concerned are computed (a few hundred of a vocabulary's tens of thousands); the rows
+    are copied, not changed."""
     n, vocab = rows.shape
-
-    def ids(values: list[int]) -> torch.Tensor:
-        made = torch.tensor(values, dtype=torch.long)
-        return made[made < vocab]
-
-    output = ids(before[output_from:])
+    output = torch.tensor(output, dtype=torch.long)
+    output = output[output < vocab]
     drafted = [(i, token) for i, token in enumerate(tokens[: n - 1]) if token < vocab]  # row i + 1 follows tokens[i]
     bias = [(token, value) for token, value in params.logit_bias if token < vocab]
     repeat = params.repetition_penalty != 1.0
-    prompt = ids(before[:output_from]) if repeat else ids([])
-    out = rows.float().clone()
+    prompt = prompt[prompt < vocab] if repeat and prompt is not None else torch.zeros(0, dtype=torch.long)
+    out = rows.to(torch.float32, copy=True)
     named = torch.cat([output, torch.tensor([t for _, t in drafted] + [t for t, _ in bias], dtype=torch.long), prompt])
     if not len(named):
         return out
@@ -505,6 +505,13 @@ def shaped(rows: torch.Tensor, before: list[int], output_from: int, tokens: list
         part[:, column[b : b + len(bias)].to(device)] += torch.tensor([v for _, v in bias], device=device)
     out[:, columns] = part
     return out
+
+
+def prompt_ids(session: Session) -> torch.Tensor:
+    """The distinct token ids of a session's prompt (its tokens before output_from), worked out once."""
+    if session.prompt_ids is None:
+        session.prompt_ids = torch.tensor(sorted(set(session.tokens[: session.output_from])), dtype=torch.long)
+    return session.prompt_ids
 
 
 def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> Logprobs:

@@ -38,7 +38,8 @@ class Session:
     feature_layers: tuple[int, ...] = ()  # target only: the layers whose hidden states its answers return
     grammar: Any = None  # a structured-output constraint's matcher (grammar.SessionGrammar), if it has one
     lookup: Any = None  # target only: an index of a prefix of `tokens` its copies come from (lookup.NgramIndex)
-    output_from: int = 0  # target only: where the output begins in `tokens` (sampling's penalties count from it)
+    output_from: int = 0  # target only: where the output begins in `tokens` (the prompt before it: penalties)
+    prompt_ids: Any = None  # target only: the prompt's distinct token ids (engines.prompt_ids), once asked for
     last_used: float = field(default_factory=time.monotonic)
 
     def truncate(self, length: int) -> None:

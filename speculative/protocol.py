@@ -55,11 +55,11 @@ class SamplingParams:
     # the target's log-probabilities of each committed token (Verdict.logprobs): None = none; n = with
     # the n most likely tokens' beside it (0..MAX_TOP_LOGPROBS). What is sampled does not change
     logprobs: int | None = None
-    # the target's logits before sampling, as OpenAI's and vLLM's: a token in the prompt or the output so
-    # far has its logit divided by repetition_penalty where positive, multiplied where not (vLLM's and
-    # transformers'); then minus frequency_penalty times each token's count in the output so far
-    # (VerifyCall.output_from on), minus presence_penalty for a token in it at all, plus
-    # logit_bias[token]; p, and so what is sampled, is that distribution's
+    # the target's logits before sampling (OpenAI's and vLLM's fields): a token in the prompt or the
+    # output so far has its logit divided by repetition_penalty where positive, multiplied where not
+    # (vLLM's and transformers'); then minus frequency_penalty times each token's count in the output so
+    # far (VerifyCall.output_from on), minus presence_penalty for a token in it at all, plus
+    # logit_bias[token] last (vLLM adds it first); p, and so what is sampled, is that distribution's
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
@@ -105,9 +105,9 @@ class SamplingParams:
             if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):  # also NaN
                 raise InvalidRequest(f"{name} must lie in [-{MAX_PENALTY}, {MAX_PENALTY}], not {value}", name)
         r = self.repetition_penalty
-        if not (math.isfinite(r) and 0.0 < r <= MAX_REPETITION_PENALTY) or float32(r) == 0.0:
-            raise InvalidRequest(f"repetition_penalty must lie in (0, {MAX_REPETITION_PENALTY:g}] (1: off), not {r}",
-                                 "repetition_penalty")
+        if not (math.isfinite(r) and MIN_REPETITION_PENALTY <= r <= MAX_REPETITION_PENALTY):
+            raise InvalidRequest(f"repetition_penalty must lie in [{MIN_REPETITION_PENALTY:g},"
+                                 f" {MAX_REPETITION_PENALTY:g}] (1: off), not {r}", "repetition_penalty")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise InvalidRequest(f"logit_bias holds {len(self.logit_bias)} tokens; at most {MAX_LOGIT_BIAS}",
                                  "logit_bias")
@@ -128,7 +128,7 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs bound
 MAX_PENALTY = 2.0  # OpenAI's bound on frequency_penalty and presence_penalty
 MAX_LOGIT_BIAS = 1024  # tokens one request's logit_bias may name
 MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's bound on a bias
-MAX_REPETITION_PENALTY = 100.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0  # (a logit of 30 / 1e-38 is inf)
 
 
 def float32(x: float) -> float:

@@ -124,13 +124,14 @@ def test_the_rows_of_one_pass_count_the_draft_tokens_before_them():
     params = SamplingParams(0.0, frequency_penalty=1.0, presence_penalty=0.5, logit_bias=((2, 4.0), (9, 1.0)),
                             repetition_penalty=2.0)
     # the session's tokens [5, 0 | 1, 1, 3] (the output from 2), then draft tokens 3 and 4
-    got = shaped(rows, [5, 0, 1, 1, 3], 2, [3, 4], params)
+    got = shaped(rows, [1, 1, 3], [3, 4], params, prompt=torch.tensor([0, 5]))
     for i, output in enumerate([[1, 1, 3], [1, 1, 3, 3], [1, 1, 3, 3, 4]]):
         want = shaped_by_hand(rows[i], params, [5, 0], output).float()  # (id 9: past this vocabulary, none)
         assert torch.allclose(got[i], want), (i, got[i], want)
     assert got[0, 6] == rows[0, 6] and got[0, 5] == rows[0, 5] / 2  # unseen; in the prompt only: repetition alone
     masked = torch.full((1, 7), float("-inf"))
-    assert torch.isinf(shaped(masked, [1], 0, [], params)).all()  # what a constraint forbids stays forbidden
+    assert torch.isinf(shaped(masked, [1], [], params)).all()  # what a constraint forbids stays forbidden
+    assert torch.equal(rows[0, :3], torch.tensor([1.5, -2.0, 3.0]))  # (the rows given are left as they were)
 
 
 def next_p(model, prompt: list[int], params: SamplingParams, output: list[int]) -> torch.Tensor:
@@ -203,6 +204,7 @@ def test_penalties_count_the_output_only_and_cross_the_wire(pair):
                        "presence_penalty"), (dict(logit_bias=((4, 1.0), (2, 1.0))), "logit_bias"),
                        (dict(logit_bias=((2, 101.0),)), "logit_bias"), (dict(logit_bias=((-1, 1.0),)), "logit_bias"),
                        (dict(repetition_penalty=0.0), "repetition_penalty"),
+                       (dict(repetition_penalty=1e-38), "repetition_penalty"),  # (a logit / it: inf)
                        (dict(repetition_penalty=101.0), "repetition_penalty")]:
         with pytest.raises(InvalidRequest) as refused:
             SamplingParams(**bad).validate()
