@@ -28,6 +28,8 @@ import math
 import re
 from typing import Any
 
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
 from speculative.protocol import Logprobs
 
 NEVER = -9999.0  # a masked-out token's log-probability, as sent
@@ -36,15 +38,8 @@ BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallbac
 
 @functools.cache
 def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet: the printable character each byte is written as, reversed."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = list(printable), 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
+    """GPT-2's byte-level BPE alphabet (transformers' bytes_to_unicode), reversed: character -> byte."""
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 class TokenText:

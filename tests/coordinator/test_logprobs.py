@@ -22,7 +22,7 @@ from speculative.errors import InvalidRequest
 from speculative.protocol import (Logprobs, SamplingParams, Verdict, verdict_from_proto, verdict_to_proto,
                                   Cost, params_from_proto, params_to_proto)
 from speculative.round import FixedK, Stats, generate
-from tests.coordinator.test_openai import post
+from tests.coordinator.test_openai import openai_client, post
 
 PROMPT = "def fibonacci(n):"
 
@@ -173,7 +173,7 @@ def api(pair, request):
 
 @pytest.fixture(scope="module")
 def client(api):
-    with openai.OpenAI(base_url=f"{api.http_url}/v1", api_key="none", max_retries=0, timeout=120) as made:
+    with openai_client(api) as made:
         yield made
 
 

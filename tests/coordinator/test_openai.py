@@ -47,9 +47,14 @@ def api(pair, request):
     return stack
 
 
+def openai_client(api, key: str = "none", timeout: float = 120) -> openai.OpenAI:
+    """The official client against a stack's HTTP API, without retries (a test's call is made once)."""
+    return openai.OpenAI(base_url=f"{api.http_url}/v1", api_key=key, max_retries=0, timeout=timeout)
+
+
 @pytest.fixture(scope="module")
 def client(api):
-    with openai.OpenAI(base_url=f"{api.http_url}/v1", api_key=KEY, max_retries=0, timeout=60) as made:
+    with openai_client(api, KEY, 60) as made:
         yield made
 
 

@@ -13,7 +13,6 @@ import grpc
 import jsonschema
 import llguidance
 import llguidance.hf
-import openai
 import pydantic
 import pytest
 import torch
@@ -29,6 +28,7 @@ from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from speculative.errors import InvalidRequest
 from speculative.protocol import Constraint, Proposal, ProposeCall, SamplingParams, VerifyCall
 from speculative.sampling import logits_to_probs
+from tests.coordinator.test_openai import openai_client
 from tests.services.test_metrics import scrape, value
 from tests.stats import chi2_stat, fits
 
@@ -379,7 +379,7 @@ class Service(pydantic.BaseModel):
 
 
 def test_the_official_client_parses_a_pydantic_model(api):
-    with openai.OpenAI(base_url=f"{api.http_url}/v1", api_key="none", max_retries=0, timeout=120) as client:
+    with openai_client(api) as client:
         for seed in range(3):
             completion = client.chat.completions.parse(model="target", messages=MESSAGES, response_format=Service,
                                                        max_tokens=300, temperature=0.8, seed=seed)
@@ -437,7 +437,7 @@ def test_streamed_constrained_output_over_both_front_doors(api, stub):
         constraint=pb.Constraint(choice=pb.ChoiceList(choices=["alpha beta gamma", "delta"]))), timeout=120))
     assert "".join(c.text for c in chunks) in ("alpha beta gamma", "delta")
     assert chunks[-1].finish_reason == pb.FINISH_REASON_EOS
-    with openai.OpenAI(base_url=f"{api.http_url}/v1", api_key="none", max_retries=0, timeout=120) as client:
+    with openai_client(api) as client:
         events = client.chat.completions.create(model="target", messages=MESSAGES, max_tokens=60, temperature=0.8,
                                                 seed=2, stream=True, extra_body={"guided_regex": "[a-e]{3}-[0-9]{2}"})
         parts = [(e.choices[0].delta.content or "", e.choices[0].finish_reason) for e in events if e.choices]

@@ -18,6 +18,7 @@ from coordinator.launch import LocalStack
 from coordinator.tools import ToolUse, conversation, rebased, tools_of
 from speculative.errors import InvalidRequest
 from speculative.tiny import make_model, make_tokenizer
+from tests.coordinator.test_openai import openai_client
 from tests.coordinator.test_structured import post
 
 # bounded arguments, so that even a random-weight model completes a call within the token budget
@@ -279,7 +280,7 @@ def api(tmp_path_factory, request):
 
 @pytest.fixture(scope="module")
 def client(api):
-    with openai.OpenAI(base_url=f"{api.http_url}/v1", api_key="none", max_retries=0, timeout=120) as made:
+    with openai_client(api) as made:
         yield made
 
 
