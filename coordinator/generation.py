@@ -40,8 +40,8 @@ from runtime import tracing
 
 from speculative import constraints
 from speculative.errors import InvalidRequest
-from speculative.protocol import Constraint, Logprobs, SamplingParams, float32, pass_cost_from_info
-from speculative.round import FixedK, KPolicy, Stats
+from speculative.protocol import MAX_TOP_LOGPROBS, Constraint, Logprobs, SamplingParams, float32, pass_cost_from_info
+from speculative.round import FixedK, KPolicy, PromptScores, Stats
 from speculative.round import generate as speculative_rounds
 
 from .adaptive import DEFAULT_ALPHA, AcceptanceK, AdaptiveK, CostModel
@@ -130,6 +130,9 @@ class GenerationRequest:
     presence_penalty: float | None = None   # default 0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     repetition_penalty: float | None = None  # default 1 (off)
+    # the prompt scored: each of its tokens after the first, under the target, with the n most likely beside
+    # it (the first Chunk's prompt); with it max_new_tokens may be 0 (nothing generated)
+    prompt_logprobs: int | None = None
 
 
 class Finish(enum.Enum):
@@ -159,6 +162,16 @@ class Chunk:
     finish: Finish | None = None
     summary: Summary | None = None
     logprobs: Logprobs | None = None  # the request's logprobs set: those of token_ids
+    prompt: ScoredPrompt | None = None  # the request's prompt_logprobs set: on the first chunk
+
+
+@dataclass
+class ScoredPrompt:
+    """A request's prompt as the target read it, and the logprobs of its tokens after the first (the
+    request's prompt_logprobs: each under the target at the position before it, with the n most likely)."""
+
+    token_ids: list[int]
+    logprobs: Logprobs
 
 
 @dataclass(frozen=True)
@@ -192,6 +205,7 @@ class Plan:
     stop: list[str]
     constraint: Constraint | None = None
     lookup: int = 0  # tokens a pass of a round that drafts nothing may copy (a constrained session: what it forces)
+    prompt_logprobs: int | None = None  # the prompt scored (GenerationRequest.prompt_logprobs)
 
 
 # ------------------------------------------------------------------ checking a request
@@ -283,15 +297,20 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
     """Check the request against the models and the limits, in field order; fill in the defaults."""
     prompt = await prompt_ids(request, models)
     room = models.max_context - len(prompt)
-    if room <= 0:
+    scoring = request.prompt_logprobs is not None
+    if scoring and not 0 <= request.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"prompt_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], not {request.prompt_logprobs}",
+                             "prompt_logprobs")
+    if room < 0 or room == 0 and not (scoring and request.max_new_tokens == 0):  # (a scored prompt may fill it)
         raise InvalidRequest(
             f"the prompt has {len(prompt)} tokens; the context holds {models.max_context}, leaving no room to generate",
             "messages" if request.messages else "prompt_token_ids" if request.prompt_token_ids else "prompt")
     max_new = request.max_new_tokens
     if max_new is None:
         max_new = min(limits.default_max_new_tokens, room)
-    if max_new <= 0:
-        raise InvalidRequest(f"max_new_tokens must be > 0, not {max_new}", "max_new_tokens")
+    if max_new < 0 or max_new == 0 and not scoring:
+        raise InvalidRequest(f"max_new_tokens must be > 0 (0 only with prompt_logprobs: the prompt scored, nothing"
+                             f" generated), not {max_new}", "max_new_tokens")
     if max_new > room:
         raise InvalidRequest(
             f"max_new_tokens={max_new} goes beyond the context: the prompt has {len(prompt)} tokens "
@@ -346,7 +365,8 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
             raise InvalidRequest("ignore_eos cannot go with a structured-output constraint: the output ends where the"
                                  " constraint is complete", "ignore_eos")
         await asyncio.to_thread(constraints.check, request.constraint)  # the compiler's reason, before any service
-    return Plan(prompt, max_new, params, policy, p_min, list(request.stop), request.constraint, lookup)
+    return Plan(prompt, max_new, params, policy, p_min, list(request.stop), request.constraint, lookup,
+                request.prompt_logprobs)
 
 
 def outcome(error: BaseException, deadline: float | None = None) -> str:
@@ -489,12 +509,20 @@ class Coordinator:
             self.gate.joined()
         eos = frozenset() if request.ignore_eos else models.eos_token_ids
         scored: list[Logprobs] | None = [] if plan.params.logprobs is not None else None  # each round's, in turn
+        scored_prompt = PromptScores(plan.prompt_logprobs) if plan.prompt_logprobs is not None else None
+
+        def prompt() -> ScoredPrompt | None:  # the first chunk's (once)
+            nonlocal scored_prompt
+            if scored_prompt is None:
+                return None
+            made, scored_prompt = ScoredPrompt(plan.prompt, scored_prompt.logprobs), None
+            return made
         rounds = speculative_rounds(
             draft, target, plan.prompt, max_new_tokens=plan.max_new_tokens, k=plan.policy, params=plan.params,
             eos_token_ids=eos, max_context=models.max_context, draft_context=models.draft_context or None, stats=stats,
             session_id=uuid.uuid4().hex, p_min=plan.p_min, predraft=self.limits.predraft,
             max_call_tokens=models.max_draft_call, feature_layers=models.feature_layers, constraint=plan.constraint,
-            trace_context=trace_context, lookup=plan.lookup, logprobs=scored,
+            trace_context=trace_context, lookup=plan.lookup, logprobs=scored, prompt_scores=scored_prompt,
         )
         models.costs.in_flight += 1
         try:
@@ -514,7 +542,7 @@ class Coordinator:
                     clock.tokens(len(ids))
                     # (an end-of-sequence token ends the text and has no place in it: nor in its logprobs)
                     scores = scored.pop(0).slice(0, len(ids) - (finish is Finish.EOS)) if scored else None
-                    yield Chunk(token_ids=ids, text=text.take(), logprobs=scores)
+                    yield Chunk(token_ids=ids, text=text.take(), logprobs=scores, prompt=prompt())
                     if finish is Finish.STOP:
                         break
         finally:
@@ -525,4 +553,4 @@ class Coordinator:
             failover_target.close()
         wall_ms = (time.perf_counter() - start) * 1e3
         summary = Summary(stats, plan.policy.k, plan.policy.adaptive, plan.params.seed, len(plan.prompt), wall_ms)
-        yield Chunk(token_ids=[], text=text.take(final=True), finish=finish, summary=summary)
+        yield Chunk(token_ids=[], text=text.take(final=True), finish=finish, summary=summary, prompt=prompt())

@@ -19,8 +19,10 @@ which the official client's `chat.completions.parse` sends for a pydantic model)
 them, else 400; one that does not compile is 400 with the compiler's reason. `tools` and `tool_choice`
 (tools.py): any model's tool calls, by structured output. `n` (at most MAX_CHOICES) runs that many
 generations side by side (a seeded request's choices seeded seed, seed + 1, ...; streamed, their
-rounds' events interleave, each choice with its index). A field specdec cannot honour (logprobs,
-penalties, best_of, the older functions API) is refused, naming it; a field it does not know is ignored.
+rounds' events interleave, each choice with its index). Completions' `echo` puts the prompt before the
+completion, with its tokens' logprobs where `logprobs` is asked (the target scores the prompt: then
+max_tokens may be 0). A field specdec cannot honour (best_of, suffix, the older functions API) is
+refused, naming it; a field it does not know is ignored.
 /v1/completions generates 16 tokens where max_tokens is not given, as OpenAI's does.
 
 Errors are OpenAI's error object, with the HTTP status of the core's canonical code
@@ -42,7 +44,7 @@ import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import uvicorn
@@ -62,7 +64,8 @@ from speculative.errors import InvalidRequest
 from speculative.protocol import MAX_TOP_LOGPROBS, Constraint, Logprobs
 from speculative.round import Stats
 
-from .generation import Chunk, Coordinator, Finish, GenerationRequest, Message, NotPossible, NotReady, Summary, outcome
+from .generation import (Chunk, Coordinator, Finish, GenerationRequest, Message, NotPossible, NotReady, ScoredPrompt,
+                         Summary, outcome)
 from .logprobs import ChoiceLogprobs, TokenText
 from .peers import PeerError
 from .tools import ToolUse, call_of, conversation
@@ -187,7 +190,7 @@ class CompletionBody(Body):
 
 
 # fields specdec cannot honour, with the values (besides absent) it accepts: those that ask for nothing
-UNSUPPORTED = {"best_of": (1,), "echo": (False,), "suffix": ("",), "functions": ([],),
+UNSUPPORTED = {"best_of": (1,), "suffix": ("",), "functions": ([],),
                "function_call": ("none", "auto")}
 
 B = TypeVar("B", bound=Body)
@@ -218,8 +221,8 @@ async def parse(request: Request, kind: type[B], limit: int) -> B:
     for name, neutral in UNSUPPORTED.items():
         value = getattr(body, name, None)
         if value is not None and not any(type(value) is type(n) and value == n for n in neutral):
-            raise ApiError(400, f"{name}={value!r} is not supported (specdec answers without best_of, echo or"
-                                f" suffix; tools, not functions)", name, "unsupported_parameter")
+            raise ApiError(400, f"{name}={value!r} is not supported (specdec answers without best_of or suffix;"
+                                f" tools, not functions)", name, "unsupported_parameter")
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
     if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
@@ -347,9 +350,19 @@ def completion_request(body: CompletionBody) -> tuple[GenerationRequest, Reply]:
             raise ApiError(400, "one prompt per request: batches of prompts are not supported", "prompt")
         prompt = prompt[0]
     most = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    if isinstance(prompt, str):
-        return generation_request(body, most, prompt=prompt), text_choice
-    return generation_request(body, most, prompt_token_ids=prompt), text_choice
+    request = generation_request(body, most, **{"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt})
+    if body.echo:  # the prompt's tokens scored too where logprobs are asked (and where nothing is generated)
+        request.prompt_logprobs = body.logprobs if body.logprobs is not None or most != 0 else 0
+    return request, text_choice
+
+
+async def echoing(chunks: AsyncIterator[Chunk], prompt: str) -> AsyncIterator[Chunk]:
+    """A completion's chunks with its prompt's text before the first one's (`echo`)."""
+    async with contextlib.aclosing(chunks):
+        first = True
+        async for chunk in chunks:
+            yield replace(chunk, text=prompt + chunk.text) if first else chunk
+            first = False
 
 
 # ------------------------------------------------------------------ responses
@@ -572,6 +585,11 @@ class OpenAIApi:
             streams = [self.coordinator.generate(generation, f"/v1{endpoint.path}",
                                                  traceparent=request.headers.get("traceparent", ""))
                        for generation, _ in choices]
+            if endpoint is COMPLETIONS and body.echo:
+                generation = choices[0][0]
+                text = generation.prompt or self.coordinator.ready().tokenizer.decode(
+                    generation.prompt_token_ids, skip_special_tokens=True)  # (as the completion's text reads)
+                streams = [echoing(chunks, text) for chunks in streams]
             replies = [reply for _, reply in choices]
             scorers = self.scorers(endpoint, len(choices)) if logprobs_asked(body) is not None else None
             head = {"id": f"{endpoint.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
@@ -607,20 +625,22 @@ class OpenAIApi:
 
     async def unary(self, streams: list[AsyncIterator[Chunk]], endpoint: Endpoint, head: dict,
                     replies: list[Reply], scorers: list[ChoiceLogprobs] | None = None) -> Response:
-        async def whole(chunks: AsyncIterator[Chunk]) -> tuple[str, Chunk, list[int], Logprobs | None]:
-            pieces, tokens, scores = [], [], []
+        async def whole(chunks: AsyncIterator[Chunk]) -> tuple[str, Chunk, list[int], Logprobs | None,
+                                                               ScoredPrompt | None]:
+            pieces, tokens, scores, prompt = [], [], [], None
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     pieces.append(chunk.text)
                     tokens += chunk.token_ids
                     scores.append(chunk.logprobs)
-            return "".join(pieces), chunk, tokens, Logprobs.join(scores)
+                    prompt = prompt or chunk.prompt
+            return "".join(pieces), chunk, tokens, Logprobs.join(scores), prompt
 
         answers = await all_of([whole(chunks) for chunks in streams])
         choices = [{**reply(text, FINISH[last.finish], False, True)[0], "index": i} for i, ((text, last, *_), reply)
                    in enumerate(zip(answers, replies))]
-        for choice, scorer, (_, _, tokens, scores) in zip(choices, scorers or [], answers):
-            choice["logprobs"] = scorer(tokens, scores)
+        for choice, scorer, (_, _, tokens, scores, prompt) in zip(choices, scorers or [], answers):
+            choice["logprobs"] = scorer(tokens, scores, prompt)
         summary = together([answer[1].summary for answer in answers])
         return JSONResponse({
             **head, "object": endpoint.object, "choices": choices,
@@ -652,8 +672,8 @@ class OpenAIApi:
 
         pumps = [asyncio.ensure_future(pump(i, *made)) for i, made in enumerate(zip(firsts, streams))]
         opened, summaries = [False] * len(pumps), []
-        # each choice's tokens not yet sent with an event, and their logprobs
-        unsent: list[tuple[list[int], list[Logprobs | None]]] = [([], []) for _ in pumps]
+        # each choice's tokens not yet sent with an event, their logprobs, and its scored prompt (echo) if unsent
+        unsent: list[tuple[list[int], list[Logprobs | None], ScoredPrompt | None]] = [([], [], None) for _ in pumps]
         try:
             while len(summaries) < len(pumps):
                 i, chunk = await rounds.get()
@@ -666,15 +686,19 @@ class OpenAIApi:
                 if scorers:
                     unsent[i][0].extend(chunk.token_ids)
                     unsent[i][1].append(chunk.logprobs)
+                    if chunk.prompt is not None:
+                        unsent[i] = (*unsent[i][:2], chunk.prompt)
                 if chunk.text or finish or (not opened[i] and endpoint is CHAT):
                     choices = replies[i](chunk.text, finish, True, not opened[i])
                     for n, choice in enumerate(choices, 1):
                         extra = {"specdec": specdec_fields(chunk.summary)} if chunk.summary and n == len(choices) \
                             else {}
                         scores = Logprobs.join(unsent[i][1]) if scorers else None
-                        if scores is not None and len(scores):  # (the first event of a round that has tokens)
-                            choice = {**choice, "logprobs": scorers[i](unsent[i][0], scores)}
-                            unsent[i] = ([], [])
+                        prompt = unsent[i][2] if scorers else None
+                        # (the first event of a round that has tokens, or of the echoed prompt)
+                        if scores is not None and len(scores) or prompt is not None:
+                            choice = {**choice, "logprobs": scorers[i](unsent[i][0], scores, prompt)}
+                            unsent[i] = ([], [], None)
                         yield event({**head, "choices": [{**choice, "index": i}], **extra})
                         opened[i] = True
                 if chunk.summary is not None:

@@ -14,7 +14,10 @@ n`): `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}...], "text_
 top dict with the sampled token beside the n most likely (OpenAI's "up to logprobs + 1"); a token's
 offset is where its text starts in the completion's text, in characters (the bytes of the tokens
 before it decoded as the text is: a token that ends a character split over several starts where
-the character does; special tokens, which the text leaves out, take no room). A token's text is what
+the character does; special tokens, which the text leaves out, take no room). With `echo` the
+prompt's tokens come first, scored by the target's pass over the prompt (the first one has null for
+its logprob and top: nothing comes before it), and the offsets count from the prompt's start, as the
+echoed text does. A token's text is what
 the tokenizer decodes it to alone (special tokens as written; part of a character is U+FFFD), its
 bytes the UTF-8 bytes it stands for (a byte-level BPE token's own bytes, which may be part of a
 character).
@@ -82,10 +85,20 @@ class ChoiceLogprobs:
         self.offset = 0  # characters of completion before the next token (completions)
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")  # the tokens' bytes, as the text decodes
 
-    def __call__(self, tokens: list[int], scores: Logprobs | None) -> dict | None:
-        if scores is None:
+    def __call__(self, tokens: list[int], scores: Logprobs | None, prompt: Any = None) -> dict | None:
+        """The object for `tokens` and their `scores`; a completion's echoed prompt (generation.ScoredPrompt)
+        before them, its first token with null for its logprob and top (OpenAI's echo)."""
+        if self.chat:
+            return None if scores is None else self._chat(tokens, scores)
+        parts = []
+        if prompt is not None:
+            parts.append(self._completion(prompt.token_ids, [None, *prompt.logprobs.values],
+                                          [None, *map(prompt.logprobs.tops, range(len(prompt.logprobs)))]))
+        if scores is not None:
+            parts.append(self._completion(tokens, scores.values, list(map(scores.tops, range(len(scores))))))
+        if not parts:
             return None
-        return self._chat(tokens, scores) if self.chat else self._completion(tokens, scores)
+        return {key: [v for part in parts for v in part[key]] for key in parts[0]}
 
     def _entry(self, token: int, value: float) -> dict:
         text, raw = self.texts(token)
@@ -97,9 +110,10 @@ class ChoiceLogprobs:
                    for i, (token, value) in enumerate(zip(tokens, scores.values))]
         return {"content": content, "refusal": None}
 
-    def _completion(self, tokens: list[int], scores: Logprobs) -> dict:
+    def _completion(self, tokens: list[int], values: list[float | None],
+                    likeliest: list[list[tuple[int, float]] | None]) -> dict:
         texts, offsets, tops = [], [], []
-        for i, (token, value) in enumerate(zip(tokens, scores.values)):
+        for token, value, best in zip(tokens, values, likeliest):
             text, raw = self.texts(token)
             texts.append(text)
             special = token in self.texts.special
@@ -110,10 +124,13 @@ class ChoiceLogprobs:
             offsets.append(self.offset)
             if not special:
                 self.offset += len(self.decoder.decode(bytes(raw)))
+            if value is None:  # (a prompt's first token: nothing before it to score it)
+                tops.append(None)
+                continue
             top: dict[str, float] = {}
             # (texts that coincide: the sampled token's, or the likelier)
-            for t, v in [(token, value), *((t, v) for t, v in scores.tops(i) if math.isfinite(v))]:
+            for t, v in [(token, value), *((t, v) for t, v in best if math.isfinite(v))]:
                 top.setdefault(self.texts(t)[0], _figure(v))
             tops.append(dict(sorted(top.items(), key=lambda item: -item[1])))
-        return {"tokens": texts, "token_logprobs": [_figure(v) for v in scores.values], "top_logprobs": tops,
-                "text_offset": offsets}
+        return {"tokens": texts, "token_logprobs": [None if v is None else _figure(v) for v in values],
+                "top_logprobs": tops, "text_offset": offsets}

@@ -366,6 +366,8 @@ class GrpcTarget(Peer):
         verdict = verdict_from_proto(reply)
         if call.params.logprobs is not None and (fault := verdict.logprobs_fault(call.params.logprobs)) is not None:
             raise PeerError(self, grpc.StatusCode.FAILED_PRECONDITION, f"asked for logprobs, {fault}")
+        if (fault := verdict.prompt_logprobs_fault(call)) is not None:
+            raise PeerError(self, grpc.StatusCode.FAILED_PRECONDITION, f"asked for the prompt's logprobs, {fault}")
         return verdict, cost
 
 

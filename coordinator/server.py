@@ -34,7 +34,7 @@ def request_from_proto(r: pb.GenerateRequest) -> GenerationRequest:
         constraint=constraint_from_proto(r.constraint) if r.HasField("constraint") else None,
         logprobs=optional("logprobs"), frequency_penalty=optional("frequency_penalty"),
         presence_penalty=optional("presence_penalty"), logit_bias=dict(r.logit_bias) or None,
-        repetition_penalty=optional("repetition_penalty"),
+        repetition_penalty=optional("repetition_penalty"), prompt_logprobs=optional("prompt_logprobs"),
     )
 
 
@@ -71,11 +71,19 @@ def stats_proto(summary: Summary) -> pb.GenerationStats:
 
 
 def chunk_proto(chunk: Chunk) -> pb.GenerateChunk:
-    scores = logprobs_to_proto(chunk.logprobs)
-    if chunk.summary is None:
-        return pb.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids, logprobs=scores)
-    return pb.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids, finish_reason=FINISH[chunk.finish],
-                            stats=stats_proto(chunk.summary), logprobs=scores)
+    made = pb.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids, logprobs=logprobs_to_proto(chunk.logprobs))
+    if chunk.summary is not None:
+        made.finish_reason = FINISH[chunk.finish]
+        made.stats.CopyFrom(stats_proto(chunk.summary))
+    add_prompt(made, chunk)
+    return made
+
+
+def add_prompt(message: pb.GenerateChunk | pb.GenerateResponse, chunk: Chunk) -> None:
+    """The scored prompt a chunk carries (its request's prompt_logprobs), onto a response or chunk."""
+    if chunk.prompt is not None:
+        message.prompt_token_ids.extend(chunk.prompt.token_ids)
+        message.prompt_logprobs.CopyFrom(logprobs_to_proto(chunk.prompt.logprobs))
 
 
 def status_code(error: InvalidRequest | NotPossible | NotReady | PeerError) -> grpc.StatusCode:
@@ -117,6 +125,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             pieces.append(chunk.text)
             scores.append(chunk.logprobs)
             response.token_ids.extend(chunk.token_ids)
+            add_prompt(response, chunk)
             if chunk.summary is not None:
                 response.finish_reason = FINISH[chunk.finish]
                 response.stats.CopyFrom(stats_proto(chunk.summary))

@@ -13,7 +13,7 @@ import torch
 
 from speculative.errors import CapacityExceeded, InvalidRequest
 from speculative.lookup import LOOKUP_SIZES, NgramIndex
-from speculative.protocol import Cost, Features, Logprobs, Proposal, ProposeCall, Verdict, VerifyCall
+from speculative.protocol import MAX_TOP_LOGPROBS, Cost, Features, Logprobs, Proposal, ProposeCall, Verdict, VerifyCall
 from speculative.sampling import (
     ProbRows,
     check_supports,
@@ -210,8 +210,8 @@ class TargetEngine(RunnerEngine):
             fed = sum(max(len(drafted) + 1, len(session.tokens) - session.cached)
                       for _, _, session, _, drafted, *_ in live)
             try:
-                logits, states = runner.forward_capturing([(session, len(drafted) + 1)
-                                                           for _, _, session, _, drafted, *_ in live], capture)
+                logits, states = runner.forward_capturing([(session, len(drafted) + 1 + _scored_prompt(call))
+                                                           for _, call, session, _, drafted, *_ in live], capture)
             except Exception as exc:
                 for i, call, *_ in live:
                     runner.sessions.release(call.session_id)  # its cache may be half-written
@@ -221,6 +221,7 @@ class TargetEngine(RunnerEngine):
                 # rows: positions of x_1..x_K and the bonus, over the ids the tokenizer can produce (an
                 # output layer padded past the vocabulary scores ids no text maps to and no draft holds)
                 rows = rows[:, : runner.vocab_size]
+                prompt_rows, rows = rows[: _scored_prompt(call)], rows[_scored_prompt(call) :]
                 if i in masks:  # the constraint's mask at each position (a forbidden draft token has p = 0)
                     rows = grammar.apply(rows, masks[i])
                 scored = rows  # (logprobs: the model's, before penalties and biases)
@@ -243,6 +244,8 @@ class TargetEngine(RunnerEngine):
                 results[i].features = _committed_features(session, capture, states, j)
                 if call.params.logprobs is not None:
                     results[i].logprobs = token_logprobs(scored, kept, call.params.logprobs)
+                if call.prompt_logprobs is not None:
+                    results[i].prompt_logprobs = token_logprobs(prompt_rows, call.append[1:], call.prompt_logprobs)
             pass_ms = timer.ms
             if live and all(call.steps > 1 for _, call, *_ in live):
                 self._decode_on([(i, call, session) for i, call, session, *_ in live], results, busy)
@@ -431,6 +434,12 @@ class TargetEngine(RunnerEngine):
                                   proposal.support_probs, runner.vocab_size)
         # greedy verification needs only the tokens (see greedy_verify)
         q_ids, q_probs = (None, None) if call.params.greedy else supports_to_tensors(*supports, runner.device)
+        if call.prompt_logprobs is not None:
+            if not call.start:
+                raise InvalidRequest("prompt_logprobs scores a session's prompt: it is asked on the session's start")
+            if not 0 <= call.prompt_logprobs <= MAX_TOP_LOGPROBS:
+                raise InvalidRequest(f"prompt_logprobs' top tokens must lie in [0, {MAX_TOP_LOGPROBS}], not"
+                                     f" {call.prompt_logprobs}")
         if call.start:
             if not call.append:
                 raise InvalidRequest("a new session needs its prompt in `append`")
@@ -516,7 +525,11 @@ def prompt_ids(session: Session) -> torch.Tensor:
 
 def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> Logprobs:
     """Logprobs of `tokens`, token i scored by row i of a pass's rows (its position's logits, masked by a
-    constraint), with the `top` most likely tokens of each row."""
+    constraint), with the `top` most likely tokens of each row. (A prompt's rows go LOGPROB_ROWS at a
+    time: its log-softmax is a copy of rows that may be a long prompt's whole vocabulary each.)"""
+    if len(tokens) > LOGPROB_ROWS:
+        return Logprobs.join([token_logprobs(rows[i : i + LOGPROB_ROWS], tokens[i : i + LOGPROB_ROWS], top)
+                              for i in range(0, len(tokens), LOGPROB_ROWS)])
     lp = torch.log_softmax(rows[: len(tokens)].float(), dim=-1)
     values = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0]
     if not top:
@@ -524,6 +537,14 @@ def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> Logprobs:
     best = lp.topk(min(top, lp.shape[-1]), dim=-1)
     return Logprobs(best.values.shape[-1], values.tolist(), best.indices.flatten().tolist(),
                     best.values.flatten().tolist())
+
+
+LOGPROB_ROWS = 256
+
+
+def _scored_prompt(call: VerifyCall) -> int:
+    """The rows a call's pass scores its prompt with, before the rows it verifies (VerifyCall.prompt_logprobs)."""
+    return len(call.append) - 1 if call.start and call.prompt_logprobs is not None else 0
 
 
 def _feature_layers(sessions: list[Session]) -> tuple[int, ...]:

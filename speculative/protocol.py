@@ -9,7 +9,8 @@ The round (round.py), both model services and the coordinator share these words:
   Verdict          how many of them the target accepted, and its own next token (or tokens: a
                    call with no proposal may ask the target to decode several on its own)
   Logprobs         per token a verdict commits, its log-probability under the target and the most
-                   likely tokens' (a request's SamplingParams.logprobs asks for them)
+                   likely tokens' (a request's SamplingParams.logprobs asks for them); of a prompt's
+                   tokens too (VerifyCall.prompt_logprobs, on a session's start)
   Constraint       a structured-output constraint (JSON schema, regex, grammar, choice) a session
                    follows: the target masks p with it, the draft masks q (model_service/grammar.py)
   Features         the target's hidden states at some layers for consecutive committed
@@ -295,6 +296,9 @@ class VerifyCall:
     lookup: int = 0      # with no proposal and steps > 1: each pass also verifies up to this many tokens the
     #                      target copies from the session's context (prompt lookup; VerifyRequest.lookup_tokens)
     output_from: int = 0  # on start: where the output begins in `append` (params' penalties count the tokens from it)
+    # on start: score `append`'s tokens after the first with this many most likely tokens' beside each
+    # (Verdict.prompt_logprobs; 0..MAX_TOP_LOGPROBS); None: not
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -367,6 +371,8 @@ class Verdict:
     copied: int = 0  # of `token` and `decoded`, those the target copied from the context and accepted (lookup)
     # params.logprobs set: those of the committed tokens (the accepted draft tokens, `token`, `decoded`)
     logprobs: Logprobs | None = None
+    # a start's call.prompt_logprobs set: those of its append[1:], each under the position before it
+    prompt_logprobs: Logprobs | None = None
 
     @property
     def committed(self) -> int:
@@ -378,6 +384,14 @@ class Verdict:
         if self.logprobs is None:
             return "it sent no logprobs (a service older than this coordinator?)"
         return self.logprobs.fault(self.committed, top)
+
+    def prompt_logprobs_fault(self, call: VerifyCall) -> str | None:
+        """Why this verdict does not answer `call`'s prompt_logprobs (None: it does, or the call asked none)."""
+        if not call.start or call.prompt_logprobs is None:
+            return None
+        if self.prompt_logprobs is None:
+            return "it sent no prompt logprobs (a service older than this coordinator?)"
+        return self.prompt_logprobs.fault(len(call.append) - 1, call.prompt_logprobs)
 
 
 @dataclass(frozen=True)
@@ -519,27 +533,31 @@ def verify_call_to_proto(call: VerifyCall, turn: tuple[int, int] = (0, 0)) -> pb
                             turn_id=turn[0], turn_size=turn[1], decode_steps=call.steps if call.steps > 1 else 0,
                             feature_layers=call.feature_layers, constraint=constraint_to_proto(call.constraint),
                             traceparent=call.trace, drop_features=call.drop_features,
-                            lookup_tokens=call.lookup if call.steps > 1 else 0, output_from=call.output_from)
+                            lookup_tokens=call.lookup if call.steps > 1 else 0, output_from=call.output_from,
+                            prompt_logprobs=0 if call.prompt_logprobs is None else 1 + call.prompt_logprobs)
 
 
 def verify_call_from_proto(msg: pb.VerifyRequest) -> VerifyCall:
     return VerifyCall(msg.session_id, msg.start, list(msg.append), proposal_from_proto(msg.proposal),
                       params_from_proto(msg.sampling), max(1, msg.decode_steps), tuple(msg.feature_layers),
                       constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None, msg.traceparent,
-                      msg.drop_features, msg.lookup_tokens, msg.output_from)
+                      msg.drop_features, msg.lookup_tokens, msg.output_from,
+                      msg.prompt_logprobs - 1 if msg.prompt_logprobs else None)
 
 
 def verdict_to_proto(verdict: Verdict, cost: Cost) -> pb.VerifyResponse:
     return pb.VerifyResponse(accepted=verdict.accepted, token=verdict.token, service_ms=cost.service_ms,
                              batch_size=cost.batch_size, batch_tokens=cost.batch_tokens, pass_ms=cost.pass_ms,
                              decoded=verdict.decoded, features=features_to_proto(verdict.features),
-                             copied=verdict.copied, logprobs=logprobs_to_proto(verdict.logprobs))
+                             copied=verdict.copied, logprobs=logprobs_to_proto(verdict.logprobs),
+                             prompt_logprobs=logprobs_to_proto(verdict.prompt_logprobs))
 
 
 def verdict_from_proto(msg: pb.VerifyResponse) -> Verdict:
     return Verdict(msg.accepted, msg.token, list(msg.decoded),
                    features_from_proto(msg.features) if msg.HasField("features") else None, msg.copied,
-                   logprobs_from_proto(msg.logprobs) if msg.HasField("logprobs") else None)
+                   logprobs_from_proto(msg.logprobs) if msg.HasField("logprobs") else None,
+                   logprobs_from_proto(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else None)
 
 
 def pass_cost_from_info(info: pb.ModelInfo) -> PassCost:

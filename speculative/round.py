@@ -170,11 +170,23 @@ class Sequence:
     drop_features: bool = False  # the target session is to send no more feature rows: said on its next verify
     draft_starts: int = 0        # draft calls that started its session (each takes in the whole context)
     output_from: int = 0         # the prompt's length: where the output begins (the target's penalties count from it)
+    prompt_scores: PromptScores | None = None  # asked: the target's start scores the prompt (once)
 
     def draft_lost(self) -> None:
         """The draft session is gone: the next draft call starts it again."""
         self.draft_seen = self.draft_unconfirmed = self.draft_featured = 0
         self.ready = None
+
+
+@dataclass
+class PromptScores:
+    """A generation's ask to have its prompt scored (generate's prompt_scores): each of its tokens after the
+    first, its log-probability under the target with the `top` most likely tokens' beside it; `logprobs`
+    filled in by the target session's first start (VerifyCall.prompt_logprobs), which pays for it with an
+    output row per prompt token."""
+
+    top: int
+    logprobs: Logprobs | None = None
 
 
 @dataclass
@@ -329,9 +341,17 @@ async def _verify(target: TargetPeer, seq: Sequence, proposal: Proposal, params:
         except SessionLost:
             seq.target_seen = 0
     seq.drop_features = False  # (a new session asks for seq.feature_layers, none once dropped)
-    return await target.verify(VerifyCall(seq.session_id, True, seq.tokens[:], proposal, params, steps,
-                                          seq.feature_layers, seq.constraint, lookup=lookup,
-                                          output_from=seq.output_from))
+    scores = seq.prompt_scores if seq.prompt_scores is not None and seq.prompt_scores.logprobs is None else None
+    call = VerifyCall(seq.session_id, True, seq.tokens[:], proposal, params, steps, seq.feature_layers, seq.constraint,
+                      lookup=lookup, output_from=seq.output_from,
+                      prompt_logprobs=scores.top if scores is not None else None)
+    answer = await target.verify(call)
+    if scores is not None:
+        if (fault := answer[0].prompt_logprobs_fault(call)) is not None:
+            raise RuntimeError(f"the target's answer: {fault}")  # (as a missing logprobs: GrpcTarget says so itself)
+        # (the prompt's: a session started again after output, the first start lost, scored that too)
+        scores.logprobs = answer[0].prompt_logprobs.slice(0, seq.output_from - 1)
+    return answer
 
 
 async def _unless_lost(call: Awaitable[tuple[Proposal, Cost]]) -> tuple[Proposal, Cost] | None:
@@ -441,6 +461,7 @@ async def generate(
     trace_context: Context | None = None,
     lookup: int = 0,
     logprobs: list[Logprobs] | None = None,
+    prompt_scores: PromptScores | None = None,
 ) -> AsyncIterator[list[int]]:
     """Yield each round's new tokens until max_new_tokens, the context or an EOS.
 
@@ -458,8 +479,10 @@ async def generate(
     (runtime/tracing.py); lookup: in a round that decodes steps, the tokens each pass may also verify
     from the target's own copies of the context (speculative_round; greedy, or a policy that does not
     replay: see KPolicy.replays); logprobs: where params.logprobs is set, each round's Logprobs of the
-    tokens it yields is appended to it before they are. Tokens past an EOS or past max_new_tokens are
-    dropped. Both sessions are released when the generator ends or is closed early.
+    tokens it yields is appended to it before they are; prompt_scores: the target's first start scores
+    the prompt into it (max_new_tokens 0: that start alone, a round that drafts nothing and yields
+    nothing). Tokens past an EOS or past max_new_tokens are dropped. Both sessions are released when the
+    generator ends or is closed early.
     """
     if isinstance(k, int):
         k = FixedK(k)
@@ -473,14 +496,17 @@ async def generate(
     draft_context = max_context if draft_context is None else draft_context
     # no round can draft (a feature-reading draft's first round cannot, and commits one token), or the
     # policy never drafts (a request's K = 0): the draft is never called, nor are features asked for
-    if not k.k or draft_context - len(prompt) < (2 if feature_layers else 1):
+    limit = min(max_new_tokens, max_context - len(prompt))
+    if not k.k or draft_context - len(prompt) < (2 if feature_layers else 1) or limit <= 0:
         feature_layers = ()
     seq = Sequence(session_id or uuid.uuid4().hex, list(prompt), feature_layers=tuple(feature_layers),
                    features=FeatureLog(feature_window),
                    constraint=constraint.at(len(prompt)) if constraint is not None else None,
-                   output_from=len(prompt))
-    limit = min(max_new_tokens, max_context - len(prompt))
+                   output_from=len(prompt), prompt_scores=prompt_scores)
     try:
+        if limit <= 0 and prompt_scores is not None:  # the prompt scored, nothing generated
+            stats.add(await speculative_round(draft, target, seq, 0, params, p_min))
+            return
         while stats.generated_tokens < limit:
             remaining = limit - stats.generated_tokens
             start = time.perf_counter()

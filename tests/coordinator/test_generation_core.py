@@ -46,7 +46,10 @@ BAD = {
     "prompt and ids": (dict(prompt="a", prompt_token_ids=[1]), "not prompt and prompt_token_ids"),
     "prompt fills context": (dict(prompt_token_ids=[5] * 512), "leaving no room to generate"),
     "prompt text of megabytes": (dict(prompt="x = 1\n" * 200_000), "characters, more than the context"),
-    "max_new_tokens zero": (dict(prompt="a", max_new_tokens=0), "max_new_tokens must be > 0, not 0"),
+    "max_new_tokens zero": (dict(prompt="a", max_new_tokens=0), "max_new_tokens must be > 0 (0 only with prompt_lo"),
+    "prompt_logprobs past 20": (dict(prompt="a", prompt_logprobs=21), "prompt_logprobs must lie in [0, 20], not 21"),
+    "scored prompt fills context, generating": (dict(prompt_token_ids=[5] * 512, prompt_logprobs=0),
+                                                "leaving no room to generate"),
     "max_new_tokens beyond context": (dict(prompt_token_ids=[5] * 10, max_new_tokens=503), "at most 502 new tokens"),
     "temperature nan": (dict(prompt="a", temperature=NAN),
                         "temperature must be a finite number >= 0 (a 32-bit float), not nan"),
@@ -64,10 +67,15 @@ BAD = {
     "top_p 0 as float32": (dict(prompt="a", top_p=1e-300), "above 0 as a 32-bit float), not 1e-300"),
 }
 # the field a front door names (`param`), where it is not the first word of the message
-PARAMS = {"prompt fills context": "prompt_token_ids", "prompt text of megabytes": "prompt", "max_new_tokens beyond context":
+PARAMS = {"prompt fills context": "prompt_token_ids", "scored prompt fills context, generating": "prompt_token_ids", "prompt text of megabytes": "prompt", "max_new_tokens beyond context":
           "max_new_tokens", "token id outside vocabulary": "prompt_token_ids", "too many stop strings": "stop",
           "message without a role": "messages", "empty prompt": "prompt", "prompt and ids": "prompt_token_ids",
           "temperature past float32": "temperature", "top_p 0 as float32": "top_p"}
+
+
+def test_a_scored_prompt_may_generate_nothing_and_fill_the_context(bpe):
+    plan = check(GenerationRequest(prompt_token_ids=[5] * 512, max_new_tokens=0, prompt_logprobs=3), bpe)
+    assert plan.max_new_tokens == 0 and plan.prompt_logprobs == 3 and len(plan.prompt) == 512
 
 
 @pytest.mark.parametrize("name", list(BAD))
