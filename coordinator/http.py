@@ -19,7 +19,9 @@ which the official client's `chat.completions.parse` sends for a pydantic model)
 them, else 400; one that does not compile is 400 with the compiler's reason. `tools` and `tool_choice`
 (tools.py): any model's tool calls, by structured output. `n` (at most MAX_CHOICES) runs that many
 generations side by side (a seeded request's choices seeded seed, seed + 1, ...; streamed, their
-rounds' events interleave, each choice with its index). Completions' `echo` puts the prompt before the
+rounds' events interleave, each choice with its index); completions' `prompt` may be a batch (a list of
+texts or of token-id lists), each prompt's n choices in turn (index prompt x n + choice), at most
+MAX_GENERATIONS in all. Completions' `echo` puts the prompt before the
 completion, with its tokens' logprobs where `logprobs` is asked (the target scores the prompt: then
 max_tokens may be 0). A field specdec cannot honour (best_of, suffix, the older functions API) is
 refused, naming it; a field it does not know is ignored.
@@ -79,6 +81,7 @@ HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANG
 FINISH = {Finish.LENGTH: "length", Finish.STOP: "stop", Finish.EOS: "stop"}
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' default, as OpenAI's
 MAX_CHOICES = 16  # the most choices (`n`) one request may ask for: each is a generation of its own
+MAX_GENERATIONS = 64  # the most generations (a batch's prompts x n) one request may start
 
 
 # ------------------------------------------------------------------ errors
@@ -324,7 +327,7 @@ def constraint_of(body: Body) -> Constraint | None:
     return found[0][1] if found else None
 
 
-def chat_request(body: ChatBody) -> tuple[GenerationRequest, Reply]:
+def chat_request(body: ChatBody) -> list[tuple[GenerationRequest, Reply]]:
     use = ToolUse.of(body.tools, body.tool_choice, body.parallel_tool_calls)
     for i, m in enumerate(body.messages):
         parts = [ContentPart(type="text", text=m.content)] if isinstance(m.content, str) else m.content or []
@@ -335,25 +338,26 @@ def chat_request(body: ChatBody) -> tuple[GenerationRequest, Reply]:
     most = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     request = generation_request(body, most, messages=messages)
     if use is None:
-        return request, chat_choice
+        return [(request, chat_choice)]
     if request.constraint is not None:
         raise ApiError(400, "tools are answered by a structured output of their own: give tools or a"
                             " structured-output constraint, not both (or tool_choice none)", "tool_choice")
     request.constraint = use.constraint()
-    return request, ToolReply(use)
+    return [(request, ToolReply(use))]
 
 
-def completion_request(body: CompletionBody) -> tuple[GenerationRequest, Reply]:
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):  # a batch of prompts
-        if len(prompt) > 1:
-            raise ApiError(400, "one prompt per request: batches of prompts are not supported", "prompt")
-        prompt = prompt[0]
+def completion_request(body: CompletionBody) -> list[tuple[GenerationRequest, Reply]]:
+    """A request per prompt: `prompt` is one (text or token ids) or a batch of them (a list of either)."""
+    batch = body.prompt if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str | list) \
+        else [body.prompt]
     most = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    request = generation_request(body, most, **{"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt})
-    if body.echo:  # the prompt's tokens scored too where logprobs are asked (and where nothing is generated)
-        request.prompt_logprobs = body.logprobs if body.logprobs is not None or most != 0 else 0
-    return request, text_choice
+    made = []
+    for prompt in batch:
+        request = generation_request(body, most, **{"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt})
+        if body.echo:  # the prompt's tokens scored too where logprobs are asked (and where nothing is generated)
+            request.prompt_logprobs = body.logprobs if body.logprobs is not None or most != 0 else 0
+        made.append((request, text_choice))
+    return made
 
 
 async def echoing(chunks: AsyncIterator[Chunk], prompt: str) -> AsyncIterator[Chunk]:
@@ -384,17 +388,18 @@ async def all_of(works: list[Awaitable[T]]) -> list[T]:
     return [task.result() for task in tasks]
 
 
-def together(summaries: list[Summary]) -> Summary:
-    """A request's summary over its choices (n > 1): their rounds' counts summed, the first's seed
-    and K, the longest wall time; the prompt counted once, as OpenAI's usage counts it."""
+def together(summaries: list[Summary], n: int = 1) -> Summary:
+    """A request's summary over its choices (n > 1, a batch of prompts; in choice order, each prompt's n
+    together): their rounds' counts summed, the first's seed and K, the longest wall time; each prompt
+    counted once, as OpenAI's usage counts it."""
     if len(summaries) == 1:
         return summaries[0]
     stats = Stats()
     for summary in summaries:
         stats.merge(summary.stats)
     first = summaries[0]
-    return Summary(stats, first.num_speculative_tokens, first.adaptive, first.seed, first.prompt_tokens,
-                   max(s.wall_ms for s in summaries))
+    return Summary(stats, first.num_speculative_tokens, first.adaptive, first.seed,
+                   sum(s.prompt_tokens for s in summaries[::n]), max(s.wall_ms for s in summaries))
 
 
 def usage(summary: Summary) -> dict:
@@ -485,7 +490,7 @@ class Endpoint:
 
     path: str
     body: type[Body]
-    request: Callable[[Any], tuple[GenerationRequest, Reply]]  # the request, and how its choices read
+    request: Callable[[Any], list[tuple[GenerationRequest, Reply]]]  # a request a prompt, and how its choices read
     object: str         # a unary response's
     chunk_object: str   # a stream event's
     id_prefix: str
@@ -578,7 +583,12 @@ class OpenAIApi:
         async def handle(request: Request) -> Response:
             body = await parse(request, endpoint.body, self.max_request_bytes)
             model = self.model_name(body.model)
-            choices = [endpoint.request(body) for _ in range(body.n or 1)]  # (each its own reply: tools.py's)
+            n = body.n or 1
+            made = [endpoint.request(body) for _ in range(n)]  # (each its own reply: tools.py's)
+            choices = [each[p] for p in range(len(made[0])) for each in made]  # a prompt's n, then the next's
+            if len(choices) > MAX_GENERATIONS:
+                raise ApiError(400, f"{len(made[0])} prompts x n = {n} are {len(choices)} generations; at most"
+                                    f" {MAX_GENERATIONS} a request", "prompt" if len(made[0]) > 1 else "n")
             for i, (generation, _) in enumerate(choices[1:], 1):  # a seeded request's choices: seed, seed + 1, ...
                 if generation.seed is not None:
                     generation.seed = (generation.seed + i) % 2**64
@@ -586,16 +596,16 @@ class OpenAIApi:
                                                  traceparent=request.headers.get("traceparent", ""))
                        for generation, _ in choices]
             if endpoint is COMPLETIONS and body.echo:
-                generation = choices[0][0]
-                text = generation.prompt or self.coordinator.ready().tokenizer.decode(
-                    generation.prompt_token_ids, skip_special_tokens=True)  # (as the completion's text reads)
-                streams = [echoing(chunks, text) for chunks in streams]
+                tokenizer = self.coordinator.ready().tokenizer
+                streams = [echoing(chunks, generation.prompt or tokenizer.decode(
+                    generation.prompt_token_ids, skip_special_tokens=True))  # (as the completion's text reads)
+                    for chunks, (generation, _) in zip(streams, choices)]
             replies = [reply for _, reply in choices]
             scorers = self.scorers(endpoint, len(choices)) if logprobs_asked(body) is not None else None
             head = {"id": f"{endpoint.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
             try:
                 if not body.stream:
-                    return await unless_hung_up(request, self.unary(streams, endpoint, head, replies, scorers))
+                    return await unless_hung_up(request, self.unary(streams, endpoint, head, replies, scorers, n))
                 # each choice's first round before the response starts: a refusal gets its own status, not a 200
                 # stream
                 try:
@@ -611,7 +621,7 @@ class OpenAIApi:
                     raise ApiError(400, f"the tools' schemas: {refused}", "tools", refused.code) from e
                 raise
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return EventStream(self.events(firsts, streams, endpoint, head, include_usage, replies, scorers),
+            return EventStream(self.events(firsts, streams, endpoint, head, include_usage, replies, scorers, n),
                                headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
         return Route(endpoint.path, handle, methods=["POST"])
@@ -624,7 +634,8 @@ class OpenAIApi:
         return [ChoiceLogprobs(self.texts, endpoint is CHAT) for _ in range(count)]
 
     async def unary(self, streams: list[AsyncIterator[Chunk]], endpoint: Endpoint, head: dict,
-                    replies: list[Reply], scorers: list[ChoiceLogprobs] | None = None) -> Response:
+                    replies: list[Reply], scorers: list[ChoiceLogprobs] | None = None,
+                    per_prompt: int = 1) -> Response:
         async def whole(chunks: AsyncIterator[Chunk]) -> tuple[str, Chunk, list[int], Logprobs | None,
                                                                ScoredPrompt | None]:
             pieces, tokens, scores, prompt = [], [], [], None
@@ -641,7 +652,7 @@ class OpenAIApi:
                    in enumerate(zip(answers, replies))]
         for choice, scorer, (_, _, tokens, scores, prompt) in zip(choices, scorers or [], answers):
             choice["logprobs"] = scorer(tokens, scores, prompt)
-        summary = together([answer[1].summary for answer in answers])
+        summary = together([answer[1].summary for answer in answers], per_prompt)
         return JSONResponse({
             **head, "object": endpoint.object, "choices": choices,
             "usage": usage(summary), "specdec": specdec_fields(summary),
@@ -649,7 +660,7 @@ class OpenAIApi:
 
     async def events(self, firsts: list[Chunk], streams: list[AsyncIterator[Chunk]], endpoint: Endpoint,
                      head: dict, include_usage: bool, replies: list[Reply],
-                     scorers: list[ChoiceLogprobs] | None = None) -> AsyncIterator[str]:
+                     scorers: list[ChoiceLogprobs] | None = None, per_prompt: int = 1) -> AsyncIterator[str]:
         """One event per choice and round that brought text, the finish_reason (and the choice's
         `specdec`) on its last; with include_usage one more, the usage of all; then [DONE]. The
         choices' rounds come as they are made. A failure after the first round is an error event."""
@@ -671,7 +682,7 @@ class OpenAIApi:
                 await rounds.put((i, e))
 
         pumps = [asyncio.ensure_future(pump(i, *made)) for i, made in enumerate(zip(firsts, streams))]
-        opened, summaries = [False] * len(pumps), []
+        opened, summaries = [False] * len(pumps), {}
         # each choice's tokens not yet sent with an event, their logprobs, and its scored prompt (echo) if unsent
         unsent: list[tuple[list[int], list[Logprobs | None], ScoredPrompt | None]] = [([], [], None) for _ in pumps]
         try:
@@ -702,9 +713,10 @@ class OpenAIApi:
                         yield event({**head, "choices": [{**choice, "index": i}], **extra})
                         opened[i] = True
                 if chunk.summary is not None:
-                    summaries.append(chunk.summary)
+                    summaries[i] = chunk.summary
             if include_usage:
-                yield event({**head, "choices": [], "usage": usage(together(summaries))})
+                ordered = [summaries[i] for i in range(len(pumps))]
+                yield event({**head, "choices": [], "usage": usage(together(ordered, per_prompt))})
         except CORE_ERRORS as e:
             yield event(core_error(e).body())
         except ApiError as e:

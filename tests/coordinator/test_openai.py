@@ -20,6 +20,7 @@ import grpc
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from transformers import AutoTokenizer
 
 from coordinator.launch import ROOT, LocalStack
 from runtime.ports import free_port
@@ -222,6 +223,35 @@ def test_n_choices_are_each_a_generation_of_their_own(client):
     assert 4 <= sampled.usage.completion_tokens <= 4 * 12
 
 
+def test_a_batch_of_prompts_answers_each_prompt_n_times_in_order(api, client, pair):
+    other = "import numpy as np"
+    ids = AutoTokenizer.from_pretrained(pair[1]).encode(other)
+    alone = [client.completions.create(model="target", prompt=p, max_tokens=6, temperature=0) for p in (PROMPT, other)]
+    batch = client.completions.create(model="target", prompt=[PROMPT, other], max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices] == [alone[0].choices[0].text] * 2 + [alone[1].choices[0].text] * 2
+    assert batch.usage.prompt_tokens == alone[0].usage.prompt_tokens + alone[1].usage.prompt_tokens  # each once
+    assert batch.usage.completion_tokens == 2 * (alone[0].usage.completion_tokens + alone[1].usage.completion_tokens)
+    by_ids = client.completions.create(model="target", prompt=[ids, ids], max_tokens=6, temperature=0)
+    assert [c.text for c in by_ids.choices] == [alone[1].choices[0].text] * 2
+    echoed = client.completions.create(model="target", prompt=[PROMPT, other], max_tokens=6, temperature=0, echo=True)
+    assert [c.text for c in echoed.choices] == [PROMPT + alone[0].choices[0].text, other + alone[1].choices[0].text]
+
+    async def go():
+        async with async_client(api) as streaming:
+            texts, usage = {}, None
+            async for event in await streaming.completions.create(
+                    model="target", prompt=[PROMPT, other], max_tokens=6, temperature=0, n=2, stream=True,
+                    stream_options={"include_usage": True}):
+                for choice in event.choices:
+                    texts[choice.index] = texts.get(choice.index, "") + choice.text
+                usage = event.usage or usage
+            return texts, usage
+
+    texts, usage = asyncio.run(go())
+    assert texts == {c.index: c.text for c in batch.choices} and usage.prompt_tokens == batch.usage.prompt_tokens
+
+
 def test_n_streamed_choices_interleave_by_index_and_add_up_to_the_unary_ones(api):
     async def go():
         async with async_client(api) as client:
@@ -254,7 +284,8 @@ def test_n_streamed_choices_interleave_by_index_and_add_up_to_the_unary_ones(api
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}',
      "temperature"),
     ("/v1/completions", b'{"prompt": "x", "stop": 5}', "stop"),
-    ("/v1/completions", b'{"prompt": ["a", "b"]}', "prompt"),                            # a batch
+    ("/v1/completions", b'{"prompt": ["a", "b", "c", "d", "e"], "n": 13}', "prompt"),    # 65 generations
+    ("/v1/completions", b'{"prompt": [[5, 6], []]}', "prompt"),                         # an empty one
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "messages"),
 ])
 def test_malformed_requests_are_400_naming_the_field(api, path, body, param):
