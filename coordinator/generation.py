@@ -161,8 +161,9 @@ class Chunk:
     text: str
     finish: Finish | None = None
     summary: Summary | None = None
-    logprobs: Logprobs | None = None  # the request's logprobs set: those of token_ids
+    logprobs: Logprobs | None = None  # the request's logprobs set: those of token_ids (an ending EOS's too)
     prompt: ScoredPrompt | None = None  # the request's prompt_logprobs set: on the first chunk
+    eos: bool = False  # the last of token_ids is the end-of-sequence token that ended the generation
 
 
 @dataclass
@@ -309,8 +310,8 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
     if max_new is None:
         max_new = min(limits.default_max_new_tokens, room)
     if max_new < 0 or max_new == 0 and not scoring:
-        raise InvalidRequest(f"max_new_tokens must be > 0 (0 only with prompt_logprobs: the prompt scored, nothing"
-                             f" generated), not {max_new}", "max_new_tokens")
+        raise InvalidRequest(f"max_new_tokens must be > 0 (0 only where the prompt is scored: gRPC's prompt_logprobs,"
+                             f" completions' echo), not {max_new}", "max_new_tokens")
     if max_new > room:
         raise InvalidRequest(
             f"max_new_tokens={max_new} goes beyond the context: the prompt has {len(prompt)} tokens "
@@ -540,9 +541,9 @@ class Coordinator:
                         if new and new[-1] in eos:
                             finish = Finish.EOS
                     clock.tokens(len(ids))
-                    # (an end-of-sequence token ends the text and has no place in it: nor in its logprobs)
-                    scores = scored.pop(0).slice(0, len(ids) - (finish is Finish.EOS)) if scored else None
-                    yield Chunk(token_ids=ids, text=text.take(), logprobs=scores, prompt=prompt())
+                    scores = scored.pop(0).slice(0, len(ids)) if scored else None
+                    yield Chunk(token_ids=ids, text=text.take(), logprobs=scores, prompt=prompt(),
+                                eos=finish is Finish.EOS)
                     if finish is Finish.STOP:
                         break
         finally:

@@ -360,6 +360,17 @@ def completion_request(body: CompletionBody) -> list[tuple[GenerationRequest, Re
     return made
 
 
+def seen(chunk: Chunk, endpoint: Endpoint) -> tuple[list[int], Logprobs | None]:
+    """A chunk's tokens and logprobs as its choice's logprobs show them: a chat's content leaves out the
+    end-of-sequence token that ended it (the message has no place for it, as OpenAI's); completions list
+    it, as OpenAI's legacy completions did and evaluation harnesses read it (lm-evaluation-harness takes
+    a scored continuation's logprobs as all but the last, the generated token)."""
+    if endpoint is CHAT and chunk.eos:
+        kept = len(chunk.token_ids) - 1
+        return chunk.token_ids[:kept], None if chunk.logprobs is None else chunk.logprobs.slice(0, kept)
+    return chunk.token_ids, chunk.logprobs
+
+
 async def echoing(chunks: AsyncIterator[Chunk], prompt: str) -> AsyncIterator[Chunk]:
     """A completion's chunks with its prompt's text before the first one's (`echo`)."""
     async with contextlib.aclosing(chunks):
@@ -642,8 +653,9 @@ class OpenAIApi:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     pieces.append(chunk.text)
-                    tokens += chunk.token_ids
-                    scores.append(chunk.logprobs)
+                    shown, scored = seen(chunk, endpoint)
+                    tokens += shown
+                    scores.append(scored)
                     prompt = prompt or chunk.prompt
             return "".join(pieces), chunk, tokens, Logprobs.join(scores), prompt
 
@@ -695,8 +707,9 @@ class OpenAIApi:
                     raise chunk
                 finish = None if chunk.finish is None else FINISH[chunk.finish]
                 if scorers:
-                    unsent[i][0].extend(chunk.token_ids)
-                    unsent[i][1].append(chunk.logprobs)
+                    shown, scored = seen(chunk, endpoint)
+                    unsent[i][0].extend(shown)
+                    unsent[i][1].append(scored)
                     if chunk.prompt is not None:
                         unsent[i] = (*unsent[i][:2], chunk.prompt)
                 if chunk.text or finish or (not opened[i] and endpoint is CHAT):

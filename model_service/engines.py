@@ -209,19 +209,37 @@ class TargetEngine(RunnerEngine):
             # the tokens the pass feeds: each session's uncached ones (a prompt, a catch-up), at least its rows
             fed = sum(max(len(drafted) + 1, len(session.tokens) - session.cached)
                       for _, _, session, _, drafted, *_ in live)
+            # a prompt scored (VerifyCall.prompt_logprobs) takes an output row a token: this pass scores
+            # prompts while their rows add up to LOGPROB_ROWS, passes of their own before it the rest
+            ahead: dict[int, tuple[Logprobs, list[torch.Tensor]]] = {}
+            room = LOGPROB_ROWS
+            for i, call, session, *_ in live:
+                if (scored := _scored_prompt(call)) and scored > room:
+                    try:
+                        ahead[i] = self._score_ahead(session, call, capture)
+                    except Exception as exc:
+                        runner.sessions.release(call.session_id)
+                        results[i] = exc
+                elif scored:
+                    room -= scored
+            live = [entry for entry in live if results[entry[0]] is None]
+            extra = {i: 0 if i in ahead else _scored_prompt(call) for i, call, *_ in live}  # its rows in this pass
             try:
-                logits, states = runner.forward_capturing([(session, len(drafted) + 1 + _scored_prompt(call))
-                                                           for _, call, session, _, drafted, *_ in live], capture)
+                logits, states = runner.forward_capturing([(session, len(drafted) + 1 + extra[i])
+                                                           for i, call, session, _, drafted, *_ in live], capture)
             except Exception as exc:
                 for i, call, *_ in live:
                     runner.sessions.release(call.session_id)  # its cache may be half-written
                     results[i] = exc
                 return results
+            for j, (i, *_) in enumerate(live):
+                if i in ahead and capture:  # the feature rows of the prompt's own passes first
+                    states[j] = (0, torch.cat([*ahead[i][1], states[j][1]]))
             for j, ((i, call, session, committed, drafted, q_ids, q_probs), rows) in enumerate(zip(live, logits)):
                 # rows: positions of x_1..x_K and the bonus, over the ids the tokenizer can produce (an
                 # output layer padded past the vocabulary scores ids no text maps to and no draft holds)
                 rows = rows[:, : runner.vocab_size]
-                prompt_rows, rows = rows[: _scored_prompt(call)], rows[_scored_prompt(call) :]
+                prompt_rows, rows = rows[: extra[i]], rows[extra[i] :]
                 if i in masks:  # the constraint's mask at each position (a forbidden draft token has p = 0)
                     rows = grammar.apply(rows, masks[i])
                 scored = rows  # (logprobs: the model's, before penalties and biases)
@@ -230,6 +248,9 @@ class TargetEngine(RunnerEngine):
                                   prompt_ids(session))
                 try:
                     accepted, token = self._check(rows, drafted, q_ids, q_probs, call.params, session)
+                    if call.prompt_logprobs is not None:
+                        prompt = ahead[i][0] if i in ahead else token_logprobs(prompt_rows, call.append[1:],
+                                                                               call.prompt_logprobs)
                 except Exception as exc:
                     runner.sessions.release(call.session_id)
                     results[i] = exc
@@ -245,12 +266,33 @@ class TargetEngine(RunnerEngine):
                 if call.params.logprobs is not None:
                     results[i].logprobs = token_logprobs(scored, kept, call.params.logprobs)
                 if call.prompt_logprobs is not None:
-                    results[i].prompt_logprobs = token_logprobs(prompt_rows, call.append[1:], call.prompt_logprobs)
+                    results[i].prompt_logprobs = prompt
             pass_ms = timer.ms
             if live and all(call.steps > 1 for _, call, *_ in live):
                 self._decode_on([(i, call, session) for i, call, session, *_ in live], results, busy)
             cost = Cost(timer.ms, batch_size=len(live), batch_tokens=fed, pass_ms=pass_ms)
             return [(r, cost) if isinstance(r, Verdict) else r for r in results]
+
+    def _score_ahead(self, session: Session, call: VerifyCall,
+                     capture: tuple[int, ...]) -> tuple[Logprobs, list[torch.Tensor]]:
+        """Score a starting session's prompt in passes of its own, LOGPROB_ROWS tokens each, before the
+        call's pass, which then feeds its last token and the draft tokens. -> (the prompt's Logprobs, each
+        pass's states at the `capture` layers)"""
+        runner, whole = self.runner, session.tokens
+        parts, states = [], []
+        while session.cached < (scored := _scored_prompt(call)):
+            end = min(session.cached + LOGPROB_ROWS, scored)
+            rows = end - session.cached
+            session.tokens = whole[:end]  # (the pass feeds up to `end`: the rest stays unfed)
+            try:
+                logits, captured = runner.forward_capturing([(session, rows)], capture)
+            finally:
+                session.tokens = whole
+            parts.append(token_logprobs(logits[0][:, : runner.vocab_size], whole[end - rows + 1 : end + 1],
+                                        call.prompt_logprobs))
+            if capture:
+                states.append(captured[0][1])
+        return Logprobs.join(parts), states
 
     def _check(self, rows: torch.Tensor, drafted: list[int], q_ids, q_probs, params,
                session: Session) -> tuple[int, int]:
@@ -440,6 +482,9 @@ class TargetEngine(RunnerEngine):
             if not 0 <= call.prompt_logprobs <= MAX_TOP_LOGPROBS:
                 raise InvalidRequest(f"prompt_logprobs' top tokens must lie in [0, {MAX_TOP_LOGPROBS}], not"
                                      f" {call.prompt_logprobs}")
+            if (outside := next((t for t in call.append if t >= runner.vocab_size), None)) is not None:
+                raise InvalidRequest(f"prompt_logprobs: the prompt's token {outside} lies outside the vocabulary"
+                                     f" [0, {runner.vocab_size}) the target scores")
         if call.start:
             if not call.append:
                 raise InvalidRequest("a new session needs its prompt in `append`")
@@ -539,7 +584,7 @@ def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> Logprobs:
                     best.values.flatten().tolist())
 
 
-LOGPROB_ROWS = 256
+LOGPROB_ROWS = 256  # a pass's output rows for prompts scored, at most (SmolLM2's: 50 MB of float32 logits)
 
 
 def _scored_prompt(call: VerifyCall) -> int:

@@ -46,7 +46,7 @@ BAD = {
     "prompt and ids": (dict(prompt="a", prompt_token_ids=[1]), "not prompt and prompt_token_ids"),
     "prompt fills context": (dict(prompt_token_ids=[5] * 512), "leaving no room to generate"),
     "prompt text of megabytes": (dict(prompt="x = 1\n" * 200_000), "characters, more than the context"),
-    "max_new_tokens zero": (dict(prompt="a", max_new_tokens=0), "max_new_tokens must be > 0 (0 only with prompt_lo"),
+    "max_new_tokens zero": (dict(prompt="a", max_new_tokens=0), "max_new_tokens must be > 0 (0 only where the prompt"),
     "prompt_logprobs past 20": (dict(prompt="a", prompt_logprobs=21), "prompt_logprobs must lie in [0, 20], not 21"),
     "scored prompt fills context, generating": (dict(prompt_token_ids=[5] * 512, prompt_logprobs=0),
                                                 "leaving no room to generate"),

@@ -19,6 +19,7 @@ from coordinator.launch import LocalStack
 from model_service.engines import LOGPROB_ROWS, DraftEngine, TargetEngine, token_logprobs
 from model_service.local import LocalDraft, LocalTarget
 from model_service.model_runner import ModelRunner
+from speculative.sampling import encode_supports
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from speculative.errors import InvalidRequest
@@ -98,6 +99,49 @@ def test_the_prompt_is_scored_as_the_target_scores_it(pair, case):
         assert len(starts) == 2  # scored once: the start again did not ask
 
 
+def test_prompts_scored_in_one_pass_bound_its_rows_and_change_nothing_else(pair, monkeypatch):
+    """Starts that score long prompts beside others in one verify_many: no pass asks for more than
+    LOGPROB_ROWS prompt rows (each a vocabulary's logits); scores, tokens and feature rows as each alone."""
+    import model_service.engines as engines
+
+    monkeypatch.setattr(engines, "LOGPROB_ROWS", 16)
+    target_dir = pair[1]
+    ids = AutoTokenizer.from_pretrained(target_dir).encode(PROMPT * 3)  # ~60 tokens: passes of their own
+    assert len(ids) > 40
+    runner = ModelRunner(target_dir)
+    engine = TargetEngine(runner)
+    asked = []
+    forward = runner.forward_capturing
+
+    def recorded(feeds, capture):
+        asked.append(sum(n for _, n in feeds))
+        return forward(feeds, capture)
+
+    monkeypatch.setattr(runner, "forward_capturing", recorded)
+    params = SamplingParams(0.0)
+    draft = Proposal([5, 6], *encode_supports([torch.tensor([5]), torch.tensor([6])],
+                                              [torch.tensor([1.0]), torch.tensor([1.0])]))
+
+    def calls(scored: bool) -> list[VerifyCall]:
+        top = 2 if scored else None
+        return [VerifyCall(f"long{scored}", True, ids, draft, params, feature_layers=(0, 1), prompt_logprobs=top),
+                VerifyCall(f"short{scored}", True, ids[:12], Proposal(), params, prompt_logprobs=top),
+                VerifyCall(f"other{scored}", True, ids[:30], Proposal(), params, feature_layers=(1,),
+                           prompt_logprobs=top),
+                VerifyCall(f"plain{scored}", True, ids[:9], Proposal(), params)]
+
+    together = [verdict for verdict, _ in engine.verify_many(calls(True))]
+    assert max(asked) <= 16 + 3 + 12 + 1  # (this pass: the short prompt's 11 rows, every call's own)
+    alone = [engine.verify(call)[0] for call in calls(False)]
+    want = scored_by_transformers(target_dir, ids)
+    for verdict, plain, call in zip(together, alone, calls(True)):
+        assert (verdict.accepted, verdict.token) == (plain.accepted, plain.token)
+        assert (verdict.features and verdict.features.data) == (plain.features and plain.features.data)
+        if call.prompt_logprobs is not None:
+            check(verdict.prompt_logprobs, call.append, want, 2)
+    assert together[0].features.start == 0 and together[0].features.rows >= len(ids)
+
+
 def test_a_long_prompt_is_scored_in_parts_as_in_one(pair):
     rows = torch.randn(2 * LOGPROB_ROWS + 5, 50)
     tokens = torch.randint(0, 50, (len(rows),)).tolist()
@@ -118,6 +162,11 @@ def test_the_target_refuses_prompt_logprobs_off_a_start(pair):
         engine.verify(VerifyCall("s", False, [], Proposal(), params, prompt_logprobs=0))
     plain, _ = engine.verify(VerifyCall("t", True, [1, 2, 3], Proposal(), params))
     assert plain.prompt_logprobs is None
+    engine.runner.vocab_size = 50  # a padded output layer: ids past the vocabulary have logits, not texts
+    padded = VerifyCall("u", True, [1, 60, 3], Proposal(), params, prompt_logprobs=0)
+    together = engine.verify_many([padded, VerifyCall("v", True, [1, 2, 3], Proposal(), params, prompt_logprobs=0)])
+    assert isinstance(together[0], InvalidRequest) and "outside the vocabulary [0, 50)" in str(together[0])
+    assert len(together[1][0].prompt_logprobs) == 2 and "u" not in engine.sessions  # (the other call served)
 
 
 def test_prompt_logprobs_cross_the_wire_and_refuse_what_does_not_add_up():
@@ -224,6 +273,40 @@ def test_echo_without_logprobs_and_from_token_ids(client, grpc_scored):
     refused = client.with_options(max_retries=0)
     with pytest.raises(openai.BadRequestError, match="max_new_tokens|max_tokens"):
         refused.completions.create(model="target", prompt=PROMPT, max_tokens=0)
+
+
+def test_a_continuation_that_ends_the_sequence_keeps_its_end_token_on_completions_not_in_chat(api, client, pair,
+                                                                                               grpc_scored):
+    eos = AutoTokenizer.from_pretrained(pair[1]).eos_token_id
+    ids, forced = list(grpc_scored.prompt_token_ids), {str(eos): 100}  # (logprobs are the model's, before the bias)
+    reply = client.completions.create(model="target", prompt=[ids], max_tokens=1, temperature=0, echo=True,
+                                      logprobs=1, logit_bias=forced)
+    choice, lp = reply.choices[0], reply.choices[0].logprobs
+    assert choice.finish_reason == "stop" and len(lp.token_logprobs) == len(ids) + 1  # lm-eval reads [ctxlen:-1]
+    assert all(abs(a - b) < 1e-4 for a, b in zip(lp.token_logprobs[1:-1], grpc_scored.prompt_logprobs.values))
+    assert lp.text_offset[-1] == len(choice.text) and lp.token_logprobs[-1] < 0  # (the end token takes no room)
+    streamed = []
+
+    async def go():
+        async with openai.AsyncOpenAI(base_url=f"{api.http_url}/v1", api_key="none", max_retries=0,
+                                      timeout=120) as streaming:
+            async for event in await streaming.completions.create(model="target", prompt=[ids], max_tokens=1,
+                                                                  temperature=0, echo=True, logprobs=1,
+                                                                  logit_bias=forced, stream=True):
+                for c in event.choices:
+                    streamed.extend(c.logprobs.token_logprobs if c.logprobs else [])
+
+    asyncio.run(go())
+    assert streamed == lp.token_logprobs
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model="target", messages=messages, max_tokens=3, temperature=0,
+                                          logprobs=True, logit_bias=forced)
+    assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens == 1
+    assert chat.choices[0].logprobs.content == [] and chat.choices[0].message.content == ""
+    with grpc.insecure_channel(api.addr) as channel:
+        whole = pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
+            prompt_token_ids=ids, max_new_tokens=3, temperature=0.0, logprobs=0, logit_bias={eos: 100}), timeout=120)
+    assert list(whole.token_ids) == [eos] and len(whole.logprobs.values) == 1
 
 
 def test_streamed_echo_adds_up_to_the_unary_one(api, client):
