@@ -162,7 +162,7 @@ class CostModel:
             if predicted > 0:
                 ratio = min(4.0, max(0.25, t.service_ms / predicted))
                 self.decode_scale += EMA * (ratio - self.decode_scale)
-        if t.pass_ms > 0 and t.batch_tokens > 0:
+        if t.pass_ms > 0 and t.batch_tokens > 0 and not r.scored_prompt:  # (its output rows: not what a pass costs)
             predicted = self.target(t.batch_tokens, t.batch_size)
             if predicted > 0:
                 ratio = t.pass_ms / predicted

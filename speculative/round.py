@@ -206,6 +206,7 @@ class Round:
     copied: int = 0  # of `tokens`, those the target copied from the context and kept (lookup: Verdict.copied)
     draft_started: bool = False  # a draft call of this round started the draft's session (took in the whole context)
     logprobs: Logprobs | None = None  # params.logprobs set: the target's, of `tokens`
+    scored_prompt: bool = False  # its target call scored the prompt (PromptScores): a pass dearer than its tokens say
 
 
 async def speculative_round(
@@ -238,6 +239,7 @@ async def speculative_round(
         k = 0  # the draft drafts from the target's features: none yet before its first pass
     proposal, draft_cost = Proposal(), Cost()
     starts = seq.draft_starts
+    scoring = seq.prompt_scores is not None and seq.prompt_scores.logprobs is None
     ready, seq.ready = seq.ready, None
     held = 0  # proposals the draft holds past what is committed
     lost = False  # the draft lost its session this round (and holds nothing)
@@ -295,7 +297,8 @@ async def speculative_round(
     return Round(accepted + [verdict.token] + verdict.decoded, len(proposal.tokens), verdict.accepted, draft_cost,
                  target_cost, k, calls, ahead is not None, hit,
                  len(verdict.features.data) if verdict.features is not None else 0, lost, draft_pass_ms, verdict.copied,
-                 draft_started=seq.draft_starts > starts, logprobs=verdict.logprobs)
+                 draft_started=seq.draft_starts > starts, logprobs=verdict.logprobs,
+                 scored_prompt=scoring and seq.prompt_scores.logprobs is not None)
 
 
 async def _propose(draft: DraftPeer, seq: Sequence, k: int, params: SamplingParams,

@@ -336,6 +336,10 @@ def test_cost_model_scales_to_measured_passes():
     for _ in range(100):
         costs.observe(Round([], 4, 4, Cost(), Cost(batch_size=2, batch_tokens=10, pass_ms=2 * predicted), asked=4), 0)
     assert costs.target_scale == pytest.approx(2.0, rel=0.01)
+    for _ in range(100):  # starts that scored their prompts: output rows the pass cost does not model
+        costs.observe(Round([], 0, 0, Cost(), Cost(batch_size=1, batch_tokens=10, pass_ms=9 * predicted),
+                            scored_prompt=True), 0)
+    assert costs.target_scale == pytest.approx(2.0, rel=0.01)
 
 
 def test_decode_steps_follow_the_pass_time_not_each_pass():

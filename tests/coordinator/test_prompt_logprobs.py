@@ -65,7 +65,7 @@ class LosingTarget(LocalTarget):
 
 
 @pytest.mark.parametrize("case", ["K = 0", "draft tokens beside it", "nothing generated", "session lost"])
-def test_the_prompt_is_scored_as_the_target_scores_it(pair, case):
+def test_the_prompt_is_scored_as_the_target_scores_it(pair, case, monkeypatch):
     draft_dir, target_dir = pair
     ids = AutoTokenizer.from_pretrained(target_dir).encode(PROMPT)
     target = LosingTarget(TargetEngine(ModelRunner(target_dir)), lose=3 if case == "session lost" else 0)
@@ -81,7 +81,11 @@ def test_the_prompt_is_scored_as_the_target_scores_it(pair, case):
             out += new
         return out
 
+    rounds = []
+    monkeypatch.setattr(FixedK, "observe", lambda self, r, wall_ms: rounds.append(r))  # (what adaptive K reads)
     out = asyncio.run(go(scores, stats))
+    monkeypatch.undo()
+    assert [r.scored_prompt for r in rounds] == [True] + [False] * (len(rounds) - 1) or case == "nothing generated"
     calls = target.calls
     target.calls, target.lose = [], 0
     assert out == asyncio.run(go(None, Stats()))  # the same tokens as a request that does not score its prompt
