@@ -27,6 +27,14 @@ committed. Nothing is lost and nothing repeated.
   session started again draws from a generator seeded afresh with the request's seed, so
   a sampled request stays exactly target-distributed but is no longer token-for-token the
   run without the fault; greedy output is identical.
+- A target replica with no room for a session's next tokens (RESOURCE_EXHAUSTED mid-request: its
+  --max-kv-tokens reached by all its sessions together) has the session given back there, freeing
+  its tokens for the others, and the request starts it again once there is room (another replica
+  with room, or this one once other requests end), waiting up to ROOM_WAIT (not under the lockstep
+  gate, whose turn it would hold: there it fails as before). No request is failed for the cap while
+  it can finish after the others; a deadlock of requests each waiting on the others' room cannot
+  form, as those that wait hold nothing. A request's first start is refused at once (429 over HTTP):
+  the cap is the service's admission control.
 
 A session started again takes a new id on the service (`<id>.<n>`): what is left of the one
 before (on a replica that hung and woke up, or behind a late call) never meets it.
@@ -59,6 +67,8 @@ MISSES = 3  # late draft calls in a row that take a replica out
 FORGET_WAIT = 120.0  # s: how long a release that failed waits for its hung replica to serve again
 FORGET_POLL = 0.5    # s: how often it looks
 FULL_WAIT = 1.0  # s: how long a request leaves a draft replica that had no room for its session
+ROOM_WAIT = 60.0  # s: how long a request that gave its target session's room back waits to start it again
+ROOM_POLL = 0.02, 0.5  # s: its first wait before trying again, and the longest (doubling in between)
 PATIENT_BOUND = 10.0  # s: how long a replaying request waits for a draft call before it is late
 # work left to the background: releases on replicas a request moved away from (see _lost), late
 # calls awaited to drop their answers (see FailoverDraft._late)
@@ -265,7 +275,43 @@ class FailoverDraft(_Failover):
 
 
 class FailoverTarget(_Failover):
+    def __init__(self, pool: Pool, wait_for_room: bool = True):
+        """wait_for_room: a session given back at a full replica is started again when there is room
+        (the module's docstring); False: the request fails there."""
+        super().__init__(pool)
+        self.wait_for_room = wait_for_room
+        self.gave_room = False  # the request gave its session's room back: it starts again when there is room
+
     async def verify(self, call: VerifyCall, *, turn: tuple[int, int] = (0, 0)) -> tuple[Verdict, Cost]:
+        until, pause = None, ROOM_POLL[0]
+        while True:
+            try:
+                return await self._verify(call, turn)
+            except PeerError as e:
+                if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED or not self.wait_for_room:
+                    raise
+                if not call.start:  # full mid-request: give the room back, start again when there is some
+                    await self._give_room(e)
+                    raise SessionLost(call.session_id) from e
+                if not self.gave_room:
+                    raise  # the request's first start: the cap admits it or not
+                if self.replica is not None:  # the next try takes the pool's least busy replica, this one or another
+                    self.pool.release(self.replica)
+                    self.replica = None
+                until = until or time.monotonic() + ROOM_WAIT
+                if time.monotonic() + pause > until:
+                    raise
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, ROOM_POLL[1])
+
+    async def _give_room(self, error: PeerError) -> None:
+        """Release the session on its replica, which has no room for its next tokens."""
+        self.error, self.gave_room = error, True
+        log.info("target replica %s is full (%s): the request gives its session's room back and starts again"
+                 " when there is room", self.replica.address if self.replica else "?", error)
+        await self.release(self.session or "")
+
+    async def _verify(self, call: VerifyCall, turn: tuple[int, int]) -> tuple[Verdict, Cost]:
         start = call.start
         for _ in range(TRIES if start else 1):
             replica = await self._take(wait=True)

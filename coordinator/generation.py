@@ -503,7 +503,8 @@ class Coordinator:
         finish = Finish.LENGTH
         # one replica of each pool at a time, moving to another if it fails (coordinator/failover.py)
         failover_draft = FailoverDraft(self.draft, patient=patient(plan, self.gate is not None))
-        failover_target = FailoverTarget(self.target)
+        # (under the lockstep gate a request waiting for a full target's room would hold the target's turn)
+        failover_target = FailoverTarget(self.target, wait_for_room=self.gate is None)
         draft, target = failover_draft, failover_target
         if self.gate is not None:
             draft, target = GatedDraft(draft, self.gate), GatedTarget(target, self.gate)

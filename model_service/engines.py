@@ -200,7 +200,7 @@ class TargetEngine(RunnerEngine):
             for i, call in enumerate(calls):
                 try:
                     # each call adds its sampled token after the pass: the KV-token cap counts those
-                    live.append((i, call, *self._advance(call, pending=len(live) + 1)))
+                    live.append((i, call, *self._advance(call, pending=len(live))))
                 except Exception as exc:
                     results[i] = exc
             masks = self._verify_masks(live, results)
@@ -454,9 +454,10 @@ class TargetEngine(RunnerEngine):
                 if more(i, call) > 0 and token not in eos:
                     decoding.append((i, call, session))
 
-    def _advance(self, call: VerifyCall, pending: int = 1):
+    def _advance(self, call: VerifyCall, pending: int = 0):
         """Validate a call; append its new tokens and the draft tokens to its session. pending:
-        tokens the pass will add beyond what the sessions hold (one sampled token per call).
+        tokens the calls admitted before it to the pass will add beyond what they hold (their sampled
+        ones); the KV-token cap counts the call's own sampled token beside them.
         -> (session, committed length, the tokens to verify (the proposal's, or a lookup call's
         copy), q_ids, q_probs)"""
         runner, proposal = self.runner, call.proposal
@@ -489,7 +490,7 @@ class TargetEngine(RunnerEngine):
             if not call.append:
                 raise InvalidRequest("a new session needs its prompt in `append`")
             layers = features.check_layers(tuple(call.feature_layers), runner.num_hidden_layers)
-            runner.check_context(call.session_id, len(call.append) + k, pending=pending)
+            runner.check_context(call.session_id, len(call.append) + k, pending=pending, sampled=1)
             ruled = self.grammars.session(call.constraint) if call.constraint is not None else None
             if not 0 <= call.output_from <= len(call.append):
                 raise InvalidRequest(f"output_from ({call.output_from}) must lie within the {len(call.append)}"
@@ -501,7 +502,7 @@ class TargetEngine(RunnerEngine):
         else:
             session = runner.sessions.get(call.session_id)
             runner.check_context(call.session_id, len(session.tokens) + len(call.append) + k, len(session.tokens),
-                                 pending)
+                                 pending, sampled=1)
             if call.drop_features:
                 session.feature_layers = ()
         committed = len(session.tokens) + len(call.append)
@@ -510,7 +511,7 @@ class TargetEngine(RunnerEngine):
         if not k and call.steps > 1 and call.lookup > 0:
             copy = self._copy(session, call.lookup, call.steps - 1)
             try:
-                runner.check_context(call.session_id, committed + len(copy), committed, pending)
+                runner.check_context(call.session_id, committed + len(copy), committed, pending, sampled=1)
                 drafted = copy
                 q_ids, q_probs = self._one_hot(copy, call.params)
             except (InvalidRequest, CapacityExceeded):

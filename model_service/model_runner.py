@@ -433,11 +433,11 @@ class ModelRunner:
         if bad:
             raise InvalidRequest(f"{what} token id {bad[0]} is outside the vocabulary [0, {self.logits_size})")
 
-    def check_context(self, session_id: str, length: int, held: int = 0, pending: int = 0) -> None:
+    def check_context(self, session_id: str, length: int, held: int = 0, pending: int = 0, sampled: int = 0) -> None:
         """Refuse a call that would grow a session (holding `held` tokens now) to `length` tokens
         past the context, or all sessions past max_kv_tokens; `pending`: tokens the calls already
         admitted to the same pass will add beyond what their sessions hold now (SessionTable.check_room)."""
-        self.sessions.check_room(session_id, length, self.max_context, self.max_kv_tokens, held, pending)
+        self.sessions.check_room(session_id, length, self.max_context, self.max_kv_tokens, held, pending, sampled)
 
     def forward(self, session: Session, num_logits: int = 1) -> torch.Tensor:
         """Feed the session's uncached tokens; return the last `num_logits` rows of logits.

@@ -75,15 +75,17 @@ class SessionTable:
         return iter(list(self._sessions.values()))
 
     def check_room(self, session_id: str, length: int, max_context: int, max_kv_tokens: int, held: int = 0,
-                   pending: int = 0) -> None:
+                   pending: int = 0, sampled: int = 0) -> None:
         """Refuse a call that would grow a session (holding `held` tokens now) to `length` tokens past
         `max_context`, or all sessions past `max_kv_tokens` (0: no cap); `pending`: tokens the calls
-        already admitted to the same pass will add beyond what their sessions hold now."""
+        already admitted to the same pass will add beyond what their sessions hold now; `sampled`: tokens
+        the call adds after its pass beyond `length` (a target's sampled token, which its next pass feeds:
+        a call that appends nothing and verifies nothing still grows its session by it)."""
         if length > max_context:
             raise InvalidRequest(f"session {session_id!r} would hold {length} tokens, beyond the context of"
                                  f" {max_context}")
-        if max_kv_tokens and length > held:
-            total = sum(len(s.tokens) for s in self._sessions.values()) - held + length + pending
+        if max_kv_tokens and length + sampled > held:
+            total = sum(len(s.tokens) for s in self._sessions.values()) - held + length + sampled + pending
             if total > max_kv_tokens:
                 raise CapacityExceeded(f"the sessions would hold {total} tokens, beyond this service's cap of"
                                        f" {max_kv_tokens} (--max-kv-tokens); retry later")

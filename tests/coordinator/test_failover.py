@@ -494,3 +494,76 @@ def test_a_release_on_a_hung_replica_is_made_again_once_it_serves(monkeypatch):
         assert gone.calls == 1 and not gone.released
 
     asyncio.run(go())
+
+
+def test_requests_that_fill_the_target_give_its_room_back_and_finish_as_alone(pair):
+    """Two greedy requests (K = 2) on a target whose --max-kv-tokens holds either alone, not both: the
+    one refused mid-request (RESOURCE_EXHAUSTED) gives its session's room back and starts it again
+    once there is room; both decode what each decodes alone, and the cap holds throughout. A request's
+    first start is refused at once (admission), and so is one that may not wait (the lockstep gate)."""
+    import asyncio
+
+    from coordinator.failover import FailoverDraft, FailoverTarget
+    from coordinator.peers import PeerError
+    from model_service.engines import DraftEngine, TargetEngine
+    from model_service.local import LocalDraft, LocalTarget
+    from model_service.model_runner import ModelRunner
+    from speculative.errors import CapacityExceeded
+    from speculative.protocol import SamplingParams, VerifyCall, Proposal
+    from speculative.round import generate
+
+    draft_dir, target_dir = pair
+    cap = len(PROMPT) + 50
+
+    class Capped(LocalTarget):
+        """The service's answer to a full cache as gRPC gives it; the most tokens its sessions held."""
+
+        def __init__(self):
+            super().__init__(TargetEngine(ModelRunner(target_dir)))
+            self.engine.runner.max_kv_tokens = cap
+            self.address, self.name, self.most, self.refused = "t0", "target", 0, []
+
+        async def verify(self, call, *, turn=(0, 0)):
+            try:
+                return await super().verify(call)
+            except CapacityExceeded as e:
+                self.refused.append(call.start)
+                raise PeerError(self, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
+            finally:
+                self.most = max(self.most, sum(len(s.tokens) for s in self.engine.runner.sessions))
+
+    def draft_pool():
+        draft = LocalDraft(DraftEngine(ModelRunner(draft_dir)))
+        draft.address, draft.name = "d0", "draft"
+        return local_pool("draft", [draft])
+
+    async def run(target_pool, prompt: list[int], wait: bool = True) -> list[int]:
+        out = []
+        async for new in generate(FailoverDraft(draft_pool()), FailoverTarget(target_pool, wait_for_room=wait),
+                                  prompt, max_new_tokens=40, k=2, params=SamplingParams(0.0), max_context=512):
+            out += new
+        return out
+
+    other = [7, 8, 9, 10, 11, 12]
+    target = Capped()
+    pool = local_pool("target", [target])
+
+    async def go():
+        alone = [await run(pool, PROMPT), await run(pool, other)]
+        assert target.refused == []
+        both = await asyncio.wait_for(asyncio.gather(run(pool, PROMPT), run(pool, other)), 120)
+        return alone, both
+
+    alone, both = asyncio.run(go())
+    assert both == alone and len(alone[0]) == len(alone[1]) == 40
+    assert False in target.refused and target.most <= cap  # (one gave its room back; the cap held)
+    assert len(target.engine.runner.sessions) == 0
+    target.engine.verify(VerifyCall("holder", True, list(range(1, 40)), Proposal(), SamplingParams(0.0)))
+    for wait in (True, False):  # no room for the prompt: refused at once, as before
+        with pytest.raises(PeerError) as refused:
+            asyncio.run(run(pool, PROMPT * 4, wait))
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    target.refused.clear()
+    with pytest.raises(PeerError) as refused:  # mid-request, a request that may not wait fails there
+        asyncio.run(run(pool, PROMPT, wait=False))
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and target.refused == [False]

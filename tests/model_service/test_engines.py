@@ -318,6 +318,25 @@ def test_kv_token_cap_refuses_growth_and_leaves_sessions_alone(pair):
     target.verify(VerifyCall("a", False, [], one_hot_proposal([5, 6]), GREEDY))  # growth within the cap is fine
 
 
+def test_kv_token_cap_counts_the_sampled_token_of_a_call_that_appends_and_verifies_nothing(pair):
+    """A call with nothing to append or verify still feeds the token sampled last call and samples
+    another (K = 0 rounds, most of a request's under adaptive K on CPU): past the cap it is refused."""
+    target = TargetEngine(ModelRunner(pair[1]))
+    target.runner.max_kv_tokens = 14
+    target.verify(VerifyCall("a", True, list(range(1, 11)), Proposal(), GREEDY))  # 10, and the one sampled
+    grown = 0
+    with pytest.raises(CapacityExceeded, match="--max-kv-tokens"):
+        for _ in range(10):
+            target.verify(VerifyCall("a", False, [], Proposal(), GREEDY))
+            grown += 1
+    assert grown == 3 and len(target.runner.sessions.get("a").tokens) == 14
+    decoded = TargetEngine(ModelRunner(pair[1]))  # decode steps in one call stop at the cap too
+    decoded.runner.max_kv_tokens = 14
+    decoded.verify(VerifyCall("a", True, list(range(1, 11)), Proposal(), GREEDY))
+    verdict, _ = decoded.verify(VerifyCall("a", False, [], Proposal(), GREEDY, steps=8))
+    assert 1 + len(verdict.decoded) == 3 and len(decoded.runner.sessions.get("a").tokens) == 14
+
+
 def test_kv_token_cap_counts_what_calls_sharing_a_pass_will_add(pair):
     """Calls admitted to one pass grow their sessions only in it (the draft's K tokens, the
     target's sampled token): the cap must count that growth for the calls after them, as it
