@@ -24,9 +24,10 @@ committed. Nothing is lost and nothing repeated.
   answer past the bound still counts as late for the replica (and as the bound in its latency
   record), so a replica grown slow is taken out for patient requests as for the others.
 - The target: with no target replica left the request fails with UNAVAILABLE. A target
-  session started again draws from a generator seeded afresh with the request's seed, so
-  a sampled request stays exactly target-distributed but is no longer token-for-token the
-  run without the fault; greedy output is identical.
+  session started again draws from a generator seeded from the request's seed and the position
+  it starts at (round._start_params: not the numbers that drew the output so far), so a sampled
+  request stays exactly target-distributed but is no longer token-for-token the run without the
+  fault; greedy output is identical.
 - A target replica with no room for a session's next tokens (RESOURCE_EXHAUSTED mid-request: its
   --max-kv-tokens reached by all its sessions together) has the session given back there, freeing
   its tokens for the others, and the request starts it again once there is room (another replica
@@ -49,6 +50,7 @@ from dataclasses import replace
 
 import grpc
 
+from speculative.errors import ROOM_LATER
 from speculative.protocol import Cost, Proposal, ProposeCall, Verdict, VerifyCall
 from speculative.round import SessionLost
 
@@ -73,6 +75,11 @@ PATIENT_BOUND = 10.0  # s: how long a replaying request waits for a draft call b
 # work left to the background: releases on replicas a request moved away from (see _lost), late
 # calls awaited to drop their answers (see FailoverDraft._late)
 FORGETTING: set[asyncio.Task] = set()
+
+
+def _room_later(error: PeerError) -> bool:
+    """Whether a refusal is a target's sessions at --max-kv-tokens where the call alone would fit."""
+    return error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and ROOM_LATER in error.details
 
 
 async def _serving_again(replica: Replica, deadline: float) -> bool:
@@ -139,10 +146,11 @@ class _Failover:
                     "on another replica" if error.code in MOVE else "on the same replica")
 
     @staticmethod
-    def _in_background(work) -> None:
+    def _in_background(work) -> asyncio.Task:
         task = asyncio.ensure_future(work)
         FORGETTING.add(task)
         task.add_done_callback(FORGETTING.discard)
+        return task
 
     @staticmethod
     async def _forget(replica: Replica, session: str) -> None:
@@ -283,33 +291,54 @@ class FailoverTarget(_Failover):
         self.gave_room = False  # the request gave its session's room back: it starts again when there is room
 
     async def verify(self, call: VerifyCall, *, turn: tuple[int, int] = (0, 0)) -> tuple[Verdict, Cost]:
-        until, pause = None, ROOM_POLL[0]
-        while True:
+        if not call.start:
             try:
                 return await self._verify(call, turn)
             except PeerError as e:
-                if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED or not self.wait_for_room:
+                if not (self.wait_for_room and _room_later(e)):
                     raise
-                if not call.start:  # full mid-request: give the room back, start again when there is some
-                    await self._give_room(e)
-                    raise SessionLost(call.session_id) from e
-                if not self.gave_room:
-                    raise  # the request's first start: the cap admits it or not
-                if self.replica is not None:  # the next try takes the pool's least busy replica, this one or another
-                    self.pool.release(self.replica)
-                    self.replica = None
-                until = until or time.monotonic() + ROOM_WAIT
-                if time.monotonic() + pause > until:
-                    raise
-                await asyncio.sleep(pause)
-                pause = min(2 * pause, ROOM_POLL[1])
+                await self._give_room(e)
+                raise SessionLost(call.session_id) from e
+        if not self.gave_room:
+            if not self.starts and self.pool.room_waiters:  # the request's first start: after those waiting
+                raise PeerError(self.pool, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{self.pool.room_waiters} requests wait for room to go on (--max-kv-tokens);"
+                                f" retry later")
+            return await self._verify(call, turn)
+        until, pause = time.monotonic() + ROOM_WAIT, ROOM_POLL[0]
+        self.pool.room_waiters += 1
+        try:
+            while True:  # the session given back: started again where there is room
+                try:
+                    answer = await self._verify(call, turn)
+                    self.gave_room = False
+                    return answer
+                except PeerError as e:
+                    if not _room_later(e):
+                        raise
+                    if self.replica is not None:  # the next try: a replica not full lately, if there is one
+                        self.full[self.replica] = time.monotonic() + pause
+                        self.pool.release(self.replica)
+                        self.replica = None
+                    if time.monotonic() + pause > until:
+                        raise
+                    if not self._candidates():  # every replica full lately
+                        await asyncio.sleep(pause)
+                        pause = min(2 * pause, ROOM_POLL[1])
+        finally:
+            self.pool.room_waiters -= 1
 
     async def _give_room(self, error: PeerError) -> None:
-        """Release the session on its replica, which has no room for its next tokens."""
+        """Release the session on its replica, which has no room for its next tokens (the release runs on
+        should the request be cancelled meanwhile: its room is what the others wait for)."""
         self.error, self.gave_room = error, True
+        replica, self.replica = self.replica, None
+        if replica is None:
+            return
         log.info("target replica %s is full (%s): the request gives its session's room back and starts again"
-                 " when there is room", self.replica.address if self.replica else "?", error)
-        await self.release(self.session or "")
+                 " when there is room", replica.address, error)
+        self.pool.release(replica)
+        await asyncio.shield(self._in_background(self._forget(replica, self.session or "")))
 
     async def _verify(self, call: VerifyCall, turn: tuple[int, int]) -> tuple[Verdict, Cost]:
         start = call.start

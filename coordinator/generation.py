@@ -503,8 +503,9 @@ class Coordinator:
         finish = Finish.LENGTH
         # one replica of each pool at a time, moving to another if it fails (coordinator/failover.py)
         failover_draft = FailoverDraft(self.draft, patient=patient(plan, self.gate is not None))
-        # (under the lockstep gate a request waiting for a full target's room would hold the target's turn)
-        failover_target = FailoverTarget(self.target, wait_for_room=self.gate is None)
+        # (under the lockstep gate a request waiting for a full target's room would hold the target's turn; a
+        # request that replays from its seed would draw afresh in the session started again)
+        failover_target = FailoverTarget(self.target, wait_for_room=self.gate is None and not patient(plan, False))
         draft, target = failover_draft, failover_target
         if self.gate is not None:
             draft, target = GatedDraft(draft, self.gate), GatedTarget(target, self.gate)

@@ -20,8 +20,8 @@ them, else 400; one that does not compile is 400 with the compiler's reason. `to
 (tools.py): any model's tool calls, by structured output. `n` (at most MAX_CHOICES) runs that many
 generations side by side (a seeded request's choices seeded seed, seed + 1, ...; streamed, their
 rounds' events interleave, each choice with its index); completions' `prompt` may be a batch (a list of
-texts or of token-id lists), each prompt's n choices in turn (index prompt x n + choice), at most
-MAX_GENERATIONS in all. Completions' `echo` puts the prompt before the
+texts or of token-id lists), each prompt's n choices in turn (index prompt x n + choice; each prompt's
+seeded as the prompt alone would be), at most MAX_GENERATIONS in all. Completions' `echo` puts the prompt before the
 completion, with its tokens' logprobs where `logprobs` is asked (the target scores the prompt: then
 max_tokens may be 0). A field specdec cannot honour (best_of, suffix, the older functions API) is
 refused, naming it; a field it does not know is ignored.
@@ -346,10 +346,15 @@ def chat_request(body: ChatBody) -> list[tuple[GenerationRequest, Reply]]:
     return [(request, ToolReply(use))]
 
 
+def batch_of(body: CompletionBody) -> list:
+    """A completion's prompts: `prompt` is one (text or token ids) or a batch of them (a list of either)."""
+    prompt = body.prompt
+    return prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else [prompt]
+
+
 def completion_request(body: CompletionBody) -> list[tuple[GenerationRequest, Reply]]:
-    """A request per prompt: `prompt` is one (text or token ids) or a batch of them (a list of either)."""
-    batch = body.prompt if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str | list) \
-        else [body.prompt]
+    """A request per prompt (batch_of)."""
+    batch = batch_of(body)
     most = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     made = []
     for prompt in batch:
@@ -594,15 +599,15 @@ class OpenAIApi:
         async def handle(request: Request) -> Response:
             body = await parse(request, endpoint.body, self.max_request_bytes)
             model = self.model_name(body.model)
-            n = body.n or 1
+            n, prompts = body.n or 1, len(batch_of(body)) if isinstance(body, CompletionBody) else 1
+            if prompts * n > MAX_GENERATIONS:  # (before a request is made of any)
+                raise ApiError(400, f"{prompts} prompts x n = {n} are {prompts * n} generations; at most"
+                                    f" {MAX_GENERATIONS} a request", "prompt" if prompts > 1 else "n")
             made = [endpoint.request(body) for _ in range(n)]  # (each its own reply: tools.py's)
-            choices = [each[p] for p in range(len(made[0])) for each in made]  # a prompt's n, then the next's
-            if len(choices) > MAX_GENERATIONS:
-                raise ApiError(400, f"{len(made[0])} prompts x n = {n} are {len(choices)} generations; at most"
-                                    f" {MAX_GENERATIONS} a request", "prompt" if len(made[0]) > 1 else "n")
-            for i, (generation, _) in enumerate(choices[1:], 1):  # a seeded request's choices: seed, seed + 1, ...
-                if generation.seed is not None:
-                    generation.seed = (generation.seed + i) % 2**64
+            choices = [each[p] for p in range(prompts) for each in made]  # a prompt's n, then the next's
+            for i, (generation, _) in enumerate(choices):  # a seeded request's choices: seed, seed + 1, ... a prompt
+                if generation.seed is not None and i % n:  # (the first as sent: the core checks its range)
+                    generation.seed = (generation.seed + i % n) % 2**64
             streams = [self.coordinator.generate(generation, f"/v1{endpoint.path}",
                                                  traceparent=request.headers.get("traceparent", ""))
                        for generation, _ in choices]

@@ -74,7 +74,7 @@ class PeerError(Exception):
     def __init__(self, peer: "Peer", code: grpc.StatusCode, details: str):
         if code == grpc.StatusCode.INTERNAL and any(words in details for words in DROPPED):
             code = grpc.StatusCode.UNAVAILABLE
-        self.code = code
+        self.code, self.details = code, details
         if code == grpc.StatusCode.UNAVAILABLE:
             message = f"{peer.name} service at {peer.address} is unavailable: {details}"
         else:

@@ -156,6 +156,7 @@ class Pool:
         self.reference: pb.ModelInfo | None = None  # the model every replica must serve
         self.latency = None  # a prometheus Histogram handed to every replica's peer
         self.late = None  # a prometheus Counter of calls the round stopped waiting for (draft pool: failover.py)
+        self.room_waiters = 0  # requests waiting for a target replica's room to go on (failover.py)
         self._turn = itertools.count()
         self._task: asyncio.Task | None = None
         self._rechecked = float("-inf")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from speculative.errors import CapacityExceeded, InvalidRequest, SessionExists, SessionNotFound
+from speculative.errors import ROOM_LATER, CapacityExceeded, InvalidRequest, SessionExists, SessionNotFound
 
 MAX_SESSION_ID = 256  # characters (the coordinator's ids have 32)
 
@@ -85,10 +85,13 @@ class SessionTable:
             raise InvalidRequest(f"session {session_id!r} would hold {length} tokens, beyond the context of"
                                  f" {max_context}")
         if max_kv_tokens and length + sampled > held:
+            if length + sampled > max_kv_tokens:  # (no other session's end makes room for it)
+                raise CapacityExceeded(f"session {session_id!r} would hold {length + sampled} tokens, more than this"
+                                       f" service's cap of {max_kv_tokens} for all sessions together (--max-kv-tokens)")
             total = sum(len(s.tokens) for s in self._sessions.values()) - held + length + sampled + pending
             if total > max_kv_tokens:
                 raise CapacityExceeded(f"the sessions would hold {total} tokens, beyond this service's cap of"
-                                       f" {max_kv_tokens} (--max-kv-tokens); retry later")
+                                       f" {max_kv_tokens} {ROOM_LATER}; retry later")
 
     def create(self, session_id: str, generator: torch.Generator) -> Session:
         if session_id in self._sessions:

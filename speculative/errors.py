@@ -43,5 +43,12 @@ class CapacityExceeded(RuntimeError):
     """The service holds as many sessions as it may (RESOURCE_EXHAUSTED)."""
 
 
+# the end of a refusal for a call that finds all sessions' tokens at --max-kv-tokens, where the call
+# alone would fit: room comes back as other sessions end (a coordinator's request gives its own back
+# and waits for it: coordinator/failover.py). Other RESOURCE_EXHAUSTED refusals (a full queue, the
+# session cap, a session that alone would pass the cap) do not end so.
+ROOM_LATER = "(--max-kv-tokens); there is room as other sessions end"
+
+
 class WorkerLost(RuntimeError):
     """A tensor-parallel worker rank died; the service cannot run its model any more (UNAVAILABLE)."""

@@ -29,7 +29,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from opentelemetry import trace
@@ -41,6 +41,7 @@ from .protocol import (Constraint, Cost, DraftPeer, Features, Logprobs, Proposal
 tracer = trace.get_tracer("specdec")  # a no-op unless runtime/tracing.py configured one
 
 FEATURE_WINDOW = 128  # feature rows a sequence keeps for a draft session started again (see FeatureLog)
+SEED_STEP = 0x9E3779B97F4A7C15  # a session started after output seeds seed + this x its start (_start_params)
 
 
 class SessionLost(Exception):
@@ -169,6 +170,7 @@ class Sequence:
     constraint: Constraint | None = None  # the structured output both sessions follow (given on their start)
     drop_features: bool = False  # the target session is to send no more feature rows: said on its next verify
     draft_starts: int = 0        # draft calls that started its session (each takes in the whole context)
+    target_starts: int = 0       # target calls that started its session
     output_from: int = 0         # the prompt's length: where the output begins (the target's penalties count from it)
     prompt_scores: PromptScores | None = None  # asked: the target's start scores the prompt (once)
 
@@ -207,6 +209,9 @@ class Round:
     draft_started: bool = False  # a draft call of this round started the draft's session (took in the whole context)
     logprobs: Logprobs | None = None  # params.logprobs set: the target's, of `tokens`
     scored_prompt: bool = False  # its target call scored the prompt (PromptScores): a pass dearer than its tokens say
+    # its target call started the session (the request's first round, or one started again: a prefill, and
+    # maybe a wait for a full target's room: coordinator/failover.py), so its wall time is no round's
+    target_started: bool = False
 
 
 async def speculative_round(
@@ -240,6 +245,7 @@ async def speculative_round(
     proposal, draft_cost = Proposal(), Cost()
     starts = seq.draft_starts
     scoring = seq.prompt_scores is not None and seq.prompt_scores.logprobs is None
+    target_starts = seq.target_starts
     ready, seq.ready = seq.ready, None
     held = 0  # proposals the draft holds past what is committed
     lost = False  # the draft lost its session this round (and holds nothing)
@@ -298,7 +304,8 @@ async def speculative_round(
                  target_cost, k, calls, ahead is not None, hit,
                  len(verdict.features.data) if verdict.features is not None else 0, lost, draft_pass_ms, verdict.copied,
                  draft_started=seq.draft_starts > starts, logprobs=verdict.logprobs,
-                 scored_prompt=scoring and seq.prompt_scores.logprobs is not None)
+                 scored_prompt=scoring and seq.prompt_scores.logprobs is not None,
+                 target_started=seq.target_starts > target_starts)
 
 
 async def _propose(draft: DraftPeer, seq: Sequence, k: int, params: SamplingParams,
@@ -318,6 +325,7 @@ async def _propose(draft: DraftPeer, seq: Sequence, k: int, params: SamplingPara
         except SessionLost:
             seq.draft_lost()
     seq.draft_starts += 1
+    params = _start_params(params, seq)
     answer = await _unless_lost(draft.propose(ProposeCall(seq.session_id, True, 0, seq.tokens[:], k, params, p_min,
                                                           seq.features.held() if reads else None, seq.constraint)))
     if answer is not None:
@@ -344,8 +352,10 @@ async def _verify(target: TargetPeer, seq: Sequence, proposal: Proposal, params:
         except SessionLost:
             seq.target_seen = 0
     seq.drop_features = False  # (a new session asks for seq.feature_layers, none once dropped)
+    seq.target_starts += 1
     scores = seq.prompt_scores if seq.prompt_scores is not None and seq.prompt_scores.logprobs is None else None
-    call = VerifyCall(seq.session_id, True, seq.tokens[:], proposal, params, steps, seq.feature_layers, seq.constraint,
+    call = VerifyCall(seq.session_id, True, seq.tokens[:], proposal, _start_params(params, seq), steps,
+                      seq.feature_layers, seq.constraint,
                       lookup=lookup, output_from=seq.output_from,
                       prompt_logprobs=scores.top if scores is not None else None)
     answer = await target.verify(call)
@@ -355,6 +365,17 @@ async def _verify(target: TargetPeer, seq: Sequence, proposal: Proposal, params:
         # (the prompt's: a session started again after output, the first start lost, scored that too)
         scores.logprobs = answer[0].prompt_logprobs.slice(0, seq.output_from - 1)
     return answer
+
+
+def _start_params(params: SamplingParams, seq: Sequence) -> SamplingParams:
+    """The params of a session's start: one after output (a session started again, or a draft's first call a
+    few rounds in) seeds its generator from the seed and the position it starts at. Seeded as the first
+    start was, it would draw again the very numbers that drew the output so far, and the tokens after
+    would not follow p (a draft's, q) independently of those before: the output would no longer be exactly
+    the target's. Deterministic: a run with its faults at the same positions draws the same."""
+    if params.greedy or len(seq.tokens) == seq.output_from:
+        return params
+    return replace(params, seed=(params.seed + SEED_STEP * len(seq.tokens)) % 2**64)
 
 
 async def _unless_lost(call: Awaitable[tuple[Proposal, Cost]]) -> tuple[Proposal, Cost] | None:

@@ -500,7 +500,8 @@ def test_requests_that_fill_the_target_give_its_room_back_and_finish_as_alone(pa
     """Two greedy requests (K = 2) on a target whose --max-kv-tokens holds either alone, not both: the
     one refused mid-request (RESOURCE_EXHAUSTED) gives its session's room back and starts it again
     once there is room; both decode what each decodes alone, and the cap holds throughout. A request's
-    first start is refused at once (admission), and so is one that may not wait (the lockstep gate)."""
+    first start is refused at once (admission), and so is one that may not wait (a replaying or a gated
+    one); while a request waits, new ones are refused; a replica with room is found among full ones."""
     import asyncio
 
     from coordinator.failover import FailoverDraft, FailoverTarget
@@ -509,7 +510,7 @@ def test_requests_that_fill_the_target_give_its_room_back_and_finish_as_alone(pa
     from model_service.local import LocalDraft, LocalTarget
     from model_service.model_runner import ModelRunner
     from speculative.errors import CapacityExceeded
-    from speculative.protocol import SamplingParams, VerifyCall, Proposal
+    from speculative.protocol import Proposal, SamplingParams, VerifyCall
     from speculative.round import generate
 
     draft_dir, target_dir = pair
@@ -518,10 +519,10 @@ def test_requests_that_fill_the_target_give_its_room_back_and_finish_as_alone(pa
     class Capped(LocalTarget):
         """The service's answer to a full cache as gRPC gives it; the most tokens its sessions held."""
 
-        def __init__(self):
+        def __init__(self, address: str = "t0"):
             super().__init__(TargetEngine(ModelRunner(target_dir)))
             self.engine.runner.max_kv_tokens = cap
-            self.address, self.name, self.most, self.refused = "t0", "target", 0, []
+            self.address, self.name, self.most, self.refused = address, "target", 0, []
 
         async def verify(self, call, *, turn=(0, 0)):
             try:
@@ -557,13 +558,91 @@ def test_requests_that_fill_the_target_give_its_room_back_and_finish_as_alone(pa
     alone, both = asyncio.run(go())
     assert both == alone and len(alone[0]) == len(alone[1]) == 40
     assert False in target.refused and target.most <= cap  # (one gave its room back; the cap held)
-    assert len(target.engine.runner.sessions) == 0
+    assert len(target.engine.runner.sessions) == 0 and pool.room_waiters == 0
     target.engine.verify(VerifyCall("holder", True, list(range(1, 40)), Proposal(), SamplingParams(0.0)))
-    for wait in (True, False):  # no room for the prompt: refused at once, as before
+    for wait in (True, False):  # no room for the prompt: refused at once (one call), as before
+        target.refused.clear()
         with pytest.raises(PeerError) as refused:
-            asyncio.run(run(pool, PROMPT * 4, wait))
-        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            asyncio.run(run(pool, PROMPT * 3, wait))
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and target.refused == [True]
     target.refused.clear()
     with pytest.raises(PeerError) as refused:  # mid-request, a request that may not wait fails there
         asyncio.run(run(pool, PROMPT, wait=False))
     assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and target.refused == [False]
+    pool.room_waiters = 1  # while a request waits for room, a new one is refused before any call
+    target.refused.clear()
+    with pytest.raises(PeerError, match="wait for room"):
+        asyncio.run(run(pool, [3, 4]))
+    assert target.refused == []
+    pool.room_waiters = 0
+    # two replicas, the one with fewer requests in flight full: a session given back starts on the other
+    full, roomy = Capped("t1"), Capped("t2")
+    full.engine.verify(VerifyCall("holder", True, list(range(1, cap - 2)), Proposal(), SamplingParams(0.0)))
+    pair_pool = local_pool("target", [full, roomy])
+    pair_pool.replicas["t2"].outstanding = 5  # (busier: acquire picks t1 first)
+    waiting = FailoverTarget(pair_pool)
+    waiting.gave_room = True
+    verdict, _ = asyncio.run(asyncio.wait_for(waiting.verify(VerifyCall("r", True, PROMPT * 3, Proposal(),
+                                                                        SamplingParams(0.0))), 5))
+    assert full.refused == [True] and roomy.refused == [] and len(roomy.engine.runner.sessions) == 1
+
+
+def test_sessions_started_after_output_seed_from_where_they_start(pair):
+    """A sampled request whose target and draft sessions are lost mid-request starts each again seeded
+    from the request's seed and the position it starts at: seeded as its first start was, it would draw
+    again the numbers that drew the output so far. First starts keep the request's seed; the run with
+    its faults at the same places is the same run."""
+    import asyncio
+
+    from model_service.engines import DraftEngine, TargetEngine
+    from model_service.local import LocalDraft, LocalTarget
+    from model_service.model_runner import ModelRunner
+    from speculative.protocol import SamplingParams
+    from speculative.round import SEED_STEP, SessionLost, generate
+
+    draft_dir, target_dir = pair
+
+    def losing(base, lose: int):
+        class Losing(base):
+            """Loses its session at its `lose`-th call; records the starts' (position, seed)."""
+
+            def __init__(self, engine):
+                super().__init__(engine)
+                self.calls, self.starts = 0, []
+
+            async def _once(self, call, answer):
+                self.calls += 1
+                if call.start:
+                    self.starts.append((len(call.append), call.params.seed))
+                if self.calls == lose:
+                    self.engine.release(call.session_id)
+                    raise SessionLost(call.session_id)
+                return await answer(call)
+
+        return Losing
+
+    class Target(losing(LocalTarget, 4)):
+        async def verify(self, call, *, turn=(0, 0)):
+            return await self._once(call, super().verify)
+
+    class Draft(losing(LocalDraft, 6)):
+        async def propose(self, call, *, turn=(0, 0)):
+            return await self._once(call, super().propose)
+
+    def run(seed: int):
+        target, draft = Target(TargetEngine(ModelRunner(target_dir))), Draft(DraftEngine(ModelRunner(draft_dir)))
+
+        async def go():
+            out = []
+            async for new in generate(draft, target, PROMPT, max_new_tokens=30, k=2,
+                                      params=SamplingParams(1.0, seed=seed), max_context=512):
+                out += new
+            return out
+
+        return asyncio.run(go()), target.starts, draft.starts
+
+    out, target_starts, draft_starts = run(11)
+    for starts in (target_starts, draft_starts):
+        assert len(starts) == 2 and starts[0] == (len(PROMPT), 11) and starts[1][0] > len(PROMPT)
+        assert starts[1][1] == (11 + SEED_STEP * starts[1][0]) % 2**64
+    assert run(11)[0] == out and len(out) == 30

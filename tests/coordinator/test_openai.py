@@ -234,6 +234,11 @@ def test_a_batch_of_prompts_answers_each_prompt_n_times_in_order(api, client, pa
     assert batch.usage.completion_tokens == 2 * (alone[0].usage.completion_tokens + alone[1].usage.completion_tokens)
     by_ids = client.completions.create(model="target", prompt=[ids, ids], max_tokens=6, temperature=0)
     assert [c.text for c in by_ids.choices] == [alone[1].choices[0].text] * 2
+    seeded = [client.completions.create(model="target", prompt=p, max_tokens=6, seed=3, n=2) for p in (PROMPT, other)]
+    together = client.completions.create(model="target", prompt=[PROMPT, other], max_tokens=6, seed=3, n=2)
+    lost = together.specdec["lost_draft_rounds"] + sum(r.specdec["lost_draft_rounds"] for r in seeded)
+    # each prompt as alone (a round that went on without a lost draft call draws other numbers: a loaded machine)
+    assert [c.text for c in together.choices] == [c.text for r in seeded for c in r.choices] or lost
     echoed = client.completions.create(model="target", prompt=[PROMPT, other], max_tokens=6, temperature=0, echo=True)
     assert [c.text for c in echoed.choices] == [PROMPT + alone[0].choices[0].text, other + alone[1].choices[0].text]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from model_service.engines import DraftEngine, TargetEngine
-from speculative.errors import CapacityExceeded, InvalidRequest, SessionExists, SessionNotFound
+from speculative.errors import ROOM_LATER, CapacityExceeded, InvalidRequest, SessionExists, SessionNotFound
 from model_service.model_runner import PREFILL_TOKENS, ModelRunner
 from speculative.protocol import PassCost, Proposal, ProposeCall, VerifyCall
 from speculative.sampling import encode_supports
@@ -330,11 +330,17 @@ def test_kv_token_cap_counts_the_sampled_token_of_a_call_that_appends_and_verifi
             target.verify(VerifyCall("a", False, [], Proposal(), GREEDY))
             grown += 1
     assert grown == 3 and len(target.runner.sessions.get("a").tokens) == 14
-    decoded = TargetEngine(ModelRunner(pair[1]))  # decode steps in one call stop at the cap too
-    decoded.runner.max_kv_tokens = 14
-    decoded.verify(VerifyCall("a", True, list(range(1, 11)), Proposal(), GREEDY))
-    verdict, _ = decoded.verify(VerifyCall("a", False, [], Proposal(), GREEDY, steps=8))
-    assert 1 + len(verdict.decoded) == 3 and len(decoded.runner.sessions.get("a").tokens) == 14
+    with pytest.raises(CapacityExceeded, match="--max-kv-tokens"):  # decode steps' first token too
+        target.verify(VerifyCall("a", False, [], Proposal(), GREEDY, steps=8))
+    assert len(target.runner.sessions.get("a").tokens) == 14
+    with pytest.raises(CapacityExceeded, match="for all sessions together") as alone:  # no room will come for it
+        target.verify(VerifyCall("b", True, list(range(1, 15)), Proposal(), GREEDY))
+    assert ROOM_LATER not in str(alone.value)
+    target.runner.sessions.release("a")
+    assert target.verify(VerifyCall("b", True, list(range(1, 14)), Proposal(), GREEDY))[0].token >= 0
+    with pytest.raises(CapacityExceeded) as later:
+        target.verify(VerifyCall("c", True, [1, 2], Proposal(), GREEDY))
+    assert ROOM_LATER in str(later.value)  # (it fits alone: room comes as "b" ends)
 
 
 def test_kv_token_cap_counts_what_calls_sharing_a_pass_will_add(pair):
