@@ -187,7 +187,7 @@ class CostModel:
                 self.draft_scale += EMA * (d.pass_ms / predicted - self.draft_scale)
         calls = 1 + (r.asked > 0)
         outside = max(0.0, wall_ms - d.service_ms - t.service_ms) / calls
-        if not r.target_started:  # (a start's wall time may hold a wait for a full target's room)
+        if not r.target_restarted:  # (its wall time may hold a wait for a full target's room)
             self.overhead_ms += EMA * (outside - self.overhead_ms)
         if r.proposed or stopped:
             tried = r.accepted + (r.accepted < r.proposed or stopped)

@@ -28,14 +28,19 @@ committed. Nothing is lost and nothing repeated.
   it starts at (round._start_params: not the numbers that drew the output so far), so a sampled
   request stays exactly target-distributed but is no longer token-for-token the run without the
   fault; greedy output is identical.
-- A target replica with no room for a session's next tokens (RESOURCE_EXHAUSTED mid-request: its
-  --max-kv-tokens reached by all its sessions together) has the session given back there, freeing
-  its tokens for the others, and the request starts it again once there is room (another replica
-  with room, or this one once other requests end), waiting up to ROOM_WAIT (not under the lockstep
-  gate, whose turn it would hold: there it fails as before). No request is failed for the cap while
-  it can finish after the others; a deadlock of requests each waiting on the others' room cannot
-  form, as those that wait hold nothing. A request's first start is refused at once (429 over HTTP):
-  the cap is the service's admission control.
+- A target replica with no room for a session's next tokens (RESOURCE_EXHAUSTED mid-request, its
+  sessions together at --max-kv-tokens while the session alone would fit: errors.ROOM_LATER) has the
+  session given back there, freeing its tokens for the others, and the request starts it again once
+  there is room (on a replica not tried since its last pause, or after a pause, doubling from
+  ROOM_POLL's first to its last, each replica again), waiting up to ROOM_WAIT. While requests wait
+  so, this coordinator admits no new request (its first start is RESOURCE_EXHAUSTED, 429 over HTTP,
+  as a full replica's is): those that gave room back go first, and a stream of short new requests
+  cannot starve a long one. Requests that wait hold no target session, so they cannot deadlock each
+  other (they keep their draft's). Not so a request that would replay from its seed (a sampled one
+  under a fixed K or a seeded AcceptanceK: `patient`): a session started again draws afresh, so it
+  fails there as before, and so does one under the lockstep gate, whose turn a wait would hold; a
+  session that alone would pass the cap, a full queue (--max-queue), the session cap, and a start
+  after a fault (a replica lost, a session evicted) that finds no room fail at once too.
 
 A session started again takes a new id on the service (`<id>.<n>`): what is left of the one
 before (on a replica that hung and woke up, or behind a late call) never meets it.
@@ -71,6 +76,7 @@ FORGET_POLL = 0.5    # s: how often it looks
 FULL_WAIT = 1.0  # s: how long a request leaves a draft replica that had no room for its session
 ROOM_WAIT = 60.0  # s: how long a request that gave its target session's room back waits to start it again
 ROOM_POLL = 0.02, 0.5  # s: its first wait before trying again, and the longest (doubling in between)
+RELEASE_WAIT = 1.0  # s: how long it waits for its session's release first (then that goes on in the background)
 PATIENT_BOUND = 10.0  # s: how long a replaying request waits for a draft call before it is late
 # work left to the background: releases on replicas a request moved away from (see _lost), late
 # calls awaited to drop their answers (see FailoverDraft._late)
@@ -306,6 +312,7 @@ class FailoverTarget(_Failover):
                                 f" retry later")
             return await self._verify(call, turn)
         until, pause = time.monotonic() + ROOM_WAIT, ROOM_POLL[0]
+        tried: set[Replica] = set()  # replicas that refused since the last pause: left alone until it
         self.pool.room_waiters += 1
         try:
             while True:  # the session given back: started again where there is room
@@ -316,17 +323,23 @@ class FailoverTarget(_Failover):
                 except PeerError as e:
                     if not _room_later(e):
                         raise
-                    if self.replica is not None:  # the next try: a replica not full lately, if there is one
-                        self.full[self.replica] = time.monotonic() + pause
+                    if self.replica is not None:  # the next try: a replica not tried since the last pause
+                        tried.add(self.replica)
+                        self.full[self.replica] = until
                         self.pool.release(self.replica)
                         self.replica = None
                     if time.monotonic() + pause > until:
                         raise
-                    if not self._candidates():  # every replica full lately
+                    if not self._candidates():  # every replica tried: a pause, doubling, then each again
                         await asyncio.sleep(pause)
                         pause = min(2 * pause, ROOM_POLL[1])
+                        for replica in tried:
+                            self.full.pop(replica, None)
+                        tried.clear()
         finally:
             self.pool.room_waiters -= 1
+            for replica in tried:
+                self.full.pop(replica, None)
 
     async def _give_room(self, error: PeerError) -> None:
         """Release the session on its replica, which has no room for its next tokens (the release runs on
@@ -338,7 +351,8 @@ class FailoverTarget(_Failover):
         log.info("target replica %s is full (%s): the request gives its session's room back and starts again"
                  " when there is room", replica.address, error)
         self.pool.release(replica)
-        await asyncio.shield(self._in_background(self._forget(replica, self.session or "")))
+        # (a release that fails is tried again in the background, until the replica serves again or is gone)
+        await asyncio.wait([self._in_background(self._forget(replica, self.session or ""))], timeout=RELEASE_WAIT)
 
     async def _verify(self, call: VerifyCall, turn: tuple[int, int]) -> tuple[Verdict, Cost]:
         start = call.start

@@ -209,9 +209,9 @@ class Round:
     draft_started: bool = False  # a draft call of this round started the draft's session (took in the whole context)
     logprobs: Logprobs | None = None  # params.logprobs set: the target's, of `tokens`
     scored_prompt: bool = False  # its target call scored the prompt (PromptScores): a pass dearer than its tokens say
-    # its target call started the session (the request's first round, or one started again: a prefill, and
-    # maybe a wait for a full target's room: coordinator/failover.py), so its wall time is no round's
-    target_started: bool = False
+    # its target call started the session again (after a fault, or after giving a full target's room back:
+    # coordinator/failover.py): its wall time may hold a wait and a prefill, no round's
+    target_restarted: bool = False
 
 
 async def speculative_round(
@@ -305,7 +305,7 @@ async def speculative_round(
                  len(verdict.features.data) if verdict.features is not None else 0, lost, draft_pass_ms, verdict.copied,
                  draft_started=seq.draft_starts > starts, logprobs=verdict.logprobs,
                  scored_prompt=scoring and seq.prompt_scores.logprobs is not None,
-                 target_started=seq.target_starts > target_starts)
+                 target_restarted=seq.target_starts > max(1, target_starts))
 
 
 async def _propose(draft: DraftPeer, seq: Sequence, k: int, params: SamplingParams,

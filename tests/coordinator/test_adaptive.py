@@ -342,7 +342,7 @@ def test_cost_model_scales_to_measured_passes():
     assert costs.target_scale == pytest.approx(2.0, rel=0.01)
     overhead = costs.overhead_ms
     for _ in range(10):  # rounds whose target session started (again): their wall time may hold a wait for room
-        costs.observe(Round([], 0, 0, Cost(), Cost(batch_size=1, service_ms=1.0), target_started=True), 2000.0)
+        costs.observe(Round([], 0, 0, Cost(), Cost(batch_size=1, service_ms=1.0), target_restarted=True), 2000.0)
     assert costs.overhead_ms == overhead
     costs.observe(Round([], 0, 0, Cost(), Cost(batch_size=1, service_ms=1.0)), 2000.0)
     assert costs.overhead_ms > overhead + 50  # (any other round's counts)

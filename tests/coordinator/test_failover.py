@@ -646,3 +646,48 @@ def test_sessions_started_after_output_seed_from_where_they_start(pair):
         assert len(starts) == 2 and starts[0] == (len(PROMPT), 11) and starts[1][0] > len(PROMPT)
         assert starts[1][1] == (11 + SEED_STEP * starts[1][0]) % 2**64
     assert run(11)[0] == out and len(out) == 30
+
+
+def test_a_request_waiting_for_room_pauses_once_every_replica_refused(monkeypatch):
+    """A session given back with every replica full: each replica is tried once, then a pause (doubling)
+    before each is tried again, until ROOM_WAIT; refusals slower than the pause do not make it spin.
+    Nothing of the wait is left after it (the pool's count of waiting requests, the replicas' marks)."""
+    import asyncio
+
+    import coordinator.failover as failover
+    from coordinator.failover import FailoverTarget
+    from coordinator.peers import PeerError
+    from speculative.errors import ROOM_LATER
+    from speculative.protocol import Proposal, SamplingParams, VerifyCall
+
+    monkeypatch.setattr(failover, "ROOM_WAIT", 0.5)
+
+    class Full:
+        """A replica whose sessions fill its cap, answering each call in 30 ms (above the first pause)."""
+
+        def __init__(self, address: str):
+            self.address, self.name, self.calls = address, "target", 0
+
+        async def verify(self, call, *, turn=(0, 0)):
+            self.calls += 1
+            await asyncio.sleep(0.03)  # (its service time)
+            raise PeerError(self, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"the sessions would hold 9 tokens, beyond this service's cap of 8 {ROOM_LATER}")
+
+        async def release(self, session_id):
+            pass
+
+    replicas = [Full("t1"), Full("t2")]
+    pool = local_pool("target", replicas)
+    waiting = FailoverTarget(pool)
+    waiting.gave_room = True
+
+    async def go():
+        with pytest.raises(PeerError) as refused:
+            await waiting.verify(VerifyCall("r", True, [1, 2], Proposal(), SamplingParams(0.0)))
+        return refused.value
+
+    refused = asyncio.run(go())
+    assert ROOM_LATER in refused.details and pool.room_waiters == 0 and not waiting.full
+    assert [r.calls >= 3 for r in replicas] == [True, True] and sum(r.calls for r in replicas) <= 10
+    assert all(r.outstanding == 0 for r in pool.replicas.values())

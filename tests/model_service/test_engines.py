@@ -333,6 +333,11 @@ def test_kv_token_cap_counts_the_sampled_token_of_a_call_that_appends_and_verifi
     with pytest.raises(CapacityExceeded, match="--max-kv-tokens"):  # decode steps' first token too
         target.verify(VerifyCall("a", False, [], Proposal(), GREEDY, steps=8))
     assert len(target.runner.sessions.get("a").tokens) == 14
+    decoded = TargetEngine(ModelRunner(pair[1]))  # and decode steps stop at the cap
+    decoded.runner.max_kv_tokens = 14
+    decoded.verify(VerifyCall("a", True, list(range(1, 11)), Proposal(), GREEDY))
+    verdict, _ = decoded.verify(VerifyCall("a", False, [], Proposal(), GREEDY, steps=8))
+    assert 1 + len(verdict.decoded) == 3 and len(decoded.runner.sessions.get("a").tokens) == 14
     with pytest.raises(CapacityExceeded, match="for all sessions together") as alone:  # no room will come for it
         target.verify(VerifyCall("b", True, list(range(1, 15)), Proposal(), GREEDY))
     assert ROOM_LATER not in str(alone.value)
