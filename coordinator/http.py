@@ -358,7 +358,8 @@ def completion_request(body: CompletionBody) -> list[tuple[GenerationRequest, Re
     most = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     made = []
     for prompt in batch:
-        request = generation_request(body, most, **{"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt})
+        given = {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt}
+        request = generation_request(body, most, **given)
         if body.echo:  # the prompt's tokens scored too where logprobs are asked (and where nothing is generated)
             request.prompt_logprobs = body.logprobs if body.logprobs is not None or most != 0 else 0
         made.append((request, text_choice))
