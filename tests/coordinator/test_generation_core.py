@@ -68,8 +68,8 @@ BAD = {
 }
 # the field a front door names (`param`), where it is not the first word of the message
 PARAMS = {"scored prompt fills context, generating": "prompt_token_ids",
-          "prompt fills context": "prompt_token_ids", "prompt text of megabytes": "prompt", "max_new_tokens beyond context":
-          "max_new_tokens", "token id outside vocabulary": "prompt_token_ids", "too many stop strings": "stop",
+          "prompt fills context": "prompt_token_ids", "prompt text of megabytes": "prompt",
+          "max_new_tokens beyond context": "max_new_tokens", "token id outside vocabulary": "prompt_token_ids", "too many stop strings": "stop",
           "message without a role": "messages", "empty prompt": "prompt", "prompt and ids": "prompt_token_ids",
           "temperature past float32": "temperature", "top_p 0 as float32": "top_p"}
 
