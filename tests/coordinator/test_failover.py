@@ -651,8 +651,10 @@ def test_sessions_started_after_output_seed_from_where_they_start(pair):
 def test_a_request_waiting_for_room_pauses_once_every_replica_refused(monkeypatch):
     """A session given back with every replica full: each replica is tried once, then a pause (doubling)
     before each is tried again, until ROOM_WAIT; refusals slower than the pause do not make it spin.
-    Nothing of the wait is left after it (the pool's count of waiting requests, the replicas' marks)."""
+    Nothing of the wait is left after it (the pool's count of waiting requests, the replicas' marks).
+    On the failover's own clock, which the replicas' answers and its pauses move (no time passes)."""
     import asyncio
+    from types import SimpleNamespace
 
     import coordinator.failover as failover
     from coordinator.failover import FailoverTarget
@@ -660,7 +662,16 @@ def test_a_request_waiting_for_room_pauses_once_every_replica_refused(monkeypatc
     from speculative.errors import ROOM_LATER
     from speculative.protocol import Proposal, SamplingParams, VerifyCall
 
+    clock, pauses, real_sleep = [0.0], [], asyncio.sleep
+
+    async def pause(seconds: float) -> None:
+        clock[0] += seconds
+        pauses.append(seconds)
+        await real_sleep(0)
+
     monkeypatch.setattr(failover, "ROOM_WAIT", 0.5)
+    monkeypatch.setattr(failover, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(failover, "asyncio", SimpleNamespace(**{**vars(asyncio), "sleep": pause}))
 
     class Full:
         """A replica whose sessions fill its cap, answering each call in 30 ms (above the first pause)."""
@@ -670,7 +681,7 @@ def test_a_request_waiting_for_room_pauses_once_every_replica_refused(monkeypatc
 
         async def verify(self, call, *, turn=(0, 0)):
             self.calls += 1
-            await asyncio.sleep(0.03)  # (its service time)
+            clock[0] += 0.03  # (its service time)
             raise PeerError(self, grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"the sessions would hold 9 tokens, beyond this service's cap of 8 {ROOM_LATER}")
 
@@ -689,5 +700,6 @@ def test_a_request_waiting_for_room_pauses_once_every_replica_refused(monkeypatc
 
     refused = asyncio.run(go())
     assert ROOM_LATER in refused.details and pool.room_waiters == 0 and not waiting.full
-    assert [r.calls >= 3 for r in replicas] == [True, True] and sum(r.calls for r in replicas) <= 10
+    # t1 0.03, t2 0.06, pause 0.02; 0.11, 0.14, pause 0.04; 0.21, 0.24, pause 0.08; t1 0.35: 0.35 + 0.16 > 0.5
+    assert [r.calls for r in replicas] == [4, 3] and pauses == [0.02, 0.04, 0.08]
     assert all(r.outstanding == 0 for r in pool.replicas.values())

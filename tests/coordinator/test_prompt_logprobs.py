@@ -15,7 +15,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from coordinator.launch import LocalStack
 from model_service.engines import LOGPROB_ROWS, DraftEngine, TargetEngine, token_logprobs
 from model_service.local import LocalDraft, LocalTarget
 from model_service.model_runner import ModelRunner
@@ -26,7 +25,9 @@ from speculative.errors import InvalidRequest
 from speculative.protocol import (Cost, Logprobs, Proposal, SamplingParams, Verdict, VerifyCall, verdict_from_proto,
                                   verdict_to_proto, verify_call_from_proto, verify_call_to_proto)
 from speculative.round import FixedK, PromptScores, SessionLost, Stats, generate
-from tests.coordinator.test_openai import openai_client, post
+# (the stack and its OpenAI client as the logprobs' tests make them: one stack for this module)
+from tests.coordinator.test_logprobs import api, client  # noqa: F401
+from tests.coordinator.test_openai import post
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n"
 
@@ -187,19 +188,6 @@ def test_prompt_logprobs_cross_the_wire_and_refuse_what_does_not_add_up():
     assert Verdict(0, 9, prompt_logprobs=scores.slice(1)).prompt_logprobs_fault(call)  # one token short
     assert Verdict(0, 9).prompt_logprobs_fault(VerifyCall("s", False, [5], Proposal(), SamplingParams(),
                                                           prompt_logprobs=2)) is None  # (asked on starts only)
-
-
-@pytest.fixture(scope="module")
-def api(pair, request):
-    stack = LocalStack(*pair, http_port=0).start()
-    request.addfinalizer(stack.stop)
-    return stack
-
-
-@pytest.fixture(scope="module")
-def client(api):
-    with openai_client(api) as made:
-        yield made
 
 
 @pytest.fixture(scope="module")
