@@ -21,10 +21,10 @@ them, else 400; one that does not compile is 400 with the compiler's reason. `to
 generations side by side (a seeded request's choices seeded seed, seed + 1, ...; streamed, their
 rounds' events interleave, each choice with its index); completions' `prompt` may be a batch (a list of
 texts or of token-id lists), each prompt's n choices in turn (index prompt x n + choice; each prompt's
-seeded as the prompt alone would be), at most MAX_GENERATIONS in all. Completions' `echo` puts the prompt before the
-completion, with its tokens' logprobs where `logprobs` is asked (the target scores the prompt: then
-max_tokens may be 0). A field specdec cannot honour (best_of, suffix, the older functions API) is
-refused, naming it; a field it does not know is ignored.
+seeded as the prompt alone would be), at most MAX_GENERATIONS in all. Completions' `echo` puts the
+prompt before the completion, with its tokens' logprobs where `logprobs` is asked (the target scores
+the prompt: then max_tokens may be 0). A field specdec cannot honour (best_of, suffix, the older
+functions API) is refused, naming it; a field it does not know is ignored.
 /v1/completions generates 16 tokens where max_tokens is not given, as OpenAI's does.
 
 Errors are OpenAI's error object, with the HTTP status of the core's canonical code

@@ -571,11 +571,8 @@ def prompt_ids(session: Session) -> torch.Tensor:
 
 def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> Logprobs:
     """Logprobs of `tokens`, token i scored by row i of a pass's rows (its position's logits, masked by a
-    constraint), with the `top` most likely tokens of each row. (A prompt's rows go LOGPROB_ROWS at a
-    time: its log-softmax is a copy of rows that may be a long prompt's whole vocabulary each.)"""
-    if len(tokens) > LOGPROB_ROWS:
-        return Logprobs.join([token_logprobs(rows[i : i + LOGPROB_ROWS], tokens[i : i + LOGPROB_ROWS], top)
-                              for i in range(0, len(tokens), LOGPROB_ROWS)])
+    constraint), with the `top` most likely tokens of each row. (A prompt's rows come at most LOGPROB_ROWS
+    a pass: verify_many.)"""
     lp = torch.log_softmax(rows[: len(tokens)].float(), dim=-1)
     values = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0]
     if not top:

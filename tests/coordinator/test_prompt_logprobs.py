@@ -147,7 +147,7 @@ def test_prompts_scored_in_one_pass_bound_its_rows_and_change_nothing_else(pair,
     assert together[0].features.start == 0 and together[0].features.rows >= len(ids)
 
 
-def test_a_long_prompt_is_scored_in_parts_as_in_one(pair):
+def test_many_rows_are_scored_as_their_log_softmax(pair):
     rows = torch.randn(2 * LOGPROB_ROWS + 5, 50)
     tokens = torch.randint(0, 50, (len(rows),)).tolist()
     parts = token_logprobs(rows, tokens, 2)
