@@ -47,12 +47,6 @@ constexpr int64_t QK = 32;   // weights a block
 // 2-core Xeon whose L3 holds the weights, a SmolLM2 int4 pass of one token 4.1-4.4 -> 2.8-2.9 ms,
 // five 6.9-7.1 -> 4.4-4.7 (the 5 lines of a block, each issued once; within noise on an AMD EPYC)
 constexpr int64_t Q4_AHEAD = 4096;
-// rows a tile (the row loop's accumulators); more rows take more tiles. 9: a K = 8 verify's rows
-// unpack each block once, not for 5 + 4 rows (2-core Xeon, AVX-512 VNNI, its weights in L3: a 9-token
-// pass 1.91-2.03x a one-token pass against 1.99-2.13x with 8, five alternating runs in one process each).
-// 16 had run slower on an AMD EPYC with AVX-512 and level on the Xeon (then with the 5 + 4 split's
-// per-row float steps of the time)
-constexpr int MAX_ROWS = 9;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define Q4_AVX512 1
@@ -62,6 +56,24 @@ const char* const kPath = "avx512_vnni";
 const char* const kPath = "avx2";
 #else
 const char* const kPath = "scalar";
+#endif
+// rows a tile (the row loop's accumulators); more rows take more tiles. 9: a K = 8 verify's rows
+// unpack each block once, not for 5 + 4 rows (2-core Xeon, AVX-512 VNNI, its weights in L3: a 9-token
+// pass 1.91-2.03x a one-token pass against 1.99-2.13x with 8, five alternating runs in one process each).
+// 16 had run slower on an AMD EPYC with AVX-512 and level on the Xeon (then with the 5 + 4 split's
+// per-row float steps of the time)
+#if defined(Q4_AVX2)
+// AVX2: the rows that read each of a block's nibble vectors before the next is loaded (tile(), group()):
+// their 2 x 6 sums, two nibble vectors and a broadcast fill the 16 registers. A 576 x 1024 product of 5
+// rows on one core of an AMD EPYC (Zen 3), the weights in L2: 50.6-52.5 us with the nibbles held in
+// registers for every row (a broadcast per vpmaddubsw, the rest spilled), 40.0 in groups of 6, 42.5-56.3
+// in groups of 3, 4 or 8. So a tile holds one such group: tiles of up to 9 rows in two groups kept
+// their 2 x 7..9 float sums in memory, and the same product (one core, L2) of 7 / 8 / 9 / 17 / 20 rows
+// took 63.6 / 69.8 / 77.8 / 146.3 / 163.1 us against 56.7 / 62.2 / 69.1 / 117.9 / 147.4 in tiles of up
+// to 6 (a second tile unpacks each block again, from L1); <= 6 rows alike
+constexpr int MAX_ROWS = 6;
+#else
+constexpr int MAX_ROWS = 9;
 #endif
 // 8-wide float32 vectors with FMA and float16 conversion (F16C): the AVX2 path's, and the AVX-512
 // one's where they serve both (a float16 cache's stores and reads)
@@ -180,13 +192,6 @@ Rows quantize(const float* x, int64_t M, int64_t K) {
 }
 
 #if defined(Q4_AVX2)
-// AVX2: the rows that read each of a block's nibble vectors before the next is loaded (tile()): their
-// 2 x 6 sums, two nibble vectors and a broadcast fill the 16 registers. A 576 x 1024 product of 5 rows
-// on one core of an AMD EPYC (Zen 3), the weights in L2: 50.6-52.5 us with the nibbles held in
-// registers for every row (a broadcast per vpmaddubsw, the rest spilled), 40.0 in groups of 6,
-// 42.5-56.3 in groups of 3, 4 or 8
-constexpr int GROUP = 6;
-
 // rows r .. r + R of one block of a tile (AVX2): nib holds the block's unpacked nibbles (tile()),
 // acc [R][2] the rows' sums of the 16 outputs. vpmaddubsw's pairs are summed in 16 bits across the
 // block and widened once by vpmaddwd: a pair is at most 2 * 15 * 127 = 3810 in magnitude (|a| <= 127:
@@ -260,15 +265,15 @@ void tile(const uint8_t* W, const Rows& x, int64_t r0, float* out) {
 #elif defined(Q4_AVX2)
   // The block's 16 x 32 nibbles are unpacked once into `nib` (L1), [k-step][half]: step 2 c is
   // chunk c's low nibbles (inputs 4 c .. 4 c + 3), step 2 c + 1 its high ones (16 + 4 c ..), half h
-  // outputs 8 h .. 8 h + 7; d and m into `dm`. Rows go through them in even groups of at most GROUP
-  // (group<R>): each step's two nibble vectors are loaded once for the group, and each broadcast
-  // activation quad meets both halves.
+  // outputs 8 h .. 8 h + 7; d and m into `dm`. The tile's rows (at most MAX_ROWS) go through
+  // them together (group<MR>): each step's two nibble vectors are loaded once for them all, and each
+  // broadcast activation quad meets both halves.
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m256i nib[8][2];
   __m256 dm[4];
   __m256 acc[MR][2];
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  constexpr int groups = (MR + GROUP - 1) / GROUP, first = (MR + groups - 1) / groups, last = MR - (groups - 1) * first;
+  static_assert(MR <= MAX_ROWS, "an AVX2 tile's rows are one group");
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = W + b * BLOCK_BYTES;
     for (int l = 0; l < 5; ++l) _mm_prefetch(reinterpret_cast<const char*>(blk + Q4_AHEAD + 64 * l), _MM_HINT_T0);
@@ -280,9 +285,7 @@ void tile(const uint8_t* W, const Rows& x, int64_t r0, float* out) {
       }
     for (int v = 0; v < 4; ++v)  // d (outputs 0..7, 8..15), then m
       dm[v] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * v)));
-    int r = 0;
-    for (int g = 0; g + 1 < groups; ++g, r += first) group<first>(nib, dm, x, r0 + r, b, acc + r);
-    group<last>(nib, dm, x, r0 + r, b, acc + r);
+    group<MR>(nib, dm, x, r0, b, acc);
   }
   for (int r = 0; r < MR; ++r) {
     _mm256_storeu_ps(out + r * TILE, acc[r][0]);
@@ -331,10 +334,14 @@ void tiles(const uint8_t* W, const Rows& x, float* Y, int64_t N, int64_t t0, int
         case 3: tile<3>(w, x, r0, out); break;
         case 4: tile<4>(w, x, r0, out); break;
         case 5: tile<5>(w, x, r0, out); break;
+#if defined(Q4_AVX2)
+        default: tile<6>(w, x, r0, out); break;
+#else
         case 6: tile<6>(w, x, r0, out); break;
         case 7: tile<7>(w, x, r0, out); break;
         case 8: tile<8>(w, x, r0, out); break;
         default: tile<9>(w, x, r0, out); break;
+#endif
       }
       for (int r = 0; r < rows; ++r) std::memcpy(Y + (r0 + r) * N + t * TILE, out + r * TILE, width * sizeof(float));
     }

@@ -29,6 +29,7 @@ def weights(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, 
 
 @pytest.mark.parametrize("n, k", [(16, 32), (40, 96), (960, 576), (100, 1536), (7, 64)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 10, 17, 33])  # tiles of 1, 2, 3, 5, 8, 9, 5 + 5, 9 + 8, 9 x 3 + 6
+# (AVX2, tiles of up to 6 rows: ..., 4 + 4, 5 + 4, 5 + 5, 6 + 6 + 5, 6 x 5 + 3)
 def test_the_kernel_computes_its_reference(n, k, rows):
     q, d, m = weights(n, k)
     tiles = q4_kernel.tile(q, d, m)
