@@ -67,10 +67,10 @@ const char* const kPath = "scalar";
 // their 2 x 6 sums, two nibble vectors and a broadcast fill the 16 registers. A 576 x 1024 product of 5
 // rows on one core of an AMD EPYC (Zen 3), the weights in L2: 50.6-52.5 us with the nibbles held in
 // registers for every row (a broadcast per vpmaddubsw, the rest spilled), 40.0 in groups of 6, 42.5-56.3
-// in groups of 3, 4 or 8. So a tile holds one such group: tiles of up to 9 rows in two groups kept
-// their 2 x 7..9 float sums in memory, and the same product (one core, L2) of 7 / 8 / 9 / 17 / 20 rows
-// took 63.6 / 69.8 / 77.8 / 146.3 / 163.1 us against 56.7 / 62.2 / 69.1 / 117.9 / 147.4 in tiles of up
-// to 6 (a second tile unpacks each block again, from L1); <= 6 rows alike
+// in groups of 3, 4 or 8. A tile holds one such group: tiles of 7..9 rows had run two groups (4 + 3,
+// 4 + 4, 5 + 4) over each unpacked block, and the same product (one core, L2, medians of 9 x 300 calls)
+// of 7 / 8 / 9 / 17 / 20 rows took 63.6 / 69.8 / 77.8 / 146.3 / 163.1 us against 56.7 / 62.2 / 69.1 /
+// 117.9 / 147.4 in tiles of up to 6 (a second tile unpacks each block again, from L1); <= 6 rows alike
 constexpr int MAX_ROWS = 6;
 #else
 constexpr int MAX_ROWS = 9;
@@ -320,8 +320,8 @@ void tile(const uint8_t* W, const Rows& x, int64_t r0, float* out) {
 void tiles(const uint8_t* W, const Rows& x, float* Y, int64_t N, int64_t t0, int64_t t1) {
   float out[MAX_ROWS * TILE];
   const int64_t tile_bytes = x.nb * BLOCK_BYTES;
-  // the rows in even groups of at most MAX_ROWS (10 rows: 5 + 5, not 9 + 1: a group of one row pays
-  // a tile's unpacking for one row's products)
+  // the rows in even tiles of at most MAX_ROWS (10 rows: 5 + 5, not 9 + 1 or, on AVX2, 6 + 4: a tile of
+  // one row pays a block's unpacking for one row's products)
   const int64_t groups = (x.M + MAX_ROWS - 1) / MAX_ROWS, each = (x.M + groups - 1) / groups;
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t width = std::min<int64_t>(TILE, N - t * TILE);
