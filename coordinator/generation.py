@@ -499,7 +499,7 @@ class Coordinator:
         start = time.perf_counter()
         models = self.ready()
         plan = await resolve(request, models, self.limits)
-        text = TextStream(models.tokenizer, plan.stop)
+        text = TextStream(models.tokenizer, plan.stop, plan.prompt)  # (the prompt's tail: its first token's space)
         finish = Finish.LENGTH
         # one replica of each pool at a time, moving to another if it fails (coordinator/failover.py)
         failover_draft = FailoverDraft(self.draft, patient=patient(plan, self.gate is not None))

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import re
 import socket
@@ -219,6 +220,9 @@ async def parse(request: Request, kind: type[B], limit: int) -> B:
         if error["type"] == "json_invalid":
             raise ApiError(400, f"the body is not valid JSON: {error['msg']}") from None
         path = ".".join(map(str, error["loc"]))
+        if error["loc"] and error["loc"][0] == "prompt":  # (pydantic names the union's first branch's fault)
+            raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of"
+                                " lists of token ids", "prompt") from None
         raise ApiError(400, f"{path}: {error['msg']}" if path else error["msg"],
                        str(error["loc"][0]) if error["loc"] else None) from None
     for name, neutral in UNSUPPORTED.items():
@@ -377,13 +381,20 @@ def seen(chunk: Chunk, endpoint: Endpoint) -> tuple[list[int], Logprobs | None]:
     return chunk.token_ids, chunk.logprobs
 
 
-async def echoing(chunks: AsyncIterator[Chunk], prompt: str) -> AsyncIterator[Chunk]:
-    """A completion's chunks with its prompt's text before the first one's (`echo`)."""
+async def echoing(chunks: AsyncIterator[Chunk], prompt: Callable[[], str]) -> AsyncIterator[Chunk]:
+    """A completion's chunks with its prompt's text before the first one's (`echo`): the text made
+    once that chunk has come, the core having taken the prompt (a token id that no tokenizer can
+    decode is the core's 400 first, not the tokenizer's exception)."""
     async with contextlib.aclosing(chunks):
         first = True
         async for chunk in chunks:
-            yield replace(chunk, text=prompt + chunk.text) if first else chunk
+            yield replace(chunk, text=prompt() + chunk.text) if first else chunk
             first = False
+
+
+def prompt_text(tokenizer: Any, generation: GenerationRequest) -> str:
+    """An echoed prompt's text: as sent, or its token ids decoded as a completion's text reads."""
+    return generation.prompt or tokenizer.decode(generation.prompt_token_ids, skip_special_tokens=True)
 
 
 # ------------------------------------------------------------------ responses
@@ -614,9 +625,8 @@ class OpenAIApi:
                        for generation, _ in choices]
             if endpoint is COMPLETIONS and body.echo:
                 tokenizer = self.coordinator.ready().tokenizer
-                streams = [echoing(chunks, generation.prompt or tokenizer.decode(
-                    generation.prompt_token_ids, skip_special_tokens=True))  # (as the completion's text reads)
-                    for chunks, (generation, _) in zip(streams, choices)]
+                streams = [echoing(chunks, functools.partial(prompt_text, tokenizer, generation))
+                           for chunks, (generation, _) in zip(streams, choices)]
             replies = [reply for _, reply in choices]
             scorers = self.scorers(endpoint, len(choices)) if logprobs_asked(body) is not None else None
             head = {"id": f"{endpoint.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}

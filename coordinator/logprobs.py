@@ -37,6 +37,7 @@ from speculative.protocol import Logprobs
 
 NEVER = -9999.0  # a masked-out token's log-probability, as sent
 BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+SPACE_MARK = "\u2581"  # SentencePiece's word start ("▁")
 
 
 @functools.cache
@@ -57,6 +58,9 @@ class TokenText:
     def __call__(self, token: int) -> tuple[str, list[int]]:
         if token not in self.known:
             text = self.tokenizer.decode([token], skip_special_tokens=False)
+            piece = self.tokenizer.convert_ids_to_tokens(token)
+            if isinstance(piece, str) and piece.startswith(SPACE_MARK) and not text.startswith(" "):
+                text = " " + text  # (a SentencePiece decoder drops the space of the first token it decodes)
             self.known[token] = (text, list(self._bytes(token, text)))
         return self.known[token]
 
@@ -94,6 +98,10 @@ class ChoiceLogprobs:
         if prompt is not None:
             parts.append(self._completion(prompt.token_ids, [None, *prompt.logprobs.values],
                                           [None, *map(prompt.logprobs.tops, range(len(prompt.logprobs)))]))
+            # the echoed text is the prompt's decoded apart from the completion's: a character the prompt's
+            # last tokens leave unfinished is its own U+FFFD there
+            self.offset += len(self.decoder.decode(b"", final=True))
+            self.decoder.reset()
         if scores is not None:
             parts.append(self._completion(tokens, scores.values, list(map(scores.tops, range(len(scores))))))
         if not parts:

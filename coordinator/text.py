@@ -7,16 +7,25 @@ still incomplete, and not while its tail could be the start of a stop string.
 from __future__ import annotations
 
 
+# the prompt's last tokens a stream decodes its first tokens after (as vLLM's detokenizer does): a
+# SentencePiece tokenizer's decoder drops the space that starts the first token it decodes ("▁Paris"
+# alone is "Paris"), which after the prompt reads " Paris"
+CONTEXT = 5
+
+
 class TextStream:
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, stop: list[str], context: list[int] = ()):
+        """`context`: the prompt's ids (its last CONTEXT are decoded before the text, not part of it)."""
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
-        self.ids: list[int] = []
+        self.ids: list[int] = list(context)[-CONTEXT:]
+        if self.ids and self._decode(self.ids).endswith("\ufffd"):  # a character the prompt leaves unfinished
+            self.ids = []
         self.text = ""
         self.sent = 0          # characters of text already released
         self.stopped = False   # a stop string was produced; text ends before it
         self._prefix = 0       # ids[_prefix:_read] decode to the text's tail
-        self._read = 0
+        self._read = len(self.ids)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from coordinator.generation import ScoredPrompt
 from coordinator.launch import LocalStack
 from coordinator.logprobs import NEVER, ChoiceLogprobs, TokenText
 from model_service.engines import DraftEngine, TargetEngine
@@ -162,6 +163,37 @@ def test_openai_objects_for_chat_and_completions():
     assert list(first["top_logprobs"][1]) == ["a", " b"]  # most likely first
     assert first["token_logprobs"] == [-0.25, NEVER]
     assert ChoiceLogprobs(texts, chat=True)([0], None) is None
+
+
+def test_an_echoed_prompt_that_ends_inside_a_character_offsets_the_completion_after_its_own_replacement():
+    """The echo is the prompt's text decoded apart from the completion's: "a" and é's first byte read
+    "a\ufffd", then the completion's first token (é's second byte) its own "\ufffd", at offset 2."""
+    view = ChoiceLogprobs(TokenText(Pieces()), chat=False)
+    prompt = ScoredPrompt([0, 2], Logprobs(0, [-1.0]))
+    both = view([3], Logprobs(0, [-2.0]), prompt)
+    assert both["tokens"] == ["a", "\ufffd", "\ufffd"] and both["text_offset"] == [0, 1, 2]
+    assert both["token_logprobs"] == [None, -1.0, -2.0]
+
+
+class Spaced:
+    """A SentencePiece-style tokenizer (Llama 2, Mistral): its decoder drops the space that starts the
+    first token it decodes, so '▁world' alone decodes to 'world'."""
+
+    all_special_ids = []
+
+    def decode(self, ids, skip_special_tokens=False):
+        return {0: "world", 1: "!", 2: "\ufffd"}[ids[0]]
+
+    def convert_ids_to_tokens(self, token):
+        return {0: "\u2581world", 1: "!", 2: "<0xC3>"}[token]
+
+
+def test_a_sentencepiece_tokens_text_keeps_the_space_it_starts_with():
+    texts = TokenText(Spaced())
+    assert texts(0) == (" world", [32, 119, 111, 114, 108, 100]) and texts(1) == ("!", [33])
+    assert texts(2) == ("\ufffd", [0xC3])  # a byte fallback's byte, no space
+    view = ChoiceLogprobs(texts, chat=False)([0, 1], Logprobs(0, [-1.0, -1.0]))
+    assert view["tokens"] == [" world", "!"] and view["text_offset"] == [0, 6]
 
 
 @pytest.fixture(scope="module")

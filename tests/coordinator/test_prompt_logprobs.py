@@ -330,8 +330,14 @@ def test_streamed_echo_adds_up_to_the_unary_one(api, client):
     ({"echo": True, "logprobs": 21}, "logprobs"),
     ({"echo": True, "best_of": 2}, "best_of"),
     ({"max_tokens": 0}, "max_tokens"),
+    ({"echo": True, "prompt": [[5, -1]]}, "prompt"),  # ids no tokenizer decodes: the core's 400, not a 500
+    ({"echo": True, "prompt": [[5, 2**40]]}, "prompt"),
+    ({"echo": True, "prompt": ["a", [5]]}, "prompt"),
+    ({"prompt": [5, "a"]}, "prompt"),
 ])
 def test_bad_echo_requests_are_400_naming_the_field(api, body, param):
     status, reply = post(api, "/v1/completions", json.dumps({"model": "target", "prompt": PROMPT, **body}).encode(),
                          key=None)
     assert status == 400 and reply["error"]["param"] == param, reply
+    if any(isinstance(p, str) for p in body.get("prompt", [])):
+        assert "a list of token ids" in reply["error"]["message"]  # (not the union's first branch's fault)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from transformers import AutoTokenizer
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from coordinator.text import TextStream
 
@@ -42,3 +43,39 @@ def test_stop_string_cuts_and_is_never_streamed(tokenizer):
 def test_held_back_prefix_is_released_when_it_is_not_a_stop(tokenizer):
     pieces, s = stream_all(tokenizer, "abc fo bar", ["foo"])
     assert not s.stopped and "".join(pieces) == "abc fo bar"
+
+
+def sentencepiece_like() -> PreTrainedTokenizerFast:
+    """Words with SentencePiece's word-start mark, decoded as Llama 2's and Mistral's tokenizers decode
+    them: the space that starts the first token decoded is dropped."""
+    vocab = {"<unk>": 0, "\u2581The": 1, "\u2581capital": 2, "\u2581is": 3, "\u2581Paris": 4, ".": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def test_a_completion_after_its_prompt_keeps_its_first_tokens_space():
+    tokenizer = sentencepiece_like()
+    prompt, completion = [1, 2, 3], [4, 5]
+    assert tokenizer.decode([4]) == "Paris"  # (alone: the space dropped)
+    s = TextStream(tokenizer, [], context=prompt)
+    for t in completion:
+        s.add(t)
+    text = s.take(final=True)
+    assert text == " Paris." and tokenizer.decode(prompt) + text == tokenizer.decode(prompt + completion)
+    alone = TextStream(tokenizer, [])
+    for t in completion:
+        alone.add(t)
+    assert alone.take(final=True) == "Paris."  # no prompt: as the tokenizer decodes it
+
+
+def test_a_prompt_that_ends_inside_a_character_is_no_context(tokenizer):
+    """Its unfinished character's bytes would join the completion's: the completion decodes alone."""
+    euro = tokenizer("\u20ac", add_special_tokens=False)["input_ids"]  # three bytes
+    head = tokenizer("price ", add_special_tokens=False)["input_ids"]
+    assert len(euro) >= 2  # (byte-level BPE that never merged them)
+    s = TextStream(tokenizer, [], context=head + euro[:1])
+    for t in euro[1:]:
+        s.add(t)
+    assert s.take(final=True) == tokenizer.decode(euro[1:])
