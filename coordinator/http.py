@@ -392,6 +392,16 @@ async def echoing(chunks: AsyncIterator[Chunk], prompt: Callable[[], str]) -> As
             first = False
 
 
+async def of_prompt(chunks: AsyncIterator[Chunk], index: int) -> AsyncIterator[Chunk]:
+    """A choice of a batch's prompt `index`: the core's refusal of that prompt names it."""
+    async with contextlib.aclosing(chunks):
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except InvalidRequest as e:
+            raise InvalidRequest(f"prompt[{index}]: {e}", e.param) from None
+
+
 def prompt_text(tokenizer: Any, generation: GenerationRequest) -> str:
     """An echoed prompt's text: as sent, or its token ids decoded as a completion's text reads."""
     return generation.prompt or tokenizer.decode(generation.prompt_token_ids, skip_special_tokens=True)
@@ -623,6 +633,8 @@ class OpenAIApi:
             streams = [self.coordinator.generate(generation, f"/v1{endpoint.path}",
                                                  traceparent=request.headers.get("traceparent", ""))
                        for generation, _ in choices]
+            if prompts > 1:
+                streams = [of_prompt(chunks, i // n) for i, chunks in enumerate(streams)]
             if endpoint is COMPLETIONS and body.echo:
                 tokenizer = self.coordinator.ready().tokenizer
                 streams = [echoing(chunks, functools.partial(prompt_text, tokenizer, generation))

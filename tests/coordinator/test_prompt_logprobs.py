@@ -341,3 +341,10 @@ def test_bad_echo_requests_are_400_naming_the_field(api, body, param):
     assert status == 400 and reply["error"]["param"] == param, reply
     if any(isinstance(p, str) for p in body.get("prompt", [])):
         assert "a list of token ids" in reply["error"]["message"]  # (not the union's first branch's fault)
+
+
+def test_a_batchs_refused_prompt_is_named(api):
+    status, reply = post(api, "/v1/completions", json.dumps({"model": "target", "prompt": [[5, 6], [5, 10**6]],
+                                                              "max_tokens": 2, "n": 2}).encode(), key=None)
+    assert status == 400 and reply["error"]["param"] == "prompt", reply
+    assert reply["error"]["message"].startswith("prompt[1]: "), reply
