@@ -182,7 +182,8 @@ class Models:
     tokenizer: Any              # the target's
     vocab_size: int
     eos_token_ids: frozenset[int]
-    max_context: int            # the target's: what a request's prompt and new tokens may fill
+    max_context: int            # what a request's prompt and new tokens may fill: the target's context, or
+    #                             its --max-kv-tokens where less (no session of it may hold more)
     max_k: int                  # the largest K a request may ask for
     default_k: int              # K (adaptive: its ceiling) where a request does not say
     max_draft_call: int         # the most tokens one call asks the draft for (a pre-draft asks K + 1)
@@ -192,6 +193,20 @@ class Models:
     decode_steps: int = 1       # the most tokens a round that drafts nothing asks the target for
     feature_layers: tuple[int, ...] = ()  # the target layers the draft reads (an EAGLE head), if any
     draft_context: int = 0      # the draft's, where shorter than max_context: drafting stops there (0: as max_context)
+    kv_capped: bool = False     # max_context is the target's --max-kv-tokens, under its context
+
+    @property
+    def context(self) -> str:
+        """max_context in a refusal's words: the target's context, or its cap."""
+        if self.kv_capped:
+            return f"the target's cap of {self.max_context} tokens a session (its --max-kv-tokens)"
+        return f"the context of {self.max_context} tokens"
+
+    @property
+    def holds(self) -> str:
+        if self.kv_capped:
+            return f"the target holds at most {self.max_context} tokens a session (its --max-kv-tokens)"
+        return f"the context holds {self.max_context}"
 
 
 @dataclass
@@ -237,8 +252,8 @@ def check_length(chars: int, what: str, models: Models, param: str = "prompt") -
     fits = PROMPT_SLACK * models.max_token_chars * models.max_context
     if models.max_token_chars and chars > fits:
         raise InvalidRequest(
-            f"{what} has {chars} characters, more than the context of {models.max_context} "
-            f"tokens can hold (no token of this tokenizer spans more than {models.max_token_chars} characters)", param)
+            f"{what} has {chars} characters, more than {models.context} can hold (no token of this tokenizer"
+            f" spans more than {models.max_token_chars} characters)", param)
 
 
 async def prompt_ids(request: GenerationRequest, models: Models) -> list[int]:
@@ -276,7 +291,7 @@ async def chat_ids(messages: list[Message], models: Models) -> list[int]:
     if len(messages) > models.max_context:
         # (a template marks each message with a token or more: many short ones fit no context, and
         # rendering 100,000 of them held a core for seconds)
-        raise InvalidRequest(f"{len(messages)} messages cannot fit in the context of {models.max_context} tokens",
+        raise InvalidRequest(f"{len(messages)} messages cannot fit in {models.context}",
                              "messages")
     for i, m in enumerate(messages):
         if not m.role:
@@ -304,7 +319,7 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
                              "prompt_logprobs")
     if room < 0 or room == 0 and not (scoring and request.max_new_tokens == 0):  # (a scored prompt may fill it)
         raise InvalidRequest(
-            f"the prompt has {len(prompt)} tokens; the context holds {models.max_context}, leaving no room to generate",
+            f"the prompt has {len(prompt)} tokens; {models.holds}, leaving no room to generate",
             "messages" if request.messages else "prompt_token_ids" if request.prompt_token_ids else "prompt")
     max_new = request.max_new_tokens
     if max_new is None:
@@ -315,7 +330,7 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
     if max_new > room:
         raise InvalidRequest(
             f"max_new_tokens={max_new} goes beyond the context: the prompt has {len(prompt)} tokens "
-            f"and the context holds {models.max_context}, so at most {room} new tokens", "max_new_tokens"
+            f"and {models.holds}, so at most {room} new tokens", "max_new_tokens"
         )
     seeded = request.seed is not None
     temperature = 1.0 if request.temperature is None else request.temperature
@@ -433,7 +448,8 @@ class Coordinator:
             tokenizer=tokenizer,
             vocab_size=target_info.vocab_size,
             eos_token_ids=frozenset(target_info.eos_token_ids),
-            max_context=target_info.max_context,
+            max_context=least(target_info.max_context, target_info.max_kv_tokens),
+            kv_capped=0 < target_info.max_kv_tokens < target_info.max_context,
             max_k=max_k,
             default_k=min(default_k, max_k),
             max_draft_call=least(own, draft_info.max_tokens_per_call),  # a pre-draft asks the draft alone
@@ -444,7 +460,8 @@ class Coordinator:
                             alpha=draft_info.acceptance_prior or DEFAULT_ALPHA, shared_cpus=shared),
             name=target_info.model_name,
             feature_layers=tuple(draft_info.feature_layers),
-            draft_context=min(draft_info.max_context, target_info.max_context),
+            draft_context=least(draft_info.max_context, draft_info.max_kv_tokens, target_info.max_context,
+                                target_info.max_kv_tokens),
         )
 
     def ready(self) -> Models:

@@ -116,7 +116,7 @@ def unlike(info: pb.ModelInfo, pool: pb.ModelInfo) -> str:
     ("" if it may). The coordinator reads its limits once, from that first replica, and admits
     requests and sizes rounds by them; a request leased to a replica that takes less would fail
     there (a target) or lose its draft (a draft). So a replica must serve the pool's model, with a
-    context and a call at least as long, and (a draft) read the target layers the pool's draft
+    context, a KV-token cap and a call at least as long, and (a draft) read the target layers the pool's draft
     reads. A target's weights must be quantized as the pool's are, in the same dtype, over caches
     of the same dtype: an int4 replica's greedy output is not the float one's, nor on float32
     caches what it is on float16 ones."""
@@ -127,6 +127,9 @@ def unlike(info: pb.ModelInfo, pool: pb.ModelInfo) -> str:
     problems = []
     if _under(info.max_context, pool.max_context):
         problems.append(f"its context is {info.max_context} tokens, the pool's {pool.max_context} (--max-context)")
+    if _under(info.max_kv_tokens, pool.max_kv_tokens):
+        problems.append(f"it holds at most {info.max_kv_tokens} tokens, the pool's "
+                        + (f"{pool.max_kv_tokens}" if pool.max_kv_tokens else "any number") + " (--max-kv-tokens)")
     if _under(info.max_tokens_per_call, pool.max_tokens_per_call):
         problems.append(f"it takes at most {info.max_tokens_per_call} tokens a call, the pool's "
                         + (f"{pool.max_tokens_per_call}" if pool.max_tokens_per_call else "any number")

@@ -416,6 +416,7 @@ class EagleDraft:
             "draft_method": self.method,
             **self.pairing,
             "max_context": self.max_context,
+            "max_kv_tokens": self.host.max_kv_tokens,
             "eos_token_ids": [] if eos is None else [eos],
             "device": str(self.device),
             "dtype": str(self.head.dtype).removeprefix("torch."),

@@ -382,6 +382,7 @@ class ModelRunner:
             "vocab_size": self.vocab_size,
             "tokenizer_fingerprint": self.fingerprint,
             "max_context": self.max_context,
+            "max_kv_tokens": self.max_kv_tokens,
             "eos_token_ids": self.eos_token_ids,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),

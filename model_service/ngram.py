@@ -145,6 +145,7 @@ class NgramDraft:
             "draft_method": self.method,
             **self.pairing,
             "max_context": self.max_context,
+            "max_kv_tokens": self.host.max_kv_tokens,
             "eos_token_ids": [] if eos is None else [eos],
             "device": "cpu",
             "num_parameters": 0,

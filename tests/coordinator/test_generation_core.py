@@ -88,6 +88,25 @@ def test_a_bad_request_is_invalid_naming_what_is_wrong(bpe, name):
     assert err.value.param == PARAMS.get(name, says.split()[0].split("=")[0])
 
 
+def test_a_target_kv_cap_under_its_context_bounds_a_request_and_is_named(bpe):
+    """A target whose --max-kv-tokens is under its context holds no session past the cap: connect makes
+    the cap the requests' context (Models.kv_capped), and a refusal names it, not the context."""
+    from dataclasses import replace
+
+    capped = replace(bpe, max_context=100, kv_capped=True)
+    cap = "the target holds at most 100 tokens a session (its --max-kv-tokens)"
+    for fields, says in ((dict(prompt_token_ids=[5] * 100), f"the prompt has 100 tokens; {cap}, leaving no room"),
+                         (dict(prompt_token_ids=[5] * 90, max_new_tokens=11), f"and {cap}, so at most 10 new"),
+                         (dict(prompt="x = 1\n" * 20_000), "than the target's cap of 100 tokens a session (its")):
+        with pytest.raises(InvalidRequest) as refused:
+            check(GenerationRequest(**fields), capped)
+        assert says in str(refused.value)
+    assert check(GenerationRequest(prompt_token_ids=[5] * 90, max_new_tokens=10), capped).max_new_tokens == 10
+    assert check(GenerationRequest(prompt_token_ids=[5] * 90), capped).max_new_tokens == 10  # the room left
+    with pytest.raises(InvalidRequest, match="the context holds 512, leaving"):  # uncapped: the context's words
+        check(GenerationRequest(prompt_token_ids=[5] * 512), bpe)
+
+
 def test_messages_without_a_chat_template_are_not_possible(chars):
     with pytest.raises(NotPossible, match="no chat template"):
         check(GenerationRequest(messages=[Message("user", "abc")]), chars)

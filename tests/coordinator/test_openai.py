@@ -30,7 +30,7 @@ from tests.services.test_metrics import eventually, scrape, value
 
 KEY = "test-key-5e1f"
 BEARER = [("authorization", f"Bearer {KEY}")]
-KV_CAP = 480  # the target's --max-kv-tokens: a longer prompt is refused RESOURCE_EXHAUSTED (429)
+KV_CAP = 480  # the target's --max-kv-tokens: a longer request is refused (400)
 MAX_BYTES = 65536  # the coordinator's --max-request-bytes: a larger body is refused (413)
 QUESTION = [("system", "You are terse."), ("user", "def speculative_round(draft, target):")]
 PROMPT = "def fibonacci(n):"
@@ -374,10 +374,20 @@ def test_an_unknown_model_is_404(client):
     assert refused.value.code == "model_not_found" and refused.value.param == "model"
 
 
-def test_a_service_out_of_capacity_is_429(client):
-    with pytest.raises(openai.RateLimitError) as refused:  # the target holds at most KV_CAP tokens
-        client.completions.create(model="target", prompt=[5] * (KV_CAP + 10), max_tokens=4, temperature=0)
-    assert refused.value.status_code == 429 and "max-kv-tokens" in refused.value.message
+def test_a_request_past_the_targets_kv_cap_is_400_and_one_that_fills_it_runs(client, api):
+    """The target holds at most KV_CAP tokens a session (--max-kv-tokens, under its context of 512): a
+    request whose prompt and new tokens pass it can never run, so it is a 400 naming the cap (not a
+    429 a client would retry), and the models list says so; one that fills the cap exactly runs."""
+    for prompt, max_tokens, param in (([5] * (KV_CAP + 10), 4, "prompt"), ([5] * 470, 11, "max_tokens")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="target", prompt=prompt, max_tokens=max_tokens, temperature=0)
+        assert "--max-kv-tokens" in refused.value.message and f"{KV_CAP} tokens" in refused.value.message
+        assert refused.value.param == param
+    listed = client.models.list().data[0].model_extra
+    assert listed["max_model_len"] == KV_CAP
+    full = client.completions.create(model="target", prompt=[5] * 470, max_tokens=10, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert full.usage.prompt_tokens + full.usage.completion_tokens == KV_CAP
     # (greedy: a sampled answer of this tiny model may end at an EOS before its 4 tokens)
     again = client.completions.create(model="target", prompt=PROMPT, max_tokens=4, temperature=0)
     assert again.usage.completion_tokens == 4

@@ -113,6 +113,11 @@ def test_a_replica_is_refused_for_limits_under_the_pools_or_other_weights():
     assert "'n'" in unlike(pb.ModelInfo(**{**base, "model_name": "n"}), target)
     assert "context is 256 tokens" in unlike(pb.ModelInfo(**{**base, "max_context": 256}), target)
     assert "8 tokens a call" in unlike(pb.ModelInfo(**{**base, "max_tokens_per_call": 8}), target)
+    assert "at most 300 tokens, the pool's any number (--max-kv-tokens)" in unlike(
+        pb.ModelInfo(**{**base, "max_kv_tokens": 300}), target)  # the pool's admits what it cannot hold
+    capped = pb.ModelInfo(**{**base, "max_kv_tokens": 400})
+    assert "at most 300 tokens, the pool's 400" in unlike(pb.ModelInfo(**{**base, "max_kv_tokens": 300}), capped)
+    assert unlike(target, capped) == "" and unlike(pb.ModelInfo(**{**base, "max_kv_tokens": 500}), capped) == ""
     assert "16 tokens a call" in unlike(target, pb.ModelInfo(**{**base, "max_tokens_per_call": 0}))
     assert "bfloat16" in unlike(pb.ModelInfo(**{**base, "dtype": "bfloat16"}), target)
     assert unlike(pb.ModelInfo(**{**base, "quantization": ""}), target) == ""  # a service that says nothing: none
