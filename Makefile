@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: setup stubs kernel models run cluster test test-all prometheus test-gpu bench-gpu bench-passes bench-sampling bench-structured bench-tracing bench-deps bench bench-eagle bench-concurrency bench-ceiling soak draft eagle clean
+.PHONY: setup stubs kernel models run cluster test test-all prometheus test-gpu bench-gpu bench-passes bench-sampling bench-structured bench-prediction bench-tracing bench-deps bench bench-eagle bench-concurrency bench-ceiling soak draft eagle clean
 
 TARGET := models/target/conversion.json
 
@@ -84,6 +84,10 @@ bench-sampling: setup
 # structured output (a JSON schema) on the real pair beside the same requests unconstrained (bench/structured.py)
 bench-structured: setup
 	$(PY) -m bench.structured $(BENCH_ARGS)
+
+# predicted outputs (OpenAI's `prediction`) on the real target: the stacks with and without it (bench/prediction.py)
+bench-prediction: setup
+	$(PY) -m bench.prediction $(BENCH_ARGS)
 
 # what OpenTelemetry tracing adds to a round: off, on at sampler 0.0 and at 1.0 (bench/tracing.py)
 bench-tracing: setup

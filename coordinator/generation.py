@@ -41,6 +41,7 @@ from runtime import tracing
 from speculative import constraints
 from speculative.errors import InvalidRequest
 from speculative.protocol import MAX_TOP_LOGPROBS, Constraint, Logprobs, SamplingParams, float32, pass_cost_from_info
+from speculative.prediction import Prediction
 from speculative.round import FixedK, KPolicy, PromptScores, Stats
 from speculative.round import generate as speculative_rounds
 
@@ -133,6 +134,8 @@ class GenerationRequest:
     # the prompt scored: each of its tokens after the first, under the target, with the n most likely beside
     # it (the first Chunk's prompt); with it max_new_tokens may be 0 (nothing generated)
     prompt_logprobs: int | None = None
+    prediction: str = ""  # the output expected (OpenAI's predicted outputs: speculative/prediction.py)...
+    prediction_token_ids: list[int] = field(default_factory=list)  # ... or its token ids
 
 
 class Finish(enum.Enum):
@@ -222,6 +225,7 @@ class Plan:
     constraint: Constraint | None = None
     lookup: int = 0  # tokens a pass of a round that drafts nothing may copy (a constrained session: what it forces)
     prompt_logprobs: int | None = None  # the prompt scored (GenerationRequest.prompt_logprobs)
+    prediction: list[int] = field(default_factory=list)  # the output expected, tokenized (GenerationRequest.prediction)
 
 
 # ------------------------------------------------------------------ checking a request
@@ -381,8 +385,21 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
             raise InvalidRequest("ignore_eos cannot go with a structured-output constraint: the output ends where the"
                                  " constraint is complete", "ignore_eos")
         await asyncio.to_thread(constraints.check, request.constraint)  # the compiler's reason, before any service
+    prediction = list(request.prediction_token_ids)
+    if request.prediction and prediction:
+        raise InvalidRequest("give at most one of prediction and prediction_token_ids", "prediction_token_ids")
+    bad = [t for t in prediction if not 0 <= t < models.vocab_size]
+    if bad:
+        raise InvalidRequest(f"prediction token id {bad[0]} is outside the vocabulary [0, {models.vocab_size})",
+                             "prediction_token_ids")
+    if request.prediction:
+        check_length(len(request.prediction), "the prediction", models, "prediction")
+        prediction = await asyncio.to_thread(
+            lambda: models.tokenizer(request.prediction, add_special_tokens=False)["input_ids"])
+    if len(prediction) > models.max_context:
+        raise InvalidRequest(f"the prediction has {len(prediction)} tokens, more than {models.context}", "prediction")
     return Plan(prompt, max_new, params, policy, p_min, list(request.stop), request.constraint, lookup,
-                request.prompt_logprobs)
+                request.prompt_logprobs, prediction)
 
 
 def outcome(error: BaseException, deadline: float | None = None) -> str:
@@ -543,6 +560,7 @@ class Coordinator:
             session_id=uuid.uuid4().hex, p_min=plan.p_min, predraft=self.limits.predraft,
             max_call_tokens=models.max_draft_call, feature_layers=models.feature_layers, constraint=plan.constraint,
             trace_context=trace_context, lookup=plan.lookup, logprobs=scored, prompt_scores=scored_prompt,
+            prediction=Prediction(plan.prediction, models.max_k) if plan.prediction else None,
         )
         models.costs.in_flight += 1
         try:

@@ -135,6 +135,13 @@ class ContentPart(Lenient):
     text: str | None = None
 
 
+class PredictedContent(Lenient):
+    """OpenAI's `prediction`: the output expected (predicted outputs)."""
+
+    type: str
+    content: str | list[ContentPart]
+
+
 class ChatMessage(Lenient):
     role: str
     content: str | list[ContentPart] | None = None
@@ -171,6 +178,7 @@ class Body(Lenient):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     repetition_penalty: float | None = None  # (vLLM's)
+    prediction: PredictedContent | None = None  # (OpenAI's predicted outputs: GenerationRequest.prediction)
 
 
 class ChatBody(Body):
@@ -274,8 +282,22 @@ def generation_request(body: Body, max_new_tokens: int | None, **prompt) -> Gene
         ignore_eos=bool(body.ignore_eos),
         constraint=constraint_of(body), logprobs=logprobs_asked(body), frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty, logit_bias=logit_bias_of(body),
-        repetition_penalty=body.repetition_penalty,
+        repetition_penalty=body.repetition_penalty, prediction=prediction_of(body),
     )
+
+
+def prediction_of(body: Body) -> str:
+    """The predicted output's text: OpenAI's {"type": "content", "content": a text or text parts}."""
+    given = body.prediction
+    if given is None:
+        return ""
+    if given.type != "content":
+        raise ApiError(400, f"prediction.type must be 'content', not {given.type!r}", "prediction")
+    if isinstance(given.content, str):
+        return given.content
+    if any(part.type != "text" or part.text is None for part in given.content):
+        raise ApiError(400, "prediction.content: only text parts are supported", "prediction")
+    return "".join(part.text for part in given.content)
 
 
 def _schema_text(value: Any, param: str) -> str:
@@ -441,9 +463,15 @@ def together(summaries: list[Summary], n: int = 1) -> Summary:
 
 
 def usage(summary: Summary) -> dict:
-    made = summary.stats.generated_tokens
-    return {"prompt_tokens": summary.prompt_tokens, "completion_tokens": made,
-            "total_tokens": summary.prompt_tokens + made}
+    s = summary.stats
+    made = s.generated_tokens
+    counts = {"prompt_tokens": summary.prompt_tokens, "completion_tokens": made,
+              "total_tokens": summary.prompt_tokens + made}
+    if s.prediction_tokens:  # (OpenAI's: the prediction's tokens the output kept, and those it did not)
+        counts["completion_tokens_details"] = {
+            "accepted_prediction_tokens": s.accepted_prediction_tokens,
+            "rejected_prediction_tokens": s.prediction_tokens - s.accepted_prediction_tokens}
+    return counts
 
 
 def specdec_fields(summary: Summary) -> dict:
@@ -454,7 +482,8 @@ def specdec_fields(summary: Summary) -> dict:
             "accepted_per_position": s.accepted_per_position,
             "num_speculative_tokens": summary.num_speculative_tokens, "adaptive": summary.adaptive,
             "seed": summary.seed, "wall_ms": summary.wall_ms, "draft_ms": s.draft_ms, "target_ms": s.target_ms,
-            "lost_draft_rounds": s.lost_draft_rounds, "copied_tokens": s.copied_tokens}
+            "lost_draft_rounds": s.lost_draft_rounds, "copied_tokens": s.copied_tokens,
+            "prediction_tokens": s.prediction_tokens, "accepted_prediction_tokens": s.accepted_prediction_tokens}
 
 
 def specdec_headers(summary: Summary) -> dict[str, str]:

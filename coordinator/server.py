@@ -35,6 +35,7 @@ def request_from_proto(r: pb.GenerateRequest) -> GenerationRequest:
         logprobs=optional("logprobs"), frequency_penalty=optional("frequency_penalty"),
         presence_penalty=optional("presence_penalty"), logit_bias=dict(r.logit_bias) or None,
         repetition_penalty=optional("repetition_penalty"), prompt_logprobs=optional("prompt_logprobs"),
+        prediction=r.prediction, prediction_token_ids=list(r.prediction_token_ids),
     )
 
 
@@ -67,6 +68,8 @@ def stats_proto(summary: Summary) -> pb.GenerationStats:
         draft_pass_ms=stats.draft_pass_ms,
         target_pass_ms=stats.target_pass_ms,
         copied_tokens=stats.copied_tokens,
+        prediction_tokens=stats.prediction_tokens,
+        accepted_prediction_tokens=stats.accepted_prediction_tokens,
     )
 
 

@@ -37,6 +37,7 @@ from opentelemetry.context import Context
 
 from .protocol import (Constraint, Cost, DraftPeer, Features, Logprobs, Proposal, ProposeCall, SamplingParams,
                        TargetPeer, Verdict, VerifyCall)
+from .prediction import Prediction, as_proposal
 
 tracer = trace.get_tracer("specdec")  # a no-op unless runtime/tracing.py configured one
 
@@ -212,12 +213,13 @@ class Round:
     # its target call started the session again (after a fault, or after giving a full target's room back:
     # coordinator/failover.py): its wall time may hold a wait and a prefill, no round's
     target_restarted: bool = False
+    predicted: bool = False  # what it verified was the request's prediction (offer), not the draft's
 
 
 async def speculative_round(
     draft: DraftPeer, target: TargetPeer, seq: Sequence, k: int, params: SamplingParams, p_min: float = 0.0,
     predraft: bool = False, draft_context: int | None = None, max_call_tokens: int | None = None, steps: int = 1,
-    lookup: int = 0,
+    lookup: int = 0, offer: list[int] = (),
 ) -> Round:
     """One round: the draft proposes up to k tokens, the target verifies them in one pass.
 
@@ -239,10 +241,16 @@ async def speculative_round(
     from the q it is verified against, on the very prefix the target commits. The pre-draft is
     cut to what the draft session's context (draft_context) and one call (max_call_tokens) allow,
     and skipped where that is nothing.
+
+    offer: tokens the request itself proposes (its prediction, speculative/prediction.py), verified in
+    the draft's place with q one-hot at each; the draft is not called (k is not read), and catches up on
+    what the round commits at its next call, as after a round that drafts nothing.
     """
-    if seq.feature_layers and not seq.features.end:
-        k = 0  # the draft drafts from the target's features: none yet before its first pass
+    if offer or seq.feature_layers and not seq.features.end:
+        k = 0  # (no draft call) the draft drafts from the target's features: none yet before its first pass
     proposal, draft_cost = Proposal(), Cost()
+    if offer:
+        proposal = as_proposal(offer)
     starts = seq.draft_starts
     scoring = seq.prompt_scores is not None and seq.prompt_scores.logprobs is None
     target_starts = seq.target_starts
@@ -305,7 +313,7 @@ async def speculative_round(
                  len(verdict.features.data) if verdict.features is not None else 0, lost, draft_pass_ms, verdict.copied,
                  draft_started=seq.draft_starts > starts, logprobs=verdict.logprobs,
                  scored_prompt=scoring and seq.prompt_scores.logprobs is not None,
-                 target_restarted=seq.target_starts > max(1, target_starts))
+                 target_restarted=seq.target_starts > max(1, target_starts), predicted=bool(offer))
 
 
 async def _propose(draft: DraftPeer, seq: Sequence, k: int, params: SamplingParams,
@@ -406,9 +414,20 @@ class Stats:
     draft_pass_ms: float = 0.0   # of draft_ms, on the draft's model (the passes its calls rode in)
     target_pass_ms: float = 0.0  # of target_ms, on the target's model
     copied_tokens: int = 0  # generated tokens the target copied from the context (lookup) and kept
+    prediction_tokens: int = 0  # the request's prediction's tokens verified (in rounds that did: Round.predicted)
+    accepted_prediction_tokens: int = 0  # ... and kept
 
     def add(self, r: Round) -> None:
         self.rounds += 1
+        if r.predicted:  # (not the draft's: its counts and acceptance leave such rounds out)
+            self.prediction_tokens += r.proposed
+            self.accepted_prediction_tokens += r.accepted
+            self.verify_batch_sessions += r.target.batch_size
+            self.feature_bytes += r.feature_bytes
+            self.target_ms += r.target.service_ms
+            self.target_pass_ms += r.target.pass_ms
+            self.wire_bytes += r.target.wire_bytes
+            return
         self.lost_draft_rounds += r.draft_lost
         self.verify_batch_sessions += r.target.batch_size
         self.predrafts += r.predrafted
@@ -433,7 +452,8 @@ class Stats:
         """Add another generation's counts to these (for totals over requests)."""
         for name in ("rounds", "draft_tokens", "accepted_tokens", "draft_calls", "draft_ms", "target_ms",
                      "wire_bytes", "generated_tokens", "rejected_rounds", "predrafts", "predraft_hits",
-                     "feature_bytes", "lost_draft_rounds", "draft_pass_ms", "target_pass_ms", "copied_tokens"):
+                     "feature_bytes", "lost_draft_rounds", "draft_pass_ms", "target_pass_ms", "copied_tokens",
+                     "prediction_tokens", "accepted_prediction_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         # (`other` may be a GenerationStats message, which carries the mean instead)
         self.verify_batch_sessions += getattr(other, "verify_batch_sessions", None) or round(
@@ -486,6 +506,7 @@ async def generate(
     lookup: int = 0,
     logprobs: list[Logprobs] | None = None,
     prompt_scores: PromptScores | None = None,
+    prediction: Prediction | None = None,
 ) -> AsyncIterator[list[int]]:
     """Yield each round's new tokens until max_new_tokens, the context or an EOS.
 
@@ -505,8 +526,10 @@ async def generate(
     replay: see KPolicy.replays); logprobs: where params.logprobs is set, each round's Logprobs of the
     tokens it yields is appended to it before they are; prompt_scores: the target's first start scores
     the prompt into it (max_new_tokens 0: that start alone, a round that drafts nothing and yields
-    nothing). Tokens past an EOS or past max_new_tokens are dropped. Both sessions are released when the
-    generator ends or is closed early.
+    nothing); prediction: the output the request expects (speculative/prediction.py), whose next tokens a
+    round verifies in the draft's place wherever the output stands in it (the policy is neither asked nor
+    told of such a round: it prices the draft). Tokens past an EOS or past max_new_tokens are dropped.
+    Both sessions are released when the generator ends or is closed early.
     """
     if isinstance(k, int):
         k = FixedK(k)
@@ -534,24 +557,37 @@ async def generate(
         while stats.generated_tokens < limit:
             remaining = limit - stats.generated_tokens
             start = time.perf_counter()
-            # K < what is left to generate, and no more than the draft's session has room for beside
-            # the committed tokens (told as such, a policy neither drafts nor probes past it)
-            chosen = k.choose(min(remaining, max(0, draft_context - len(seq.tokens)) + 1))
-            asked_draft = asked_draft or chosen > 0
-            # the first token alone (time to first token); later rounds that draft nothing (chosen 0, or
-            # the draft proposes nothing, where the output cannot depend on how many) may ask for more
-            steps = k.decode_steps(remaining) if stats.rounds and (chosen == 0 or params.greedy or not k.replays) else 1
-            with tracer.start_as_current_span("round", context=trace_context,
-                                              attributes={"specdec.k": chosen, "specdec.decode_steps": steps}) as span:
-                stop = max(p_min, k.stop_below) if chosen else p_min
-                r = await speculative_round(draft, target, seq, chosen, params, stop, predraft,
-                                            draft_context=draft_context, max_call_tokens=max_call_tokens, steps=steps,
-                                            lookup=lookup)
-                if span.is_recording():
-                    span.set_attributes({"specdec.proposed": r.proposed, "specdec.accepted": r.accepted,
-                                         "specdec.tokens": len(r.tokens), "specdec.predraft_hit": r.predraft_hit,
-                                         "specdec.feature_bytes": r.feature_bytes, "specdec.draft_lost": r.draft_lost})
-            k.observe(r, (time.perf_counter() - start) * 1e3)
+            # (a token of the round's own follows the offer: within what is left, and the context)
+            offer = prediction.offer(seq.tokens[len(prompt):], min(remaining, max_context - len(seq.tokens)) - 1) \
+                if prediction is not None else []
+            if offer:
+                with tracer.start_as_current_span("round", context=trace_context,
+                                                  attributes={"specdec.predicted": len(offer)}) as span:
+                    r = await speculative_round(draft, target, seq, 0, params, p_min, offer=offer)
+                    if span.is_recording():
+                        span.set_attributes({"specdec.accepted": r.accepted, "specdec.tokens": len(r.tokens)})
+                prediction.kept(len(offer), r.accepted)
+            else:
+                # K < what is left to generate, and no more than the draft's session has room for beside
+                # the committed tokens (told as such, a policy neither drafts nor probes past it)
+                chosen = k.choose(min(remaining, max(0, draft_context - len(seq.tokens)) + 1))
+                asked_draft = asked_draft or chosen > 0
+                # the first token alone (time to first token); later rounds that draft nothing (chosen 0, or
+                # the draft proposes nothing, where the output cannot depend on how many) may ask for more
+                steps = k.decode_steps(remaining) \
+                    if stats.rounds and (chosen == 0 or params.greedy or not k.replays) else 1
+                with tracer.start_as_current_span("round", context=trace_context, attributes={
+                        "specdec.k": chosen, "specdec.decode_steps": steps}) as span:
+                    stop = max(p_min, k.stop_below) if chosen else p_min
+                    r = await speculative_round(draft, target, seq, chosen, params, stop, predraft,
+                                                draft_context=draft_context, max_call_tokens=max_call_tokens,
+                                                steps=steps, lookup=lookup)
+                    if span.is_recording():
+                        span.set_attributes({"specdec.proposed": r.proposed, "specdec.accepted": r.accepted,
+                                             "specdec.tokens": len(r.tokens), "specdec.predraft_hit": r.predraft_hit,
+                                             "specdec.feature_bytes": r.feature_bytes,
+                                             "specdec.draft_lost": r.draft_lost})
+                k.observe(r, (time.perf_counter() - start) * 1e3)
             stats.add(r)
             new = r.tokens[:remaining]
             for i, t in enumerate(new):

@@ -368,6 +368,49 @@ def test_null_stream_and_ignore_eos_are_their_defaults_and_minus_one_seed_and_to
     assert len(seeds) == 2
 
 
+def test_a_predicted_output_is_verified_as_draft_tokens_and_reported(client, api, stub):
+    """OpenAI's `prediction`: the output is the target's own whatever it predicts (greedy: the same text),
+    the prediction's kept and refused tokens are in usage's completion_tokens_details, and gRPC takes it too."""
+    asked = dict(model="target", messages=chat(QUESTION), max_tokens=40, temperature=0)
+    plain = client.chat.completions.create(**asked)
+    answer = plain.choices[0].message.content
+    assert plain.usage.completion_tokens_details is None  # (nothing predicted: nothing to say)
+    same = client.chat.completions.create(**asked, prediction={"type": "content", "content": answer})
+    assert same.choices[0].message.content == answer
+    # (this random model's tokens need not be its text's own: how much of it is kept is gRPC's test, below)
+    details = same.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0
+    edited = answer[: len(answer) // 2] + " nothing like it at all " + answer[len(answer) // 2 :]
+    parts = [{"type": "text", "text": edited[:5]}, {"type": "text", "text": edited[5:]}]
+    other = client.chat.completions.create(**asked, prediction={"type": "content", "content": parts})
+    assert other.choices[0].message.content == answer
+    assert other.usage.completion_tokens_details.rejected_prediction_tokens > 0
+    # a prediction the structured output forbids: its tokens are refused (p masked to 0), the output is the choice
+    chosen = client.completions.create(model="target", prompt=PROMPT, max_tokens=8, temperature=0,
+                                       extra_body={"guided_choice": ["yes", "no"]})
+    assert chosen.choices[0].text in ("yes", "no")
+    for guess in ("maybe so, or not", chosen.choices[0].text):
+        constrained = client.completions.create(model="target", prompt=PROMPT, max_tokens=8, temperature=0,
+                                                extra_body={"guided_choice": ["yes", "no"],
+                                                            "prediction": {"type": "content", "content": guess}})
+        assert constrained.choices[0].text == chosen.choices[0].text
+    for bad, says in (({"type": "image", "content": "x"}, "'content'"),
+                      ({"type": "content", "content": [{"type": "image_url"}]}, "only text parts")):
+        status, reply = post(api, "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 4,
+                                                                 "prediction": bad}).encode())
+        assert status == 400 and reply["error"]["param"] == "prediction" and says in reply["error"]["message"]
+    spoken = grpc_text(stub, prompt=PROMPT, max_new_tokens=40)
+    predicted = grpc_text(stub, prompt=PROMPT, max_new_tokens=40, prediction_token_ids=spoken.token_ids)
+    assert predicted.token_ids == spoken.token_ids
+    # every round keeps its whole offer (4, 8, 16, ...) and a token of its own (past an EOS: dropped)
+    kept, rounds = predicted.stats.accepted_prediction_tokens, predicted.stats.rounds
+    assert len(spoken.token_ids) - rounds <= kept <= len(spoken.token_ids) and rounds <= 4
+    assert predicted.stats.draft_tokens == 0  # (the prediction's tokens are not the draft's)
+    with pytest.raises(grpc.RpcError) as refused:
+        grpc_text(stub, prompt=PROMPT, max_new_tokens=4, prediction="a", prediction_token_ids=[5])
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most one" in refused.value.details()
+
+
 def test_an_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as refused:
         client.chat.completions.create(model="gpt-4o", messages=chat(QUESTION), max_tokens=4)
