@@ -208,6 +208,7 @@ def main(argv=None) -> int:
         after = {name: rss_mb(proc.pid) for name, proc in stack.procs.items()}
         alive = {name: proc.poll() is None for name, proc in stack.procs.items()}
         left = sessions_left(stack)
+        said = service_log_lines(stack) if any(left.values()) else []
     if chaos is not None:
         problems += chaos.problems
     total = sum(outcomes.values())
@@ -230,17 +231,23 @@ def main(argv=None) -> int:
     print(f"sessions still held after the load: draft {left['draft']}, target {left['target']}")
     for p in problems[:10]:
         print("  problem:", p)
+    for line in said:
+        print("  log:", line)
     return 1 if problems or not all(alive.values()) or any(left.values()) else 0
 
 
-def sessions_left(stack: LocalStack, wait: float = 10.0) -> dict[str, int]:
-    """Sessions the model services (every replica) still hold once every request has ended (a leak if not 0)."""
+def sessions_left(stack: LocalStack, settle: float = 15.0, most: float = 90.0) -> dict[str, int]:
+    """Sessions the model services (every replica) still hold once every request has ended (a leak if
+    not 0). Releases may still be on their way on a loaded machine (a late draft call's answer is
+    awaited, then its session released: coordinator/failover.py): it waits while the count falls,
+    and gives up once it has not fallen for `settle` s (or after `most` s in all)."""
     import grpc
 
     from specdec.v1 import specdec_pb2 as pb
     from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
-    deadline = time.monotonic() + wait
+    start = time.monotonic()
+    fell_at, least = start, None
     while True:
         left = {"draft": 0, "target": 0}
         for name, addr in stack.addresses.items():
@@ -248,9 +255,26 @@ def sessions_left(stack: LocalStack, wait: float = 10.0) -> dict[str, int]:
             stub_class = pb_grpc.DraftStub if role == "draft" else pb_grpc.TargetStub
             with grpc.insecure_channel(addr) as channel:
                 left[role] += stub_class(channel).GetModelInfo(pb.ModelInfoRequest(), timeout=5).active_sessions
-        if not any(left.values()) or time.monotonic() > deadline:
+        now, total = time.monotonic(), sum(left.values())
+        if least is None or total < least:
+            fell_at, least = now, total
+        if not total or now - fell_at > settle or now - start > most:
             return left
         time.sleep(0.2)
+
+
+def service_log_lines(stack: LocalStack, most: int = 12) -> list[str]:
+    """What the services logged at WARNING and above, and the coordinator's late drafts (the last
+    `most` lines of each): a leaked session's failure report says what went on in the load."""
+    lines = []
+    for name, path in stack.logs.items():
+        try:
+            text = path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        said = [line for line in text if " WARNING " in line or " ERROR " in line or " is late " in line]
+        lines += [f"{name}: {line[:300]}" for line in said[-most:]]
+    return lines
 
 
 if __name__ == "__main__":

@@ -176,12 +176,18 @@ class _Failover:
                 return
 
     async def release(self, session_id: str) -> None:
+        """Release the request's session on its replica; a release that fails (a replica too slow to
+        answer it in time, or hung) is made again in the background (`_forget`), not left to the
+        replica's idle timeout."""
         if self.replica is not None:
             replica, self.replica = self.replica, None
+            session = self.session or session_id
             try:
-                await replica.peer.release(self.session or session_id)
-            except PeerError:
-                pass
+                await replica.peer.release(session)
+            except PeerError as e:
+                log.info("%s: releasing %s on %s failed (%s): trying again in the background", self.pool.name,
+                         session, replica.address, e)
+                self._in_background(self._forget(replica, session))
             finally:
                 self.pool.release(replica)
 

@@ -496,6 +496,46 @@ def test_a_release_on_a_hung_replica_is_made_again_once_it_serves(monkeypatch):
     asyncio.run(go())
 
 
+def test_a_release_that_fails_at_the_end_of_a_request_is_made_again(monkeypatch):
+    """A request's own release at its end that fails (the replica too loaded to answer within the
+    call's timeout) is made again in the background until it is answered, not left to the
+    replica's idle timeout."""
+    import asyncio
+
+    import coordinator.failover as failover
+    from coordinator.failover import FORGETTING, FailoverDraft
+    from coordinator.peers import PeerError
+
+    monkeypatch.setattr(failover, "FORGET_POLL", 0.01)
+
+    class Peer:
+        address, name = "d0", "draft"
+
+        def __init__(self):
+            self.refusals, self.released = 2, []
+
+        async def release(self, session):
+            if self.refusals:
+                self.refusals -= 1
+                raise PeerError(self, grpc.StatusCode.DEADLINE_EXCEEDED, "no answer in 10 s")
+            self.released.append(session)
+
+    async def go():
+        peer = Peer()
+        pool = Pool("draft", "d0", lambda address, server_name: peer)
+        replica = pool.replicas["d0"] = Replica(peer)
+        replica.healthy, replica.outstanding = True, 1
+        draft = FailoverDraft(pool)
+        draft.replica, draft.session = replica, "s.1"
+        await draft.release("s")  # the first try fails: the request ends all the same
+        assert replica.outstanding == 0 and draft.replica is None
+        await asyncio.wait_for(asyncio.gather(*FORGETTING), 30)
+        return peer
+
+    peer = asyncio.run(go())
+    assert peer.released == ["s.1"] and peer.refusals == 0
+
+
 def test_requests_that_fill_the_target_give_its_room_back_and_finish_as_alone(pair):
     """Two greedy requests (K = 2) on a target whose --max-kv-tokens holds either alone, not both: the
     one refused mid-request (RESOURCE_EXHAUSTED) gives its session's room back and starts it again

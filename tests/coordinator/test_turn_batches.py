@@ -207,3 +207,31 @@ def test_a_cancel_as_the_stream_answers_is_not_lost():
             await draft.close()
 
     assert asyncio.run(main()) == "cancelled"
+
+
+def test_a_stream_that_cannot_be_ended_is_cancelled_at_its_release():
+    """A release ends the session's stream (the service then releases the session); a stream whose
+    end cannot be sent is cancelled instead, which the service takes as the end too, rather than
+    left open with the session on it."""
+
+    class Stuck:
+        cancelled = False
+
+        async def done_writing(self):
+            raise grpc.aio.UsageError("a write is still on its way")
+
+        def cancel(self):
+            self.cancelled = True
+            return True
+
+    async def main():
+        draft = GrpcDraft("127.0.0.1:1")  # the channel never connects: a unary Release would fail
+        stream = draft.streams["s0"] = Stuck()
+        try:
+            await draft.release("s0")
+        finally:
+            await draft.close()
+        return stream, draft.streams
+
+    stream, streams = asyncio.run(main())
+    assert stream.cancelled and "s0" not in streams
