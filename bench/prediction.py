@@ -1,10 +1,11 @@
 """Predicted outputs (OpenAI's `prediction`, speculative/prediction.py): what sending the expected
 answer buys on the real target, beside the same stack without it.
 
-    python -m bench.prediction [--quantize int4] [--prompts 8] [--new-tokens 128] [--drafts eagle,ngram]
+    python -m bench.prediction [--quantize int4] [--sets g,e] [--new-tokens 256] [--drafts eagle,ngram]
 
 One run, greedy, the input-grounded requests (assets/prompts.py GROUNDED: rewrite, sort, fix, rename
-what the prompt holds) through the target's chat template. Each request's prediction is what its prompt
+what the prompt holds) and this file's EDITS (a module, a page, a configuration, a note to change a
+line of and repeat) through the target's chat template. Each request's prediction is what its prompt
 holds after the first colon (the code to rename in, the list to sort, the email to edit): what a client
 editing a text would send. Rows:
   a'        the target alone on specdec's runner (measured before and after the stacks: their mean)
@@ -36,6 +37,30 @@ from bench.pair import RESULTS, chat_prompts  # noqa: E402
 from bench.systems import machine, runner_alone  # noqa: E402
 from coordinator.launch import LocalStack  # noqa: E402
 from speculative.round import Stats  # noqa: E402
+
+
+# longer edits (written for this bench, never trained on): a file to change a few lines of, as predicted
+# outputs are meant for; the prediction is the file as it stands
+EDITS = [
+    "Rename the function load_rows to read_rows everywhere in this module and change nothing else:\n\n"
+    "import csv\n\n\ndef load_rows(path):\n    with open(path, newline='') as handle:\n"
+    "        return list(csv.DictReader(handle))\n\n\ndef totals(rows, column):\n    result = {}\n"
+    "    for row in rows:\n        key = row['region']\n        result[key] = result.get(key, 0) + float(row[column])\n"
+    "    return result\n\n\ndef report(path, column):\n    rows = load_rows(path)\n"
+    "    for region, total in sorted(totals(rows, column).items()):\n        print(f'{region}: {total:.2f}')\n",
+    "Change the greeting from Hello to Welcome in this page and keep everything else as it is:\n\n"
+    "<html>\n  <head>\n    <title>Club news</title>\n  </head>\n  <body>\n    <h1>Hello, members!</h1>\n"
+    "    <p>The next meeting is on Thursday at seven in the library.</p>\n    <ul>\n"
+    "      <li>Bring your membership card.</li>\n      <li>Coffee and tea will be served.</li>\n"
+    "      <li>New members are always welcome to join.</li>\n    </ul>\n  </body>\n</html>\n",
+    "Set the timeout to 30 in this configuration and return the whole file:\n\n"
+    "server:\n  host: 0.0.0.0\n  port: 8080\n  timeout: 10\n  workers: 4\ndatabase:\n  name: orders\n"
+    "  user: app\n  pool_size: 8\nlogging:\n  level: info\n  file: /var/log/orders.log\n",
+    "Fix the spelling mistakes in this note and repeat it otherwise unchanged:\n\n"
+    "Dear team, the quartely report is due next Friday. Please send your numbers to Maria before Wendesday so "
+    "that she can check them. If you have questions about the new template, ask Paul, who prepared it. "
+    "Thank you all for your hard work this quarter.\n",
+]
 
 
 def material(prompt: str) -> str:
@@ -77,58 +102,69 @@ def main(argv=None) -> None:
     parser.add_argument("--eagle", default=str(EAGLE))
     parser.add_argument("--quantize", default="int4", help="the target's --quantize (none: float32)")
     parser.add_argument("--drafts", default="eagle,ngram")
-    parser.add_argument("--prompts", type=int, default=len(GROUNDED))
-    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--sets", default="g,e", help="g: GROUNDED, e: EDITS (this file's)")
+    parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", type=Path, default=RESULTS / "prediction.json")
     args = parser.parse_args(argv)
     tokenizer = AutoTokenizer.from_pretrained(args.target_model)
-    texts = GROUNDED[: args.prompts]
-    prompts = chat_prompts(tokenizer, texts)
-    predictions = [material(text) for text in texts]
+    sets = {name: texts for name, texts in (("g", GROUNDED), ("e", EDITS)) if name in args.sets.split(",")}
+    prompts = {name: chat_prompts(tokenizer, texts) for name, texts in sets.items()}
+    predictions = {name: [material(text) for text in texts] for name, texts in sets.items()}
     eos = {tokenizer.eos_token_id}
     target_flags = [] if args.quantize == "none" else ["--quantize", args.quantize]
-    own: list[list[int]] = []
-    alone = []
-    tokens, seconds, _ = runner_alone(args.target_model, prompts, 0.0, args.new_tokens, eos, args.quantize, own)
-    alone.append(tokens / seconds)
-    print(f"a' {args.quantize}: {alone[0]:.1f} tok/s", flush=True)
+    own: dict[str, list[list[int]]] = {name: [] for name in sets}
+    alone: dict[str, list[float]] = {name: [] for name in sets}
+
+    def runner_row(name: str, outputs=None) -> None:
+        tokens, seconds, _ = runner_alone(args.target_model, prompts[name], 0.0, args.new_tokens, eos,
+                                          args.quantize, outputs)
+        alone[name].append(tokens / seconds)
+        print(f"{name}: a' {args.quantize} {alone[name][-1]:.1f} tok/s", flush=True)
+
+    for name in sets:
+        runner_row(name, own[name])
     rows = []
     for draft in args.drafts.split(","):
         stack = LocalStack(args.eagle if draft == "eagle" else None, args.target_model, threads=args.threads,
                            draft_threads=1, draft_method=draft, target_args=target_flags).start()
         try:
-            for label, given in (("", None), (" + pred", predictions), (" + own", own)):
-                outputs: list[list[int]] = []
-                stats, seconds = served(stack, prompts, args.new_tokens, given, outputs)
-                made = sum(map(len, outputs))
-                row = {"name": f"s {draft}{label}", "tokens": made, "tokens_per_s": made / seconds,
-                       "rounds": stats.rounds, "draft_tokens": stats.draft_tokens,
-                       "accepted_tokens": stats.accepted_tokens, "prediction_tokens": stats.prediction_tokens,
-                       "accepted_prediction_tokens": stats.accepted_prediction_tokens,
-                       "copied_tokens": stats.copied_tokens,
-                       "identical": sum(a == b for a, b in zip(outputs, own))}
-                rows.append(row)
-                print(f"{row['name']:<18} {row['tokens_per_s']:7.1f} tok/s, {stats.rounds} rounds, prediction"
-                      f" {stats.accepted_prediction_tokens}/{stats.prediction_tokens} kept, draft"
-                      f" {stats.accepted_tokens}/{stats.draft_tokens}, identical {row['identical']}/{len(prompts)}",
-                      flush=True)
+            for name in sets:
+                for label, given in (("", None), (" + pred", predictions[name]), (" + own", own[name])):
+                    outputs: list[list[int]] = []
+                    stats, seconds = served(stack, prompts[name], args.new_tokens, given, outputs)
+                    made = sum(map(len, outputs))
+                    row = {"set": name, "name": f"s {draft}{label}", "tokens": made, "tokens_per_s": made / seconds,
+                           "rounds": stats.rounds, "draft_tokens": stats.draft_tokens,
+                           "accepted_tokens": stats.accepted_tokens, "prediction_tokens": stats.prediction_tokens,
+                           "accepted_prediction_tokens": stats.accepted_prediction_tokens,
+                           "copied_tokens": stats.copied_tokens,
+                           "identical": sum(a == b for a, b in zip(outputs, own[name]))}
+                    rows.append(row)
+                    print(f"{name}: {row['name']:<18} {row['tokens_per_s']:7.1f} tok/s, {made} tokens in {stats.rounds}"
+                          f" rounds, prediction {stats.accepted_prediction_tokens}/{stats.prediction_tokens} kept,"
+                          f" draft {stats.accepted_tokens}/{stats.draft_tokens}, copied {stats.copied_tokens},"
+                          f" identical {row['identical']}/{len(outputs)}", flush=True)
         finally:
             stack.stop()
-    tokens, seconds, _ = runner_alone(args.target_model, prompts, 0.0, args.new_tokens, eos, args.quantize)
-    alone.append(tokens / seconds)
-    base = statistics.mean(alone)
-    print(f"a' {args.quantize} again: {alone[1]:.1f} tok/s (mean {base:.1f})")
-    print(f"\n| row | tok/s | x a' | prediction kept / verified | draft kept / proposed | greedy = a' |")
-    print("|---|---|---|---|---|---|")
-    print(f"| a' {args.quantize} (runner alone) | {base:.1f} | 1.00x | | | |")
-    for row in rows:
-        row["speedup"] = row["tokens_per_s"] / base
-        print(f"| {row['name']} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}x | "
-              f"{row['accepted_prediction_tokens']} / {row['prediction_tokens']} | "
-              f"{row['accepted_tokens']} / {row['draft_tokens']} | {row['identical']}/{len(prompts)} |")
+    for name in sets:
+        runner_row(name)
+    print("\n| set | row | tok/s | x a' | tokens / rounds | prediction kept / verified | draft kept / proposed"
+          " | greedy = a' |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in sets:
+        base = statistics.mean(alone[name])
+        print(f"| {name} | a' {args.quantize} (runner alone, mean of {len(alone[name])}) | {base:.1f} | 1.00x"
+              " | | | | |")
+        for row in rows:
+            if row["set"] == name:
+                row["speedup"] = row["tokens_per_s"] / base
+                print(f"| {name} | {row['name']} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}x | "
+                      f"{row['tokens']} / {row['rounds']} | "
+                      f"{row['accepted_prediction_tokens']} / {row['prediction_tokens']} | "
+                      f"{row['accepted_tokens']} / {row['draft_tokens']} | {row['identical']}/{len(prompts[name])} |")
     args.out.write_text(json.dumps({
-        "meta": {"machine": machine(), "threads": args.threads, "quantize": args.quantize, "prompts": len(prompts),
+        "meta": {"machine": machine(), "threads": args.threads, "quantize": args.quantize, "sets": args.sets,
                  "new_tokens": args.new_tokens, "date": time.strftime("%Y-%m-%d %H:%M")},
         "alone_tokens_per_s_runs": alone, "rows": rows}, indent=1))
     print(f"wrote {args.out}")

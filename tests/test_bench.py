@@ -191,6 +191,27 @@ def test_tiny_ngram_rows(pair, tmp_path, capsys):
         assert len(r["tokens_per_s_runs"]) == 3 and r["tokens_per_s"] == statistics.median(r["tokens_per_s_runs"])
 
 
+def test_tiny_prediction_bench(pair, tmp_path, capsys):
+    """`make bench-prediction`: a' and the stack without a prediction, with the prompts' material and
+    with a''s own answer, greedy outputs a''s own in every row; the own answer is kept whole."""
+    from bench.prediction import EDITS, main as prediction_main, material
+
+    assert all(material(text) == text.split(":\n\n", 1)[1].strip() for text in EDITS)  # the text after the ask
+    _, target = pair
+    out = tmp_path / "prediction.json"
+    prediction_main(["--target-model", str(target), "--drafts", "ngram", "--quantize", "none", "--sets", "g",
+                     "--new-tokens", "8", "--threads", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [r["name"] for r in rows] == ["s ngram", "s ngram + pred", "s ngram + own"]
+    assert all(r["identical"] == 8 and r["tokens"] == rows[0]["tokens"] for r in rows)
+    plain, pred, own = rows
+    assert plain["prediction_tokens"] == 0 and pred["prediction_tokens"] > 0  # the material was offered
+    assert own["prediction_tokens"] == own["accepted_prediction_tokens"] > 0
+    assert len(result["alone_tokens_per_s_runs"]["g"]) == 2
+    assert "| g | s ngram + own |" in capsys.readouterr().out
+
+
 def test_interleaved_runs_two_systems_turn_about_and_keeps_the_median():
     calls = []
     first, second = {"tokens_per_s": 10.0}, {"tokens_per_s": 50.0}
