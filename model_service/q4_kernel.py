@@ -241,7 +241,7 @@ def available() -> bool:
 
 
 def path() -> str:
-    """The instruction path compiled ("avx512_vnni", "avx2", "scalar"), or why there is none."""
+    """The instruction path compiled ("avx512_vnni", "avx512", "avx2", "scalar"), or why there is none."""
     return str(_state["path"]) if load() else f"not built: {_state['why']}"
 
 

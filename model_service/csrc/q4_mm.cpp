@@ -19,8 +19,8 @@
 // only when this file is compiled with OpenMP (model_service/q4_kernel.py builds it so where the
 // compiler can).
 //
-// Paths, chosen when compiled (-march=native, for the machine that builds it): AVX-512 VNNI, AVX2 +
-// FMA + F16C (vpmaddubsw + vpmaddwd for vpdpbusd), plain C++.
+// Paths, chosen when compiled (-march=native, for the machine that builds it): AVX-512 VNNI, AVX-512
+// without VNNI (vpmaddubsw + vpmaddwd for vpdpbusd), AVX2 + FMA + F16C (likewise), plain C++.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -51,6 +51,12 @@ constexpr int64_t Q4_AHEAD = 4096;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define Q4_AVX512 1
 const char* const kPath = "avx512_vnni";
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+// AVX-512 without VNNI (Skylake-SP): the AVX-512 path, its vpdpbusd's sums made as the AVX2 path's
+// (vpmaddubsw summed in 16 bits over the block, widened once by vpmaddwd: tile()), bit for bit alike
+#define Q4_AVX512 1
+#define Q4_NO_VNNI 1
+const char* const kPath = "avx512";
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define Q4_AVX2 1
 const char* const kPath = "avx2";
@@ -249,15 +255,28 @@ void tile(const uint8_t* W, const Rows& x, int64_t r0, float* out) {
     }
     for (int r = 0; r < MR; ++r) {
       const int8_t* a4 = x.a.data() + (r0 + r) * K + b * QK;
+#if defined(Q4_NO_VNNI)
+      // a 16-bit lane sums 2 products per vpmaddubsw, 8 of them over the block: at most
+      // 8 * 2 * 15 * 127 = 30480 in magnitude (|a| <= 127: quantize), so no partial sum wraps and
+      // vpmaddwd's 32-bit sums are the block's exactly (vpdpbusd's s0 + s1)
+      __m512i t = _mm512_add_epi16(_mm512_maddubs_epi16(lo[0], _mm512_set1_epi32(load4(a4))),
+                                   _mm512_maddubs_epi16(hi[0], _mm512_set1_epi32(load4(a4 + 16))));
+      for (int c = 1; c < 4; ++c) {
+        t = _mm512_add_epi16(t, _mm512_maddubs_epi16(lo[c], _mm512_set1_epi32(load4(a4 + 4 * c))));
+        t = _mm512_add_epi16(t, _mm512_maddubs_epi16(hi[c], _mm512_set1_epi32(load4(a4 + 16 + 4 * c))));
+      }
+      const __m512i sums = _mm512_madd_epi16(t, _mm512_set1_epi16(1));
+#else
       __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], _mm512_set1_epi32(load4(a4)));
       __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], _mm512_set1_epi32(load4(a4 + 16)));
       for (int c = 1; c < 4; ++c) {
         s0 = _mm512_dpbusd_epi32(s0, lo[c], _mm512_set1_epi32(load4(a4 + 4 * c)));
         s1 = _mm512_dpbusd_epi32(s1, hi[c], _mm512_set1_epi32(load4(a4 + 16 + 4 * c)));
       }
+      const __m512i sums = _mm512_add_epi32(s0, s1);
+#endif
       const int64_t rb = (r0 + r) * nb + b;
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)),
-                               _mm512_mul_ps(d, _mm512_set1_ps(x.scale[rb])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, _mm512_set1_ps(x.scale[rb])), acc[r]);
       acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.sum[rb]), acc[r]);
     }
   }

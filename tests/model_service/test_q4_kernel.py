@@ -419,15 +419,21 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-@pytest.mark.slow  # builds the kernel twice more (~10 s each)
-@pytest.mark.parametrize("extra", ["-mno-avx512f", "-mno-avx512f -mno-avx2 -mno-fma -mno-f16c"])
+@pytest.mark.slow  # builds the kernel three times more (~10 s each)
+@pytest.mark.parametrize("extra", ["-mno-avx512vnni", "-mno-avx512f", "-mno-avx512f -mno-avx2 -mno-fma -mno-f16c"])
 def test_every_path_of_the_kernel_computes_the_same(tmp_path, extra):
-    """The kernel's other paths, built here with the wider instruction sets turned off (AVX2; plain
-    C++), pass the same checks as the one this machine builds by default (int4 and float32
-    products, the layer loop, an EAGLE head's fused step and one-call draft, a sampled draft token's q,
-    the target's sampled p and a draw from it):
-    machines of this kind differ (some have AVX2 only)."""
-    expected = "avx2" if "-mno-avx2" not in extra and {"avx2", "fma", "f16c"} <= _cpu_flags() else "scalar"
+    """The kernel's other paths, built here with the wider instruction sets turned off (AVX-512
+    without VNNI; AVX2; plain C++), pass the same checks as the one this machine builds by default
+    (int4 and float32 products, the layer loop, an EAGLE head's fused step and one-call draft, a
+    sampled draft token's q, the target's sampled p and a draw from it):
+    machines of this kind differ (some have AVX2 only, some AVX-512 without VNNI)."""
+    flags = _cpu_flags()
+    if "-mno-avx512f" not in extra and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        expected = "avx512"
+    elif "-mno-avx2" not in extra and {"avx2", "fma", "f16c"} <= flags:
+        expected = "avx2"
+    else:
+        expected = "scalar"
     code = f"""
 import pathlib, tempfile
 from model_service import q4_kernel
