@@ -325,7 +325,7 @@ class Peer:
                 await stream.done_writing()
             except Exception as e:  # noqa: BLE001 - its RPC has ended already (and the session with it)
                 log.debug("%s: ending the stream of %s at %s: %s", self.name, session_id, self.address, e)
-                stream.cancel()  # or not: a cancelled stream's session is released by the service all the same
+                stream.cancel()  # not left half-open: the service releases a cancelled stream's sessions too
             return
         await self.call(self.stub.Release, pb.ReleaseRequest(session_id=session_id), timeout=10.0)
 
