@@ -17,7 +17,7 @@ Structured output (model_service/grammar.py): `response_format` (OpenAI's json_o
 which the official client's `chat.completions.parse` sends for a pydantic model) and vLLM's
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` and `structured_outputs`; one of
 them, else 400; one that does not compile is 400 with the compiler's reason. `tools` and `tool_choice`
-(tools.py): any model's tool calls, by structured output. `n` (at most MAX_CHOICES) runs that many
+(tools.py): any model's tool calls, by structured output; a JSON schema beside them shapes the direct answer. `n` (at most MAX_CHOICES) runs that many
 generations side by side (a seeded request's choices seeded seed, seed + 1, ...; streamed, their
 rounds' events interleave, each choice with its index); completions' `prompt` may be a batch (a list of
 texts or of token-id lists), each prompt's n choices in turn (index prompt x n + choice; each prompt's
@@ -365,9 +365,8 @@ def chat_request(body: ChatBody) -> list[tuple[GenerationRequest, Reply]]:
     request = generation_request(body, most, messages=messages)
     if use is None:
         return [(request, chat_choice)]
-    if request.constraint is not None:
-        raise ApiError(400, "tools are answered by a structured output of their own: give tools or a"
-                            " structured-output constraint, not both (or tool_choice none)", "tool_choice")
+    if request.constraint is not None:  # (the direct answer's shape: an agent's final output)
+        use = use.answering(request.constraint)
     request.constraint = use.constraint()
     return [(request, ToolReply(use))]
 
@@ -685,8 +684,10 @@ class OpenAIApi:
                 refused = core_error(e)
                 if isinstance(replies[0], ToolReply) and refused.status == 400 and refused.param is None \
                         and "constraint" in str(refused):
-                    # (the constraint is the tools': a schema of theirs that does not compile)
-                    raise ApiError(400, f"the tools' schemas: {refused}", "tools", refused.code) from e
+                    # (the constraint is the tools': a schema of theirs, or the answer's, that does not compile)
+                    whose = "the tools' schemas" if replies[0].use.response is None else \
+                        "the tools' or the structured output's schemas"
+                    raise ApiError(400, f"{whose}: {refused}", "tools", refused.code) from e
                 raise
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return EventStream(self.events(firsts, streams, endpoint, head, include_usage, replies, scorers, n),

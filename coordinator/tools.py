@@ -8,6 +8,7 @@ own; vLLM instead parses each model family's own format.)
     tool_choice             the model's answer (the constraint)               the reply
     none                    free text; the tools are not described           content
     auto (with tools)       {"tool_calls": [CALL, ...]} or {"response": S}    tool_calls, or S as content
+    auto, response_format   {"tool_calls": [CALL, ...]} or {"response": R}    tool_calls, or R's JSON as content
     required                {"tool_calls": [CALL, ...]}                       tool_calls
     {"type": "function",    the function's arguments                          one tool call
      "function": {"name"}}
@@ -17,7 +18,10 @@ allows one call. A tool's parameters are a JSON schema of an object (none given:
 moved under the answer's $defs with its references; its arguments are those it lists: where the
 schema does not say otherwise (additionalProperties, a combinator, a reference), additionalProperties
 is false (JSON schema's default, true, lets a model invent arguments). Each call's arguments are the
-model's text as it wrote it. finish_reason is "tool_calls" where the model chose to call (auto,
+model's text as it wrote it. A structured output asked beside the tools (response_format json_schema or
+json_object, guided_json, structured_outputs.json: the agent frameworks' final answer) shapes the direct
+answer R (auto): its schema moved under $defs as a tool's is, R's JSON text the content as the model
+wrote it; under required and a named function the answer is calls, which it does not shape. finish_reason is "tool_calls" where the model chose to call (auto,
 required) and "stop" for a named function (as OpenAI's); an answer cut short (max_tokens, a stop
 string) gives what it has, with that finish_reason: the response's text so far, or the calls begun,
 the last one's arguments cut. A conversation's earlier calls (an assistant message's `tool_calls`,
@@ -36,7 +40,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from speculative.errors import InvalidRequest
@@ -101,6 +105,7 @@ class ToolUse:
     mode: str
     named: str = ""
     parallel: bool = True
+    response: Any = None  # the JSON schema of a direct answer (auto) where a structured output is asked; else text
 
     @classmethod
     def of(cls, tools: list[Any] | None, choice: str | dict | None, parallel: bool | None) -> "ToolUse | None":
@@ -125,6 +130,22 @@ class ToolUse:
             return None
         return cls(listed, choice or "auto", "", parallel is not False)
 
+    def answering(self, constraint: Constraint) -> "ToolUse":
+        """This use with a direct answer shaped by `constraint`, a structured output asked beside the tools
+        (a JSON schema or any JSON object; a regex, choice or grammar is refused: the answer is JSON)."""
+        if constraint.kind == "json_object":
+            return replace(self, response={"type": "object"})
+        if constraint.kind != "json_schema":
+            raise InvalidRequest(f"tools are answered in JSON: a {constraint.kind} constraint cannot shape the answer"
+                                 " beside them (give a JSON schema, or tool_choice none)", "tool_choice")
+        try:
+            schema = json.loads(constraint.text)
+        except ValueError:
+            raise InvalidRequest("the structured output's JSON schema is not JSON", "response_format") from None
+        if not isinstance(schema, dict | bool):
+            raise InvalidRequest("the structured output's JSON schema is an object", "response_format")
+        return replace(self, response={} if schema is True else schema)
+
     # ---------------------------------------------------------------- what the model is given
 
     def constraint(self) -> Constraint:
@@ -141,7 +162,11 @@ class ToolUse:
             calls = {"type": "array", "items": call, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}
             called = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"],
                       "additionalProperties": False}
-            answered = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+            said = {"type": "string"}
+            if self.response is not None and self.mode == "auto":
+                defs["response"] = rebased(self.response, "#/$defs/response")
+                said = {"$ref": "#/$defs/response"}
+            answered = {"type": "object", "properties": {"response": said}, "required": ["response"],
                         "additionalProperties": False}
             schema = {**COMPACT, "$defs": defs,
                       **(called if self.mode == "required" else {"anyOf": [called, answered]})}
@@ -152,10 +177,12 @@ class ToolUse:
         listed = compact([{"name": t.name, **({"description": t.description} if t.description else {}),
                            "parameters": t.parameters} for t in self.tools])
         calls = '{"tool_calls":[{"name":NAME,"arguments":{...}}' + (",...]}" if self.parallel else "]}")
+        direct = ' {"response":"..."}' if self.response is None else \
+            f' {{"response":ANSWER}}, ANSWER as this JSON schema says: {compact(self.response)}'
         how = {"function": f"Call the tool {self.named}: answer with its arguments as one JSON object.",
                "required": f"Call {'one or more tools' if self.parallel else 'one tool'}: answer {calls}",
                "auto": f"To call {'tools' if self.parallel else 'a tool'}, answer {calls}; to answer directly,"
-                       ' {"response":"..."}'}[self.mode]
+                       + direct}[self.mode]
         return f"Tools (their arguments as JSON schemas): {listed}\n{how}"
 
     def tool(self, name: str) -> Tool:
@@ -171,7 +198,7 @@ class ToolUse:
         if self.mode == "function":
             return None, [call_of(self.named, text)], finish
         if text.startswith(RESPONSE):
-            return string_prefix(text[len(RESPONSE) + 1 :]), [], finish
+            return self.answer(text), [], finish
         calls, whole = calls_in(text)
         made = [call_of(name, arguments) for name, arguments, _ in calls]
         if whole:
@@ -183,8 +210,21 @@ class ToolUse:
         """Of an answer still being written (auto, required): (the response's text so far, "" where it
         is calls, the calls whose arguments are whole), as a stream sends them."""
         if text.startswith(RESPONSE):
-            return string_prefix(text[len(RESPONSE) + 1 :]), []
+            return self.answer(text), []
         return "", [(name, arguments) for name, arguments, whole in calls_in(text)[0] if whole]
+
+
+    def answer(self, text: str) -> str:
+        """A direct answer's content, {"response": ...} whole or as far as it goes: a text response's string
+        (string_prefix), a shaped one's JSON as the model wrote it, without the closing brace after it."""
+        if self.response is None:
+            return string_prefix(text[len(RESPONSE) + 1 :])
+        body = text[len(RESPONSE) :]
+        try:
+            _, end = json.JSONDecoder().raw_decode(body)
+        except ValueError:
+            return body  # (the answer not yet whole: all of it is the answer's)
+        return body[:end]
 
 
 def call_of(name: str, arguments: str) -> dict:

@@ -17,6 +17,7 @@ from coordinator.http import ToolReply
 from coordinator.launch import LocalStack
 from coordinator.tools import ToolUse, conversation, rebased, tools_of
 from speculative.errors import InvalidRequest
+from speculative.protocol import Constraint
 from speculative.tiny import make_model, make_tokenizer
 from tests.coordinator.test_openai import openai_client
 from tests.coordinator.test_structured import post
@@ -263,6 +264,43 @@ def test_a_streamed_reply_sends_text_and_arguments_as_they_come_and_calls_once_w
                       {"content": "t"}, {"content": "\u00e9\n"}, {}]  # (an escape cut short waits for the rest)
 
 
+PLACE = {"type": "object", "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"],
+         "additionalProperties": False, "$defs": {"City": {"type": "string", "maxLength": 5}}}
+
+
+def test_a_structured_output_beside_the_tools_shapes_the_direct_answer():
+    auto = ToolUse.of(TOOLS, "auto", None).answering(Constraint("json_schema", json.dumps(PLACE)))
+    schema = schema_of(auto)
+    assert valid(schema, {"response": {"city": "Oslo"}})
+    assert valid(schema, {"tool_calls": [call("add", a=2)]})
+    for answer in ({"response": "Oslo"}, {"response": {"city": "Paris!"}}, {"response": {"city": "Oslo", "x": 1}},
+                   {"response": {}}, {"tool_calls": [call("add", a=20)]}):
+        assert not valid(schema, answer), answer
+    assert '"maxLength":5' in auto.instructions() and '{"response":ANSWER}' in auto.instructions()
+    # any JSON object (json_object); under required the answer is calls, which it does not shape
+    loose = schema_of(ToolUse.of(TOOLS, "auto", None).answering(Constraint("json_object")))
+    assert valid(loose, {"response": {"any": [1]}}) and not valid(loose, {"response": "text"})
+    required = ToolUse.of(TOOLS, "required", None)
+    assert schema_of(required.answering(Constraint("json_schema", json.dumps(PLACE)))) == schema_of(required)
+    # read back: the answer's JSON as the model wrote it, whole or as far as it went
+    text = '{"response":{"city":"Oslo","n":1e999}}'
+    assert auto.read(text, "stop") == ('{"city":"Oslo","n":1e999}', [], "stop")
+    assert auto.read('{"response":{"city":"Os', "length") == ('{"city":"Os', [], "length")
+    assert auto.read('{"response":{"city":"Oslo"}', "length") == ('{"city":"Oslo"}', [], "length")
+    streamed = ToolReply(auto)
+    parts = ['{"response":', '{"ci', 'ty":"Oslo"', "}", "}"]
+    deltas = [e["delta"] for n, part in enumerate(parts)
+              for e in streamed(part, "stop" if n == len(parts) - 1 else None, True, n == 0)]
+    assert "".join(d.get("content") or "" for d in deltas) == '{"city":"Oslo"}'  # (never the wrapper's brace)
+    assert deltas[-1] == {}
+    for kind, text in (("regex", "[a-z]+"), ("choice", '["a"]'), ("grammar", "start: 'a'")):
+        with pytest.raises(InvalidRequest, match=f"a {kind} constraint cannot shape") as refused:
+            ToolUse.of(TOOLS, "auto", None).answering(Constraint(kind, text))
+        assert refused.value.param == "tool_choice"
+    with pytest.raises(InvalidRequest, match="not JSON"):
+        ToolUse.of(TOOLS, "auto", None).answering(Constraint("json_schema", "{nope"))
+
+
 # ------------------------------------------------------------------ through the services
 
 
@@ -364,6 +402,34 @@ def test_a_pydantic_tool_with_nested_models_streams_to_the_clients_helper(client
         assert isinstance(made.function.parsed_arguments, Trip), made
 
 
+class Answer(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=5)
+    warm: bool
+
+
+def test_tools_beside_a_response_format_give_calls_or_an_answer_in_its_shape(client):
+    """An agent's request (the OpenAI Agents SDK's, with an output type): tools and a json_schema response
+    format; the client's parse helper reads a call's arguments or the answer as their models, unary and
+    streamed."""
+    tools = [openai.pydantic_function_tool(Trip)]
+    kinds = []
+    for seed in range(8):
+        fields = dict(model="target", messages=MESSAGES, tools=tools, response_format=Answer, max_tokens=200,
+                      temperature=1.0, seed=seed, parallel_tool_calls=False)  # (a random model may add calls on)
+        message = client.chat.completions.parse(**fields).choices[0].message
+        if message.tool_calls:
+            assert message.content is None and isinstance(message.tool_calls[0].function.parsed_arguments, Trip)
+            kinds.append("calls")
+        else:
+            assert isinstance(message.parsed, Answer), message
+            kinds.append("answer")
+            with client.chat.completions.stream(**fields) as stream:
+                streamed = "".join(e.delta for e in stream if e.type == "content.delta")
+                assert isinstance(stream.get_final_completion().choices[0].message.parsed, Answer)
+            assert streamed == message.content  # (seeded: the same answer, its text as it came)
+    assert "answer" in kinds, kinds
+
+
 def test_a_conversation_carrying_calls_and_results_is_answered(client):
     history = [*MESSAGES,
                {"role": "assistant", "content": None, "tool_calls": [
@@ -378,7 +444,9 @@ def test_a_conversation_carrying_calls_and_results_is_answered(client):
 @pytest.mark.parametrize("body,param,reason", [
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "letters, digits"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "mail"}}}, "tool_choice", "not among"),
-    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "tool_choice", "not both"),
+    ({"tools": TOOLS, "guided_regex": "[a-c]{3}"}, "tool_choice", "a regex constraint cannot shape"),
+    ({"tools": TOOLS, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "nosuch"}}}}, "tools", "structured output's schemas"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": TOOLS, "ignore_eos": True}, "ignore_eos", "ignore_eos cannot go with"),  # (not the tools' fault)
     ({"functions": [{"name": "a"}]}, "functions", "not supported"),
