@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: setup stubs kernel models run cluster test test-all prometheus test-gpu bench-gpu bench-passes bench-sampling bench-structured bench-prediction bench-tracing bench-deps bench bench-eagle bench-concurrency bench-ceiling soak draft eagle clean
+.PHONY: setup stubs kernel models run cluster test test-all prometheus test-gpu bench-gpu bench-passes bench-sampling bench-structured bench-prediction bench-prefix bench-tracing bench-deps bench bench-eagle bench-concurrency bench-ceiling soak draft eagle clean
 
 TARGET := models/target/conversion.json
 
@@ -88,6 +88,10 @@ bench-structured: setup
 # predicted outputs (OpenAI's `prediction`) on the real target: the stacks with and without it (bench/prediction.py)
 bench-prediction: setup
 	$(PY) -m bench.prediction $(BENCH_ARGS)
+
+# a chat's turns with finished requests' KV caches kept for the next turn, and without (bench/prefix.py)
+bench-prefix: setup
+	$(PY) -m bench.prefix $(BENCH_ARGS)
 
 # what OpenTelemetry tracing adds to a round: off, on at sampler 0.0 and at 1.0 (bench/tracing.py)
 bench-tracing: setup

@@ -108,7 +108,7 @@ class SessionHost(Protocol):
 
     def check_context(self, session_id: str, length: int, held: int = 0, pending: int = 0) -> None: ...
 
-    def start_session(self, session_id: str, seed: int) -> Session: ...
+    def start_session(self, session_id: str, seed: int, prompt: list[int] | None = None) -> Session: ...
 
 
 def advance(call: ProposeCall, max_tokens: int, host: SessionHost, pending: int = 0, grammars=None) -> Session:
@@ -133,7 +133,7 @@ def advance(call: ProposeCall, max_tokens: int, host: SessionHost, pending: int 
             raise InvalidRequest("a new session needs its prompt in `append` and nothing to roll back")
         host.check_context(call.session_id, len(call.append) + k, pending=pending)
         ruled = grammars.session(call.constraint) if grammars is not None and call.constraint is not None else None
-        session = host.start_session(call.session_id, call.params.seed ^ DRAFT_SEED_SALT)
+        session = host.start_session(call.session_id, call.params.seed ^ DRAFT_SEED_SALT, call.append)
         session.grammar = ruled
     else:
         session = host.sessions.get(call.session_id)
@@ -173,7 +173,8 @@ class MethodSessions:
     def check_context(self, session_id: str, length: int, held: int = 0, pending: int = 0) -> None:
         self.sessions.check_room(session_id, length, self.max_context, self.max_kv_tokens, held, pending)
 
-    def start_session(self, session_id: str, seed: int) -> Session:
+    def start_session(self, session_id: str, seed: int, prompt: list[int] | None = None) -> Session:
+        """(prompt: unused; a method without a model keeps no cache to reuse)"""
         if not session_id:
             raise InvalidRequest("session_id is empty")
         generator = torch.Generator(device=self.device)

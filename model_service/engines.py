@@ -52,8 +52,9 @@ class RunnerEngine:
         return self.runner.info()
 
     def release(self, session_id: str) -> bool:
+        """A request's end: its session goes, its cache kept for a prompt that begins with its tokens (prefix reuse)."""
         with self.runner.lock:
-            return self.runner.sessions.release(session_id)
+            return self.runner.sessions.release(session_id, keep=True)
 
     def evict_idle(self) -> int:
         with self.runner.lock:
@@ -270,6 +271,9 @@ class TargetEngine(RunnerEngine):
             pass_ms = timer.ms
             if live and all(call.steps > 1 for _, call, *_ in live):
                 self._decode_on([(i, call, session) for i, call, session, *_ in live], results, busy)
+            for i, call, session, *_ in live:
+                if isinstance(results[i], Verdict) and results[i].features is not None:
+                    results[i].features = _sent(session, results[i].features, runner.sessions.keep_positions > 0)
             cost = Cost(timer.ms, batch_size=len(live), batch_tokens=fed, pass_ms=pass_ms)
             return [(r, cost) if isinstance(r, Verdict) else r for r in results]
 
@@ -495,7 +499,10 @@ class TargetEngine(RunnerEngine):
             if not 0 <= call.output_from <= len(call.append):
                 raise InvalidRequest(f"output_from ({call.output_from}) must lie within the {len(call.append)}"
                                      f" tokens appended")
-            session = runner.start_session(call.session_id, call.params.seed)
+            # a prompt scored needs every position's logits: no prefix reuse (feature rows: SessionTable.reuse)
+            reusable = call.prompt_logprobs is None
+            session = runner.start_session(call.session_id, call.params.seed, call.append if reusable else None,
+                                           layers)
             session.feature_layers = layers
             session.grammar = ruled
             session.output_from = call.output_from
@@ -596,6 +603,18 @@ def _feature_layers(sessions: list[Session]) -> tuple[int, ...]:
     for session in sessions:
         layers.update(dict.fromkeys(session.feature_layers))
     return tuple(layers)
+
+
+def _sent(session: Session, rows: Features, keep: bool) -> Features:
+    """An answer's feature rows: after a reused prefix's (Session.resend: a new session's first answer),
+    the last that fit a message; noted in the session where its cache may be kept for reuse."""
+    if session.resend is not None:
+        rows = Features.join([session.resend, rows])
+        rows = rows.last(min(rows.rows, max(1, features.MAX_FEATURE_BYTES // rows.row_bytes)))
+        session.resend = None
+    if keep:
+        session.sent_features.append(rows)
+    return rows
 
 
 def _committed_features(session: Session, capture: tuple[int, ...], states: list, j: int) -> Features | None:

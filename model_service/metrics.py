@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from runtime.metrics import LATENCY
 
@@ -34,6 +34,8 @@ class ModelMetrics:
         size from `pool_positions()`, and the structured-output work from `grammars` (grammar.Grammars)."""
         self.sessions.set_function(lambda: len(table))
         self.kv_tokens.set_function(lambda: sum(s.cached for s in table))
+        if getattr(table, "keep_positions", 0):
+            self.registry.register(_PrefixReuse(table))
         if pool_positions is not None:
             self.kv_pool.set_function(pool_positions)
         if grammars is not None:
@@ -51,3 +53,18 @@ class _GrammarWork:
                                   " (on the model thread, beside the passes)", value=self.grammars.ms / 1e3)
         yield CounterMetricFamily("specdec_grammar_compiles", "structured-output constraints compiled (cache misses)",
                                   value=self.grammars.compiled)
+
+
+class _PrefixReuse:
+    """The prefix reuse of a SessionTable (sessions.py), read at each scrape: kept caches and what new sessions took."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def collect(self):
+        t = self.table
+        yield GaugeMetricFamily("specdec_prefix_cache_positions", "positions held by finished sessions' caches kept"
+                                " for a prompt that begins with their tokens", value=t.kept_positions)
+        yield CounterMetricFamily("specdec_prefix_cache_hits", "new sessions that took a kept cache", value=t.reuses)
+        yield CounterMetricFamily("specdec_prefix_cache_hit_tokens", "prompt positions that came cached (not computed)",
+                                  value=t.reused_positions)

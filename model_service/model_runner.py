@@ -169,6 +169,7 @@ class ModelRunner:
         float_kernel: str = "auto",
         cuda_graphs: bool = False,
         kv_dtype: str = "auto",
+        prefix_cache_mb: float = 0.0,
     ):
         """vocab_subset N > 0 (a draft's only): score only the N most frequent ids of the model
         directory's draft_vocab.json (FastForward.restrict_head); every other id gets probability 0.
@@ -183,7 +184,9 @@ class ModelRunner:
         cuda_graphs: on a GPU, one session's passes of up to 17 tokens replay CUDA graphs (cuda_graphs.py),
         where the forward is the lean float one of one rank.
         kv_dtype: the KV caches' dtype (KV_DTYPES): auto keeps them in the weights' dtype, except
-        int4 weights through specdec's kernel, whose keys and values are float16 (kv_dtype_for)."""
+        int4 weights through specdec's kernel, whose keys and values are float16 (kv_dtype_for).
+        prefix_cache_mb: memory the caches of released sessions may keep for a later prompt that begins
+        with their tokens (sessions.py's prefix reuse; 0: none; one rank only)."""
         if quantize not in QUANTIZATIONS:
             raise ValueError(f"--quantize must be one of {QUANTIZATIONS}, not {quantize!r}")
         if quantize != "none" and (forward != "auto" or tensor_parallel > 1):
@@ -257,7 +260,9 @@ class ModelRunner:
         release_checkpoint_maps(self.model)
         gc.collect()
         return_freed_memory()
-        self.sessions = SessionTable(max_sessions, idle_timeout, self.fast.new_cache if self.fast else DynamicCache)
+        keep = int(prefix_cache_mb * 2**20 // self.kv_position_bytes()) if self.tp is None else 0
+        self.sessions = SessionTable(max_sessions, idle_timeout, self.fast.new_cache if self.fast else DynamicCache,
+                                     keep_positions=keep)
         self._tokenizer_files: list[tuple[str, bytes]] | None = None
         self.lock = threading.Lock()  # one forward at a time; sessions are touched under it
         self.max_kv_tokens = max_kv_tokens
@@ -321,6 +326,14 @@ class ModelRunner:
         if self.fast is not None:
             self.fast.restrict_head(head)
         return head
+
+    def kv_position_bytes(self) -> int:
+        """The bytes of keys and values one cached position holds (all layers)."""
+        config = self.model.config
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return config.num_hidden_layers * 2 * kv_heads * head_dim * torch.empty((), dtype=self.kv_dtype).element_size()
 
     def kv_pool_positions(self) -> int:
         """Positions this rank's KV pool has room for (slots x capacity), 0 without one."""
@@ -422,12 +435,19 @@ class ModelRunner:
 
     check_session_id = staticmethod(check_session_id)
 
-    def start_session(self, session_id: str, seed: int) -> Session:
+    def start_session(self, session_id: str, seed: int, prompt: list[int] | None = None,
+                      feature_layers: tuple[int, ...] = ()) -> Session:
+        """A new session; given its `prompt`, with a kept cache of a session whose tokens began as it does
+        (sessions.py's prefix reuse: the prompt's first positions come cached; `feature_layers`: those its
+        answers carry, SessionTable.reuse)."""
         if not session_id:
             raise InvalidRequest("session_id is empty")
         generator = torch.Generator(device=self.device)
         generator.manual_seed(mix_seed(seed))
-        return self.sessions.create(session_id, generator)
+        session = self.sessions.create(session_id, generator)
+        if prompt:
+            self.sessions.reuse(session, prompt, feature_layers)
+        return session
 
     def check_tokens(self, tokens: list[int], what: str) -> None:
         bad = [t for t in tokens if not 0 <= t < self.logits_size]

@@ -85,6 +85,12 @@ def add_model_flags(parser: EnvArgumentParser, role: str, model_required: bool =
     parser.add_argument("--max-kv-tokens", type=int, default=0,
                         help="cap on tokens held by all sessions together, beyond which calls get RESOURCE_EXHAUSTED"
                              " (0: only --max-sessions x the context)")
+    parser.add_argument("--prefix-cache-mb", type=float, default=256.0,
+                        help="memory for the KV caches of finished requests' sessions, kept so that a later prompt"
+                             " beginning with one's tokens (a chat's next turn: the last prompt, its answer and a new"
+                             " message) takes that cache and computes only what is new; the least recently finished"
+                             " dropped first, and first when --max-kv-tokens needs the room. 0: off. A target or a"
+                             " draft model of one rank (the EAGLE head and the n-gram draft keep nothing)")
     parser.add_argument("--max-context", type=int, default=0,
                         help="cap on tokens per session (0: the model's max_position_embeddings)")
     parser.add_argument("--max-tokens-per-call", type=int, default=16, help="most draft tokens per round (K)")
@@ -209,7 +215,7 @@ def run_model_service(name: str, args: argparse.Namespace, make_servicer: Callab
                                  on_forward=servicer.thread.flush, quantize=args.quantize,
                                  quant_group=args.quant_group, int4_kernel=args.int4_kernel,
                                  float_kernel=args.float_kernel, cuda_graphs=args.cuda_graphs == "on",
-                                 kv_dtype=args.kv_dtype)
+                                 kv_dtype=args.kv_dtype, prefix_cache_mb=args.prefix_cache_mb)
             runner.calibrate()
             if args.batch_wait_ms == "auto":
                 servicer.batcher.wait = auto_wait_ms(runner.pass_cost) / 1e3

@@ -3,6 +3,16 @@
 A session's `tokens` is the sequence the service holds; `tokens[:cached]` are in
 the KV cache, the rest (at most a couple of tokens) are fed on the next forward.
 Rollback crops the cache in O(1) and never re-runs the prefix.
+
+Prefix reuse (`keep_positions`): a session released at the end of its request keeps its cache for
+a while (least recently released dropped first, within `keep_positions` positions), and a new
+session whose prompt begins with a kept session's tokens takes that cache, cropped to the shared
+prefix, instead of computing the prefix again: the next turn of a chat, whose prompt is the last
+turn's prompt and answer and a new message, computes only the new message. A kept cache goes to one
+new session (it is moved, not copied), to one that shares at least MIN_REUSE positions and half of
+what it holds, so that a request sharing only a system prompt does not take another conversation's
+cache. The prompt's last token is always fed again (its logits come from the pass). Kept caches
+count towards `max_kv_tokens`, and are dropped first when a call needs the room.
 """
 
 from __future__ import annotations
@@ -16,9 +26,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from speculative.protocol import Features
 from speculative.errors import ROOM_LATER, CapacityExceeded, InvalidRequest, SessionExists, SessionNotFound
 
 MAX_SESSION_ID = 256  # characters (the coordinator's ids have 32)
+MIN_REUSE = 16  # positions a new session must share with a kept cache to take it
+MAX_KEPT = 64  # released sessions kept for reuse at most (each a prompt compared per new session)
 
 
 def check_session_id(session_id: str) -> None:
@@ -40,6 +53,10 @@ class Session:
     lookup: Any = None  # target only: an index of a prefix of `tokens` its copies come from (lookup.NgramIndex)
     output_from: int = 0  # target only: where the output begins in `tokens` (the prompt before it: penalties)
     prompt_ids: Any = None  # target only: the prompt's distinct token ids (engines.prompt_ids), once asked for
+    # target only, where caches are kept for reuse: the feature rows its answers carried (Features, in order), and
+    # those of a reused prefix its first answer carries before its own (a draft reading them starts from 0)
+    sent_features: list = field(default_factory=list)
+    resend: Any = None
     last_used: float = field(default_factory=time.monotonic)
 
     def truncate(self, length: int) -> None:
@@ -58,11 +75,16 @@ class SessionTable:
     Not thread-safe: a service touches it from its one model thread only.
     """
 
-    def __init__(self, max_sessions: int, idle_timeout: float, new_cache=DynamicCache):
+    def __init__(self, max_sessions: int, idle_timeout: float, new_cache=DynamicCache, keep_positions: int = 0):
         self.new_cache = new_cache  # () -> an empty KV cache with crop() and get_seq_length()
         self.max_sessions = max_sessions
         self.idle_timeout = idle_timeout
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self.keep_positions = keep_positions  # positions released sessions' caches may hold for reuse (0: none)
+        self._kept: OrderedDict[str, Session] = OrderedDict()  # released, their caches kept: least recent first
+        self.kept_positions = 0
+        self.reused_positions = 0  # positions new sessions took from kept caches, in all (not computed again)
+        self.reuses = 0  # new sessions that took a kept cache
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -89,6 +111,8 @@ class SessionTable:
                 raise CapacityExceeded(f"session {session_id!r} would hold {length + sampled} tokens, more than this"
                                        f" service's cap of {max_kv_tokens} for all sessions together (--max-kv-tokens)")
             total = sum(len(s.tokens) for s in self._sessions.values()) - held + length + sampled + pending
+            while total + self.kept_positions > max_kv_tokens and self._kept:  # (kept caches make room first)
+                self._drop_kept(next(iter(self._kept)))
             if total > max_kv_tokens:
                 raise CapacityExceeded(f"the sessions would hold {total} tokens, beyond this service's cap of"
                                        f" {max_kv_tokens} {ROOM_LATER}; retry later")
@@ -122,13 +146,92 @@ class SessionTable:
             count += 1
         return count
 
-    def release(self, session_id: str) -> bool:
-        return self._sessions.pop(session_id, None) is not None
+    def release(self, session_id: str, keep: bool = False) -> bool:
+        """Drop a session; `keep` (a request's end, not a failure that may have left its cache half-written):
+        its cache is kept for reuse where keep_positions allows."""
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return False
+        if keep and MIN_REUSE <= session.cached <= self.keep_positions:
+            self._keep(session)
+        return True
+
+    def _keep(self, session: Session) -> None:
+        del session.tokens[session.cached :]  # (the key: what the cache holds)
+        session.grammar = session.lookup = session.prompt_ids = session.resend = None
+        sent = Features.join(session.sent_features) if session.feature_layers else None
+        session.sent_features = [sent] if sent is not None else []
+        session.proposed = 0
+        session.last_used = time.monotonic()
+        if session.id in self._kept:
+            self._drop_kept(session.id)
+        self._kept[session.id] = session
+        self.kept_positions += session.cached
+        while self.kept_positions > self.keep_positions or len(self._kept) > MAX_KEPT:
+            self._drop_kept(next(iter(self._kept)))
+
+    def _drop_kept(self, session_id: str) -> Session:
+        session = self._kept.pop(session_id)
+        self.kept_positions -= session.cached
+        return session
+
+    @property
+    def kept(self) -> int:
+        """Released sessions whose caches are kept for reuse."""
+        return len(self._kept)
+
+    def reuse(self, session: Session, prompt: list[int], feature_layers: tuple[int, ...] = ()) -> int:
+        """Give a starting session (nothing cached) the kept cache whose tokens share the longest prefix
+        with `prompt` (the module docstring's rule), cropped to it: `prompt`'s last token stays to be
+        fed. A session asking for `feature_layers` takes only a cache whose session asked for the same,
+        as far as its answers' feature rows go, and has those rows to send first (`resend`).
+        -> the positions it took (0: none)"""
+        if not self._kept or session.cached:
+            return 0
+        best, length = None, 0
+        for kept in reversed(self._kept.values()):  # (the most recent first: a tie goes to it)
+            if feature_layers and kept.feature_layers != feature_layers:  # (rows it cannot send first)
+                continue
+            most = len(prompt) - 1
+            if feature_layers:  # (as far as the rows it sent go, each row a position's)
+                most = min(most, kept.sent_features[0].end if kept.sent_features else 0)
+            shared = shared_prefix(kept.tokens, prompt, most)
+            if shared > length and shared >= MIN_REUSE and 2 * shared >= kept.cached:
+                best, length = kept, shared
+        if best is None:
+            return 0
+        self._drop_kept(best.id)
+        best.truncate(length)
+        session.cache, session.cached = best.cache, best.cached
+        if feature_layers:
+            sent = best.sent_features[0]
+            rows = max(0, length - sent.start)
+            session.resend = Features(sent.start, rows, sent.width, sent.dtype, sent.data[: rows * sent.row_bytes])
+        self.reuses += 1
+        self.reused_positions += length
+        return length
 
     def evict_idle(self, now: float | None = None) -> int:
-        """Drop sessions idle longer than idle_timeout (abandoned by a dead client)."""
+        """Drop sessions idle longer than idle_timeout (abandoned by a dead client), and kept caches
+        released as long ago."""
         now = time.monotonic() if now is None else now
         stale = [sid for sid, s in self._sessions.items() if now - s.last_used > self.idle_timeout]
         for sid in stale:
             del self._sessions[sid]
+        for sid in [sid for sid, s in self._kept.items() if now - s.last_used > self.idle_timeout]:
+            self._drop_kept(sid)
         return len(stale)
+
+
+def shared_prefix(a: list[int], b: list[int], most: int) -> int:
+    """How many first tokens `a` and `b` share, at most `most` (a binary search over slices: C-speed compares)."""
+    low, high = 0, min(len(a), len(b), most)
+    if high <= 0 or a[0] != b[0]:
+        return 0
+    while low < high:
+        mid = (low + high + 1) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid - 1
+    return low

@@ -212,6 +212,23 @@ def test_tiny_prediction_bench(pair, tmp_path, capsys):
     assert "| g | s ngram + own |" in capsys.readouterr().out
 
 
+def test_tiny_prefix_bench(pair, tmp_path, capsys):
+    """`make bench-prefix`: a chat's later turns come largely cached with the prefix cache kept, none
+    without, and both stacks answer alike."""
+    from bench.prefix import main as prefix_main
+
+    draft, target = pair
+    out = tmp_path / "prefix.json"
+    prefix_main(["--target-model", str(target), "--draft", "model", "--draft-model", str(draft), "--quantize", "none",
+                 "--chats", "2", "--turns", "3", "--max-tokens", "8", "--threads", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["meta"]["identical"] == result["meta"]["answers"] == 6
+    first, *later = result["rows"]
+    assert first["cached_share"] == 0 and all(r["cached_share"] > 0.3 for r in later)
+    assert all(t["hit_tokens"] == 0 for t in result["turns"]["off"])
+    assert "| 3 |" in capsys.readouterr().out
+
+
 def test_interleaved_runs_two_systems_turn_about_and_keeps_the_median():
     calls = []
     first, second = {"tokens_per_s": 10.0}, {"tokens_per_s": 50.0}
