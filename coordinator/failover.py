@@ -107,6 +107,8 @@ class _Failover:
         self.error: PeerError | None = None  # the last call's failure
         self.behind: set[Replica] = set()  # replicas yet to answer a late call of the request's
         self.full: dict[Replica, float] = {}  # replicas that had no room for the session: until when left alone
+        self.prompt: list[int] | None = None  # the request's prompt: the pool prefers a replica holding it
+        self.holder: Replica | None = None  # the replica that held the request's session last
 
     def _name(self, session_id: str, start: bool) -> str:
         """The session's id on the service: a start after the first takes a new one."""
@@ -126,7 +128,7 @@ class _Failover:
                     self.pool.recheck_soon()
             if not self._candidates():
                 return None
-            self.replica = self.pool.acquire(exclude=self._left())
+            self.replica = self.holder = self.pool.acquire(exclude=self._left(), prompt=self.prompt)
         return self.replica
 
     def _candidates(self) -> list[Replica]:
@@ -190,6 +192,12 @@ class _Failover:
                 self._in_background(self._forget(replica, session))
             finally:
                 self.pool.release(replica)
+
+    def noted(self, tokens: list[int]) -> None:
+        """The request's sequence at its end, noted as held where its session was (a prompt that
+        continues it goes there: Pool.acquire)."""
+        if self.holder is not None:
+            self.pool.affinity.note(tokens, self.holder.address)
 
     def close(self) -> None:
         """Give the replica back (after release, or when the request ends without it)."""

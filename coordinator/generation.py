@@ -540,6 +540,8 @@ class Coordinator:
         # (under the lockstep gate a request waiting for a full target's room would hold the target's turn; a
         # request that replays from its seed would draw afresh in the session started again)
         failover_target = FailoverTarget(self.target, wait_for_room=self.gate is None and not patient(plan, False))
+        failover_draft.prompt = failover_target.prompt = plan.prompt  # (a replica holding its prefix is preferred)
+        generated: list[int] = []  # noted with the prompt at the end (pool.PrefixAffinity)
         draft, target = failover_draft, failover_target
         if self.gate is not None:
             draft, target = GatedDraft(draft, self.gate), GatedTarget(target, self.gate)
@@ -578,6 +580,7 @@ class Coordinator:
                         if new and new[-1] in eos:
                             finish = Finish.EOS
                     clock.tokens(len(ids))
+                    generated += ids
                     scores = scored.pop(0).slice(0, len(ids)) if scored else None
                     yield Chunk(token_ids=ids, text=text.take(), logprobs=scores, prompt=prompt(),
                                 eos=finish is Finish.EOS)
@@ -587,8 +590,9 @@ class Coordinator:
             models.costs.in_flight -= 1
             if self.gate is not None:
                 self.gate.left()
-            failover_draft.close()
-            failover_target.close()
+            for failover in (failover_draft, failover_target):
+                failover.noted([*plan.prompt, *generated])
+                failover.close()
         wall_ms = (time.perf_counter() - start) * 1e3
         summary = Summary(stats, plan.policy.k, plan.policy.adaptive, plan.params.seed, len(plan.prompt), wall_ms)
         yield Chunk(token_ids=[], text=text.take(final=True), finish=finish, summary=summary, prompt=prompt())

@@ -11,7 +11,11 @@ one that does not is refused and logged. Over TLS, a replica
 found by resolving a name must present a certificate for that name (not for its IP).
 
 Each request leases one draft and one target replica for its whole life (their KV caches
-hold its state): the healthy replica with the fewest requests in flight.
+hold its state): the healthy replica with the fewest requests in flight, unless one holds most of
+its prompt: a finished request's tokens are noted (`PrefixAffinity`), and a request whose prompt
+has at least half of its prompt in a noted sequence's first tokens goes to that sequence's replica,
+where its kept cache is (model_service/sessions.py's prefix reuse: a chat's next turn), while that
+replica has at most AFFINITY_SLACK more requests in flight than the least busy one.
 
 Each replica also keeps its recent per-round call times (`RecentLatency`): a draft call that
 takes much longer than they say is late, and the round goes on without it (coordinator/failover.py).
@@ -24,7 +28,7 @@ import itertools
 import logging
 import re
 import socket
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Collection
 from pathlib import Path
 
@@ -67,6 +71,43 @@ class RecentLatency:
             return self.FIRST
         p99 = sorted(times)[int(0.99 * (len(times) - 1))]
         return max(self.FLOOR, self.TIMES * p99 * (max(prefix, 1) if start else 1))
+
+
+AFFINITY_BLOCK = 32  # tokens a prompt is hashed in (each block's hash covers the blocks before it too)
+AFFINITY_ENTRIES = 1 << 16  # block hashes noted at most, the least recently noted dropped first
+AFFINITY_SLACK = 2  # requests in flight a replica holding a prompt's prefix may have beyond the least busy one's
+
+
+class PrefixAffinity:
+    """Which replica last held a sequence that began with these tokens: each finished request's
+    sequence noted as the hashes of its first 32, 64, ... tokens, so that a request whose prompt
+    continues one (a chat's next turn) can go where that sequence's cache is kept."""
+
+    def __init__(self, entries: int = AFFINITY_ENTRIES):
+        self.entries = entries
+        self.where: OrderedDict[int, str] = OrderedDict()  # block hash -> replica address
+
+    @staticmethod
+    def hashes(tokens: list[int]) -> list[int]:
+        out, running = [], 0
+        for end in range(AFFINITY_BLOCK, len(tokens) + 1, AFFINITY_BLOCK):
+            running = hash((running, tuple(tokens[end - AFFINITY_BLOCK : end])))
+            out.append(running)
+        return out
+
+    def note(self, tokens: list[int], address: str) -> None:
+        for key in self.hashes(tokens):
+            self.where[key] = address
+            self.where.move_to_end(key)
+        while len(self.where) > self.entries:
+            self.where.popitem(last=False)
+
+    def find(self, tokens: list[int]) -> tuple[str, int] | None:
+        """(the replica, how many first tokens of `tokens` it held) for the longest noted prefix, or None."""
+        for blocks, key in reversed(list(enumerate(self.hashes(tokens), 1))):
+            if key in self.where:
+                return self.where[key], blocks * AFFINITY_BLOCK
+        return None
 
 
 class Replica:
@@ -161,6 +202,7 @@ class Pool:
         self.late = None  # a prometheus Counter of calls the round stopped waiting for (draft pool: failover.py)
         self.room_waiters = 0  # requests waiting for a target replica's room to go on (failover.py)
         self._turn = itertools.count()
+        self.affinity = PrefixAffinity()  # finished requests' sequences -> their replicas
         self._task: asyncio.Task | None = None
         self._rechecked = float("-inf")
         self._rechecking: asyncio.Task | None = None
@@ -309,15 +351,21 @@ class Pool:
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.healthy and not r.removed and not r.refused]
 
-    def acquire(self, exclude: Collection[Replica] = ()) -> Replica:
-        """The healthy replica with the least work in flight (ties in turn), for one request;
-        give it back with `release`. `exclude`: replicas the request will not use now."""
+    def acquire(self, exclude: Collection[Replica] = (), prompt: list[int] | None = None) -> Replica:
+        """The healthy replica with the least work in flight (ties in turn), for one request, or the one
+        that held most of its `prompt` (the module docstring); give it back with `release`. `exclude`:
+        replicas the request will not use now."""
         candidates = [r for r in self.healthy() if r not in exclude]
         if not candidates:
             known = ", ".join(f"{a} {r.state}" for a, r in self.replicas.items()) or "none"
             raise self.unavailable(f"no healthy replica (known: {known})")
         turn = next(self._turn)
         replica = min(candidates, key=lambda r: (r.outstanding, (candidates.index(r) - turn) % len(candidates)))
+        held = self.affinity.find(prompt) if prompt and len(candidates) > 1 else None
+        if held is not None and 2 * held[1] >= len(prompt):
+            holder = next((r for r in candidates if r.address == held[0]), None)
+            if holder is not None and holder.outstanding <= replica.outstanding + AFFINITY_SLACK:
+                replica = holder
         replica.outstanding += 1
         replica.served += 1
         return replica

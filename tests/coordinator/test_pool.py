@@ -57,6 +57,65 @@ def test_requests_spread_and_outputs_match_one_replica(cluster, stack):
         assert r.state == "serving" and r.served >= 2 and r.outstanding == 0, r  # 8 requests over 2 replicas
 
 
+def target_served(addr: str) -> dict[str, int]:
+    return {a: r.served for a, r in replicas(addr).items() if r.role == "target"}
+
+
+def test_a_chats_next_turn_goes_to_the_target_replica_that_held_the_last(cluster):
+    """Requests one after another alternate between idle replicas; a prompt continuing a finished
+    request's sequence goes where that sequence's cache is kept (prefix reuse)."""
+    wait_for(cluster.addr, lambda seen: len(seen) == 4 and all(r.state == "serving" for r in seen.values()))
+    prompt, holders = [(3 * i) % 300 + 20 for i in range(70)], []
+    with grpc.insecure_channel(cluster.addr) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        for turn in range(4):
+            before = target_served(cluster.addr)
+            reply = stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=12, temperature=0.0,
+                                                     num_speculative_tokens=3), timeout=120)
+            after = target_served(cluster.addr)
+            holders += [a for a in after if after[a] > before.get(a, 0)]
+            prompt = [*prompt, *reply.token_ids, 40 + turn, 41 + turn]
+        # unrelated prompts, one after another, alternate (what the turns above would have done)
+        others = []
+        for first in (9, 10):
+            before = target_served(cluster.addr)
+            stub.Generate(pb.GenerateRequest(prompt_token_ids=[first, 8, 7, 6] * 20, max_new_tokens=4,
+                                             temperature=0.0), timeout=120)
+            after = target_served(cluster.addr)
+            others += [a for a in after if after[a] > before[a]]
+    assert len(holders) == 4 and len(set(holders)) == 1, holders
+    assert len(set(others)) == 2, others
+
+
+def test_the_pool_prefers_the_replica_holding_most_of_a_prompt_within_a_slack():
+    from coordinator.pool import AFFINITY_BLOCK, AFFINITY_SLACK, Pool, PrefixAffinity, Replica
+
+    affinity = PrefixAffinity(entries=6)
+    sequence = list(range(100))  # 3 whole blocks of 32
+    affinity.note(sequence, "b")
+    assert affinity.find(sequence + [1, 2]) == ("b", 3 * AFFINITY_BLOCK)
+    assert affinity.find(sequence[:40] + [7] * 40) == ("b", AFFINITY_BLOCK)
+    assert affinity.find([7] * 64) is None and affinity.find(sequence[:31]) is None
+    affinity.note(list(range(500, 600)), "a")  # 3 more: the first noted go first
+    assert affinity.find(sequence) == ("b", AFFINITY_BLOCK * 3) and len(affinity.where) == 6
+    affinity.note(list(range(700, 800)), "a")
+    assert affinity.find(sequence) is None
+
+    pool = Pool("target", "a,b", lambda address, server_name: None)
+    a, b = (pool.replicas.setdefault(name, Replica(type("Peer", (), {"address": name})())) for name in ("a", "b"))
+    for replica in (a, b):
+        replica.healthy = True
+    pool.affinity.note(sequence, "b")
+    b.outstanding = AFFINITY_SLACK
+    assert pool.acquire(prompt=sequence + [5] * 10) is b  # within the slack
+    assert pool.acquire(prompt=sequence + [5] * 10) is a  # past it: the least busy
+    a.outstanding = b.outstanding = 0
+    # a prompt less than half of which was held: the least busy, in turn
+    assert {pool.acquire(prompt=sequence[:40] + [5] * 60) for _ in range(2)} == {a, b}
+    a.outstanding = b.outstanding = 0
+    assert {pool.acquire() for _ in range(2)} == {a, b}
+
+
 def test_added_replica_gets_traffic_and_removed_one_none(cluster, stack):
     expected = generate_all(stack.addr)
     name = cluster.add_replica("target")
