@@ -172,7 +172,7 @@ def make_engine(args, load_model) -> DraftMethod:
                                 max_context=args.max_context or None, threads=args.threads,
                                 batched_threads=args.batched_threads,
                                 lookup=range(args.lookup_min, args.ngram_max + 1) if args.lookup_min else range(0),
-                                max_kv_tokens=args.max_kv_tokens, **prior)
+                                max_kv_tokens=args.max_kv_tokens, prefix_cache_mb=args.prefix_cache_mb, **prior)
         eagle.calibrate()
         return eagle
     if args.method == "ngram":

@@ -27,6 +27,14 @@ pass) proposes nothing. A session started again on another replica gets the last
 rows (speculative/round.py's FeatureLog) and attends to those only (`base`); so does one whose
 rows come after a gap (a long prompt's prefill sends its last rows only, features.py).
 
+Prefix reuse (`keep_rows`), as a model's sessions do (sessions.py): a session released at its
+request's end keeps its featured rows, and a new session whose prompt begins with its tokens
+takes them (row p while token p + 1 is shared), so the target's rows for those positions, which
+come again with the new session's first call, are not computed again: a chat's next turn takes in
+its new message's rows only. The same rule as the model's: at least MIN_REUSE rows and half of
+what was kept; the least recently released go first past `keep_rows` rows or MAX_KEPT sessions,
+and all after the sessions' idle timeout.
+
 Lookup (prompt lookup beside the head, on by default: `lookup`). Where the context's last n tokens
 (n from the longest of `lookup` down to its shortest) occurred earlier in it, the session proposes
 the k tokens that followed them there instead of drafting (ngram.py's copy, from its NgramIndex of
@@ -46,6 +54,8 @@ whatever the head is.
 from __future__ import annotations
 
 import json
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,7 +73,7 @@ from .eagle_head import Eagle3Head, HeadCache
 from .grammar import Grammars, next_masks
 from .model_runner import BUSY_WINDOW, Timer, fastest_ms, saved_tokenizer_files, tokenizer_fields
 from .ngram import allowed_copy
-from .sessions import Session, SessionTable
+from .sessions import MAX_KEPT, MIN_REUSE, Session, SessionTable, shared_prefix
 from .threads import pass_threads
 
 # the most chain rows (a head step each, no feature row) a call extends a session's rows by to reach its last
@@ -109,7 +119,7 @@ class EagleDraft:
                  max_tokens: int = 16, max_sessions: int = 256, idle_timeout: float = 600.0,
                  max_context: int | None = None, acceptance_prior: float = 0.0, name: str = "eagle",
                  quantization: str = "none", threads: int = 0, batched_threads: int = 0,
-                 lookup: range = range(3, 5), max_kv_tokens: int = 0):
+                 lookup: range = range(3, 5), max_kv_tokens: int = 0, prefix_cache_mb: float = 0.0):
         """threads / batched_threads: torch threads for a call while its session is the one at work /
         for the rest (0: leave torch's as the process set them). With the int8 head a lone session's
         call ran ~20% faster on 2 threads than on 1 (SmolLM2's head, 65 calls replayed: 5.85 -> 4.64
@@ -117,7 +127,9 @@ class EagleDraft:
         --batched-threads 1 against 1 and 1): one stream +7% tokens/s, 8 streams -8% with the int8
         head; +4% and -5% with the int4 one (medians of 6 alternating runs): the service's default
         stays one thread. lookup: the suffix lengths the lookup tries (the module docstring; empty:
-        the head always drafts). max_kv_tokens: the tokens all sessions may hold together (0: no cap)."""
+        the head always drafts). max_kv_tokens: the tokens all sessions may hold together (0: no cap).
+        prefix_cache_mb: memory finished sessions' rows may keep for a prompt that begins with their
+        tokens (the module docstring's prefix reuse; 0: none)."""
         self.head = head
         self.threads, self.batched_threads = threads, batched_threads
         self.quantization = quantization
@@ -141,6 +153,12 @@ class EagleDraft:
         self.width = head.config.fused_size
         self.sessions = SessionTable(max_sessions, idle_timeout,
                                      lambda: Rows(head.new_cache(), lookup=NgramIndex(lookup) if lookup else None))
+        row_bytes = (2 * c.num_key_value_heads * c.head_dim + c.hidden_size) * head.norm.weight.element_size()
+        self.keep_rows = int(prefix_cache_mb * 2**20 // row_bytes)  # rows finished sessions may keep (0: none)
+        # (tokens, rows, when released): the least recently released first
+        self._kept: OrderedDict[str, tuple[list[int], Rows, float]] = OrderedDict()
+        self.kept_rows = 0
+        self.reuses = self.reused_rows = 0  # sessions that took kept rows; the rows they took
         self.host = MethodSessions(self.sessions, self.vocab_size, self.max_context, self.device, max_kv_tokens)
         eos = tokenizer.eos_token_id
         self.grammars = Grammars(tokenizer, self.vocab_size, [] if eos is None else [eos])
@@ -208,6 +226,8 @@ class EagleDraft:
                 rows = self._check_features(call)
                 held = None if call.start else len(self.sessions.get(call.session_id).tokens) - call.rollback
                 session = advance(call, self.max_tokens, self.host, pending, grammars=self.grammars)
+                if call.start:
+                    self._reuse(session)
                 pending += call.k
             except Exception as exc:
                 results[i] = exc
@@ -407,7 +427,43 @@ class EagleDraft:
         state.hidden.append(out[0])
 
     def release(self, session_id: str) -> bool:
-        return self.sessions.release(session_id)
+        """A request's end: its session goes, its featured rows kept for reuse (the module docstring)."""
+        session = self.sessions.pop(session_id)
+        if session is None:
+            return False
+        rows = session.cache
+        end = rows.featured  # (the chain's rows past them are the head's own: a new session's come from features)
+        if self.keep_rows and MIN_REUSE <= end - rows.base and end <= self.keep_rows:
+            rows.crop(end)
+            self._drop_kept(session_id)
+            self._kept[session_id] = (session.tokens[: end + 1], rows, time.monotonic())  # (row p reads token p + 1)
+            self.kept_rows += end - rows.base
+            while self.kept_rows > self.keep_rows or len(self._kept) > MAX_KEPT:
+                self._drop_kept(next(iter(self._kept)))
+        return True
+
+    def _drop_kept(self, key: str) -> Rows | None:
+        _, rows, _ = self._kept.pop(key, (None, None, None))
+        if rows is not None:
+            self.kept_rows -= rows.end - rows.base
+        return rows
+
+    def _reuse(self, session: Session) -> None:
+        """A starting session takes the kept rows whose tokens share the longest prefix with its prompt
+        (at least MIN_REUSE rows and half of those kept), cropped to the rows whose next token is shared."""
+        best, most = None, 0
+        for key, (tokens, rows, _) in reversed(self._kept.items()):  # (the most recent first: a tie goes to it)
+            end = shared_prefix(tokens, session.tokens, len(session.tokens)) - 1
+            if end - rows.base > most and end - rows.base >= MIN_REUSE and 2 * (end + 1) >= len(tokens):
+                best, most = key, end - rows.base
+        if best is None:
+            return
+        rows = self._drop_kept(best)
+        rows.crop(rows.base + most)
+        rows.lookup = session.cache.lookup  # (the new session's own: its tokens are indexed as it takes them in)
+        session.cache = rows
+        self.reuses += 1
+        self.reused_rows += most
 
     def info(self) -> dict:
         eos = self.tokenizer.eos_token_id
@@ -482,6 +538,10 @@ class EagleDraft:
     # ------------------------------------------------------------ serving (drafting.py)
 
     def evict_idle(self) -> int:
+        """Idle sessions, and rows kept as long as a session may idle."""
+        stale = time.monotonic() - self.sessions.idle_timeout
+        for key in [key for key, (_, _, released) in self._kept.items() if released < stale]:
+            self._drop_kept(key)
         return self.sessions.evict_idle()
 
     def tokenizer_files(self) -> list[tuple[str, bytes]]:

@@ -90,7 +90,7 @@ def add_model_flags(parser: EnvArgumentParser, role: str, model_required: bool =
                              " beginning with one's tokens (a chat's next turn: the last prompt, its answer and a new"
                              " message) takes that cache and computes only what is new; the least recently finished"
                              " dropped first, and first when --max-kv-tokens needs the room. 0: off. A target or a"
-                             " draft model of one rank (the EAGLE head and the n-gram draft keep nothing)")
+                             " draft model of one rank; the EAGLE head keeps its rows; the n-gram draft nothing")
     parser.add_argument("--max-context", type=int, default=0,
                         help="cap on tokens per session (0: the model's max_position_embeddings)")
     parser.add_argument("--max-tokens-per-call", type=int, default=16, help="most draft tokens per round (K)")

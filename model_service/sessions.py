@@ -146,6 +146,10 @@ class SessionTable:
             count += 1
         return count
 
+    def pop(self, session_id: str) -> Session | None:
+        """Drop a session and give it back (None: not held), for a method that keeps what it holds itself."""
+        return self._sessions.pop(session_id, None)
+
     def release(self, session_id: str, keep: bool = False) -> bool:
         """Drop a session; `keep` (a request's end, not a failure that may have left its cache half-written):
         its cache is kept for reuse where keep_positions allows."""

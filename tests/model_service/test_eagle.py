@@ -183,6 +183,62 @@ def test_a_draft_left_behind_past_the_window_starts_again_after_the_gap(pair, ea
     assert len(eagle.sessions) == held
 
 
+def test_a_chats_next_turn_takes_the_kept_rows_and_drafts_as_one_that_computed_them(pair, tmp_path):
+    """Prefix reuse on both sides: the next turn's target session sends the kept prefix's rows first,
+    and the head's session takes its kept rows for them, computing only the new ones; its rows and
+    its draft are those of a head that took every row in at once."""
+    _, target_dir = pair
+    head = make_head(target_dir, tmp_path / "head")
+    kept, fresh = (EagleDraft.load(head, target_dir, "cpu", lookup=range(0), prefix_cache_mb=mb) for mb in (16, 0))
+    target = TargetEngine(ModelRunner(target_dir, prefix_cache_mb=16))
+    prompt = [(7 * i) % 300 + 3 for i in range(40)]
+
+    def turn(name: str, tokens: list[int], draft: EagleDraft) -> tuple[list[int], Proposal]:
+        verdict, _ = target.verify(VerifyCall(name, True, tokens, Proposal(), GREEDY, 1, LAYERS))
+        tokens = [*tokens, verdict.token]
+        proposal, _ = draft.propose(ProposeCall(name, True, 0, tokens, 3, GREEDY, features=verdict.features))
+        return tokens, proposal
+
+    tokens, proposal = turn("a", prompt, kept)
+    for _ in range(3):  # a few rounds (each proposal rolled back), so that the kept rows come from several calls
+        verdict, _ = target.verify(VerifyCall("a", False, [], Proposal(), GREEDY, 1))
+        proposal, _ = kept.propose(ProposeCall("a", False, len(proposal.tokens), [verdict.token], 3, GREEDY,
+                                               features=verdict.features))
+        tokens.append(verdict.token)
+    target.release("a")
+    kept.release("a")
+    assert kept.kept_rows == len(tokens) - 1  # (every position but the last, unscored)
+    later = [*tokens, 11, 12, 13]
+    _, reused = turn("b", later, kept)
+    assert (kept.reuses, kept.reused_rows) == (1, len(tokens) - 1) and kept.kept_rows == 0
+    target.release("b")
+    _, computed = turn("c", later, fresh)  # (the target reuses again: its rows come whole all the same)
+    assert reused.tokens == computed.tokens
+    ours, theirs = kept.sessions.get("b").cache, fresh.sessions.get("c").cache
+    assert (ours.base, ours.featured, len(ours.hidden)) == (theirs.base, theirs.featured, len(theirs.hidden))
+    assert torch.allclose(torch.stack(ours.hidden), torch.stack(theirs.hidden), atol=1e-5)
+    # a prompt that parts from the kept tokens within their rows: the rows up to the last whose next token
+    # is shared (an off-by-one would keep a row that read another token)
+    kept.release("b")
+    fresh.release("c")
+    parted = [*later[:40], 99, 98, 97, 96]
+    turn("e", parted, kept)
+    turn("f", parted, fresh)
+    assert (kept.reuses, kept.reused_rows) == (2, len(tokens) - 1 + 39)
+    ours, theirs = kept.sessions.get("e").cache, fresh.sessions.get("f").cache
+    assert torch.allclose(torch.stack(ours.hidden), torch.stack(theirs.hidden), atol=1e-5)
+    # a prompt sharing less than half of what was kept: rows from scratch
+    kept.release("e")
+    turn("d", [*later[:20], *range(200, 260)], kept)
+    assert kept.reuses == 2 and kept.sessions.get("d").cache.featured == 80
+    # kept rows go after the idle timeout, as sessions do
+    kept.release("d")
+    assert kept.kept_rows > 0
+    kept.sessions.idle_timeout = -1
+    kept.evict_idle()
+    assert kept.kept_rows == 0 and not kept._kept
+
+
 def test_features_are_the_targets_hidden_states_in_position_order(pair):
     _, target_dir = pair
     model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
