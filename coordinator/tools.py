@@ -21,13 +21,14 @@ is false (JSON schema's default, true, lets a model invent arguments). Each call
 model's text as it wrote it. A structured output asked beside the tools (response_format json_schema or
 json_object, guided_json, structured_outputs.json: the agent frameworks' final answer) shapes the direct
 answer R (auto): its schema moved under $defs as a tool's is, R's JSON text the content as the model
-wrote it; under required and a named function the answer is calls, which it does not shape. finish_reason is "tool_calls" where the model chose to call (auto,
-required) and "stop" for a named function (as OpenAI's); an answer cut short (max_tokens, a stop
-string) gives what it has, with that finish_reason: the response's text so far, or the calls begun,
-the last one's arguments cut. A conversation's earlier calls (an assistant message's `tool_calls`,
-after its content) are shown to the model in the same JSON, and tool results (role `tool`, named by
-the call they answer) in user turns, a user message after them joining theirs, so that templates
-that want turns to alternate render them.
+wrote it; under required and a named function the answer is calls, which it does not shape.
+finish_reason is "tool_calls" where the model chose to call (auto, required) and "stop" for a named
+function (as OpenAI's); an answer cut short (max_tokens, a stop string) gives what it has, with that
+finish_reason: the response's text so far, or the calls begun, the last one's arguments cut. A
+conversation's earlier calls (an assistant message's `tool_calls`, after its content) are shown to
+the model in the same JSON, and tool results (role `tool`, named by the call they answer) in user
+turns, a user message after them joining theirs, so that templates that want turns to alternate
+render them.
 
 Streamed, a named function's arguments arrive as they are generated; under auto and required, a
 response's text as it is generated, and each call once its arguments are whole; the finish_reason

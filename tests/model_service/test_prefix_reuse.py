@@ -201,7 +201,8 @@ def test_a_reused_session_sends_its_prefixs_feature_rows_first(runners):
     for runner, name in ((reusing, "r"), (whole, "w")):
         target = TargetEngine(runner)
         prompt = list(range(120, 170))
-        first, _ = target.verify(VerifyCall(f"{name}0", True, prompt, Proposal(), GREEDY, steps=6, feature_layers=(0, 1)))
+        first, _ = target.verify(VerifyCall(f"{name}0", True, prompt, Proposal(), GREEDY, steps=6,
+                                            feature_layers=(0, 1)))
         said = [first.token, *first.decoded]
         more, _ = target.verify(VerifyCall(f"{name}0", False, [], Proposal(), GREEDY, steps=3))
         said += [more.token, *more.decoded]
