@@ -11,11 +11,11 @@ one that does not is refused and logged. Over TLS, a replica
 found by resolving a name must present a certificate for that name (not for its IP).
 
 Each request leases one draft and one target replica for its whole life (their KV caches
-hold its state): the healthy replica with the fewest requests in flight, unless one holds most of
-its prompt: a finished request's tokens are noted (`PrefixAffinity`), and a request whose prompt
-has at least half of its prompt in a noted sequence's first tokens goes to that sequence's replica,
-where its kept cache is (model_service/sessions.py's prefix reuse: a chat's next turn), while that
-replica has at most AFFINITY_SLACK more requests in flight than the least busy one.
+hold its state): the healthy replica with the fewest requests in flight, unless one held most of
+its prompt. Each finished request's tokens are noted (`PrefixAffinity`); a request whose prompt's
+first half or more began a noted sequence goes to that sequence's replica, where its cache is kept
+(model_service/sessions.py's prefix reuse: a chat's next turn), while that replica has at most
+AFFINITY_SLACK more requests in flight than the least busy one.
 
 Each replica also keeps its recent per-round call times (`RecentLatency`): a draft call that
 takes much longer than they say is late, and the round goes on without it (coordinator/failover.py).
