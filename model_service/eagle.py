@@ -27,12 +27,12 @@ pass) proposes nothing. A session started again on another replica gets the last
 rows (speculative/round.py's FeatureLog) and attends to those only (`base`); so does one whose
 rows come after a gap (a long prompt's prefill sends its last rows only, features.py).
 
-Prefix reuse (`keep_rows`), as a model's sessions do (sessions.py): a session released at its
+Prefix reuse (`keep_positions`: rows), as a model's sessions do (sessions.py): a session released at its
 request's end keeps its featured rows, and a new session whose prompt begins with its tokens
 takes them (row p while token p + 1 is shared), so the target's rows for those positions, which
 come again with the new session's first call, are not computed again: a chat's next turn takes in
 its new message's rows only. The same rule as the model's: at least MIN_REUSE rows and half of
-what was kept; the least recently released go first past `keep_rows` rows or MAX_KEPT sessions,
+what was kept; the least recently released go first past `keep_positions` rows or MAX_KEPT sessions,
 and all after the sessions' idle timeout.
 
 Lookup (prompt lookup beside the head, on by default: `lookup`). Where the context's last n tokens
@@ -154,11 +154,11 @@ class EagleDraft:
         self.sessions = SessionTable(max_sessions, idle_timeout,
                                      lambda: Rows(head.new_cache(), lookup=NgramIndex(lookup) if lookup else None))
         row_bytes = (2 * c.num_key_value_heads * c.head_dim + c.hidden_size) * head.norm.weight.element_size()
-        self.keep_rows = int(prefix_cache_mb * 2**20 // row_bytes)  # rows finished sessions may keep (0: none)
+        self.keep_positions = int(prefix_cache_mb * 2**20 // row_bytes)  # rows finished sessions may keep (0: none)
         # (tokens, rows, when released): the least recently released first
         self._kept: OrderedDict[str, tuple[list[int], Rows, float]] = OrderedDict()
-        self.kept_rows = 0
-        self.reuses = self.reused_rows = 0  # sessions that took kept rows; the rows they took
+        self.kept_positions = 0
+        self.reuses = self.reused_positions = 0  # sessions that took kept rows; the rows they took
         self.host = MethodSessions(self.sessions, self.vocab_size, self.max_context, self.device, max_kv_tokens)
         eos = tokenizer.eos_token_id
         self.grammars = Grammars(tokenizer, self.vocab_size, [] if eos is None else [eos])
@@ -433,19 +433,19 @@ class EagleDraft:
             return False
         rows = session.cache
         end = rows.featured  # (the chain's rows past them are the head's own: a new session's come from features)
-        if self.keep_rows and MIN_REUSE <= end - rows.base and end <= self.keep_rows:
+        if self.keep_positions and MIN_REUSE <= end - rows.base and end <= self.keep_positions:
             rows.crop(end)
             self._drop_kept(session_id)
             self._kept[session_id] = (session.tokens[: end + 1], rows, time.monotonic())  # (row p reads token p + 1)
-            self.kept_rows += end - rows.base
-            while self.kept_rows > self.keep_rows or len(self._kept) > MAX_KEPT:
+            self.kept_positions += end - rows.base
+            while self.kept_positions > self.keep_positions or len(self._kept) > MAX_KEPT:
                 self._drop_kept(next(iter(self._kept)))
         return True
 
     def _drop_kept(self, key: str) -> Rows | None:
         _, rows, _ = self._kept.pop(key, (None, None, None))
         if rows is not None:
-            self.kept_rows -= rows.end - rows.base
+            self.kept_positions -= rows.end - rows.base
         return rows
 
     def _reuse(self, session: Session) -> None:
@@ -463,7 +463,7 @@ class EagleDraft:
         rows.lookup = session.cache.lookup  # (the new session's own: its tokens are indexed as it takes them in)
         session.cache = rows
         self.reuses += 1
-        self.reused_rows += most
+        self.reused_positions += most
 
     def info(self) -> dict:
         eos = self.tokenizer.eos_token_id

@@ -28,14 +28,17 @@ class ModelMetrics:
         self.kv_pool = Gauge("specdec_kv_pool_positions", "positions the KV pool has room for (slots x"
                              " capacity: its memory; 0 without one)", registry=r)
 
-    def watch(self, table, pool_positions=None, grammars=None) -> None:
+    def watch(self, table, pool_positions=None, grammars=None, kept=None) -> None:
         """Read the session gauges from a SessionTable at each scrape (list() of its values is one
         atomic copy under the GIL, so the model thread can go on changing the table), the pool's
-        size from `pool_positions()`, and the structured-output work from `grammars` (grammar.Grammars)."""
+        size from `pool_positions()`, the structured-output work from `grammars` (grammar.Grammars),
+        and the prefix reuse from `kept` (the table where None; anything with its keep_positions,
+        kept_positions, reuses and reused_positions: an EagleDraft's kept rows)."""
         self.sessions.set_function(lambda: len(table))
         self.kv_tokens.set_function(lambda: sum(s.cached for s in table))
-        if getattr(table, "keep_positions", 0):
-            self.registry.register(_PrefixReuse(table))
+        kept = table if kept is None else kept
+        if getattr(kept, "keep_positions", 0):
+            self.registry.register(_PrefixReuse(kept))
         if pool_positions is not None:
             self.kv_pool.set_function(pool_positions)
         if grammars is not None:

@@ -230,7 +230,8 @@ def run_model_service(name: str, args: argparse.Namespace, make_servicer: Callab
             engine = await servicer.thread.run(lambda: make_engine(load_model))
             servicer.engine = engine
             servicer.metrics.watch(engine.sessions, runner.kv_pool_positions if runner is not None else None,
-                                   getattr(engine, "grammars", None))
+                                   getattr(engine, "grammars", None),
+                                   engine if hasattr(engine, "kept_positions") else None)  # (the EAGLE draft's rows)
             if runner is None:
                 log.info("%s serves %s (no model)", name, engine.info().get("draft_method") or "its engine")
             sweeper = asyncio.ensure_future(sweep_idle_sessions(engine, servicer.thread,

@@ -22,6 +22,7 @@ import yaml
 from coordinator.launch import LocalStack
 from coordinator.metrics import CoordinatorMetrics
 from model_service.metrics import ModelMetrics
+from model_service.sessions import SessionTable
 from runtime.ports import free_port
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
@@ -47,7 +48,9 @@ def rules() -> list[dict]:
 def exported() -> set[str]:
     """Every sample name the coordinator and the model services can export."""
     names = set()
-    for metrics in (CoordinatorMetrics(), ModelMetrics()):
+    model = ModelMetrics()
+    model.watch(SessionTable(1, 1.0, keep_positions=1))  # (a service that keeps finished sessions' caches)
+    for metrics in (CoordinatorMetrics(), model):
         for family in metrics.registry.collect():
             names.update(family.name + suffix for suffix in SUFFIXES[family.type])
     return names
@@ -74,7 +77,8 @@ def test_every_query_reads_a_metric_the_services_export():
     for needed in ("specdec_time_to_first_token_seconds_bucket", "specdec_inter_token_seconds_bucket",
                    "specdec_accepted_tokens_per_pos_total", "specdec_queue_depth", "specdec_batch_size_sum",
                    "specdec_kv_cache_tokens", "specdec_model_calls_total", "specdec_propose_seconds_bucket",
-                   "specdec_verify_seconds_bucket", "specdec_active_sessions", "up"):
+                   "specdec_verify_seconds_bucket", "specdec_active_sessions", "specdec_prefix_cache_hit_tokens_total",
+                   "up"):
         assert needed in read, needed
 
 

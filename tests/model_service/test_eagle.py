@@ -18,6 +18,7 @@ from model_service.eagle import CHAIN_MAX, EagleDraft
 from model_service.eagle_head import Eagle3Config, Eagle3Head
 from model_service.engines import TargetEngine
 from model_service.local import LocalDraft, LocalTarget
+from model_service.metrics import ModelMetrics
 from model_service.model_runner import ModelRunner
 from speculative.errors import CapacityExceeded, InvalidRequest
 from speculative.protocol import Features, Proposal, ProposeCall, SamplingParams, VerifyCall
@@ -207,10 +208,13 @@ def test_a_chats_next_turn_takes_the_kept_rows_and_drafts_as_one_that_computed_t
         tokens.append(verdict.token)
     target.release("a")
     kept.release("a")
-    assert kept.kept_rows == len(tokens) - 1  # (every position but the last, unscored)
+    assert kept.kept_positions == len(tokens) - 1  # (every position but the last, unscored)
     later = [*tokens, 11, 12, 13]
     _, reused = turn("b", later, kept)
-    assert (kept.reuses, kept.reused_rows) == (1, len(tokens) - 1) and kept.kept_rows == 0
+    assert (kept.reuses, kept.reused_positions) == (1, len(tokens) - 1) and kept.kept_positions == 0
+    metrics = ModelMetrics()
+    metrics.watch(kept.sessions, kept=kept)  # (as the draft service does: the head's rows)
+    assert metrics.registry.get_sample_value("specdec_prefix_cache_hit_tokens_total") == len(tokens) - 1
     target.release("b")
     _, computed = turn("c", later, fresh)  # (the target reuses again: its rows come whole all the same)
     assert reused.tokens == computed.tokens
@@ -224,7 +228,7 @@ def test_a_chats_next_turn_takes_the_kept_rows_and_drafts_as_one_that_computed_t
     parted = [*later[:40], 99, 98, 97, 96]
     turn("e", parted, kept)
     turn("f", parted, fresh)
-    assert (kept.reuses, kept.reused_rows) == (2, len(tokens) - 1 + 39)
+    assert (kept.reuses, kept.reused_positions) == (2, len(tokens) - 1 + 39)
     ours, theirs = kept.sessions.get("e").cache, fresh.sessions.get("f").cache
     assert torch.allclose(torch.stack(ours.hidden), torch.stack(theirs.hidden), atol=1e-5)
     # a prompt sharing less than half of what was kept: rows from scratch
@@ -233,10 +237,10 @@ def test_a_chats_next_turn_takes_the_kept_rows_and_drafts_as_one_that_computed_t
     assert kept.reuses == 2 and kept.sessions.get("d").cache.featured == 80
     # kept rows go after the idle timeout, as sessions do
     kept.release("d")
-    assert kept.kept_rows > 0
+    assert kept.kept_positions > 0
     kept.sessions.idle_timeout = -1
     kept.evict_idle()
-    assert kept.kept_rows == 0 and not kept._kept
+    assert kept.kept_positions == 0 and not kept._kept
 
 
 def test_features_are_the_targets_hidden_states_in_position_order(pair):
