@@ -185,6 +185,14 @@ class KVCache:
                 self.data[:, :, :, :, length : self.length].zero_()
         self.length = length
 
+    def copy_prefix(self, source: "KVCache", length: int) -> None:
+        """Hold `source`'s first `length` positions, this cache empty: a prefix another session computed
+        (sessions.py's prefix reuse)."""
+        self.reserve(length)
+        with torch.inference_mode():
+            self.data[:, :, :, :, :length] = source.data[:, :, :, :, :length]
+        self.length = length
+
     def reserve(self, length: int) -> None:
         if self.own is None:
             if self.pool.fits(length, self.length):

@@ -8,11 +8,13 @@ Prefix reuse (`keep_positions`): a session released at the end of its request ke
 a while (least recently released dropped first, within `keep_positions` positions), and a new
 session whose prompt begins with a kept session's tokens takes that cache, cropped to the shared
 prefix, instead of computing the prefix again: the next turn of a chat, whose prompt is the last
-turn's prompt and answer and a new message, computes only the new message. A kept cache goes to one
-new session (it is moved, not copied), to one that shares at least MIN_REUSE positions and half of
-what it holds, so that a request sharing only a system prompt does not take another conversation's
-cache. The prompt's last token is always fed again (its logits come from the pass). Kept caches
-count towards `max_kv_tokens`, and are dropped first when a call needs the room.
+turn's prompt and answer and a new message, computes only the new message. A prompt that shares at
+least half of what a kept cache holds continues it: the cache moves to the new session. One that
+shares less, but at least MIN_REUSE positions (a system prompt, the tools' instructions, a few-shot
+preamble: what every conversation of an application begins with), gets a copy of those positions
+where the cache can copy them (`copy_prefix`: the lean forward's KVCache), and the kept cache
+stays for others. The prompt's last token is always fed again (its logits come from the pass).
+Kept caches count towards `max_kv_tokens`, and are dropped first when a call needs the room.
 """
 
 from __future__ import annotations
@@ -193,6 +195,7 @@ class SessionTable:
         if not self._kept or session.cached:
             return 0
         best, length = None, 0
+        copies = hasattr(session.cache, "copy_prefix")
         for kept in reversed(self._kept.values()):  # (the most recent first: a tie goes to it)
             if feature_layers and kept.feature_layers != feature_layers:  # (rows it cannot send first)
                 continue
@@ -200,17 +203,23 @@ class SessionTable:
             if feature_layers:  # (as far as the rows it sent go, each row a position's)
                 most = min(most, kept.sent_features[0].end if kept.sent_features else 0)
             shared = shared_prefix(kept.tokens, prompt, most)
-            if shared > length and shared >= MIN_REUSE and 2 * shared >= kept.cached:
+            if shared > length and shared >= MIN_REUSE and (copies or 2 * shared >= kept.cached):
                 best, length = kept, shared
         if best is None:
             return 0
-        self._drop_kept(best.id)
-        best.truncate(length)
-        session.cache, session.cached = best.cache, best.cached
         if feature_layers:
             sent = best.sent_features[0]
             rows = max(0, length - sent.start)
             session.resend = Features(sent.start, rows, sent.width, sent.dtype, sent.data[: rows * sent.row_bytes])
+        if 2 * length >= best.cached:  # a continuation: the cache moves
+            self._drop_kept(best.id)
+            best.truncate(length)
+            session.cache, session.cached = best.cache, best.cached
+        else:  # a shared beginning: its positions are copied, the kept cache stays for others
+            session.cache.copy_prefix(best.cache, length)
+            session.cached = length
+            best.last_used = time.monotonic()
+            self._kept.move_to_end(best.id)
         self.reuses += 1
         self.reused_positions += length
         return length

@@ -94,6 +94,34 @@ def test_a_prompt_sharing_little_of_a_kept_cache_leaves_it_alone():
     assert table.kept == 1 and "d" in table._kept
 
 
+class CopyingCache(Cache):
+    """A stand-in for the lean forward's KVCache, which copies another's first positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.copied_from = None
+
+    def copy_prefix(self, source: "CopyingCache", length: int) -> None:
+        self.copied_from, self.length = (source, length), length
+
+
+def test_a_shared_beginning_is_copied_where_the_cache_can_and_the_kept_cache_stays():
+    table = SessionTable(8, 600.0, CopyingCache, keep_positions=1000)
+    system = list(range(MIN_REUSE + 4))
+    kept = held(table, "a", system + list(range(500, 560)))
+    table.release("a", keep=True)
+    other = table.create("b", torch.Generator())
+    assert table.reuse(other, system + [9] * 40) == len(system)
+    assert other.cache.copied_from == (kept.cache, len(system)) and other.cached == len(system)
+    assert table.kept == 1 and kept.cache.length == len(system) + 59  # (left as it was, for the next)
+    again = table.create("c", torch.Generator())
+    assert table.reuse(again, system + [8] * 40) == len(system) and table.kept == 1
+    # its own conversation's next turn still takes it whole
+    turn = table.create("d", torch.Generator())
+    assert table.reuse(turn, kept.tokens + [1, 2]) == len(kept.tokens) and table.kept == 0
+    assert turn.cache is kept.cache and table.reuses == 3
+
+
 def test_only_a_requests_end_keeps_a_cache():
     table = SessionTable(8, 600.0, Cache, keep_positions=1000)
     held(table, "a", list(range(40)))
@@ -179,6 +207,29 @@ def test_a_chats_next_turn_computes_only_what_is_new_and_answers_as_computed_who
         made.append([verdict.token, *verdict.decoded])
         engine.release(f"{name}1")
     assert made[0] == made[1] and reusing.sessions.reuses >= 2
+
+
+def test_conversations_beginning_alike_copy_the_shared_positions_and_answer_as_computed_whole(runners):
+    """An application's system prompt (or tools' instructions) begins every conversation: a new one
+    copies those positions from a kept cache, which stays for the next; features too."""
+    reusing, whole, _ = runners
+    kept, plain = TargetEngine(reusing), TargetEngine(whole)
+    system = [(11 * i) % 300 + 5 for i in range(40)]
+    kept.verify(VerifyCall("s0", True, [*system, *range(100, 160)], Proposal(), GREEDY, steps=6, feature_layers=(1,)))
+    kept.release("s0")
+    before = reusing.sessions.reuses
+    for n, message in enumerate(([21, 22, 23], [31, 32, 33, 34, 35])):
+        prompt = [*system, *message]
+        answers = []
+        for engine, name in ((kept, f"c{n}"), (plain, f"w{n}")):
+            verdict, cost = engine.verify(VerifyCall(name, True, prompt, Proposal(), GREEDY, steps=5,
+                                                     feature_layers=(1,)))
+            answers.append(([verdict.token, *verdict.decoded], verdict.features, cost.batch_tokens))
+            engine.release(name)
+        (said, rows, fed), (alone, whole_rows, _) = answers
+        assert said == alone and rows.data == whole_rows.data and rows.start == 0
+        assert fed == len(message)  # the system prompt's 40 positions came copied
+    assert reusing.sessions.reuses == before + 2
 
 
 def test_a_scored_prompt_is_computed_whole(runners):
