@@ -13,7 +13,10 @@ least half of what a kept cache holds continues it: the cache moves to the new s
 shares less, but at least MIN_REUSE positions (a system prompt, the tools' instructions, a few-shot
 preamble: what every conversation of an application begins with), gets a copy of those positions
 where the cache can copy them (`copy_prefix`: the lean forward's KVCache), and the kept cache
-stays for others. The prompt's last token is always fed again (its logits come from the pass).
+stays for others. Where caches copy, a live session is a source too (copied, never moved): requests
+that begin alike at the same time (a request's n choices, users of one long system prompt before any
+has finished) compute their shared beginning once. The prompt's last token is always fed again (its
+logits come from the pass).
 Kept caches count towards `max_kv_tokens`, and are dropped first when a call needs the room.
 """
 
@@ -192,34 +195,38 @@ class SessionTable:
         fed. A session asking for `feature_layers` takes only a cache whose session asked for the same,
         as far as its answers' feature rows go, and has those rows to send first (`resend`).
         -> the positions it took (0: none)"""
-        if not self._kept or session.cached:
-            return 0
-        best, length = None, 0
         copies = hasattr(session.cache, "copy_prefix")
-        for kept in reversed(self._kept.values()):  # (the most recent first: a tie goes to it)
-            if feature_layers and kept.feature_layers != feature_layers:  # (rows it cannot send first)
+        if not self.keep_positions or session.cached or not (self._kept or copies):
+            return 0
+        best, length, sent = None, 0, None
+        live = [s for s in self._sessions.values() if s is not session] if copies else []
+        for source in [*reversed(self._kept.values()), *reversed(live)]:  # (the most recent kept first)
+            if feature_layers and source.feature_layers != feature_layers:  # (rows it cannot send first)
                 continue
-            most = len(prompt) - 1
+            rows = Features.join(source.sent_features) if feature_layers else None
+            most = min(len(prompt) - 1, source.cached)
             if feature_layers:  # (as far as the rows it sent go, each row a position's)
-                most = min(most, kept.sent_features[0].end if kept.sent_features else 0)
-            shared = shared_prefix(kept.tokens, prompt, most)
-            if shared > length and shared >= MIN_REUSE and (copies or 2 * shared >= kept.cached):
-                best, length = kept, shared
+                most = min(most, rows.end if rows is not None else 0)
+            shared = shared_prefix(source.tokens, prompt, most)
+            kept = source.id in self._kept and self._kept[source.id] is source
+            if shared > length and shared >= MIN_REUSE and (copies or 2 * shared >= source.cached):
+                best, length, sent, moves = source, shared, rows, kept and 2 * shared >= source.cached
         if best is None:
             return 0
         if feature_layers:
-            sent = best.sent_features[0]
-            rows = max(0, length - sent.start)
-            session.resend = Features(sent.start, rows, sent.width, sent.dtype, sent.data[: rows * sent.row_bytes])
-        if 2 * length >= best.cached:  # a continuation: the cache moves
+            kept_rows = max(0, length - sent.start)
+            session.resend = Features(sent.start, kept_rows, sent.width, sent.dtype,
+                                      sent.data[: kept_rows * sent.row_bytes])
+        if moves:  # a continuation of a kept cache: it moves
             self._drop_kept(best.id)
             best.truncate(length)
             session.cache, session.cached = best.cache, best.cached
-        else:  # a shared beginning: its positions are copied, the kept cache stays for others
+        else:  # a shared beginning, or a live session's: its positions are copied, the source stays
             session.cache.copy_prefix(best.cache, length)
             session.cached = length
-            best.last_used = time.monotonic()
-            self._kept.move_to_end(best.id)
+            if best.id in self._kept and self._kept[best.id] is best:
+                best.last_used = time.monotonic()
+                self._kept.move_to_end(best.id)
         self.reuses += 1
         self.reused_positions += length
         return length

@@ -232,6 +232,37 @@ def test_conversations_beginning_alike_copy_the_shared_positions_and_answer_as_c
     assert reusing.sessions.reuses == before + 2
 
 
+def test_requests_beginning_alike_at_once_compute_the_beginning_once(runners):
+    """A request's n choices of a chat's next turn start together: the first takes the kept cache, the
+    others copy it from that live session; and a session still running lends its beginning to a new
+    one that shares it, before anything was kept."""
+    reusing, whole, _ = runners
+    kept, plain = TargetEngine(reusing), TargetEngine(whole)
+    first = [(17 * i) % 300 + 3 for i in range(50)]
+    answer, _ = greedy_turn(kept, "n0", first, 8)
+    later = [*first, *answer, 90, 91]
+    calls = [VerifyCall(f"n{i}", True, later, Proposal(), SamplingParams(0.8, seed=i), steps=4) for i in range(1, 5)]
+    before = reusing.sessions.reuses
+    made = kept.verify_many(calls)
+    assert reusing.sessions.reuses == before + 4
+    assert made[0][1].batch_tokens == 4 * (len(later) - (len(first) + len(answer) - 1))  # (the pass fed these)
+    alone = plain.verify_many([VerifyCall(f"w{i}", True, later, Proposal(), SamplingParams(0.8, seed=i), steps=4)
+                               for i in range(1, 5)])
+    assert [[v.token, *v.decoded] for v, _ in made] == [[v.token, *v.decoded] for v, _ in alone]
+    for i in range(1, 5):
+        kept.release(f"n{i}")
+        plain.release(f"w{i}")
+    # nothing kept that begins so: a running session lends its first positions
+    running = [(29 * i) % 300 + 1 for i in range(40)]
+    kept.verify(VerifyCall("r0", True, running, Proposal(), GREEDY))
+    verdict, cost = kept.verify(VerifyCall("r1", True, [*running[:30], 5, 6], Proposal(), GREEDY))
+    assert cost.batch_tokens == 2 and verdict.token == plain.verify(
+        VerifyCall("w", True, [*running[:30], 5, 6], Proposal(), GREEDY))[0].token
+    for name in ("r0", "r1"):
+        kept.release(name)
+    plain.release("w")
+
+
 def test_a_scored_prompt_is_computed_whole(runners):
     reusing, _, _ = runners
     target = TargetEngine(reusing)
