@@ -612,8 +612,11 @@ def _sent(session: Session, rows: Features, keep: bool) -> Features:
         rows = Features.join([session.resend, rows])
         rows = rows.last(min(rows.rows, max(1, features.MAX_FEATURE_BYTES // rows.row_bytes)))
         session.resend = None
-    if keep:
-        session.sent_features.append(rows)
+    if keep:  # (parts merged as a binary counter merges: O(log) parts, each row copied O(log) times)
+        parts = session.sent_features
+        parts.append(rows)
+        while len(parts) > 1 and 2 * parts[-1].rows >= parts[-2].rows:
+            parts[-2:] = [Features.join(parts[-2:])]
     return rows
 
 

@@ -198,22 +198,22 @@ class SessionTable:
         copies = hasattr(session.cache, "copy_prefix")
         if not self.keep_positions or session.cached or not (self._kept or copies):
             return 0
-        best, length, sent = None, 0, None
+        best, length = None, 0
         live = [s for s in self._sessions.values() if s is not session] if copies else []
         for source in [*reversed(self._kept.values()), *reversed(live)]:  # (the most recent kept first)
             if feature_layers and source.feature_layers != feature_layers:  # (rows it cannot send first)
                 continue
-            rows = Features.join(source.sent_features) if feature_layers else None
             most = min(len(prompt) - 1, source.cached)
-            if feature_layers:  # (as far as the rows it sent go, each row a position's)
-                most = min(most, rows.end if rows is not None else 0)
+            if feature_layers:  # (as far as the rows it sent go, each row a position's: the last part's end)
+                most = min(most, source.sent_features[-1].end if source.sent_features else 0)
             shared = shared_prefix(source.tokens, prompt, most)
             kept = source.id in self._kept and self._kept[source.id] is source
             if shared > length and shared >= MIN_REUSE and (copies or 2 * shared >= source.cached):
-                best, length, sent, moves = source, shared, rows, kept and 2 * shared >= source.cached
+                best, length, moves = source, shared, kept and 2 * shared >= source.cached
         if best is None:
             return 0
         if feature_layers:
+            sent = Features.join(best.sent_features)
             kept_rows = max(0, length - sent.start)
             session.resend = Features(sent.start, kept_rows, sent.width, sent.dtype,
                                       sent.data[: kept_rows * sent.row_bytes])
