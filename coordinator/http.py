@@ -457,6 +457,7 @@ def together(summaries: list[Summary], n: int = 1) -> Summary:
     stats = Stats()
     for summary in summaries:
         stats.merge(summary.stats)
+    stats.cached_prompt_tokens = sum(s.stats.cached_prompt_tokens for s in summaries[::n])  # (as the prompts)
     first = summaries[0]
     return Summary(stats, first.num_speculative_tokens, first.adaptive, first.seed,
                    sum(s.prompt_tokens for s in summaries[::n]), max(s.wall_ms for s in summaries))
@@ -466,7 +467,9 @@ def usage(summary: Summary) -> dict:
     s = summary.stats
     made = s.generated_tokens
     counts = {"prompt_tokens": summary.prompt_tokens, "completion_tokens": made,
-              "total_tokens": summary.prompt_tokens + made}
+              "total_tokens": summary.prompt_tokens + made,
+              # (OpenAI's: the prompt's tokens a prefix cache held; here those the target took cached)
+              "prompt_tokens_details": {"cached_tokens": min(s.cached_prompt_tokens, summary.prompt_tokens)}}
     if s.prediction_tokens:  # (OpenAI's: the prediction's tokens the output kept, and those it did not)
         counts["completion_tokens_details"] = {
             "accepted_prediction_tokens": s.accepted_prediction_tokens,
@@ -483,6 +486,7 @@ def specdec_fields(summary: Summary) -> dict:
             "num_speculative_tokens": summary.num_speculative_tokens, "adaptive": summary.adaptive,
             "seed": summary.seed, "wall_ms": summary.wall_ms, "draft_ms": s.draft_ms, "target_ms": s.target_ms,
             "lost_draft_rounds": s.lost_draft_rounds, "copied_tokens": s.copied_tokens,
+            "cached_prompt_tokens": s.cached_prompt_tokens,
             "prediction_tokens": s.prediction_tokens, "accepted_prediction_tokens": s.accepted_prediction_tokens}
 
 

@@ -70,6 +70,7 @@ def stats_proto(summary: Summary) -> pb.GenerationStats:
         copied_tokens=stats.copied_tokens,
         prediction_tokens=stats.prediction_tokens,
         accepted_prediction_tokens=stats.accepted_prediction_tokens,
+        cached_prompt_tokens=stats.cached_prompt_tokens,
     )
 
 

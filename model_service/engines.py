@@ -264,6 +264,7 @@ class TargetEngine(RunnerEngine):
                 else:  # the call proposed nothing: what it copied and kept is the target's own
                     results[i] = Verdict(0, kept[0], kept[1:], copied=accepted)
                 results[i].features = _committed_features(session, capture, states, j)
+                results[i].cached = session.reused if call.start else 0
                 if call.params.logprobs is not None:
                     results[i].logprobs = token_logprobs(scored, kept, call.params.logprobs)
                 if call.prompt_logprobs is not None:

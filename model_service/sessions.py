@@ -62,6 +62,7 @@ class Session:
     # those of a reused prefix its first answer carries before its own (a draft reading them starts from 0)
     sent_features: list = field(default_factory=list)
     resend: Any = None
+    reused: int = 0  # the positions it started with cached (prefix reuse)
     last_used: float = field(default_factory=time.monotonic)
 
     def truncate(self, length: int) -> None:
@@ -229,6 +230,7 @@ class SessionTable:
                 self._kept.move_to_end(best.id)
         self.reuses += 1
         self.reused_positions += length
+        session.reused = length
         return length
 
     def evict_idle(self, now: float | None = None) -> int:

@@ -373,6 +373,7 @@ class Verdict:
     logprobs: Logprobs | None = None
     # a start's call.prompt_logprobs set: those of its append[1:], each under the position before it
     prompt_logprobs: Logprobs | None = None
+    cached: int = 0  # a start: append's first tokens the service took cached, not computed (prefix reuse)
 
     @property
     def committed(self) -> int:
@@ -550,14 +551,16 @@ def verdict_to_proto(verdict: Verdict, cost: Cost) -> pb.VerifyResponse:
                              batch_size=cost.batch_size, batch_tokens=cost.batch_tokens, pass_ms=cost.pass_ms,
                              decoded=verdict.decoded, features=features_to_proto(verdict.features),
                              copied=verdict.copied, logprobs=logprobs_to_proto(verdict.logprobs),
-                             prompt_logprobs=logprobs_to_proto(verdict.prompt_logprobs))
+                             prompt_logprobs=logprobs_to_proto(verdict.prompt_logprobs),
+                             cached_tokens=verdict.cached)
 
 
 def verdict_from_proto(msg: pb.VerifyResponse) -> Verdict:
     return Verdict(msg.accepted, msg.token, list(msg.decoded),
                    features_from_proto(msg.features) if msg.HasField("features") else None, msg.copied,
                    logprobs_from_proto(msg.logprobs) if msg.HasField("logprobs") else None,
-                   logprobs_from_proto(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else None)
+                   logprobs_from_proto(msg.prompt_logprobs) if msg.HasField("prompt_logprobs") else None,
+                   msg.cached_tokens)
 
 
 def pass_cost_from_info(info: pb.ModelInfo) -> PassCost:

@@ -213,6 +213,7 @@ class Round:
     # its target call started the session again (after a fault, or after giving a full target's room back:
     # coordinator/failover.py): its wall time may hold a wait and a prefill, no round's
     target_restarted: bool = False
+    cached: int = 0  # its target call started the session with this many first tokens cached (Verdict.cached)
     predicted: bool = False  # what it verified was the request's prediction (offer), not the draft's
 
 
@@ -313,7 +314,8 @@ async def speculative_round(
                  len(verdict.features.data) if verdict.features is not None else 0, lost, draft_pass_ms, verdict.copied,
                  draft_started=seq.draft_starts > starts, logprobs=verdict.logprobs,
                  scored_prompt=scoring and seq.prompt_scores.logprobs is not None,
-                 target_restarted=seq.target_starts > max(1, target_starts), predicted=bool(offer))
+                 target_restarted=seq.target_starts > max(1, target_starts), predicted=bool(offer),
+                 cached=verdict.cached)
 
 
 async def _propose(draft: DraftPeer, seq: Sequence, k: int, params: SamplingParams,
@@ -416,9 +418,12 @@ class Stats:
     copied_tokens: int = 0  # generated tokens the target copied from the context (lookup) and kept
     prediction_tokens: int = 0  # the request's prediction's tokens verified (in rounds that did: Round.predicted)
     accepted_prediction_tokens: int = 0  # ... and kept
+    cached_prompt_tokens: int = 0  # the prompt's first tokens the target's first session took cached (prefix reuse)
 
     def add(self, r: Round) -> None:
         self.rounds += 1
+        if not r.target_restarted:  # (a session started again after a fault holds more than the prompt)
+            self.cached_prompt_tokens += r.cached
         if r.predicted:  # (not the draft's: its counts and acceptance leave such rounds out)
             self.prediction_tokens += r.proposed
             self.accepted_prediction_tokens += r.accepted
@@ -453,7 +458,7 @@ class Stats:
         for name in ("rounds", "draft_tokens", "accepted_tokens", "draft_calls", "draft_ms", "target_ms",
                      "wire_bytes", "generated_tokens", "rejected_rounds", "predrafts", "predraft_hits",
                      "feature_bytes", "lost_draft_rounds", "draft_pass_ms", "target_pass_ms", "copied_tokens",
-                     "prediction_tokens", "accepted_prediction_tokens"):
+                     "prediction_tokens", "accepted_prediction_tokens", "cached_prompt_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         # (`other` may be a GenerationStats message, which carries the mean instead)
         self.verify_batch_sessions += getattr(other, "verify_batch_sessions", None) or round(

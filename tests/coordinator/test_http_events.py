@@ -66,3 +66,17 @@ def test_a_choice_that_fails_ends_the_stream_with_an_error_and_closes_the_others
     error = json.loads(sent[-2])["error"]
     assert error["code"] == status, error
     assert sorted(closed) == ["a", "b"]
+
+
+def test_the_usage_says_the_prompt_tokens_taken_cached_once_a_prompt():
+    from coordinator.http import together, usage
+
+    def made(prompt: int, cached: int) -> Summary:
+        return Summary(Stats(generated_tokens=2, cached_prompt_tokens=cached), 4, True, 1, prompt, 1.0)
+
+    assert usage(made(30, 24))["prompt_tokens_details"] == {"cached_tokens": 24}
+    assert usage(made(30, 0))["prompt_tokens_details"] == {"cached_tokens": 0}
+    # two prompts x n = 2: each prompt's first choice counts, as its prompt tokens do
+    both = together([made(30, 24), made(30, 24), made(50, 0), made(50, 40)], 2)
+    assert usage(both) == {"prompt_tokens": 80, "completion_tokens": 8, "total_tokens": 88,
+                           "prompt_tokens_details": {"cached_tokens": 24}}

@@ -224,6 +224,7 @@ def test_conversations_beginning_alike_copy_the_shared_positions_and_answer_as_c
         for engine, name in ((kept, f"c{n}"), (plain, f"w{n}")):
             verdict, cost = engine.verify(VerifyCall(name, True, prompt, Proposal(), GREEDY, steps=5,
                                                      feature_layers=(1,)))
+            assert verdict.cached == (len(system) if engine is kept else 0)  # (what it says it took)
             answers.append(([verdict.token, *verdict.decoded], verdict.features, cost.batch_tokens))
             engine.release(name)
         (said, rows, fed), (alone, whole_rows, _) = answers

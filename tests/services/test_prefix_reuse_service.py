@@ -28,11 +28,13 @@ def stacks(pair, request):
     return kept, off, ports
 
 
-def chats(addr: str, turns: int = 3) -> list[list[list[int]]]:
+def chats(addr: str, turns: int = 3, cached: list | None = None) -> list[list[list[int]]]:
     """Six chats, each turn of all of them at once; chat 3 goes on from the middle of each answer (its
     prompt parts from the kept tokens inside them); chats 4 and 5 are chat 0 again (they race for its
-    kept caches). -> per chat, each turn's output"""
+    kept caches). -> per chat, each turn's output; `cached` gets (prompt length, the prompt's last
+    length, the prompt tokens each answer says came cached)"""
     prompts = [[*SYSTEM, 40 + c, 41 + c, 42 + c] for c in range(4)] + [[*SYSTEM, 40, 41, 42]] * 2
+    last = [0] * len(prompts)
     said: list[list[list[int]]] = [[] for _ in prompts]
     with grpc.insecure_channel(addr) as channel:
         stub = pb_grpc.GenerationStub(channel)
@@ -40,15 +42,25 @@ def chats(addr: str, turns: int = 3) -> list[list[list[int]]]:
             futures = [stub.Generate.future(pb.GenerateRequest(prompt_token_ids=p, max_new_tokens=10, temperature=0.0,
                                                                num_speculative_tokens=3), timeout=120) for p in prompts]
             for c, future in enumerate(futures):
-                out = list(future.result().token_ids)
+                reply = future.result()
+                out = list(reply.token_ids)
                 said[c].append(out)
+                if cached is not None:
+                    cached.append((len(prompts[c]), last[c], reply.stats.cached_prompt_tokens))
+                last[c] = len(prompts[c])
                 prompts[c] = [*prompts[c], *(out[: len(out) // 2] if c == 3 else out), 60 + turn, 61 + turn]
     return said
 
 
 def test_concurrent_chats_answer_as_a_stack_that_keeps_nothing(stacks):
     kept, off, ports = stacks
-    assert chats(kept.addr) == chats(off.addr)
+    cached, none = [], []
+    assert chats(kept.addr, cached=cached) == chats(off.addr, cached=none)
+    assert all(n == 0 for _, _, n in none)
+    # each later turn took at least half its last prompt cached (chat 3: half its last answer dropped), never
+    # the prompt's last token
+    later = cached[6:]
+    assert all(last // 2 <= n < length for length, last, n in later) and sum(n for _, _, n in later) > 0, cached
     for role in ("target", "draft"):
         samples = scrape(ports[role])
         assert value(samples, "specdec_prefix_cache_hits_total") >= 6, role  # (the later turns at least)
