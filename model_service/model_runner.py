@@ -260,7 +260,12 @@ class ModelRunner:
         release_checkpoint_maps(self.model)
         gc.collect()
         return_freed_memory()
-        keep = int(prefix_cache_mb * 2**20 // self.kv_position_bytes()) if self.tp is None else 0
+        keep = 0
+        if prefix_cache_mb > 0 and self.tp is None:
+            try:
+                keep = int(prefix_cache_mb * 2**20 // self.kv_position_bytes())
+            except (AttributeError, TypeError, ZeroDivisionError) as e:  # (a config without attention's sizes)
+                log.warning("--prefix-cache-mb: %s keeps no finished sessions' caches (%s)", self.name, e)
         self.sessions = SessionTable(max_sessions, idle_timeout, self.fast.new_cache if self.fast else DynamicCache,
                                      keep_positions=keep)
         self._tokenizer_files: list[tuple[str, bytes]] | None = None

@@ -337,3 +337,14 @@ def test_the_metrics_say_what_was_reused():
     assert value("specdec_prefix_cache_positions") == 0
     assert (value("specdec_prefix_cache_hits_total"), value("specdec_prefix_cache_hit_tokens_total")) == (1, 40)
     assert ModelMetrics().registry.get_sample_value("specdec_prefix_cache_hits_total") is None  # (off: none)
+
+
+def test_a_model_whose_cache_size_cannot_be_read_keeps_nothing_and_serves(pair, monkeypatch, caplog):
+    def unknown(self):
+        raise AttributeError("no num_attention_heads")
+
+    monkeypatch.setattr(ModelRunner, "kv_position_bytes", unknown)
+    runner = ModelRunner(pair[1], prefix_cache_mb=64)
+    assert runner.sessions.keep_positions == 0 and "keeps no finished sessions' caches" in caplog.text
+    out, _ = greedy_turn(TargetEngine(runner), "u", list(range(100, 140)), 3)
+    assert len(out) == 3
