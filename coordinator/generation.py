@@ -590,8 +590,9 @@ class Coordinator:
             models.costs.in_flight -= 1
             if self.gate is not None:
                 self.gate.left()
+            held = [*plan.prompt, *generated]
             for failover in (failover_draft, failover_target):
-                failover.noted([*plan.prompt, *generated])
+                failover.noted(held)
                 failover.close()
         wall_ms = (time.perf_counter() - start) * 1e3
         summary = Summary(stats, plan.policy.k, plan.policy.adaptive, plan.params.seed, len(plan.prompt), wall_ms)
