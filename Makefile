@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/specdec/v1/*.proto)
 STUBS := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
 
-.PHONY: setup stubs kernel models run cluster test test-all prometheus test-gpu bench-gpu bench-passes bench-sampling bench-structured bench-prediction bench-prefix bench-tracing bench-deps bench bench-eagle bench-concurrency bench-ceiling soak draft eagle clean
+.PHONY: setup stubs kernel models run cluster test test-all prometheus test-gpu bench-gpu bench-passes bench-sampling bench-structured bench-prediction bench-prefix bench-long-prompts bench-tracing bench-deps bench bench-eagle bench-concurrency bench-ceiling soak draft eagle clean
 
 TARGET := models/target/conversion.json
 
@@ -92,6 +92,10 @@ bench-prediction: setup
 # a chat's turns with finished requests' KV caches kept for the next turn, and without (bench/prefix.py)
 bench-prefix: setup
 	$(PY) -m bench.prefix $(BENCH_ARGS)
+
+# a long prompt arriving while other requests stream, fed whole or in parts (--prefill-chunk; bench/long_prompts.py)
+bench-long-prompts: setup
+	$(PY) -m bench.long_prompts $(BENCH_ARGS)
 
 # what OpenTelemetry tracing adds to a round: off, on at sampler 0.0 and at 1.0 (bench/tracing.py)
 bench-tracing: setup

@@ -13,6 +13,29 @@ from speculative.errors import CapacityExceeded
 from .threads import ModelThread, _settle
 
 
+# the most tokens of a long feed (a prompt) a target pass takes while other sessions' calls wait (theirs run
+# between its parts instead of after its whole prefill), by the device it runs on: TargetEngine.prefill_chunk,
+# --prefill-chunk. On 2 CPU cores (int4 SmolLM2, ~0.8 ms a prompt token) 128 tokens cut three streams' stall
+# under a 1,000-token prompt from ~850 to ~260 ms (docs/performance.md); a GPU's pass takes far more tokens
+PREFILL_CHUNK = {"cpu": 128, "cuda": 512}
+
+
+def prefill_chunk_for(device: str) -> int:
+    """The default prefill chunk of a target on `device` (a torch device's name: "cpu", "cuda:0"...)."""
+    return PREFILL_CHUNK.get(str(device).split(":")[0], PREFILL_CHUNK["cuda"])
+
+
+class Unfinished:
+    """A call's result when its work goes on in a later pass (a long prompt fed in parts: TargetEngine):
+    the Batcher queues the call again, first, instead of answering it."""
+
+    def __repr__(self) -> str:
+        return "UNFINISHED"
+
+
+UNFINISHED = Unfinished()
+
+
 @dataclass(frozen=True)
 class Batching:
     """How a model service batches its calls (its flags --max-batch, --batch-wait-ms,
@@ -135,6 +158,15 @@ class Batcher:
     def pass_for(self, batch: list) -> tuple[Callable[[], Any], asyncio.AbstractEventLoop, Callable]:
         """-> (run the pass, the loop its callers wait on, deliver its results there)"""
 
+        def run() -> Any:
+            results = self.run_many([item.call for item in batch])
+            if isinstance(results, list) and len(results) == len(batch):
+                again = [item for item, result in zip(batch, results) if result is UNFINISHED]
+                if again:  # first in the next pass (taken on this thread, before the loop hears of this one)
+                    with self.thread.cond:
+                        self.waiting.extendleft(reversed(again))
+            return results
+
         def deliver(results: Any, error: BaseException | None) -> None:
             if error is not None or not isinstance(results, list) or len(results) != len(batch):
                 # not one call's fault: every call in the pass gets it
@@ -144,7 +176,7 @@ class Batcher:
             for item, result in zip(batch, results):
                 if isinstance(result, BaseException):
                     _settle(item.future, None, result)
-                else:
+                elif result is not UNFINISHED:
                     _settle(item.future, result, None)
 
-        return (lambda: self.run_many([item.call for item in batch])), batch[0].loop, deliver
+        return run, batch[0].loop, deliver

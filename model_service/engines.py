@@ -8,6 +8,7 @@ DraftEngine is the model drafting method (the contract: drafting.py).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +27,7 @@ from speculative.sampling import (
 )
 
 from . import features, grammar, q4_kernel
+from .batcher import UNFINISHED, Unfinished, prefill_chunk_for
 from .drafting import advance, one_result
 from .model_runner import ModelRunner, Timer
 from .sessions import Session, SessionTable
@@ -181,18 +183,34 @@ class TargetEngine(RunnerEngine):
     by one gives. A JSON answer then comes several tokens a pass where its schema fixes them, or where
     it copies its values from the prompt."""
 
-    def __init__(self, runner: ModelRunner, max_tokens: int = 16):
+    def __init__(self, runner: ModelRunner, max_tokens: int = 16, prefill_chunk: int | None = None):
         super().__init__(runner, max_tokens)
+        if prefill_chunk is None:
+            prefill_chunk = prefill_chunk_for(runner.device)
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0, not {prefill_chunk}")
+        # most tokens of a long feed a pass takes while others wait (0: all; None: by the device)
+        self.prefill_chunk = prefill_chunk
         # a sampled row's p and a draw from it in one kernel call each where the rows are on the CPU
         self._to_probs, self._draw = q4_kernel.sampling_on(runner.device)
 
     def verify(self, call: VerifyCall) -> tuple[Verdict, Cost]:
         return one_result(self.verify_many([call]))
 
-    def verify_many(self, calls: list[VerifyCall],
-                    busy: Callable[[], bool] | None = None) -> list[tuple[Verdict, Cost] | Exception]:
+    def verify_many(self, calls: list[VerifyCall], busy: Callable[[], bool] | None = None,
+                    in_parts: bool = False) -> list[tuple[Verdict, Cost] | Exception | Unfinished]:
         """-> per call, (verdict, the pass's cost) or the error that call alone met. Distinct sessions only.
-        busy() -> whether other calls wait for the model (the service's model thread): decoding on stops."""
+        busy() -> whether other calls wait for the model (the service's model thread): decoding on stops.
+        in_parts: a call with more than `prefill_chunk` tokens to feed before its rows (a long prompt) feeds
+        that many a pass and comes back UNFINISHED while others' calls wait, to be passed in again (the
+        service's Batcher does so) with the calls waiting then; with nobody waiting its parts go on here."""
+        while True:
+            results = self._verify_pass(calls, busy, in_parts)
+            if not all(result is UNFINISHED for result in results) or (busy is not None and busy()):
+                return results
+
+    def _verify_pass(self, calls: list[VerifyCall], busy: Callable[[], bool] | None,
+                     in_parts: bool) -> list[tuple[Verdict, Cost] | Exception | Unfinished]:
         runner = self.runner
         with runner.lock:
             timer = Timer()
@@ -201,15 +219,18 @@ class TargetEngine(RunnerEngine):
             for i, call in enumerate(calls):
                 try:
                     # each call adds its sampled token after the pass: the KV-token cap counts those
-                    live.append((i, call, *self._advance(call, pending=len(live))))
+                    live.append((i, call, *(self._resume(call) or self._advance(call, pending=len(live)))))
                 except Exception as exc:
                     results[i] = exc
-            masks = self._verify_masks(live, results)
+            # a long feed's part: this pass feeds its session's tokens up to `end` only (no rows verified)
+            parts = {i: end for i, call, session, _, drafted, *_ in live
+                     if in_parts and (end := self._part_end(call, session, len(drafted) + 1))}
+            masks = self._verify_masks([entry for entry in live if entry[0] not in parts], results)
             live = [entry for entry in live if results[entry[0]] is None]
             capture = _feature_layers([session for _, _, session, *_ in live])
             # the tokens the pass feeds: each session's uncached ones (a prompt, a catch-up), at least its rows
-            fed = sum(max(len(drafted) + 1, len(session.tokens) - session.cached)
-                      for _, _, session, _, drafted, *_ in live)
+            fed = sum((parts[i] if i in parts else max(len(session.tokens), session.cached + len(drafted) + 1))
+                      - session.cached for i, _, session, _, drafted, *_ in live)
             # a prompt scored (VerifyCall.prompt_logprobs) takes an output row a token: this pass scores
             # prompts while their rows add up to LOGPROB_ROWS, passes of their own before it the rest
             ahead: dict[int, tuple[Logprobs, list[torch.Tensor]]] = {}
@@ -225,18 +246,41 @@ class TargetEngine(RunnerEngine):
                     room -= scored
             live = [entry for entry in live if results[entry[0]] is None]
             extra = {i: 0 if i in ahead else _scored_prompt(call) for i, call, *_ in live}  # its rows in this pass
+            whole = {}  # a part's session's tokens, while the pass sees those up to the part's end
+            for i, _, session, *_ in live:
+                if i in parts:
+                    whole[i], session.tokens = session.tokens, session.tokens[: parts[i]]
             try:
-                logits, states = runner.forward_capturing([(session, len(drafted) + 1 + extra[i])
+                logits, states = runner.forward_capturing([(session, 1 if i in parts else len(drafted) + 1 + extra[i])
                                                            for i, call, session, _, drafted, *_ in live], capture)
             except Exception as exc:
                 for i, call, *_ in live:
                     runner.sessions.release(call.session_id)  # its cache may be half-written
                     results[i] = exc
                 return results
-            for j, (i, *_) in enumerate(live):
+            finally:
+                for i, _, session, *_ in live:
+                    if i in whole:
+                        session.tokens = whole[i]
+            layers = [capture] * len(live)  # the layers of each feed's states
+            for j, (i, call, session, *advanced) in enumerate(live):
                 if i in ahead and capture:  # the feature rows of the prompt's own passes first
                     states[j] = (0, torch.cat([*ahead[i][1], states[j][1]]))
+                if i in parts or session.part is not None:
+                    part = session.part or Part(call, (session, *advanced), states[j][0] if capture else 0)
+                    if session.feature_layers and capture:  # its own layers' rows (a pass captures any asked)
+                        part.states.append(_own_layers(session, capture, states[j][1]))
+                    if i in parts:
+                        session.part = part
+                        results[i] = UNFINISHED
+                    else:  # its last pass: the rows of its parts first
+                        session.part = None
+                        layers[j] = session.feature_layers
+                        if part.states:
+                            states[j] = (part.start, torch.cat(part.states))
             for j, ((i, call, session, committed, drafted, q_ids, q_probs), rows) in enumerate(zip(live, logits)):
+                if i in parts:
+                    continue
                 # rows: positions of x_1..x_K and the bonus, over the ids the tokenizer can produce (an
                 # output layer padded past the vocabulary scores ids no text maps to and no draft holds)
                 rows = rows[:, : runner.vocab_size]
@@ -263,14 +307,14 @@ class TargetEngine(RunnerEngine):
                     results[i] = Verdict(accepted, token)
                 else:  # the call proposed nothing: what it copied and kept is the target's own
                     results[i] = Verdict(0, kept[0], kept[1:], copied=accepted)
-                results[i].features = _committed_features(session, capture, states, j)
+                results[i].features = _committed_features(session, layers[j], states, j)
                 results[i].cached = session.reused if call.start else 0
                 if call.params.logprobs is not None:
                     results[i].logprobs = token_logprobs(scored, kept, call.params.logprobs)
                 if call.prompt_logprobs is not None:
                     results[i].prompt_logprobs = prompt
             pass_ms = timer.ms
-            if live and all(call.steps > 1 for _, call, *_ in live):
+            if live and not parts and all(call.steps > 1 for _, call, *_ in live):  # (a part's feed goes on first)
                 self._decode_on([(i, call, session) for i, call, session, *_ in live], results, busy)
             for i, call, session, *_ in live:
                 if isinstance(results[i], Verdict) and results[i].features is not None:
@@ -298,6 +342,30 @@ class TargetEngine(RunnerEngine):
             if capture:
                 states.append(captured[0][1])
         return Logprobs.join(parts), states
+
+    def _resume(self, call: VerifyCall) -> tuple | None:
+        """A call fed in parts (Part), passed in again: its session and what _advance made of it, or None
+        for a call new to the engine. A session whose part belongs to another call (its caller gave up
+        on one fed in parts) is rolled back to before that call's tokens first."""
+        session = self.runner.sessions.find(call.session_id)
+        part = session.part if session is not None else None
+        if part is None:
+            return None
+        if part.call is call:
+            self.runner.sessions.get(call.session_id)  # (in use)
+            return part.advanced
+        session.part = None
+        session.truncate(part.base)
+        return None
+
+    def _part_end(self, call: VerifyCall, session: Session, rows: int) -> int:
+        """Where this pass's feed of `session` ends when it feeds a part only (0: it feeds all): while more
+        than `prefill_chunk` tokens wait before the call's `rows`, it feeds that many (not a scored prompt,
+        whose own passes come first)."""
+        if not self.prefill_chunk or _scored_prompt(call):
+            return 0
+        end = session.cached + self.prefill_chunk
+        return end if len(session.tokens) - rows > end else 0
 
     def _check(self, rows: torch.Tensor, drafted: list[int], q_ids, q_probs, params,
                session: Session) -> tuple[int, int]:
@@ -593,6 +661,28 @@ def token_logprobs(rows: torch.Tensor, tokens: list[int], top: int) -> Logprobs:
 LOGPROB_ROWS = 256  # a pass's output rows for prompts scored, at most (SmolLM2's: 50 MB of float32 logits)
 
 
+@dataclass
+class Part:
+    """A verify call whose session had more tokens to feed than a pass takes (TargetEngine.prefill_chunk): fed
+    over several passes, the rows it verifies in the last. Kept in its Session until then."""
+
+    call: VerifyCall
+    advanced: tuple  # what _advance returned: (session, committed, drafted, q_ids, q_probs)
+    start: int  # the position of its first fed token (its feature rows begin there)
+    states: list[torch.Tensor] = field(default_factory=list)  # each pass's feature rows, in the session's layers
+
+    @property
+    def base(self) -> int:
+        """The session's tokens before the call's."""
+        return self.advanced[1] - len(self.call.append)
+
+
+def _own_layers(session: Session, capture: tuple[int, ...], rows: torch.Tensor) -> torch.Tensor:
+    """States [fed, len(capture), D] of a pass -> those of the session's feature layers, in its order."""
+    order = [capture.index(layer) for layer in session.feature_layers]
+    return rows if order == list(range(len(capture))) else rows[:, order]
+
+
 def _scored_prompt(call: VerifyCall) -> int:
     """The rows a call's pass scores its prompt with, before the rows it verifies (VerifyCall.prompt_logprobs)."""
     return len(call.append) - 1 if call.start and call.prompt_logprobs is not None else 0
@@ -628,6 +718,4 @@ def _committed_features(session: Session, capture: tuple[int, ...], states: list
         return None
     start, captured = states[j]  # [fed, len(capture), D]
     kept = min(captured.shape[0], len(session.tokens) - 1 - start)
-    order = [capture.index(layer) for layer in session.feature_layers]
-    rows = captured[: max(kept, 0)]
-    return features.pack(start, rows if order == list(range(len(capture))) else rows[:, order])
+    return features.pack(start, _own_layers(session, capture, captured[: max(kept, 0)]))

@@ -63,6 +63,7 @@ class Session:
     sent_features: list = field(default_factory=list)
     resend: Any = None
     reused: int = 0  # the positions it started with cached (prefix reuse)
+    part: Any = None  # target only: its call fed over several passes, until its last (engines.Part)
     last_used: float = field(default_factory=time.monotonic)
 
     def truncate(self, length: int) -> None:
@@ -134,6 +135,10 @@ class SessionTable:
         self._sessions[session_id] = session
         return session
 
+    def find(self, session_id: str) -> Session | None:
+        """The session, if there is one (not counted as a use)."""
+        return self._sessions.get(session_id)
+
     def get(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)
         if session is None:
@@ -162,7 +167,8 @@ class SessionTable:
         session = self._sessions.pop(session_id, None)
         if session is None:
             return False
-        if keep and MIN_REUSE <= session.cached <= self.keep_positions:
+        # (not one whose call was fed in part: its cache holds rows its answers have not carried)
+        if keep and session.part is None and MIN_REUSE <= session.cached <= self.keep_positions:
             self._keep(session)
         return True
 

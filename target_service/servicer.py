@@ -12,7 +12,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Target"].full_name
 
 class TargetServicer(ModelServicer, pb_grpc.TargetServicer):
     def run_many(self, calls: list[VerifyCall]) -> list:
-        return self.engine.verify_many(calls, self.thread.waiting)  # decoding on gives way to waiting calls
+        # decoding on and a long prompt's parts give way to waiting calls
+        return self.engine.verify_many(calls, self.thread.waiting, in_parts=True)
 
     async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
         await self.ready(context)

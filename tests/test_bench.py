@@ -357,3 +357,21 @@ def test_tiny_sampling_bench_times_each_step_beside_what_it_replaced(tmp_path, c
         assert torch.equal(now > 0, before > 0) and torch.allclose(now, before, atol=1e-6)
         _, ids, _ = draft_token(logits[0], params, 0.0, sampling.SUPPORT, g)
         assert all(sampling.draft_as_it_was(logits[0], params, g) in ids.tolist() for _ in range(20))
+
+
+def test_tiny_long_prompts_bench(pair, tmp_path, capsys):
+    """`make bench-long-prompts`: an arm per --prefill-chunk, each long prompt's TTFT and the streams' waits
+    across it measured."""
+    from bench.long_prompts import main as long_prompts_main
+
+    draft, target = pair
+    out = tmp_path / "long_prompts.json"
+    long_prompts_main(["--target-model", str(target), "--draft", "model", "--draft-model", str(draft), "--quantize",
+                       "none", "--streams", "2", "--prompts", "2", "--prompt-tokens", "300", "--stream-tokens", "200",
+                       "--chunks", "16,0", "--threads", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert [r["prefill_chunk"] for r in result["rows"]] == [16, 0]
+    for arm in result["arms"].values():
+        assert len(arm["windows"]) == 2
+        assert all(w["prompt_tokens"] > 300 and w["ttft_ms"] > 0 and len(w["stall_ms"]) == 2 for w in arm["windows"])
+    assert "| 16 |" in capsys.readouterr().out
