@@ -1,11 +1,14 @@
 """`make soak`: a bounded loopback load test. Many clients for a fixed time, mixed requests.
 
     python -m bench.soak [--clients 32] [--seconds 60] [--draft-model D --target-model T] [--chaos]
+                         [--quantize int4] [--draft-method eagle --draft-model models/eagle]
 
 Each client loops until the time is up, picking at random: a greedy request (its output must
-equal the reference computed before the load), a seeded sampled request, a stream it cancels
-after the first chunk, or a request with a deadline too short to finish (DEADLINE_EXCEEDED or,
-if it did finish, OK). Anything else is an unexpected error. It reports requests by outcome,
+equal the reference computed before the load), a greedy request with a long prompt (~--long-chars
+characters of code, which the target feeds in parts beside the others' passes: --prefill-chunk;
+checked against its reference too), a seeded sampled request, a stream it cancels after the first
+chunk, or a request with a deadline too short to finish (DEADLINE_EXCEEDED or, if it did finish,
+OK); a cancelled or deadline-bound request's prompt is a long one one time in three. Anything else is an unexpected error. It reports requests by outcome,
 outputs checked, the resident memory of every process at start and end, and the sessions the
 model services still hold afterwards, and exits 1 on an unexpected error, a wrong output, a
 dead process or a leaked session.
@@ -39,6 +42,19 @@ PROMPTS = ["def fibonacci(n):", "class Stack:\n    def push(self, item):", "impo
            "    return sorted(", "try:\n    value = int(text)\nexcept", "# parse the arguments\nparser ="]
 
 
+def long_prompts(chars: int) -> list[str]:
+    """Two long prompts of about `chars` characters each: PROMPTS' code again and again, in two orders."""
+    out = []
+    for order in (PROMPTS, PROMPTS[::-1]):
+        text = ""
+        for n in range(chars):
+            if len(text) >= chars:
+                break
+            text += f"# part {n}\n{order[n % len(order)]}\n"
+        out.append(text)
+    return out
+
+
 def rss_mb(pid: int) -> float:
     try:
         for line in open(f"/proc/{pid}/status"):
@@ -50,7 +66,7 @@ def rss_mb(pid: int) -> float:
 
 
 async def soak(addr: str, clients: int, seconds: float, new_tokens: int, seed: int,
-               on_load: Callable[[], None] | None = None) -> tuple[Counter, int, list[str]]:
+               on_load: Callable[[], None] | None = None, long_chars: int = 1500) -> tuple[Counter, int, list[str]]:
     """The load; `on_load()` is called once the references are made, as the clients start."""
     import grpc
 
@@ -63,9 +79,11 @@ async def soak(addr: str, clients: int, seconds: float, new_tokens: int, seed: i
     async with grpc.aio.insecure_channel(addr) as channel:
         stub = pb_grpc.GenerationStub(channel)
         reference = {}
-        for p in PROMPTS:  # before the load, one at a time
+        long = long_prompts(long_chars) if long_chars else []
+        for p in PROMPTS + long:  # before the load, one at a time
             reply = await stub.Generate(pb.GenerateRequest(prompt=p, max_new_tokens=new_tokens, temperature=0.0))
             reference[p] = list(reply.token_ids)
+        kinds = ["greedy", *(["long"] if long else []), "sampled", "cancel", "deadline"]
         end = time.monotonic() + seconds
         if on_load is not None:
             on_load()
@@ -74,9 +92,11 @@ async def soak(addr: str, clients: int, seconds: float, new_tokens: int, seed: i
             nonlocal checked
             rng = random.Random(seed * 1000 + i)
             while time.monotonic() < end:
-                prompt, kind = rng.choice(PROMPTS), rng.choice(["greedy", "sampled", "cancel", "deadline"])
+                prompt, kind = rng.choice(PROMPTS), rng.choice(kinds)
+                if kind == "long" or (kind in ("cancel", "deadline") and long and rng.random() < 1 / 3):
+                    prompt = rng.choice(long)
                 request = pb.GenerateRequest(prompt=prompt, max_new_tokens=new_tokens)
-                if kind == "greedy":
+                if kind in ("greedy", "long"):
                     request.temperature = 0.0
                     if rng.random() < 0.5:
                         request.num_speculative_tokens = rng.randint(0, 8)
@@ -93,7 +113,7 @@ async def soak(addr: str, clients: int, seconds: float, new_tokens: int, seed: i
                     timeout = 0.05 if kind == "deadline" else 120
                     reply = await stub.Generate(request, timeout=timeout)
                     outcomes[f"{kind}: OK"] += 1
-                    if kind == "greedy":
+                    if kind in ("greedy", "long"):
                         checked += 1
                         if list(reply.token_ids) != reference[prompt]:
                             problems.append(f"greedy output differs for {prompt!r} (K {request.num_speculative_tokens})")
@@ -186,13 +206,19 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--long-chars", type=int, default=1500,
+                        help="the long prompts' length in characters (0: no long prompts)")
+    parser.add_argument("--quantize", default="", help="the target's --quantize (e.g. int4)")
+    parser.add_argument("--draft-method", default="model", help="the draft service's method (eagle: --draft-model"
+                                                                 " is the head's directory)")
     parser.add_argument("--chaos", action="store_true",
                         help="2 draft and 2 target replicas, killed, hung and restarted at random during the load")
     args = parser.parse_args(argv)
 
     replicas = 2 if args.chaos else 1
     stack = LocalStack(*pair_of(args), threads=args.threads, draft_replicas=replicas, target_replicas=replicas,
-                       coordinator_args=["--call-timeout", "5"] if args.chaos else [])
+                       coordinator_args=["--call-timeout", "5"] if args.chaos else [], draft_method=args.draft_method,
+                       target_args=["--quantize", args.quantize] if args.quantize else [])
     chaos = Chaos(stack, args.seed) if args.chaos else None
     with stack:
         before = {name: rss_mb(proc.pid) for name, proc in stack.procs.items()}
@@ -200,7 +226,7 @@ def main(argv=None) -> int:
         try:
             outcomes, checked, problems = asyncio.run(
                 soak(stack.addr, args.clients, args.seconds, args.new_tokens, args.seed,
-                     chaos.start if chaos is not None else None))
+                     chaos.start if chaos is not None else None, args.long_chars))
         finally:
             if chaos is not None:
                 chaos.stop()
