@@ -9,10 +9,11 @@ API (the official client), greedy. `--streams` requests stream their answers (ig
 `--stream-tokens`, then again) for the whole arm; once each has streamed tokens, `--prompts` long
 requests (a document of ~`--prompt-tokens` tokens and a question, a different document each time, so
 that prefix reuse takes none of it) come one after another, each for 8 tokens. Per arm: the long
-requests' time to the first token (TTFT: their prefill), and what the streams saw while a long prompt
-was fed: each stream's longest wait between two tokens (its stall; the median over streams and long
-requests, and the worst), their tokens a second then, and their median time between tokens outside
-those windows. Writes bench/results/long_prompts.json.
+requests' time to the first token (TTFT: their prefill), and what the streams saw from a long
+request's start to its end (its prefill, the draft taking in its prompt, its 8 tokens): each
+stream's longest wait between two tokens (its stall; the median over streams and long requests, and
+the worst), their tokens a second then, and their median time between tokens outside those windows.
+Writes bench/results/long_prompts.json.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def arm(stack: LocalStack, tokenizer, args) -> dict:
                                                         max_tokens=8, temperature=0.0, stream=True):
                 if event.choices and event.choices[0].delta.content and first is None:
                     first = time.perf_counter()
-            windows.append({"prompt_tokens": n, "start": start, "first": first or time.perf_counter()})
+            end = time.perf_counter()
+            windows.append({"prompt_tokens": n, "start": start, "first": first or end, "end": end})
     finally:
         stop.set()
         for thread in threads:
@@ -105,17 +107,17 @@ def arm(stack: LocalStack, tokenizer, args) -> dict:
     for w in windows:
         stalls, tokens = [], 0
         for t in times:
-            inside = [x for x in t if w["start"] <= x <= w["first"]]
+            inside = [x for x in t if w["start"] <= x <= w["end"]]
             before = [x for x in t if x < w["start"]][-1:]
-            after = [x for x in t if x > w["first"]][:1]
+            after = [x for x in t if x > w["end"]][:1]
             span = before + inside + after  # each wait that overlaps the window
-            stalls.append(max(b - a for a, b in zip(span, span[1:])) if len(span) > 1 else w["first"] - w["start"])
+            stalls.append(max(b - a for a, b in zip(span, span[1:])) if len(span) > 1 else w["end"] - w["start"])
             tokens += len(inside)
         w.update(ttft_ms=(w["first"] - w["start"]) * 1e3, stall_ms=[s * 1e3 for s in stalls],
-                 stream_tokens_per_s=tokens / (w["first"] - w["start"]))
+                 stream_tokens_per_s=tokens / (w["end"] - w["start"]))
     outside = [(b - a) * 1e3 for t in times for a, b in zip(t, t[1:])
-               if not any(a <= w["first"] and b >= w["start"] for w in windows)]  # (waits overlapping none)
-    return {"windows": [{k: v for k, v in w.items() if k not in ("start", "first")} for w in windows],
+               if not any(a <= w["end"] and b >= w["start"] for w in windows)]  # (waits overlapping none)
+    return {"windows": [{k: v for k, v in w.items() if k not in ("start", "first", "end")} for w in windows],
             "itl_ms_outside": statistics.median(outside) if outside else None}
 
 
