@@ -56,6 +56,7 @@ from .text import TextStream
 log = logging.getLogger("specdec.coordinator")
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 64
 ADAPTIVE_MAX_K = 8  # Limits.default_speculative_tokens for a draft model
 PROMPT_SLACK = 4  # see check_length
 
@@ -136,6 +137,7 @@ class GenerationRequest:
     prompt_logprobs: int | None = None
     prediction: str = ""  # the output expected (OpenAI's predicted outputs: speculative/prediction.py)...
     prediction_token_ids: list[int] = field(default_factory=list)  # ... or its token ids
+    stop_token_ids: list[int] = field(default_factory=list)  # the output ends after any of these too (Finish.STOP)
 
 
 class Finish(enum.Enum):
@@ -369,6 +371,12 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
         raise InvalidRequest(f"draft_p_min must lie in [0, 1], not {p_min}", "draft_p_min")
     if len(request.stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}", "stop")
+    if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(request.stop_token_ids)}",
+                             "stop_token_ids")
+    if bad := [t for t in request.stop_token_ids if not 0 <= t < models.vocab_size]:
+        raise InvalidRequest(f"stop token id {bad[0]} is outside the vocabulary [0, {models.vocab_size})",
+                             "stop_token_ids")
     steps = 1 if limits.lockstep_ms > 0 else models.decode_steps  # a lockstep turn is one pass
     lookup = limits.target_lookup  # (a constrained session copies what its grammar forces: TargetEngine)
     if not adaptive:
@@ -546,7 +554,8 @@ class Coordinator:
         if self.gate is not None:
             draft, target = GatedDraft(draft, self.gate), GatedTarget(target, self.gate)
             self.gate.joined()
-        eos = frozenset() if request.ignore_eos else models.eos_token_ids
+        ends = frozenset() if request.ignore_eos else models.eos_token_ids
+        eos = ends | frozenset(request.stop_token_ids)  # (what ends the rounds)
         scored: list[Logprobs] | None = [] if plan.params.logprobs is not None else None  # each round's, in turn
         scored_prompt = PromptScores(plan.prompt_logprobs) if plan.prompt_logprobs is not None else None
 
@@ -578,7 +587,7 @@ class Coordinator:
                             break
                     else:
                         if new and new[-1] in eos:
-                            finish = Finish.EOS
+                            finish = Finish.EOS if new[-1] in ends else Finish.STOP
                     clock.tokens(len(ids))
                     generated += ids
                     scores = scored.pop(0).slice(0, len(ids)) if scored else None

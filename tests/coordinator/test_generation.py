@@ -156,6 +156,33 @@ def test_stop_strings(client):
     assert streamed == text[:cut]
 
 
+def test_stop_token_ids_end_the_output_after_the_token(client):
+    """A stop token id ends the output after its first occurrence (kept, FINISH_REASON_STOP), the tokens before
+    it the output's own, at any K; one never produced changes nothing; ids outside the vocabulary are refused."""
+    full = client.Generate(pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=40, temperature=0.0))
+    ids = list(full.token_ids)
+    stop = ids[5]
+    end = ids.index(stop) + 1
+    for k in (0, 3, 8):
+        reply = client.Generate(pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=40, temperature=0.0,
+                                                   stop_token_ids=[stop], num_speculative_tokens=k))
+        assert list(reply.token_ids) == ids[:end] and reply.finish_reason == pb.FINISH_REASON_STOP, k
+        assert reply.stats.generated_tokens == end
+    streamed = [t for c in client.GenerateStream(pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=40,
+                                                                    temperature=0.0, stop_token_ids=[stop]))
+                for t in c.token_ids]
+    assert streamed == ids[:end]
+    never = next(t for t in range(300) if t not in ids)
+    same = client.Generate(pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=40, temperature=0.0,
+                                              stop_token_ids=[never]))
+    assert list(same.token_ids) == ids and same.finish_reason == full.finish_reason
+    vocab = client.GetInfo(pb.GetInfoRequest()).target.vocab_size
+    for bad in ([vocab], [-1], list(range(65))):
+        with pytest.raises(grpc.RpcError) as caught:
+            client.Generate(pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=4, stop_token_ids=bad))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stop token" in caught.value.details()
+
+
 def test_token_id_prompt_and_info(client, pair):
     info = client.GetInfo(pb.GetInfoRequest())
     assert info.target.vocab_size == info.draft.vocab_size and info.max_context == 512

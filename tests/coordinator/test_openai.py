@@ -176,6 +176,20 @@ def test_stop_string_ends_the_text_as_grpc_does(client, stub):
     assert reply.choices[0].finish_reason == "stop"
 
 
+def test_stop_token_ids_end_the_completion_as_grpc_does(client, stub):
+    full = grpc_text(stub, prompt=PROMPT, max_new_tokens=30)
+    stop = list(full.token_ids)[4]
+    expected = grpc_text(stub, prompt=PROMPT, max_new_tokens=30, stop_token_ids=[stop])
+    assert list(expected.token_ids)[-1] == stop and expected.finish_reason == pb.FINISH_REASON_STOP
+    reply = client.completions.create(model="target", prompt=PROMPT, max_tokens=30, temperature=0,
+                                      extra_body={"stop_token_ids": [stop]})
+    assert reply.choices[0].text == expected.text and reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens == len(expected.token_ids)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="target", prompt=PROMPT, max_tokens=4, extra_body={"stop_token_ids": [10**6]})
+    assert caught.value.body["param"] == "stop_token_ids"
+
+
 def test_ignore_eos_generates_every_token_asked_for(client, stub):
     """The tiny target ends this prompt early (EOS: finish "stop"); with ignore_eos it goes on to max_tokens,
     its text starting with the text it ended early."""
