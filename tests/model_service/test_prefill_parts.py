@@ -231,3 +231,21 @@ def test_a_pass_with_a_part_does_not_decode_on(runner):
                                   lambda: False, in_parts=True)[0][0].decoded) == 3
     for session_id in ("on", "part"):
         runner.sessions.release(session_id)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(0.9, seed=5)], ids=["greedy", "sampled"])
+def test_a_constrained_prompt_in_parts_decodes_as_one_pass(runner, params):
+    """A start with a structured-output constraint, decoding on (steps) and sampled or greedy: its parts
+    leave its mask, its draws and its decoded tokens as feeding it whole does."""
+    from speculative.protocol import Constraint
+
+    got = []
+    for session_id, chunk in (("ruled-whole", 0), ("ruled-parts", 8)):
+        engine = TargetEngine(runner, prefill_chunk=chunk)
+        call = VerifyCall(session_id, True, PROMPT, Proposal(), params, steps=4,
+                          constraint=Constraint("regex", r"[0-9]{2,6}", len(PROMPT)))
+        verdict, _ = engine.verify_many([call], lambda: False, in_parts=True)[0]  # (its parts go on in the call)
+        got.append([verdict.token, *verdict.decoded])
+        runner.sessions.release(session_id)
+    tokenizer = runner.tokenizer
+    assert got[0] == got[1] and len(got[0]) >= 2 and tokenizer.decode(got[0], skip_special_tokens=True).isdigit()
