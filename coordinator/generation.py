@@ -138,6 +138,7 @@ class GenerationRequest:
     prediction: str = ""  # the output expected (OpenAI's predicted outputs: speculative/prediction.py)...
     prediction_token_ids: list[int] = field(default_factory=list)  # ... or its token ids
     stop_token_ids: list[int] = field(default_factory=list)  # the output ends after any of these too (Finish.STOP)
+    min_tokens: int | None = None  # the first this many output tokens are none of the ends (EOS, stop_token_ids)
 
 
 class Finish(enum.Enum):
@@ -338,6 +339,12 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
             f"max_new_tokens={max_new} goes beyond the context: the prompt has {len(prompt)} tokens "
             f"and {models.holds}, so at most {room} new tokens", "max_new_tokens"
         )
+    if request.min_tokens is not None and not 0 <= request.min_tokens <= max_new:
+        raise InvalidRequest(f"min_tokens must lie in [0, max_new_tokens = {max_new}], not {request.min_tokens}",
+                             "min_tokens")
+    if request.min_tokens and request.constraint is not None:
+        raise InvalidRequest("min_tokens cannot go with a structured-output constraint: the output ends where the"
+                             " constraint is complete", "min_tokens")
     seeded = request.seed is not None
     temperature = 1.0 if request.temperature is None else request.temperature
     if temperature > 0 and float32(temperature) == 0.0:
@@ -351,6 +358,8 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
         frequency_penalty=request.frequency_penalty or 0.0, presence_penalty=request.presence_penalty or 0.0,
         logit_bias=tuple(sorted((request.logit_bias or {}).items())),
         repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        min_tokens=request.min_tokens or 0,
+        min_tokens_ends=tuple(sorted(set(request.stop_token_ids))) if request.min_tokens else (),
     ).validate()
     outside = [token for token, _ in params.logit_bias if token >= models.vocab_size]
     if outside:

@@ -13,7 +13,7 @@ metrics) need no API key.
 What OpenAI's API has no word for goes in an extra field, `specdec` (rounds, acceptance, K, seed;
 in a stream on the event with the finish_reason), and, unary, in x-specdec-* headers. Extra body
 fields read: num_speculative_tokens, draft_p_min, top_k, ignore_eos (as vLLM's: generate past end-of-sequence),
-stop_token_ids (as vLLM's: the output ends after any of them too).
+stop_token_ids (as vLLM's: the output ends after any of them too), min_tokens (as vLLM's).
 Structured output (model_service/grammar.py): `response_format` (OpenAI's json_object and json_schema,
 which the official client's `chat.completions.parse` sends for a pydantic model) and vLLM's
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` and `structured_outputs`; one of
@@ -168,6 +168,7 @@ class Body(Lenient):
     draft_p_min: float | None = None
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None  # (vLLM's)
+    min_tokens: int | None = None  # (vLLM's)
     # structured output (one of): OpenAI's response_format, vLLM's guided_* and structured_outputs
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -282,7 +283,7 @@ def generation_request(body: Body, max_new_tokens: int | None, **prompt) -> Gene
         top_k=0 if body.top_k == -1 else body.top_k, seed=None if body.seed == -1 else body.seed,
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         num_speculative_tokens=body.num_speculative_tokens, draft_p_min=body.draft_p_min,
-        ignore_eos=bool(body.ignore_eos), stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=bool(body.ignore_eos), stop_token_ids=list(body.stop_token_ids or []), min_tokens=body.min_tokens,
         constraint=constraint_of(body), logprobs=logprobs_asked(body), frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty, logit_bias=logit_bias_of(body),
         repetition_penalty=body.repetition_penalty, prediction=prediction_of(body),

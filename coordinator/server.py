@@ -36,7 +36,7 @@ def request_from_proto(r: pb.GenerateRequest) -> GenerationRequest:
         presence_penalty=optional("presence_penalty"), logit_bias=dict(r.logit_bias) or None,
         repetition_penalty=optional("repetition_penalty"), prompt_logprobs=optional("prompt_logprobs"),
         prediction=r.prediction, prediction_token_ids=list(r.prediction_token_ids),
-        stop_token_ids=list(r.stop_token_ids),
+        stop_token_ids=list(r.stop_token_ids), min_tokens=optional("min_tokens"),
     )
 
 

@@ -290,7 +290,7 @@ class TargetEngine(RunnerEngine):
                 scored = rows  # (logprobs: the model's, before penalties and biases)
                 if call.params.shapes_logits:
                     rows = shaped(rows, session.tokens[session.output_from : committed], drafted, call.params,
-                                  prompt_ids(session))
+                                  prompt_ids(session), runner.eos_token_ids)
                 try:
                     accepted, token = self._check(rows, drafted, q_ids, q_probs, call.params, session)
                     if call.prompt_logprobs is not None:
@@ -512,7 +512,7 @@ class TargetEngine(RunnerEngine):
                 scored = rows
                 if call.params.shapes_logits:
                     output = session.tokens[session.output_from : len(session.tokens) - len(copy)]
-                    rows = shaped(rows, output, copy, call.params, prompt_ids(session))
+                    rows = shaped(rows, output, copy, call.params, prompt_ids(session), runner.eos_token_ids)
                 accepted, token = self._check(rows, copy, *self._one_hot(copy, call.params), call.params, session)
                 session.truncate(len(session.tokens) - len(copy) + accepted)
                 session.tokens.append(token)
@@ -597,24 +597,27 @@ class TargetEngine(RunnerEngine):
 
 
 def shaped(rows: torch.Tensor, output: list[int], tokens: list[int], params,
-           prompt: torch.Tensor | None = None) -> torch.Tensor:
+           prompt: torch.Tensor | None = None, ends: tuple[int, ...] | list[int] = ()) -> torch.Tensor:
     """Rows [len(tokens) + 1 or more, V] of logits with params' penalties and bias: row i follows the
     session's `output` so far and tokens[:i] (draft tokens or copies), after its prompt, whose token
     ids `prompt` holds (prompt_ids: read for repetition_penalty alone). A token in the prompt or the
     output has its logit divided by repetition_penalty where positive, multiplied where not; then a
     row is lowered by frequency_penalty for each time a token occurs in the output and by
     presence_penalty for a token that does, and raised by logit_bias (ids past the vocabulary are
-    none of its tokens: ignored), last (vLLM adds a bias before its penalties). Only the columns of
-    the tokens concerned are computed (a few hundred of a vocabulary's tens of thousands); the rows
-    are copied, not changed."""
+    none of its tokens: ignored), last (vLLM adds a bias before its penalties). Rows deciding one of
+    the first params.min_tokens output tokens give `ends` (the model's end-of-sequence tokens) and
+    params.min_tokens_ends -inf. Only the columns of the tokens concerned are computed (a few hundred
+    of a vocabulary's tens of thousands); the rows are copied, not changed."""
     n, vocab = rows.shape
+    out = rows.to(torch.float32, copy=True)
+    if (early := min(params.min_tokens - len(output), n)) > 0:  # row i decides output token len(output) + i
+        out[:early, sorted({t for t in (*ends, *params.min_tokens_ends) if t < vocab})] = float("-inf")
     output = torch.tensor(output, dtype=torch.long)
     output = output[output < vocab]
     drafted = [(i, token) for i, token in enumerate(tokens[: n - 1]) if token < vocab]  # row i + 1 follows tokens[i]
     bias = [(token, value) for token, value in params.logit_bias if token < vocab]
     repeat = params.repetition_penalty != 1.0
     prompt = prompt[prompt < vocab] if repeat and prompt is not None else torch.zeros(0, dtype=torch.long)
-    out = rows.to(torch.float32, copy=True)
     named = torch.cat([output, torch.tensor([t for _, t in drafted] + [t for t, _ in bias], dtype=torch.long), prompt])
     if not len(named):
         return out

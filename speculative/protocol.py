@@ -65,12 +65,16 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
     repetition_penalty: float = 1.0  # 1: off
+    # vLLM's: the first min_tokens output tokens are none of the model's end-of-sequence tokens nor
+    # min_tokens_ends (the request's stop token ids): their logits are -inf there
+    min_tokens: int = 0
+    min_tokens_ends: tuple[int, ...] = ()
 
     @property
     def shapes_logits(self) -> bool:
-        """Whether penalties or a bias change the target's logits."""
+        """Whether penalties, a bias or min_tokens change the target's logits."""
         return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias or
-                    self.repetition_penalty != 1.0)
+                    self.repetition_penalty != 1.0 or self.min_tokens)
 
     def drafting(self) -> "SamplingParams":
         """What a draft samples by: these without what only the target reads (logprobs, penalties, bias:
@@ -78,7 +82,7 @@ class SamplingParams:
         if self.logprobs is None and not self.shapes_logits:
             return self
         return replace(self, logprobs=None, frequency_penalty=0.0, presence_penalty=0.0, logit_bias=(),
-                       repetition_penalty=1.0)
+                       repetition_penalty=1.0, min_tokens=0, min_tokens_ends=())
 
     @property
     def greedy(self) -> bool:
@@ -121,6 +125,11 @@ class SamplingParams:
             if not (math.isfinite(bias) and -MAX_LOGIT_BIAS_VALUE <= bias <= MAX_LOGIT_BIAS_VALUE):
                 raise InvalidRequest(f"logit_bias of token {token} must lie in [-{MAX_LOGIT_BIAS_VALUE},"
                                      f" {MAX_LOGIT_BIAS_VALUE}], not {bias}", "logit_bias")
+        if not 0 <= self.min_tokens <= INT32_MAX:
+            raise InvalidRequest(f"min_tokens must lie in [0, {INT32_MAX}], not {self.min_tokens}", "min_tokens")
+        if len(self.min_tokens_ends) > MAX_LOGIT_BIAS or not all(0 <= t <= INT32_MAX for t in self.min_tokens_ends):
+            raise InvalidRequest(f"min_tokens' end tokens: at most {MAX_LOGIT_BIAS} ids in [0, {INT32_MAX}]",
+                                 "stop_token_ids")
         return self
 
 
@@ -444,13 +453,14 @@ def params_to_proto(params: SamplingParams) -> pb.SamplingParams:
                              seed=params.seed, logprobs=0 if params.logprobs is None else 1 + params.logprobs,
                              frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
                              logit_bias=dict(params.logit_bias),
-                             repetition_penalty=0.0 if params.repetition_penalty == 1.0 else params.repetition_penalty)
+                             repetition_penalty=0.0 if params.repetition_penalty == 1.0 else params.repetition_penalty,
+                             min_tokens=params.min_tokens, min_tokens_ends=params.min_tokens_ends)
 
 
 def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed, msg.logprobs - 1 if msg.logprobs else None,
                           msg.frequency_penalty, msg.presence_penalty, tuple(sorted(msg.logit_bias.items())),
-                          msg.repetition_penalty or 1.0)
+                          msg.repetition_penalty or 1.0, msg.min_tokens, tuple(msg.min_tokens_ends))
 
 
 def logprobs_to_proto(logprobs: Logprobs | None) -> pb.Logprobs | None:

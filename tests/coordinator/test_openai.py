@@ -190,6 +190,23 @@ def test_stop_token_ids_end_the_completion_as_grpc_does(client, stub):
     assert caught.value.body["param"] == "stop_token_ids"
 
 
+def test_min_tokens_goes_past_the_end_as_grpc_does_and_bad_ones_are_400(client, stub):
+    """The tiny target ends PROMPT early; with min_tokens past that it goes on, as gRPC's min_tokens does."""
+    ended = grpc_text(stub, prompt=PROMPT, max_new_tokens=300)
+    assert ended.finish_reason == pb.FINISH_REASON_EOS
+    least = len(ended.token_ids) + 5
+    expected = grpc_text(stub, prompt=PROMPT, max_new_tokens=300, min_tokens=least)
+    assert len(expected.token_ids) >= least and list(expected.token_ids[: len(ended.token_ids) - 1]) == list(
+        ended.token_ids[:-1])
+    reply = client.completions.create(model="target", prompt=PROMPT, max_tokens=300, temperature=0,
+                                      extra_body={"min_tokens": least})
+    assert reply.choices[0].text == expected.text and reply.usage.completion_tokens == len(expected.token_ids)
+    for extra in ({"min_tokens": 301}, {"min_tokens": -1}, {"min_tokens": 2, "guided_regex": "[0-9]+"}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model="target", prompt=PROMPT, max_tokens=300, extra_body=extra)
+        assert caught.value.body["param"] == "min_tokens", extra
+
+
 def test_ignore_eos_generates_every_token_asked_for(client, stub):
     """The tiny target ends this prompt early (EOS: finish "stop"); with ignore_eos it goes on to max_tokens,
     its text starting with the text it ended early."""

@@ -209,3 +209,40 @@ def test_penalties_count_the_output_only_and_cross_the_wire(pair):
         with pytest.raises(InvalidRequest) as refused:
             SamplingParams(**bad).validate()
         assert refused.value.param == field
+
+
+def test_min_tokens_masks_the_ends_in_the_rows_before_it():
+    rows = torch.tensor([[1.5, -2.0, 3.0, 0.5, -1.0]] * 3)
+    params = SamplingParams(0.0, min_tokens=4, min_tokens_ends=(3, 9))  # (9: past this vocabulary)
+    got = shaped(rows, [1, 2], [4, 4], params, ends=(0,))  # rows 0, 1 decide output tokens 2, 3; row 2 token 4
+    inf = float("-inf")
+    assert got[:2, [0, 3]].eq(inf).all() and torch.equal(got[:2, [1, 2, 4]], rows[:2, [1, 2, 4]])
+    assert torch.equal(got[2], rows[2])
+    assert torch.equal(shaped(rows, [1, 2, 3, 4], [], params, ends=(0,)), rows)  # past min_tokens: nothing
+    assert params.drafting().min_tokens == 0 and params.shapes_logits
+    assert params_from_proto(params_to_proto(params)) == params
+
+
+@pytest.mark.parametrize("case", ["decode steps", "draft tokens accepted"])
+def test_min_tokens_keeps_the_ends_out_of_the_first_tokens(pair, case):
+    """vLLM's min_tokens: the tiny target ends "x" at its 24th token; with min_tokens 26 (and a stop id
+    among the ends) the output is transformers' greedy decode with those masked for 26 tokens."""
+    eos = AutoTokenizer.from_pretrained(pair[1]).eos_token_id
+    k = FixedK(0, steps=6) if case == "decode steps" else 3
+    draft = pair[1] if case == "draft tokens accepted" else None
+    plain, prompt, _ = run(pair, k, SamplingParams(0.0), prompt="x", n=30, draft_dir=draft)
+    stop = plain[2]
+    assert eos in plain[:26] and stop in plain[:26]  # (the test can fail)
+    out, _, stats = run(pair, k, SamplingParams(0.0, min_tokens=26, min_tokens_ends=(stop,)), prompt="x", n=30,
+                        draft_dir=draft)
+    model = AutoModelForCausalLM.from_pretrained(pair[1], torch_dtype=torch.float32).eval()
+    want: list[int] = []
+    with torch.no_grad():
+        for _ in range(30):
+            logits = model(torch.tensor([prompt + want])).logits[0, -1]
+            if len(want) < 26:
+                logits[[eos, stop]] = float("-inf")
+            want.append(int(logits.argmax()))
+    assert out == want and eos not in out[:26] and stop not in out[:26]
+    if case == "draft tokens accepted":
+        assert stats.accepted_tokens > 0
