@@ -8,10 +8,10 @@ equal the reference computed before the load), a greedy request with a long prom
 characters of code, which the target feeds in parts beside the others' passes: --prefill-chunk;
 checked against its reference too), a seeded sampled request, a stream it cancels after the first
 chunk, or a request with a deadline too short to finish (DEADLINE_EXCEEDED or, if it did finish,
-OK); a cancelled or deadline-bound request's prompt is a long one one time in three. Anything else is an unexpected error. It reports requests by outcome,
-outputs checked, the resident memory of every process at start and end, and the sessions the
-model services still hold afterwards, and exits 1 on an unexpected error, a wrong output, a
-dead process or a leaked session.
+OK); a cancelled or deadline-bound request's prompt is a long one one time in three. Anything
+else is an unexpected error. It reports requests by outcome, outputs checked, the resident memory
+of every process at start and end, and the sessions the model services still hold afterwards, and
+exits 1 on an unexpected error, a wrong output, a dead process or a leaked session.
 
 --chaos: two draft and two target replicas, and while the load runs, every 0.5-3 s (seeded by
 --seed) one replica of each kind is killed (SIGKILL, then started again at its address), hung
