@@ -13,15 +13,23 @@ from speculative.errors import CapacityExceeded
 from .threads import ModelThread, _settle
 
 
-# the most tokens of a long feed (a prompt) a target pass takes while other sessions' calls wait (theirs run
-# between its parts instead of after its whole prefill), by the device it runs on: TargetEngine.prefill_chunk,
-# --prefill-chunk. On 2 CPU cores (int4 SmolLM2, ~0.8 ms a prompt token) 128 tokens cut three streams' stall
-# under a 1,000-token prompt from ~850 to ~260 ms (docs/performance.md); a GPU's pass takes far more tokens
+# The most tokens of a long feed (a prompt) a target pass takes while other sessions' calls wait (theirs run
+# between its parts instead of after its whole prefill): TargetEngine.prefill_chunk, --prefill-chunk. auto: a
+# part's pass about PREFILL_PART_MS at the model's calibrated cost of a token (ModelRunner.calibrate: int4
+# SmolLM2 on 2 CPU cores ~0.65-0.75 ms, 112-128 tokens; 128 cut three streams' stall under a 2,000-token
+# prompt from ~2.6 s to ~0.4 s: docs/performance.md; a bigger model takes fewer, a GPU far more), within
+# PREFILL_CHUNK_RANGE and in multiples of 16; by the device where no pass was timed
+PREFILL_PART_MS = 90.0
+PREFILL_CHUNK_RANGE = (32, 4096)
 PREFILL_CHUNK = {"cpu": 128, "cuda": 512}
 
 
-def prefill_chunk_for(device: str) -> int:
-    """The default prefill chunk of a target on `device` (a torch device's name: "cpu", "cuda:0"...)."""
+def prefill_chunk_for(device: str, per_token_ms: float = 0.0) -> int:
+    """The default prefill chunk of a target on `device` (a torch device's name: "cpu", "cuda:0"...) whose
+    pass costs `per_token_ms` a token (PassCost.per_token; 0: not timed)."""
+    if per_token_ms > 0:
+        least, most = PREFILL_CHUNK_RANGE
+        return max(least, min(most, int(PREFILL_PART_MS / per_token_ms) // 16 * 16))
     return PREFILL_CHUNK.get(str(device).split(":")[0], PREFILL_CHUNK["cuda"])
 
 

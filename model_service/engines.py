@@ -186,10 +186,10 @@ class TargetEngine(RunnerEngine):
     def __init__(self, runner: ModelRunner, max_tokens: int = 16, prefill_chunk: int | None = None):
         super().__init__(runner, max_tokens)
         if prefill_chunk is None:
-            prefill_chunk = prefill_chunk_for(runner.device)
+            prefill_chunk = prefill_chunk_for(runner.device, runner.pass_cost.per_token)
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0, not {prefill_chunk}")
-        # most tokens of a long feed a pass takes while others wait (0: all; None: by the device)
+        # most tokens of a long feed a pass takes while others wait (0: all; None: by the calibrated pass cost)
         self.prefill_chunk = prefill_chunk
         # a sampled row's p and a draw from it in one kernel call each where the rows are on the CPU
         self._to_probs, self._draw = q4_kernel.sampling_on(runner.device)

@@ -7,9 +7,11 @@ Every flag can also be set from the environment (SPECDEC_TARGET_<FLAG>); see --h
 
 from __future__ import annotations
 
+import logging
+
 import model_service.openmp  # noqa: F401  (before torch loads)
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from model_service.batcher import PREFILL_CHUNK
+from model_service.batcher import PREFILL_PART_MS
 from model_service.service import add_model_flags, run_model_service
 from runtime.cli import EnvArgumentParser, add_common_flags, exit_process
 
@@ -24,8 +26,9 @@ def parse_args(argv=None, prog: str = "python -m target_service"):
     add_model_flags(parser, "target")
     parser.add_argument("--prefill-chunk", default="auto",
                         help="most tokens of a long prompt one pass feeds while other sessions' calls wait: theirs"
-                             f" run between its parts instead of waiting for its whole prefill. auto: by the device"
-                             f" ({', '.join(f'{k} {v}' for k, v in PREFILL_CHUNK.items())}); 0: a prompt in one pass")
+                             " run between its parts instead of waiting for its whole prefill. auto: a part's pass"
+                             f" ~{PREFILL_PART_MS:g} ms at the calibrated cost of a token (int4 SmolLM2 on 2 CPU cores:"
+                             " 112-128); 0: a prompt in one pass")
     args = parser.parse_args(argv)
     if args.prefill_chunk != "auto":
         chunk = args.prefill_chunk
@@ -49,7 +52,10 @@ def make_engine(load_model, max_tokens: int, prefill_chunk: int | None = None):
     (torch) load once run_model_service has checked the flags."""
     from model_service.engines import TargetEngine
 
-    return TargetEngine(load_model(), max_tokens, prefill_chunk)
+    engine = TargetEngine(load_model(), max_tokens, prefill_chunk)
+    logging.getLogger("specdec").info("target: a long prompt's pass feeds at most %s tokens while others wait",
+                                      engine.prefill_chunk or "all its")
+    return engine
 
 
 if __name__ == "__main__":

@@ -205,6 +205,23 @@ def test_the_target_service_feeds_long_prompts_in_parts(runner):
         runner.sessions.release(session_id)
 
 
+def test_auto_takes_a_part_of_about_the_same_time_whatever_the_model(runner):
+    """auto: a part's pass ~PREFILL_PART_MS at the calibrated cost of a token (int4 SmolLM2 on 2 CPU cores,
+    ~0.65 ms a token: 128), within PREFILL_CHUNK_RANGE; by the device where no pass was timed."""
+    from model_service.batcher import PREFILL_CHUNK_RANGE
+    from speculative.protocol import PassCost
+
+    assert prefill_chunk_for("cpu", 0.65) == 128 and prefill_chunk_for("cpu", 1.5) == 48
+    assert prefill_chunk_for("cuda:0", 8.0) == PREFILL_CHUNK_RANGE[0]
+    assert prefill_chunk_for("cuda:0", 1e-4) == PREFILL_CHUNK_RANGE[1]
+    assert prefill_chunk_for("cuda:0") == PREFILL_CHUNK["cuda"] and prefill_chunk_for("cpu") == PREFILL_CHUNK["cpu"]
+    timed, runner.pass_cost = runner.pass_cost, PassCost(5.0, 0.3)
+    try:
+        assert TargetEngine(runner).prefill_chunk == 288 and TargetEngine(runner, prefill_chunk=0).prefill_chunk == 0
+    finally:
+        runner.pass_cost = timed
+
+
 def test_a_session_released_in_the_middle_of_its_parts_keeps_no_cache_for_reuse(pair):
     """A cache kept for prefix reuse holds rows its answers carried; one released between its parts does not."""
     engine = TargetEngine(ModelRunner(pair[1], prefix_cache_mb=64), prefill_chunk=8)
