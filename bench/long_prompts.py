@@ -132,14 +132,15 @@ def main(argv=None) -> None:
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=2000)
     parser.add_argument("--stream-tokens", type=int, default=4000, help="the streaming requests' max_tokens")
-    parser.add_argument("--chunks", default="128,256,0", help="the target's --prefill-chunk, an arm each")
+    parser.add_argument("--chunks", default="128,256,0", help="the target's --prefill-chunk (a number or auto),"
+                                                              " an arm each")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", type=Path, default=RESULTS / "long_prompts.json")
     args = parser.parse_args(argv)
     tokenizer = AutoTokenizer.from_pretrained(args.target_model)
     target_flags = [] if args.quantize == "none" else ["--quantize", args.quantize]
     arms = {}
-    for chunk in [int(c) for c in args.chunks.split(",")]:
+    for chunk in [c if c == "auto" else int(c) for c in args.chunks.split(",")]:
         draft = EAGLE if args.draft == "eagle" else args.draft_model or DRAFT if args.draft == "model" else None
         stack = LocalStack(draft, args.target_model, threads=args.threads, draft_threads=1, draft_method=args.draft,
                            http_port=0, target_args=[*target_flags, "--prefill-chunk", str(chunk)]).start()
@@ -162,7 +163,7 @@ def main(argv=None) -> None:
                "stream_tokens_per_s": statistics.median(w["stream_tokens_per_s"] for w in windows),
                "itl_ms_outside": result["itl_ms_outside"]}
         rows.append(row)
-        print(f"| {chunk or 'off'} | {row['prompt_tokens']:.0f} | {row['ttft_ms']:.0f} | {row['stall_ms_median']:.0f} /"
+        print(f"| {'off' if chunk == 0 else chunk} | {row['prompt_tokens']:.0f} | {row['ttft_ms']:.0f} | {row['stall_ms_median']:.0f} /"
               f" {row['stall_ms_worst']:.0f} | {row['stream_tokens_per_s']:.1f} | {row['itl_ms_outside'] or 0:.1f} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}},

@@ -18,18 +18,22 @@ from .threads import ModelThread, _settle
 # part's pass about PREFILL_PART_MS at the model's calibrated cost of a token (ModelRunner.calibrate: int4
 # SmolLM2 on 2 CPU cores ~0.65-0.75 ms, 112-128 tokens; 128 cut three streams' stall under a 2,000-token
 # prompt from ~2.6 s to ~0.4 s: docs/performance.md; a bigger model takes fewer, a GPU far more), within
-# PREFILL_CHUNK_RANGE and in multiples of 16; by the device where no pass was timed
+# PREFILL_CHUNK_RANGE and in multiples of 16; but enough that a pass's fixed cost (its weights' reads) is at most
+# PREFILL_FIXED_SHARE of it (float32 SmolLM2 there: 20.5 ms fixed, 1.07 a token: 160, not 80, whose passes would
+# add ~20% to a prompt's prefill); by the device where no pass was timed
 PREFILL_PART_MS = 90.0
+PREFILL_FIXED_SHARE = 0.1
 PREFILL_CHUNK_RANGE = (32, 4096)
 PREFILL_CHUNK = {"cpu": 128, "cuda": 512}
 
 
-def prefill_chunk_for(device: str, per_token_ms: float = 0.0) -> int:
+def prefill_chunk_for(device: str, per_token_ms: float = 0.0, fixed_ms: float = 0.0) -> int:
     """The default prefill chunk of a target on `device` (a torch device's name: "cpu", "cuda:0"...) whose
-    pass costs `per_token_ms` a token (PassCost.per_token; 0: not timed)."""
+    pass costs `fixed_ms` + `per_token_ms` a token (PassCost.fixed, .per_token; 0: not timed)."""
     if per_token_ms > 0:
         least, most = PREFILL_CHUNK_RANGE
-        return max(least, min(most, int(PREFILL_PART_MS / per_token_ms) // 16 * 16))
+        tokens = max(PREFILL_PART_MS, fixed_ms * (1 - PREFILL_FIXED_SHARE) / PREFILL_FIXED_SHARE) / per_token_ms
+        return max(least, min(most, int(tokens) // 16 * 16))
     return PREFILL_CHUNK.get(str(device).split(":")[0], PREFILL_CHUNK["cuda"])
 
 

@@ -186,7 +186,7 @@ class TargetEngine(RunnerEngine):
     def __init__(self, runner: ModelRunner, max_tokens: int = 16, prefill_chunk: int | None = None):
         super().__init__(runner, max_tokens)
         if prefill_chunk is None:
-            prefill_chunk = prefill_chunk_for(runner.device, runner.pass_cost.per_token)
+            prefill_chunk = prefill_chunk_for(runner.device, runner.pass_cost.per_token, runner.pass_cost.fixed)
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0, not {prefill_chunk}")
         # most tokens of a long feed a pass takes while others wait (0: all; None: by the calibrated pass cost)

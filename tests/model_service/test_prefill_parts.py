@@ -207,11 +207,13 @@ def test_the_target_service_feeds_long_prompts_in_parts(runner):
 
 def test_auto_takes_a_part_of_about_the_same_time_whatever_the_model(runner):
     """auto: a part's pass ~PREFILL_PART_MS at the calibrated cost of a token (int4 SmolLM2 on 2 CPU cores,
-    ~0.65 ms a token: 128), within PREFILL_CHUNK_RANGE; by the device where no pass was timed."""
+    ~0.65 ms a token: 128), its fixed cost at most a tenth of it, within PREFILL_CHUNK_RANGE; by the device
+    where no pass was timed."""
     from model_service.batcher import PREFILL_CHUNK_RANGE
     from speculative.protocol import PassCost
 
-    assert prefill_chunk_for("cpu", 0.65) == 128 and prefill_chunk_for("cpu", 1.5) == 48
+    assert prefill_chunk_for("cpu", 0.65, 5.4) == 128 and prefill_chunk_for("cpu", 1.5) == 48
+    assert prefill_chunk_for("cpu", 1.07, 20.5) == 160  # (a pass's fixed cost at most a tenth of it)
     assert prefill_chunk_for("cuda:0", 8.0) == PREFILL_CHUNK_RANGE[0]
     assert prefill_chunk_for("cuda:0", 1e-4) == PREFILL_CHUNK_RANGE[1]
     assert prefill_chunk_for("cuda:0") == PREFILL_CHUNK["cuda"] and prefill_chunk_for("cpu") == PREFILL_CHUNK["cpu"]
