@@ -6,7 +6,8 @@
 
 Endpoints: GET /v1/models and /v1/models/{model}; POST /v1/chat/completions and POST
 /v1/completions, unary or with `stream: true` (one event per speculative round, then `data:
-[DONE]`; `stream_options.include_usage` adds a last event with the usage). GET /health (200 once
+[DONE]`; `stream_options.include_usage` adds a last event with the usage); POST /tokenize and
+/detokenize (vLLM's: a chat's or a prompt's token ids, tokens' text). GET /health (200 once
 the coordinator has found its services, else 503) and GET /metrics (the coordinator's Prometheus
 metrics) need no API key.
 
@@ -70,7 +71,7 @@ from speculative.protocol import MAX_TOP_LOGPROBS, Constraint, Logprobs
 from speculative.round import Stats
 
 from .generation import (Chunk, Coordinator, Finish, GenerationRequest, Message, NotPossible, NotReady, ScoredPrompt,
-                         Summary, outcome)
+                         Summary, outcome, prompt_ids)
 from .logprobs import ChoiceLogprobs, TokenText
 from .peers import PeerError
 from .tools import ToolUse, call_of, conversation
@@ -185,6 +186,11 @@ class Body(Lenient):
     prediction: PredictedContent | None = None  # (OpenAI's predicted outputs: GenerationRequest.prediction)
 
 
+class DetokenizeBody(Lenient):
+    model: str | None = None
+    tokens: list[int]
+
+
 class ChatBody(Body):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
@@ -224,9 +230,10 @@ async def read(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def parse(request: Request, kind: type[B], limit: int) -> B:
+async def parse(request: Request, kind: type[B], limit: int, raw: bytes | None = None) -> B:
+    """The body as `kind` (`raw`: its bytes, read already), or the 400 naming what is wrong."""
     try:
-        body = kind.model_validate_json(await read(request, limit))
+        body = kind.model_validate_json(raw if raw is not None else await read(request, limit))
     except ValidationError as e:
         error = e.errors()[0]
         if error["type"] == "json_invalid":
@@ -242,6 +249,8 @@ async def parse(request: Request, kind: type[B], limit: int) -> B:
         if value is not None and not any(type(value) is type(n) and value == n for n in neutral):
             raise ApiError(400, f"{name}={value!r} is not supported (specdec answers without best_of or suffix;"
                                 f" tools, not functions)", name, "unsupported_parameter")
+    if not isinstance(body, Body):
+        return body
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", "stream_options")
     if body.n is not None and not 1 <= body.n <= MAX_CHOICES:
@@ -617,8 +626,8 @@ async def unless_hung_up(request: Request, work: Awaitable[T]) -> T:
 class OpenAIApi:
     """The endpoints, over one Coordinator."""
 
-    def __init__(self, coordinator: Coordinator, max_request_bytes: int):
-        self.coordinator, self.max_request_bytes = coordinator, max_request_bytes
+    def __init__(self, coordinator: Coordinator, max_request_bytes: int, api_key: str | None = None):
+        self.coordinator, self.max_request_bytes, self.api_key = coordinator, max_request_bytes, api_key
         self.created = int(time.time())
         self.texts: TokenText | None = None  # the tokenizer's tokens as logprobs show them
 
@@ -649,6 +658,41 @@ class OpenAIApi:
     async def health(self, request: Request) -> Response:
         self.coordinator.ready()
         return JSONResponse({"status": "ok"})
+
+    def keyed(self, request: Request) -> None:
+        """401 where the server has an API key and the request does not bear it (/v1 checks it in RequireApiKey)."""
+        if self.api_key and not bearer_ok(request.headers.get("authorization"), self.api_key):
+            raise ApiError(401, "a valid API key is required: send `Authorization: Bearer <key>`",
+                           code="invalid_api_key")
+
+    async def tokenize(self, request: Request) -> Response:
+        """POST /tokenize (vLLM's): the token ids a chat (`messages`, tools and all, through the chat template
+        with the assistant's turn opened) or a completion's `prompt` (one) would be given to the model."""
+        self.keyed(request)
+        raw = await read(request, self.max_request_bytes)
+        try:
+            chat = "messages" in json.loads(raw)
+        except (ValueError, TypeError):  # (parse says what is wrong)
+            chat = False
+        endpoint = CHAT if chat else COMPLETIONS
+        body = await parse(request, endpoint.body, self.max_request_bytes, raw)
+        model = self.model_name(body.model)
+        if isinstance(body, CompletionBody) and len(batch_of(body)) != 1:
+            raise ApiError(400, "tokenize takes one prompt", "prompt")
+        ids = await prompt_ids(endpoint.request(body)[0][0], self.coordinator.ready())
+        return JSONResponse({"model": model, "count": len(ids), "max_model_len": self.coordinator.ready().max_context,
+                             "tokens": ids})
+
+    async def detokenize(self, request: Request) -> Response:
+        """POST /detokenize (vLLM's): `tokens` -> their text (`prompt`), special tokens included."""
+        self.keyed(request)
+        body = await parse(request, DetokenizeBody, self.max_request_bytes)
+        model = self.model_name(body.model)
+        models = self.coordinator.ready()
+        if bad := [t for t in body.tokens if not 0 <= t < models.vocab_size]:
+            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary [0, {models.vocab_size})", "tokens")
+        text = await asyncio.to_thread(models.tokenizer.decode, body.tokens)
+        return JSONResponse({"model": model, "prompt": text})
 
     async def metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.coordinator.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -824,10 +868,11 @@ class RequireApiKey:
 def app(coordinator: Coordinator, api_key: str | None = None,
         max_request_bytes: int = MAX_REQUEST_BYTES) -> Starlette:
     """The ASGI application: /v1/* (behind `api_key` if given), /health, /metrics."""
-    api = OpenAIApi(coordinator, max_request_bytes)
+    api = OpenAIApi(coordinator, max_request_bytes, api_key)
     v1 = [Route("/models", api.models), Route("/models/{model:path}", api.model), api.route(CHAT),
           api.route(COMPLETIONS)]
     open_routes = [Route("/health", api.health)]
+    keyed = [Route("/tokenize", api.tokenize, methods=["POST"]), Route("/detokenize", api.detokenize, methods=["POST"])]
     if coordinator.metrics is not None:
         open_routes.append(Route("/metrics", api.metrics))
 
@@ -845,7 +890,7 @@ def app(coordinator: Coordinator, api_key: str | None = None,
     handled = (ApiError, *CORE_ERRORS, HTTPException, ClientDisconnect, Exception)
     return Starlette(
         routes=[Mount("/v1", routes=v1, middleware=[Middleware(RequireApiKey, key=api_key)] if api_key else []),
-                *open_routes],
+                *keyed, *open_routes],
         exception_handlers={kind: refusal for kind in handled},
     )
 

@@ -207,6 +207,31 @@ def test_min_tokens_goes_past_the_end_as_grpc_does_and_bad_ones_are_400(client, 
         assert caught.value.body["param"] == "min_tokens", extra
 
 
+def test_tokenize_gives_the_ids_a_generation_is_given_and_detokenize_their_text(api, stub, pair):
+    """vLLM's /tokenize and /detokenize, behind the API key: a chat's ids are those its generation's prompt
+    has (the template, the assistant's turn opened), a prompt's the tokenizer's; bad input is 400."""
+    tokenizer = AutoTokenizer.from_pretrained(pair[1])
+    question = [("user", "What is a list?")]
+    status, got = post(api, "/tokenize", json.dumps({"model": "target", "messages": chat(question)}).encode())
+    generated = grpc_text(stub, messages=question, max_new_tokens=1)
+    assert status == 200 and got["count"] == len(got["tokens"]) == generated.stats.prompt_tokens
+    assert got["tokens"] == tokenizer.apply_chat_template(chat(question), add_generation_prompt=True,
+                                                          return_dict=True)["input_ids"]
+    assert got["max_model_len"] == stub.GetInfo(pb.GetInfoRequest(), metadata=BEARER).max_context
+    status, got = post(api, "/tokenize", json.dumps({"prompt": PROMPT}).encode())
+    assert status == 200 and got["tokens"] == tokenizer(PROMPT)["input_ids"]
+    status, text = post(api, "/detokenize", json.dumps({"model": "target", "tokens": got["tokens"]}).encode())
+    assert status == 200 and text["prompt"] == PROMPT
+    for path, body, code, param in [("/detokenize", {"tokens": [10**6]}, 400, "tokens"),
+                                    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+                                    ("/tokenize", {"prompt": ["a", "b"]}, 400, "prompt"),
+                                    ("/tokenize", {"model": "other", "prompt": "a"}, 404, "model")]:
+        status, error = post(api, path, json.dumps(body).encode())
+        assert (status, error["error"]["param"]) == (code, param), (path, body, error)
+    assert post(api, "/tokenize", json.dumps({"prompt": "a"}).encode(), key=None)[0] == 401
+    assert post(api, "/detokenize", json.dumps({"tokens": [5]}).encode(), key="wrong")[0] == 401
+
+
 def test_ignore_eos_generates_every_token_asked_for(client, stub):
     """The tiny target ends this prompt early (EOS: finish "stop"); with ignore_eos it goes on to max_tokens,
     its text starting with the text it ended early."""
