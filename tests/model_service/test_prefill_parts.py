@@ -174,8 +174,7 @@ def test_the_batcher_queues_an_unfinished_call_again_first():
     async def main():
         batcher = Batcher(ModelThread(), run_many, Batching(max_batch=2))
         first = batcher.enqueue([("l", "long"), ("a", "a1")])
-        while not started.is_set():
-            await asyncio.sleep(0.001)
+        assert await asyncio.to_thread(started.wait, 60)  # the first pass runs (held)
         later = batcher.enqueue([("b", "b1"), ("c", "c1")])  # they wait while the first pass runs
         release.set()
         return await asyncio.wait_for(asyncio.gather(*first, *later), 60)
