@@ -662,8 +662,7 @@ class OpenAIApi:
     def keyed(self, request: Request) -> None:
         """401 where the server has an API key and the request does not bear it (/v1 checks it in RequireApiKey)."""
         if self.api_key and not bearer_ok(request.headers.get("authorization"), self.api_key):
-            raise ApiError(401, "a valid API key is required: send `Authorization: Bearer <key>`",
-                           code="invalid_api_key")
+            raise key_refused()
 
     async def tokenize(self, request: Request) -> Response:
         """POST /tokenize (vLLM's): the token ids a chat (`messages`, tools and all, through the chat template
@@ -679,9 +678,9 @@ class OpenAIApi:
         model = self.model_name(body.model)
         if isinstance(body, CompletionBody) and len(batch_of(body)) != 1:
             raise ApiError(400, "tokenize takes one prompt", "prompt")
-        ids = await prompt_ids(endpoint.request(body)[0][0], self.coordinator.ready())
-        return JSONResponse({"model": model, "count": len(ids), "max_model_len": self.coordinator.ready().max_context,
-                             "tokens": ids})
+        models = self.coordinator.ready()
+        ids = await prompt_ids(endpoint.request(body)[0][0], models)
+        return JSONResponse({"model": model, "count": len(ids), "max_model_len": models.max_context, "tokens": ids})
 
     async def detokenize(self, request: Request) -> Response:
         """POST /detokenize (vLLM's): `tokens` -> their text (`prompt`), special tokens included."""
@@ -851,6 +850,11 @@ class OpenAIApi:
         yield event("[DONE]")
 
 
+def key_refused() -> ApiError:
+    """What a request without the server's API key gets."""
+    return ApiError(401, "a valid API key is required: send `Authorization: Bearer <key>`", code="invalid_api_key")
+
+
 class RequireApiKey:
     """ASGI middleware: a request without `Authorization: Bearer <key>` gets 401."""
 
@@ -859,9 +863,7 @@ class RequireApiKey:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and not bearer_ok(Headers(scope=scope).get("authorization"), self.key):
-            refusal = ApiError(401, "a valid API key is required: send `Authorization: Bearer <key>`",
-                               code="invalid_api_key")
-            return await refusal.response()(scope, receive, send)
+            return await key_refused().response()(scope, receive, send)
         await self.app(scope, receive, send)
 
 
