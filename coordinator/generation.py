@@ -349,6 +349,12 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
     temperature = 1.0 if request.temperature is None else request.temperature
     if temperature > 0 and float32(temperature) == 0.0:
         temperature = 0.0  # greedy, as the services read it (a float on the wire)
+    if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(request.stop_token_ids)}",
+                             "stop_token_ids")
+    if bad := [t for t in request.stop_token_ids if not 0 <= t < models.vocab_size]:
+        raise InvalidRequest(f"stop token id {bad[0]} is outside the vocabulary [0, {models.vocab_size})",
+                             "stop_token_ids")
     params = SamplingParams(
         temperature=temperature,
         top_k=0 if request.top_k is None else request.top_k,
@@ -359,7 +365,7 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
         logit_bias=tuple(sorted((request.logit_bias or {}).items())),
         repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
         min_tokens=request.min_tokens or 0,
-        min_tokens_ends=tuple(sorted(set(request.stop_token_ids))) if request.min_tokens else (),
+        stop_token_ids=tuple(sorted(set(request.stop_token_ids))),
     ).validate()
     outside = [token for token, _ in params.logit_bias if token >= models.vocab_size]
     if outside:
@@ -380,12 +386,6 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
         raise InvalidRequest(f"draft_p_min must lie in [0, 1], not {p_min}", "draft_p_min")
     if len(request.stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}", "stop")
-    if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidRequest(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(request.stop_token_ids)}",
-                             "stop_token_ids")
-    if bad := [t for t in request.stop_token_ids if not 0 <= t < models.vocab_size]:
-        raise InvalidRequest(f"stop token id {bad[0]} is outside the vocabulary [0, {models.vocab_size})",
-                             "stop_token_ids")
     steps = 1 if limits.lockstep_ms > 0 else models.decode_steps  # a lockstep turn is one pass
     lookup = limits.target_lookup  # (a constrained session copies what its grammar forces: TargetEngine)
     if not adaptive:

@@ -377,13 +377,13 @@ class TargetEngine(RunnerEngine):
         return rejection_sample(ProbRows(rows, params, self._to_probs), draft, q_ids, q_probs, session.generator,
                                 self._draw)
 
-    def _copy(self, session: Session, lookup: int, left: int) -> list[int]:
+    def _copy(self, session: Session, lookup: int, left: int, stops: tuple[int, ...] = ()) -> list[int]:
         """Tokens the pass verifies beside the one it decodes, `left` the call's steps after that one:
         up to `lookup` copied from the session's context (prompt lookup, the class docstring); for a
         session with a constraint, what its grammar forces (up to `left`), or where it forces nothing
         the context's copy as far as the grammar allows it; none where lookup is 0 (the call must not
-        copy). They stop short of an end-of-sequence token and of the context (the token the pass
-        samples after them must fit too)."""
+        copy). They stop short of an end-of-sequence token, of the request's `stops` and of the context
+        (the token the pass samples after them must fit too)."""
         room = self.runner.max_context - len(session.tokens) - 1
         if min(lookup, left, room) <= 0:
             return []
@@ -404,7 +404,7 @@ class TargetEngine(RunnerEngine):
                 copy = copy[: session.grammar.prefix(copy)]  # (what it forbids would only be rejected)
         eos = self.runner.eos_token_ids
         for n, token in enumerate(copy):
-            if token in eos:
+            if token in eos or token in stops:
                 return copy[:n]
         return copy
 
@@ -447,22 +447,26 @@ class TargetEngine(RunnerEngine):
         per step over the sessions still decoding, each token drawn as a call with no proposal
         draws its own (the bonus of greedy_verify / rejection_sample with nothing proposed, on the
         session's generator), so a seeded request decodes the same tokens one call or several at a
-        time. A session stops after an EOS, at its step count, at the context or at the KV cap."""
+        time. A session stops after an EOS or one of its request's stop token ids (where the output
+        ends), at its step count, at the context or at the KV cap."""
         runner = self.runner
         eos = set(runner.eos_token_ids)
 
         def more(i: int, call: VerifyCall) -> int:  # tokens the call may still take
             return call.steps - 1 - len(results[i].decoded)
 
+        def ended(token: int, call: VerifyCall) -> bool:
+            return token in eos or token in call.params.stop_token_ids
+
         decoding = [(i, call, session) for i, call, session in calls
-                    if isinstance(results[i], Verdict) and (results[i].decoded or [results[i].token])[-1] not in eos
+                    if isinstance(results[i], Verdict) and not ended((results[i].decoded or [results[i].token])[-1], call)
                     and more(i, call) > 0]
         while decoding and not (busy is not None and busy()):
             fits = []  # sessions with room for one more token, and the tokens each copied
             pending = 0  # the tokens those will add
             for i, call, session in decoding:
                 held = len(session.tokens)
-                copy = self._copy(session, call.lookup, more(i, call) - 1)
+                copy = self._copy(session, call.lookup, more(i, call) - 1, call.params.stop_token_ids)
                 try:
                     try:
                         runner.check_context(call.session_id, held + 1 + len(copy), held, pending)
@@ -524,7 +528,7 @@ class TargetEngine(RunnerEngine):
                 step = _committed_features(session, capture, states, j)
                 if step is not None:
                     results[i].features = Features.join([results[i].features, step]) if results[i].features else step
-                if more(i, call) > 0 and token not in eos:
+                if more(i, call) > 0 and not ended(token, call):
                     decoding.append((i, call, session))
 
     def _advance(self, call: VerifyCall, pending: int = 0):
@@ -585,7 +589,7 @@ class TargetEngine(RunnerEngine):
         session.tokens.extend(call.append)
         drafted = list(proposal.tokens)
         if not k and call.steps > 1 and call.lookup > 0:
-            copy = self._copy(session, call.lookup, call.steps - 1)
+            copy = self._copy(session, call.lookup, call.steps - 1, call.params.stop_token_ids)
             try:
                 runner.check_context(call.session_id, committed + len(copy), committed, pending, sampled=1)
                 drafted = copy
@@ -606,12 +610,12 @@ def shaped(rows: torch.Tensor, output: list[int], tokens: list[int], params,
     presence_penalty for a token that does, and raised by logit_bias (ids past the vocabulary are
     none of its tokens: ignored), last (vLLM adds a bias before its penalties). Rows deciding one of
     the first params.min_tokens output tokens give `ends` (the model's end-of-sequence tokens) and
-    params.min_tokens_ends -inf. Only the columns of the tokens concerned are computed (a few hundred
+    params.stop_token_ids -inf. Only the columns of the tokens concerned are computed (a few hundred
     of a vocabulary's tens of thousands); the rows are copied, not changed."""
     n, vocab = rows.shape
     out = rows.to(torch.float32, copy=True)
     if (early := min(params.min_tokens - len(output), n)) > 0:  # row i decides output token len(output) + i
-        out[:early, sorted({t for t in (*ends, *params.min_tokens_ends) if t < vocab})] = float("-inf")
+        out[:early, sorted({t for t in (*ends, *params.stop_token_ids) if t < vocab})] = float("-inf")
     output = torch.tensor(output, dtype=torch.long)
     output = output[output < vocab]
     drafted = [(i, token) for i, token in enumerate(tokens[: n - 1]) if token < vocab]  # row i + 1 follows tokens[i]

@@ -66,9 +66,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
     repetition_penalty: float = 1.0  # 1: off
     # vLLM's: the first min_tokens output tokens are none of the model's end-of-sequence tokens nor
-    # min_tokens_ends (the request's stop token ids): their logits are -inf there
+    # stop_token_ids: their logits are -inf there
     min_tokens: int = 0
-    min_tokens_ends: tuple[int, ...] = ()
+    # the request's stop token ids (the output ends after one): the target's decode steps stop there too
+    stop_token_ids: tuple[int, ...] = ()
 
     @property
     def shapes_logits(self) -> bool:
@@ -79,10 +80,10 @@ class SamplingParams:
     def drafting(self) -> "SamplingParams":
         """What a draft samples by: these without what only the target reads (logprobs, penalties, bias:
         up to 1,024 entries that would go on every draft call for nothing)."""
-        if self.logprobs is None and not self.shapes_logits:
+        if self.logprobs is None and not self.shapes_logits and not self.stop_token_ids:
             return self
         return replace(self, logprobs=None, frequency_penalty=0.0, presence_penalty=0.0, logit_bias=(),
-                       repetition_penalty=1.0, min_tokens=0, min_tokens_ends=())
+                       repetition_penalty=1.0, min_tokens=0, stop_token_ids=())
 
     @property
     def greedy(self) -> bool:
@@ -127,9 +128,8 @@ class SamplingParams:
                                      f" {MAX_LOGIT_BIAS_VALUE}], not {bias}", "logit_bias")
         if not 0 <= self.min_tokens <= INT32_MAX:
             raise InvalidRequest(f"min_tokens must lie in [0, {INT32_MAX}], not {self.min_tokens}", "min_tokens")
-        if len(self.min_tokens_ends) > MAX_LOGIT_BIAS or not all(0 <= t <= INT32_MAX for t in self.min_tokens_ends):
-            raise InvalidRequest(f"min_tokens' end tokens: at most {MAX_LOGIT_BIAS} ids in [0, {INT32_MAX}]",
-                                 "stop_token_ids")
+        if len(self.stop_token_ids) > MAX_LOGIT_BIAS or not all(0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids: at most {MAX_LOGIT_BIAS} ids in [0, {INT32_MAX}]", "stop_token_ids")
         return self
 
 
@@ -454,13 +454,13 @@ def params_to_proto(params: SamplingParams) -> pb.SamplingParams:
                              frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
                              logit_bias=dict(params.logit_bias),
                              repetition_penalty=0.0 if params.repetition_penalty == 1.0 else params.repetition_penalty,
-                             min_tokens=params.min_tokens, min_tokens_ends=params.min_tokens_ends)
+                             min_tokens=params.min_tokens, stop_token_ids=params.stop_token_ids)
 
 
 def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed, msg.logprobs - 1 if msg.logprobs else None,
                           msg.frequency_penalty, msg.presence_penalty, tuple(sorted(msg.logit_bias.items())),
-                          msg.repetition_penalty or 1.0, msg.min_tokens, tuple(msg.min_tokens_ends))
+                          msg.repetition_penalty or 1.0, msg.min_tokens, tuple(msg.stop_token_ids))
 
 
 def logprobs_to_proto(logprobs: Logprobs | None) -> pb.Logprobs | None:

@@ -82,6 +82,34 @@ def test_decoding_stops_after_an_eos(target):
     assert tokens == want[: want.index(eos) + 1]
 
 
+@pytest.mark.parametrize("lookup", [0, 4])
+def test_decoding_stops_after_a_stop_token_id(target, lookup):
+    """A request's stop token ids end a call's decode steps as an EOS does (the output ends there:
+    steps past it would be thrown away), and a copy stops short of one."""
+    prompt = PROMPT * 3  # (a context to copy from)
+    plain, _ = target.verify(VerifyCall("plain", True, prompt, Proposal(), GREEDY, 10, lookup=lookup))
+    target.release("plain")
+    want = [plain.token, *plain.decoded]
+    assert len(want) == 10  # (the test can fail)
+    stop = want[5]
+    params = dataclasses.replace(GREEDY, stop_token_ids=(stop,))
+    verdict, _ = target.verify(VerifyCall("stop", True, prompt, Proposal(), params, 10, lookup=lookup))
+    target.release("stop")
+    assert [verdict.token, *verdict.decoded] == want[: want.index(stop) + 1]
+
+
+def test_a_copy_stops_short_of_a_stop_token_id(target):
+    target.verify(VerifyCall("copy", True, PROMPT * 2, Proposal(), GREEDY))
+    session = target.runner.sessions.get("copy")
+    session.tokens.extend(PROMPT)  # (read by the copy only; the session is dropped after)
+    try:
+        copy = target._copy(session, 4, 8)
+        assert len(copy) == 4  # (the test can fail)
+        assert target._copy(session, 4, 8, (copy[2],)) == copy[: copy.index(copy[2])]
+    finally:
+        target.release("copy")
+
+
 def test_decoding_stops_at_the_context(pair):
     _, target_dir = pair
     target = TargetEngine(ModelRunner(target_dir, max_context=len(PROMPT) + 3))

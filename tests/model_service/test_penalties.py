@@ -213,7 +213,7 @@ def test_penalties_count_the_output_only_and_cross_the_wire(pair):
 
 def test_min_tokens_masks_the_ends_in_the_rows_before_it():
     rows = torch.tensor([[1.5, -2.0, 3.0, 0.5, -1.0]] * 3)
-    params = SamplingParams(0.0, min_tokens=4, min_tokens_ends=(3, 9))  # (9: past this vocabulary)
+    params = SamplingParams(0.0, min_tokens=4, stop_token_ids=(3, 9))  # (9: past this vocabulary)
     got = shaped(rows, [1, 2], [4, 4], params, ends=(0,))  # rows 0, 1 decide output tokens 2, 3; row 2 token 4
     inf = float("-inf")
     assert got[:2, [0, 3]].eq(inf).all() and torch.equal(got[:2, [1, 2, 4]], rows[:2, [1, 2, 4]])
@@ -233,7 +233,7 @@ def test_min_tokens_keeps_the_ends_out_of_the_first_tokens(pair, case):
     plain, prompt, _ = run(pair, k, SamplingParams(0.0), prompt="x", n=30, draft_dir=draft)
     stop = plain[2]
     assert eos in plain[:26] and stop in plain[:26]  # (the test can fail)
-    out, _, stats = run(pair, k, SamplingParams(0.0, min_tokens=26, min_tokens_ends=(stop,)), prompt="x", n=30,
+    out, _, stats = run(pair, k, SamplingParams(0.0, min_tokens=26, stop_token_ids=(stop,)), prompt="x", n=30,
                         draft_dir=draft)
     model = AutoModelForCausalLM.from_pretrained(pair[1], torch_dtype=torch.float32).eval()
     want: list[int] = []
