@@ -173,7 +173,10 @@ class Batcher:
         def run() -> Any:
             results = self.run_many([item.call for item in batch])
             if isinstance(results, list) and len(results) == len(batch):
-                again = [item for item, result in zip(batch, results) if result is UNFINISHED]
+                # out of its lockstep turn, if any (its turn-mates have their answers: waiting for them, or
+                # taking that turn's calls only, would hold the part and the others apart)
+                again = [item._replace(turn=0, turn_size=0) for item, result in zip(batch, results)
+                         if result is UNFINISHED]
                 if again:  # first in the next pass (taken on this thread, before the loop hears of this one)
                     with self.thread.cond:
                         self.waiting.extendleft(reversed(again))

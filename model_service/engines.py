@@ -7,12 +7,13 @@ DraftEngine is the model drafting method (the contract: drafting.py).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from speculative.errors import CapacityExceeded, InvalidRequest
+from speculative.errors import CapacityExceeded, InvalidRequest, SessionNotFound
 from speculative.lookup import LOOKUP_SIZES, NgramIndex
 from speculative.protocol import MAX_TOP_LOGPROBS, Cost, Features, Logprobs, Proposal, ProposeCall, Verdict, VerifyCall
 from speculative.sampling import (
@@ -191,6 +192,9 @@ class TargetEngine(RunnerEngine):
             raise ValueError(f"prefill_chunk must be >= 0, not {prefill_chunk}")
         # most tokens of a long feed a pass takes while others wait (0: all; None: by the calibrated pass cost)
         self.prefill_chunk = prefill_chunk
+        # the calls that came back UNFINISHED, by id, while they live (VerifyCall is unhashable): one passed
+        # in again whose session is gone or rolled back was given up (_resume), not a call to begin afresh
+        self._parted: weakref.WeakValueDictionary[int, VerifyCall] = weakref.WeakValueDictionary()
         # a sampled row's p and a draw from it in one kernel call each where the rows are on the CPU
         self._to_probs, self._draw = q4_kernel.sampling_on(runner.device)
 
@@ -272,6 +276,7 @@ class TargetEngine(RunnerEngine):
                         part.states.append(_own_layers(session, capture, states[j][1]))
                     if i in parts:
                         session.part = part
+                        self._parted[id(call)] = call
                         results[i] = UNFINISHED
                     else:  # its last pass: the rows of its parts first
                         session.part = None
@@ -349,13 +354,14 @@ class TargetEngine(RunnerEngine):
         on one fed in parts) is rolled back to before that call's tokens first."""
         session = self.runner.sessions.find(call.session_id)
         part = session.part if session is not None else None
-        if part is None:
-            return None
-        if part.call is call:
+        if part is not None and part.call is call:
             self.runner.sessions.get(call.session_id)  # (in use)
             return part.advanced
-        session.part = None
-        session.truncate(part.base)
+        if self._parted.get(id(call)) is call:  # (not begun again on a new session: it is given up)
+            raise SessionNotFound(f"session {call.session_id!r} was released while its tokens were fed in parts")
+        if part is not None:
+            session.part = None
+            session.truncate(part.base)
         return None
 
     def _part_end(self, call: VerifyCall, session: Session, rows: int) -> int:

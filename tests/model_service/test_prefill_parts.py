@@ -14,6 +14,7 @@ from model_service.batcher import PREFILL_CHUNK, UNFINISHED, Batcher, Batching, 
 from model_service.engines import TargetEngine
 from model_service.model_runner import ModelRunner
 from model_service.threads import ModelThread
+from speculative.errors import SessionNotFound
 from speculative.protocol import Proposal, SamplingParams, VerifyCall
 
 GREEDY = SamplingParams(0.0)
@@ -124,6 +125,27 @@ def test_a_session_whose_call_in_parts_was_given_up_takes_the_next_call_as_if_it
         runner.sessions.release(session_id)
 
 
+def test_a_call_whose_session_is_released_between_its_parts_is_not_begun_again(runner):
+    """A session released while its call is fed in parts (a client that gave up: its Release may run before
+    the call's cancel lands): the call passed in again is refused, NOT_FOUND, not fed afresh into a new
+    session that nobody would release; and a call whose part was rolled back likewise."""
+    engine = TargetEngine(runner, prefill_chunk=8)
+    call = start("released")
+    assert engine.verify_many([call], lambda: True, in_parts=True)[0] is UNFINISHED
+    engine.release("released")
+    [result] = engine.verify_many([call], lambda: True, in_parts=True)
+    assert isinstance(result, SessionNotFound) and "fed in parts" in str(result)
+    assert runner.sessions.find("released") is None
+    engine.verify(start("rolled", PROMPT[:6]))
+    given_up = step("rolled", PROMPT[6:40])
+    assert engine.verify_many([given_up], lambda: True, in_parts=True)[0] is UNFINISHED
+    engine.verify(step("rolled", [7, 8]))  # (rolls the part back)
+    held = list(runner.sessions.get("rolled").tokens)
+    assert isinstance(engine.verify_many([given_up], lambda: True, in_parts=True)[0], SessionNotFound)
+    assert runner.sessions.get("rolled").tokens == held
+    runner.sessions.release("rolled")
+
+
 @pytest.mark.parametrize("chunk", [0, 8])
 def test_the_batcher_answers_a_waiting_call_before_a_long_prompt_in_parts(runner, chunk):
     """Through the service's Batcher and model thread: a long prompt and a short session's step queued
@@ -182,6 +204,40 @@ def test_the_batcher_queues_an_unfinished_call_again_first():
     results = asyncio.run(main())
     assert [r for r, _ in results] == ["long", "a1", "b1", "c1"]
     assert passes == [["long", "a1"], ["long", "b1"], ["long", "c1"]]
+
+
+def test_an_unfinished_call_of_a_lockstep_turn_is_queued_again_out_of_its_turn():
+    """A lockstep turn's call answered UNFINISHED comes back without its turn: its next part shares a pass with
+    calls of no turn (or another), and no pass waits for the turn's other calls, which have their answers."""
+    passes: list[list[str]] = []
+    left = {"long": 2}
+    started, release = threading.Event(), threading.Event()
+
+    def run_many(calls):
+        passes.append(list(calls))
+        if len(passes) == 1:
+            started.set()
+            assert release.wait(60)
+        out = []
+        for call in calls:
+            if left.get(call, 0):
+                left[call] -= 1
+                out.append(UNFINISHED)
+            else:
+                out.append((call, None))
+        return out
+
+    async def main():
+        batcher = Batcher(ModelThread(), run_many, Batching(max_batch=4, turn_wait=1.0))
+        turn = batcher.enqueue([("l", "long"), ("a", "a1")], turn=(1, 2))
+        assert await asyncio.to_thread(started.wait, 60)
+        other = batcher.enqueue([("b", "b1")])
+        release.set()
+        return await asyncio.wait_for(asyncio.gather(*turn, *other), 60)
+
+    results = asyncio.run(main())
+    assert [r for r, _ in results] == ["long", "a1", "b1"]
+    assert passes == [["long", "a1"], ["long", "b1"], ["long"]]
 
 
 def test_the_target_service_feeds_long_prompts_in_parts(runner):
