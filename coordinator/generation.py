@@ -169,7 +169,7 @@ class Chunk:
     summary: Summary | None = None
     logprobs: Logprobs | None = None  # the request's logprobs set: those of token_ids (an ending EOS's too)
     prompt: ScoredPrompt | None = None  # the request's prompt_logprobs set: on the first chunk
-    eos: bool = False  # the last of token_ids is the end-of-sequence token that ended the generation
+    ended: bool = False  # the last of token_ids is the EOS or stop token id that ended the generation (no text)
 
 
 @dataclass
@@ -550,7 +550,8 @@ class Coordinator:
         start = time.perf_counter()
         models = self.ready()
         plan = await resolve(request, models, self.limits)
-        text = TextStream(models.tokenizer, plan.stop, plan.prompt)  # (the prompt's tail: its first token's space)
+        # (the prompt's tail: its first token's space)
+        text = TextStream(models.tokenizer, plan.stop, plan.prompt, plan.params.min_tokens)
         finish = Finish.LENGTH
         # one replica of each pool at a time, moving to another if it fails (coordinator/failover.py)
         failover_draft = FailoverDraft(self.draft, patient=patient(plan, self.gate is not None))
@@ -589,19 +590,19 @@ class Coordinator:
                     ids = []
                     for token in new:
                         ids.append(token)
+                        if token in eos:  # (the round's last) it ends the output, its text not in it (vLLM's)
+                            finish = Finish.EOS if token in ends else Finish.STOP
+                            break
                         text.add(token)
                         if text.stopped:
                             finish = Finish.STOP
                             stats.generated_tokens -= len(new) - len(ids)  # the round's tokens after the stop
                             break
-                    else:
-                        if new and new[-1] in eos:
-                            finish = Finish.EOS if new[-1] in ends else Finish.STOP
                     clock.tokens(len(ids))
                     generated += ids
                     scores = scored.pop(0).slice(0, len(ids)) if scored else None
                     yield Chunk(token_ids=ids, text=text.take(), logprobs=scores, prompt=prompt(),
-                                eos=finish is Finish.EOS)
+                                ended=bool(ids) and ids[-1] in eos)
                     if finish is Finish.STOP:
                         break
         finally:

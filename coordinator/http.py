@@ -409,7 +409,7 @@ def seen(chunk: Chunk, endpoint: Endpoint) -> tuple[list[int], Logprobs | None]:
     end-of-sequence token that ended it (the message has no place for it, as OpenAI's); completions list
     it, as OpenAI's legacy completions did and evaluation harnesses read it (lm-evaluation-harness takes
     a scored continuation's logprobs as all but the last, the generated token)."""
-    if endpoint is CHAT and chunk.eos:
+    if endpoint is CHAT and chunk.ended:
         kept = len(chunk.token_ids) - 1
         return chunk.token_ids[:kept], None if chunk.logprobs is None else chunk.logprobs.slice(0, kept)
     return chunk.token_ids, chunk.logprobs

@@ -14,10 +14,15 @@ CONTEXT = 5
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: list[str], context: list[int] = ()):
-        """`context`: the prompt's ids (its last CONTEXT are decoded before the text, not part of it)."""
+    def __init__(self, tokenizer, stop: list[str], context: list[int] = (), min_tokens: int = 0):
+        """`context`: the prompt's ids (its last CONTEXT are decoded before the text, not part of it);
+        `min_tokens`: stop strings are looked for once more tokens than this were added (vLLM's: a stop
+        string the first min_tokens complete does not end the text; one completed later does, even where
+        it began in them)."""
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.min_tokens = min_tokens
+        self.added = 0  # tokens added
         self.ids: list[int] = list(context)[-CONTEXT:]
         if self.ids and self._decode(self.ids).endswith("\ufffd"):  # a character the prompt leaves unfinished
             self.ids = []
@@ -33,13 +38,14 @@ class TextStream:
     def add(self, token: int) -> None:
         """Append one generated token; sets `stopped` if it completes a stop string."""
         self.ids.append(token)
+        self.added += 1
         before = self._decode(self.ids[self._prefix : self._read])
         after = self._decode(self.ids[self._prefix :])
         if len(after) > len(before) and not after.endswith("\ufffd"):  # \ufffd: a character still incomplete
             old = len(self.text)
             self.text += after[len(before) :]
             self._prefix, self._read = self._read, len(self.ids)
-            if self.stop:
+            if self.stop and self.added > self.min_tokens:
                 longest = max(map(len, self.stop))
                 start = max(0, old - longest + 1)
                 hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]

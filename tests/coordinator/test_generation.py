@@ -157,17 +157,19 @@ def test_stop_strings(client):
 
 
 def test_stop_token_ids_end_the_output_after_the_token(client):
-    """A stop token id ends the output after its first occurrence (kept, FINISH_REASON_STOP), the tokens before
-    it the output's own, at any K; one never produced changes nothing; ids outside the vocabulary are refused."""
+    """A stop token id ends the output after its first occurrence (its id kept, not its text; FINISH_REASON_STOP),
+    the tokens before it the output's own, at any K; one never produced changes nothing; ids outside the vocabulary are refused."""
     full = client.Generate(pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=40, temperature=0.0))
     ids = list(full.token_ids)
     stop = ids[5]
     end = ids.index(stop) + 1
+    before = client.Generate(pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=end - 1, temperature=0.0))
     for k in (0, 3, 8):
         reply = client.Generate(pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=40, temperature=0.0,
                                                    stop_token_ids=[stop], num_speculative_tokens=k))
         assert list(reply.token_ids) == ids[:end] and reply.finish_reason == pb.FINISH_REASON_STOP, k
         assert reply.stats.generated_tokens == end
+        assert reply.text == before.text  # the stop token's text is not the output's (vLLM's)
     streamed = [t for c in client.GenerateStream(pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=40,
                                                                     temperature=0.0, stop_token_ids=[stop]))
                 for t in c.token_ids]

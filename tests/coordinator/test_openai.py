@@ -185,6 +185,13 @@ def test_stop_token_ids_end_the_completion_as_grpc_does(client, stub):
                                       extra_body={"stop_token_ids": [stop]})
     assert reply.choices[0].text == expected.text and reply.choices[0].finish_reason == "stop"
     assert reply.usage.completion_tokens == len(expected.token_ids)
+    ids = list(grpc_text(stub, messages=QUESTION, max_new_tokens=30).token_ids)
+    assert len(ids) > 3  # (the test can fail)
+    stopped = client.chat.completions.create(model="target", messages=chat(QUESTION), max_tokens=30, temperature=0,
+                                             logprobs=True, extra_body={"stop_token_ids": [ids[3]]})
+    content = stopped.choices[0].logprobs.content  # the stop token's text and entry left out, as an EOS's
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == len(content) + 1
+    assert stopped.choices[0].message.content == "".join(entry.token for entry in content)
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="target", prompt=PROMPT, max_tokens=4, extra_body={"stop_token_ids": [10**6]})
     assert caught.value.body["param"] == "stop_token_ids"

@@ -45,6 +45,28 @@ def test_held_back_prefix_is_released_when_it_is_not_a_stop(tokenizer):
     assert not s.stopped and "".join(pieces) == "abc fo bar"
 
 
+def test_min_tokens_holds_stop_strings_off_for_its_tokens(tokenizer):
+    """vLLM's min_tokens: a stop string completed by the first min_tokens tokens does not end the text; one
+    completed after them does, even where it began in them."""
+    ids = tokenizer("a; b; c; d")["input_ids"]
+    semis = [n for n, t in enumerate(ids) if tokenizer.decode(ids[: n + 1]).endswith(";")]
+    assert len(semis) == 3  # (the test can fail)
+
+    def stopped_at(stop: str, min_tokens: int) -> str | None:
+        s = TextStream(tokenizer, [stop], min_tokens=min_tokens)
+        for t in ids:
+            s.add(t)
+            if s.stopped:
+                return s.take(final=True)
+        return None
+
+    assert stopped_at(";", 0) == "a"
+    assert stopped_at(";", semis[0] + 1) == "a; b"  # the first ";" came within min_tokens
+    assert stopped_at(";", semis[2] + 1) is None
+    before = next(n for n in range(len(ids)) if tokenizer.decode(ids[: n + 1]).endswith("; b"))
+    assert stopped_at("; b;", before) == "a"  # begun within min_tokens, completed after them
+
+
 def sentencepiece_like() -> PreTrainedTokenizerFast:
     """Words with SentencePiece's word-start mark, decoded as Llama 2's and Mistral's tokenizers decode
     them: the space that starts the first token decoded is dropped."""
