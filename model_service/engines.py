@@ -464,9 +464,8 @@ class TargetEngine(RunnerEngine):
         def ended(token: int, call: VerifyCall) -> bool:
             return token in eos or token in call.params.stop_token_ids
 
-        decoding = [(i, call, session) for i, call, session in calls
-                    if isinstance(results[i], Verdict) and not ended((results[i].decoded or [results[i].token])[-1], call)
-                    and more(i, call) > 0]
+        decoding = [(i, call, session) for i, call, session in calls if isinstance(results[i], Verdict)
+                    and not ended((results[i].decoded or [results[i].token])[-1], call) and more(i, call) > 0]
         while decoding and not (busy is not None and busy()):
             fits = []  # sessions with room for one more token, and the tokens each copied
             pending = 0  # the tokens those will add

@@ -158,7 +158,8 @@ def test_stop_strings(client):
 
 def test_stop_token_ids_end_the_output_after_the_token(client):
     """A stop token id ends the output after its first occurrence (its id kept, not its text; FINISH_REASON_STOP),
-    the tokens before it the output's own, at any K; one never produced changes nothing; ids outside the vocabulary are refused."""
+    the tokens before it the output's own, at any K; one never produced changes nothing; ids outside the
+    vocabulary are refused."""
     full = client.Generate(pb.GenerateRequest(prompt=PROMPTS[1], max_new_tokens=40, temperature=0.0))
     ids = list(full.token_ids)
     stop = ids[5]
