@@ -219,7 +219,11 @@ B = TypeVar("B", bound=Body)
 
 
 async def read(request: Request, limit: int) -> bytes:
-    """The request's body, refused (413) past `limit` bytes, as gRPC refuses a message past it."""
+    """The request's body, refused (413) past `limit` bytes, as gRPC refuses a message past it: at once where
+    its Content-Length says so (not after waiting for bytes that may never come)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request has more than {limit} bytes (--max-request-bytes)", code="request_too_large")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -366,8 +370,26 @@ def constraint_of(body: Body) -> Constraint | None:
     return found[0][1] if found else None
 
 
+def constraint_field(body: Body) -> str | None:
+    """The field a body's structured-output constraint came from (constraint_of's), which a refusal of the
+    constraint names."""
+    if (body.response_format or {}).get("type") in ("json_object", "json_schema"):
+        return "response_format"
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if getattr(body, name) is not None:
+            return name
+    if any(value is not None for value in (body.structured_outputs or {}).values()):
+        return "structured_outputs"
+    return None
+
+
 def chat_request(body: ChatBody) -> list[tuple[GenerationRequest, Reply]]:
     use = ToolUse.of(body.tools, body.tool_choice, body.parallel_tool_calls)
+    if not body.messages:
+        raise ApiError(400, "messages: give at least one message", "messages")
+    if body.max_completion_tokens is not None and body.max_completion_tokens <= 0:
+        raise ApiError(400, f"max_completion_tokens must be > 0, not {body.max_completion_tokens}",
+                       "max_completion_tokens")
     for i, m in enumerate(body.messages):
         parts = [ContentPart(type="text", text=m.content)] if isinstance(m.content, str) else m.content or []
         if any(p.type != "text" for p in parts):
@@ -733,12 +755,14 @@ class OpenAIApi:
                     raise
             except CORE_ERRORS as e:
                 refused = core_error(e)
-                if isinstance(replies[0], ToolReply) and refused.status == 400 and refused.param is None \
-                        and "constraint" in str(refused):
-                    # (the constraint is the tools': a schema of theirs, or the answer's, that does not compile)
-                    whose = "the tools' schemas" if replies[0].use.response is None else \
-                        "the tools' or the structured output's schemas"
-                    raise ApiError(400, f"{whose}: {refused}", "tools", refused.code) from e
+                if refused.status == 400 and refused.param is None and "constraint" in str(refused):
+                    if isinstance(replies[0], ToolReply):
+                        # (the constraint is the tools': a schema of theirs, or the answer's, that does not compile)
+                        whose = "the tools' schemas" if replies[0].use.response is None else \
+                            "the tools' or the structured output's schemas"
+                        raise ApiError(400, f"{whose}: {refused}", "tools", refused.code) from e
+                    if (field := constraint_field(body)) is not None:  # (a compiler's or matcher's refusal)
+                        raise ApiError(400, str(refused), field, refused.code) from e
                 raise
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return EventStream(self.events(firsts, streams, endpoint, head, include_usage, replies, scorers, n),

@@ -111,7 +111,8 @@ class SamplingParams:
             if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):  # also NaN
                 raise InvalidRequest(f"{name} must lie in [-{MAX_PENALTY}, {MAX_PENALTY}], not {value}", name)
         r = self.repetition_penalty
-        if not (math.isfinite(r) and MIN_REPETITION_PENALTY <= r <= MAX_REPETITION_PENALTY):
+        # (compared as the wire's 32-bit float carries it: 0.01 arrives as 0.0099999998)
+        if not (math.isfinite(r) and float32(MIN_REPETITION_PENALTY) <= float32(r) <= float32(MAX_REPETITION_PENALTY)):
             raise InvalidRequest(f"repetition_penalty must lie in [{MIN_REPETITION_PENALTY:g},"
                                  f" {MAX_REPETITION_PENALTY:g}] (1: off), not {r}", "repetition_penalty")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:

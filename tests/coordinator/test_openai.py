@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -87,6 +88,18 @@ def post(api, path: str, body: bytes, key: str | None = KEY) -> tuple[int, dict]
             return r.status, json.load(r)
     except urllib.error.HTTPError as e:
         return e.code, json.load(e)
+
+
+def test_a_chat_refused_names_the_field_it_was_given_and_bounds_hold_as_the_wire_carries_them(api):
+    """An empty messages list names messages; max_completion_tokens, where given, is named as that; a
+    repetition_penalty at its documented bound (0.01, 0.0099999998 as a 32-bit float) is served."""
+    for fields, param in (({"messages": []}, "messages"),
+                          ({"messages": chat(QUESTION), "max_completion_tokens": 0}, "max_completion_tokens")):
+        status, answer = post(api, "/v1/chat/completions", json.dumps({"model": "target", **fields}).encode())
+        assert status == 400 and answer["error"]["param"] == param, answer
+    status, answer = post(api, "/v1/chat/completions", json.dumps(
+        {"model": "target", "messages": chat(QUESTION), "max_tokens": 4, "repetition_penalty": 0.01}).encode())
+    assert status == 200, answer
 
 
 def sessions(api) -> tuple[float, float]:
@@ -366,6 +379,19 @@ def test_malformed_requests_are_400_naming_the_field(api, path, body, param):
 def test_a_body_past_max_request_bytes_is_413(api):
     status, reply = post(api, "/v1/completions", json.dumps({"prompt": "x" * MAX_BYTES}).encode())
     assert status == 413 and "--max-request-bytes" in reply["error"]["message"]
+    # one that says so in its Content-Length is refused before its bytes come (a client may never send them)
+    host, port = api.http_url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        connection.putrequest("POST", "/v1/completions")
+        for name, value in (("Content-Type", "application/json"), ("Authorization", f"Bearer {KEY}"),
+                            ("Content-Length", str(10**9))):
+            connection.putheader(name, value)
+        connection.endheaders()
+        answer = connection.getresponse()
+        assert answer.status == 413 and "--max-request-bytes" in json.load(answer)["error"]["message"]
+    finally:
+        connection.close()
 
 
 @pytest.mark.parametrize("fields, param", [

@@ -358,18 +358,28 @@ def test_http_structured_output_fields(api, field, value, check):
     assert check(choice["message"]["content"]) is not False, choice["message"]["content"]
 
 
-@pytest.mark.parametrize("body,reason", [
-    ({"response_format": {"type": "xml"}}, "response_format.type"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "needs its schema"),
-    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "give one structured-output constraint"),
-    ({"guided_json": {"type": "nonsense"}}, "nonsense"),
-    ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs.xml"),
-    ({"guided_regex": "[0-9]+", "ignore_eos": True}, "ignore_eos cannot go with"),
+@pytest.mark.parametrize("body,reason,param", [
+    ({"response_format": {"type": "xml"}}, "response_format.type", "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "needs its schema", "response_format"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "give one structured-output constraint",
+     "guided_regex"),
+    ({"guided_json": {"type": "nonsense"}}, "nonsense", "guided_json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wibble"}}}},
+     "wibble", "response_format"),
+    ({"guided_regex": "(("}, "does not compile", "guided_regex"),
+    ({"guided_grammar": "root ::= ("}, "does not compile", "guided_grammar"),
+    ({"structured_outputs": {"regex": "(("}}, "does not compile", "structured_outputs"),
+    ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs.xml", "structured_outputs"),
+    ({"guided_regex": "[0-9]+", "ignore_eos": True}, "ignore_eos cannot go with", "ignore_eos"),
+    # (compiles, but the target's matcher stops: the services' refusal, without a service's address)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+     "cannot be followed", "response_format"),
 ])
-def test_http_bad_structured_output_is_400(api, body, reason):
+def test_http_bad_structured_output_is_400_naming_its_field(api, body, reason, param):
     status, answer = post(api, {"messages": MESSAGES, "max_tokens": 8, **body})
     assert status == 400, answer
-    assert reason in answer["error"]["message"], answer
+    assert reason in answer["error"]["message"] and answer["error"]["param"] == param, answer
+    assert "service at" not in answer["error"]["message"], answer
 
 
 class Service(pydantic.BaseModel):
