@@ -6,7 +6,8 @@
 
 Endpoints: GET /v1/models and /v1/models/{model}; POST /v1/chat/completions and POST
 /v1/completions, unary or with `stream: true` (one event per speculative round, then `data:
-[DONE]`; `stream_options.include_usage` adds a last event with the usage); POST /tokenize and
+[DONE]`; `stream_options.include_usage` adds a last event with the usage); POST /v1/responses (OpenAI's
+Responses API over the chat path: responses.py); POST /tokenize and
 /detokenize (vLLM's: a chat's or a prompt's token ids, tokens' text). GET /health (200 once
 the coordinator has found its services, else 503) and GET /metrics (the coordinator's Prometheus
 metrics) need no API key.
@@ -894,9 +895,11 @@ class RequireApiKey:
 def app(coordinator: Coordinator, api_key: str | None = None,
         max_request_bytes: int = MAX_REQUEST_BYTES) -> Starlette:
     """The ASGI application: /v1/* (behind `api_key` if given), /health, /metrics."""
+    from . import responses  # (it builds on this module's chat path)
+
     api = OpenAIApi(coordinator, max_request_bytes, api_key)
     v1 = [Route("/models", api.models), Route("/models/{model:path}", api.model), api.route(CHAT),
-          api.route(COMPLETIONS)]
+          api.route(COMPLETIONS), responses.route(api)]
     open_routes = [Route("/health", api.health)]
     keyed = [Route("/tokenize", api.tokenize, methods=["POST"]), Route("/detokenize", api.detokenize, methods=["POST"])]
     if coordinator.metrics is not None:

@@ -102,6 +102,72 @@ def test_a_chat_refused_names_the_field_it_was_given_and_bounds_hold_as_the_wire
     assert status == 200, answer
 
 
+def test_responses_answer_as_the_chat_does_unary_and_streamed(client, stub):
+    """POST /v1/responses: instructions and input are a chat's messages; output_text, status and usage are
+    the chat's (gRPC's) answer's; streamed, numbered Responses events whose deltas add up to it."""
+    expected = grpc_text(stub, messages=QUESTION, max_new_tokens=24, num_speculative_tokens=3)
+    (_, system), (_, user) = QUESTION
+    reply = client.responses.create(model="target", instructions=system, input=user, max_output_tokens=24,
+                                    temperature=0, extra_body={"num_speculative_tokens": 3})
+    assert reply.object == "response" and reply.output_text == expected.text
+    assert reply.status == ("incomplete" if expected.finish_reason == pb.FINISH_REASON_LENGTH else "completed")
+    assert reply.usage.input_tokens == expected.stats.prompt_tokens
+    assert reply.usage.output_tokens == len(expected.token_ids)
+    assert [(item.type, item.role, item.content[0].type) for item in reply.output] == [
+        ("message", "assistant", "output_text")]
+    items = client.responses.create(model="target", max_output_tokens=24, temperature=0, input=[
+        {"role": "developer", "content": system}, {"role": "user", "content": [{"type": "input_text", "text": user}]}])
+    assert items.output_text == expected.text
+    with client.responses.create(model="target", instructions=system, input=user, max_output_tokens=24,
+                                 temperature=0, stream=True) as stream:
+        events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"] and kinds[-1] == f"response.{reply.status}"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected.text
+    assert events[-1].response.output_text == expected.text and events[-1].response.usage.output_tokens == len(
+        expected.token_ids)
+
+
+def test_responses_text_format_is_the_chats_response_format(client):
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
+              "additionalProperties": False}
+    chat_reply = client.chat.completions.create(
+        model="target", messages=chat(QUESTION), max_tokens=48, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}})
+    reply = client.responses.create(model="target", instructions=QUESTION[0][1], input=QUESTION[1][1],
+                                    max_output_tokens=48, temperature=0,
+                                    text={"format": {"type": "json_schema", "name": "pick", "schema": schema}})
+    assert reply.output_text == chat_reply.choices[0].message.content and reply.text.format.type == "json_schema"
+    if reply.status == "completed":
+        assert json.loads(reply.output_text)["a"] in ("x", "y")
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x"}]}]}, "input"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+    ({"input": [{"role": "wizard", "content": "hi"}]}, "input"),
+    ({"input": []}, "input"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"max_output_tokens": 100_000}, "max_output_tokens"),  # (past --max-kv-tokens: the core's refusal, renamed)
+    ({"text": {"format": {"type": "xml"}}}, "text"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "wibble"}}}}, "text"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"temperature": -1}, "temperature"),
+])
+def test_responses_refusals_are_400_naming_the_field(api, fields, param):
+    for stream in (False, True):
+        status, answer = post(api, "/v1/responses", json.dumps(
+            {"model": "target", "input": "hi", "max_output_tokens": 4, **fields, "stream": stream}).encode())
+        assert status == 400 and answer["error"]["param"] == param, answer
+        assert "max_tokens" not in answer["error"]["message"] and "service at" not in answer["error"]["message"]
+
+
 def sessions(api) -> tuple[float, float]:
     return tuple(value(scrape(api.metrics_ports[role]), "specdec_active_sessions") for role in ("draft", "target"))
 

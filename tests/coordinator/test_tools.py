@@ -463,3 +463,39 @@ def test_bad_tool_fields_are_400_naming_the_field(api, body, param, reason):
                                 "guided_regex": "[a-c]{3}"})
     assert status == 200 and answer["choices"][0]["message"]["content"] in {a + b + c for a in "abc" for b in "abc"
                                                                            for c in "abc"}
+
+
+RESPONSE_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]  # (the Responses API's form)
+
+
+def test_responses_call_functions_as_the_chat_does(client):
+    """POST /v1/responses with function tools: a call is a function_call item with the chat's arguments,
+    unary and streamed; a conversation carrying a call and its output is answered as the chat's is."""
+    chat = client.chat.completions.create(model="target", messages=MESSAGES, tools=TOOLS, max_tokens=120, temperature=0.0,
+                                          tool_choice={"type": "function", "function": {"name": "weather"}})
+    call = chat.choices[0].message.tool_calls[0].function
+    asked = dict(model="target", input=MESSAGES[0]["content"], tools=RESPONSE_TOOLS, max_output_tokens=120,
+                 temperature=0.0, tool_choice={"type": "function", "name": "weather"})
+    reply = client.responses.create(**asked)
+    assert [(item.type, item.name, item.arguments) for item in reply.output] == [
+        ("function_call", "weather", call.arguments)]
+    jsonschema.validate(json.loads(reply.output[0].arguments), WEATHER)
+    with client.responses.create(**asked, stream=True) as stream:
+        events = list(stream)
+    done = [event.item for event in events if event.type == "response.output_item.done"]
+    assert [(item.type, item.name, item.arguments, item.call_id) for item in done] == [
+        (item.type, item.name, item.arguments, item.call_id) for item in events[-1].response.output]
+    assert [(item.name, item.arguments) for item in done] == [("weather", call.arguments)]
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a":2}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+    answered = client.chat.completions.create(model="target", messages=history, tools=TOOLS, max_tokens=24,
+                                              temperature=0.0)
+    chat = answered.choices[0].message
+    reply = client.responses.create(model="target", tools=RESPONSE_TOOLS, max_output_tokens=24, temperature=0.0, input=[
+        MESSAGES[0], {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a":2}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "5"}])
+    assert reply.usage.input_tokens == answered.usage.prompt_tokens  # (the same conversation, rendered alike)
+    assert reply.output_text == (chat.content or "")
+    assert [(item.name, item.arguments) for item in reply.output if item.type == "function_call"] == [
+        (made.function.name, made.function.arguments) for made in chat.tool_calls or []]

@@ -1,0 +1,330 @@
+"""OpenAI's Responses API, `POST /v1/responses`, over the chat path (coordinator/http.py).
+
+A request's `input` (a string, or a list of items: messages with text content, earlier
+`function_call`s and their `function_call_output`s) and `instructions` become a chat's messages;
+`max_output_tokens`, `temperature`, `top_p`, `text.format` (text, json_object, json_schema: the
+structured output), function `tools`, `tool_choice` and `parallel_tool_calls` become the chat's
+fields, and the specdec and vLLM extras the chat reads (`top_k`, `seed`, `stop`, `stop_token_ids`,
+`min_tokens`, penalties, `num_speculative_tokens`, ...) are read as the chat reads them. The answer
+is a `response` object whose `output` holds a `message` item (its `output_text`) and a
+`function_call` item per tool call; `status` is `incomplete` (`max_output_tokens`) where the output
+ran to its limit. Streamed (`"stream": true`): the Responses events (`response.created`, ...,
+`response.output_text.delta` per round that brought text, ..., `response.completed` or
+`response.incomplete`; a failure after the first is an `error` event); with tools in play the items
+come whole at the end, once the answer is read back into calls.
+
+specdec keeps no responses: `previous_response_id` is refused (send the conversation in `input`),
+and `store` is answered false. Not supported (400): other item and tool types (images, files,
+built-in tools), `top_logprobs`, `truncation: "auto"`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from .generation import Chunk, Summary
+from .http import (CORE_ERRORS, FINISH, ApiError, Body, ChatBody, ChatMessage, EventStream, OpenAIApi, Reply,
+                   ToolReply, chat_request, core_error, parse, specdec_fields, specdec_headers, unless_hung_up,
+                   usage)
+
+# a chat's field -> the Responses API's, in refusals
+FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+          "response_format": "text"}
+ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class ResponsesBody(Body):
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    text: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    top_logprobs: int | None = None
+    truncation: str | None = None
+    user: str | None = None
+
+
+def refused(error: Exception, body: ResponsesBody) -> ApiError:
+    """A chat path's refusal in this API's terms: the field as this API names it."""
+    made = error if isinstance(error, ApiError) else core_error(error)
+    param, message = made.param, str(made)
+    if made.status == 400 and param is None and "constraint" in message:  # (its structured output's or tools')
+        param = "tools" if body.tools else "text" if format_of(body) is not None else None
+    if param in FIELDS:
+        message = message.replace(param, FIELDS[param])
+    return ApiError(made.status, message, FIELDS.get(param, param), made.code)
+
+
+def format_of(body: ResponsesBody) -> dict | None:
+    """text.format as the chat's response_format (None: plain text)."""
+    fmt = (body.text or {}).get("format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        if "schema" not in fmt:
+            raise ApiError(400, "text.format: a json_schema format needs its schema", "text")
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "output"), "schema": fmt["schema"],
+                                                      "strict": fmt.get("strict")}}
+    raise ApiError(400, f"text.format.type must be text, json_object or json_schema, not {kind!r}", "text")
+
+
+def text_of(content: Any, where: str) -> str:
+    """An input message's content: a string, or a list of text parts (joined by newlines)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in TEXT_PARTS
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "\n".join(p["text"] for p in content)
+    raise ApiError(400, f"{where}.content: a string or a list of text parts (input_text, output_text); other"
+                        " parts are not supported", "input")
+
+
+def messages_of(body: ResponsesBody) -> list[ChatMessage]:
+    """instructions and input as a chat's messages: earlier function calls as an assistant's tool calls
+    (consecutive ones one message), their outputs as tool messages."""
+    messages = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
+    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    for i, item in enumerate(items):
+        where, kind = f"input[{i}]", item.get("type", "message")
+        if kind == "message":
+            role = ROLES.get(item.get("role"))
+            if role is None:
+                raise ApiError(400, f"{where}.role must be user, assistant, system or developer, not"
+                                    f" {item.get('role')!r}", "input")
+            messages.append(ChatMessage(role=role, content=text_of(item.get("content"), where)))
+        elif kind == "function_call":
+            fields = [item.get(name) for name in ("call_id", "name", "arguments")]
+            if not all(isinstance(value, str) for value in fields):
+                raise ApiError(400, f"{where}: a function_call has call_id, name and arguments, strings", "input")
+            call = {"id": fields[0], "type": "function", "function": {"name": fields[1], "arguments": fields[2]}}
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant" and last.tool_calls:
+                last.tool_calls.append(call)
+            else:
+                messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(item.get("call_id"), str) or not isinstance(output, str | list):
+                raise ApiError(400, f"{where}: a function_call_output has call_id and output, strings", "input")
+            messages.append(ChatMessage(role="tool", tool_call_id=item["call_id"],
+                                        content=output if isinstance(output, str) else text_of(output, where)))
+        else:
+            raise ApiError(400, f"{where}.type {kind!r} is not supported (message, function_call,"
+                                " function_call_output)", "input", "unsupported_parameter")
+    if not any(m.role != "system" for m in messages):
+        raise ApiError(400, "input: give at least one message", "input")
+    return messages
+
+
+def chat_tools(body: ResponsesBody) -> tuple[list[dict] | None, str | dict | None]:
+    """The function tools and tool_choice in the chat's form ({"type": "function", "function": {...}})."""
+    tools = []
+    for i, tool in enumerate(body.tools or []):
+        if tool.get("type") != "function":
+            raise ApiError(400, f"tools[{i}].type {tool.get('type')!r} is not supported: function tools only",
+                           "tools", "unsupported_parameter")
+        tools.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise ApiError(400, 'tool_choice: "none", "auto", "required" or {"type": "function", "name": ...}',
+                           "tool_choice")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    return tools or None, choice
+
+
+def chat_body(body: ResponsesBody) -> ChatBody:
+    """The chat that answers `body`."""
+    if body.previous_response_id is not None:
+        raise ApiError(400, "previous_response_id: specdec keeps no responses; send the conversation in input",
+                       "previous_response_id", "unsupported_parameter")
+    for name, neutral in (("top_logprobs", (None, 0)), ("truncation", (None, "disabled")), ("n", (None, 1))):
+        if getattr(body, name) not in neutral:
+            raise ApiError(400, f"{name}={getattr(body, name)!r} is not supported", name, "unsupported_parameter")
+    if body.max_output_tokens is not None and body.max_output_tokens <= 0:
+        raise ApiError(400, f"max_output_tokens must be > 0, not {body.max_output_tokens}", "max_output_tokens")
+    tools, choice = chat_tools(body)
+    shared = {name: getattr(body, name) for name in Body.model_fields
+              if name not in ("max_tokens", "n", "stream", "stream_options", "response_format")}
+    return ChatBody(**shared, messages=messages_of(body), max_completion_tokens=body.max_output_tokens,
+                    response_format=format_of(body), tools=tools, tool_choice=choice,
+                    parallel_tool_calls=body.parallel_tool_calls)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def response_usage(summary: Summary) -> dict:
+    counts = usage(summary)
+    return {"input_tokens": counts["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": counts["prompt_tokens_details"]["cached_tokens"]},
+            "output_tokens": counts["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": counts["total_tokens"]}
+
+
+def message_item(text: str, status: str, item_id: str | None = None) -> dict:
+    return {"type": "message", "id": item_id or new_id("msg"), "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def output_of(choice: dict) -> list[dict]:
+    """A chat choice's message as output items: its text (where it has some, or no calls), then its calls."""
+    message, status = choice["message"], status_of(choice["finish_reason"])
+    calls = message.get("tool_calls") or []
+    items = [message_item(message.get("content") or "", status)] if message.get("content") or not calls else []
+    return items + [{"type": "function_call", "id": new_id("fc"), "call_id": call["id"],
+                     "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+                     "status": "completed"} for call in calls]
+
+
+class Answer:
+    """One response: its fixed fields (`head`) and the object at each state."""
+
+    def __init__(self, body: ResponsesBody, model: str):
+        fmt = (body.text or {}).get("format") or {"type": "text"}
+        self.head = {
+            "id": new_id("resp"), "object": "response", "created_at": int(time.time()), "model": model,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "temperature": body.temperature, "top_p": body.top_p, "tools": body.tools or [],
+            "tool_choice": body.tool_choice or "auto", "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "text": {"format": fmt}, "metadata": body.metadata or {}, "store": False,
+            "previous_response_id": None, "truncation": "disabled", "user": body.user, "reasoning": None,
+        }
+
+    def at(self, status: str, output: list[dict], summary: Summary | None = None) -> dict:
+        return {**self.head, "status": status, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "output": output, "usage": response_usage(summary) if summary else None,
+                **({"specdec": specdec_fields(summary)} if summary else {})}
+
+
+def status_of(finish: str) -> str:
+    """A response's status by its finish_reason: incomplete where the output ran to max_output_tokens."""
+    return "incomplete" if finish == "length" else "completed"
+
+
+async def unary(chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer) -> Response:
+    pieces = []
+    async with contextlib.aclosing(chunks):
+        async for chunk in chunks:
+            pieces.append(chunk.text)
+    finish = FINISH[chunk.finish]
+    output = output_of(reply("".join(pieces), finish, False, True)[0])
+    return JSONResponse(answer.at(status_of(finish), output, chunk.summary),
+                        headers=specdec_headers(chunk.summary))
+
+
+async def events(first: Chunk, chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer,
+                 body: ResponsesBody) -> AsyncIterator[str]:
+    """The Responses API's events: the text's deltas as the rounds bring them (with tools in play, the items
+    whole at the end, once the answer is read back into calls)."""
+    number = itertools.count()
+
+    def sse(kind: str, **data: Any) -> str:
+        payload = json.dumps({"type": kind, "sequence_number": next(number), **data}, separators=(",", ":"))
+        return f"event: {kind}\ndata: {payload}\n\n"
+
+    async with contextlib.aclosing(chunks):
+        try:
+            yield sse("response.created", response=answer.at("in_progress", []))
+            yield sse("response.in_progress", response=answer.at("in_progress", []))
+            streamed = not isinstance(reply, ToolReply)
+            message_id, pieces, chunk = new_id("msg"), [], first
+            if streamed:
+                yield sse("response.output_item.added", output_index=0,
+                          item={**message_item("", "in_progress", message_id), "content": []})
+                yield sse("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
+                          part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+            while True:
+                pieces.append(chunk.text)
+                if streamed and chunk.text:
+                    yield sse("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
+                              delta=chunk.text, logprobs=[])
+                if chunk.summary is not None:
+                    break
+                chunk = await anext(chunks)
+            finish = FINISH[chunk.finish]
+            if streamed:
+                text = "".join(pieces)
+                output = [message_item(text, status_of(finish), message_id)]
+                yield sse("response.output_text.done", item_id=message_id, output_index=0, content_index=0,
+                          text=text, logprobs=[])
+                yield sse("response.content_part.done", item_id=message_id, output_index=0, content_index=0,
+                          part=output[0]["content"][0])
+                yield sse("response.output_item.done", output_index=0, item=output[0])
+            else:
+                output = output_of(reply("".join(pieces), finish, False, True)[0])
+                for index, item in enumerate(output):
+                    yield sse("response.output_item.added", output_index=index,
+                              item={**item, "status": "in_progress",
+                                    **({"content": []} if item["type"] == "message" else {"arguments": ""})})
+                    if item["type"] == "message":
+                        part = item["content"][0]
+                        yield sse("response.content_part.added", item_id=item["id"], output_index=index,
+                                  content_index=0, part={**part, "text": ""})
+                        yield sse("response.output_text.delta", item_id=item["id"], output_index=index,
+                                  content_index=0, delta=part["text"], logprobs=[])
+                        yield sse("response.output_text.done", item_id=item["id"], output_index=index,
+                                  content_index=0, text=part["text"], logprobs=[])
+                        yield sse("response.content_part.done", item_id=item["id"], output_index=index,
+                                  content_index=0, part=part)
+                    else:
+                        yield sse("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                                  delta=item["arguments"])
+                        yield sse("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                  name=item["name"], arguments=item["arguments"])
+                    yield sse("response.output_item.done", output_index=index, item=item)
+            status = status_of(finish)
+            yield sse(f"response.{status}", response=answer.at(status, output, chunk.summary))
+        except (ApiError, *CORE_ERRORS) as e:
+            error = refused(e, body)
+            yield sse("error", code=error.code, message=str(error), param=error.param)
+
+
+def route(api: OpenAIApi) -> Route:
+    async def handle(request: Request) -> Response:
+        body = await parse(request, ResponsesBody, api.max_request_bytes)
+        model = api.model_name(body.model)
+        try:
+            [(generation, reply)] = chat_request(chat_body(body))
+        except (ApiError, *CORE_ERRORS) as e:
+            raise refused(e, body) from e
+        answer = Answer(body, model)
+        chunks = api.coordinator.generate(generation, "/v1/responses",
+                                          traceparent=request.headers.get("traceparent", ""))
+        try:
+            if not body.stream:
+                return await unless_hung_up(request, unary(chunks, reply, answer))
+            try:  # the first round before the response starts: a refusal gets its own status
+                first = await unless_hung_up(request, anext(chunks))
+            except BaseException:
+                await chunks.aclose()
+                raise
+        except CORE_ERRORS as e:
+            raise refused(e, body) from e
+        return EventStream(events(first, chunks, reply, answer, body),
+                           headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+    return Route("/responses", handle, methods=["POST"])
