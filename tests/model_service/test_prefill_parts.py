@@ -172,71 +172,59 @@ def test_the_batcher_answers_a_waiting_call_before_a_long_prompt_in_parts(runner
         runner.sessions.release(session_id)
 
 
-def test_the_batcher_queues_an_unfinished_call_again_first():
-    """A call answered UNFINISHED is passed in again at the next pass, before calls that came later, and
-    its caller hears of it only when it is answered."""
-    passes: list[list[str]] = []
-    left = {"long": 2}
-    started, release = threading.Event(), threading.Event()
+class HeldPasses:
+    """A batcher's run_many over string calls: "long" comes back UNFINISHED twice, the others answered; the
+    first pass is held until `release` is set (`started` says it runs); `passes` records each pass's calls."""
 
-    def run_many(calls):
-        passes.append(list(calls))
-        if len(passes) == 1:
-            started.set()
-            assert release.wait(60)
+    def __init__(self):
+        self.passes: list[list[str]] = []
+        self.left = {"long": 2}
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, calls):
+        self.passes.append(list(calls))
+        if len(self.passes) == 1:
+            self.started.set()
+            assert self.release.wait(60)
         out = []
         for call in calls:
-            if left.get(call, 0):
-                left[call] -= 1
+            if self.left.get(call, 0):
+                self.left[call] -= 1
                 out.append(UNFINISHED)
             else:
                 out.append((call, None))
         return out
 
-    async def main():
-        batcher = Batcher(ModelThread(), run_many, Batching(max_batch=2))
-        first = batcher.enqueue([("l", "long"), ("a", "a1")])
-        assert await asyncio.to_thread(started.wait, 60)  # the first pass runs (held)
-        later = batcher.enqueue([("b", "b1"), ("c", "c1")])  # they wait while the first pass runs
-        release.set()
-        return await asyncio.wait_for(asyncio.gather(*first, *later), 60)
 
-    results = asyncio.run(main())
-    assert [r for r, _ in results] == ["long", "a1", "b1", "c1"]
+def run_held(batching: Batching, first: list, later: list, turn: tuple[int, int] = (0, 0)) -> tuple[list, list]:
+    """`first` queued (of `turn`), its pass held while `later` is queued. -> (the calls' results, the passes)"""
+    run_many = HeldPasses()
+
+    async def main():
+        batcher = Batcher(ModelThread(), run_many, batching)
+        queued = batcher.enqueue(first, turn=turn)
+        assert await asyncio.to_thread(run_many.started.wait, 60)  # the first pass runs (held)
+        waiting = batcher.enqueue(later)  # they wait while the first pass runs
+        run_many.release.set()
+        return await asyncio.wait_for(asyncio.gather(*queued, *waiting), 60)
+
+    return [result for result, _ in asyncio.run(main())], run_many.passes
+
+
+def test_the_batcher_queues_an_unfinished_call_again_first():
+    """A call answered UNFINISHED is passed in again at the next pass, before calls that came later, and
+    its caller hears of it only when it is answered."""
+    results, passes = run_held(Batching(max_batch=2), [("l", "long"), ("a", "a1")], [("b", "b1"), ("c", "c1")])
+    assert results == ["long", "a1", "b1", "c1"]
     assert passes == [["long", "a1"], ["long", "b1"], ["long", "c1"]]
 
 
 def test_an_unfinished_call_of_a_lockstep_turn_is_queued_again_out_of_its_turn():
     """A lockstep turn's call answered UNFINISHED comes back without its turn: its next part shares a pass with
     calls of no turn (or another), and no pass waits for the turn's other calls, which have their answers."""
-    passes: list[list[str]] = []
-    left = {"long": 2}
-    started, release = threading.Event(), threading.Event()
-
-    def run_many(calls):
-        passes.append(list(calls))
-        if len(passes) == 1:
-            started.set()
-            assert release.wait(60)
-        out = []
-        for call in calls:
-            if left.get(call, 0):
-                left[call] -= 1
-                out.append(UNFINISHED)
-            else:
-                out.append((call, None))
-        return out
-
-    async def main():
-        batcher = Batcher(ModelThread(), run_many, Batching(max_batch=4, turn_wait=1.0))
-        turn = batcher.enqueue([("l", "long"), ("a", "a1")], turn=(1, 2))
-        assert await asyncio.to_thread(started.wait, 60)
-        other = batcher.enqueue([("b", "b1")])
-        release.set()
-        return await asyncio.wait_for(asyncio.gather(*turn, *other), 60)
-
-    results = asyncio.run(main())
-    assert [r for r, _ in results] == ["long", "a1", "b1"]
+    results, passes = run_held(Batching(max_batch=4, turn_wait=1.0), [("l", "long"), ("a", "a1")], [("b", "b1")],
+                               turn=(1, 2))
+    assert results == ["long", "a1", "b1"]
     assert passes == [["long", "a1"], ["long", "b1"], ["long"]]
 
 
