@@ -11,7 +11,8 @@ is a `response` object whose `output` holds a `message` item (its `output_text`)
 ran to its limit. Streamed (`"stream": true`): the Responses events (`response.created`, ...,
 `response.output_text.delta` per round that brought text, ..., `response.completed` or
 `response.incomplete`; a failure after the first is an `error` event); with tools in play the items
-come whole at the end, once the answer is read back into calls.
+come as the chat's stream gives them (ToolReply): text as it comes, a named function's arguments as
+they come, other calls each once whole.
 
 specdec keeps no responses: `previous_response_id` is refused (send the conversation in `input`),
 and `store` is answered false. Not supported (400): other item and tool types (images, files,
@@ -20,6 +21,7 @@ built-in tools), `top_logprobs`, `truncation: "auto"`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
@@ -108,7 +110,7 @@ def messages_of(body: ResponsesBody) -> list[ChatMessage]:
     for i, item in enumerate(items):
         where, kind = f"input[{i}]", item.get("type", "message")
         if kind == "message":
-            role = ROLES.get(item.get("role"))
+            role = ROLES.get(item.get("role")) if isinstance(item.get("role"), str) else None
             if role is None:
                 raise ApiError(400, f"{where}.role must be user, assistant, system or developer, not"
                                     f" {item.get('role')!r}", "input")
@@ -119,8 +121,8 @@ def messages_of(body: ResponsesBody) -> list[ChatMessage]:
                 raise ApiError(400, f"{where}: a function_call has call_id, name and arguments, strings", "input")
             call = {"id": fields[0], "type": "function", "function": {"name": fields[1], "arguments": fields[2]}}
             last = messages[-1] if messages else None
-            if last is not None and last.role == "assistant" and last.tool_calls:
-                last.tool_calls.append(call)
+            if last is not None and last.role == "assistant":  # (its text and calls: one turn, as the chat's)
+                last.tool_calls = [*(last.tool_calls or []), call]
             else:
                 messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
         elif kind == "function_call_output":
@@ -179,7 +181,8 @@ def new_id(prefix: str) -> str:
 def response_usage(summary: Summary) -> dict:
     counts = usage(summary)
     return {"input_tokens": counts["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": counts["prompt_tokens_details"]["cached_tokens"]},
+            "input_tokens_details": {"cached_tokens": counts["prompt_tokens_details"]["cached_tokens"],
+                                     "cache_write_tokens": 0},
             "output_tokens": counts["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": counts["total_tokens"]}
 
@@ -191,12 +194,13 @@ def message_item(text: str, status: str, item_id: str | None = None) -> dict:
 
 def output_of(choice: dict) -> list[dict]:
     """A chat choice's message as output items: its text (where it has some, or no calls), then its calls."""
-    message, status = choice["message"], status_of(choice["finish_reason"])
+    message = choice["message"]
     calls = message.get("tool_calls") or []
-    items = [message_item(message.get("content") or "", status)] if message.get("content") or not calls else []
-    return items + [{"type": "function_call", "id": new_id("fc"), "call_id": call["id"],
-                     "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-                     "status": "completed"} for call in calls]
+    items = [message_item(message.get("content") or "", "completed")] if message.get("content") or not calls else []
+    items += [{"type": "function_call", "id": new_id("fc"), "call_id": call["id"], "name": call["function"]["name"],
+               "arguments": call["function"]["arguments"], "status": "completed"} for call in calls]
+    items[-1]["status"] = status_of(choice["finish_reason"])  # (the last, cut at max_output_tokens: incomplete)
+    return items
 
 
 class Answer:
@@ -236,10 +240,77 @@ async def unary(chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer) -> R
                         headers=specdec_headers(chunk.summary))
 
 
+class Items:
+    """A streamed answer's output items, made from its chat reply's streamed deltas (chat_choice's text;
+    ToolReply's text as it comes and its calls, a named function's arguments as they come, others' once
+    whole): a message item opened at the first text, a function_call item at each new call, each item
+    closed (its .done events) when the next opens or the answer ends. -> the events' (type, fields)"""
+
+    def __init__(self):
+        self.output: list[dict] = []
+        self.open: dict | None = None
+        self.calls: dict[int, dict] = {}  # the chat's tool call index -> its item
+
+    def feed(self, delta: dict) -> list[tuple[str, dict]]:
+        out = []
+        if delta.get("content"):
+            if self.open is None or self.open["type"] != "message":
+                out += self._close("completed") + self._begin(message_item("", "in_progress"))
+            item, text = self.open, delta["content"]
+            item["content"][0]["text"] += text
+            out.append(("response.output_text.delta", {**self._at(item), "content_index": 0, "delta": text,
+                                                        "logprobs": []}))
+        for entry in delta.get("tool_calls") or []:
+            function = entry.get("function") or {}
+            item = self.calls.get(entry["index"])
+            if item is None:
+                item = {"type": "function_call", "id": new_id("fc"), "call_id": entry.get("id") or new_id("call"),
+                        "name": function.get("name", ""), "arguments": "", "status": "in_progress"}
+                self.calls[entry["index"]] = item
+                out += self._close("completed") + self._begin(item)
+            if function.get("arguments"):
+                item["arguments"] += function["arguments"]
+                out.append(("response.function_call_arguments.delta", {**self._at(item),
+                                                                        "delta": function["arguments"]}))
+        return out
+
+    def end(self, status: str) -> list[tuple[str, dict]]:
+        """The last item closed with the answer's status (an answer with none: an empty message)."""
+        out = [] if self.output else self._begin(message_item("", "in_progress"))
+        return out + self._close(status)
+
+    def _at(self, item: dict) -> dict:
+        return {"item_id": item["id"], "output_index": self.output.index(item)}
+
+    def _begin(self, item: dict) -> list[tuple[str, dict]]:
+        self.output.append(item)
+        self.open = item
+        shown = {**item, "content": []} if item["type"] == "message" else item
+        out = [("response.output_item.added", {"output_index": len(self.output) - 1, "item": dict(shown)})]
+        if item["type"] == "message":
+            out.append(("response.content_part.added", {**self._at(item), "content_index": 0,
+                                                         "part": {**item["content"][0], "text": ""}}))
+        return out
+
+    def _close(self, status: str) -> list[tuple[str, dict]]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        item["status"] = status
+        if item["type"] == "message":
+            part = item["content"][0]
+            out = [("response.output_text.done", {**self._at(item), "content_index": 0, "text": part["text"],
+                                                  "logprobs": []}),
+                   ("response.content_part.done", {**self._at(item), "content_index": 0, "part": part})]
+        else:
+            out = [("response.function_call_arguments.done", {**self._at(item), "name": item["name"],
+                                                              "arguments": item["arguments"]})]
+        return out + [("response.output_item.done", {"output_index": self.output.index(item), "item": item})]
+
+
 async def events(first: Chunk, chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer,
                  body: ResponsesBody) -> AsyncIterator[str]:
-    """The Responses API's events: the text's deltas as the rounds bring them (with tools in play, the items
-    whole at the end, once the answer is read back into calls)."""
+    """The Responses API's events, numbered: the items as the rounds bring them (Items)."""
     number = itertools.count()
 
     def sse(kind: str, **data: Any) -> str:
@@ -250,57 +321,29 @@ async def events(first: Chunk, chunks: AsyncIterator[Chunk], reply: Reply, answe
         try:
             yield sse("response.created", response=answer.at("in_progress", []))
             yield sse("response.in_progress", response=answer.at("in_progress", []))
-            streamed = not isinstance(reply, ToolReply)
-            message_id, pieces, chunk = new_id("msg"), [], first
-            if streamed:
-                yield sse("response.output_item.added", output_index=0,
-                          item={**message_item("", "in_progress", message_id), "content": []})
-                yield sse("response.content_part.added", item_id=message_id, output_index=0, content_index=0,
-                          part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+            items, chunk, opened = Items(), first, False
             while True:
-                pieces.append(chunk.text)
-                if streamed and chunk.text:
-                    yield sse("response.output_text.delta", item_id=message_id, output_index=0, content_index=0,
-                              delta=chunk.text, logprobs=[])
+                finish = None if chunk.finish is None else FINISH[chunk.finish]
+                for choice in reply(chunk.text, finish, True, not opened):
+                    for kind, data in items.feed(choice["delta"]):
+                        yield sse(kind, **data)
+                opened = True
                 if chunk.summary is not None:
                     break
                 chunk = await anext(chunks)
-            finish = FINISH[chunk.finish]
-            if streamed:
-                text = "".join(pieces)
-                output = [message_item(text, status_of(finish), message_id)]
-                yield sse("response.output_text.done", item_id=message_id, output_index=0, content_index=0,
-                          text=text, logprobs=[])
-                yield sse("response.content_part.done", item_id=message_id, output_index=0, content_index=0,
-                          part=output[0]["content"][0])
-                yield sse("response.output_item.done", output_index=0, item=output[0])
-            else:
-                output = output_of(reply("".join(pieces), finish, False, True)[0])
-                for index, item in enumerate(output):
-                    yield sse("response.output_item.added", output_index=index,
-                              item={**item, "status": "in_progress",
-                                    **({"content": []} if item["type"] == "message" else {"arguments": ""})})
-                    if item["type"] == "message":
-                        part = item["content"][0]
-                        yield sse("response.content_part.added", item_id=item["id"], output_index=index,
-                                  content_index=0, part={**part, "text": ""})
-                        yield sse("response.output_text.delta", item_id=item["id"], output_index=index,
-                                  content_index=0, delta=part["text"], logprobs=[])
-                        yield sse("response.output_text.done", item_id=item["id"], output_index=index,
-                                  content_index=0, text=part["text"], logprobs=[])
-                        yield sse("response.content_part.done", item_id=item["id"], output_index=index,
-                                  content_index=0, part=part)
-                    else:
-                        yield sse("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                  delta=item["arguments"])
-                        yield sse("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                  name=item["name"], arguments=item["arguments"])
-                    yield sse("response.output_item.done", output_index=index, item=item)
             status = status_of(finish)
-            yield sse(f"response.{status}", response=answer.at(status, output, chunk.summary))
+            for kind, data in items.end(status):
+                yield sse(kind, **data)
+            yield sse(f"response.{status}", response=answer.at(status, items.output, chunk.summary))
         except (ApiError, *CORE_ERRORS) as e:
             error = refused(e, body)
             yield sse("error", code=error.code, message=str(error), param=error.param)
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # (this stream is being closed: nobody reads on)
+                raise
+            # a model service's call cancelled under it (the server stopping), as the chat's stream says it
+            yield sse("error", code="unavailable", message="a model service call was cancelled (the server is"
+                                                           " stopping?)", param=None)
 
 
 def route(api: OpenAIApi) -> Route:

@@ -149,6 +149,7 @@ def test_responses_text_format_is_the_chats_response_format(client):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x"}]}]}, "input"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
     ({"input": [{"role": "wizard", "content": "hi"}]}, "input"),
+    ({"input": [{"role": ["user"], "content": "hi"}]}, "input"),
     ({"input": []}, "input"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input"),
     ({"tools": [{"type": "web_search"}]}, "tools"),

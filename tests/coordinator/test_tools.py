@@ -486,14 +486,20 @@ def test_responses_call_functions_as_the_chat_does(client):
     assert [(item.type, item.name, item.arguments, item.call_id) for item in done] == [
         (item.type, item.name, item.arguments, item.call_id) for item in events[-1].response.output]
     assert [(item.name, item.arguments) for item in done] == [("weather", call.arguments)]
-    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+    deltas = [event.delta for event in events if event.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == call.arguments  # (a named function's arguments as they come)
+    cut = client.responses.create(**{**asked, "max_output_tokens": 3})
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert [(item.type, item.status) for item in cut.output] == [("function_call", "incomplete")]
+    history = [*MESSAGES, {"role": "assistant", "content": "Let me add.", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a":2}'}}]},
                {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
     answered = client.chat.completions.create(model="target", messages=history, tools=TOOLS, max_tokens=24,
                                               temperature=0.0)
     chat = answered.choices[0].message
     reply = client.responses.create(model="target", tools=RESPONSE_TOOLS, max_output_tokens=24, temperature=0.0, input=[
-        MESSAGES[0], {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a":2}'},
+        MESSAGES[0], {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me add."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a":2}'},
         {"type": "function_call_output", "call_id": "call_1", "output": "5"}])
     assert reply.usage.input_tokens == answered.usage.prompt_tokens  # (the same conversation, rendered alike)
     assert reply.output_text == (chat.content or "")
