@@ -83,7 +83,9 @@ def parse_args(argv=None, prog: str = "python -m coordinator"):
                         help="new tokens per request when a request does not say")
     parser.add_argument("--peer-timeout", type=float, default=300.0,
                         help="seconds to wait at start-up for the model services to be SERVING")
-    parser.add_argument("--call-timeout", type=float, default=60.0, help="deadline of each call to a model service")
+    parser.add_argument("--call-timeout", type=float, default=60.0,
+                        help="deadline of each call to a model service, and 0.02 s more for each token a call feeds"
+                             " (a long prompt's prefill)")
     parser.add_argument("--peer-calls", choices=["stream", "unary"], default="stream",
                         help="per-round calls to the model services: one stream per generation, or unary calls")
     add_dial_flags(parser, "peer-tls", "the draft and target services")

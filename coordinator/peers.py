@@ -65,6 +65,11 @@ class TurnMethods(NamedTuple):
 # gRPC core's own details for a call whose connection the service dropped mid-call (it was killed
 # or restarted): core reports INTERNAL, though the service never answered, so the call failed as
 # one to an unavailable service does (seen when a lone target restarts during a prefill)
+# seconds a per-round call is given beyond the call timeout for each token it feeds: thousands of prompt tokens
+# take tens of seconds on a few CPU cores (an 8,170-token prompt's int4 prefill 30-62 s on 2 busy cores, past the
+# default 60 s: the replica was taken out and the session started again elsewhere)
+FEED_SECONDS = 0.02
+
 DROPPED = ("Internal error from Core", "Received RST_STREAM", "GOAWAY received")
 
 
@@ -124,6 +129,11 @@ class Peer:
         except Exception as e:  # noqa: BLE001 - not a status from the service (its channel closed...)
             raise self.broken(e) from None
 
+    def deadline(self, *requests) -> float:
+        """A per-round call's deadline: the call timeout, and FEED_SECONDS more for each token the requests feed
+        (a long prompt's prefill is work, not a hung service)."""
+        return self.timeout + FEED_SECONDS * sum(len(getattr(request, "append", ())) for request in requests)
+
     def failed(self, error: grpc.aio.AioRpcError) -> PeerError:
         """An RPC error of a call to this service, as the PeerError naming it."""
         return PeerError(self, error.code(), error.details() or "")
@@ -145,6 +155,7 @@ class Peer:
     async def _step(self, unary, streaming, session_id: str, request):
         if not self.streaming:
             return await self._unary(unary, request)
+        limit = self.deadline(request)
         stream = self.streams.get(session_id)
         if stream is None:
             stream = self.streams[session_id] = streaming()
@@ -154,7 +165,7 @@ class Peer:
             # not asyncio.wait_for: on Python 3.11 it returns a read that completes as its caller is
             # cancelled and drops the cancel (CPython gh-86296), so a client's deadline could go
             # unnoticed and its generation run to the end
-            async with asyncio.timeout(self.timeout) as deadline:
+            async with asyncio.timeout(limit) as deadline:
                 await stream.write(request)
                 if FAULT_HOOK:
                     await held(deadline, self, "read", request.start)
@@ -165,7 +176,7 @@ class Peer:
         except asyncio.TimeoutError:
             self.streams.pop(session_id, None)
             stream.cancel()
-            raise PeerError(self, grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {self.timeout:g} s") from None
+            raise PeerError(self, grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {limit:g} s") from None
         except asyncio.CancelledError:  # its answer, should one come, would be taken for the next call's
             self.streams.pop(session_id, None)
             stream.cancel()
@@ -189,18 +200,19 @@ class Peer:
 
     async def _unary(self, unary, request):
         """A per-round call as a unary RPC."""
+        limit = self.deadline(request)
         if not FAULT_HOOK:
-            return await self.call(unary, request)
+            return await self.call(unary, request, limit)
         await moment(self, "write", request.start)
         try:
-            async with asyncio.timeout(self.timeout) as deadline:  # (a gRPC deadline would count the hook's wait)
+            async with asyncio.timeout(limit) as deadline:  # (a gRPC deadline would count the hook's wait)
                 call = unary(request)
                 await held(deadline, self, "read", request.start)
                 reply = await call
         except grpc.aio.AioRpcError as e:
             raise self.failed(e) from None
         except asyncio.TimeoutError:
-            raise PeerError(self, grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {self.timeout:g} s") from None
+            raise PeerError(self, grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {limit:g} s") from None
         except Exception as e:  # noqa: BLE001 - as in `call`
             raise self.broken(e) from None
         await moment(self, "done", request.start)
@@ -272,18 +284,18 @@ class Peer:
             return list(await asyncio.gather(
                 *(self._step(methods.unary, methods.streaming, r.session_id, r) for r in requests),
                 return_exceptions=True))
-        start = any(r.start for r in requests)
+        start, limit = any(r.start for r in requests), self.deadline(*requests)
         try:
             if not FAULT_HOOK:
-                reply = await methods.batch(methods.batch_type(calls=requests), timeout=self.timeout)
+                reply = await methods.batch(methods.batch_type(calls=requests), timeout=limit)
             else:
                 await moment(self, "write", start)
-                async with asyncio.timeout(self.timeout) as deadline:  # as in _unary
+                async with asyncio.timeout(limit) as deadline:  # as in _unary
                     call = methods.batch(methods.batch_type(calls=requests))
                     await held(deadline, self, "read", start)
                     reply = await call
         except asyncio.TimeoutError:
-            error = PeerError(self, grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {self.timeout:g} s")
+            error = PeerError(self, grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer in {limit:g} s")
             return [error] * len(requests)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # a service from before batch RPCs

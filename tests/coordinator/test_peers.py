@@ -8,7 +8,8 @@ import asyncio
 import grpc
 import pytest
 
-from coordinator.peers import GrpcDraft, PeerError
+from coordinator.peers import FEED_SECONDS, GrpcDraft, PeerError
+from specdec.v1 import specdec_pb2 as pb
 
 
 class FinishedStream:
@@ -119,6 +120,31 @@ def test_a_hung_stream_meets_the_call_deadline():
             with pytest.raises(PeerError) as e:
                 await peer._step(None, lambda: stream, "s1", object())
             assert "s1" not in peer.streams and stream.cancelled
+            return e.value
+        finally:
+            await peer.channel.close()
+
+    assert asyncio.run(go()).code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_a_call_that_feeds_a_long_prompt_has_time_for_it():
+    """The deadline grows with the tokens a call feeds (FEED_SECONDS each): a prefill of thousands of tokens
+    on a few CPU cores is not a hung service. A call feeding nothing still meets the call timeout."""
+
+    class Answering(OpenStream):
+        async def read(self):
+            self.reading.set()
+            await asyncio.sleep(0.3)  # (the service's work: longer than the call timeout)
+            return "answer"
+
+    async def go():
+        peer = GrpcDraft("127.0.0.1:1", timeout=0.05)
+        try:
+            long = pb.ProposeRequest(session_id="s1", append=list(range(100)))  # 0.05 + 100 x 0.02 = 2.05 s
+            assert peer.deadline(long) == pytest.approx(0.05 + 100 * FEED_SECONDS)
+            assert await peer._step(None, Answering, "s1", long) == "answer"
+            with pytest.raises(PeerError) as e:
+                await peer._step(None, Answering, "s2", pb.ProposeRequest(session_id="s2"))
             return e.value
         finally:
             await peer.channel.close()
