@@ -250,7 +250,7 @@ FEW_SUPPORT_ENTRIES = 32
 
 def _check_many(tokens: list[int] | int, sizes: list[int], ids: np.ndarray, probs: np.ndarray, vocab: int) -> None:
     """check_supports' checks of the values (ids in the vocabulary, q finite, non-negative and summing to 1
-    at each position, each draft token in its q), over numpy arrays."""
+    at each position, each id once at a position, each draft token in its q), over numpy arrays."""
     if ids.min() < 0 or ids.max() >= vocab:
         raise InvalidRequest(f"support ids must lie in [0, {vocab})")
     if not np.all(np.isfinite(probs)) or probs.min() < 0:
@@ -261,6 +261,10 @@ def _check_many(tokens: list[int] | int, sizes: list[int], ids: np.ndarray, prob
     if off.any():
         i = int(off.argmax())
         raise InvalidRequest(f"draft probabilities at position {i} sum to {mass[i]:.6f}, not 1")
+    keys = np.sort(np.repeat(np.arange(len(sizes), dtype=np.int64), sizes) * vocab + ids)  # (position, id) pairs
+    repeated = keys[1:][keys[1:] == keys[:-1]]
+    if repeated.size:  # (q(x) would be ambiguous)
+        raise InvalidRequest(f"support ids repeat at position {int(repeated.min() // vocab)}: each id once")
     if not isinstance(tokens, int):
         owner = np.repeat(np.asarray(tokens, dtype=np.int64), sizes)  # each support entry's draft token
         found = np.logical_or.reduceat((ids == owner) & (probs > 0), starts)
@@ -284,6 +288,9 @@ def _check_few(tokens: list[int] | int, sizes: list[int], ids: np.ndarray, probs
         mass = sum(p_list[a:b])  # (float64, in order, as numpy's reduceat sums)
         if abs(mass - 1.0) > 1e-3:
             raise InvalidRequest(f"draft probabilities at position {i} sum to {mass:.6f}, not 1")
+    for i, (a, b) in enumerate(bounds):
+        if len(set(id_list[a:b])) != b - a:
+            raise InvalidRequest(f"support ids repeat at position {i}: each id once")
     if not isinstance(tokens, int):
         for i, (a, b) in enumerate(bounds):
             if not any(id_list[j] == tokens[i] and p_list[j] > 0 for j in range(a, b)):

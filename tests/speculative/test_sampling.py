@@ -189,12 +189,13 @@ def test_supports_round_trip_and_validation():
 def test_few_and_many_support_entries_are_checked_alike():
     """check_supports checks a proposal of at most FEW_SUPPORT_ENTRIES entries in plain Python, more with numpy:
     over random supports, valid and with one fault each (an id out of the vocabulary, a negative, NaN or
-    infinite probability, a position whose q does not sum to 1, a draft token absent from its q or of q 0),
+    infinite probability, a position whose q does not sum to 1, an id twice at a position, a draft token absent
+    from its q or of q 0),
     the two ways pass or fail alike, with the same message; and check_supports takes each way by size."""
     from speculative import sampling
 
     g = torch.Generator().manual_seed(31)
-    faults = ["none", "id", "negative", "nan", "inf", "sum", "absent", "zero"]
+    faults = ["none", "id", "negative", "nan", "inf", "sum", "repeat", "absent", "zero"]
     outcomes = {}
     for case in range(400):
         k = int(torch.randint(1, 6, (1,), generator=g))
@@ -209,6 +210,10 @@ def test_few_and_many_support_entries_are_checked_alike():
             q_probs[i][0] = {"negative": -0.5, "nan": float("nan"), "inf": float("inf")}[fault]
         elif fault == "sum":
             q_probs[i] = q_probs[i] * 0.5
+        elif fault == "repeat":  # (the id twice, each with half its probability)
+            q_ids[i] = torch.cat([q_ids[i][:1], q_ids[i]])
+            q_probs[i] = torch.cat([q_probs[i][:1] / 2, q_probs[i][:1] / 2, q_probs[i][1:]])
+            sizes[i] += 1
         elif fault == "absent":
             tokens[i] = next(t for t in range(V) if t not in q_ids[i].tolist())
         elif fault == "zero":
