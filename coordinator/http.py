@@ -392,6 +392,8 @@ def chat_request(body: ChatBody) -> list[tuple[GenerationRequest, Reply]]:
         raise ApiError(400, f"max_completion_tokens must be > 0, not {body.max_completion_tokens}",
                        "max_completion_tokens")
     for i, m in enumerate(body.messages):
+        if m.role == "developer":  # (OpenAI's newer name for the system's instructions; templates know system)
+            m.role = "system"
         parts = [ContentPart(type="text", text=m.content)] if isinstance(m.content, str) else m.content or []
         if any(p.type != "text" for p in parts):
             raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")

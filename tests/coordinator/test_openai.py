@@ -102,6 +102,15 @@ def test_a_chat_refused_names_the_field_it_was_given_and_bounds_hold_as_the_wire
     assert status == 200, answer
 
 
+def test_a_developer_message_is_a_system_one(client, stub):
+    """OpenAI's role developer (its newer clients' name for the instructions) is read as system."""
+    expected = grpc_text(stub, messages=QUESTION, max_new_tokens=12)
+    reply = client.chat.completions.create(model="target", max_tokens=12, temperature=0, messages=[
+        {"role": "developer", "content": QUESTION[0][1]}, {"role": "user", "content": QUESTION[1][1]}])
+    assert reply.choices[0].message.content == expected.text
+    assert reply.usage.prompt_tokens == expected.stats.prompt_tokens
+
+
 def test_responses_answer_as_the_chat_does_unary_and_streamed(client, stub):
     """POST /v1/responses: instructions and input are a chat's messages; output_text, status and usage are
     the chat's (gRPC's) answer's; streamed, numbered Responses events whose deltas add up to it."""
