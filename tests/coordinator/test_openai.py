@@ -102,6 +102,13 @@ def test_a_chat_refused_names_the_field_it_was_given_and_bounds_hold_as_the_wire
     assert status == 200, answer
 
 
+def test_a_body_after_a_byte_order_mark_is_read(api, stub):
+    expected = grpc_text(stub, prompt=PROMPT, max_new_tokens=4)
+    status, answer = post(api, "/v1/completions", b"\xef\xbb\xbf" + json.dumps(
+        {"model": "target", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}).encode())
+    assert status == 200 and answer["choices"][0]["text"] == expected.text, answer
+
+
 def test_a_developer_message_is_a_system_one(client, stub):
     """OpenAI's role developer (its newer clients' name for the instructions) is read as system."""
     expected = grpc_text(stub, messages=QUESTION, max_new_tokens=12)
