@@ -82,7 +82,7 @@ class PeerError(Exception):
         self.code, self.details = code, details
         if code == grpc.StatusCode.UNAVAILABLE:
             message = f"{peer.name} service at {peer.address} is unavailable: {details}"
-        elif code == grpc.StatusCode.INVALID_ARGUMENT:  # the client's request: the service's address is no help
+        elif code == grpc.StatusCode.INVALID_ARGUMENT and details:  # the request's fault: no help in an address
             message = details
         else:
             message = f"{peer.name} service at {peer.address}: {details}"

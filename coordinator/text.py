@@ -46,9 +46,9 @@ class TextStream:
             self.text += after[len(before) :]
             self._prefix, self._read = self._read, len(self.ids)
             if self.stop and self.added > self.min_tokens:
-                longest = max(map(len, self.stop))
-                start = max(0, old - longest + 1)
-                hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+                # each stop string where it would end in the new text (one that ended before it was looked
+                # for then, or came within min_tokens: not a stop)
+                hits = [i for i in (self.text.find(s, max(0, old - len(s) + 1)) for s in self.stop) if i >= 0]
                 if hits:
                     self.text = self.text[: min(hits)]
                     self.stopped = True

@@ -77,6 +77,7 @@ class Waiting(NamedTuple):
     loop: asyncio.AbstractEventLoop
     turn: int = 0  # the coordinator's lockstep turn it came in (0: none), and that turn's number of calls
     turn_size: int = 0
+    again: bool = False  # queued again for its next part (its turn-mates answered: nothing to wait for)
 
 
 class Batcher:
@@ -137,7 +138,7 @@ class Batcher:
             self.deadline = None
             return None
         head = self.waiting[0]
-        if head.turn:  # the rest of its lockstep turn is on its way
+        if head.turn and not head.again:  # the rest of its lockstep turn is on its way (not for a part's next)
             want, wait = head.turn_size, self.turn_wait
             have = sum(item.turn == head.turn for item in self.waiting)
         elif self.wait and self.at_work is not None:  # the rest of a group of sessions is likely a moment away
@@ -173,10 +174,8 @@ class Batcher:
         def run() -> Any:
             results = self.run_many([item.call for item in batch])
             if isinstance(results, list) and len(results) == len(batch):
-                # out of its lockstep turn, if any (its turn-mates have their answers: waiting for them, or
-                # taking that turn's calls only, would hold the part and the others apart)
-                again = [item._replace(turn=0, turn_size=0) for item, result in zip(batch, results)
-                         if result is UNFINISHED]
+                # (in its lockstep turn, if any, with the turn's calls not yet served; not waited for: ready)
+                again = [item._replace(again=True) for item, result in zip(batch, results) if result is UNFINISHED]
                 if again:  # first in the next pass (taken on this thread, before the loop hears of this one)
                     with self.thread.cond:
                         self.waiting.extendleft(reversed(again))

@@ -52,8 +52,8 @@ def test_min_tokens_holds_stop_strings_off_for_its_tokens(tokenizer):
     semis = [n for n, t in enumerate(ids) if tokenizer.decode(ids[: n + 1]).endswith(";")]
     assert len(semis) == 3  # (the test can fail)
 
-    def stopped_at(stop: str, min_tokens: int) -> str | None:
-        s = TextStream(tokenizer, [stop], min_tokens=min_tokens)
+    def stopped_at(stop: str | list[str], min_tokens: int) -> str | None:
+        s = TextStream(tokenizer, [stop] if isinstance(stop, str) else stop, min_tokens=min_tokens)
         for t in ids:
             s.add(t)
             if s.stopped:
@@ -65,6 +65,8 @@ def test_min_tokens_holds_stop_strings_off_for_its_tokens(tokenizer):
     assert stopped_at(";", semis[2] + 1) is None
     before = next(n for n in range(len(ids)) if tokenizer.decode(ids[: n + 1]).endswith("; b"))
     assert stopped_at("; b;", before) == "a"  # begun within min_tokens, completed after them
+    # a shorter stop string beside a longer one: the first ";" came within min_tokens, not a stop later either
+    assert stopped_at([";", "a much longer stop"], semis[0] + 1) == "a; b"
 
 
 def sentencepiece_like() -> PreTrainedTokenizerFast:

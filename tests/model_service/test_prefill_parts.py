@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from model_service import features
-from model_service.batcher import PREFILL_CHUNK, UNFINISHED, Batcher, Batching, prefill_chunk_for
+from model_service.batcher import PREFILL_CHUNK, UNFINISHED, Batcher, Batching, Waiting, prefill_chunk_for
 from model_service.engines import TargetEngine
 from model_service.model_runner import ModelRunner
 from model_service.threads import ModelThread
@@ -219,13 +219,21 @@ def test_the_batcher_queues_an_unfinished_call_again_first():
     assert passes == [["long", "a1"], ["long", "b1"], ["long", "c1"]]
 
 
-def test_an_unfinished_call_of_a_lockstep_turn_is_queued_again_out_of_its_turn():
-    """A lockstep turn's call answered UNFINISHED comes back without its turn: its next part shares a pass with
-    calls of no turn (or another), and no pass waits for the turn's other calls, which have their answers."""
-    results, passes = run_held(Batching(max_batch=4, turn_wait=1.0), [("l", "long"), ("a", "a1")], [("b", "b1")],
-                               turn=(1, 2))
-    assert results == ["long", "a1", "b1"]
-    assert passes == [["long", "a1"], ["long", "b1"], ["long"]]
+def test_an_unfinished_call_of_a_lockstep_turn_is_not_held_for_its_turn_mates():
+    """A lockstep turn's call answered UNFINISHED comes back in its turn (its next parts take the turn's calls
+    not yet served, none of another), but the pass for its next part does not wait for turn-mates: those it
+    shared its first pass with have their answers."""
+    results, passes = run_held(Batching(max_batch=2, turn_wait=1.0), [("l", "long"), ("a", "a1"), ("c", "c1")],
+                               [("b", "b1")], turn=(1, 3))
+    assert results == ["long", "a1", "c1", "b1"]
+    assert passes == [["long", "a1"], ["long", "c1"], ["long"], ["b1"]]
+    batcher = Batcher(ModelThread(), lambda calls: calls, Batching(turn_wait=1.0))
+    part = Waiting("l", "long", None, None, 1, 3)
+    future = type("Pending", (), {"done": lambda self: False})()
+    batcher.waiting.append(part._replace(future=future, again=True))
+    assert isinstance(batcher.ready(now=0.0), list)  # taken at once
+    batcher.waiting.append(part._replace(future=future))
+    assert batcher.ready(now=0.0) == 1.0  # a turn's first call waits for its mates
 
 
 def test_the_target_service_feeds_long_prompts_in_parts(runner):
