@@ -896,6 +896,32 @@ class RequireApiKey:
         await self.app(scope, receive, send)
 
 
+class AnswerPastGrace:
+    """ASGI middleware: a request the server cancels because its stop's grace ran out (uvicorn cancels what is
+    left) gets OpenAI's error object, 503, where no response has started (uvicorn would send a bare 500); a
+    stream already under way is cut (operations.md, Shutdown)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        started = False
+
+        async def sending(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except asyncio.CancelledError:
+            if scope["type"] != "http" or started:
+                raise
+            refused = ApiError(503, "the server is stopping (its shutdown grace ran out): retry on another replica",
+                               code="unavailable")
+            await refused.response()(scope, receive, send)
+
+
 def app(coordinator: Coordinator, api_key: str | None = None,
         max_request_bytes: int = MAX_REQUEST_BYTES) -> Starlette:
     """The ASGI application: /v1/* (behind `api_key` if given), /health, /metrics."""
@@ -925,6 +951,7 @@ def app(coordinator: Coordinator, api_key: str | None = None,
         routes=[Mount("/v1", routes=v1, middleware=[Middleware(RequireApiKey, key=api_key)] if api_key else []),
                 *keyed, *open_routes],
         exception_handlers={kind: refusal for kind in handled},
+        middleware=[Middleware(AnswerPastGrace)],
     )
 
 

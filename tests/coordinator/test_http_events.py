@@ -80,3 +80,39 @@ def test_the_usage_says_the_prompt_tokens_taken_cached_once_a_prompt():
     both = together([made(30, 24), made(30, 24), made(50, 0), made(50, 40)], 2)
     assert usage(both) == {"prompt_tokens": 80, "completion_tokens": 8, "total_tokens": 88,
                            "prompt_tokens_details": {"cached_tokens": 24}}
+
+
+@pytest.mark.parametrize("started", [False, True])
+def test_a_request_cancelled_past_the_shutdown_grace_is_a_503_where_nothing_was_sent(started):
+    """uvicorn cancels the requests left when a stop's grace runs out: one that has sent nothing gets OpenAI's
+    error object, 503 (uvicorn would send a bare 500); a stream under way is cut (the cancel goes on)."""
+    from coordinator.http import AnswerPastGrace
+
+    async def application(scope, receive, send):
+        if started:
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise asyncio.CancelledError
+
+    async def go():
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        async def receive():
+            return {"type": "http.disconnect"}
+
+        try:
+            await AnswerPastGrace(application)({"type": "http", "method": "POST", "path": "/v1/completions",
+                                                "headers": []}, receive, send)
+        except asyncio.CancelledError:
+            return None
+        return sent
+
+    sent = asyncio.run(go())
+    if started:
+        assert sent is None
+        return
+    assert sent[0]["status"] == 503
+    body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    assert body["error"]["code"] == "unavailable" and "stopping" in body["error"]["message"]
