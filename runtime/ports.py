@@ -22,6 +22,8 @@ def free_port(preferred: int = 0, host: str = "127.0.0.1") -> int:
     for port in (preferred, 0) if preferred else (0,):
         for _ in range(64):
             with socket.socket() as s:
+                if port:  # (as the servers bind it: a port whose last connections linger in TIME_WAIT is free)
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
                     s.bind((host, port))
                 except OSError:

@@ -25,3 +25,23 @@ def test_a_preferred_port_is_given_where_free_and_another_where_taken():
         assert other != port
         with socket.socket() as s:
             s.bind(("127.0.0.1", other))
+
+
+def test_a_preferred_port_whose_last_connection_lingers_in_time_wait_is_free():
+    """A stack stopped and started again on the same port: the port's closed connections sit in TIME_WAIT,
+    which servers bind over (SO_REUSEADDR); the probe took the port for taken and the launcher moved to
+    another (an explicit --http-port ignored)."""
+    port = free_port()
+    with socket.create_server(("127.0.0.1", port)) as server:
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = server.accept()
+            accepted.close()  # (the server's side closes first: its end lingers in TIME_WAIT)
+            assert client.recv(1) == b""
+    with socket.socket() as plain:  # (the test can fail: a bind without SO_REUSEADDR is refused)
+        try:
+            plain.bind(("127.0.0.1", port))
+            lingering = False
+        except OSError:
+            lingering = True
+    assert lingering
+    assert free_port(port) == port
