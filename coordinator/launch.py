@@ -30,7 +30,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -368,8 +367,11 @@ def _serve(stack: LocalStack, args) -> int:
             print(f"OpenAI-compatible API: {stack.http_url}/v1 (e.g. curl -N {stack.http_url}/v1/chat/completions"
                   """ -H 'Content-Type: application/json' -d '{"messages": [{"role": "user", "content": "Hi"}],"""
                   """ "stream": true}')""", flush=True)
-        if not args.demo:
-            threading.Event().wait()  # until Ctrl-C or SIGTERM (KeyboardInterrupt)
+        if not args.demo:  # until Ctrl-C or SIGTERM (KeyboardInterrupt), or the coordinator ends (nothing serves)
+            ended = stack.procs["coordinator"].wait()
+            print(f"the coordinator exited (code {ended}): stopping the services", flush=True)
+            print(f"services stopped (exit codes {stack.stop()})", flush=True)
+            return 1 if ended else 0
         flags = ["--addr", stack.addr, *stack.client_flags, *([] if args.no_chat else ["--chat"]), "--stream",
                  "--stats", "--temperature", "0", "--max-new-tokens", "128"]
         cmd = [sys.executable, "-m", "coordinator.client", *flags, args.prompt]

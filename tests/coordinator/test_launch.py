@@ -132,3 +132,26 @@ def test_the_launcher_stops_its_services_on_sigterm_and_ctrl_c(pair, sig):
         proc.kill()
         for pid in _children(proc.pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_the_launcher_stops_its_services_when_its_coordinator_ends(pair):
+    """A coordinator that ends (stopped by itself, killed) leaves nothing serving: the launcher stops the draft
+    and the target and exits, instead of running on with them."""
+    draft, target = pair
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator.launch", "--draft-model", str(draft),
+                             "--target-model", str(target), "--port", str(free_port()), "--http-port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=launch.ROOT)
+    try:
+        for line in proc.stdout:
+            if "SERVING" in line:
+                break
+        services = _children(proc.pid)
+        [coordinator] = [pid for pid in services if b"-m\0coordinator\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        os.kill(coordinator, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0  # (it stopped cleanly: code 0)
+        assert "the coordinator exited (code 0)" in proc.stdout.read()
+        assert all(_gone(pid) for pid in services), [pid for pid in services if not _gone(pid)]
+    finally:
+        proc.kill()
+        for pid in _children(proc.pid):
+            os.kill(pid, signal.SIGKILL)
