@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -108,16 +109,13 @@ def _gone(pid: int) -> bool:
     return False
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_the_launcher_stops_its_services_on_sigterm_and_ctrl_c(pair, sig):
-    """A launcher told to stop (a container stop, systemd, `kill`: SIGTERM; Ctrl-C: SIGINT) stops the
-    three services it started instead of leaving them running, also when it inherited SIGINT ignored (a
-    non-interactive shell's background job: how CI runs)."""
+@contextlib.contextmanager
+def serving_launcher(pair, code: list[str]):
+    """A launcher (`python` + `code`) of the pair, serving until stopped. -> (its process, its three services'
+    pids); whatever is left of them is killed after"""
     draft, target = pair
-    ignoring_sigint = "import runpy, signal; signal.signal(signal.SIGINT, signal.SIG_IGN); " \
-                      "runpy.run_module('coordinator.launch', run_name='__main__', alter_sys=True)"
-    proc = subprocess.Popen([sys.executable, "-c", ignoring_sigint, "--draft-model", str(draft), "--target-model",
-                             str(target), "--port", str(free_port()), "--http-port", "0"],
+    proc = subprocess.Popen([sys.executable, *code, "--draft-model", str(draft), "--target-model", str(target),
+                             "--port", str(free_port()), "--http-port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=launch.ROOT)
     try:
         for line in proc.stdout:
@@ -125,33 +123,32 @@ def test_the_launcher_stops_its_services_on_sigterm_and_ctrl_c(pair, sig):
                 break
         services = _children(proc.pid)
         assert len(services) == 3, services
-        proc.send_signal(sig)
-        assert proc.wait(timeout=60) == 0  # LocalStack.stop waited for each service before the launcher exited
-        assert all(_gone(pid) for pid in services), [pid for pid in services if not _gone(pid)]
+        yield proc, services
     finally:
         proc.kill()
         for pid in _children(proc.pid):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_the_launcher_stops_its_services_on_sigterm_and_ctrl_c(pair, sig):
+    """A launcher told to stop (a container stop, systemd, `kill`: SIGTERM; Ctrl-C: SIGINT) stops the
+    three services it started instead of leaving them running, also when it inherited SIGINT ignored (a
+    non-interactive shell's background job: how CI runs)."""
+    ignoring_sigint = "import runpy, signal; signal.signal(signal.SIGINT, signal.SIG_IGN); " \
+                      "runpy.run_module('coordinator.launch', run_name='__main__', alter_sys=True)"
+    with serving_launcher(pair, ["-c", ignoring_sigint]) as (proc, services):
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == 0  # LocalStack.stop waited for each service before the launcher exited
+        assert all(_gone(pid) for pid in services), [pid for pid in services if not _gone(pid)]
 
 
 def test_the_launcher_stops_its_services_when_its_coordinator_ends(pair):
     """A coordinator that ends (stopped by itself, killed) leaves nothing serving: the launcher stops the draft
     and the target and exits, instead of running on with them."""
-    draft, target = pair
-    proc = subprocess.Popen([sys.executable, "-m", "coordinator.launch", "--draft-model", str(draft),
-                             "--target-model", str(target), "--port", str(free_port()), "--http-port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=launch.ROOT)
-    try:
-        for line in proc.stdout:
-            if "SERVING" in line:
-                break
-        services = _children(proc.pid)
+    with serving_launcher(pair, ["-m", "coordinator.launch"]) as (proc, services):
         [coordinator] = [pid for pid in services if b"-m\0coordinator\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         os.kill(coordinator, signal.SIGTERM)
         assert proc.wait(timeout=60) == 0  # (it stopped cleanly: code 0)
         assert "the coordinator exited (code 0)" in proc.stdout.read()
         assert all(_gone(pid) for pid in services), [pid for pid in services if not _gone(pid)]
-    finally:
-        proc.kill()
-        for pid in _children(proc.pid):
-            os.kill(pid, signal.SIGKILL)

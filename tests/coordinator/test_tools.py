@@ -471,7 +471,8 @@ RESPONSE_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]  #
 def test_responses_call_functions_as_the_chat_does(client):
     """POST /v1/responses with function tools: a call is a function_call item with the chat's arguments,
     unary and streamed; a conversation carrying a call and its output is answered as the chat's is."""
-    chat = client.chat.completions.create(model="target", messages=MESSAGES, tools=TOOLS, max_tokens=120, temperature=0.0,
+    chat = client.chat.completions.create(model="target", messages=MESSAGES, tools=TOOLS, max_tokens=120,
+                                          temperature=0.0,
                                           tool_choice={"type": "function", "function": {"name": "weather"}})
     call = chat.choices[0].message.tool_calls[0].function
     asked = dict(model="target", input=MESSAGES[0]["content"], tools=RESPONSE_TOOLS, max_output_tokens=120,
@@ -497,9 +498,9 @@ def test_responses_call_functions_as_the_chat_does(client):
     answered = client.chat.completions.create(model="target", messages=history, tools=TOOLS, max_tokens=24,
                                               temperature=0.0)
     chat = answered.choices[0].message
+    said = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me add."}]}
     reply = client.responses.create(model="target", tools=RESPONSE_TOOLS, max_output_tokens=24, temperature=0.0, input=[
-        MESSAGES[0], {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me add."}]},
-        {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a":2}'},
+        MESSAGES[0], said, {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a":2}'},
         {"type": "function_call_output", "call_id": "call_1", "output": "5"}])
     assert reply.usage.input_tokens == answered.usage.prompt_tokens  # (the same conversation, rendered alike)
     assert reply.output_text == (chat.content or "")
