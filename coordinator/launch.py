@@ -368,7 +368,11 @@ def _serve(stack: LocalStack, args) -> int:
                   """ -H 'Content-Type: application/json' -d '{"messages": [{"role": "user", "content": "Hi"}],"""
                   """ "stream": true}')""", flush=True)
         if not args.demo:  # until Ctrl-C or SIGTERM (KeyboardInterrupt), or the coordinator ends (nothing serves)
-            ended = stack.procs["coordinator"].wait()
+            coordinator = stack.procs["coordinator"]
+            # polled, not Popen.wait(): the signal's KeyboardInterrupt then lands in the sleep, never inside the
+            # Popen's waitpid lock, which LocalStack.stop takes next
+            while (ended := coordinator.poll()) is None:
+                time.sleep(0.25)
             print(f"the coordinator exited (code {ended}): stopping the services", flush=True)
             print(f"services stopped (exit codes {stack.stop()})", flush=True)
             return 1 if ended else 0
