@@ -16,7 +16,9 @@ they come, other calls each once whole.
 
 specdec keeps no responses: `previous_response_id` is refused (send the conversation in `input`),
 and `store` is answered false. Not supported (400): other item and tool types (images, files,
-built-in tools), `top_logprobs`, `truncation: "auto"`.
+built-in tools), `truncation: "auto"`. `top_logprobs` (0-20) or `include:
+["message.output_text.logprobs"]` give each output_text token's log-probability (the chat's entries:
+token, logprob, bytes, top_logprobs) on the part and on each delta; not where tools are in play.
 """
 
 from __future__ import annotations
@@ -34,14 +36,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from speculative.protocol import MAX_TOP_LOGPROBS
+
 from .generation import Chunk, Summary
-from .http import (CORE_ERRORS, FINISH, ApiError, Body, ChatBody, ChatMessage, EventStream, OpenAIApi, Reply,
-                   ToolReply, chat_request, core_error, parse, specdec_fields, specdec_headers, unless_hung_up,
+from .http import (CHAT, CORE_ERRORS, FINISH, ApiError, Body, ChatBody, ChatMessage, EventStream, OpenAIApi, Reply,
+                   ToolReply, chat_request, core_error, parse, seen, specdec_fields, specdec_headers, unless_hung_up,
                    usage)
+from .logprobs import ChoiceLogprobs
 
 # a chat's field -> the Responses API's, in refusals
 FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
           "response_format": "text"}
+LOGPROBS = "message.output_text.logprobs"  # (what `include` names for them)
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -58,6 +64,7 @@ class ResponsesBody(Body):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     top_logprobs: int | None = None
+    include: list[str] | None = None
     truncation: str | None = None
     user: str | None = None
 
@@ -161,17 +168,22 @@ def chat_body(body: ResponsesBody) -> ChatBody:
     if body.previous_response_id is not None:
         raise ApiError(400, "previous_response_id: specdec keeps no responses; send the conversation in input",
                        "previous_response_id", "unsupported_parameter")
-    for name, neutral in (("top_logprobs", (None, 0)), ("truncation", (None, "disabled")), ("n", (None, 1))):
+    for name, neutral in (("truncation", (None, "disabled")), ("n", (None, 1))):
         if getattr(body, name) not in neutral:
             raise ApiError(400, f"{name}={getattr(body, name)!r} is not supported", name, "unsupported_parameter")
     if body.max_output_tokens is not None and body.max_output_tokens <= 0:
         raise ApiError(400, f"max_output_tokens must be > 0, not {body.max_output_tokens}", "max_output_tokens")
+    top = body.top_logprobs
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, not {top}", "top_logprobs")
+    scored = bool(top) or LOGPROBS in (body.include or [])
     tools, choice = chat_tools(body)
     shared = {name: getattr(body, name) for name in Body.model_fields
               if name not in ("max_tokens", "n", "stream", "stream_options", "response_format")}
     return ChatBody(**shared, messages=messages_of(body), max_completion_tokens=body.max_output_tokens,
                     response_format=format_of(body), tools=tools, tool_choice=choice,
-                    parallel_tool_calls=body.parallel_tool_calls)
+                    parallel_tool_calls=body.parallel_tool_calls, logprobs=scored or None,
+                    top_logprobs=top if scored else None)
 
 
 def new_id(prefix: str) -> str:
@@ -229,13 +241,24 @@ def status_of(finish: str) -> str:
     return "incomplete" if finish == "length" else "completed"
 
 
-async def unary(chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer) -> Response:
-    pieces = []
+def entries(scorer: ChoiceLogprobs | None, chunk: Chunk) -> list[dict]:
+    """The logprobs entries of a chunk's tokens (its text's: an ending token's left out, as the chat's)."""
+    tokens, scores = seen(chunk, CHAT)
+    made = scorer(tokens, scores) if scorer is not None and scores is not None else None
+    return made["content"] if made else []
+
+
+async def unary(chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer,
+                scorer: ChoiceLogprobs | None = None) -> Response:
+    pieces, scored = [], []
     async with contextlib.aclosing(chunks):
         async for chunk in chunks:
             pieces.append(chunk.text)
+            scored += entries(scorer, chunk)
     finish = FINISH[chunk.finish]
     output = output_of(reply("".join(pieces), finish, False, True)[0])
+    if scorer is not None and output[0]["type"] == "message":
+        output[0]["content"][0]["logprobs"] = scored
     return JSONResponse(answer.at(status_of(finish), output, chunk.summary),
                         headers=specdec_headers(chunk.summary))
 
@@ -251,15 +274,17 @@ class Items:
         self.open: dict | None = None
         self.calls: dict[int, dict] = {}  # the chat's tool call index -> its item
 
-    def feed(self, delta: dict) -> list[tuple[str, dict]]:
+    def feed(self, delta: dict, scored: list[dict] = ()) -> list[tuple[str, dict]]:
+        """`scored`: the logprobs entries of the text the delta brings."""
         out = []
         if delta.get("content"):
             if self.open is None or self.open["type"] != "message":
                 out += self._close("completed") + self._begin(message_item("", "in_progress"))
             item, text = self.open, delta["content"]
             item["content"][0]["text"] += text
+            item["content"][0]["logprobs"] += scored
             out.append(("response.output_text.delta", {**self._at(item), "content_index": 0, "delta": text,
-                                                        "logprobs": []}))
+                                                        "logprobs": list(scored)}))
         for entry in delta.get("tool_calls") or []:
             function = entry.get("function") or {}
             item = self.calls.get(entry["index"])
@@ -300,7 +325,7 @@ class Items:
         if item["type"] == "message":
             part = item["content"][0]
             out = [("response.output_text.done", {**self._at(item), "content_index": 0, "text": part["text"],
-                                                  "logprobs": []}),
+                                                  "logprobs": part["logprobs"]}),
                    ("response.content_part.done", {**self._at(item), "content_index": 0, "part": part})]
         else:
             out = [("response.function_call_arguments.done", {**self._at(item), "name": item["name"],
@@ -309,7 +334,7 @@ class Items:
 
 
 async def events(first: Chunk, chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer,
-                 body: ResponsesBody) -> AsyncIterator[str]:
+                 body: ResponsesBody, scorer: ChoiceLogprobs | None = None) -> AsyncIterator[str]:
     """The Responses API's events, numbered: the items as the rounds bring them (Items)."""
     number = itertools.count()
 
@@ -324,8 +349,9 @@ async def events(first: Chunk, chunks: AsyncIterator[Chunk], reply: Reply, answe
             items, chunk, opened = Items(), first, False
             while True:
                 finish = None if chunk.finish is None else FINISH[chunk.finish]
+                scored = entries(scorer, chunk)
                 for choice in reply(chunk.text, finish, True, not opened):
-                    for kind, data in items.feed(choice["delta"]):
+                    for kind, data in items.feed(choice["delta"], scored):
                         yield sse(kind, **data)
                 opened = True
                 if chunk.summary is not None:
@@ -355,11 +381,14 @@ def route(api: OpenAIApi) -> Route:
         except (ApiError, *CORE_ERRORS) as e:
             raise refused(e, body) from e
         answer = Answer(body, model)
+        # (the output_text's tokens' logprobs; not a tool reply's, whose text is read into calls)
+        scorer = api.scorers(CHAT, 1)[0] if generation.logprobs is not None and not isinstance(reply, ToolReply) \
+            else None
         chunks = api.coordinator.generate(generation, "/v1/responses",
                                           traceparent=request.headers.get("traceparent", ""))
         try:
             if not body.stream:
-                return await unless_hung_up(request, unary(chunks, reply, answer))
+                return await unless_hung_up(request, unary(chunks, reply, answer, scorer))
             try:  # the first round before the response starts: a refusal gets its own status
                 first = await unless_hung_up(request, anext(chunks))
             except BaseException:
@@ -367,7 +396,7 @@ def route(api: OpenAIApi) -> Route:
                 raise
         except CORE_ERRORS as e:
             raise refused(e, body) from e
-        return EventStream(events(first, chunks, reply, answer, body),
+        return EventStream(events(first, chunks, reply, answer, body, scorer),
                            headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     return Route("/responses", handle, methods=["POST"])

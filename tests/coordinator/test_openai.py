@@ -146,6 +146,28 @@ def test_responses_answer_as_the_chat_does_unary_and_streamed(client, stub):
         expected.token_ids)
 
 
+def test_responses_logprobs_are_the_chats(client):
+    """top_logprobs, or include message.output_text.logprobs: each output_text token's entry as the chat's
+    logprobs content gives it, on the part and, streamed, on the deltas that brought its text."""
+    chat_reply = client.chat.completions.create(model="target", messages=chat(QUESTION), max_tokens=16,
+                                                temperature=0, logprobs=True, top_logprobs=2)
+    want = [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs])
+            for e in chat_reply.choices[0].logprobs.content]
+    assert len(want) > 3 and all(len(tops) == 2 for _, _, tops in want)  # (the test can fail)
+    asked = dict(model="target", instructions=QUESTION[0][1], input=QUESTION[1][1], max_output_tokens=16,
+                 temperature=0, top_logprobs=2)
+    part = client.responses.create(**asked).output[0].content[0]
+    assert [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in part.logprobs] == want
+    with client.responses.create(**asked, stream=True) as stream:
+        events = list(stream)
+    streamed = [e for event in events if event.type == "response.output_text.delta" for e in event.logprobs]
+    assert [(e.token, e.logprob) for e in streamed] == [(token, value) for token, value, _ in want]
+    included = client.responses.create(**{**asked, "top_logprobs": None}, include=["message.output_text.logprobs"])
+    assert [(e.token, e.logprob) for e in included.output[0].content[0].logprobs] == [
+        (token, value) for token, value, _ in want]
+    assert client.responses.create(**{**asked, "top_logprobs": None}).output[0].content[0].logprobs == []
+
+
 def test_responses_text_format_is_the_chats_response_format(client):
     schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
               "additionalProperties": False}
@@ -174,7 +196,7 @@ def test_responses_text_format_is_the_chats_response_format(client):
     ({"max_output_tokens": 100_000}, "max_output_tokens"),  # (past --max-kv-tokens: the core's refusal, renamed)
     ({"text": {"format": {"type": "xml"}}}, "text"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "wibble"}}}}, "text"),
-    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"top_logprobs": 21}, "top_logprobs"),
     ({"temperature": -1}, "temperature"),
 ])
 def test_responses_refusals_are_400_naming_the_field(api, fields, param):
