@@ -31,9 +31,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from assets.models import DRAFT, EAGLE, TARGET  # noqa: E402
 from assets.prompts import CHAT, GROUNDED  # noqa: E402
-from bench.pair import RESULTS  # noqa: E402
+from bench.pair import RESULTS, add_stack_flags, stack_of  # noqa: E402
 from bench.systems import machine  # noqa: E402
 from coordinator.launch import LocalStack  # noqa: E402
 
@@ -124,26 +123,19 @@ def arm(stack: LocalStack, tokenizer, args) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.long_prompts", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target-model", default=str(TARGET))
-    parser.add_argument("--draft", default="eagle", help="the draft method: eagle (models/eagle), ngram or model")
-    parser.add_argument("--draft-model", default=None, help="the draft model (--draft model; default models/draft)")
-    parser.add_argument("--quantize", default="int4", help="the target's --quantize (none: float32)")
+    add_stack_flags(parser)
     parser.add_argument("--streams", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=2000)
     parser.add_argument("--stream-tokens", type=int, default=4000, help="the streaming requests' max_tokens")
     parser.add_argument("--chunks", default="128,256,0", help="the target's --prefill-chunk (a number or auto),"
                                                               " an arm each")
-    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", type=Path, default=RESULTS / "long_prompts.json")
     args = parser.parse_args(argv)
     tokenizer = AutoTokenizer.from_pretrained(args.target_model)
-    target_flags = [] if args.quantize == "none" else ["--quantize", args.quantize]
     arms = {}
     for chunk in [c if c == "auto" else int(c) for c in args.chunks.split(",")]:
-        draft = EAGLE if args.draft == "eagle" else args.draft_model or DRAFT if args.draft == "model" else None
-        stack = LocalStack(draft, args.target_model, threads=args.threads, draft_threads=1, draft_method=args.draft,
-                           http_port=0, target_args=[*target_flags, "--prefill-chunk", str(chunk)]).start()
+        stack = stack_of(args, target_args=["--prefill-chunk", str(chunk)]).start()
         try:
             arms[chunk] = arm(stack, tokenizer, args)
         finally:

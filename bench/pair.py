@@ -9,10 +9,12 @@ prompts it sends (assets/prompts.py, through the target's chat template), and wh
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from assets.prompts import CHAT
-from coordinator.launch import model_pair
+from assets.models import DRAFT, EAGLE, TARGET
+from coordinator.launch import LocalStack, model_pair
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -43,3 +45,20 @@ def chat_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
         return [tokenizer(text)["input_ids"] for text in texts]
     return [list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                tokenize=True, return_dict=True)["input_ids"]) for text in texts]
+
+
+def add_stack_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of a bench that serves the default pair's target over a local stack (stack_of)."""
+    parser.add_argument("--target-model", default=str(TARGET))
+    parser.add_argument("--draft", default="eagle", help="the draft method: eagle (models/eagle), ngram or model")
+    parser.add_argument("--draft-model", default=None, help="the draft model (--draft model; default models/draft)")
+    parser.add_argument("--quantize", default="int4", help="the target's --quantize (none: float32)")
+    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+
+
+def stack_of(args: argparse.Namespace, target_args: list[str] = (), draft_args: list[str] = ()) -> LocalStack:
+    """A local stack (not started) as add_stack_flags' flags say, HTTP on, the draft on one thread."""
+    draft = EAGLE if args.draft == "eagle" else args.draft_model or DRAFT if args.draft == "model" else None
+    quantize = [] if args.quantize == "none" else ["--quantize", args.quantize]
+    return LocalStack(draft, args.target_model, threads=args.threads, draft_threads=1, draft_method=args.draft,
+                      http_port=0, target_args=[*quantize, *target_args], draft_args=list(draft_args))

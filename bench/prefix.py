@@ -27,9 +27,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from assets.models import DRAFT, EAGLE, TARGET  # noqa: E402
 from assets.prompts import CHAT  # noqa: E402
-from bench.pair import RESULTS  # noqa: E402
+from bench.pair import RESULTS, add_stack_flags, stack_of  # noqa: E402
 from bench.systems import machine  # noqa: E402
 from coordinator.launch import LocalStack  # noqa: E402
 from runtime.ports import free_port  # noqa: E402
@@ -82,26 +81,18 @@ def chats(stack: LocalStack, urls: list[str], tokenizer, args) -> list[dict]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.prefix", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target-model", default=str(TARGET))
-    parser.add_argument("--draft", default="eagle", help="the draft method: eagle (models/eagle), ngram or model")
-    parser.add_argument("--draft-model", default=None, help="the draft model (--draft model; default models/draft)")
-    parser.add_argument("--quantize", default="int4", help="the target's --quantize (none: float32)")
+    add_stack_flags(parser)
     parser.add_argument("--chats", type=int, default=4)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--out", type=Path, default=RESULTS / "prefix.json")
     args = parser.parse_args(argv)
     tokenizer = AutoTokenizer.from_pretrained(args.target_model)
-    target_flags = [] if args.quantize == "none" else ["--quantize", args.quantize]
     arms = {}
     for arm, flags in (("kept", []), ("off", ["--prefix-cache-mb", "0"])):
         ports = {role: free_port() for role in ("draft", "target")}
-        draft = EAGLE if args.draft == "eagle" else args.draft_model or DRAFT if args.draft == "model" else None
-        stack = LocalStack(draft, args.target_model, threads=args.threads,
-                           draft_threads=1, draft_method=args.draft, http_port=0,
-                           target_args=[*target_flags, *flags, "--metrics-port", str(ports["target"])],
-                           draft_args=[*flags, "--metrics-port", str(ports["draft"])]).start()
+        stack = stack_of(args, target_args=[*flags, "--metrics-port", str(ports["target"])],
+                         draft_args=[*flags, "--metrics-port", str(ports["draft"])]).start()
         try:
             arms[arm] = chats(stack, [f"http://127.0.0.1:{ports['target']}/metrics"], tokenizer, args)
         finally:

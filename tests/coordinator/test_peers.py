@@ -129,12 +129,14 @@ def test_a_hung_stream_meets_the_call_deadline():
 
 def test_a_call_that_feeds_a_long_prompt_has_time_for_it():
     """The deadline grows with the tokens a call feeds (FEED_SECONDS each): a prefill of thousands of tokens
-    on a few CPU cores is not a hung service. A call feeding nothing still meets the call timeout."""
+    on a few CPU cores is not a hung service. A call feeding nothing still meets the call timeout: the long
+    call's answer comes only after a short call sent after it has timed out."""
+    answered = asyncio.Event()
 
     class Answering(OpenStream):
         async def read(self):
             self.reading.set()
-            await asyncio.sleep(0.3)  # (the service's work: longer than the call timeout)
+            await answered.wait()  # (the service's work: until the short call's deadline has passed)
             return "answer"
 
     async def go():
@@ -142,9 +144,11 @@ def test_a_call_that_feeds_a_long_prompt_has_time_for_it():
         try:
             long = pb.ProposeRequest(session_id="s1", append=list(range(100)))  # 0.05 + 100 x 0.02 = 2.05 s
             assert peer.deadline(long) == pytest.approx(0.05 + 100 * FEED_SECONDS)
-            assert await peer._step(None, Answering, "s1", long) == "answer"
+            fed = asyncio.ensure_future(peer._step(None, Answering, "s1", long))
             with pytest.raises(PeerError) as e:
-                await peer._step(None, Answering, "s2", pb.ProposeRequest(session_id="s2"))
+                await peer._step(None, OpenStream, "s2", pb.ProposeRequest(session_id="s2"))
+            answered.set()
+            assert await fed == "answer"
             return e.value
         finally:
             await peer.channel.close()
