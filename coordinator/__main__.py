@@ -96,6 +96,10 @@ def parse_args(argv=None, prog: str = "python -m coordinator"):
     parser.add_argument("--http-port", type=int, default=0,
                         help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models;"
                              " /health, /metrics) on this port, beside gRPC (0: off)")
+    parser.add_argument("--store-responses", type=int, default=None,
+                        help="the most /v1/responses answers kept in this process's memory (`store`), for GET"
+                             " /v1/responses/{id} and previous_response_id; the oldest are dropped first (0: none;"
+                             " default 1000)")
     add_api_key_flags(parser)
     args = parser.parse_args(argv)
     if args.num_speculative_tokens != "auto" and not args.num_speculative_tokens.isdigit():
@@ -117,6 +121,8 @@ def parse_args(argv=None, prog: str = "python -m coordinator"):
         parser.error(f"--lockstep-hold-ms must lie in (0, 1000], not {args.lockstep_hold_ms}")
     if args.max_request_bytes <= 0:
         parser.error(f"--max-request-bytes must be > 0, not {args.max_request_bytes}")
+    if args.store_responses is not None and args.store_responses < 0:
+        parser.error(f"--store-responses must be >= 0, not {args.store_responses}")
     if not 0 <= args.http_port < 65536:
         parser.error(f"--http-port must lie in [0, 65535], not {args.http_port}")
     return args
@@ -127,7 +133,7 @@ def main(argv=None, prog: str = "python -m coordinator") -> None:
     # imported once the flags have parsed: --help and a bad flag answer without loading the tokenizer's
     # libraries (transformers, and through it torch: ~4 s)
     from .generation import Coordinator, Limits
-    from .http import HttpServer, app as http_app
+    from .http import STORE_RESPONSES, HttpServer, app as http_app
     from .server import SERVICE_NAME, GenerationServicer
 
     setup_logging(args.log_level)
@@ -162,7 +168,8 @@ def main(argv=None, prog: str = "python -m coordinator") -> None:
         if args.http_port:
             tls = (args.tls_cert, args.tls_key, args.tls_ca) if credentials is not None else None
             try:
-                application = http_app(coordinator, key, args.max_request_bytes)
+                kept = STORE_RESPONSES if args.store_responses is None else args.store_responses
+                application = http_app(coordinator, key, args.max_request_bytes, kept)
                 http = HttpServer(application, args.host, args.http_port, args.shutdown_grace, tls)
             except OSError as e:
                 raise SystemExit(f"coordinator: cannot serve HTTP on {args.host}:{args.http_port}: {e}") from e

@@ -87,6 +87,7 @@ FINISH = {Finish.LENGTH: "length", Finish.STOP: "stop", Finish.EOS: "stop"}
 COMPLETION_MAX_TOKENS = 16  # /v1/completions' default, as OpenAI's
 MAX_CHOICES = 16  # the most choices (`n`) one request may ask for: each is a generation of its own
 MAX_GENERATIONS = 64  # the most generations (a batch's prompts x n) one request may start
+STORE_RESPONSES = 1000  # the most Responses API responses kept (--store-responses)
 
 
 # ------------------------------------------------------------------ errors
@@ -922,14 +923,15 @@ class AnswerPastGrace:
             await refused.response()(scope, receive, send)
 
 
-def app(coordinator: Coordinator, api_key: str | None = None,
-        max_request_bytes: int = MAX_REQUEST_BYTES) -> Starlette:
-    """The ASGI application: /v1/* (behind `api_key` if given), /health, /metrics."""
+def app(coordinator: Coordinator, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
+        store_responses: int = STORE_RESPONSES) -> Starlette:
+    """The ASGI application: /v1/* (behind `api_key` if given), /health, /metrics; `store_responses`: the most
+    Responses API responses kept (coordinator/responses.py)."""
     from . import responses  # (it builds on this module's chat path)
 
     api = OpenAIApi(coordinator, max_request_bytes, api_key)
     v1 = [Route("/models", api.models), Route("/models/{model:path}", api.model), api.route(CHAT),
-          api.route(COMPLETIONS), responses.route(api)]
+          api.route(COMPLETIONS), *responses.routes(api, store_responses)]
     open_routes = [Route("/health", api.health)]
     keyed = [Route("/tokenize", api.tokenize, methods=["POST"]), Route("/detokenize", api.detokenize, methods=["POST"])]
     if coordinator.metrics is not None:

@@ -14,9 +14,13 @@ ran to its limit. Streamed (`"stream": true`): the Responses events (`response.c
 come as the chat's stream gives them (ToolReply): text as it comes, a named function's arguments as
 they come, other calls each once whole.
 
-specdec keeps no responses: `previous_response_id` is refused (send the conversation in `input`),
-and `store` is answered false. Not supported (400): other item and tool types (images, files,
-built-in tools), `truncation: "auto"`. `top_logprobs` (0-20) or `include:
+Kept responses (`store`, true unless the request says false; `--store-responses` most, the oldest
+dropped first, in this coordinator's memory): `GET /v1/responses/{id}` answers one again, `DELETE`
+forgets it, `GET /v1/responses/{id}/input_items` lists its input items, and a request naming it as
+`previous_response_id` continues its conversation: its input and output, and its predecessors', come
+before the new input (its `instructions` do not carry over, as OpenAI's do not). An id this
+coordinator does not keep (never stored, forgotten, another replica's) is 404. Not supported (400):
+other item and tool types (images, files, built-in tools), `truncation: "auto"`. `top_logprobs` (0-20) or `include:
 ["message.output_text.logprobs"]` give each output_text token's log-probability (the chat's entries:
 token, logprob, bytes, top_logprobs) on the part and on each delta; not where tools are in play.
 """
@@ -29,7 +33,9 @@ import itertools
 import json
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -50,6 +56,7 @@ FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "max_completio
 LOGPROBS = "message.output_text.logprobs"  # (what `include` names for them)
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
+ITEM_IDS = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}  # (their ids' prefixes)
 
 
 class ResponsesBody(Body):
@@ -109,12 +116,16 @@ def text_of(content: Any, where: str) -> str:
                         " parts are not supported", "input")
 
 
+def input_items(body: ResponsesBody) -> list[dict]:
+    """The request's input as items (a string: one user message)."""
+    return [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+
+
 def messages_of(body: ResponsesBody) -> list[ChatMessage]:
-    """instructions and input as a chat's messages: earlier function calls as an assistant's tool calls
-    (consecutive ones one message), their outputs as tool messages."""
-    messages = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
-    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
-    for i, item in enumerate(items):
+    """The input as a chat's messages: earlier function calls as an assistant's tool calls (consecutive
+    ones one message), their outputs as tool messages."""
+    messages = []
+    for i, item in enumerate(input_items(body)):
         where, kind = f"input[{i}]", item.get("type", "message")
         if kind == "message":
             role = ROLES.get(item.get("role")) if isinstance(item.get("role"), str) else None
@@ -141,8 +152,6 @@ def messages_of(body: ResponsesBody) -> list[ChatMessage]:
         else:
             raise ApiError(400, f"{where}.type {kind!r} is not supported (message, function_call,"
                                 " function_call_output)", "input", "unsupported_parameter")
-    if not any(m.role != "system" for m in messages):
-        raise ApiError(400, "input: give at least one message", "input")
     return messages
 
 
@@ -163,11 +172,12 @@ def chat_tools(body: ResponsesBody) -> tuple[list[dict] | None, str | dict | Non
     return tools or None, choice
 
 
-def chat_body(body: ResponsesBody) -> ChatBody:
-    """The chat that answers `body`."""
-    if body.previous_response_id is not None:
-        raise ApiError(400, "previous_response_id: specdec keeps no responses; send the conversation in input",
-                       "previous_response_id", "unsupported_parameter")
+def chat_body(body: ResponsesBody, messages: list[ChatMessage]) -> ChatBody:
+    """The chat that answers `body`, over `messages` (its conversation before the instructions)."""
+    if not any(m.role != "system" for m in messages):
+        raise ApiError(400, "input: give at least one message", "input")
+    if body.instructions:
+        messages = [ChatMessage(role="system", content=body.instructions), *messages]
     for name, neutral in (("truncation", (None, "disabled")), ("n", (None, 1))):
         if getattr(body, name) not in neutral:
             raise ApiError(400, f"{name}={getattr(body, name)!r} is not supported", name, "unsupported_parameter")
@@ -180,7 +190,7 @@ def chat_body(body: ResponsesBody) -> ChatBody:
     tools, choice = chat_tools(body)
     shared = {name: getattr(body, name) for name in Body.model_fields
               if name not in ("max_tokens", "n", "stream", "stream_options", "response_format")}
-    return ChatBody(**shared, messages=messages_of(body), max_completion_tokens=body.max_output_tokens,
+    return ChatBody(**shared, messages=messages, max_completion_tokens=body.max_output_tokens,
                     response_format=format_of(body), tools=tools, tool_choice=choice,
                     parallel_tool_calls=body.parallel_tool_calls, logprobs=scored or None,
                     top_logprobs=top if scored else None)
@@ -215,18 +225,81 @@ def output_of(choice: dict) -> list[dict]:
     return items
 
 
-class Answer:
-    """One response: its fixed fields (`head`) and the object at each state."""
+@dataclass
+class Kept:
+    """A kept response: its object as answered, its input items (each with an id), and the conversation a
+    request naming it as previous_response_id continues (its predecessors', its input and its output)."""
 
-    def __init__(self, body: ResponsesBody, model: str):
+    response: dict
+    items: list[dict]
+    conversation: list[ChatMessage]
+
+
+class Store:
+    """The responses this coordinator keeps, at most `most` (the oldest dropped first)."""
+
+    def __init__(self, most: int):
+        self.most = most
+        self.kept: OrderedDict[str, Kept] = OrderedDict()
+
+    def add(self, kept: Kept) -> None:
+        self.kept[kept.response["id"]] = kept
+        while len(self.kept) > self.most:
+            self.kept.popitem(last=False)
+
+    def get(self, response_id: str, param: str | None = None) -> Kept:
+        """-> the kept response, else 404 (`param`: the field that named it, previous_response_id)."""
+        kept = self.kept.get(response_id)
+        if kept is None:
+            whose = "previous response" if param else "response"
+            raise ApiError(404, f"no {whose} with id {response_id!r} is kept here (never stored, deleted, dropped"
+                                f" for newer ones past --store-responses, or kept by another coordinator)", param,
+                           "previous_response_not_found" if param else "not_found")
+        return kept
+
+    def forget(self, response_id: str) -> None:
+        self.get(response_id)
+        del self.kept[response_id]
+
+
+def with_ids(items: list[dict]) -> list[dict]:
+    """Input items as kept: each with an id, a message's string content as one input_text part."""
+    out = []
+    for item in items:
+        kind = item.get("type", "message")
+        item = {**item, "type": kind, "id": item.get("id") or new_id(ITEM_IDS.get(kind, "item"))}
+        if kind == "message" and isinstance(item.get("content"), str):
+            item["content"] = [{"type": "input_text", "text": item["content"]}]
+        out.append(item)
+    return out
+
+
+def said(output: list[dict]) -> ChatMessage:
+    """A response's output items as the assistant's turn of a chat: its text and its calls."""
+    text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    return ChatMessage(role="assistant", content=text if text or not calls else None, tool_calls=calls or None)
+
+
+class Answer:
+    """One response: its fixed fields (`head`), the object at each state, and (`end`) the object it ends
+    at, kept where the request is stored (`store`: where, else None)."""
+
+    def __init__(self, body: ResponsesBody, model: str, store: Store | None = None,
+                 conversation: list[ChatMessage] = ()):
+        """conversation: the chat's messages before the instructions (the previous response's and the input's)."""
         fmt = (body.text or {}).get("format") or {"type": "text"}
+        self.store = store if store is not None and store.most > 0 and body.store is not False else None
+        self.items, self.conversation = input_items(body), list(conversation)
         self.head = {
             "id": new_id("resp"), "object": "response", "created_at": int(time.time()), "model": model,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "temperature": body.temperature, "top_p": body.top_p, "tools": body.tools or [],
             "tool_choice": body.tool_choice or "auto", "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "text": {"format": fmt}, "metadata": body.metadata or {}, "store": False,
-            "previous_response_id": None, "truncation": "disabled", "user": body.user, "reasoning": None,
+            "text": {"format": fmt}, "metadata": body.metadata or {}, "store": self.store is not None,
+            "previous_response_id": body.previous_response_id, "truncation": "disabled", "user": body.user, "reasoning": None,
         }
 
     def at(self, status: str, output: list[dict], summary: Summary | None = None) -> dict:
@@ -234,6 +307,13 @@ class Answer:
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "output": output, "usage": response_usage(summary) if summary else None,
                 **({"specdec": specdec_fields(summary)} if summary else {})}
+
+    def end(self, status: str, output: list[dict], summary: Summary) -> dict:
+        """The response's last object, kept where it is stored."""
+        response = self.at(status, output, summary)
+        if self.store is not None:
+            self.store.add(Kept(response, with_ids(self.items), [*self.conversation, said(output)]))
+        return response
 
 
 def status_of(finish: str) -> str:
@@ -259,7 +339,7 @@ async def unary(chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer,
     output = output_of(reply("".join(pieces), finish, False, True)[0])
     if scorer is not None and output[0]["type"] == "message":
         output[0]["content"][0]["logprobs"] = scored
-    return JSONResponse(answer.at(status_of(finish), output, chunk.summary),
+    return JSONResponse(answer.end(status_of(finish), output, chunk.summary),
                         headers=specdec_headers(chunk.summary))
 
 
@@ -360,7 +440,7 @@ async def events(first: Chunk, chunks: AsyncIterator[Chunk], reply: Reply, answe
             status = status_of(finish)
             for kind, data in items.end(status):
                 yield sse(kind, **data)
-            yield sse(f"response.{status}", response=answer.at(status, items.output, chunk.summary))
+            yield sse(f"response.{status}", response=answer.end(status, items.output, chunk.summary))
         except (ApiError, *CORE_ERRORS) as e:
             error = refused(e, body)
             yield sse("error", code=error.code, message=str(error), param=error.param)
@@ -372,15 +452,22 @@ async def events(first: Chunk, chunks: AsyncIterator[Chunk], reply: Reply, answe
                                                            " stopping?)", param=None)
 
 
-def route(api: OpenAIApi) -> Route:
-    async def handle(request: Request) -> Response:
+def routes(api: OpenAIApi, most: int) -> list[Route]:
+    """POST /responses, and GET and DELETE /responses/{id} and GET /responses/{id}/input_items over the
+    `most` responses kept."""
+    store = Store(most)
+
+    async def create(request: Request) -> Response:
         body = await parse(request, ResponsesBody, api.max_request_bytes)
         model = api.model_name(body.model)
         try:
-            [(generation, reply)] = chat_request(chat_body(body))
+            before = store.get(body.previous_response_id, "previous_response_id").conversation \
+                if body.previous_response_id is not None else []
+            conversation = [*before, *messages_of(body)]
+            [(generation, reply)] = chat_request(chat_body(body, conversation))
         except (ApiError, *CORE_ERRORS) as e:
             raise refused(e, body) from e
-        answer = Answer(body, model)
+        answer = Answer(body, model, store, conversation)
         # (the output_text's tokens' logprobs; not a tool reply's, whose text is read into calls)
         scorer = api.scorers(CHAT, 1)[0] if generation.logprobs is not None and not isinstance(reply, ToolReply) \
             else None
@@ -399,4 +486,41 @@ def route(api: OpenAIApi) -> Route:
         return EventStream(events(first, chunks, reply, answer, body, scorer),
                            headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
-    return Route("/responses", handle, methods=["POST"])
+    async def retrieve(request: Request) -> Response:
+        return JSONResponse(store.get(request.path_params["response_id"]).response)
+
+    async def delete(request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        store.forget(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    async def listed(request: Request) -> Response:
+        """The kept response's input items, `order` desc (the default: the last first) or asc, `limit` (1-100,
+        default 20) of them after the one whose id is `after`."""
+        items = store.get(request.path_params["response_id"]).items
+        query = request.query_params
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise ApiError(400, f"order must be asc or desc, not {order!r}", "order")
+        try:
+            limit = int(query.get("limit", "20"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise ApiError(400, f"limit must be a whole number between 1 and 100, not {query.get('limit')!r}",
+                           "limit")
+        items = items[::-1] if order == "desc" else items
+        after = query.get("after")
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise ApiError(400, f"after: no input item {after!r} in this response", "after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+
+    return [Route("/responses", create, methods=["POST"]),
+            Route("/responses/{response_id}", retrieve, methods=["GET"]),
+            Route("/responses/{response_id}", delete, methods=["DELETE"]),
+            Route("/responses/{response_id}/input_items", listed, methods=["GET"])]

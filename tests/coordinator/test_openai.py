@@ -41,7 +41,8 @@ PROMPT = "def fibonacci(n):"
 def api(pair, request):
     """One stack behind an API key, HTTP on, the services' session gauges on metrics ports."""
     ports = {role: free_port() for role in ("draft", "target")}
-    stack = LocalStack(*pair, http_port=0, coordinator_args=["--api-key", KEY, "--max-request-bytes", str(MAX_BYTES)],
+    stack = LocalStack(*pair, http_port=0, coordinator_args=["--api-key", KEY, "--max-request-bytes", str(MAX_BYTES),
+                                                          "--store-responses", "64"],
                        draft_args=["--metrics-port", str(ports["draft"])],
                        target_args=["--metrics-port", str(ports["target"]), "--max-kv-tokens", str(KV_CAP)]).start()
     request.addfinalizer(stack.stop)
@@ -183,7 +184,6 @@ def test_responses_text_format_is_the_chats_response_format(client):
 
 
 @pytest.mark.parametrize("fields,param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x"}]}]}, "input"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
     ({"input": [{"role": "wizard", "content": "hi"}]}, "input"),
@@ -205,6 +205,68 @@ def test_responses_refusals_are_400_naming_the_field(api, fields, param):
             {"model": "target", "input": "hi", "max_output_tokens": 4, **fields, "stream": stream}).encode())
         assert status == 400 and answer["error"]["param"] == param, answer
         assert "max_tokens" not in answer["error"]["message"] and "service at" not in answer["error"]["message"]
+
+
+def test_responses_are_kept_answered_again_continued_and_forgotten(api, client, stub):
+    """A stored response: GET answers it again, a previous_response_id continues its conversation (its input and
+    output, not its instructions) as the chat over those messages answers, unary and streamed, its input items
+    are listed in pages; DELETE forgets it, and an id not kept is 404, as previous_response_id too."""
+    (_, system), (_, user) = QUESTION
+    first = client.responses.create(model="target", instructions=system, input=user, max_output_tokens=12,
+                                    temperature=0)
+    assert first.store and client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    follow = "Say it in one line."
+    said = [("user", user), ("assistant", first.output_text), ("user", follow)]
+    expected = grpc_text(stub, messages=said, max_new_tokens=12)
+    second = client.responses.create(model="target", previous_response_id=first.id, input=follow,
+                                     max_output_tokens=12, temperature=0)
+    assert second.previous_response_id == first.id and second.output_text == expected.text
+    assert second.usage.input_tokens == expected.stats.prompt_tokens
+    with client.responses.create(model="target", previous_response_id=second.id, instructions=system, input="Why?",
+                                 max_output_tokens=12, temperature=0, stream=True) as stream:
+        third = list(stream)[-1].response
+    expected = grpc_text(stub, messages=[("system", system), *said, ("assistant", second.output_text),
+                                         ("user", "Why?")], max_new_tokens=12)
+    assert third.output_text == expected.text and third.usage.input_tokens == expected.stats.prompt_tokens
+    assert client.responses.retrieve(third.id).output_text == expected.text
+    assert [(item.type, item.role, item.content[0].text) for item in client.responses.input_items.list(first.id).data
+            ] == [("message", "user", user)]
+    texts = ["a", "b", "c"]
+    many = client.responses.create(model="target", max_output_tokens=2, input=[
+        {"role": role, "content": text} for role, text in zip(("user", "assistant", "user"), texts)])
+    page = client.responses.input_items.list(many.id, limit=2)
+    assert [item.content[0].text for item in page.data] == ["c", "b"] and page.has_more
+    rest = client.responses.input_items.list(many.id, limit=2, after=page.data[-1].id)
+    assert [item.content[0].text for item in rest.data] == ["a"] and not rest.has_more
+    assert [item.content[0].text for item in client.responses.input_items.list(many.id, order="asc").data] == texts
+    for query in ("limit=0", "limit=x", "order=up", "after=msg_nosuch"):
+        with pytest.raises(openai.BadRequestError, match=query.split("=")[0]):
+            client.get(f"/responses/{many.id}/input_items?{query}", cast_to=object)
+    client.responses.delete(second.id)
+    unkept = client.responses.create(model="target", input=user, max_output_tokens=2, store=False)
+    assert not unkept.store
+    for gone in (second.id, unkept.id, "resp_nosuch"):
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(gone)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.delete(gone)
+        status, answer = post(api, "/v1/responses", json.dumps(
+            {"model": "target", "input": "hi", "max_output_tokens": 2, "previous_response_id": gone}).encode())
+        assert status == 404 and answer["error"]["param"] == "previous_response_id", answer
+    assert client.responses.retrieve(third.id).previous_response_id == second.id  # (its own kept still)
+
+
+def test_responses_kept_are_at_most_the_store_s_newest():
+    from coordinator.http import ApiError
+    from coordinator.responses import Kept, Store
+
+    store = Store(2)
+    for name in ("r1", "r2", "r3"):
+        store.add(Kept({"id": name}, [], []))
+    with pytest.raises(ApiError) as refused:
+        store.get("r1", "previous_response_id")
+    assert refused.value.status == 404 and refused.value.param == "previous_response_id"
+    assert [store.get(name).response["id"] for name in ("r2", "r3")] == ["r2", "r3"]
 
 
 def sessions(api) -> tuple[float, float]:

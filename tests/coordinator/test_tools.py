@@ -506,3 +506,24 @@ def test_responses_call_functions_as_the_chat_does(client):
     assert reply.output_text == (chat.content or "")
     assert [(item.name, item.arguments) for item in reply.output if item.type == "function_call"] == [
         (made.function.name, made.function.arguments) for made in chat.tool_calls or []]
+
+
+def test_a_responses_function_call_is_answered_by_previous_response_id(client):
+    """A function_call output item, then its function_call_output sent with previous_response_id: the
+    conversation the chat's messages (the user's, the assistant's call, the tool's output) make."""
+    first = client.responses.create(model="target", input=MESSAGES[0]["content"], tools=RESPONSE_TOOLS,
+                                    max_output_tokens=120, temperature=0.0,
+                                    tool_choice={"type": "function", "name": "weather"})
+    [call] = first.output
+    assert call.type == "function_call"
+    history = [MESSAGES[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+               {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 C"}]
+    answered = client.chat.completions.create(model="target", messages=history, tools=TOOLS, max_tokens=24,
+                                              temperature=0.0)
+    reply = client.responses.create(model="target", previous_response_id=first.id, tools=RESPONSE_TOOLS,
+                                    max_output_tokens=24, temperature=0.0, input=[
+                                        {"type": "function_call_output", "call_id": call.call_id,
+                                         "output": "sunny, 21 C"}])
+    assert reply.usage.input_tokens == answered.usage.prompt_tokens
+    assert reply.output_text == (answered.choices[0].message.content or "")
