@@ -504,6 +504,11 @@ class Coordinator:
             raise NotReady("the coordinator is still connecting to its model services")
         return self.models
 
+    async def check(self, request: GenerationRequest) -> None:
+        """Refuse the request as generate would before its first round (InvalidRequest, NotPossible, NotReady):
+        for a caller that answers before the generation starts (a background response)."""
+        await resolve(request, self.ready(), self.limits)
+
     async def generate(self, request: GenerationRequest, method: str = "Generate",
                        deadline: float | None = None, traceparent: str = "") -> AsyncIterator[Chunk]:
         """The request's chunks, one per speculative round, then the last with its finish and summary.

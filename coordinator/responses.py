@@ -19,7 +19,9 @@ dropped first, in this coordinator's memory): `GET /v1/responses/{id}` answers o
 forgets it, `GET /v1/responses/{id}/input_items` lists its input items, and a request naming it as
 `previous_response_id` continues its conversation: its input and output, and its predecessors', come
 before the new input (its `instructions` do not carry over, as OpenAI's do not). An id this
-coordinator does not keep (never stored, forgotten, another replica's) is 404. Not supported (400):
+coordinator does not keep (never stored, forgotten, another replica's) is 404. `background` (stored, not
+streamed): the response comes back queued and generates on (poll GET; POST /v1/responses/{id}/cancel stops
+it). Not supported (400):
 other item and tool types (images, files, built-in tools), `truncation: "auto"`. `top_logprobs` (0-20) or `include:
 ["message.output_text.logprobs"]` give each output_text token's log-probability (the chat's entries:
 token, logprob, bytes, top_logprobs) on the part and on each delta; not where tools are in play.
@@ -56,6 +58,7 @@ FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "max_completio
 LOGPROBS = "message.output_text.logprobs"  # (what `include` names for them)
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
+ENDED = ("completed", "incomplete")  # the statuses of a response a previous_response_id may continue
 ITEM_IDS = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}  # (their ids' prefixes)
 
 
@@ -74,6 +77,7 @@ class ResponsesBody(Body):
     include: list[str] | None = None
     truncation: str | None = None
     user: str | None = None
+    background: bool | None = None
 
 
 def refused(error: Exception, body: ResponsesBody) -> ApiError:
@@ -233,6 +237,7 @@ class Kept:
     response: dict
     items: list[dict]
     conversation: list[ChatMessage]
+    task: asyncio.Task | None = None  # a background response's generation, while it runs
 
 
 class Store:
@@ -245,7 +250,9 @@ class Store:
     def add(self, kept: Kept) -> None:
         self.kept[kept.response["id"]] = kept
         while len(self.kept) > self.most:
-            self.kept.popitem(last=False)
+            _, dropped = self.kept.popitem(last=False)
+            if dropped.task is not None:  # (a background response still running: nobody could read it)
+                dropped.task.cancel()
 
     def get(self, response_id: str, param: str | None = None) -> Kept:
         """-> the kept response, else 404 (`param`: the field that named it, previous_response_id)."""
@@ -255,11 +262,17 @@ class Store:
             raise ApiError(404, f"no {whose} with id {response_id!r} is kept here (never stored, deleted, dropped"
                                 f" for newer ones past --store-responses, or kept by another coordinator)", param,
                            "previous_response_not_found" if param else "not_found")
+        if param and kept.response["status"] not in ENDED:  # (a background one: its conversation has no output)
+            raise ApiError(400, f"the previous response {response_id!r} is {kept.response['status']}: continue one"
+                                " that has completed", param)
         return kept
 
     def forget(self, response_id: str) -> None:
-        self.get(response_id)
+        """Drop it (a background one's generation cancelled)."""
+        kept = self.get(response_id)
         del self.kept[response_id]
+        if kept.task is not None:
+            kept.task.cancel()
 
 
 def with_ids(items: list[dict]) -> list[dict]:
@@ -293,6 +306,7 @@ class Answer:
         fmt = (body.text or {}).get("format") or {"type": "text"}
         self.store = store if store is not None and store.most > 0 and body.store is not False else None
         self.items, self.conversation = input_items(body), list(conversation)
+        self.kept: Kept | None = None
         self.head = {
             "id": new_id("resp"), "object": "response", "created_at": int(time.time()), "model": model,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
@@ -300,19 +314,27 @@ class Answer:
             "tool_choice": body.tool_choice or "auto", "parallel_tool_calls": body.parallel_tool_calls is not False,
             "text": {"format": fmt}, "metadata": body.metadata or {}, "store": self.store is not None,
             "previous_response_id": body.previous_response_id, "truncation": "disabled", "user": body.user, "reasoning": None,
+            "background": bool(body.background),
         }
 
-    def at(self, status: str, output: list[dict], summary: Summary | None = None) -> dict:
-        return {**self.head, "status": status, "error": None,
+    def at(self, status: str, output: list[dict], summary: Summary | None = None, error: dict | None = None) -> dict:
+        return {**self.head, "status": status, "error": error,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "output": output, "usage": response_usage(summary) if summary else None,
                 **({"specdec": specdec_fields(summary)} if summary else {})}
+
+    def keep(self, status: str) -> Kept:
+        """The response kept at `status` before it ends (a background one's: queued)."""
+        self.kept = Kept(self.at(status, []), with_ids(self.items), self.conversation)
+        self.store.add(self.kept)
+        return self.kept
 
     def end(self, status: str, output: list[dict], summary: Summary) -> dict:
         """The response's last object, kept where it is stored."""
         response = self.at(status, output, summary)
         if self.store is not None:
-            self.store.add(Kept(response, with_ids(self.items), [*self.conversation, said(output)]))
+            kept = self.kept or self.keep(status)
+            kept.response, kept.conversation = response, [*self.conversation, said(output)]
         return response
 
 
@@ -328,8 +350,9 @@ def entries(scorer: ChoiceLogprobs | None, chunk: Chunk) -> list[dict]:
     return made["content"] if made else []
 
 
-async def unary(chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer,
-                scorer: ChoiceLogprobs | None = None) -> Response:
+async def whole(chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer,
+                scorer: ChoiceLogprobs | None = None) -> tuple[dict, Summary]:
+    """The answer once its generation has ended: (its last object, kept where stored; the summary)."""
     pieces, scored = [], []
     async with contextlib.aclosing(chunks):
         async for chunk in chunks:
@@ -339,8 +362,30 @@ async def unary(chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer,
     output = output_of(reply("".join(pieces), finish, False, True)[0])
     if scorer is not None and output[0]["type"] == "message":
         output[0]["content"][0]["logprobs"] = scored
-    return JSONResponse(answer.end(status_of(finish), output, chunk.summary),
-                        headers=specdec_headers(chunk.summary))
+    return answer.end(status_of(finish), output, chunk.summary), chunk.summary
+
+
+async def unary(chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer,
+                scorer: ChoiceLogprobs | None = None) -> Response:
+    response, summary = await whole(chunks, reply, answer, scorer)
+    return JSONResponse(response, headers=specdec_headers(summary))
+
+
+async def background(chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer, kept: Kept, body: ResponsesBody,
+                     scorer: ChoiceLogprobs | None = None) -> None:
+    """A background response's generation: its kept object in_progress, then its last (whole), or failed with the
+    error a request would have been refused with; cancelled (POST .../cancel, DELETE): cancelled."""
+    kept.response = answer.at("in_progress", [])
+    try:
+        await whole(chunks, reply, answer, scorer)
+    except (ApiError, *CORE_ERRORS) as e:
+        error = refused(e, body)
+        kept.response = answer.at("failed", [], error={"code": error.code or "server_error", "message": str(error)})
+    except asyncio.CancelledError:
+        kept.response = answer.at("cancelled", [])
+        raise
+    finally:
+        kept.task = None
 
 
 class Items:
@@ -468,11 +513,24 @@ def routes(api: OpenAIApi, most: int) -> list[Route]:
         except (ApiError, *CORE_ERRORS) as e:
             raise refused(e, body) from e
         answer = Answer(body, model, store, conversation)
+        if body.background:
+            if answer.store is None or body.stream:
+                raise ApiError(400, "background: a background response is stored (not with store false, nor where"
+                                    " --store-responses is 0) and not streamed (poll GET /v1/responses/{id})",
+                               "background")
+            try:  # (refused now, as the request would be, not failed later)
+                await api.coordinator.check(generation)
+            except CORE_ERRORS as e:
+                raise refused(e, body) from e
         # (the output_text's tokens' logprobs; not a tool reply's, whose text is read into calls)
         scorer = api.scorers(CHAT, 1)[0] if generation.logprobs is not None and not isinstance(reply, ToolReply) \
             else None
         chunks = api.coordinator.generate(generation, "/v1/responses",
                                           traceparent=request.headers.get("traceparent", ""))
+        if body.background:  # (checked with the body: stored, not streamed)
+            kept = answer.keep("queued")
+            kept.task = asyncio.create_task(background(chunks, reply, answer, kept, body, scorer))
+            return JSONResponse(kept.response)
         try:
             if not body.stream:
                 return await unless_hung_up(request, unary(chunks, reply, answer, scorer))
@@ -488,6 +546,17 @@ def routes(api: OpenAIApi, most: int) -> list[Route]:
 
     async def retrieve(request: Request) -> Response:
         return JSONResponse(store.get(request.path_params["response_id"]).response)
+
+    async def cancel(request: Request) -> Response:
+        """A background response's generation stopped (status cancelled); one that has ended is as it ended."""
+        kept = store.get(request.path_params["response_id"])
+        if not kept.response["background"]:
+            raise ApiError(400, "only a background response can be cancelled", "response_id")
+        task = kept.task
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})
+        return JSONResponse(kept.response)
 
     async def delete(request: Request) -> Response:
         response_id = request.path_params["response_id"]
@@ -523,4 +592,5 @@ def routes(api: OpenAIApi, most: int) -> list[Route]:
     return [Route("/responses", create, methods=["POST"]),
             Route("/responses/{response_id}", retrieve, methods=["GET"]),
             Route("/responses/{response_id}", delete, methods=["DELETE"]),
+            Route("/responses/{response_id}/cancel", cancel, methods=["POST"]),
             Route("/responses/{response_id}/input_items", listed, methods=["GET"])]

@@ -806,6 +806,42 @@ def cancelled_and_released(api, before: float, n: int = 1) -> None:
     assert sessions(api) == (0, 0)
 
 
+def test_a_background_response_is_polled_and_cancelled(api, client, stub):
+    """background: the response comes back queued at once and its generation runs on: polled, it ends as the
+    same request's unary answer; cancelled while the target cannot answer, it reads cancelled and its sessions
+    are released. Refused with a stream or store false; only a background response is cancelled."""
+    asked = dict(model="target", instructions=QUESTION[0][1], input=QUESTION[1][1], max_output_tokens=12,
+                 temperature=0)
+    unary = client.responses.create(**asked)
+    queued = client.responses.create(**asked, background=True)
+    assert queued.status == "queued" and queued.background and queued.output == []
+
+    def ended():
+        got = client.responses.retrieve(queued.id)
+        assert got.status not in ("queued", "in_progress")
+        return got
+    polled = eventually(ended, timeout=60)
+    assert (polled.status, polled.output_text) == (unary.status, unary.output_text)
+    assert client.responses.cancel(queued.id).status == polled.status  # (ended: as it ended)
+    until("free of sessions", lambda: sessions(api) == (0, 0))
+    with target_stopped(api, stub):
+        held = client.responses.create(**asked, background=True, extra_body={"num_speculative_tokens": 2})
+        with pytest.raises(openai.BadRequestError, match="completed"):  # (not to be continued yet)
+            client.responses.create(model="target", input="and?", previous_response_id=held.id)
+        until("in the draft", lambda: draft_sessions(api) == 1)
+        assert client.responses.retrieve(held.id).status == "in_progress"
+        assert client.responses.cancel(held.id).status == "cancelled"
+        until("released on the draft", lambda: draft_sessions(api) == 0)
+    assert client.responses.retrieve(held.id).status == "cancelled"
+    until("free of sessions", lambda: sessions(api) == (0, 0))
+    for refused, param in (({"stream": True}, "background"), ({"store": False}, "background"),
+                           ({"max_output_tokens": 100_000}, "max_output_tokens")):
+        status, answer = post(api, "/v1/responses", json.dumps({**asked, "background": True, **refused}).encode())
+        assert status == 400 and answer["error"]["param"] == param, answer
+    with pytest.raises(openai.BadRequestError, match="background"):
+        client.responses.cancel(unary.id)
+
+
 @pytest.mark.parametrize("stream, n", [(False, 1), (True, 1), (False, 3), (True, 3)])
 def test_a_request_whose_client_hangs_up_is_cancelled_and_frees_its_sessions(api, stub, stream, n):
     """Unary, and streamed before its first event (the response starts after the first round); one
