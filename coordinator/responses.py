@@ -22,7 +22,8 @@ before the new input (its `instructions` do not carry over, as OpenAI's do not).
 coordinator does not keep (never stored, forgotten, another replica's) is 404. `background` (stored, not
 streamed): the response comes back queued and generates on (poll GET; POST /v1/responses/{id}/cancel stops
 it). Not supported (400):
-other item and tool types (images, files, built-in tools), `truncation: "auto"`. `top_logprobs` (0-20) or `include:
+other item and tool types (images, files, built-in tools). `truncation: "auto"` drops the conversation's first
+messages where it would not leave the output its room in the context. `top_logprobs` (0-20) or `include:
 ["message.output_text.logprobs"]` give each output_text token's log-probability (the chat's entries:
 token, logprob, bytes, top_logprobs) on the part and on each delta; not where tools are in play.
 """
@@ -46,7 +47,7 @@ from starlette.routing import Route
 
 from speculative.protocol import MAX_TOP_LOGPROBS
 
-from .generation import Chunk, Summary
+from .generation import Chunk, Summary, prompt_ids
 from .http import (CHAT, CORE_ERRORS, FINISH, ApiError, Body, ChatBody, ChatMessage, EventStream, OpenAIApi, Reply,
                    ToolReply, chat_request, core_error, parse, seen, specdec_fields, specdec_headers, unless_hung_up,
                    usage)
@@ -182,9 +183,10 @@ def chat_body(body: ResponsesBody, messages: list[ChatMessage]) -> ChatBody:
         raise ApiError(400, "input: give at least one message", "input")
     if body.instructions:
         messages = [ChatMessage(role="system", content=body.instructions), *messages]
-    for name, neutral in (("truncation", (None, "disabled")), ("n", (None, 1))):
-        if getattr(body, name) not in neutral:
-            raise ApiError(400, f"{name}={getattr(body, name)!r} is not supported", name, "unsupported_parameter")
+    if body.truncation not in (None, "disabled", "auto"):
+        raise ApiError(400, f"truncation must be auto or disabled, not {body.truncation!r}", "truncation")
+    if body.n not in (None, 1):
+        raise ApiError(400, f"n={body.n!r} is not supported", "n", "unsupported_parameter")
     if body.max_output_tokens is not None and body.max_output_tokens <= 0:
         raise ApiError(400, f"max_output_tokens must be > 0, not {body.max_output_tokens}", "max_output_tokens")
     top = body.top_logprobs
@@ -198,6 +200,30 @@ def chat_body(body: ResponsesBody, messages: list[ChatMessage]) -> ChatBody:
                     response_format=format_of(body), tools=tools, tool_choice=choice,
                     parallel_tool_calls=body.parallel_tool_calls, logprobs=scored or None,
                     top_logprobs=top if scored else None)
+
+
+async def truncated(api: OpenAIApi, body: ResponsesBody, conversation: list[ChatMessage]) -> list[ChatMessage]:
+    """truncation auto: the conversation from its first message on that leaves the output its room in the context
+    (max_output_tokens, else one token), its first messages dropped; never a tool's output without the call before
+    it, nor the last message. All of it where it fits, the last message alone where nothing does (then refused)."""
+    models = api.coordinator.ready()
+    need = body.max_output_tokens or 1
+
+    async def fits(start: int) -> bool:
+        [(generation, _)] = chat_request(chat_body(body, conversation[start:]))
+        return len(await prompt_ids(generation, models)) + need <= models.max_context
+
+    starts = [i for i, message in enumerate(conversation) if message.role not in ("tool", "system")]
+    if not starts or await fits(0):
+        return conversation
+    low, high = 0, len(starts) - 1  # the first start that fits, by halves (a shorter conversation never needs more)
+    while low < high:
+        middle = (low + high) // 2
+        if await fits(starts[middle]):
+            high = middle
+        else:
+            low = middle + 1
+    return conversation[starts[low]:]
 
 
 def new_id(prefix: str) -> str:
@@ -313,8 +339,8 @@ class Answer:
             "temperature": body.temperature, "top_p": body.top_p, "tools": body.tools or [],
             "tool_choice": body.tool_choice or "auto", "parallel_tool_calls": body.parallel_tool_calls is not False,
             "text": {"format": fmt}, "metadata": body.metadata or {}, "store": self.store is not None,
-            "previous_response_id": body.previous_response_id, "truncation": "disabled", "user": body.user, "reasoning": None,
-            "background": bool(body.background),
+            "previous_response_id": body.previous_response_id, "truncation": body.truncation or "disabled",
+            "user": body.user, "reasoning": None, "background": bool(body.background),
         }
 
     def at(self, status: str, output: list[dict], summary: Summary | None = None, error: dict | None = None) -> dict:
@@ -509,6 +535,8 @@ def routes(api: OpenAIApi, most: int) -> list[Route]:
             before = store.get(body.previous_response_id, "previous_response_id").conversation \
                 if body.previous_response_id is not None else []
             conversation = [*before, *messages_of(body)]
+            if body.truncation == "auto":
+                conversation = await truncated(api, body, conversation)
             [(generation, reply)] = chat_request(chat_body(body, conversation))
         except (ApiError, *CORE_ERRORS) as e:
             raise refused(e, body) from e

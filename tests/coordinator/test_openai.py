@@ -256,6 +256,24 @@ def test_responses_are_kept_answered_again_continued_and_forgotten(api, client, 
     assert client.responses.retrieve(third.id).previous_response_id == second.id  # (its own kept still)
 
 
+def test_responses_truncation_auto_drops_the_first_messages_that_do_not_fit(api, client):
+    """truncation auto: the conversation from the first message that leaves max_output_tokens their room (by
+    /tokenize's counts of the chat over each suffix), answered as the chat over those messages; disabled: 400."""
+    turns = [{"role": ("user", "assistant")[i % 2], "content": f"Turn {i}: " + " ".join(["apple"] * 10)}
+             for i in range(13)]
+    asked = dict(model="target", input=turns, max_output_tokens=8, temperature=0)
+    counts = [post(api, "/tokenize", json.dumps({"model": "target", "messages": turns[i:]}).encode())[1]["count"]
+              for i in range(len(turns))]
+    start = next(i for i, count in enumerate(counts) if count + 8 <= KV_CAP)
+    assert 0 < start < len(turns) - 2  # (the whole does not fit, several messages do: the test can fail)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(**asked)
+    reply = client.responses.create(**asked, truncation="auto")
+    chat_reply = client.chat.completions.create(model="target", messages=turns[start:], max_tokens=8, temperature=0)
+    assert reply.truncation == "auto" and reply.usage.input_tokens == counts[start]
+    assert reply.output_text == chat_reply.choices[0].message.content
+
+
 def test_responses_kept_are_at_most_the_store_s_newest():
     from coordinator.http import ApiError
     from coordinator.responses import Kept, Store
