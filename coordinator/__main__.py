@@ -100,6 +100,9 @@ def parse_args(argv=None, prog: str = "python -m coordinator"):
                         help="the most /v1/responses answers kept in this process's memory (`store`), for GET"
                              " /v1/responses/{id} and previous_response_id; the oldest are dropped first (0: none;"
                              " default 1000)")
+    parser.add_argument("--store-responses-mb", type=float, default=None,
+                        help="about the most MB of /v1/responses answers kept (their JSON: input items, output); the"
+                             " oldest are dropped first (default 256)")
     add_api_key_flags(parser)
     args = parser.parse_args(argv)
     if args.num_speculative_tokens != "auto" and not args.num_speculative_tokens.isdigit():
@@ -123,6 +126,8 @@ def parse_args(argv=None, prog: str = "python -m coordinator"):
         parser.error(f"--max-request-bytes must be > 0, not {args.max_request_bytes}")
     if args.store_responses is not None and args.store_responses < 0:
         parser.error(f"--store-responses must be >= 0, not {args.store_responses}")
+    if args.store_responses_mb is not None and not args.store_responses_mb > 0:  # (also NaN)
+        parser.error(f"--store-responses-mb must be > 0, not {args.store_responses_mb}")
     if not 0 <= args.http_port < 65536:
         parser.error(f"--http-port must lie in [0, 65535], not {args.http_port}")
     return args
@@ -133,7 +138,7 @@ def main(argv=None, prog: str = "python -m coordinator") -> None:
     # imported once the flags have parsed: --help and a bad flag answer without loading the tokenizer's
     # libraries (transformers, and through it torch: ~4 s)
     from .generation import Coordinator, Limits
-    from .http import STORE_RESPONSES, HttpServer, app as http_app
+    from .http import STORE_BYTES, STORE_RESPONSES, HttpServer, app as http_app
     from .server import SERVICE_NAME, GenerationServicer
 
     setup_logging(args.log_level)
@@ -169,7 +174,8 @@ def main(argv=None, prog: str = "python -m coordinator") -> None:
             tls = (args.tls_cert, args.tls_key, args.tls_ca) if credentials is not None else None
             try:
                 kept = STORE_RESPONSES if args.store_responses is None else args.store_responses
-                application = http_app(coordinator, key, args.max_request_bytes, kept)
+                kept_bytes = STORE_BYTES if args.store_responses_mb is None else int(args.store_responses_mb * 2**20)
+                application = http_app(coordinator, key, args.max_request_bytes, kept, kept_bytes)
                 http = HttpServer(application, args.host, args.http_port, args.shutdown_grace, tls)
             except OSError as e:
                 raise SystemExit(f"coordinator: cannot serve HTTP on {args.host}:{args.http_port}: {e}") from e

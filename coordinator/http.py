@@ -88,6 +88,7 @@ COMPLETION_MAX_TOKENS = 16  # /v1/completions' default, as OpenAI's
 MAX_CHOICES = 16  # the most choices (`n`) one request may ask for: each is a generation of its own
 MAX_GENERATIONS = 64  # the most generations (a batch's prompts x n) one request may start
 STORE_RESPONSES = 1000  # the most Responses API responses kept (--store-responses)
+STORE_BYTES = 256 << 20  # ... and about the most bytes of them (--store-responses-mb)
 
 
 # ------------------------------------------------------------------ errors
@@ -924,14 +925,14 @@ class AnswerPastGrace:
 
 
 def app(coordinator: Coordinator, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,
-        store_responses: int = STORE_RESPONSES) -> Starlette:
+        store_responses: int = STORE_RESPONSES, store_bytes: int = STORE_BYTES) -> Starlette:
     """The ASGI application: /v1/* (behind `api_key` if given), /health, /metrics; `store_responses`: the most
-    Responses API responses kept (coordinator/responses.py)."""
+    Responses API responses kept, `store_bytes` about the most bytes of them (coordinator/responses.py)."""
     from . import responses  # (it builds on this module's chat path)
 
     api = OpenAIApi(coordinator, max_request_bytes, api_key)
     v1 = [Route("/models", api.models), Route("/models/{model:path}", api.model), api.route(CHAT),
-          api.route(COMPLETIONS), *responses.routes(api, store_responses)]
+          api.route(COMPLETIONS), *responses.routes(api, store_responses, store_bytes)]
     open_routes = [Route("/health", api.health)]
     keyed = [Route("/tokenize", api.tokenize, methods=["POST"]), Route("/detokenize", api.detokenize, methods=["POST"])]
     if coordinator.metrics is not None:

@@ -48,7 +48,7 @@ from starlette.routing import Route
 from speculative.protocol import MAX_TOP_LOGPROBS
 
 from .generation import Chunk, Summary, prompt_ids
-from .http import (CHAT, CORE_ERRORS, FINISH, ApiError, Body, ChatBody, ChatMessage, EventStream, OpenAIApi, Reply,
+from .http import (CHAT, CORE_ERRORS, FINISH, STORE_BYTES, ApiError, Body, ChatBody, ChatMessage, EventStream, OpenAIApi, Reply,
                    ToolReply, chat_request, core_error, parse, seen, specdec_fields, specdec_headers, unless_hung_up,
                    usage)
 from .logprobs import ChoiceLogprobs
@@ -60,6 +60,8 @@ LOGPROBS = "message.output_text.logprobs"  # (what `include` names for them)
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 ENDED = ("completed", "incomplete")  # the statuses of a response a previous_response_id may continue
+ITEM_FIELDS = {"message": ("role", "content"), "function_call": ("call_id", "name", "arguments"),
+               "function_call_output": ("call_id", "output")}  # (what with_ids keeps of each)
 ITEM_IDS = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}  # (their ids' prefixes)
 
 
@@ -158,6 +160,24 @@ def messages_of(body: ResponsesBody) -> list[ChatMessage]:
             raise ApiError(400, f"{where}.type {kind!r} is not supported (message, function_call,"
                                 " function_call_output)", "input", "unsupported_parameter")
     return messages
+
+
+def answered(before: list[ChatMessage], given: list[ChatMessage]) -> None:
+    """400 where the input does not answer a call the previous response ended with (a function_call_output for
+    each), or answers a call no message before it made."""
+    last = before[-1] if before else None
+    waiting = [call["id"] for call in (last.tool_calls or [])] if last is not None and last.role == "assistant" else []
+    outputs = {message.tool_call_id for message in given if message.role == "tool"}
+    missing = [call for call in waiting if call not in outputs]
+    if missing:
+        raise ApiError(400, f"input: no function_call_output for the previous response's call {missing[0]!r}",
+                       "input")
+    made = set()
+    for message in [*before, *given]:
+        made.update(call["id"] for call in message.tool_calls or [])
+        if message.role == "tool" and message.tool_call_id not in made:
+            raise ApiError(400, f"input: a function_call_output answers {message.tool_call_id!r}, a call no"
+                                " function_call before it made", "input")
 
 
 def chat_tools(body: ResponsesBody) -> tuple[list[dict] | None, str | dict | None]:
@@ -264,29 +284,43 @@ class Kept:
     items: list[dict]
     conversation: list[ChatMessage]
     task: asyncio.Task | None = None  # a background response's generation, while it runs
+    size: int = 0  # bytes it holds, about: its object's and its items' JSON (Store.weigh)
 
 
 class Store:
-    """The responses this coordinator keeps, at most `most` (the oldest dropped first)."""
+    """The responses this coordinator keeps, at most `most` and about `most_bytes` of them (the oldest dropped
+    first; the newest kept whatever its size)."""
 
-    def __init__(self, most: int):
-        self.most = most
+    def __init__(self, most: int, most_bytes: int = STORE_BYTES):
+        self.most, self.most_bytes = most, most_bytes
         self.kept: OrderedDict[str, Kept] = OrderedDict()
+        self.bytes = 0
 
     def add(self, kept: Kept) -> None:
         self.kept[kept.response["id"]] = kept
-        while len(self.kept) > self.most:
+        self.weigh(kept)
+
+    def weigh(self, kept: Kept) -> None:
+        """Count the kept response's bytes as they are now (it has ended, or just been kept), dropping the oldest
+        past the bounds."""
+        size = len(json.dumps(kept.response)) + len(json.dumps(kept.items))
+        if kept.response["id"] in self.kept:
+            self.bytes += size - kept.size
+        kept.size = size
+        while len(self.kept) > self.most or self.bytes > self.most_bytes and len(self.kept) > 1:
             _, dropped = self.kept.popitem(last=False)
+            self.bytes -= dropped.size
             if dropped.task is not None:  # (a background response still running: nobody could read it)
                 dropped.task.cancel()
 
     def get(self, response_id: str, param: str | None = None) -> Kept:
-        """-> the kept response, else 404 (`param`: the field that named it, previous_response_id)."""
+        """-> the kept response, else 404 (`param`: the field that named it, previous_response_id: 400, as OpenAI's)."""
         kept = self.kept.get(response_id)
         if kept is None:
             whose = "previous response" if param else "response"
-            raise ApiError(404, f"no {whose} with id {response_id!r} is kept here (never stored, deleted, dropped"
-                                f" for newer ones past --store-responses, or kept by another coordinator)", param,
+            raise ApiError(400 if param else 404, f"no {whose} with id {response_id!r} is kept here (never stored,"
+                                                  f" deleted, dropped for newer ones past --store-responses, or kept"
+                                                  f" by another coordinator)", param,
                            "previous_response_not_found" if param else "not_found")
         if param and kept.response["status"] not in ENDED:  # (a background one: its conversation has no output)
             raise ApiError(400, f"the previous response {response_id!r} is {kept.response['status']}: continue one"
@@ -297,19 +331,32 @@ class Store:
         """Drop it (a background one's generation cancelled)."""
         kept = self.get(response_id)
         del self.kept[response_id]
+        self.bytes -= kept.size
         if kept.task is not None:
             kept.task.cancel()
 
 
 def with_ids(items: list[dict]) -> list[dict]:
-    """Input items as kept: each with an id, a message's string content as one input_text part."""
-    out = []
+    """Input items as kept: their fields that a conversation reads (no more: a client's other fields are not worth
+    memory), each with an id (its own where it is a string not given before), a message's content as text parts
+    (input_text, an assistant's output_text) and its status."""
+    out, seen_ids = [], set()
     for item in items:
         kind = item.get("type", "message")
-        item = {**item, "type": kind, "id": item.get("id") or new_id(ITEM_IDS.get(kind, "item"))}
-        if kind == "message" and isinstance(item.get("content"), str):
-            item["content"] = [{"type": "input_text", "text": item["content"]}]
-        out.append(item)
+        made = {"type": kind, **{name: item[name] for name in ITEM_FIELDS.get(kind, ()) if name in item}}
+        given = item.get("id")
+        made["id"] = given if isinstance(given, str) and given and given not in seen_ids else \
+            new_id(ITEM_IDS.get(kind, "item"))
+        seen_ids.add(made["id"])
+        if kind == "message":
+            content = made.get("content")
+            part = "output_text" if made.get("role") == "assistant" else "input_text"
+            parts = [{"type": part, "text": content}] if isinstance(content, str) else content
+            made["content"] = [{"type": p.get("type", part), "text": p.get("text")} for p in parts]
+            made["status"] = "completed"
+        elif kind == "function_call_output" and isinstance(made.get("output"), list):
+            made["output"] = [{"type": p.get("type"), "text": p.get("text")} for p in made["output"]]
+        out.append(made)
     return out
 
 
@@ -333,6 +380,7 @@ class Answer:
         self.store = store if store is not None and store.most > 0 and body.store is not False else None
         self.items, self.conversation = input_items(body), list(conversation)
         self.kept: Kept | None = None
+        self.body = body
         self.head = {
             "id": new_id("resp"), "object": "response", "created_at": int(time.time()), "model": model,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
@@ -361,7 +409,15 @@ class Answer:
         if self.store is not None:
             kept = self.kept or self.keep(status)
             kept.response, kept.conversation = response, [*self.conversation, said(output)]
+            self.store.weigh(kept)
         return response
+
+    def stop(self, status: str, error: Exception | None = None) -> None:
+        """A kept response that has not ended: ended at `status` (failed with `error`, a refusal; cancelled)."""
+        if self.kept is not None and self.kept.response["status"] in ("queued", "in_progress"):
+            made = None if error is None else refused(error, self.body)
+            self.kept.response = self.at(status, [], error=None if made is None else {
+                "code": made.code or "server_error", "message": str(made)})
 
 
 def status_of(finish: str) -> str:
@@ -397,7 +453,7 @@ async def unary(chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer,
     return JSONResponse(response, headers=specdec_headers(summary))
 
 
-async def background(chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer, kept: Kept, body: ResponsesBody,
+async def background(chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer, kept: Kept,
                      scorer: ChoiceLogprobs | None = None) -> None:
     """A background response's generation: its kept object in_progress, then its last (whole), or failed with the
     error a request would have been refused with; cancelled (POST .../cancel, DELETE): cancelled."""
@@ -405,12 +461,9 @@ async def background(chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer,
     try:
         await whole(chunks, reply, answer, scorer)
     except (ApiError, *CORE_ERRORS) as e:
-        error = refused(e, body)
-        kept.response = answer.at("failed", [], error={"code": error.code or "server_error", "message": str(error)})
-    except asyncio.CancelledError:
-        kept.response = answer.at("cancelled", [])
-        raise
+        answer.stop("failed", e)
     finally:
+        answer.stop("cancelled")
         kept.task = None
 
 
@@ -493,6 +546,8 @@ async def events(first: Chunk, chunks: AsyncIterator[Chunk], reply: Reply, answe
         payload = json.dumps({"type": kind, "sequence_number": next(number), **data}, separators=(",", ":"))
         return f"event: {kind}\ndata: {payload}\n\n"
 
+    if answer.store is not None:  # (kept from its first event on: GET reads it in progress)
+        answer.keep("in_progress")
     async with contextlib.aclosing(chunks):
         try:
             yield sse("response.created", response=answer.at("in_progress", []))
@@ -514,6 +569,7 @@ async def events(first: Chunk, chunks: AsyncIterator[Chunk], reply: Reply, answe
             yield sse(f"response.{status}", response=answer.end(status, items.output, chunk.summary))
         except (ApiError, *CORE_ERRORS) as e:
             error = refused(e, body)
+            answer.stop("failed", error)
             yield sse("error", code=error.code, message=str(error), param=error.param)
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():  # (this stream is being closed: nobody reads on)
@@ -521,12 +577,14 @@ async def events(first: Chunk, chunks: AsyncIterator[Chunk], reply: Reply, answe
             # a model service's call cancelled under it (the server stopping), as the chat's stream says it
             yield sse("error", code="unavailable", message="a model service call was cancelled (the server is"
                                                            " stopping?)", param=None)
+        finally:  # (its client gone, or the server stopping)
+            answer.stop("cancelled")
 
 
-def routes(api: OpenAIApi, most: int) -> list[Route]:
-    """POST /responses, and GET and DELETE /responses/{id} and GET /responses/{id}/input_items over the
-    `most` responses kept."""
-    store = Store(most)
+def routes(api: OpenAIApi, most: int, most_bytes: int = STORE_BYTES) -> list[Route]:
+    """POST /responses, and GET and DELETE /responses/{id}, POST /responses/{id}/cancel and GET
+    /responses/{id}/input_items over the responses kept (Store: `most`, about `most_bytes`)."""
+    store = Store(most, most_bytes)
 
     async def create(request: Request) -> Response:
         body = await parse(request, ResponsesBody, api.max_request_bytes)
@@ -534,7 +592,9 @@ def routes(api: OpenAIApi, most: int) -> list[Route]:
         try:
             before = store.get(body.previous_response_id, "previous_response_id").conversation \
                 if body.previous_response_id is not None else []
-            conversation = [*before, *messages_of(body)]
+            given = messages_of(body)
+            answered(before, given)
+            conversation = [*before, *given]
             if body.truncation == "auto":
                 conversation = await truncated(api, body, conversation)
             [(generation, reply)] = chat_request(chat_body(body, conversation))
@@ -557,7 +617,7 @@ def routes(api: OpenAIApi, most: int) -> list[Route]:
                                           traceparent=request.headers.get("traceparent", ""))
         if body.background:  # (checked with the body: stored, not streamed)
             kept = answer.keep("queued")
-            kept.task = asyncio.create_task(background(chunks, reply, answer, kept, body, scorer))
+            kept.task = asyncio.create_task(background(chunks, reply, answer, kept, scorer))
             return JSONResponse(kept.response)
         try:
             if not body.stream:

@@ -232,8 +232,13 @@ def test_responses_are_kept_answered_again_continued_and_forgotten(api, client, 
     assert [(item.type, item.role, item.content[0].text) for item in client.responses.input_items.list(first.id).data
             ] == [("message", "user", user)]
     texts = ["a", "b", "c"]
-    many = client.responses.create(model="target", max_output_tokens=2, input=[
-        {"role": role, "content": text} for role, text in zip(("user", "assistant", "user"), texts)])
+    many = client.responses.create(model="target", max_output_tokens=2, input=[  # (what is kept of them: below)
+        {"role": role, "content": text, "id": 7, "junk": [0] * 100} for role, text in zip(("user", "assistant", "user"),
+                                                                                         texts)])
+    kept = client.get(f"/responses/{many.id}/input_items", cast_to=object, options={"params": {"order": "asc"}})
+    assert [sorted(item) for item in kept["data"]] == [["content", "id", "role", "status", "type"]] * 3
+    assert len({item["id"] for item in kept["data"]}) == 3 and all(isinstance(i["id"], str) for i in kept["data"])
+    assert [item["content"][0]["type"] for item in kept["data"]] == ["input_text", "output_text", "input_text"]
     page = client.responses.input_items.list(many.id, limit=2)
     assert [item.content[0].text for item in page.data] == ["c", "b"] and page.has_more
     rest = client.responses.input_items.list(many.id, limit=2, after=page.data[-1].id)
@@ -252,7 +257,8 @@ def test_responses_are_kept_answered_again_continued_and_forgotten(api, client, 
             client.responses.delete(gone)
         status, answer = post(api, "/v1/responses", json.dumps(
             {"model": "target", "input": "hi", "max_output_tokens": 2, "previous_response_id": gone}).encode())
-        assert status == 404 and answer["error"]["param"] == "previous_response_id", answer
+        assert status == 400 and answer["error"]["param"] == "previous_response_id", answer
+        assert answer["error"]["code"] == "previous_response_not_found"
     assert client.responses.retrieve(third.id).previous_response_id == second.id  # (its own kept still)
 
 
@@ -283,8 +289,18 @@ def test_responses_kept_are_at_most_the_store_s_newest():
         store.add(Kept({"id": name}, [], []))
     with pytest.raises(ApiError) as refused:
         store.get("r1", "previous_response_id")
-    assert refused.value.status == 404 and refused.value.param == "previous_response_id"
+    assert refused.value.status == 400 and refused.value.param == "previous_response_id"
+    with pytest.raises(ApiError) as refused:
+        store.get("r1")
+    assert refused.value.status == 404
     assert [store.get(name).response["id"] for name in ("r2", "r3")] == ["r2", "r3"]
+    heavy = Store(100, most_bytes=2500)  # and by bytes: each of these ~1 kB of JSON
+    for name in ("r1", "r2", "r3", "r4"):
+        heavy.add(Kept({"id": name, "output": "x" * 1000}, [], []))
+    assert list(heavy.kept) == ["r3", "r4"] and 2000 < heavy.bytes <= 2500
+    heavy.forget("r3")
+    heavy.add(Kept({"id": "huge", "output": "x" * 10_000}, [], []))  # (the newest is kept whatever its size)
+    assert list(heavy.kept) == ["huge"] and heavy.bytes > 10_000
 
 
 def sessions(api) -> tuple[float, float]:
@@ -858,6 +874,21 @@ def test_a_background_response_is_polled_and_cancelled(api, client, stub):
         assert status == 400 and answer["error"]["param"] == param, answer
     with pytest.raises(openai.BadRequestError, match="background"):
         client.responses.cancel(unary.id)
+
+
+def test_a_streamed_response_is_kept_from_its_first_event_and_cancelled_with_its_client(api, client, stub):
+    """Stored and streamed: GET reads it in progress while it generates; its client gone, it reads cancelled."""
+    until("free of sessions", lambda: sessions(api) == (0, 0))
+    stream = client.responses.create(model="target", input=QUESTION[1][1], max_output_tokens=300, temperature=0,
+                                     stream=True, extra_body={"ignore_eos": True})
+    created = next(iter(stream))
+    assert created.type == "response.created"
+    with target_stopped(api, stub):  # (held: it cannot end meanwhile)
+        assert client.responses.retrieve(created.response.id).status == "in_progress"
+        stream.close()
+        until("released on the draft", lambda: draft_sessions(api) == 0)
+    assert client.responses.retrieve(created.response.id).status == "cancelled"
+    until("free of sessions", lambda: sessions(api) == (0, 0))
 
 
 @pytest.mark.parametrize("stream, n", [(False, 1), (True, 1), (False, 3), (True, 3)])
