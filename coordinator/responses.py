@@ -14,12 +14,14 @@ ran to its limit. Streamed (`"stream": true`): the Responses events (`response.c
 come as the chat's stream gives them (ToolReply): text as it comes, a named function's arguments as
 they come, other calls each once whole.
 
-Kept responses (`store`, true unless the request says false; `--store-responses` most, the oldest
-dropped first, in this coordinator's memory): `GET /v1/responses/{id}` answers one again, `DELETE`
+Kept responses (`store`, true unless the request says false; `--store-responses` most, about
+`--store-responses-mb` of them, the oldest dropped first, in this coordinator's memory; a streamed one from
+its first event): `GET /v1/responses/{id}` answers one again, `DELETE`
 forgets it, `GET /v1/responses/{id}/input_items` lists its input items, and a request naming it as
 `previous_response_id` continues its conversation: its input and output, and its predecessors', come
 before the new input (its `instructions` do not carry over, as OpenAI's do not). An id this
-coordinator does not keep (never stored, forgotten, another replica's) is 404. `background` (stored, not
+coordinator does not keep (never stored, forgotten, another replica's) is 404 (400 as previous_response_id, as
+OpenAI's). `background` (stored, not
 streamed): the response comes back queued and generates on (poll GET; POST /v1/responses/{id}/cancel stops
 it). Not supported (400):
 other item and tool types (images, files, built-in tools). `truncation: "auto"` drops the conversation's first
@@ -48,9 +50,9 @@ from starlette.routing import Route
 from speculative.protocol import MAX_TOP_LOGPROBS
 
 from .generation import Chunk, Summary, prompt_ids
-from .http import (CHAT, CORE_ERRORS, FINISH, STORE_BYTES, ApiError, Body, ChatBody, ChatMessage, EventStream, OpenAIApi, Reply,
-                   ToolReply, chat_request, core_error, parse, seen, specdec_fields, specdec_headers, unless_hung_up,
-                   usage)
+from .http import (CHAT, CORE_ERRORS, FINISH, STORE_BYTES, ApiError, Body, ChatBody, ChatMessage, EventStream,
+                   OpenAIApi, Reply, ToolReply, chat_request, core_error, parse, seen, specdec_fields, specdec_headers,
+                   unless_hung_up, usage)
 from .logprobs import ChoiceLogprobs
 
 # a chat's field -> the Responses API's, in refusals
@@ -314,7 +316,8 @@ class Store:
                 dropped.task.cancel()
 
     def get(self, response_id: str, param: str | None = None) -> Kept:
-        """-> the kept response, else 404 (`param`: the field that named it, previous_response_id: 400, as OpenAI's)."""
+        """-> the kept response, else 404 (`param`: the field that named it, previous_response_id: then 400, as
+        OpenAI's)."""
         kept = self.kept.get(response_id)
         if kept is None:
             whose = "previous response" if param else "response"
