@@ -38,6 +38,10 @@ class CoordinatorMetrics:
                                    " replica's latency bound ran out: failover.py); their answers are dropped",
                                    registry=r)
         self.active = Gauge("specdec_active_requests", "requests in progress", registry=r)
+        # the Responses API's kept responses (coordinator/responses.py's Store: it sets their functions)
+        self.kept_responses = Gauge("specdec_kept_responses", "Responses API responses kept (store)", registry=r)
+        self.kept_response_bytes = Gauge("specdec_kept_response_bytes", "bytes of the kept responses' JSON, as"
+                                         " --store-responses-mb counts them", registry=r)
         # --lockstep only (coordinator/lockstep.py)
         self.lockstep_turns = Counter("specdec_lockstep_turns", "lockstep turns, by model and by what started"
                                       " them: all_waiting (every live generation waited) or hold_expired"

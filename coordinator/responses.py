@@ -588,6 +588,9 @@ def routes(api: OpenAIApi, most: int, most_bytes: int = STORE_BYTES) -> list[Rou
     """POST /responses, and GET and DELETE /responses/{id}, POST /responses/{id}/cancel and GET
     /responses/{id}/input_items over the responses kept (Store: `most`, about `most_bytes`)."""
     store = Store(most, most_bytes)
+    if api.coordinator.metrics is not None:
+        api.coordinator.metrics.kept_responses.set_function(lambda: len(store.kept))
+        api.coordinator.metrics.kept_response_bytes.set_function(lambda: store.bytes)
 
     async def create(request: Request) -> Response:
         body = await parse(request, ResponsesBody, api.max_request_bytes)

@@ -247,7 +247,13 @@ def test_responses_are_kept_answered_again_continued_and_forgotten(api, client, 
     for query in ("limit=0", "limit=x", "order=up", "after=msg_nosuch"):
         with pytest.raises(openai.BadRequestError, match=query.split("=")[0]):
             client.get(f"/responses/{many.id}/input_items?{query}", cast_to=object)
+    def kept() -> tuple[float, float]:  # (the gauges)
+        samples = scrape(int(api.http_url.rsplit(":", 1)[1]))
+        return value(samples, "specdec_kept_responses"), value(samples, "specdec_kept_response_bytes")
+    count, size = kept()
+    assert count >= 4 and size > 1000
     client.responses.delete(second.id)
+    assert kept()[0] == count - 1 and kept()[1] < size
     unkept = client.responses.create(model="target", input=user, max_output_tokens=2, store=False)
     assert not unkept.store
     for gone in (second.id, unkept.id, "resp_nosuch"):
