@@ -659,6 +659,7 @@ class OpenAIApi:
         self.coordinator, self.max_request_bytes, self.api_key = coordinator, max_request_bytes, api_key
         self.created = int(time.time())
         self.texts: TokenText | None = None  # the tokenizer's tokens as logprobs show them
+        self.closing: list[Callable[[], Awaitable[None]]] = []  # what to wind down once the server has stopped
 
     def model_name(self, asked: str | None) -> str:
         name = self.coordinator.ready().name
@@ -950,12 +951,14 @@ def app(coordinator: Coordinator, api_key: str | None = None, max_request_bytes:
         return ApiError(500, f"internal error: {type(error).__name__}").response()
 
     handled = (ApiError, *CORE_ERRORS, HTTPException, ClientDisconnect, Exception)
-    return Starlette(
+    application = Starlette(
         routes=[Mount("/v1", routes=v1, middleware=[Middleware(RequireApiKey, key=api_key)] if api_key else []),
                 *keyed, *open_routes],
         exception_handlers={kind: refusal for kind in handled},
         middleware=[Middleware(AnswerPastGrace)],
     )
+    application.state.closing = api.closing  # (HttpServer.run awaits each once it has stopped serving)
+    return application
 
 
 class _InTheLoop(uvicorn.Server):
@@ -982,7 +985,7 @@ class HttpServer:
                                 access_log=False, timeout_graceful_shutdown=grace, ssl_certfile=cert,
                                 ssl_keyfile=key, ssl_ca_certs=ca,
                                 ssl_cert_reqs=ssl.CERT_REQUIRED if ca else ssl.CERT_NONE)
-        self.server = _InTheLoop(config)
+        self.server, self.application = _InTheLoop(config), application
         self.url = f"{'https' if tls else 'http'}://{f'[{host}]' if family == socket.AF_INET6 else host}:{self.port}"
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -994,3 +997,5 @@ class HttpServer:
         self.server.should_exit = True
         stop.set()
         await serving
+        for close in getattr(self.application.state, "closing", []):
+            await close()

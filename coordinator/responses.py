@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -49,7 +50,7 @@ from starlette.routing import Route
 
 from speculative.protocol import MAX_TOP_LOGPROBS
 
-from .generation import Chunk, Summary, prompt_ids
+from .generation import Chunk, InvalidRequest, Summary, prompt_ids
 from .http import (CHAT, CORE_ERRORS, FINISH, STORE_BYTES, ApiError, Body, ChatBody, ChatMessage, EventStream,
                    OpenAIApi, Reply, ToolReply, chat_request, core_error, parse, seen, specdec_fields, specdec_headers,
                    unless_hung_up, usage)
@@ -61,6 +62,7 @@ FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "max_completio
 LOGPROBS = "message.output_text.logprobs"  # (what `include` names for them)
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
+log = logging.getLogger("specdec.coordinator")
 ENDED = ("completed", "incomplete")  # the statuses of a response a previous_response_id may continue
 ITEM_FIELDS = {"message": ("role", "content"), "function_call": ("call_id", "name", "arguments"),
                "function_call_output": ("call_id", "output")}  # (what with_ids keeps of each)
@@ -226,14 +228,20 @@ def chat_body(body: ResponsesBody, messages: list[ChatMessage]) -> ChatBody:
 
 async def truncated(api: OpenAIApi, body: ResponsesBody, conversation: list[ChatMessage]) -> list[ChatMessage]:
     """truncation auto: the conversation from its first message on that leaves the output its room in the context
-    (max_output_tokens, else one token), its first messages dropped; never a tool's output without the call before
-    it, nor the last message. All of it where it fits, the last message alone where nothing does (then refused)."""
+    (max_output_tokens, else one token), its first messages dropped but its system (developer) ones; never starting
+    at a tool's output. All of it where it fits, the last message alone where nothing does (then refused)."""
     models = api.coordinator.ready()
     need = body.max_output_tokens or 1
 
+    def kept_from(start: int) -> list[ChatMessage]:
+        return [*(m for m in conversation[:start] if m.role == "system"), *conversation[start:]]
+
     async def fits(start: int) -> bool:
-        [(generation, _)] = chat_request(chat_body(body, conversation[start:]))
-        return len(await prompt_ids(generation, models)) + need <= models.max_context
+        [(generation, _)] = chat_request(chat_body(body, kept_from(start)))
+        try:
+            return len(await prompt_ids(generation, models)) + need <= models.max_context
+        except InvalidRequest:  # (refused before it is tokenized: more messages or characters than the context holds)
+            return False
 
     starts = [i for i, message in enumerate(conversation) if message.role not in ("tool", "system")]
     if not starts or await fits(0):
@@ -245,7 +253,7 @@ async def truncated(api: OpenAIApi, body: ResponsesBody, conversation: list[Chat
             high = middle
         else:
             low = middle + 1
-    return conversation[starts[low]:]
+    return kept_from(starts[low])
 
 
 def new_id(prefix: str) -> str:
@@ -329,6 +337,15 @@ class Store:
             raise ApiError(400, f"the previous response {response_id!r} is {kept.response['status']}: continue one"
                                 " that has completed", param)
         return kept
+
+    async def close(self) -> None:
+        """The background responses still generating cancelled, their sessions released (the server stopping: what
+        they would make is kept nowhere once it has stopped)."""
+        tasks = [kept.task for kept in self.kept.values() if kept.task is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
 
     def forget(self, response_id: str) -> None:
         """Drop it (a background one's generation cancelled)."""
@@ -418,7 +435,8 @@ class Answer:
     def stop(self, status: str, error: Exception | None = None) -> None:
         """A kept response that has not ended: ended at `status` (failed with `error`, a refusal; cancelled)."""
         if self.kept is not None and self.kept.response["status"] in ("queued", "in_progress"):
-            made = None if error is None else refused(error, self.body)
+            made = None if error is None else refused(error, self.body) if isinstance(error, (ApiError, *CORE_ERRORS)) \
+                else ApiError(500, f"internal error: {type(error).__name__}", None, "server_error")
             self.kept.response = self.at(status, [], error=None if made is None else {
                 "code": made.code or "server_error", "message": str(made)})
 
@@ -464,6 +482,9 @@ async def background(chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer,
     try:
         await whole(chunks, reply, answer, scorer)
     except (ApiError, *CORE_ERRORS) as e:
+        answer.stop("failed", e)
+    except Exception as e:  # (a fault of its own: logged, and failed)
+        log.exception("background response %s failed", answer.head["id"])
         answer.stop("failed", e)
     finally:
         answer.stop("cancelled")
@@ -580,6 +601,9 @@ async def events(first: Chunk, chunks: AsyncIterator[Chunk], reply: Reply, answe
             # a model service's call cancelled under it (the server stopping), as the chat's stream says it
             yield sse("error", code="unavailable", message="a model service call was cancelled (the server is"
                                                            " stopping?)", param=None)
+        except Exception as e:  # (a fault of its own: the stream breaks, the kept response failed)
+            answer.stop("failed", e)
+            raise
         finally:  # (its client gone, or the server stopping)
             answer.stop("cancelled")
 
@@ -588,6 +612,7 @@ def routes(api: OpenAIApi, most: int, most_bytes: int = STORE_BYTES) -> list[Rou
     """POST /responses, and GET and DELETE /responses/{id}, POST /responses/{id}/cancel and GET
     /responses/{id}/input_items over the responses kept (Store: `most`, about `most_bytes`)."""
     store = Store(most, most_bytes)
+    api.closing.append(store.close)
     if api.coordinator.metrics is not None:
         api.coordinator.metrics.kept_responses.set_function(lambda: len(store.kept))
         api.coordinator.metrics.kept_response_bytes.set_function(lambda: store.bytes)

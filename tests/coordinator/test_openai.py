@@ -271,19 +271,26 @@ def test_responses_are_kept_answered_again_continued_and_forgotten(api, client, 
 def test_responses_truncation_auto_drops_the_first_messages_that_do_not_fit(api, client):
     """truncation auto: the conversation from the first message that leaves max_output_tokens their room (by
     /tokenize's counts of the chat over each suffix), answered as the chat over those messages; disabled: 400."""
+    system = {"role": "system", "content": QUESTION[0][1]}  # (kept: only the others are dropped)
     turns = [{"role": ("user", "assistant")[i % 2], "content": f"Turn {i}: " + " ".join(["apple"] * 10)}
              for i in range(13)]
-    asked = dict(model="target", input=turns, max_output_tokens=8, temperature=0)
-    counts = [post(api, "/tokenize", json.dumps({"model": "target", "messages": turns[i:]}).encode())[1]["count"]
-              for i in range(len(turns))]
+    asked = dict(model="target", input=[system, *turns], max_output_tokens=8, temperature=0)
+    counts = [post(api, "/tokenize", json.dumps({"model": "target", "messages": [system, *turns[i:]]}).encode())[1][
+        "count"] for i in range(len(turns))]
     start = next(i for i, count in enumerate(counts) if count + 8 <= KV_CAP)
     assert 0 < start < len(turns) - 2  # (the whole does not fit, several messages do: the test can fail)
     with pytest.raises(openai.BadRequestError):
         client.responses.create(**asked)
     reply = client.responses.create(**asked, truncation="auto")
-    chat_reply = client.chat.completions.create(model="target", messages=turns[start:], max_tokens=8, temperature=0)
+    chat_reply = client.chat.completions.create(model="target", messages=[system, *turns[start:]], max_tokens=8,
+                                                temperature=0)
     assert reply.truncation == "auto" and reply.usage.input_tokens == counts[start]
     assert reply.output_text == chat_reply.choices[0].message.content
+    # more messages than the context holds tokens: refused before they are tokenized, unless truncated
+    many = [{"role": ("user", "assistant")[i % 2], "content": "a"} for i in range(KV_CAP + 21)]
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(**{**asked, "input": many})
+    assert client.responses.create(**{**asked, "input": many}, truncation="auto").usage.input_tokens + 8 <= KV_CAP
 
 
 def test_responses_kept_are_at_most_the_store_s_newest():
@@ -760,6 +767,32 @@ def test_no_services_is_503_and_sigterm_stops_both_front_doors(tmp_path):
         proc.terminate()
         code = proc.wait(30)
     assert code == 0, log.read_text()
+
+
+def test_a_coordinator_stopped_under_background_responses_releases_their_sessions(pair):
+    """SIGTERM while background responses generate: the coordinator cancels them and their sessions are released
+    on both services before it closes its channels to them, and it exits 0."""
+    ports = {role: free_port() for role in ("draft", "target")}
+    # (unary calls: a generation's call stream, ending with the coordinator, would release them by itself)
+    stack = LocalStack(*pair, http_port=0, coordinator_args=["--peer-calls", "unary"],
+                       draft_args=["--metrics-port", str(ports["draft"])],
+                       target_args=["--metrics-port", str(ports["target"])]).start()
+    stack.metrics_ports = ports
+    try:
+        with openai_client(stack) as client:
+            room = client.models.list().data[0].model_extra["max_model_len"] - 64
+            held = [client.responses.create(model="target", input=QUESTION[1][1], max_output_tokens=room,
+                                            temperature=0, background=True,
+                                            extra_body={"ignore_eos": True, "num_speculative_tokens": 2})
+                    for _ in range(2)]
+            until("both in the draft", lambda: draft_sessions(stack) == 2)
+            assert [client.responses.retrieve(made.id).status for made in held] == ["in_progress"] * 2
+        coordinator = stack.procs["coordinator"]
+        coordinator.send_signal(signal.SIGTERM)
+        assert coordinator.wait(60) == 0
+        assert sessions(stack) == (0, 0)  # (released before it exited: none left to a service's idle timeout)
+    finally:
+        stack.stop()
 
 
 # ------------------------------------------------------------------ the API key
