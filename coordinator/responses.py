@@ -684,7 +684,7 @@ def routes(api: OpenAIApi, most: int, most_bytes: int = STORE_BYTES) -> list[Rou
 
     async def listed(request: Request) -> Response:
         """The kept response's input items, `order` desc (the default: the last first) or asc, `limit` (1-100,
-        default 20) of them after the one whose id is `after`."""
+        default 20) of them after the one whose id is `after`, or just before the one whose id is `before`."""
         items = store.get(request.path_params["response_id"]).items
         query = request.query_params
         order = query.get("order", "desc")
@@ -698,12 +698,17 @@ def routes(api: OpenAIApi, most: int, most_bytes: int = STORE_BYTES) -> list[Rou
             raise ApiError(400, f"limit must be a whole number between 1 and 100, not {query.get('limit')!r}",
                            "limit")
         items = items[::-1] if order == "desc" else items
-        after = query.get("after")
-        if after is not None:
-            ids = [item["id"] for item in items]
-            if after not in ids:
-                raise ApiError(400, f"after: no input item {after!r} in this response", "after")
-            items = items[ids.index(after) + 1:]
+        ids = [item["id"] for item in items]
+        for name in ("after", "before"):
+            if query.get(name) is not None and query[name] not in ids:
+                raise ApiError(400, f"{name}: no input item {query[name]!r} in this response", name)
+        if query.get("before") is not None:  # (the `limit` items just before it, in this order)
+            items = items[:ids.index(query["before"])]
+            page = items[-limit:]
+            return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                                 "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+        if query.get("after") is not None:
+            items = items[ids.index(query["after"]) + 1:]
         page = items[:limit]
         return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                              "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})

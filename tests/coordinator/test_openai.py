@@ -243,8 +243,11 @@ def test_responses_are_kept_answered_again_continued_and_forgotten(api, client, 
     assert [item.content[0].text for item in page.data] == ["c", "b"] and page.has_more
     rest = client.responses.input_items.list(many.id, limit=2, after=page.data[-1].id)
     assert [item.content[0].text for item in rest.data] == ["a"] and not rest.has_more
+    back = client.get(f"/responses/{many.id}/input_items", cast_to=object,
+                      options={"params": {"limit": 1, "before": rest.data[0].id}})
+    assert [item["content"][0]["text"] for item in back["data"]] == ["b"] and back["has_more"]
     assert [item.content[0].text for item in client.responses.input_items.list(many.id, order="asc").data] == texts
-    for query in ("limit=0", "limit=x", "order=up", "after=msg_nosuch"):
+    for query in ("limit=0", "limit=x", "order=up", "after=msg_nosuch", "before=msg_nosuch"):
         with pytest.raises(openai.BadRequestError, match=query.split("=")[0]):
             client.get(f"/responses/{many.id}/input_items?{query}", cast_to=object)
     def kept() -> tuple[float, float]:  # (the gauges)
