@@ -21,6 +21,8 @@ import grpc
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from coordinator.launch import ROOT, LocalStack
@@ -294,6 +296,108 @@ def test_responses_truncation_auto_drops_the_first_messages_that_do_not_fit(api,
     with pytest.raises(openai.BadRequestError):
         client.responses.create(**{**asked, "input": many})
     assert client.responses.create(**{**asked, "input": many}, truncation="auto").usage.input_tokens + 8 <= KV_CAP
+
+
+ANY = st.recursive(st.none() | st.booleans() | st.integers(-3, 2**40) | st.floats(allow_nan=False, width=32)
+                   | st.text(max_size=12), lambda inner: st.lists(inner, max_size=3)
+                   | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)
+
+
+PARTS = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "input_image", "x"]),
+                                        "text": st.text(max_size=20)}), max_size=3)
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "user", "assistant", "system", "developer", "x"]),
+                                 "content": st.text(max_size=30) | PARTS})
+ITEMS = st.lists(st.one_of(
+    MESSAGE, MESSAGE,
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.sampled_from(["c1", "c2"]),
+                           "name": st.sampled_from(["weather", "f"]), "arguments": st.text(max_size=20)}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.sampled_from(["c1", "c2"]),
+                           "output": st.text(max_size=20) | PARTS}),
+    st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "message", "x"])})), min_size=1, max_size=4)
+GOOD = {  # each field of a Responses request, of its type (some values refused all the same)
+    "input": st.text(min_size=1, max_size=40) | ITEMS, "instructions": st.text(max_size=20),
+    "max_output_tokens": st.integers(-2, 12), "temperature": st.sampled_from([0.0, 0.7, -1.0, 5.0]),
+    "top_p": st.sampled_from([1.0, 0.5, 0.0]), "stream": st.booleans(), "store": st.booleans(),
+    "background": st.booleans(), "truncation": st.sampled_from(["auto", "disabled", "x"]),
+    "previous_response_id": st.sampled_from(["KEPT", "KEPT", "resp_nosuch", ""]),
+    "tools": st.lists(st.fixed_dictionaries({
+        "type": st.sampled_from(["function", "function", "web_search"]), "name": st.sampled_from(["weather", "a b"]),
+        "parameters": st.just({"type": "object"})}), max_size=2),
+    "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "function", "name": "weather"}]),
+    "text": st.sampled_from([{"format": {"type": "json_object"}}, {"format": {"type": "text"}},
+                             {"format": {"type": "json_schema", "schema": {"type": "object"}}}]),
+    "top_logprobs": st.integers(-1, 25), "include": st.lists(st.text(max_size=30), max_size=2),
+}
+
+
+@st.composite
+def response_bodies(draw) -> dict:
+    """A body of fields of their types, and up to two of its fields (or a list entry's) made anything (ANY)."""
+    body = draw(st.fixed_dictionaries({"model": st.just("target"), "input": GOOD["input"]},
+                                      optional={name: strategy for name, strategy in GOOD.items() if name != "input"}))
+    for name in draw(st.lists(st.sampled_from(sorted(GOOD)), max_size=2, unique=True)):
+        value = body.get(name)
+        if isinstance(value, list) and value and draw(st.booleans()):
+            value[draw(st.integers(0, len(value) - 1))] = draw(ANY)
+        else:
+            body[name] = draw(ANY)
+    return body
+
+
+def responses_call(api, body: dict) -> tuple[int, bytes]:
+    """POST /v1/responses with `body`: (status, the whole answer, a stream read to its end)."""
+    data = json.dumps(body).encode()
+    request = urllib.request.Request(api.http_url + "/v1/responses", data, {
+        "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+@given(body=response_bodies())
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[
+    HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+def fuzz_responses(api, kept_id, body):
+    if body.get("previous_response_id") == "KEPT":
+        body["previous_response_id"] = kept_id
+    if not isinstance(body.get("max_output_tokens"), int) or body["max_output_tokens"] > 12:
+        body["max_output_tokens"] = 12  # (bounded: the fuzz is of the fields, not of long answers)
+    status, answer = responses_call(api, body)
+    assert status in (200, 400, 404, 413, 422), (status, answer[:400], body)
+    if status != 200:
+        error = json.loads(answer)["error"]
+        assert error["message"] and error["type"] == "invalid_request_error", (answer, body)
+    elif body.get("stream") is True and not body.get("background"):
+        last = [line for line in answer.decode().splitlines() if line.startswith("event: ")][-1]
+        assert last in ("event: response.completed", "event: response.incomplete", "event: error"), (answer, body)
+    else:
+        made = json.loads(answer)
+        assert made["object"] == "response" and made["status"] in ("completed", "incomplete", "queued"), made
+        if made["status"] == "queued":
+            client = openai_client(api, KEY, 60)
+            eventually(lambda: client.responses.retrieve(made["id"]).status in ("completed", "incomplete")
+                       or pytest.fail("not ended"), timeout=60)
+
+
+def test_responses_fuzzed_get_an_answer_or_a_clear_400_and_the_server_stays_whole(api, client):
+    """Any body hypothesis makes of the Responses API's fields, well formed or not (and a kept response to
+    continue): a response, or 4xx with OpenAI's error object; never a 500 or a hang; the same kept-response
+    paths after it; and a plain request then answers as before."""
+    before = client.responses.create(model="target", input=QUESTION[1][1], max_output_tokens=8, temperature=0)
+    fuzz_responses(api, before.id)
+    for path in ("/nosuch", f"/{before.id}", f"/{before.id}/input_items?limit=3&order=asc", "/%00/input_items"):
+        request = urllib.request.Request(f"{api.http_url}/v1/responses{path}",
+                                         headers={"Authorization": f"Bearer {KEY}"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                assert reply.status == 200
+        except urllib.error.HTTPError as e:
+            assert e.code in (400, 404) and json.load(e)["error"]["message"]
+    again = client.responses.create(model="target", input=QUESTION[1][1], max_output_tokens=8, temperature=0)
+    assert again.output_text == before.output_text
+    assert all(proc.poll() is None for proc in api.procs.values())
 
 
 def test_responses_kept_are_at_most_the_store_s_newest():
