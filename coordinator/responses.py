@@ -21,9 +21,10 @@ forgets it, `GET /v1/responses/{id}/input_items` lists its input items, and a re
 `previous_response_id` continues its conversation: its input and output, and its predecessors', come
 before the new input (its `instructions` do not carry over, as OpenAI's do not). An id this
 coordinator does not keep (never stored, forgotten, another replica's) is 404 (400 as previous_response_id, as
-OpenAI's). `background` (stored, not
-streamed): the response comes back queued and generates on (poll GET; POST /v1/responses/{id}/cancel stops
-it). Not supported (400):
+OpenAI's). `background` (stored): the response comes back queued and generates on (poll GET; POST
+/v1/responses/{id}/cancel stops it); with `stream` its events come as they are made and are kept with it, its
+generation going on if its client hangs up: `GET /v1/responses/{id}?stream=true&starting_after=N` streams them
+again after sequence number N (all without it), and those to come as they come. Not supported (400):
 other item and tool types (images, files, built-in tools). `truncation: "auto"` drops the conversation's first
 messages where it would not leave the output its room in the context. `top_logprobs` (0-20) or `include:
 ["message.output_text.logprobs"]` give each output_text token's log-probability (the chat's entries:
@@ -294,7 +295,20 @@ class Kept:
     items: list[dict]
     conversation: list[ChatMessage]
     task: asyncio.Task | None = None  # a background response's generation, while it runs
-    size: int = 0  # bytes it holds, about: its object's and its items' JSON (Store.weigh)
+    size: int = 0  # bytes it holds, about: its object's and its items' JSON, and its events (Store.weigh)
+    events: list[str] | None = None  # a background response created with stream: its events so far, in order
+    streaming: bool = False  # ... while more may come
+    grew: asyncio.Event | None = None  # set (and replaced) at each event and at the end: what followers wait on
+
+    def emit(self, event: str | None = None) -> None:
+        """A background stream's next event (None: its end), for whoever follows it (follow)."""
+        if event is not None:
+            self.events.append(event)
+        else:
+            self.streaming = False
+        if self.grew is not None:
+            self.grew.set()
+        self.grew = asyncio.Event()
 
 
 class Store:
@@ -313,7 +327,7 @@ class Store:
     def weigh(self, kept: Kept) -> None:
         """Count the kept response's bytes as they are now (it has ended, or just been kept), dropping the oldest
         past the bounds."""
-        size = len(json.dumps(kept.response)) + len(json.dumps(kept.items))
+        size = len(json.dumps(kept.response)) + len(json.dumps(kept.items)) + sum(map(len, kept.events or ()))
         if kept.response["id"] in self.kept:
             self.bytes += size - kept.size
         kept.size = size
@@ -491,6 +505,40 @@ async def background(chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer,
         kept.task = None
 
 
+async def streamed(chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer, kept: Kept, body: ResponsesBody,
+                   scorer: ChoiceLogprobs | None = None) -> None:
+    """A background response created with stream: its events (events) kept as they come, whoever follows them
+    (follow: its creator's stream, GET ?stream=true) and whether anyone does: a follower hanging up stops
+    nothing. Cancelled (POST .../cancel, DELETE, dropped, the server stopping): it reads cancelled and its
+    followers' streams end."""
+    try:
+        async for event in events(None, chunks, reply, answer, body, scorer):
+            kept.emit(event)
+    except asyncio.CancelledError:
+        pass  # (the task ends here: its followers see the end)
+    except Exception:  # (a fault of its own: events() has failed the response)
+        log.exception("background response %s failed", answer.head["id"])
+    finally:
+        answer.stop("cancelled")
+        kept.task = None
+        kept.emit()
+        if answer.store is not None and kept.response["id"] in answer.store.kept:
+            answer.store.weigh(kept)
+
+
+async def follow(kept: Kept, after: int) -> AsyncIterator[str]:
+    """A background stream's events after sequence number `after` (-1: all), those to come as they come, to
+    its end."""
+    at = after + 1
+    while True:
+        while at < len(kept.events):
+            yield kept.events[at]
+            at += 1
+        if not kept.streaming:
+            return
+        await kept.grew.wait()
+
+
 class Items:
     """A streamed answer's output items, made from its chat reply's streamed deltas (chat_choice's text;
     ToolReply's text as it comes and its calls, a named function's arguments as they come, others' once
@@ -561,22 +609,26 @@ class Items:
         return out + [("response.output_item.done", {"output_index": self.output.index(item), "item": item})]
 
 
-async def events(first: Chunk, chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer,
+async def events(first: Chunk | None, chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer,
                  body: ResponsesBody, scorer: ChoiceLogprobs | None = None) -> AsyncIterator[str]:
-    """The Responses API's events, numbered: the items as the rounds bring them (Items)."""
+    """The Responses API's events, numbered: the items as the rounds bring them (Items). first: the generation's
+    first chunk, taken already (None: taken here, after response.created: a background stream's, whose
+    refusal is an error event)."""
     number = itertools.count()
 
     def sse(kind: str, **data: Any) -> str:
         payload = json.dumps({"type": kind, "sequence_number": next(number), **data}, separators=(",", ":"))
         return f"event: {kind}\ndata: {payload}\n\n"
 
-    if answer.store is not None:  # (kept from its first event on: GET reads it in progress)
+    if answer.kept is not None:  # (a background one: kept queued)
+        answer.kept.response = answer.at("in_progress", [])
+    elif answer.store is not None:  # (kept from its first event on: GET reads it in progress)
         answer.keep("in_progress")
     async with contextlib.aclosing(chunks):
         try:
-            yield sse("response.created", response=answer.at("in_progress", []))
+            yield sse("response.created", response=answer.at("queued" if body.background else "in_progress", []))
             yield sse("response.in_progress", response=answer.at("in_progress", []))
-            items, chunk, opened = Items(), first, False
+            items, chunk, opened = Items(), first if first is not None else await anext(chunks), False
             while True:
                 finish = None if chunk.finish is None else FINISH[chunk.finish]
                 scored = entries(scorer, chunk)
@@ -633,10 +685,9 @@ def routes(api: OpenAIApi, most: int, most_bytes: int = STORE_BYTES) -> list[Rou
             raise refused(e, body) from e
         answer = Answer(body, model, store, conversation)
         if body.background:
-            if answer.store is None or body.stream:
+            if answer.store is None:
                 raise ApiError(400, "background: a background response is stored (not with store false, nor where"
-                                    " --store-responses is 0) and not streamed (poll GET /v1/responses/{id})",
-                               "background")
+                                    " --store-responses is 0)", "background")
             try:  # (refused now, as the request would be, not failed later)
                 await api.coordinator.check(generation)
             except CORE_ERRORS as e:
@@ -646,10 +697,14 @@ def routes(api: OpenAIApi, most: int, most_bytes: int = STORE_BYTES) -> list[Rou
             else None
         chunks = api.coordinator.generate(generation, "/v1/responses",
                                           traceparent=request.headers.get("traceparent", ""))
-        if body.background:  # (checked with the body: stored, not streamed)
+        if body.background:  # (checked with the body: stored)
             kept = answer.keep("queued")
-            kept.task = asyncio.create_task(background(chunks, reply, answer, kept, scorer))
-            return JSONResponse(kept.response)
+            if not body.stream:
+                kept.task = asyncio.create_task(background(chunks, reply, answer, kept, scorer))
+                return JSONResponse(kept.response)
+            kept.events, kept.streaming, kept.grew = [], True, asyncio.Event()
+            kept.task = asyncio.create_task(streamed(chunks, reply, answer, kept, body, scorer))
+            return EventStream(follow(kept, -1), headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
         try:
             if not body.stream:
                 return await unless_hung_up(request, unary(chunks, reply, answer, scorer))
@@ -664,7 +719,23 @@ def routes(api: OpenAIApi, most: int, most_bytes: int = STORE_BYTES) -> list[Rou
                            headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     async def retrieve(request: Request) -> Response:
-        return JSONResponse(store.get(request.path_params["response_id"]).response)
+        """The kept response; `stream=true`: a background stream's events after sequence number `starting_after`
+        (default: all), those to come as they come."""
+        kept = store.get(request.path_params["response_id"])
+        query = request.query_params
+        stream = query.get("stream", "false").lower()
+        if stream not in ("true", "false"):
+            raise ApiError(400, f"stream must be true or false, not {query['stream']!r}", "stream")
+        if stream == "false":
+            return JSONResponse(kept.response)
+        if kept.events is None:
+            raise ApiError(400, "stream: only a response created with background and stream true can be streamed"
+                                " again (GET it without stream)", "stream")
+        after = query.get("starting_after", "-1")
+        if not after.lstrip("-").isdigit() or int(after) < -1:
+            raise ApiError(400, f"starting_after must be an event's sequence number (a whole number from 0), not"
+                                f" {after!r}", "starting_after")
+        return EventStream(follow(kept, int(after)), headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     async def cancel(request: Request) -> Response:
         """A background response's generation stopped (status cancelled); one that has ended is as it ended."""

@@ -373,7 +373,7 @@ def fuzz_responses(api, kept_id, mode, body):
     if status != 200:
         error = json.loads(answer)["error"]
         assert error["message"] and error["type"] == "invalid_request_error", (answer, body)
-    elif body.get("stream") is True and not body.get("background"):
+    elif body.get("stream") is True:  # (a background one's too: its creator's stream follows it to its end)
         last = [line for line in answer.decode().splitlines() if line.startswith("event: ")][-1]
         assert last in ("event: response.completed", "event: response.incomplete", "event: error"), (answer, body)
     else:
@@ -393,7 +393,8 @@ def test_responses_fuzzed_get_an_answer_or_a_clear_400_and_the_server_stays_whol
     paths after it; and a plain request then answers as before."""
     before = client.responses.create(model="target", input=QUESTION[1][1], max_output_tokens=8, temperature=0)
     fuzz_responses(api, before.id, mode)
-    for path in ("/nosuch", f"/{before.id}", f"/{before.id}/input_items?limit=3&order=asc", "/%00/input_items"):
+    for path in ("/nosuch", f"/{before.id}", f"/{before.id}/input_items?limit=3&order=asc", "/%00/input_items",
+                 f"/{before.id}?stream=true&starting_after=2"):
         request = urllib.request.Request(f"{api.http_url}/v1/responses{path}",
                                          headers={"Authorization": f"Bearer {KEY}"})
         try:
@@ -996,7 +997,7 @@ def cancelled_and_released(api, before: float, n: int = 1) -> None:
 def test_a_background_response_is_polled_and_cancelled(api, client, stub):
     """background: the response comes back queued at once and its generation runs on: polled, it ends as the
     same request's unary answer; cancelled while the target cannot answer, it reads cancelled and its sessions
-    are released. Refused with a stream or store false; only a background response is cancelled."""
+    are released. Refused with store false; only a background response is cancelled."""
     asked = dict(model="target", instructions=QUESTION[0][1], input=QUESTION[1][1], max_output_tokens=12,
                  temperature=0)
     unary = client.responses.create(**asked)
@@ -1021,12 +1022,81 @@ def test_a_background_response_is_polled_and_cancelled(api, client, stub):
         until("released on the draft", lambda: draft_sessions(api) == 0)
     assert client.responses.retrieve(held.id).status == "cancelled"
     until("free of sessions", lambda: sessions(api) == (0, 0))
-    for refused, param in (({"stream": True}, "background"), ({"store": False}, "background"),
+    for refused, param in (({"store": False}, "background"), ({"stream": True, "store": False}, "background"),
                            ({"max_output_tokens": 100_000}, "max_output_tokens")):
         status, answer = post(api, "/v1/responses", json.dumps({**asked, "background": True, **refused}).encode())
         assert status == 400 and answer["error"]["param"] == param, answer
     with pytest.raises(openai.BadRequestError, match="background"):
         client.responses.cancel(unary.id)
+
+
+def get(api, path: str) -> tuple[int, dict]:
+    """(status, JSON body) of a raw GET."""
+    request = urllib.request.Request(api.http_url + path, headers={"Authorization": f"Bearer {KEY}"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def test_a_background_stream_outlives_its_client_and_is_streamed_again(api, client, stub):
+    """background with stream: its events come as they are made, numbered from 0; its client hanging up stops
+    nothing (it generates on, nobody reading), and GET ?stream=true&starting_after=N gives the events after N,
+    those made meanwhile and those to come, to the end the same request's unary answer has; without
+    starting_after, every one again. Refused (400): stream again a response made otherwise, a stream or
+    starting_after that is not one."""
+    asked = dict(model="target", instructions=QUESTION[0][1], input=QUESTION[1][1], max_output_tokens=12,
+                 temperature=0, extra_body={"num_speculative_tokens": 2})
+    unary = client.responses.create(**asked)
+    until("free of sessions", lambda: sessions(api) == (0, 0))
+    with target_stopped(api, stub):  # (held: nothing past its first events is made while its client reads)
+        stream = client.responses.create(**asked, background=True, stream=True)
+        events = iter(stream)
+        seen = [next(events), next(events)]
+        assert [e.type for e in seen] == ["response.created", "response.in_progress"]
+        assert seen[0].response.status == "queued" and seen[0].response.background
+        made = seen[0].response.id
+        stream.close()  # (its client gone)
+        until("in the draft", lambda: draft_sessions(api) == 1)
+        assert client.responses.retrieve(made).status == "in_progress"
+    rest = list(client.responses.retrieve(made, stream=True, starting_after=seen[-1].sequence_number))
+    assert rest[-1].type == f"response.{unary.status}"
+    assert rest[-1].response.output_text == unary.output_text
+    every = seen + rest
+    assert [e.sequence_number for e in every] == list(range(len(every)))
+    assert "".join(e.delta for e in every if e.type == "response.output_text.delta") == unary.output_text
+    again = client.responses.retrieve(made, stream=True)
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in every]
+    assert client.responses.retrieve(made).status == unary.status
+    until("free of sessions", lambda: sessions(api) == (0, 0))
+    for query, param in ((f"{unary.id}?stream=true", "stream"), (f"{made}?stream=yes", "stream"),
+                         (f"{made}?stream=true&starting_after=x", "starting_after"),
+                         (f"{made}?stream=true&starting_after=-2", "starting_after")):
+        status, answer = get(api, f"/v1/responses/{query}")
+        assert status == 400 and answer["error"]["param"] == param, (query, answer)
+
+
+def test_a_background_stream_cancelled_ends_its_followers_streams(api, client, stub):
+    """Cancelled while its creator and a second follower read it: both streams end, without an ending event;
+    it reads cancelled, streamed again its events up to then, and its sessions are released."""
+    until("free of sessions", lambda: sessions(api) == (0, 0))
+    with target_stopped(api, stub):
+        stream = client.responses.create(model="target", input=QUESTION[1][1], max_output_tokens=12, temperature=0,
+                                         background=True, stream=True, extra_body={"num_speculative_tokens": 2})
+        events = iter(stream)
+        seen = [next(events), next(events)]
+        made = seen[0].response.id
+        follower = client.responses.retrieve(made, stream=True, starting_after=0)
+        followed = iter(follower)
+        assert next(followed).type == "response.in_progress"
+        until("in the draft", lambda: draft_sessions(api) == 1)
+        assert client.responses.cancel(made).status == "cancelled"
+        assert list(events) == [] and list(followed) == []
+        until("released on the draft", lambda: draft_sessions(api) == 0)
+    assert client.responses.retrieve(made).status == "cancelled"
+    assert [e.type for e in client.responses.retrieve(made, stream=True)] == [e.type for e in seen]
+    until("free of sessions", lambda: sessions(api) == (0, 0))
 
 
 def test_a_streamed_response_is_kept_from_its_first_event_and_cancelled_with_its_client(api, client, stub):
