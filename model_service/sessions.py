@@ -40,7 +40,10 @@ MAX_KEPT = 64  # released sessions kept for reuse at most (each a prompt compare
 
 
 def check_session_id(session_id: str) -> None:
-    """A session id is echoed in error messages, which travel in gRPC metadata (8 KiB at most)."""
+    """A session id names one session (not empty), and is echoed in error messages, which travel in gRPC metadata
+    (8 KiB at most)."""
+    if not session_id:
+        raise InvalidRequest("session_id is empty: a call names its session")
     if len(session_id) > MAX_SESSION_ID:
         raise InvalidRequest(f"session_id has {len(session_id)} characters; at most {MAX_SESSION_ID}")
 

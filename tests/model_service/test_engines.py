@@ -8,6 +8,7 @@ import torch
 from model_service.engines import DraftEngine, TargetEngine
 from speculative.errors import ROOM_LATER, CapacityExceeded, InvalidRequest, SessionExists, SessionNotFound
 from model_service.model_runner import PREFILL_TOKENS, ModelRunner
+from model_service.sessions import MAX_SESSION_ID
 from speculative.protocol import PassCost, Proposal, ProposeCall, VerifyCall
 from speculative.sampling import encode_supports
 from speculative.protocol import SamplingParams
@@ -117,6 +118,9 @@ def test_engines_refuse_bad_input_and_leave_no_trace(runners):
     cases = [
         (InvalidRequest, dict(start=True, append=[])),                                       # empty prompt
         (SessionNotFound, dict(session_id="nope")),
+        (InvalidRequest, dict(session_id="")),                                               # names no session
+        (InvalidRequest, dict(session_id="", start=True, append=[1, 2])),
+        (InvalidRequest, dict(session_id="s" * (MAX_SESSION_ID + 1), start=True, append=[1, 2])),
         (InvalidRequest, dict(append=[runner.logits_size])),                                 # id out of vocab
         (InvalidRequest, dict(proposal=one_hot_proposal([-1]))),                             # draft id out of vocab
         (InvalidRequest, dict(proposal=Proposal([4, 5], [1], good.support_ids[:4], good.support_probs[:4]))),
@@ -135,6 +139,8 @@ def test_engines_refuse_bad_input_and_leave_no_trace(runners):
         assert runner.sessions.get("ok").tokens == before, change
     with pytest.raises(InvalidRequest):
         draft.propose(ProposeCall("x", True, 0, [1], 17, GREEDY))  # K beyond the limit
+    with pytest.raises(InvalidRequest, match="empty"):
+        draft.propose(ProposeCall("", True, 0, [1], 2, GREEDY))
     with pytest.raises(InvalidRequest):
         draft.propose(ProposeCall("x", True, 1, [1], 2, GREEDY))  # rollback on a new session
     draft.propose(ProposeCall("x", True, 0, [1, 2], 2, GREEDY))
