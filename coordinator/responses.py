@@ -38,6 +38,7 @@ import contextlib
 import itertools
 import json
 import logging
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -331,6 +332,16 @@ class Store:
         if kept.response["id"] in self.kept:
             self.bytes += size - kept.size
         kept.size = size
+        self.evict()
+
+    def grew(self, kept: Kept, size: int) -> None:
+        """A kept background stream's new event of `size` bytes, counted as it comes."""
+        if kept.response["id"] in self.kept:
+            kept.size += size
+            self.bytes += size
+            self.evict()
+
+    def evict(self) -> None:
         while len(self.kept) > self.most or self.bytes > self.most_bytes and len(self.kept) > 1:
             _, dropped = self.kept.popitem(last=False)
             self.bytes -= dropped.size
@@ -505,25 +516,42 @@ async def background(chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer,
         kept.task = None
 
 
-async def streamed(chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer, kept: Kept, body: ResponsesBody,
-                   scorer: ChoiceLogprobs | None = None) -> None:
-    """A background response created with stream: its events (events) kept as they come, whoever follows them
-    (follow: its creator's stream, GET ?stream=true) and whether anyone does: a follower hanging up stops
-    nothing. Cancelled (POST .../cancel, DELETE, dropped, the server stopping): it reads cancelled and its
-    followers' streams end."""
-    try:
-        async for event in events(None, chunks, reply, answer, body, scorer):
-            kept.emit(event)
-    except asyncio.CancelledError:
-        pass  # (the task ends here: its followers see the end)
-    except Exception:  # (a fault of its own: events() has failed the response)
-        log.exception("background response %s failed", answer.head["id"])
-    finally:
+def begin_stream(chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer, body: ResponsesBody,
+                 scorer: ChoiceLogprobs | None = None) -> Kept:
+    """A background response created with stream, kept queued, its generation started (streamed). -> the kept
+    response its followers read"""
+    kept = answer.keep("queued")
+    kept.events, kept.streaming, kept.grew = [], True, asyncio.Event()
+    kept.task = asyncio.create_task(streamed(chunks, reply, answer, kept, body, scorer))
+
+    def ended(_: asyncio.Task) -> None:  # (also where it was cancelled before it began)
         answer.stop("cancelled")
         kept.task = None
         kept.emit()
         if answer.store is not None and kept.response["id"] in answer.store.kept:
             answer.store.weigh(kept)
+
+    kept.task.add_done_callback(ended)
+    return kept
+
+
+async def streamed(chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer, kept: Kept, body: ResponsesBody,
+                   scorer: ChoiceLogprobs | None = None) -> None:
+    """A background stream's generation: its events (events) kept as they come, counted in the store's bound,
+    whoever follows them (follow: its creator's stream, GET ?stream=true) and whether anyone does: a follower
+    hanging up stops nothing. A fault of its own ends it with an error event (failed); cancelled (POST
+    .../cancel, DELETE, dropped, the server stopping) it reads cancelled; either way its followers' streams
+    end (begin_stream's `ended`)."""
+    try:
+        async for event in events(None, chunks, reply, answer, body, scorer):
+            kept.emit(event)
+            answer.store.grew(kept, len(event))
+    except asyncio.CancelledError:
+        pass  # (the task ends here: its followers see the end)
+    except Exception as e:  # (events() has failed the response)
+        log.exception("background response %s failed", answer.head["id"])
+        kept.emit(sse_event("error", len(kept.events), code="server_error", param=None,
+                            message=f"internal error: {type(e).__name__}"))
 
 
 async def follow(kept: Kept, after: int) -> AsyncIterator[str]:
@@ -609,6 +637,12 @@ class Items:
         return out + [("response.output_item.done", {"output_index": self.output.index(item), "item": item})]
 
 
+def sse_event(kind: str, number: int, **data: Any) -> str:
+    """A Responses API event as server-sent, numbered `number` (its sequence_number)."""
+    payload = json.dumps({"type": kind, "sequence_number": number, **data}, separators=(",", ":"))
+    return f"event: {kind}\ndata: {payload}\n\n"
+
+
 async def events(first: Chunk | None, chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer,
                  body: ResponsesBody, scorer: ChoiceLogprobs | None = None) -> AsyncIterator[str]:
     """The Responses API's events, numbered: the items as the rounds bring them (Items). first: the generation's
@@ -617,8 +651,7 @@ async def events(first: Chunk | None, chunks: AsyncIterator[Chunk], reply: Reply
     number = itertools.count()
 
     def sse(kind: str, **data: Any) -> str:
-        payload = json.dumps({"type": kind, "sequence_number": next(number), **data}, separators=(",", ":"))
-        return f"event: {kind}\ndata: {payload}\n\n"
+        return sse_event(kind, next(number), **data)
 
     if answer.kept is not None:  # (a background one: kept queued)
         answer.kept.response = answer.at("in_progress", [])
@@ -698,13 +731,12 @@ def routes(api: OpenAIApi, most: int, most_bytes: int = STORE_BYTES) -> list[Rou
         chunks = api.coordinator.generate(generation, "/v1/responses",
                                           traceparent=request.headers.get("traceparent", ""))
         if body.background:  # (checked with the body: stored)
+            if body.stream:
+                return EventStream(follow(begin_stream(chunks, reply, answer, body, scorer), -1),
+                                   headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
             kept = answer.keep("queued")
-            if not body.stream:
-                kept.task = asyncio.create_task(background(chunks, reply, answer, kept, scorer))
-                return JSONResponse(kept.response)
-            kept.events, kept.streaming, kept.grew = [], True, asyncio.Event()
-            kept.task = asyncio.create_task(streamed(chunks, reply, answer, kept, body, scorer))
-            return EventStream(follow(kept, -1), headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+            kept.task = asyncio.create_task(background(chunks, reply, answer, kept, scorer))
+            return JSONResponse(kept.response)
         try:
             if not body.stream:
                 return await unless_hung_up(request, unary(chunks, reply, answer, scorer))
@@ -732,7 +764,7 @@ def routes(api: OpenAIApi, most: int, most_bytes: int = STORE_BYTES) -> list[Rou
             raise ApiError(400, "stream: only a response created with background and stream true can be streamed"
                                 " again (GET it without stream)", "stream")
         after = query.get("starting_after", "-1")
-        if not after.lstrip("-").isdigit() or int(after) < -1:
+        if not re.fullmatch(r"-?[0-9]+", after) or int(after) < -1:
             raise ApiError(400, f"starting_after must be an event's sequence number (a whole number from 0), not"
                                 f" {after!r}", "starting_after")
         return EventStream(follow(kept, int(after)), headers={"cache-control": "no-cache", "x-accel-buffering": "no"})

@@ -428,6 +428,51 @@ def test_responses_kept_are_at_most_the_store_s_newest():
     heavy.forget("r3")
     heavy.add(Kept({"id": "huge", "output": "x" * 10_000}, [], []))  # (the newest is kept whatever its size)
     assert list(heavy.kept) == ["huge"] and heavy.bytes > 10_000
+    streams = Store(100, most_bytes=3000)  # a background stream's events count as they come
+    for name in ("s1", "s2"):
+        streams.add(Kept({"id": name}, [], []))
+    before = streams.bytes
+    streams.grew(streams.get("s1"), 1000)
+    assert streams.bytes == before + 1000 and list(streams.kept) == ["s1", "s2"]
+    streams.grew(streams.get("s2"), 2000)
+    assert list(streams.kept) == ["s2"] and streams.bytes == streams.get("s2").size > 2000
+
+
+def test_a_background_stream_dropped_before_it_begins_ends_its_followers():
+    """Dropped for a newer one (a store of one) before its generation's first step: its creator's stream ends at
+    once and it reads cancelled."""
+    from coordinator.responses import Answer, ResponsesBody, Store, begin_stream, follow
+
+    async def never():
+        await asyncio.Event().wait()
+        yield None
+
+    async def scenario():
+        store = Store(1)
+        body = ResponsesBody(model="target", input="hi", background=True, stream=True)
+        first = begin_stream(never(), None, Answer(body, "target", store), body)
+        second = begin_stream(never(), None, Answer(body, "target", store), body)  # (drops the first)
+        read = [event async for event in follow(first, -1)]
+        return read, first, second, list(store.kept)
+
+    read, first, second, kept = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert read == [] and first.response["status"] == "cancelled" and first.task is None
+    assert kept == [second.response["id"]]
+
+    async def broken():  # (a fault of the coordinator's own: its followers read an error event, it failed)
+        raise RuntimeError("planted")
+        yield None
+
+    async def faulted():
+        body = ResponsesBody(model="target", input="hi", background=True, stream=True)
+        made = begin_stream(broken(), None, Answer(body, "target", Store(4)), body)
+        return [event async for event in follow(made, -1)], made
+
+    read, made = asyncio.run(asyncio.wait_for(faulted(), 30))
+    sent = [json.loads(event.split("data: ", 1)[1]) for event in read]
+    assert [(e["type"], e["sequence_number"]) for e in sent] == [
+        ("response.created", 0), ("response.in_progress", 1), ("error", 2)]
+    assert sent[2]["code"] == "server_error" and made.response["status"] == "failed"
 
 
 def sessions(api) -> tuple[float, float]:
@@ -1072,7 +1117,9 @@ def test_a_background_stream_outlives_its_client_and_is_streamed_again(api, clie
     until("free of sessions", lambda: sessions(api) == (0, 0))
     for query, param in ((f"{unary.id}?stream=true", "stream"), (f"{made}?stream=yes", "stream"),
                          (f"{made}?stream=true&starting_after=x", "starting_after"),
-                         (f"{made}?stream=true&starting_after=-2", "starting_after")):
+                         (f"{made}?stream=true&starting_after=-2", "starting_after"),
+                         (f"{made}?stream=true&starting_after=--5", "starting_after"),
+                         (f"{made}?stream=true&starting_after=%C2%B2", "starting_after")):
         status, answer = get(api, f"/v1/responses/{query}")
         assert status == 400 and answer["error"]["param"] == param, (query, answer)
 
