@@ -683,9 +683,10 @@ async def events(first: Chunk | None, chunks: AsyncIterator[Chunk], reply: Reply
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():  # (this stream is being closed: nobody reads on)
                 raise
-            # a model service's call cancelled under it (the server stopping), as the chat's stream says it
-            yield sse("error", code="unavailable", message="a model service call was cancelled (the server is"
-                                                           " stopping?)", param=None)
+            # a model service's call cancelled under it (the server stopping), as the chat's stream says it: failed
+            error = ApiError(503, "a model service call was cancelled (the server is stopping?)", None, "unavailable")
+            answer.stop("failed", error)
+            yield sse("error", code=error.code, message=str(error), param=None)
         except Exception as e:  # (a fault of its own: the stream breaks, the kept response failed)
             answer.stop("failed", e)
             raise

@@ -463,16 +463,22 @@ def test_a_background_stream_dropped_before_it_begins_ends_its_followers():
         raise RuntimeError("planted")
         yield None
 
-    async def faulted():
-        body = ResponsesBody(model="target", input="hi", background=True, stream=True)
-        made = begin_stream(broken(), None, Answer(body, "target", Store(4)), body)
-        return [event async for event in follow(made, -1)], made
+    async def cut():  # (a model service's call cancelled under it, as when the server stops: failed, unavailable)
+        raise asyncio.CancelledError
+        yield None
 
-    read, made = asyncio.run(asyncio.wait_for(faulted(), 30))
-    sent = [json.loads(event.split("data: ", 1)[1]) for event in read]
-    assert [(e["type"], e["sequence_number"]) for e in sent] == [
-        ("response.created", 0), ("response.in_progress", 1), ("error", 2)]
-    assert sent[2]["code"] == "server_error" and made.response["status"] == "failed"
+    for source, code in ((broken, "server_error"), (cut, "unavailable")):
+        async def faulted():
+            body = ResponsesBody(model="target", input="hi", background=True, stream=True)
+            made = begin_stream(source(), None, Answer(body, "target", Store(4)), body)
+            return [event async for event in follow(made, -1)], made
+
+        read, made = asyncio.run(asyncio.wait_for(faulted(), 30))
+        sent = [json.loads(event.split("data: ", 1)[1]) for event in read]
+        assert [(e["type"], e["sequence_number"]) for e in sent] == [
+            ("response.created", 0), ("response.in_progress", 1), ("error", 2)], code
+        assert sent[2]["code"] == code and made.response["status"] == "failed", code
+        assert made.response["error"]["code"] == code
 
 
 def sessions(api) -> tuple[float, float]:
