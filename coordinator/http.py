@@ -148,6 +148,9 @@ class PredictedContent(Lenient):
     content: str | list[ContentPart]
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # (OpenAI's; `function`'s API is refused)
+
+
 class ChatMessage(Lenient):
     role: str
     content: str | list[ContentPart] | None = None
@@ -396,11 +399,19 @@ def chat_request(body: ChatBody) -> list[tuple[GenerationRequest, Reply]]:
         raise ApiError(400, f"max_completion_tokens must be > 0, not {body.max_completion_tokens}",
                        "max_completion_tokens")
     for i, m in enumerate(body.messages):
+        if m.role not in CHAT_ROLES:  # (a typo would be written into the prompt as a turn of its own)
+            raise ApiError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, not {m.role!r}",
+                           "messages")
         if m.role == "developer":  # (OpenAI's newer name for the system's instructions; templates know system)
             m.role = "system"
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise ApiError(400, f"messages[{i}].content: a {m.role} message needs its content (an assistant's may"
+                                " be null where it has tool_calls)", "messages")
         parts = [ContentPart(type="text", text=m.content)] if isinstance(m.content, str) else m.content or []
         if any(p.type != "text" for p in parts):
             raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
+        if any(p.text is None for p in parts):
+            raise ApiError(400, f"messages[{i}].content: a text part needs its text", "messages")
         m.content = "\n".join(p.text or "" for p in parts)
     messages = [Message(role, text) for role, text in conversation(body.messages, use)]
     most = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens

@@ -62,6 +62,11 @@ from .logprobs import ChoiceLogprobs
 FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
           "response_format": "text"}
 LOGPROBS = "message.output_text.logprobs"  # (what `include` names for them)
+# what else OpenAI's `include` may name: of items this API does not make (read, and nothing to add), so that a
+# client asking for them always (reasoning.encrypted_content, say) is served; any other value is 400
+INCLUDES = {LOGPROBS, "reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+            "web_search_call.action.sources", "message.input_image.image_url", "computer_call_output.output.image_url",
+            "code_interpreter_call.outputs"}
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 log = logging.getLogger("specdec.coordinator")
@@ -174,16 +179,16 @@ def answered(before: list[ChatMessage], given: list[ChatMessage]) -> None:
     last = before[-1] if before else None
     waiting = [call["id"] for call in (last.tool_calls or [])] if last is not None and last.role == "assistant" else []
     outputs = {message.tool_call_id for message in given if message.role == "tool"}
-    missing = [call for call in waiting if call not in outputs]
-    if missing:
-        raise ApiError(400, f"input: no function_call_output for the previous response's call {missing[0]!r}",
-                       "input")
-    made = set()
+    made = set()  # (an answer to a call never made first: it names the mistake, where a call then goes unanswered)
     for message in [*before, *given]:
         made.update(call["id"] for call in message.tool_calls or [])
         if message.role == "tool" and message.tool_call_id not in made:
             raise ApiError(400, f"input: a function_call_output answers {message.tool_call_id!r}, a call no"
                                 " function_call before it made", "input")
+    missing = [call for call in waiting if call not in outputs]
+    if missing:
+        raise ApiError(400, f"input: no function_call_output for the previous response's call {missing[0]!r}",
+                       "input")
 
 
 def chat_tools(body: ResponsesBody) -> tuple[list[dict] | None, str | dict | None]:
@@ -218,6 +223,9 @@ def chat_body(body: ResponsesBody, messages: list[ChatMessage]) -> ChatBody:
     top = body.top_logprobs
     if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
         raise ApiError(400, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, not {top}", "top_logprobs")
+    for i, name in enumerate(body.include or []):
+        if name not in INCLUDES:
+            raise ApiError(400, f"include[{i}]: {name!r} is not one of {', '.join(sorted(INCLUDES))}", "include")
     scored = bool(top) or LOGPROBS in (body.include or [])
     tools, choice = chat_tools(body)
     shared = {name: getattr(body, name) for name in Body.model_fields

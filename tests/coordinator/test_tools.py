@@ -527,7 +527,10 @@ def test_a_responses_function_call_is_answered_by_previous_response_id(client):
                                          "output": "sunny, 21 C"}])
     assert reply.usage.input_tokens == answered.usage.prompt_tokens
     assert reply.output_text == (answered.choices[0].message.content or "")
-    for unanswered in ("and now?", [{"type": "function_call_output", "call_id": "call_nosuch", "output": "1"}]):
-        with pytest.raises(openai.BadRequestError, match="input"):
+    # (an answer to a call never made is named as that, not as the call it leaves unanswered)
+    for unanswered, says in (("and now?", "no function_call_output"),
+                             ([{"type": "function_call_output", "call_id": "call_nosuch", "output": "1"}],
+                              "'call_nosuch', a call no function_call before it made")):
+        with pytest.raises(openai.BadRequestError, match=says):
             client.responses.create(model="target", previous_response_id=first.id, input=unanswered,
                                     max_output_tokens=4)
