@@ -668,6 +668,8 @@ async def events(first: Chunk | None, chunks: AsyncIterator[Chunk], reply: Reply
     async with contextlib.aclosing(chunks):
         try:
             yield sse("response.created", response=answer.at("queued" if body.background else "in_progress", []))
+            if body.background:
+                yield sse("response.queued", response=answer.at("queued", []))
             yield sse("response.in_progress", response=answer.at("in_progress", []))
             items, chunk, opened = Items(), first if first is not None else await anext(chunks), False
             while True:

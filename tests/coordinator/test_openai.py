@@ -502,8 +502,8 @@ def test_a_background_stream_dropped_before_it_begins_ends_its_followers():
         read, made = asyncio.run(asyncio.wait_for(faulted(), 30))
         sent = [json.loads(event.split("data: ", 1)[1]) for event in read]
         assert [(e["type"], e["sequence_number"]) for e in sent] == [
-            ("response.created", 0), ("response.in_progress", 1), ("error", 2)], code
-        assert sent[2]["code"] == code and made.response["status"] == "failed", code
+            ("response.created", 0), ("response.queued", 1), ("response.in_progress", 2), ("error", 3)], code
+        assert sent[3]["code"] == code and made.response["status"] == "failed", code
         assert made.response["error"]["code"] == code
 
 
@@ -1130,8 +1130,8 @@ def test_a_background_stream_outlives_its_client_and_is_streamed_again(api, clie
     with target_stopped(api, stub):  # (held: nothing past its first events is made while its client reads)
         stream = client.responses.create(**asked, background=True, stream=True)
         events = iter(stream)
-        seen = [next(events), next(events)]
-        assert [e.type for e in seen] == ["response.created", "response.in_progress"]
+        seen = [next(events), next(events), next(events)]
+        assert [e.type for e in seen] == ["response.created", "response.queued", "response.in_progress"]
         assert seen[0].response.status == "queued" and seen[0].response.background
         made = seen[0].response.id
         stream.close()  # (its client gone)
@@ -1164,9 +1164,9 @@ def test_a_background_stream_cancelled_ends_its_followers_streams(api, client, s
         stream = client.responses.create(model="target", input=QUESTION[1][1], max_output_tokens=12, temperature=0,
                                          background=True, stream=True, extra_body={"num_speculative_tokens": 2})
         events = iter(stream)
-        seen = [next(events), next(events)]
+        seen = [next(events), next(events), next(events)]
         made = seen[0].response.id
-        follower = client.responses.retrieve(made, stream=True, starting_after=0)
+        follower = client.responses.retrieve(made, stream=True, starting_after=1)
         followed = iter(follower)
         assert next(followed).type == "response.in_progress"
         until("in the draft", lambda: draft_sessions(api) == 1)
