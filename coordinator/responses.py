@@ -16,7 +16,7 @@ they come, other calls each once whole.
 
 Kept responses (`store`, true unless the request says false; `--store-responses` most, about
 `--store-responses-mb` of them, the oldest dropped first, in this coordinator's memory; a streamed one from
-its first event): `GET /v1/responses/{id}` answers one again, `DELETE`
+its first event, with its output so far): `GET /v1/responses/{id}` answers one again, `DELETE`
 forgets it, `GET /v1/responses/{id}/input_items` lists its input items, and a request naming it as
 `previous_response_id` continues its conversation: its input and output, and its predecessors', come
 before the new input (its `instructions` do not carry over, as OpenAI's do not). An id this
@@ -450,9 +450,10 @@ class Answer:
                 "output": output, "usage": response_usage(summary) if summary else None,
                 **({"specdec": specdec_fields(summary)} if summary else {})}
 
-    def keep(self, status: str) -> Kept:
-        """The response kept at `status` before it ends (a background one's: queued)."""
-        self.kept = Kept(self.at(status, []), with_ids(self.items), self.conversation)
+    def keep(self, status: str, output: list[dict] | None = None) -> Kept:
+        """The response kept at `status` before it ends (a background one's: queued; a streamed one's
+        in_progress, with its output as it grows: `output`, the stream's own list)."""
+        self.kept = Kept(self.at(status, [] if output is None else output), with_ids(self.items), self.conversation)
         self.store.add(self.kept)
         return self.kept
 
@@ -661,17 +662,18 @@ async def events(first: Chunk | None, chunks: AsyncIterator[Chunk], reply: Reply
     def sse(kind: str, **data: Any) -> str:
         return sse_event(kind, next(number), **data)
 
+    items = Items()  # (GET reads a kept one in progress with its output so far: these items, as they grow)
     if answer.kept is not None:  # (a background one: kept queued)
-        answer.kept.response = answer.at("in_progress", [])
-    elif answer.store is not None:  # (kept from its first event on: GET reads it in progress)
-        answer.keep("in_progress")
+        answer.kept.response = answer.at("in_progress", items.output)
+    elif answer.store is not None:  # (kept from its first event on)
+        answer.keep("in_progress", items.output)
     async with contextlib.aclosing(chunks):
         try:
             yield sse("response.created", response=answer.at("queued" if body.background else "in_progress", []))
             if body.background:
                 yield sse("response.queued", response=answer.at("queued", []))
             yield sse("response.in_progress", response=answer.at("in_progress", []))
-            items, chunk, opened = Items(), first if first is not None else await anext(chunks), False
+            chunk, opened = first if first is not None else await anext(chunks), False
             while True:
                 finish = None if chunk.finish is None else FINISH[chunk.finish]
                 scored = entries(scorer, chunk)

@@ -1179,14 +1179,25 @@ def test_a_background_stream_cancelled_ends_its_followers_streams(api, client, s
 
 
 def test_a_streamed_response_is_kept_from_its_first_event_and_cancelled_with_its_client(api, client, stub):
-    """Stored and streamed: GET reads it in progress while it generates; its client gone, it reads cancelled."""
+    """Stored and streamed: GET reads it in progress while it generates, with its output so far (the text the
+    stream has brought, at least what its client has read); its client gone, it reads cancelled."""
     until("free of sessions", lambda: sessions(api) == (0, 0))
     stream = client.responses.create(model="target", input=QUESTION[1][1], max_output_tokens=300, temperature=0,
                                      stream=True, extra_body={"ignore_eos": True})
-    created = next(iter(stream))
+    events = iter(stream)
+    created = next(events)
     assert created.type == "response.created"
+    read = ""
+    for event in events:  # (to its first text)
+        if event.type == "response.output_text.delta":
+            read += event.delta
+            break
+    assert read
     with target_stopped(api, stub):  # (held: it cannot end meanwhile)
-        assert client.responses.retrieve(created.response.id).status == "in_progress"
+        now = client.responses.retrieve(created.response.id)
+        assert now.status == "in_progress"
+        [item] = now.output
+        assert item.type == "message" and item.status == "in_progress" and now.output_text.startswith(read)
         stream.close()
         until("released on the draft", lambda: draft_sessions(api) == 0)
     assert client.responses.retrieve(created.response.id).status == "cancelled"
