@@ -630,6 +630,11 @@ class EventStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
+    def __init__(self, content, headers: dict[str, str] | None = None, **kwargs) -> None:
+        # (every event as it comes: not cached, not held back by a buffering proxy such as nginx)
+        super().__init__(content, headers={"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})},
+                         **kwargs)
+
     async def stream_response(self, send) -> None:
         async with contextlib.aclosing(self.body_iterator):
             await super().stream_response(send)
@@ -784,8 +789,7 @@ class OpenAIApi:
                         raise ApiError(400, str(refused), field, refused.code) from e
                 raise
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return EventStream(self.events(firsts, streams, endpoint, head, include_usage, replies, scorers, n),
-                               headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+            return EventStream(self.events(firsts, streams, endpoint, head, include_usage, replies, scorers, n))
 
         return Route(endpoint.path, handle, methods=["POST"])
 

@@ -306,17 +306,13 @@ class Kept:
     task: asyncio.Task | None = None  # a background response's generation, while it runs
     size: int = 0  # bytes it holds, about: its object's and its items' JSON, and its events (Store.weigh)
     events: list[str] | None = None  # a background response created with stream: its events so far, in order
-    streaming: bool = False  # ... while more may come
     grew: asyncio.Event | None = None  # set (and replaced) at each event and at the end: what followers wait on
 
     def emit(self, event: str | None = None) -> None:
-        """A background stream's next event (None: its end), for whoever follows it (follow)."""
+        """A background stream's next event (None: its end, its task gone), for whoever follows it (follow)."""
         if event is not None:
             self.events.append(event)
-        else:
-            self.streaming = False
-        if self.grew is not None:
-            self.grew.set()
+        self.grew.set()
         self.grew = asyncio.Event()
 
 
@@ -530,7 +526,7 @@ def begin_stream(chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer, bod
     """A background response created with stream, kept queued, its generation started (streamed). -> the kept
     response its followers read"""
     kept = answer.keep("queued")
-    kept.events, kept.streaming, kept.grew = [], True, asyncio.Event()
+    kept.events, kept.grew = [], asyncio.Event()
     kept.task = asyncio.create_task(streamed(chunks, reply, answer, kept, body, scorer))
 
     def ended(_: asyncio.Task) -> None:  # (also where it was cancelled before it began)
@@ -571,7 +567,7 @@ async def follow(kept: Kept, after: int) -> AsyncIterator[str]:
         while at < len(kept.events):
             yield kept.events[at]
             at += 1
-        if not kept.streaming:
+        if kept.task is None:  # (ended: begin_stream's `ended`)
             return
         await kept.grew.wait()
 
@@ -745,8 +741,7 @@ def routes(api: OpenAIApi, most: int, most_bytes: int = STORE_BYTES) -> list[Rou
                                           traceparent=request.headers.get("traceparent", ""))
         if body.background:  # (checked with the body: stored)
             if body.stream:
-                return EventStream(follow(begin_stream(chunks, reply, answer, body, scorer), -1),
-                                   headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+                return EventStream(follow(begin_stream(chunks, reply, answer, body, scorer), -1))
             kept = answer.keep("queued")
             kept.task = asyncio.create_task(background(chunks, reply, answer, kept, scorer))
             return JSONResponse(kept.response)
@@ -760,8 +755,7 @@ def routes(api: OpenAIApi, most: int, most_bytes: int = STORE_BYTES) -> list[Rou
                 raise
         except CORE_ERRORS as e:
             raise refused(e, body) from e
-        return EventStream(events(first, chunks, reply, answer, body, scorer),
-                           headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        return EventStream(events(first, chunks, reply, answer, body, scorer))
 
     async def retrieve(request: Request) -> Response:
         """The kept response; `stream=true`: a background stream's events after sequence number `starting_after`
@@ -780,7 +774,7 @@ def routes(api: OpenAIApi, most: int, most_bytes: int = STORE_BYTES) -> list[Rou
         if not re.fullmatch(r"-?[0-9]+", after) or int(after) < -1:
             raise ApiError(400, f"starting_after must be an event's sequence number (a whole number from 0), not"
                                 f" {after!r}", "starting_after")
-        return EventStream(follow(kept, int(after)), headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        return EventStream(follow(kept, int(after)))
 
     async def cancel(request: Request) -> Response:
         """A background response's generation stopped (status cancelled); one that has ended is as it ended."""

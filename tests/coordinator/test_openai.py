@@ -119,6 +119,18 @@ def test_a_chat_refused_names_the_field_it_was_given_and_bounds_hold_as_the_wire
     assert [m.role for m in made.messages] == ["system", "user"]
 
 
+def test_event_streams_ask_not_to_be_cached_or_buffered(api):
+    """Each stream (the chat's, the Responses API's) is sent as it comes: no-cache, and no proxy buffering."""
+    for path, body in (("/v1/chat/completions", {"messages": chat(QUESTION)}), ("/v1/responses", {"input": PROMPT})):
+        request = urllib.request.Request(api.http_url + path, json.dumps(
+            {"model": "target", "max_tokens" if "chat" in path else "max_output_tokens": 2, "stream": True,
+             **body}).encode(), {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            assert reply.headers["content-type"].startswith("text/event-stream"), path
+            assert (reply.headers["cache-control"], reply.headers["x-accel-buffering"]) == ("no-cache", "no"), path
+            reply.read()
+
+
 def test_a_body_after_a_byte_order_mark_is_read(api, stub):
     expected = grpc_text(stub, prompt=PROMPT, max_new_tokens=4)
     status, answer = post(api, "/v1/completions", b"\xef\xbb\xbf" + json.dumps(
