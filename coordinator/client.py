@@ -34,7 +34,8 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
         request = pb.GenerateRequest(messages=messages, stop=args.stop or [])
     else:
         request = pb.GenerateRequest(prompt=args.prompt, stop=args.stop or [])
-    for field in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "num_speculative_tokens", "draft_p_min"):
+    for field in ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "num_speculative_tokens",
+                  "draft_p_min"):
         value = getattr(args, field)
         if value is not None:
             setattr(request, field, value)
@@ -74,6 +75,7 @@ def main(argv=None, prog: str = "python -m coordinator.client") -> int:
     parser.add_argument("--temperature", type=float, help="0 = greedy (server default 1.0)")
     parser.add_argument("--top-p", type=float)
     parser.add_argument("--top-k", type=int)
+    parser.add_argument("--min-p", type=float, help="cut tokens under this share of the top's probability (0: off)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stop", action="append", help="stop string (repeatable)")
     parser.add_argument("--num-speculative-tokens", "-k", type=int,

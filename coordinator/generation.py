@@ -121,6 +121,7 @@ class GenerationRequest:
     temperature: float | None = None   # 0 = greedy; default 1
     top_p: float | None = None         # default 1 (off)
     top_k: int | None = None           # default 0 (off)
+    min_p: float | None = None         # default 0 (off): tokens under min_p x the top's probability are cut
     seed: int | None = None            # default: a random one, reported in the summary
     stop: list[str] = field(default_factory=list)  # stop strings (not included in the text)
     num_speculative_tokens: int | None = None      # a fixed K; default: the server's (adaptive or not)
@@ -359,6 +360,7 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
         temperature=temperature,
         top_k=0 if request.top_k is None else request.top_k,
         top_p=1.0 if request.top_p is None else request.top_p,
+        min_p=0.0 if request.min_p is None else request.min_p,
         seed=request.seed if seeded else random.getrandbits(63),
         logprobs=request.logprobs,
         frequency_penalty=request.frequency_penalty or 0.0, presence_penalty=request.presence_penalty or 0.0,
@@ -376,6 +378,8 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
                          presence_penalty=float32(params.presence_penalty),
                          repetition_penalty=float32(params.repetition_penalty),
                          logit_bias=tuple((token, float32(bias)) for token, bias in params.logit_bias))
+    if params.min_p:
+        params = replace(params, min_p=float32(params.min_p))
     adaptive = limits.adaptive and request.num_speculative_tokens is None
     k = models.default_k if request.num_speculative_tokens is None else request.num_speculative_tokens
     if not 0 <= k <= models.max_k:

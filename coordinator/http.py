@@ -14,8 +14,9 @@ metrics) need no API key.
 
 What OpenAI's API has no word for goes in an extra field, `specdec` (rounds, acceptance, K, seed;
 in a stream on the event with the finish_reason), and, unary, in x-specdec-* headers. Extra body
-fields read: num_speculative_tokens, draft_p_min, top_k, ignore_eos (as vLLM's: generate past end-of-sequence),
-stop_token_ids (as vLLM's: the output ends after any of them too), min_tokens (as vLLM's).
+fields read: num_speculative_tokens, draft_p_min, top_k, min_p, ignore_eos (as vLLM's: generate past
+end-of-sequence), stop_token_ids (as vLLM's: the output ends after any of them too), min_tokens (as vLLM's);
+vLLM's typical_p, allowed_token_ids, bad_words and use_beam_search are refused (400) unless they ask for nothing.
 Structured output (model_service/grammar.py): `response_format` (OpenAI's json_object and json_schema,
 which the official client's `chat.completions.parse` sends for a pydantic model) and vLLM's
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` and `structured_outputs`; one of
@@ -171,6 +172,7 @@ class Body(Lenient):
     stream_options: StreamOptions | None = None
     # specdec's own (vLLM reads top_k too)
     top_k: int | None = None
+    min_p: float | None = None  # (vLLM's)
     num_speculative_tokens: int | None = None
     draft_p_min: float | None = None
     ignore_eos: bool | None = False
@@ -190,6 +192,11 @@ class Body(Lenient):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     repetition_penalty: float | None = None  # (vLLM's)
     prediction: PredictedContent | None = None  # (OpenAI's predicted outputs: GenerationRequest.prediction)
+    # vLLM's, not honoured (UNSUPPORTED): read so that a request asking for them is refused, not answered without
+    typical_p: float | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    use_beam_search: bool | None = None
 
 
 class DetokenizeBody(Lenient):
@@ -217,9 +224,15 @@ class CompletionBody(Body):
     suffix: str | None = None
 
 
-# fields specdec cannot honour, with the values (besides absent) it accepts: those that ask for nothing
-UNSUPPORTED = {"best_of": (1,), "suffix": ("",), "functions": ([],),
-               "function_call": ("none", "auto")}
+# fields specdec cannot honour: the values (besides absent) it accepts, those that ask for nothing, and what to
+# use instead: answering without one would serve something other than what was asked
+UNSUPPORTED = {
+    "best_of": ((1,), "specdec answers without best_of"), "suffix": (("",), "specdec answers without suffix"),
+    "functions": (([],), "use tools"), "function_call": (("none", "auto"), "use tool_choice"),
+    "typical_p": ((1.0, 1), "use top_p or min_p"),
+    "allowed_token_ids": (([],), "use logit_bias or a structured output"), "bad_words": (([],), "use logit_bias"),
+    "use_beam_search": ((False,), "specdec samples, or decodes greedily"),
+}
 
 B = TypeVar("B", bound=Body)
 
@@ -256,11 +269,10 @@ async def parse(request: Request, kind: type[B], limit: int, raw: bytes | None =
                                 " lists of token ids", "prompt") from None
         raise ApiError(400, f"{path}: {error['msg']}" if path else error["msg"],
                        str(error["loc"][0]) if error["loc"] else None) from None
-    for name, neutral in UNSUPPORTED.items():
+    for name, (neutral, instead) in UNSUPPORTED.items():
         value = getattr(body, name, None)
         if value is not None and not any(type(value) is type(n) and value == n for n in neutral):
-            raise ApiError(400, f"{name}={value!r} is not supported (specdec answers without best_of or suffix;"
-                                f" tools, not functions)", name, "unsupported_parameter")
+            raise ApiError(400, f"{name}={value!r} is not supported ({instead})", name, "unsupported_parameter")
     if not isinstance(body, Body):
         return body
     if body.stream_options is not None and not body.stream:
@@ -301,7 +313,7 @@ def generation_request(body: Body, max_new_tokens: int | None, **prompt) -> Gene
     """(seed -1: a random one, as llama.cpp's clients mean it; top_k -1: off, as vLLM reads it)"""
     return GenerationRequest(
         **prompt, max_new_tokens=max_new_tokens, temperature=body.temperature, top_p=body.top_p,
-        top_k=0 if body.top_k == -1 else body.top_k, seed=None if body.seed == -1 else body.seed,
+        top_k=0 if body.top_k == -1 else body.top_k, min_p=body.min_p, seed=None if body.seed == -1 else body.seed,
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         num_speculative_tokens=body.num_speculative_tokens, draft_p_min=body.draft_p_min,
         ignore_eos=bool(body.ignore_eos), stop_token_ids=list(body.stop_token_ids or []), min_tokens=body.min_tokens,

@@ -4,7 +4,7 @@ A request's `input` (a string, or a list of items: messages with text content, e
 `function_call`s and their `function_call_output`s) and `instructions` become a chat's messages;
 `max_output_tokens`, `temperature`, `top_p`, `text.format` (text, json_object, json_schema: the
 structured output), function `tools`, `tool_choice` and `parallel_tool_calls` become the chat's
-fields, and the specdec and vLLM extras the chat reads (`top_k`, `seed`, `stop`, `stop_token_ids`,
+fields, and the specdec and vLLM extras the chat reads (`top_k`, `min_p`, `seed`, `stop`, `stop_token_ids`,
 `min_tokens`, penalties, `num_speculative_tokens`, ...) are read as the chat reads them. The answer
 is a `response` object whose `output` holds a `message` item (its `output_text`) and a
 `function_call` item per tool call; `status` is `incomplete` (`max_output_tokens`) where the output

@@ -29,7 +29,7 @@ def request_from_proto(r: pb.GenerateRequest) -> GenerationRequest:
         prompt=r.prompt, prompt_token_ids=list(r.prompt_token_ids),
         messages=[Message(m.role, m.content) for m in r.messages],
         max_new_tokens=optional("max_new_tokens"), temperature=optional("temperature"), top_p=optional("top_p"),
-        top_k=optional("top_k"), seed=optional("seed"), stop=list(r.stop),
+        top_k=optional("top_k"), min_p=optional("min_p"), seed=optional("seed"), stop=list(r.stop),
         num_speculative_tokens=optional("num_speculative_tokens"), draft_p_min=optional("draft_p_min"),
         constraint=constraint_from_proto(r.constraint) if r.HasField("constraint") else None,
         logprobs=optional("logprobs"), frequency_penalty=optional("frequency_penalty"),

@@ -402,7 +402,8 @@ class Eagle3Head(nn.Module):
             c.norm_before_residual, norms, tiles, outs,
             [float(p.temperature) if s else 0.0 for p, s in zip(params, sampled)],
             [int(p.top_k) if s else 0 for p, s in zip(params, sampled)],
-            [float(p.top_p) if s else 1.0 for p, s in zip(params, sampled)], max_support,
+            [float(p.top_p) if s else 1.0 for p, s in zip(params, sampled)],
+            [float(p.min_p) if s else 0.0 for p, s in zip(params, sampled)], max_support,
             uniforms if any(sampled) else None)
         drafted = []
         sizes = (support >= 0).sum(-1).tolist() if any(sampled) else None

@@ -81,13 +81,13 @@ _library.define("q4_eagle_draft(Tensor hidden, Tensor table, Tensor cos, Tensor 
                 " Tensor(b!)[] values, int[] pasts, int[] positions, int[] ks, float[] p_mins, Tensor? known,"
                 " Tensor target_ids, int heads, int kv_heads, int head_dim, float eps, float scale,"
                 " bool norm_before_residual, Tensor[] norms, Tensor[] tiles, int[] outs, float[] temperatures,"
-                " int[] top_ks, float[] top_ps, int max_support, Tensor? uniforms)"
+                " int[] top_ks, float[] top_ps, float[] min_ps, int max_support, Tensor? uniforms)"
                 " -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 # a sampled draft token's q from one float32 row of logits (speculative.sampling.draft_token's support)
-_library.define("q4_draft_support(Tensor row, float temperature, int top_k, float top_p, int max_support,"
+_library.define("q4_draft_support(Tensor row, float temperature, int top_k, float top_p, float min_p, int max_support,"
                 " float p_min, Tensor? allowed=None) -> (Tensor, Tensor)")
 # the target's p from float32 logits [..., V] (speculative.sampling.logits_to_probs, sampled), and a draw from p
-_library.define("q4_target_probs(Tensor logits, float temperature, int top_k, float top_p) -> Tensor")
+_library.define("q4_target_probs(Tensor logits, float temperature, int top_k, float top_p, float min_p) -> Tensor")
 _library.define("q4_sample(Tensor probs, float u) -> int")
 
 
@@ -176,7 +176,8 @@ def draft_support(row: torch.Tensor, params, p_min: float, max_support: int,
     and the kernel built (`available()`). The distilled draft's sampled K = 4 call over SmolLM2's 49,152 ids
     (int4, 1 Xeon core): 5.33 -> ~4.1 ms against torch's ops."""
     ids, q = torch.ops.specdec.q4_draft_support(row.float(), float(params.temperature), int(params.top_k),
-                                                float(params.top_p), max_support, float(p_min), allowed)
+                                                float(params.top_p), float(params.min_p), max_support, float(p_min),
+                                                allowed)
     return (ids, q) if ids.numel() else None
 
 
@@ -194,7 +195,7 @@ def target_probs(logits: torch.Tensor, params) -> torch.Tensor:
     if params.greedy:
         return logits_to_probs(logits, params)
     return torch.ops.specdec.q4_target_probs(logits.float(), float(params.temperature), int(params.top_k),
-                                             float(params.top_p))
+                                             float(params.top_p), float(params.min_p))
 
 
 def draw(probs: torch.Tensor, u: float) -> int:

@@ -70,6 +70,9 @@ class SamplingParams:
     min_tokens: int = 0
     # the request's stop token ids (the output ends after one): the target's decode steps stop there too
     stop_token_ids: tuple[int, ...] = ()
+    # vLLM's min_p: at temperature, before top-k and top-p (vLLM's order), a token stays only where its
+    # probability is at least min_p times the most likely one's; 0 = off. A draft samples by it too
+    min_p: float = 0.0
 
     @property
     def shapes_logits(self) -> bool:
@@ -102,6 +105,8 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0 or float32(self.top_p) == 0.0:  # also NaN
             raise InvalidRequest(f"top_p must lie in (0, 1] (and be above 0 as a 32-bit float), not {self.top_p}",
                                  "top_p")
+        if not 0.0 <= self.min_p <= 1.0:  # also NaN
+            raise InvalidRequest(f"min_p must lie in [0, 1] (0: off), not {self.min_p}", "min_p")
         if not 0 <= self.seed < 2**64:
             raise InvalidRequest(f"seed must lie in [0, 2^64), not {self.seed}", "seed")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
@@ -455,13 +460,13 @@ def params_to_proto(params: SamplingParams) -> pb.SamplingParams:
                              frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
                              logit_bias=dict(params.logit_bias),
                              repetition_penalty=0.0 if params.repetition_penalty == 1.0 else params.repetition_penalty,
-                             min_tokens=params.min_tokens, stop_token_ids=params.stop_token_ids)
+                             min_tokens=params.min_tokens, stop_token_ids=params.stop_token_ids, min_p=params.min_p)
 
 
 def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed, msg.logprobs - 1 if msg.logprobs else None,
                           msg.frequency_penalty, msg.presence_penalty, tuple(sorted(msg.logit_bias.items())),
-                          msg.repetition_penalty or 1.0, msg.min_tokens, tuple(msg.stop_token_ids))
+                          msg.repetition_penalty or 1.0, msg.min_tokens, tuple(msg.stop_token_ids), msg.min_p)
 
 
 def logprobs_to_proto(logprobs: Logprobs | None) -> pb.Logprobs | None:

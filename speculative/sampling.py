@@ -27,7 +27,9 @@ from .protocol import SamplingParams
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """p after temperature, then top-k, then top-p (the order transformers uses).
+    """p after temperature, then min-p, top-k and top-p (vLLM's order; transformers' for the last two).
+    min-p keeps a token where (its logit - the largest) / temperature is at least log(min_p) as a float32:
+    its probability at least min_p times the most likely one's.
 
     logits: [..., V] -> probs: [..., V] float32, rows summing to 1.
     """
@@ -38,6 +40,8 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     # shifted so the largest logit is 0 before dividing: a tiny temperature (down to float32's
     # subnormals) then tends to the argmax (0 / t = 0, the rest -> -inf) instead of inf / inf = nan
     logits = (logits - row_max(logits)).div_(params.temperature)
+    if params.min_p > 0:
+        logits = logits.masked_fill(logits < min_p_floor(params.min_p), float("-inf"))
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -45,6 +49,12 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.top_p < 1.0:
         probs = nucleus(probs, params.top_p)
     return probs
+
+
+def min_p_floor(min_p: float) -> float:
+    """The least (logit - the largest) / temperature min-p keeps: log(min_p) rounded to float32, as the
+    kernel compares it (model_service/csrc/q4_mm.cpp)."""
+    return float(np.float32(math.log(min_p)))
 
 
 # tokens nucleus() looks among first: at T = 0.7 a chat model's top 256 almost always hold 0.95 of p
@@ -317,11 +327,11 @@ def draft_token(row: torch.Tensor, params, p_min: float, max_support: int, gener
                 support=None) -> tuple[int, torch.Tensor | None, torch.Tensor | None] | None:
     """A draft's next token from its logits `row` [V]: the argmax (greedy) or a draw from its sparse
     support -> (token, support ids, q), ids and q None when greedy; None where the draft's top
-    probability (greedy: of softmax(row); sampled: of p after temperature and top-k, before top-p)
+    probability (greedy: of softmax(row); sampled: of p after temperature, min-p and top-k, before top-p)
     is under p_min, or where no token has probability (drafting stops there).
 
     Sampled, q is draft_support(logits_to_probs(row, params), max_support) (up to rounding) without
-    building p over the whole row: temperature, top-k and top-p keep the order of the logits, so the
+    building p over the whole row: temperature, min-p, top-k and top-p keep the order of the logits, so the
     support is the row's top `max_support` tokens (one torch.topk), and p there needs only the mass
     of the tokens top-k keeps (one sum of exponentials); top-p's cut is a prefix of them, or lies past
     them, where the support ends anyway (`make bench-sampling`, 2 Xeon cores, the EAGLE head's 11,264
@@ -347,8 +357,12 @@ def draft_token(row: torch.Tensor, params, p_min: float, max_support: int, gener
     shift = float(logits[0])  # the largest logit: exp(0) = 1 at most, and a tiny temperature tends to the argmax
     # (top-k: the first k of torch.topk's order where the k-th logit ties others, as the support takes them)
     top = row if kept == vocab else logits if kept <= logits.shape[0] else torch.topk(row, kept).values
-    mass = top.sub(shift).div_(params.temperature).exp_().sum()
-    p = logits.sub(shift).div_(params.temperature).exp_().div_(mass)  # p at the support's tokens
+    top, logits = top.sub(shift).div_(params.temperature), logits.sub(shift).div_(params.temperature)
+    if params.min_p > 0:  # (the largest, 0, always stays)
+        floor = min_p_floor(params.min_p)
+        top, logits = top.masked_fill(top < floor, float("-inf")), logits.masked_fill(logits < floor, float("-inf"))
+    mass = top.exp_().sum()
+    p = logits.exp_().div_(mass)  # p at the support's tokens
     if p_min > 0 and not float(p[0]) >= p_min:
         return None
     if params.top_p < 1.0:

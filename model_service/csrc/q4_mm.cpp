@@ -1519,14 +1519,21 @@ std::tuple<at::Tensor, at::Tensor> q4_eagle_step(const at::Tensor& embeds_in, co
   return {out, scores};
 }
 
+// min-p's least kept (x - the largest) / temperature: log(min_p) as a float (speculative.sampling.min_p_floor);
+// min_p 0 (off): -inf, which every value clears
+inline float min_p_floor(double min_p) {
+  return min_p > 0 ? static_cast<float>(std::log(min_p)) : -INFINITY;
+}
+
 // A sampled draft token's q from one row of logits [V] (speculative.sampling.draft_token's sampled
-// branch, over the ids `allowed` lets it draw, none where null): temperature, top-k (0: off) and top-p
-// keep the logits' order, so q's support is the row's top min(max_support, kept) ids, p there their
-// softmax over the ids top-k keeps (at temperature), cut where the mass before a token reaches top_p; q
+// branch, over the ids `allowed` lets it draw, none where null): temperature, min-p, top-k (0: off) and
+// top-p keep the logits' order, so q's support is the row's top min(max_support, kept) ids, p there their
+// softmax over the ids top-k and min-p keep (at temperature; min-p: (x - the largest) / temperature at
+// least min_p_floor(min_p), 0: off), cut where the mass before a token reaches top_p; q
 // is p renormalised over what is left. Ties between logits go to the lower id. -> whether the draft draws
 // (false: p's top under p_min, or no id with probability); ids and q get the support (q > 0, descending).
 bool sampled_support(const float* row, int64_t V, const bool* allowed, double temperature, int64_t top_k,
-                     double top_p, int64_t max_support, double p_min, std::vector<int64_t>& ids,
+                     double top_p, double min_p, int64_t max_support, double p_min, std::vector<int64_t>& ids,
                      std::vector<float>& q) {
   ids.clear();
   q.clear();
@@ -1562,10 +1569,11 @@ bool sampled_support(const float* row, int64_t V, const bool* allowed, double te
   std::sort(top.begin(), top.end(), better);
   // p = exp((x - the largest) / temperature), over its sum for the ids top-k keeps (as draft_token
   // computes it: a tiny temperature tends to the argmax)
-  const float shift = top[0].first, t = static_cast<float>(temperature);
+  const float shift = top[0].first, t = static_cast<float>(temperature), floor = min_p_floor(min_p);
   double mass = 0;
   if (kept == m) {
-    for (const Entry& entry : top) mass += std::exp((entry.first - shift) / t);
+    for (const Entry& entry : top)
+      if ((entry.first - shift) / t >= floor) mass += std::exp((entry.first - shift) / t);
   } else {
     std::vector<float> e;
     if (kept == n_ok) {
@@ -1577,11 +1585,17 @@ bool sampled_support(const float* row, int64_t V, const bool* allowed, double te
       std::nth_element(e.begin(), e.begin() + (kept - 1), e.end(), std::greater<float>());
       e.resize(kept);
     }
-    for (float& value : e) value = (value - shift) / t;
+    for (float& value : e) {
+      value = (value - shift) / t;
+      if (value < floor) value = -INFINITY;
+    }
     mass = exp_sum(e.data(), static_cast<int64_t>(e.size()), 0.f);
   }
   std::vector<float> p(m);
-  for (int64_t i = 0; i < m; ++i) p[i] = static_cast<float>(std::exp((top[i].first - shift) / t) / mass);
+  for (int64_t i = 0; i < m; ++i) {
+    const float z = (top[i].first - shift) / t;
+    p[i] = z >= floor ? static_cast<float>(std::exp(z) / mass) : 0.f;
+  }
   if (p_min > 0 && !(p[0] >= p_min)) return false;
   double before_mass = 0, total = 0;
   for (int64_t i = 0; i < m; ++i) {
@@ -1618,11 +1632,11 @@ int64_t draw_from(const std::vector<int64_t>& ids, const std::vector<float>& q, 
 // sampled_support for one row [V] of float32 logits as tensors: (ids int64, q float32), both empty
 // where the draft stops; `allowed` (bool [V]) the ids it may draw, all where none
 std::tuple<at::Tensor, at::Tensor> q4_draft_support(const at::Tensor& row_in, double temperature, int64_t top_k,
-                                                    double top_p, int64_t max_support, double p_min,
+                                                    double top_p, double min_p, int64_t max_support, double p_min,
                                                     const std::optional<at::Tensor>& allowed_in) {
   TORCH_CHECK(row_in.dim() == 1 && row_in.scalar_type() == at::kFloat, "q4_draft_support: a float32 row [V]");
-  TORCH_CHECK(temperature > 0 && top_p > 0 && top_p <= 1 && max_support >= 1,
-              "q4_draft_support: temperature > 0, top_p in (0, 1], max_support >= 1");
+  TORCH_CHECK(temperature > 0 && top_p > 0 && top_p <= 1 && min_p >= 0 && min_p <= 1 && max_support >= 1,
+              "q4_draft_support: temperature > 0, top_p in (0, 1], min_p in [0, 1], max_support >= 1");
   const at::Tensor row = row_in.contiguous();
   const int64_t V = row.size(0);
   at::Tensor allowed;
@@ -1633,7 +1647,7 @@ std::tuple<at::Tensor, at::Tensor> q4_draft_support(const at::Tensor& row_in, do
   std::vector<int64_t> ids;
   std::vector<float> q;
   if (!sampled_support(row.data_ptr<float>(), V, allowed.defined() ? allowed.data_ptr<bool>() : nullptr, temperature,
-                       top_k, top_p, max_support, p_min, ids, q)) {
+                       top_k, top_p, min_p, max_support, p_min, ids, q)) {
     ids.clear();
     q.clear();
   }
@@ -1664,7 +1678,8 @@ inline void at_least(const float* p, int64_t V, float at, std::vector<std::pair<
 }
 
 // The target's p for one row of float32 logits x [V] into p [V] (speculative.sampling.logits_to_probs, not
-// greedy): (x - the largest) / temperature; top-k (0 < top_k < V) keeps the values at or above the k-th
+// greedy): (x - the largest) / temperature; min-p (0: off) keeps the values at or above min_p_floor(min_p)
+// (a probability at least min_p times the largest's); top-k (0 < top_k < V) keeps the values at or above the k-th
 // largest; the softmax; top-p (< 1) keeps, in descending order, each token whose mass before it is under
 // top_p, renormalised. The cut's tokens are sought among those of probability >= 1e-3 first (at most a
 // thousand), lower while their mass falls short of top_p or the cut lies past them; at (1 - top_p) / V,
@@ -1672,7 +1687,8 @@ inline void at_least(const float* p, int64_t V, float at, std::vector<std::pair<
 // probability. Ties in the cut go to the lower id; a probability under ~1e-30 is 0 (LOW below). A row with
 // a NaN or no finite largest value comes out NaN, as torch's arithmetic gives; a temperature under float's
 // least is its limit, one-hot at the first largest (where torch's division gives NaN).
-void target_probs_row(const float* x, int64_t V, double temperature, int64_t top_k, double top_p, float* p) {
+void target_probs_row(const float* x, int64_t V, double temperature, int64_t top_k, double top_p, double min_p,
+                      float* p) {
   const float largest = max_of(x, V);
   if (!std::isfinite(largest)) {  // no finite value: NaN, as torch's arithmetic gives
     std::fill(p, p + V, NAN);
@@ -1706,6 +1722,10 @@ void target_probs_row(const float* x, int64_t V, double temperature, int64_t top
   if (std::isnan(probe)) {
     std::fill(p, p + V, NAN);
     return;
+  }
+  if (min_p > 0) {
+    const float floor = min_p_floor(min_p);
+    for (int64_t v = 0; v < V; ++v) p[v] = p[v] < floor ? LOW : p[v];
   }
   if (top_k > 0 && top_k < V) {  // the k-th largest: one pass keeping a heap of the top k, the least in front
     std::vector<float> top(p, p + top_k);
@@ -1775,16 +1795,18 @@ void target_probs_row(const float* x, int64_t V, double temperature, int64_t top
 }
 
 // p (target_probs_row) for each row of float32 logits [R, V] or [V]
-at::Tensor q4_target_probs(const at::Tensor& logits_in, double temperature, int64_t top_k, double top_p) {
+at::Tensor q4_target_probs(const at::Tensor& logits_in, double temperature, int64_t top_k, double top_p,
+                           double min_p) {
   TORCH_CHECK(logits_in.dim() >= 1 && logits_in.scalar_type() == at::kFloat,
               "q4_target_probs: float32 logits [..., V]");
-  TORCH_CHECK(temperature > 0 && top_p > 0 && top_p <= 1 && top_k >= 0,
-              "q4_target_probs: temperature > 0, top_k >= 0, top_p in (0, 1]");
+  TORCH_CHECK(temperature > 0 && top_p > 0 && top_p <= 1 && top_k >= 0 && min_p >= 0 && min_p <= 1,
+              "q4_target_probs: temperature > 0, top_k >= 0, top_p in (0, 1], min_p in [0, 1]");
   const at::Tensor logits = logits_in.contiguous();
   at::Tensor probs = at::empty_like(logits);
   const int64_t V = logits.size(-1), R = V ? logits.numel() / V : 0;
   for (int64_t r = 0; r < R; ++r)
-    target_probs_row(logits.data_ptr<float>() + r * V, V, temperature, top_k, top_p, probs.data_ptr<float>() + r * V);
+    target_probs_row(logits.data_ptr<float>() + r * V, V, temperature, top_k, top_p, min_p,
+                     probs.data_ptr<float>() + r * V);
   return probs;
 }
 
@@ -1825,7 +1847,8 @@ int64_t q4_sample(const at::Tensor& probs_in, double u) {
 // row's out_hidden (hidden [S, D]) its logits (output_layer); where temperatures[s] is 0 the argmax over
 // the draft ids `known` allows (all where none; the first maximum on ties), stopping where its
 // probability is under p_mins[s] (the softmax over those ids), else a draw (sampled_support and draw_from:
-// at that temperature, top_ks[s], top_ps[s], q over at most max_support ids, the uniform uniforms[s, t], float64
+// at that temperature, top_ks[s], top_ps[s], min_ps[s], q over at most max_support ids, the uniform uniforms[s, t],
+// float64
 // [S, max k]); mapped to the target's vocabulary by target_ids; then, while
 // a sequence wants more, one step of all of them (token's embedding from `table` [V, D], the row's
 // position's cos and sin from the RoPE tables, the caches' next row at pasts[s] + t, position
@@ -1841,7 +1864,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> q4_eagle_
     at::ArrayRef<double> p_mins, const std::optional<at::Tensor>& known_in, const at::Tensor& target_ids_in, int64_t H,
     int64_t Hkv, int64_t hd, double eps, double scale, bool norm_before_residual, at::TensorList norms,
     at::TensorList weights, at::IntArrayRef outs, at::ArrayRef<double> temperatures, at::IntArrayRef top_ks,
-    at::ArrayRef<double> top_ps, int64_t max_support, const std::optional<at::Tensor>& uniforms_in) {
+    at::ArrayRef<double> top_ps, at::ArrayRef<double> min_ps, int64_t max_support,
+    const std::optional<at::Tensor>& uniforms_in) {
   const int64_t S = static_cast<int64_t>(keys.size());
   TORCH_CHECK(hidden_in.dim() == 2 && hidden_in.size(0) == S && hidden_in.scalar_type() == at::kFloat,
               "q4_eagle_draft: float32 hidden [S, D], a row per cache");
@@ -1851,11 +1875,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> q4_eagle_
   TORCH_CHECK(norms.size() == 4 && weights.size() == 5 && outs.size() == 5,
               "q4_eagle_draft: q4_eagle_step's norms and tiles");
   TORCH_CHECK(static_cast<int64_t>(temperatures.size()) == S && static_cast<int64_t>(top_ks.size()) == S &&
-              static_cast<int64_t>(top_ps.size()) == S, "q4_eagle_draft: a temperature, top_k and top_p per row");
+              static_cast<int64_t>(top_ps.size()) == S && static_cast<int64_t>(min_ps.size()) == S,
+              "q4_eagle_draft: a temperature, top_k, top_p and min_p per row");
   bool sampled = false;
   for (int64_t s = 0; s < S; ++s) {
-    TORCH_CHECK(temperatures[s] >= 0 && top_ps[s] > 0 && top_ps[s] <= 1,
-                "q4_eagle_draft: temperatures must be >= 0 and top_ps in (0, 1]");
+    TORCH_CHECK(temperatures[s] >= 0 && top_ps[s] > 0 && top_ps[s] <= 1 && min_ps[s] >= 0 && min_ps[s] <= 1,
+                "q4_eagle_draft: temperatures must be >= 0, top_ps in (0, 1] and min_ps in [0, 1]");
     sampled = sampled || temperatures[s] > 0;
   }
   const int64_t D = hidden_in.size(1), V = outs[4], P = cos_table.size(0);
@@ -1913,8 +1938,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> q4_eagle_
       const int64_t s = active[i];
       const float* row = lp + static_cast<int64_t>(i) * V;
       if (temperatures[s] > 0) {
-        if (!sampled_support(row, V, allowed, temperatures[s], top_ks[s], top_ps[s], M, p_mins[s], drawn_ids,
-                             drawn_q))
+        if (!sampled_support(row, V, allowed, temperatures[s], top_ks[s], top_ps[s], min_ps[s], M, p_mins[s],
+                             drawn_ids, drawn_q))
           continue;
         const int64_t drawn = draw_from(drawn_ids, drawn_q, uniforms.data_ptr<double>()[s * uniforms.size(1) + t]);
         if (drawn < 0) continue;

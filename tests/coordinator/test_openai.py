@@ -119,6 +119,42 @@ def test_a_chat_refused_names_the_field_it_was_given_and_bounds_hold_as_the_wire
     assert [m.role for m in made.messages] == ["system", "user"]
 
 
+def test_min_p_is_served_and_vllm_fields_specdec_does_not_honour_are_refused(api, client, stub):
+    """min_p (vLLM's) reaches the sampling over HTTP (chat, completions, Responses) and gRPC: at 1 only the
+    most likely token stays, so a sampled answer is the greedy one, where without it the same seeds draw
+    others; out of [0, 1] it is refused naming it. vLLM's typical_p, allowed_token_ids, bad_words and
+    use_beam_search are refused (400, unsupported_parameter) unless they ask for nothing: answering without
+    them would serve another distribution than the one asked for."""
+    greedy = grpc_text(stub, messages=QUESTION, max_new_tokens=12).text
+    sampled = [client.chat.completions.create(model="target", messages=chat(QUESTION), max_tokens=12, temperature=1.0,
+                                              seed=seed, extra_body={"min_p": min_p}).choices[0].message.content
+               for min_p in (1.0, 0.0) for seed in (1, 2, 3)]
+    assert sampled[:3] == [greedy] * 3 and sampled[3:] != [greedy] * 3  # (the seeds draw otherwise without it)
+    unary = stub.Generate(pb.GenerateRequest(messages=[pb.ChatMessage(role=r, content=c) for r, c in QUESTION],
+                                             max_new_tokens=12, temperature=1.0, seed=4, min_p=1.0),
+                          metadata=BEARER, timeout=60)
+    assert unary.text == greedy
+    assert client.responses.create(model="target", instructions=QUESTION[0][1], input=QUESTION[1][1],
+                                   max_output_tokens=12, temperature=1.0, extra_body={"min_p": 1.0}).output_text == greedy
+    completion = grpc_text(stub, prompt=PROMPT, max_new_tokens=8).text
+    assert client.completions.create(model="target", prompt=PROMPT, max_tokens=8, temperature=1.0,
+                                     extra_body={"min_p": 1.0}).choices[0].text == completion
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=4, min_p=1.5), metadata=BEARER, timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_p" in refused.value.details()
+    for fields, param in (({"min_p": -0.5}, "min_p"), ({"typical_p": 0.9}, "typical_p"),
+                          ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"), ({"bad_words": ["the"]}, "bad_words"),
+                          ({"use_beam_search": True}, "use_beam_search")):
+        for path in ("/v1/chat/completions", "/v1/completions"):
+            body = {"messages": chat(QUESTION)} if "chat" in path else {"prompt": PROMPT}
+            status, answer = post(api, path, json.dumps({"model": "target", "max_tokens": 2, **body, **fields}).encode())
+            assert status == 400 and answer["error"]["param"] == param, (path, answer)
+    status, answer = post(api, "/v1/chat/completions", json.dumps(
+        {"model": "target", "messages": chat(QUESTION), "max_tokens": 2, "typical_p": 1.0, "bad_words": [],
+         "allowed_token_ids": [], "use_beam_search": False, "min_p": 0}).encode())
+    assert status == 200, answer
+
+
 def test_event_streams_ask_not_to_be_cached_or_buffered(api):
     """Each stream (the chat's, the Responses API's) is sent as it comes: no-cache, and no proxy buffering."""
     for path, body in (("/v1/chat/completions", {"messages": chat(QUESTION)}), ("/v1/responses", {"input": PROMPT})):

@@ -3,6 +3,8 @@ exactly as the target's own, whatever the draft proposes."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import grpc
 import pytest
 import torch
@@ -45,7 +47,7 @@ def sample_stack(stack, params: SamplingParams, k: int) -> tuple[list[int], list
         futures = [
             stub.Generate.future(pb.GenerateRequest(
                 prompt_token_ids=PROMPT, max_new_tokens=3, temperature=params.temperature, top_k=params.top_k,
-                top_p=params.top_p, seed=1000 + i, num_speculative_tokens=k))
+                top_p=params.top_p, min_p=params.min_p, seed=1000 + i, num_speculative_tokens=k))
             for i in range(start, min(N, start + 25))
         ]
         for f in futures:
@@ -57,8 +59,8 @@ def sample_stack(stack, params: SamplingParams, k: int) -> tuple[list[int], list
 
 # (plain sampling is also the filtered case with its filters off: it runs in the slow suite)
 @pytest.mark.parametrize("params", [pytest.param(SamplingParams(1.0), marks=pytest.mark.slow),
-                                    SamplingParams(0.7, top_k=6, top_p=0.9)],
-                         ids=["plain", "top_k_top_p"])
+                                    SamplingParams(0.7, top_k=6, top_p=0.9, min_p=0.1)],
+                         ids=["plain", "top_k_top_p_min_p"])
 def test_first_and_second_tokens_follow_the_target(small_vocab_stack, small_vocab_pair, params):
     draft_dir, target_dir = small_vocab_pair
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
@@ -66,6 +68,8 @@ def test_first_and_second_tokens_follow_the_target(small_vocab_stack, small_voca
     eos = target.config.eos_token_id
     p_first, p_second = reference(target, params, eos)
     v = p_first.shape[0]
+    if params.min_p:  # (min-p cuts tokens the other filters keep: a stack without it would draw them)
+        assert int((next_probs(target, PROMPT, replace(params, min_p=0.0)) > 0).sum()) > int((p_first > 0).sum())
 
     firsts, seconds = sample_stack(small_vocab_stack, params, k=2)
     first_counts = torch.bincount(torch.tensor(firsts), minlength=v).double()

@@ -680,7 +680,8 @@ def test_sessions_drafted_in_one_call_match_the_step_by_step_loop(tmp_path, padd
     ks = {"a": 4, "b": 7, "c": 1}
     sampled = {"a": SamplingParams(0.8, seed=3), "b": SamplingParams(1.4, top_k=5, seed=4),
                "c": SamplingParams(0.6, top_p=0.8, seed=5)}
-    mixed = {"a": SamplingParams(1.0, top_k=3, top_p=0.7, seed=6), "b": GREEDY, "c": SamplingParams(2.0, seed=7)}
+    mixed = {"a": SamplingParams(1.0, top_k=3, top_p=0.7, seed=6), "b": GREEDY,
+             "c": SamplingParams(2.0, seed=7, min_p=0.3)}
     # (params per session, p_min, max_support): some drafts stopped short at p_min (checked below)
     cases = [({n: GREEDY for n in prompts}, p_min, 64) for p_min in (0.0, 0.3, 0.9)] + [
         (sampled, 0.0, 64), (sampled, 0.0, 2), (sampled, 0.3, 3), (sampled, 0.3, 64), (mixed, 0.0, 5), (mixed, 0.2, 64)]
@@ -751,7 +752,7 @@ def test_the_one_call_draft_refuses_what_it_cannot_draft(pair, tmp_path):
             torch.zeros(1, c.hidden_size), head.embed_tokens.weight, cos, sin, [cache.k], [cache.v], [0], positions,
             ks, [0.0] * len(ks), None, eagle._target_ids, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
             c.rms_norm_eps, c.head_dim ** -0.5, c.norm_before_residual, norms, tiles, outs, [0.0] * len(ks),
-            [0] * len(ks), [1.0] * len(ks), 64, None)
+            [0] * len(ks), [1.0] * len(ks), [0.0] * len(ks), 64, None)
 
     tokens, rows, steps, support, q = call([3], [0])
     assert tokens.shape == (1, 3) and steps.tolist() == [2] and rows.shape == (1, 2, c.hidden_size)

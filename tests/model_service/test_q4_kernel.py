@@ -5,6 +5,7 @@ clear error, and where it cannot be built int4 keeps torch's kernel."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -476,7 +477,7 @@ print("ok", q4_kernel.path())
 def test_the_kernels_sampled_draft_support_is_draft_tokens():
     """q4_kernel.draft_support (q4_draft_support: one call) gives the q speculative.sampling.draft_token
     computes with torch's ops, for temperatures, top-k under and over the support, top-p inside and past
-    it, a support cut short, rows with masked (-inf) tokens or an `allowed` mask, at 3,000 and 11,264
+    it, min-p, a support cut short, rows with masked (-inf) tokens or an `allowed` mask, at 3,000 and 11,264
     ids; the same p_min stops; nothing allowed drafts nothing; and draft_token given it draws the token
     the torch way draws from the same generator state, with as many uniforms."""
     from speculative.protocol import SamplingParams
@@ -494,7 +495,8 @@ def test_the_kernels_sampled_draft_support_is_draft_tokens():
                     row[torch.randperm(vocab, generator=g)[:500]] = float("-inf")
                     allowed = torch.rand(vocab, generator=g) > 0.2 if checked % 2 else None
                     masked = row if allowed is None else row.masked_fill(~allowed, float("-inf"))
-                    params = SamplingParams(temperature, top_k=top_k, top_p=top_p)
+                    min_p = (0.0, 0.02, 0.3)[checked % 3]
+                    params = SamplingParams(temperature, top_k=top_k, top_p=top_p, min_p=min_p)
                     ids, q = q4_kernel.draft_support(row, params, 0.0, support, allowed)
                     state = g.get_state()
                     token, want_ids, want_q = draft_token(masked, params, 0.0, support, g)
@@ -504,8 +506,11 @@ def test_the_kernels_sampled_draft_support_is_draft_tokens():
                     g.set_state(state)
                     assert draft_token(masked, params, 0.0, support, g, q4_kernel.draft_support)[0] == token
                     assert torch.equal(g.get_state(), after)
-                    kept = masked.sub(masked.max()).div(temperature).topk(top_k or vocab).values
-                    top = float(torch.softmax(kept, -1)[0])  # p's top before top-p
+                    z = masked.sub(masked.max()).div(temperature)
+                    z = z.masked_fill(z < math.log(min_p), float("-inf")) if min_p else z
+                    top = float(torch.softmax(z.topk(top_k or vocab).values, -1)[0])  # p's top before top-p
+                    if min_p:  # no id under min_p times the top in the support
+                        assert float(q[-1]) >= min_p * float(q[0]) * (1 - 1e-5), (vocab, temperature, min_p)
                     for p_min in (top * 0.99, top * 1.01):
                         assert (q4_kernel.draft_support(row, params, p_min, support, allowed) is None) == (p_min > top)
                     checked += 1
@@ -535,7 +540,7 @@ def _same_p(got: torch.Tensor, want: torch.Tensor, uncut: torch.Tensor, case) ->
 
 def test_the_kernels_target_probs_are_logits_to_probs():
     """q4_kernel.target_probs (q4_target_probs: one call) gives the p speculative.sampling.logits_to_probs
-    computes with torch's ops, for temperatures, top-k, top-p (its cut found among the likely tokens first,
+    computes with torch's ops, for temperatures, min-p, top-k, top-p (its cut found among the likely tokens first,
     lower while they fall short: a flat row takes it to every token), rows with masked (-inf) tokens and
     logits spread past where exponentials underflow, at 3,000 and 49,152 ids, one row and several: the same
     values up to float rounding, the same tokens kept but for those torch gives under 1e-30 and ties at
@@ -554,8 +559,9 @@ def test_the_kernels_target_probs_are_logits_to_probs():
                     logits = torch.randn(2, vocab, generator=g) * 3
                     logits[0, torch.randperm(vocab, generator=g)[:500]] = float("-inf")
                     logits[1, :20] += 8  # a peaked row: the cut among the first candidates
-                    params = SamplingParams(temperature, top_k=top_k, top_p=top_p)
-                    uncut = logits_to_probs(logits, SamplingParams(temperature, top_k=top_k))  # before top-p
+                    min_p = (0.0, 0.001, 0.1)[checked % 3]
+                    params = SamplingParams(temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+                    uncut = logits_to_probs(logits, SamplingParams(temperature, top_k=top_k, min_p=min_p))  # before top-p
                     for rows, before in ((logits, uncut), (logits[1], uncut[1])):
                         got, want = q4_kernel.target_probs(rows, params), logits_to_probs(rows, params)
                         assert got.shape == want.shape and got.dtype == torch.float32

@@ -51,6 +51,38 @@ def test_temperature_top_k_top_p():
     assert torch.allclose(logits_to_probs(logits, SamplingParams(2.0)), flat / flat.sum())
 
 
+def test_min_p_keeps_tokens_within_its_share_of_the_top_before_top_k_and_top_p():
+    """min-p (vLLM's order: at temperature, before top-k and top-p) keeps the tokens whose probability is at
+    least min_p times the most likely one's, renormalised; top-p then cuts what min-p left (its mass taken
+    over those alone); 1 keeps the top alone, 0 is off; the draft's support follows the same p."""
+    probs = torch.tensor([0.4, 0.3, 0.1, 0.08, 0.07, 0.05])
+    logits = torch.log(probs)
+    # 0.25 x 0.4 = 0.1: the first three stay (0.1 exactly at the line stays)
+    want = torch.tensor([0.4, 0.3, 0.1, 0, 0, 0]) / 0.8
+    assert torch.allclose(logits_to_probs(logits, SamplingParams(1.0, min_p=0.25 - 1e-6)), want)
+    assert torch.allclose(logits_to_probs(logits, SamplingParams(1.0, min_p=0.0)), probs)
+    assert torch.equal(logits_to_probs(logits, SamplingParams(1.0, min_p=1.0)), torch.tensor([1.0, 0, 0, 0, 0, 0]))
+    # at temperature 2, p ∝ sqrt(probs): min-p reads the flattened p (0.08 / 0.4 = 0.2 -> sqrt 0.447)
+    flat = torch.sqrt(probs)
+    keep = flat >= 0.44 * flat[0]
+    assert torch.allclose(logits_to_probs(logits, SamplingParams(2.0, min_p=0.44)), flat * keep / (flat * keep).sum())
+    # top-p after min-p: over the three min-p keeps, 0.4 / 0.8 = 0.5 before the third -> two stay at top_p 0.7
+    # (over the whole row 0.7 would keep the same two; at top_p 0.8 the row keeps three, min-p's renormalised
+    # mass 0.875 before the third cuts it)
+    cut = logits_to_probs(logits, SamplingParams(1.0, top_p=0.8, min_p=0.25 - 1e-6))
+    assert torch.allclose(cut, torch.tensor([0.4, 0.3, 0, 0, 0, 0]) / 0.7)
+    assert int((logits_to_probs(logits, SamplingParams(1.0, top_p=0.8)) > 0).sum()) == 3
+    # the draft's q: the same tokens, renormalised over its support
+    for params in (SamplingParams(1.0, min_p=0.25 - 1e-6), SamplingParams(2.0, min_p=0.44, top_k=5)):
+        _, ids, q = draft_token(logits, params, 0.0, 64, torch.Generator().manual_seed(0))
+        p = logits_to_probs(logits, params)
+        assert sorted(ids.tolist()) == p.nonzero().flatten().tolist()
+        assert torch.allclose(q, p[ids] / p[ids].sum())
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(InvalidRequest, match="min_p"):
+            SamplingParams(1.0, min_p=bad).validate()
+
+
 @pytest.mark.parametrize("temperature", [1e-9, 1e-30, 1.4e-45, 3e38])  # found by tests/coordinator/test_fuzz.py
 def test_extreme_temperatures_stay_distributions(temperature):
     """A float32 temperature down to the subnormals tends to the argmax (it gave NaN), a huge
