@@ -56,7 +56,9 @@ class Batching:
     max_batch: int = 32     # most calls (sessions) per pass
     wait: float = 0.0       # seconds a pass waits for the calls of sessions at work that have not come yet
     turn_wait: float = 0.003  # seconds a pass waits for the rest of a lockstep turn's calls
-    max_queue: int = 1024   # more calls waiting than this: RESOURCE_EXHAUSTED, not an ever longer wait
+    # a call that starts a session while this many wait: RESOURCE_EXHAUSTED, not an ever longer wait (a live
+    # session's next call is queued all the same: its session was let in, and --max-sessions bounds those)
+    max_queue: int = 1024
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -119,14 +121,19 @@ class Batcher:
         return await self.enqueue([(session_id, call)], turn)[0]
 
     def enqueue(self, calls: list[tuple[str, Any]], turn: tuple[int, int] = (0, 0)) -> list[asyncio.Future]:
-        """Queue (session id, call) pairs together, all of `turn`. -> their futures"""
+        """Queue (session id, call) pairs together, all of `turn`. -> their futures; a call that would start a
+        session (`call.start`) while max_queue calls wait fails with CapacityExceeded. A live session's call
+        is never refused here: the request it serves was let in, and cutting it short mid-answer would lose
+        its work (its sessions are bounded by --max-sessions)."""
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in calls]
         with self.thread.cond:
-            if len(self.waiting) + len(calls) > self.max_queue:
-                raise CapacityExceeded(f"{len(self.waiting)} calls already wait for the model (--max-queue); retry later")
-            self.waiting.extend(Waiting(session_id, call, future, loop, *turn)
-                                for (session_id, call), future in zip(calls, futures))
+            for (session_id, call), future in zip(calls, futures):
+                if getattr(call, "start", True) and len(self.waiting) >= self.max_queue:
+                    future.set_exception(CapacityExceeded(
+                        f"{len(self.waiting)} calls already wait for the model (--max-queue); retry later"))
+                else:
+                    self.waiting.append(Waiting(session_id, call, future, loop, *turn))
             self.thread.wake()
         return futures
 

@@ -104,7 +104,8 @@ def add_model_flags(parser: EnvArgumentParser, role: str, model_required: bool =
                              " model_service.threads.default_threads)")
     parser.set_defaults(role=role)
     parser.add_argument("--max-queue", type=int, default=1024,
-                        help="calls that may wait for the model; beyond, RESOURCE_EXHAUSTED")
+                        help="calls that may wait for the model; beyond, a call starting a session is refused"
+                             " (RESOURCE_EXHAUSTED); a live session's next call is queued all the same")
     parser.add_argument("--max-batch", type=int, default=32,
                         help="most sessions per model pass (continuous batching; 1: one session at a time)")
     parser.add_argument("--batch-wait-ms", type=wait_ms, default="0.5" if role == "draft" else "auto",

@@ -166,17 +166,10 @@ class ModelServicer:
         calls = [(request.session_id, make_call(request)) for request in requests]
         await self.compile_constraints([call for _, call in calls])
         size = self.batcher.max_batch
-        try:
-            queued = []
-            for start in range(0, len(calls), size):
-                chunk = calls[start : start + size]
-                queued += self.batcher.enqueue(chunk, (random.getrandbits(63) | 1, len(chunk)))
-        except CapacityExceeded as exc:
-            for future in queued:
-                future.cancel()
-            if self.metrics is not None:
-                self.metrics.calls.labels(method, status_of(exc).name).inc(len(calls))
-            return [empty] * len(calls), [call_status(exc)] * len(calls)
+        queued = []  # (a call refused for a full queue: its future holds CapacityExceeded)
+        for start in range(0, len(calls), size):
+            chunk = calls[start : start + size]
+            queued += self.batcher.enqueue(chunk, (random.getrandbits(63) | 1, len(chunk)))
         results = await asyncio.gather(*(self.run_call(method, session_id, call, queued=future)
                                          for (session_id, call), future in zip(calls, queued)),
                                        return_exceptions=True)

@@ -162,6 +162,38 @@ def test_batcher_refuses_calls_beyond_its_queue():
     assert all(isinstance(r, CapacityExceeded) and "wait" in str(r) for r in results[3:])
 
 
+def test_a_full_queue_refuses_new_sessions_not_the_live_ones_next_calls():
+    """--max-queue turns away calls that would start a session; a live session's next call is queued past it
+    (its request was let in: refusing it would cut an answer short), and a batch's calls are refused one by
+    one, the live ones among them served."""
+    from types import SimpleNamespace
+
+    from speculative.errors import CapacityExceeded
+
+    started, release, held = held_first_pass(lambda calls: [(c.name, None) for c in calls])
+
+    def call(name, start):
+        return SimpleNamespace(name=name, start=start)
+
+    async def main():
+        batcher = Batcher(ModelThread(), held, Batching(max_batch=8, max_queue=2))
+        first = asyncio.ensure_future(batcher.submit("s0", call("s0", True)))
+        await until(started.is_set)  # s0's pass runs (held): the queue is empty
+        live = [asyncio.ensure_future(batcher.submit(f"l{i}", call(f"l{i}", False))) for i in range(3)]
+        await until(lambda: len(batcher.waiting) == 3)  # all three live calls wait, one past the cap
+        new = asyncio.ensure_future(batcher.submit("n0", call("n0", True)))
+        mixed = batcher.enqueue([("n1", call("n1", True)), ("l3", call("l3", False))], (7, 2))
+        await until(lambda: new.done() and mixed[0].done())
+        assert len(batcher.waiting) == 4 and not mixed[1].done()
+        release.set()
+        return await asyncio.gather(first, *live, new, *mixed, return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert [r[0] for r in results[:4]] == ["s0", "l0", "l1", "l2"]
+    assert all(isinstance(r, CapacityExceeded) and "--max-queue" in str(r) for r in results[4:6])
+    assert results[6][0] == "l3"
+
+
 def test_batcher_fails_every_call_of_a_failed_pass_and_goes_on():
     """An error out of run_many itself (not one call's) reaches each call of that pass; the
     model thread serves the next pass, and jobs, as before."""
