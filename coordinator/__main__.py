@@ -33,7 +33,7 @@ from runtime.transport import MAX_REQUEST_BYTES, add_dial_flags, channel_credent
 
 from .metrics import CoordinatorMetrics
 from .peers import GrpcDraft, GrpcTarget
-from .pool import Pool
+from .pool import CLOSE_WAIT, Pool
 
 log = logging.getLogger("specdec.coordinator")
 DEFAULT_PORT = 50050
@@ -195,7 +195,7 @@ def main(argv=None, prog: str = "python -m coordinator") -> None:
         async def on_stop() -> None:
             if http is not None:
                 await serving_http
-            await asyncio.gather(draft.close(), target.close())
+            await coordinator.close(CLOSE_WAIT)
 
         await serve("coordinator", args.host, args.port, add, load, on_stop, grace=args.shutdown_grace,
                     stop=stop, credentials=credentials, max_request_bytes=args.max_request_bytes,

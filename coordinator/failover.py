@@ -183,15 +183,20 @@ class _Failover:
         replica's idle timeout."""
         if self.replica is not None:
             replica, self.replica = self.replica, None
-            session = self.session or session_id
-            try:
-                await replica.peer.release(session)
-            except PeerError as e:
-                log.info("%s: releasing %s on %s failed (%s): trying again in the background", self.pool.name,
-                         session, replica.address, e)
-                self._in_background(self._forget(replica, session))
-            finally:
-                self.pool.release(replica)
+            task = asyncio.ensure_future(self._release(replica, self.session or session_id))
+            self.pool.releasing.add(task)  # (a stopping coordinator closes the channel after it: Pool.close)
+            task.add_done_callback(self.pool.releasing.discard)
+            await asyncio.shield(task)
+
+    async def _release(self, replica: Replica, session: str) -> None:
+        try:
+            await replica.peer.release(session)
+        except PeerError as e:
+            log.info("%s: releasing %s on %s failed (%s): trying again in the background", self.pool.name,
+                     session, replica.address, e)
+            self._in_background(self._forget(replica, session))
+        finally:
+            self.pool.release(replica)
 
     def noted(self, tokens: list[int]) -> None:
         """The request's sequence at its end, noted as held where its session was (a prompt that

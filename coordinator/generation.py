@@ -451,6 +451,9 @@ class Coordinator:
         self.limits = limits
         self.metrics = metrics
         self.models: Models | None = None  # set by connect
+        self.running = 0  # generations begun and not yet ended (their releases begun)
+        self._none_running = asyncio.Event()
+        self._none_running.set()
         self.gate = PhaseGate(limits.lockstep_ms / 1e3) if limits.lockstep_ms > 0 else None
         if metrics is not None:
             draft.latency, target.latency = metrics.propose, metrics.verify
@@ -508,6 +511,15 @@ class Coordinator:
             raise NotReady("the coordinator is still connecting to its model services")
         return self.models
 
+    async def close(self, wait: float) -> None:
+        """Close the pools once every generation has ended (up to `wait` s: a stopping server's cancelled
+        ones end at once, having begun their sessions' releases) and those releases are answered (Pool.close)."""
+        try:
+            await asyncio.wait_for(self._none_running.wait(), wait)
+        except TimeoutError:
+            log.warning("%d generations still running as the coordinator stops", self.running)
+        await asyncio.gather(self.draft.close(), self.target.close())
+
     async def check(self, request: GenerationRequest) -> None:
         """Refuse the request as generate would before its first round (InvalidRequest, NotPossible, NotReady):
         for a caller that answers before the generation starts (a background response)."""
@@ -522,6 +534,8 @@ class Coordinator:
         trace context (gRPC metadata, an HTTP header), the parent of the request's span if given."""
         metrics, start, stats = self.metrics, time.perf_counter(), Stats()
         status = "UNKNOWN"
+        self.running += 1
+        self._none_running.clear()
         if metrics is not None:
             metrics.active.inc()
         # not the current span: a generator's context is its consumer's between yields; rounds name it
@@ -539,6 +553,9 @@ class Coordinator:
                 status = outcome(e, deadline)
             raise
         finally:
+            self.running -= 1
+            if not self.running:
+                self._none_running.set()
             if span.is_recording():
                 span.set_attributes({"specdec.status": status, "specdec.generated_tokens": stats.generated_tokens,
                                      "specdec.rounds": stats.rounds, "specdec.draft_tokens": stats.draft_tokens,

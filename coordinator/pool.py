@@ -73,6 +73,7 @@ class RecentLatency:
         return max(self.FLOOR, self.TIMES * p99 * (max(prefix, 1) if start else 1))
 
 
+CLOSE_WAIT = 5.0  # s: how long a stopping coordinator waits for its generations' session releases
 AFFINITY_BLOCK = 32  # tokens a prompt is hashed in (each block's hash covers the blocks before it too)
 AFFINITY_ENTRIES = 1 << 16  # block hashes noted at most, the least recently noted dropped first
 AFFINITY_SLACK = 2  # requests in flight a replica holding a prompt's prefix may have beyond the least busy one's
@@ -201,6 +202,7 @@ class Pool:
         self.latency = None  # a prometheus Histogram handed to every replica's peer
         self.late = None  # a prometheus Counter of calls the round stopped waiting for (draft pool: failover.py)
         self.room_waiters = 0  # requests waiting for a target replica's room to go on (failover.py)
+        self.releasing: set[asyncio.Task] = set()  # requests' releases under way (failover.py): close waits for them
         self._turn = itertools.count()
         self.affinity = PrefixAffinity()  # finished requests' sequences -> their replicas
         self._task: asyncio.Task | None = None
@@ -393,8 +395,17 @@ class Pool:
                                served=r.served, model_name=r.peer.info.model_name if r.peer.info else "",
                                detail=r.refused) for r in self.replicas.values()]
 
-    async def close(self) -> None:
+    async def close(self, wait: float = CLOSE_WAIT) -> None:
+        """Stop looking at the replicas and close their channels, once the releases under way have been
+        answered (up to `wait` s): a coordinator stopping past its grace cuts its generations, whose
+        releases a closed channel would drop, leaving their sessions held until the services' idle timeout."""
         for task in (self._task, self._rechecking):
             if task is not None:
                 task.cancel()
+        await asyncio.sleep(0)  # (a generation cancelled just now starts its releases at the loop's next pass)
+        if self.releasing:
+            _, late = await asyncio.wait(set(self.releasing), timeout=wait)
+            if late:
+                log.warning("%s: %d session releases unanswered after %.0f s: their sessions wait for the"
+                            " services' idle timeout", self.name, len(late), wait)
         await asyncio.gather(*(r.peer.close() for r in self.replicas.values()), return_exceptions=True)

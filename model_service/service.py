@@ -181,6 +181,19 @@ def batching_from_args(args: argparse.Namespace) -> Batching:
     return Batching(args.max_batch, batch_wait / 1e3, args.turn_wait_ms / 1e3, args.max_queue)
 
 
+def admits_while_stopping(method: str, request) -> bool:
+    """Whether a stopping model service still serves a call (runtime.interceptors.Drain): a release, and a
+    per-round call of a session it holds (unary, or a batch RPC of such calls): the generations in flight
+    go on through the grace under unary peer calls and lockstep batches, as their streams do. A call that
+    would start a session is refused (UNAVAILABLE: the coordinator takes it to another replica)."""
+    if method.endswith("/Release"):
+        return True
+    calls = getattr(request, "calls", None)
+    if calls is not None:  # ProposeBatch / VerifyBatch
+        return not any(call.start for call in calls)
+    return hasattr(request, "start") and not request.start
+
+
 def run_model_service(name: str, args: argparse.Namespace, make_servicer: Callable[..., ModelServicer],
                       add_to_server, service_name: str,
                       make_engine: Callable[[Callable[[], Any]], Any]) -> None:
@@ -258,7 +271,10 @@ def run_model_service(name: str, args: argparse.Namespace, make_servicer: Callab
             if runner is not None:
                 await servicer.thread.run(runner.close)
 
+        def quiet() -> bool:  # no generation holds a session here (kept caches are no one's)
+            return servicer.engine is None or len(servicer.engine.sessions) == 0
+
         await serve(name, args.host, args.port, add, load, on_stop, grace=args.shutdown_grace,
-                    credentials=credentials)
+                    credentials=credentials, admits=admits_while_stopping, quiet=quiet)
 
     asyncio.run(main())

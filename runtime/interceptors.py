@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -122,13 +124,16 @@ def refusal(handler, code: grpc.StatusCode, details: str):
 
 
 class Drain(grpc.aio.ServerInterceptor):
-    """Counts the calls in flight; after `close()` refuses new ones with UNAVAILABLE. Health checks
-    and reflection are neither counted (a Watch lasts as long as its client) nor refused."""
+    """Counts the calls in flight; after `close()` refuses new ones with UNAVAILABLE, but for a call of
+    one request that `admits(method, request)` lets through (a model service's: the next call of a
+    session it holds, whose generation the grace is for, and a release). Health checks and reflection
+    are neither counted (a Watch lasts as long as its client) nor refused."""
 
     OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.")
     REFUSAL = "the server is shutting down: retry on another replica"
 
-    def __init__(self):
+    def __init__(self, admits: Callable[[str, Any], bool] | None = None):
+        self.admits = admits
         self.active = 0
         self.closing = False
         self._idle = asyncio.Event()
@@ -154,12 +159,15 @@ class Drain(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(self.OPEN):
             return handler
-        if self.closing:
+        kind, method = _kind(handler), handler_call_details.method
+        one_request = kind.startswith("unary_") and self.admits is not None
+        if self.closing and not one_request:
             return refusal(handler, grpc.StatusCode.UNAVAILABLE, self.REFUSAL)
-        kind = _kind(handler)
         inner = getattr(handler, kind)
         if kind.endswith("_unary"):
             async def counted(request_or_requests, context):
+                if self.closing and one_request and not self.admits(method, request_or_requests):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, self.REFUSAL)
                 self._enter()
                 try:
                     return await inner(request_or_requests, context)
@@ -167,6 +175,8 @@ class Drain(grpc.aio.ServerInterceptor):
                     self._leave()
         else:
             async def counted(request_or_requests, context):
+                if self.closing and one_request and not self.admits(method, request_or_requests):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, self.REFUSAL)
                 self._enter()
                 try:
                     async for response in _responses(inner(request_or_requests, context)):

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -34,6 +35,17 @@ class Health:
             await self.servicer.set(name, status)
 
 
+QUIET_POLL_S = 0.05  # how often a stopping server looks again whether its service holds sessions
+
+
+async def drained(drain: Drain, quiet: Callable[[], bool] | None) -> None:
+    """Until no call is in flight and, where given, quiet() (between one session's calls none may be)."""
+    await drain.idle()
+    while quiet is not None and not quiet():
+        await asyncio.sleep(QUIET_POLL_S)
+        await drain.idle()
+
+
 async def serve(
     name: str,
     host: str,
@@ -46,6 +58,8 @@ async def serve(
     credentials: grpc.ServerCredentials | None = None,
     max_request_bytes: int = MAX_MESSAGE_BYTES,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    admits: Callable[[str, Any], bool] | None = None,
+    quiet: Callable[[], bool] | None = None,
 ) -> None:
     """Start the server NOT_SERVING, run `load`, turn SERVING, and stop cleanly on SIGTERM /
     SIGINT (or when `stop` is set, if given).
@@ -55,10 +69,13 @@ async def serve(
     rank dies: health then turns NOT_SERVING for good, and the server stays up to say why.
     `credentials` (server_credentials) make it serve TLS; a message larger than `max_request_bytes`
     is refused with RESOURCE_EXHAUSTED. `interceptors` run before the server's own (auth.RequireApiKey).
+    Stopping, new calls are refused but those `admits(method, request)` lets through (interceptors.Drain),
+    and the server waits up to `grace` for the calls in flight to end and, where given, for `quiet()` (a
+    model service: no session held, so that a generation calling once per round may finish).
     """
     if tracing.configure(name):
         log.info("%s: tracing on (OTEL_* variables)", name)
-    drain = Drain()
+    drain = Drain(admits)
     server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_receive_message_length", max_request_bytes)],
                              interceptors=[drain, *interceptors, UndecodableRequests()])
@@ -109,9 +126,10 @@ async def serve(
     drain.close()
     began = asyncio.get_running_loop().time()
     try:
-        await asyncio.wait_for(drain.idle(), grace)
+        await asyncio.wait_for(drained(drain, quiet), grace)
     except TimeoutError:
-        log.warning("%s: %d calls still in flight after the %.0f s grace: cancelled", name, drain.active, grace)
+        log.warning("%s: %d calls still in flight after the %.0f s grace%s: cancelled", name, drain.active, grace,
+                    "" if quiet is None or quiet() else ", sessions still held")
     await server.stop(max(0.0, grace - (asyncio.get_running_loop().time() - began)))
     if on_stop is not None:
         await on_stop()

@@ -77,3 +77,59 @@ def test_sigterm_finishes_the_request_in_flight_then_exits(pair, reference):
         assert tokens == reference(prompt, n)  # the whole answer, exact
         assert coordinator.wait(30) == 0
         channel.close()
+
+
+def active_sessions(address: str, stub_class) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return stub_class(channel).GetModelInfo(pb.ModelInfoRequest(), timeout=10).active_sessions
+
+
+def test_a_stopping_target_serves_its_sessions_rounds_under_unary_calls(pair, reference):
+    """With per-round calls unary (--peer-calls unary; lockstep's batch RPCs are too), a generation is many
+    calls: a target told to stop goes on serving the rounds of the sessions it holds through its grace (it
+    refused them, cutting every generation in flight at once), and exits once they are released.
+    The target is stopped (SIGSTOP) after the first chunk, told to stop, and continued: the rest of the rounds
+    come while it drains."""
+    draft, target = pair
+    prompt, n = "def speculative_round(draft, target):", 200
+    with LocalStack(draft, target, coordinator_args=["--peer-calls", "unary"],
+                    target_args=["--shutdown-grace", "30"]) as stack:
+        stub = pb_grpc.GenerationStub(grpc.insecure_channel(stack.addr))
+        target_service = stack.procs["target"]
+        tokens: list[int] = []
+        chunks = stub.GenerateStream(pb.GenerateRequest(prompt=prompt, max_new_tokens=n, temperature=0.0,
+                                                        num_speculative_tokens=1), timeout=60)
+        tokens.extend(next(chunks).token_ids)
+        target_service.send_signal(signal.SIGSTOP)
+        target_service.send_signal(signal.SIGTERM)  # (taken once it goes on)
+        target_service.send_signal(signal.SIGCONT)
+        for chunk in chunks:
+            tokens.extend(chunk.token_ids)
+        assert tokens == reference(prompt, n)  # the whole answer, exact
+        assert target_service.wait(30) == 0
+
+
+def test_a_coordinator_stopped_past_its_grace_releases_its_generations_sessions(pair):
+    """--shutdown-grace 0 cuts the generations in flight at once; before the coordinator exits, their sessions'
+    releases are answered (unary Release calls under --peer-calls unary), not dropped with its channels: the
+    services hold no session of theirs after it (they held them until their idle timeout)."""
+    draft, target = pair
+    with LocalStack(draft, target, coordinator_args=["--peer-calls", "unary", "--shutdown-grace", "0"]) as stack:
+        stub = pb_grpc.GenerationStub(grpc.insecure_channel(stack.addr))
+        streams = [stub.GenerateStream(pb.GenerateRequest(prompt=f"def f{i}(x):", max_new_tokens=400, temperature=0.0,
+                                                          num_speculative_tokens=1), timeout=60) for i in range(3)]
+        for stream in streams:
+            next(stream)  # each under way: its sessions held on both services
+        coordinator = stack.procs["coordinator"]
+        coordinator.send_signal(signal.SIGTERM)
+        cut = 0
+        for stream in streams:
+            try:
+                for _ in stream:
+                    pass
+            except grpc.RpcError:
+                cut += 1
+        assert coordinator.wait(30) == 0
+        assert cut >= 1  # (generations were cut: their releases are what is checked)
+        assert active_sessions(stack.target_addr, pb_grpc.TargetStub) == 0
+        assert active_sessions(stack.draft_addr, pb_grpc.DraftStub) == 0
