@@ -115,13 +115,14 @@ class ApiError(Exception):
 HTTP_FIELDS = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}
 
 
-def core_error(error: Exception) -> ApiError:
+def core_error(error: Exception, max_tokens: str = "max_tokens") -> ApiError:
     """A refusal of the generation core (InvalidRequest, NotPossible, NotReady, PeerError), naming
-    the field at fault (`param`) as this API does where the core names one."""
+    the field at fault (`param`) as this API does where the core names one (`max_tokens`: the name the
+    request gave the output's bound, a chat's max_completion_tokens where it did)."""
     code = outcome(error)
     message, param = str(error), getattr(error, "param", None)
     if param == "max_new_tokens":  # (its messages name it: this API's clients know it as max_tokens)
-        message = message.replace(param, HTTP_FIELDS[param])
+        message, param = message.replace(param, max_tokens), max_tokens
     param = HTTP_FIELDS.get(param, param)
     return ApiError(HTTP_STATUS.get(code, 500), message, param, code.lower())
 
@@ -790,7 +791,8 @@ class OpenAIApi:
                     await asyncio.gather(*(chunks.aclose() for chunks in streams), return_exceptions=True)
                     raise
             except CORE_ERRORS as e:
-                refused = core_error(e)
+                named = isinstance(body, ChatBody) and body.max_completion_tokens is not None
+                refused = core_error(e, "max_completion_tokens" if named else "max_tokens")
                 if refused.status == 400 and refused.param is None and "constraint" in str(refused):
                     if isinstance(replies[0], ToolReply):
                         # (the constraint is the tools': a schema of theirs, or the answer's, that does not compile)
@@ -799,7 +801,7 @@ class OpenAIApi:
                         raise ApiError(400, f"{whose}: {refused}", "tools", refused.code) from e
                     if (field := constraint_field(body)) is not None:  # (a compiler's or matcher's refusal)
                         raise ApiError(400, str(refused), field, refused.code) from e
-                raise
+                raise refused from e
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return EventStream(self.events(firsts, streams, endpoint, head, include_usage, replies, scorers, n))
 
