@@ -46,7 +46,7 @@ one-hot (the choice is a function of the context): exact as ngram.py says.
 
 q and exactness (speculative/sampling.py's terms): the head scores its draft vocabulary only
 (d2t maps a draft id to the target's), each token is drawn from the head's p over it after the
-request's temperature / top-k / top-p, cut to its top `max_support` and renormalised, and ships
+request's temperature / min-p / top-k / top-p, cut to its top `max_support` and renormalised, and ships
 exactly that q (greedy: one-hot), so the target's rejection sampling keeps the output exact
 whatever the head is.
 """

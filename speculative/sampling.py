@@ -2,7 +2,7 @@
 
 Terms, used the same way everywhere in specdec:
   p            the target's distribution at a position, after the request's
-               temperature / top-k / top-p (temperature 0: one-hot at the argmax).
+               temperature / min-p / top-k / top-p (temperature 0: one-hot at the argmax).
   q            the distribution the draft sampled its token from at a position;
                it is the draft's p truncated to its `support` (the draft's
                top-`max_support` tokens) and renormalised: exactly what it sampled
