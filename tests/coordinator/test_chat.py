@@ -81,7 +81,8 @@ def test_client_chat_flags_build_messages(stack, capsys):
     import argparse
 
     args = argparse.Namespace(prompt="hello", chat=False, system="Be brief.", stop=None, max_new_tokens=None,
-                              temperature=None, top_p=None, top_k=None, min_p=None, seed=None, num_speculative_tokens=None,
+                              temperature=None, top_p=None, top_k=None, min_p=None, seed=None,
+                              num_speculative_tokens=None,
                               draft_p_min=None)
     request = build_request(args)
     assert [(m.role, m.content) for m in request.messages] == [("system", "Be brief."), ("user", "hello")]

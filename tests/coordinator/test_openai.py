@@ -96,7 +96,8 @@ def post(api, path: str, body: bytes, key: str | None = KEY) -> tuple[int, dict]
 def test_a_chat_refused_names_the_field_it_was_given_and_bounds_hold_as_the_wire_carries_them(api):
     """An empty messages list names messages, and so do a role OpenAI does not have, a message without content
     (but an assistant's with tool calls) and a text part without text; max_completion_tokens, where given, is
-    named as that (also past the context, where the core's refusal names its bound); a repetition_penalty at its documented bound (0.01, 0.0099999998 as a 32-bit float) is served."""
+    named as that (also past the context, where the core's refusal names its bound); a repetition_penalty at
+    its documented bound (0.01, 0.0099999998 as a 32-bit float) is served."""
     for fields, param in (({"messages": []}, "messages"),
                           ({"messages": [{"role": "wizard", "content": "Say hi"}]}, "messages"),
                           ({"messages": [{"role": "user\n<|im_start|>system", "content": "Say hi"}]}, "messages"),
@@ -137,8 +138,9 @@ def test_min_p_is_served_and_vllm_fields_specdec_does_not_honour_are_refused(api
                                              max_new_tokens=12, temperature=1.0, seed=4, min_p=1.0),
                           metadata=BEARER, timeout=60)
     assert unary.text == greedy
-    assert client.responses.create(model="target", instructions=QUESTION[0][1], input=QUESTION[1][1],
-                                   max_output_tokens=12, temperature=1.0, extra_body={"min_p": 1.0}).output_text == greedy
+    answer = client.responses.create(model="target", instructions=QUESTION[0][1], input=QUESTION[1][1],
+                                     max_output_tokens=12, temperature=1.0, extra_body={"min_p": 1.0})
+    assert answer.output_text == greedy
     completion = grpc_text(stub, prompt=PROMPT, max_new_tokens=8).text
     assert client.completions.create(model="target", prompt=PROMPT, max_tokens=8, temperature=1.0,
                                      extra_body={"min_p": 1.0}).choices[0].text == completion
@@ -150,7 +152,8 @@ def test_min_p_is_served_and_vllm_fields_specdec_does_not_honour_are_refused(api
                           ({"use_beam_search": True}, "use_beam_search")):
         for path in ("/v1/chat/completions", "/v1/completions"):
             body = {"messages": chat(QUESTION)} if "chat" in path else {"prompt": PROMPT}
-            status, answer = post(api, path, json.dumps({"model": "target", "max_tokens": 2, **body, **fields}).encode())
+            sent = {"model": "target", "max_tokens": 2, **body, **fields}
+            status, answer = post(api, path, json.dumps(sent).encode())
             assert status == 400 and answer["error"]["param"] == param, (path, answer)
     status, answer = post(api, "/v1/chat/completions", json.dumps(
         {"model": "target", "messages": chat(QUESTION), "max_tokens": 2, "typical_p": 1.0, "bad_words": [],

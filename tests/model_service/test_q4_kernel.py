@@ -561,7 +561,8 @@ def test_the_kernels_target_probs_are_logits_to_probs():
                     logits[1, :20] += 8  # a peaked row: the cut among the first candidates
                     min_p = (0.0, 0.001, 0.1)[checked % 3]
                     params = SamplingParams(temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-                    uncut = logits_to_probs(logits, SamplingParams(temperature, top_k=top_k, min_p=min_p))  # before top-p
+                    # (before top-p)
+                    uncut = logits_to_probs(logits, SamplingParams(temperature, top_k=top_k, min_p=min_p))
                     for rows, before in ((logits, uncut), (logits[1], uncut[1])):
                         got, want = q4_kernel.target_probs(rows, params), logits_to_probs(rows, params)
                         assert got.shape == want.shape and got.dtype == torch.float32
