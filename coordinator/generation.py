@@ -514,11 +514,13 @@ class Coordinator:
     async def close(self, wait: float) -> None:
         """Close the pools once every generation has ended (up to `wait` s: a stopping server's cancelled
         ones end at once, having begun their sessions' releases) and those releases are answered (Pool.close)."""
+        began = time.monotonic()
         try:
             await asyncio.wait_for(self._none_running.wait(), wait)
         except TimeoutError:
             log.warning("%d generations still running as the coordinator stops", self.running)
-        await asyncio.gather(self.draft.close(), self.target.close())
+        left = max(0.0, wait - (time.monotonic() - began))
+        await asyncio.gather(self.draft.close(left), self.target.close(left))
 
     async def check(self, request: GenerationRequest) -> None:
         """Refuse the request as generate would before its first round (InvalidRequest, NotPossible, NotReady):

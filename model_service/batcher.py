@@ -128,12 +128,17 @@ class Batcher:
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in calls]
         with self.thread.cond:
+            room, taken = self.max_queue - len(self.waiting), []
             for (session_id, call), future in zip(calls, futures):
-                if getattr(call, "start", True) and len(self.waiting) >= self.max_queue:
+                if getattr(call, "start", True) and room - len(taken) <= 0:
+                    waiting = len(self.waiting) + len(taken)
                     future.set_exception(CapacityExceeded(
-                        f"{len(self.waiting)} calls already wait for the model (--max-queue); retry later"))
+                        f"{waiting} calls already wait for the model (--max-queue); retry later"))
                 else:
-                    self.waiting.append(Waiting(session_id, call, future, loop, *turn))
+                    taken.append((session_id, call, future))
+            if turn[1]:  # (a pass waits for the turn's calls less those refused here)
+                turn = (turn[0], turn[1] - (len(calls) - len(taken)))
+            self.waiting.extend(Waiting(session_id, call, future, loop, *turn) for session_id, call, future in taken)
             self.thread.wake()
         return futures
 

@@ -26,6 +26,10 @@ from .threads import ModelThread, resolve_threads, set_threads
 
 log = logging.getLogger("specdec")
 
+# a stopping service waits (through its grace) for the sessions used within this many seconds: a generation
+# calls every round, one its coordinator left (gone, or its release lost) waits for the idle timeout instead
+QUIET_WINDOW_S = 5.0
+
 
 def shipped_model(role: str) -> str | None:
     """models/<role> (assets.models) where the checkout has it."""
@@ -181,19 +185,6 @@ def batching_from_args(args: argparse.Namespace) -> Batching:
     return Batching(args.max_batch, batch_wait / 1e3, args.turn_wait_ms / 1e3, args.max_queue)
 
 
-def admits_while_stopping(method: str, request) -> bool:
-    """Whether a stopping model service still serves a call (runtime.interceptors.Drain): a release, and a
-    per-round call of a session it holds (unary, or a batch RPC of such calls): the generations in flight
-    go on through the grace under unary peer calls and lockstep batches, as their streams do. A call that
-    would start a session is refused (UNAVAILABLE: the coordinator takes it to another replica)."""
-    if method.endswith("/Release"):
-        return True
-    calls = getattr(request, "calls", None)
-    if calls is not None:  # ProposeBatch / VerifyBatch
-        return not any(call.start for call in calls)
-    return hasattr(request, "start") and not request.start
-
-
 def run_model_service(name: str, args: argparse.Namespace, make_servicer: Callable[..., ModelServicer],
                       add_to_server, service_name: str,
                       make_engine: Callable[[Callable[[], Any]], Any]) -> None:
@@ -272,9 +263,9 @@ def run_model_service(name: str, args: argparse.Namespace, make_servicer: Callab
                 await servicer.thread.run(runner.close)
 
         def quiet() -> bool:  # no generation holds a session here (kept caches are no one's)
-            return servicer.engine is None or len(servicer.engine.sessions) == 0
+            return servicer.held_lately(QUIET_WINDOW_S) == 0
 
         await serve(name, args.host, args.port, add, load, on_stop, grace=args.shutdown_grace,
-                    credentials=credentials, admits=admits_while_stopping, quiet=quiet)
+                    credentials=credentials, admits=servicer.admits, quiet=quiet)
 
     asyncio.run(main())

@@ -26,7 +26,15 @@ from .threads import ModelThread
 
 log = logging.getLogger("specdec")
 
+class Stopping(Exception):
+    """A call that would start a session on a service that is stopping (it goes to another replica)."""
+
+    def __init__(self):
+        super().__init__("the server is shutting down: retry on another replica")
+
+
 STATUS_OF = {
+    Stopping: grpc.StatusCode.UNAVAILABLE,
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     SessionNotFound: grpc.StatusCode.NOT_FOUND,
     SessionExists: grpc.StatusCode.ALREADY_EXISTS,
@@ -78,8 +86,25 @@ class ModelServicer:
         self.thread = thread
         self.engine = None
         self.metrics = metrics
+        self.stopping = False  # set by the first call `admits` is asked about: the server is closing
         self.batcher = Batcher(thread, self.run_many, batching, self._observe_pass,
                                lambda: self.engine.at_work if self.engine is not None else 0)
+
+    def admits(self, method: str, request) -> bool:
+        """Whether a stopping service still takes a call (runtime.interceptors.Drain asks, its first request
+        for a stream): a release, a per-round call of a session it holds (unary or on a stream), and a batch
+        RPC, whose calls that would start a session are refused one by one (`batch`): the generations in flight
+        go on through the grace, whichever way their calls come. A call that would start a session is refused
+        (UNAVAILABLE: the coordinator takes it to another replica)."""
+        self.stopping = True
+        if method.endswith("/Release") or hasattr(request, "calls"):  # (ProposeBatch / VerifyBatch)
+            return True
+        return hasattr(request, "start") and not request.start
+
+    def held_lately(self, window: float) -> int:
+        """Sessions held and used within the last `window` s (one nobody releases, its coordinator gone, is
+        not waited for: its idle timeout frees it)."""
+        return 0 if self.engine is None else self.engine.sessions.recently_used(window)
 
     def run_many(self, calls: list) -> list:
         """One pass over calls of several sessions, on the model thread (the engine's batched method)."""
@@ -166,12 +191,16 @@ class ModelServicer:
         calls = [(request.session_id, make_call(request)) for request in requests]
         await self.compile_constraints([call for _, call in calls])
         size = self.batcher.max_batch
+        refused = [self.stopping and getattr(call, "start", False) for _, call in calls]  # (see admits)
+        taken = [pair for pair, no in zip(calls, refused) if not no]
         queued = []  # (a call refused for a full queue: its future holds CapacityExceeded)
-        for start in range(0, len(calls), size):
-            chunk = calls[start : start + size]
+        for start in range(0, len(taken), size):
+            chunk = taken[start : start + size]
             queued += self.batcher.enqueue(chunk, (random.getrandbits(63) | 1, len(chunk)))
-        results = await asyncio.gather(*(self.run_call(method, session_id, call, queued=future)
-                                         for (session_id, call), future in zip(calls, queued)),
+        futures = iter(queued)
+        results = await asyncio.gather(*(self.refuse(Stopping()) if no else
+                                         self.run_call(method, session_id, call, queued=next(futures))
+                                         for (session_id, call), no in zip(calls, refused)),
                                        return_exceptions=True)
         replies, statuses = [], []
         for result in results:
@@ -184,6 +213,10 @@ class ModelServicer:
                 replies.append(make_reply(*result))
                 statuses.append(OK_STATUS)
         return replies, statuses
+
+    @staticmethod
+    async def refuse(error: Exception):
+        raise error
 
     async def stream(self, requests, context, step: Callable[..., Awaitable[Any]]):
         """Answer a stream of requests with `step`; release the sessions it used when it ends: those

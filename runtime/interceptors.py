@@ -123,9 +123,25 @@ def refusal(handler, code: grpc.StatusCode, details: str):
     return _like(handler, refuse)
 
 
+async def _peeked(requests) -> tuple[Any, Any]:
+    """(the first request of a stream of them or None where it ends at once, the stream as it was)."""
+    iterator = requests.__aiter__()
+    try:
+        first = await iterator.__anext__()
+    except StopAsyncIteration:
+        return None, requests
+
+    async def again():
+        yield first
+        async for request in iterator:
+            yield request
+
+    return first, again()
+
+
 class Drain(grpc.aio.ServerInterceptor):
-    """Counts the calls in flight; after `close()` refuses new ones with UNAVAILABLE, but for a call of
-    one request that `admits(method, request)` lets through (a model service's: the next call of a
+    """Counts the calls in flight; after `close()` refuses new ones with UNAVAILABLE, but for those whose
+    (first) request `admits(method, request)` lets through (a model service's: the next call of a
     session it holds, whose generation the grace is for, and a release). Health checks and reflection
     are neither counted (a Watch lasts as long as its client) nor refused."""
 
@@ -160,14 +176,24 @@ class Drain(grpc.aio.ServerInterceptor):
         if handler is None or handler_call_details.method.startswith(self.OPEN):
             return handler
         kind, method = _kind(handler), handler_call_details.method
-        one_request = kind.startswith("unary_") and self.admits is not None
-        if self.closing and not one_request:
+        if self.closing and self.admits is None:
             return refusal(handler, grpc.StatusCode.UNAVAILABLE, self.REFUSAL)
         inner = getattr(handler, kind)
+        streamed = kind.startswith("stream_")
+
+        async def admitted(request_or_requests, context):
+            """The call's request(s), once `admits` let it through a closing server (else it is refused)."""
+            if not self.closing:
+                return request_or_requests
+            first, request_or_requests = (await _peeked(request_or_requests)) if streamed else \
+                (request_or_requests, request_or_requests)
+            if first is None or not self.admits(method, first):
+                await context.abort(grpc.StatusCode.UNAVAILABLE, self.REFUSAL)
+            return request_or_requests
+
         if kind.endswith("_unary"):
             async def counted(request_or_requests, context):
-                if self.closing and one_request and not self.admits(method, request_or_requests):
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, self.REFUSAL)
+                request_or_requests = await admitted(request_or_requests, context)
                 self._enter()
                 try:
                     return await inner(request_or_requests, context)
@@ -175,8 +201,7 @@ class Drain(grpc.aio.ServerInterceptor):
                     self._leave()
         else:
             async def counted(request_or_requests, context):
-                if self.closing and one_request and not self.admits(method, request_or_requests):
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, self.REFUSAL)
+                request_or_requests = await admitted(request_or_requests, context)
                 self._enter()
                 try:
                     async for response in _responses(inner(request_or_requests, context)):

@@ -1723,9 +1723,10 @@ void target_probs_row(const float* x, int64_t V, double temperature, int64_t top
     std::fill(p, p + V, NAN);
     return;
   }
-  if (min_p > 0) {
+  if (min_p > 0) {  // (x - the largest) / t divided, as torch's div_ makes it: p's * (1 / t) may round to the
+    // other side of the floor
     const float floor = min_p_floor(min_p);
-    for (int64_t v = 0; v < V; ++v) p[v] = p[v] < floor ? LOW : p[v];
+    for (int64_t v = 0; v < V; ++v) p[v] = (x[v] - largest) / t < floor ? LOW : p[v];
   }
   if (top_k > 0 && top_k < V) {  // the k-th largest: one pass keeping a heap of the top k, the least in front
     std::vector<float> top(p, p + top_k);

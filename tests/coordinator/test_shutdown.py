@@ -84,28 +84,44 @@ def active_sessions(address: str, stub_class) -> int:
         return stub_class(channel).GetModelInfo(pb.ModelInfoRequest(), timeout=10).active_sessions
 
 
-def test_a_stopping_target_serves_its_sessions_rounds_under_unary_calls(pair, reference):
-    """With per-round calls unary (--peer-calls unary; lockstep's batch RPCs are too), a generation is many
-    calls: a target told to stop goes on serving the rounds of the sessions it holds through its grace (it
-    refused them, cutting every generation in flight at once), and exits once they are released.
-    The target is stopped (SIGSTOP) after the first chunk, told to stop, and continued: the rest of the rounds
-    come while it drains."""
+@pytest.mark.parametrize("calls", [["--peer-calls", "unary"], ["--lockstep", "--lockstep-hold-ms", "300"]],
+                         ids=["unary", "lockstep"])
+def test_a_stopping_target_serves_its_sessions_rounds_however_they_come(pair, reference, calls):
+    """Under unary per-round calls, or lockstep's (batch RPCs for a turn's calls, a stream opened for a session
+    whose turn came alone), a generation is many calls: a target told to stop goes on serving the rounds of the
+    sessions it holds through its grace (it refused them, cutting every generation in flight at once), and
+    exits once they are released. The target is stopped (SIGSTOP) after each generation's first chunk, told to
+    stop, and continued: the rest of the rounds come while it drains; the short one ends first, leaving the
+    long one's turns alone."""
     draft, target = pair
-    prompt, n = "def speculative_round(draft, target):", 200
-    with LocalStack(draft, target, coordinator_args=["--peer-calls", "unary"],
+    prompts = {"def speculative_round(draft, target):": 150, "def f(x):": 12}
+    with LocalStack(draft, target, coordinator_args=[*calls, "--num-speculative-tokens", "1"],
                     target_args=["--shutdown-grace", "30"]) as stack:
         stub = pb_grpc.GenerationStub(grpc.insecure_channel(stack.addr))
         target_service = stack.procs["target"]
-        tokens: list[int] = []
-        chunks = stub.GenerateStream(pb.GenerateRequest(prompt=prompt, max_new_tokens=n, temperature=0.0,
-                                                        num_speculative_tokens=1), timeout=60)
-        tokens.extend(next(chunks).token_ids)
+        streams = {prompt: stub.GenerateStream(pb.GenerateRequest(prompt=prompt, max_new_tokens=n, temperature=0.0),
+                                               timeout=120) for prompt, n in prompts.items()}
+        tokens = {prompt: list(next(chunks).token_ids) for prompt, chunks in streams.items()}
         target_service.send_signal(signal.SIGSTOP)
         target_service.send_signal(signal.SIGTERM)  # (taken once it goes on)
         target_service.send_signal(signal.SIGCONT)
-        for chunk in chunks:
-            tokens.extend(chunk.token_ids)
-        assert tokens == reference(prompt, n)  # the whole answer, exact
+        failed: dict = {}
+
+        def read(prompt: str) -> None:
+            try:
+                for chunk in streams[prompt]:
+                    tokens[prompt].extend(chunk.token_ids)
+            except grpc.RpcError as err:
+                failed[prompt] = err
+
+        readers = [threading.Thread(target=read, args=(prompt,)) for prompt in prompts]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(120)
+        assert not failed, failed
+        for prompt, n in prompts.items():
+            assert tokens[prompt] == reference(prompt, n)  # the whole answer, exact
         assert target_service.wait(30) == 0
 
 
@@ -133,3 +149,43 @@ def test_a_coordinator_stopped_past_its_grace_releases_its_generations_sessions(
         assert cut >= 1  # (generations were cut: their releases are what is checked)
         assert active_sessions(stack.target_addr, pb_grpc.TargetStub) == 0
         assert active_sessions(stack.draft_addr, pb_grpc.DraftStub) == 0
+
+
+def test_a_stopping_target_refuses_new_sessions_one_by_one_and_stops_once_released(pair):
+    """A stopping target refuses a call that would start a session (UNAVAILABLE: the coordinator goes to another
+    replica), unary or within a batch RPC, where the batch's call for a session it holds is served; a release
+    is served, and the target exits once it holds no session in use."""
+    draft, target = pair
+    greedy = pb.SamplingParams(temperature=0.0, top_p=1.0)
+    with LocalStack(draft, target, target_args=["--shutdown-grace", "60"]) as stack:
+        channel = grpc.insecure_channel(stack.target_addr)
+        stub, health = pb_grpc.TargetStub(channel), health_pb2_grpc.HealthStub(channel)
+        first = stub.Verify(pb.VerifyRequest(session_id="live", start=True, append=[3, 1, 4], sampling=greedy),
+                            timeout=30)
+        stack.procs["target"].send_signal(signal.SIGTERM)
+        until("NOT_SERVING", lambda: not serving(health))
+        batch = stub.VerifyBatch(pb.VerifyBatchRequest(calls=[
+            pb.VerifyRequest(session_id="live", append=[first.token], sampling=greedy),
+            pb.VerifyRequest(session_id="new", start=True, append=[2, 7], sampling=greedy)]), timeout=30)
+        assert [s.code for s in batch.statuses] == [0, grpc.StatusCode.UNAVAILABLE.value[0]], batch.statuses
+        assert "shutting down" in batch.statuses[1].message
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Verify(pb.VerifyRequest(session_id="other", start=True, append=[5], sampling=greedy), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert stack.procs["target"].poll() is None  # still serving "live"
+        assert stub.Release(pb.ReleaseRequest(session_id="live"), timeout=30).released
+        assert stack.procs["target"].wait(30) == 0
+        channel.close()
+
+
+def test_a_stopping_target_does_not_wait_its_grace_for_a_session_nobody_uses(pair):
+    """A session no generation calls on any more (its coordinator gone, its release lost) does not hold a stopping
+    target for its whole grace: it stops once its sessions have gone unused for QUIET_WINDOW_S (5 s), not 60."""
+    draft, target = pair
+    with LocalStack(draft, target, target_args=["--shutdown-grace", "60"]) as stack:
+        with grpc.insecure_channel(stack.target_addr) as channel:
+            pb_grpc.TargetStub(channel).Verify(pb.VerifyRequest(
+                session_id="orphan", start=True, append=[3, 1, 4], sampling=pb.SamplingParams(temperature=0.0, top_p=1.0)),
+                timeout=30)
+        stack.procs["target"].send_signal(signal.SIGTERM)
+        assert stack.procs["target"].wait(40) == 0

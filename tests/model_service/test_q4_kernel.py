@@ -569,6 +569,10 @@ def test_the_kernels_target_probs_are_logits_to_probs():
                         _same_p(got, want, before, (vocab, temperature, top_k, top_p))
                     checked += 1
     assert checked == 72
+    # min-p's line as torch's division draws it (the reciprocal's product rounded the second token over it)
+    edge = SamplingParams(1.061075, min_p=0.8422145)
+    row = torch.tensor([0.0, -0.18220843, -5.0, -6.0])
+    assert torch.equal(q4_kernel.target_probs(row, edge), logits_to_probs(row, edge))
     flat = torch.linspace(0, 0.05, 5000)[torch.randperm(5000, generator=g)]  # top-p keeps ~90% of near-equal tokens:
     for top_p in (0.9, 0.999):  # no threshold above the floor holds the cut
         params = SamplingParams(1.0, top_p=top_p)
