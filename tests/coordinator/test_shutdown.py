@@ -184,8 +184,8 @@ def test_a_stopping_target_does_not_wait_its_grace_for_a_session_nobody_uses(pai
     draft, target = pair
     with LocalStack(draft, target, target_args=["--shutdown-grace", "60"]) as stack:
         with grpc.insecure_channel(stack.target_addr) as channel:
-            pb_grpc.TargetStub(channel).Verify(pb.VerifyRequest(
-                session_id="orphan", start=True, append=[3, 1, 4], sampling=pb.SamplingParams(temperature=0.0, top_p=1.0)),
-                timeout=30)
+            greedy = pb.SamplingParams(temperature=0.0, top_p=1.0)
+            pb_grpc.TargetStub(channel).Verify(pb.VerifyRequest(session_id="orphan", start=True, append=[3, 1, 4],
+                                                                sampling=greedy), timeout=30)
         stack.procs["target"].send_signal(signal.SIGTERM)
         assert stack.procs["target"].wait(40) == 0
