@@ -26,6 +26,7 @@ from .threads import ModelThread
 
 log = logging.getLogger("specdec")
 
+
 class Stopping(Exception):
     """A call that would start a session on a service that is stopping (it goes to another replica)."""
 
