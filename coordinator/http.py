@@ -111,8 +111,9 @@ class ApiError(Exception):
         return JSONResponse(self.body(), self.status)
 
 
-# GenerationRequest's fields as the OpenAI API names them, where it names them otherwise
-HTTP_FIELDS = {"max_new_tokens": "max_tokens", "prompt_token_ids": "prompt"}
+# GenerationRequest's fields as the OpenAI API names them, where it names them otherwise (max_new_tokens: the
+# name the request gave it, core_error's `max_tokens`)
+HTTP_FIELDS = {"prompt_token_ids": "prompt"}
 
 
 def core_error(error: Exception, max_tokens: str = "max_tokens") -> ApiError:
