@@ -2,9 +2,10 @@
 
     python -m coordinator --draft 127.0.0.1:50052 --target 127.0.0.1:50051 --port 50050   # or: specdec coordinator ...
 
-At start-up it waits for both services to be SERVING, refuses a pair whose
-tokenizers or vocabularies differ, and loads the target's tokenizer from the
-target service itself. Every flag can also be set from the environment
+At start-up it waits for the target to be SERVING (--peer-timeout) and for a draft
+replica up to --draft-wait s more (past them it serves without drafting until one is
+ready), refuses a pair whose tokenizers or vocabularies differ, and loads the target's
+tokenizer from the target service itself. Every flag can also be set from the environment
 (SPECDEC_COORDINATOR_<FLAG>); see --help.
 
 TLS, two sides (runtime/transport.py): --tls-cert / --tls-key / --tls-ca for the clients of
@@ -33,7 +34,7 @@ from runtime.transport import MAX_REQUEST_BYTES, add_dial_flags, channel_credent
 
 from .metrics import CoordinatorMetrics
 from .peers import GrpcDraft, GrpcTarget
-from .pool import CLOSE_WAIT, Pool
+from .pool import CLOSE_WAIT, DRAFT_WAIT, Pool
 
 log = logging.getLogger("specdec.coordinator")
 DEFAULT_PORT = 50050
@@ -82,7 +83,10 @@ def parse_args(argv=None, prog: str = "python -m coordinator"):
     parser.add_argument("--max-new-tokens", type=int, default=256,
                         help="new tokens per request when a request does not say")
     parser.add_argument("--peer-timeout", type=float, default=300.0,
-                        help="seconds to wait at start-up for the model services to be SERVING")
+                        help="seconds to wait at start-up for the target service to be SERVING")
+    parser.add_argument("--draft-wait", type=float, default=DRAFT_WAIT,
+                        help="seconds to wait at start-up for a draft replica once the target is SERVING; past"
+                             " them the coordinator serves without drafting, and drafts once one is ready")
     parser.add_argument("--call-timeout", type=float, default=60.0,
                         help="deadline of each call to a model service, and 0.02 s more for each token a call feeds"
                              " (a long prompt's prefill)")
@@ -122,6 +126,8 @@ def parse_args(argv=None, prog: str = "python -m coordinator"):
         parser.error("--lockstep and --predraft exclude each other: pre-drafting overlaps the two models")
     if not 0 < args.lockstep_hold_ms <= 1000:  # also NaN
         parser.error(f"--lockstep-hold-ms must lie in (0, 1000], not {args.lockstep_hold_ms}")
+    if not args.draft_wait >= 0:  # (also NaN)
+        parser.error(f"--draft-wait must be >= 0, not {args.draft_wait}")
     if args.max_request_bytes <= 0:
         parser.error(f"--max-request-bytes must be > 0, not {args.max_request_bytes}")
     if args.store_responses is not None and args.store_responses < 0:
@@ -184,9 +190,10 @@ def main(argv=None, prog: str = "python -m coordinator") -> None:
             print(f"coordinator HTTP listening on {http.url} (OpenAI API: {http.url}/v1)", flush=True)
 
         async def load() -> None:
-            await coordinator.connect(args.peer_timeout)
-            log.info("draft %s at %s, target %s at %s", draft.reference.model_name, ", ".join(draft.replicas),
-                     target.reference.model_name, ", ".join(target.replicas))
+            await coordinator.connect(args.peer_timeout, args.draft_wait)
+            drafting = "no draft" if draft.reference is None else \
+                f"draft {draft.reference.model_name} at {', '.join(draft.replicas)}"
+            log.info("%s, target %s at %s", drafting, target.reference.model_name, ", ".join(target.replicas))
 
         def add(server) -> list[str]:
             pb_grpc.add_GenerationServicer_to_server(servicer, server)

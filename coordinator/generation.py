@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import math
 import random
 import time
 import uuid
@@ -38,6 +39,8 @@ from transformers import AutoTokenizer
 
 from runtime import tracing
 
+from specdec.v1 import specdec_pb2 as pb
+
 from speculative import constraints
 from speculative.errors import InvalidRequest
 from speculative.protocol import MAX_TOP_LOGPROBS, Constraint, Logprobs, SamplingParams, float32, pass_cost_from_info
@@ -50,7 +53,7 @@ from .failover import FailoverDraft, FailoverTarget
 from .lockstep import GatedDraft, GatedTarget, PhaseGate
 from .metrics import CoordinatorMetrics, TokenClock
 from .peers import PeerError, check_compatible, share_cpus
-from .pool import Pool
+from .pool import DRAFT_WAIT, Pool
 from .text import TextStream
 
 log = logging.getLogger("specdec.coordinator")
@@ -201,6 +204,7 @@ class Models:
     feature_layers: tuple[int, ...] = ()  # the target layers the draft reads (an EAGLE head), if any
     draft_context: int = 0      # the draft's, where shorter than max_context: drafting stops there (0: as max_context)
     kv_capped: bool = False     # max_context is the target's --max-kv-tokens, under its context
+    drafts: bool = True         # a draft replica was ready: False, requests decode with the target alone
 
     @property
     def context(self) -> str:
@@ -392,7 +396,9 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}", "stop")
     steps = 1 if limits.lockstep_ms > 0 else models.decode_steps  # a lockstep turn is one pass
     lookup = limits.target_lookup  # (a constrained session copies what its grammar forces: TargetEngine)
-    if not adaptive:
+    if not models.drafts:  # (K as asked all the same: a request is refused alike with or without a draft)
+        policy = FixedK(0, models.costs.decode_steps(steps))
+    elif not adaptive:
         policy = FixedK(k, models.costs.decode_steps(steps))
     elif params.temperature > 0 and seeded:
         # its K reads no timings: the seed reproduces the output under any load (a K = 0 round's steps are
@@ -450,7 +456,8 @@ class Coordinator:
         self.target = target
         self.limits = limits
         self.metrics = metrics
-        self.models: Models | None = None  # set by connect
+        self.models: Models | None = None  # set by connect (and again by _drafted)
+        self._drafting: asyncio.Future | None = None  # the draft pool's start, where connect went on without it
         self.running = 0  # generations begun and not yet ended (their releases begun)
         self._none_running = asyncio.Event()
         self._none_running.set()
@@ -461,21 +468,62 @@ class Coordinator:
             if self.gate is not None:
                 self.gate.on_turn = metrics.lockstep_turn
 
-    async def connect(self, timeout: float) -> None:
-        """Wait for a replica of each pool, refuse an incompatible pair, load the target's tokenizer."""
-        draft_info, target_info = await asyncio.gather(self.draft.start(timeout), self.target.start(timeout))
-        check_compatible(draft_info, target_info)
-        tokenizer_dir = await self.target.healthy()[0].peer.fetch_tokenizer()
-        tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, tokenizer_dir, local_files_only=True)
+    async def connect(self, timeout: float, draft_wait: float = DRAFT_WAIT) -> None:
+        """Wait for a replica of each pool, refuse an incompatible pair, load the target's tokenizer.
+        The target must come within `timeout` s; the draft within `draft_wait` s more: a coordinator
+        whose draft pool is empty or down (scaled to zero, crashing) serves without drafting, and
+        drafts from when one of its replicas is ready (`_drafted`)."""
+        drafting = asyncio.ensure_future(self.draft.start(math.inf))
+        try:
+            target_info = await self.target.start(timeout)
+            tokenizer_dir = await self.target.healthy()[0].peer.fetch_tokenizer()
+            tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, tokenizer_dir, local_files_only=True)
+            await asyncio.wait([drafting], timeout=draft_wait)
+        except BaseException:
+            drafting.cancel()
+            raise
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is not None:  # settings a call would otherwise reset on the shared tokenizer, while others encode
             backend.no_truncation()
             backend.no_padding()
+        if drafting.done():
+            draft_info = drafting.result()
+            check_compatible(draft_info, target_info)
+        else:
+            draft_info = None
+            self._drafting = drafting
+            drafting.add_done_callback(self._drafted)
+            log.warning("no draft replica is ready %.0f s after the target (%s): serving without drafting until one"
+                        " is", draft_wait, self.draft.address)
+        self.models = self._models(draft_info, target_info, tokenizer)
+
+    def _drafted(self, drafting: asyncio.Future) -> None:
+        """A draft replica came after `connect`: requests from now on draft (those under way go on without)."""
+        self._drafting = None
+        if drafting.cancelled():
+            return
+        if (error := drafting.exception()) is not None:
+            log.error("the draft pool failed to start: serving without drafting (%s)", error)
+            return
+        draft_info, target_info = drafting.result(), self.target.reference
+        try:
+            check_compatible(draft_info, target_info)
+        except ValueError as e:
+            log.error("%s: serving without drafting", e)
+            return
+        self.models = self._models(draft_info, target_info, self.models.tokenizer)
+        log.info("draft %s at %s is ready: requests draft from now on", draft_info.model_name,
+                 ", ".join(self.draft.replicas))
+
+    def _models(self, draft_info: pb.ModelInfo | None, target_info: pb.ModelInfo, tokenizer) -> Models:
+        """What requests are checked against, for this pair (`draft_info` None: no draft, no drafting)."""
+        drafts = draft_info is not None
+        draft_info = draft_info or pb.ModelInfo()
         # the largest K: this coordinator's, or less where the services take fewer tokens a call
         own = self.limits.max_speculative_tokens
         max_k = least(own, draft_info.max_tokens_per_call, target_info.max_tokens_per_call)
         draft_cost = pass_cost_from_info(draft_info)
-        shared = share_cpus(draft_info, target_info)
+        shared = drafts and share_cpus(draft_info, target_info)
         if shared:
             log.info("the draft and the target share CPUs (host %s): adaptive K prices a round as the sum of"
                      " their work", draft_info.host_id[:8])
@@ -484,8 +532,8 @@ class Coordinator:
             # a draft that costs nothing per token (the n-gram method) may propose as far as the
             # services allow: its copies come in runs, all accepted or none, and a long run's extra
             # verify tokens cost the target little (SmolLM2 fp32: K = 8 -> 16, +5.5 ms on a 45 ms pass)
-            default_k = max_k if draft_cost.costs_nothing else ADAPTIVE_MAX_K
-        self.models = Models(
+            default_k = max_k if drafts and draft_cost.costs_nothing else ADAPTIVE_MAX_K
+        return Models(
             tokenizer=tokenizer,
             vocab_size=target_info.vocab_size,
             eos_token_ids=frozenset(target_info.eos_token_ids),
@@ -503,6 +551,7 @@ class Coordinator:
             feature_layers=tuple(draft_info.feature_layers),
             draft_context=least(draft_info.max_context, draft_info.max_kv_tokens, target_info.max_context,
                                 target_info.max_kv_tokens),
+            drafts=drafts,
         )
 
     def ready(self) -> Models:
@@ -520,6 +569,8 @@ class Coordinator:
         except TimeoutError:
             log.warning("%d generations still running as the coordinator stops", self.running)
         left = max(0.0, wait - (time.monotonic() - began))
+        if self._drafting is not None:
+            self._drafting.cancel()
         await asyncio.gather(self.draft.close(left), self.target.close(left))
 
     async def check(self, request: GenerationRequest) -> None:

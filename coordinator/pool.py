@@ -73,6 +73,7 @@ class RecentLatency:
         return max(self.FLOOR, self.TIMES * p99 * (max(prefix, 1) if start else 1))
 
 
+DRAFT_WAIT = 30.0  # s: how long a starting coordinator waits for a draft replica once the target is ready
 CLOSE_WAIT = 5.0  # s: how long a stopping coordinator waits for its generations' session releases
 AFFINITY_BLOCK = 32  # tokens a prompt is hashed in (each block's hash covers the blocks before it too)
 AFFINITY_ENTRIES = 1 << 16  # block hashes noted at most, the least recently noted dropped first
@@ -290,9 +291,11 @@ class Pool:
             log.info("%s replica %s is %s", self.name, replica.address, "healthy" if healthy else "unhealthy")
 
     async def start(self, timeout: float) -> pb.ModelInfo:
-        """Wait until one replica is healthy (its model becomes the pool's), then keep watching."""
+        """Wait until one replica is healthy (its model becomes the pool's), then keep watching. It looks
+        every 0.25 s at first, then less often, up to every resolve_every s (a pool left empty for long)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        pause = 0.25
         while True:
             await self.refresh()
             if any(r.healthy for r in self.replicas.values()):
@@ -300,7 +303,8 @@ class Pool:
             if loop.time() > deadline:
                 found = ", ".join(self.replicas) or "none found"
                 raise self.unavailable(f"no replica SERVING after {timeout:.0f} s (addresses: {found})")
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(pause)
+            pause = min(pause * 1.25, self.resolve_every)
         self._task = asyncio.ensure_future(self._watch())
         return self.reference
 

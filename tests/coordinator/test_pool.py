@@ -134,6 +134,35 @@ def test_added_replica_gets_traffic_and_removed_one_none(cluster, stack):
     assert drafts == [cluster.addresses["draft"]] and after[drafts[0]].served == before[drafts[0]] + len(PROMPTS)
 
 
+def test_a_coordinator_serves_without_drafting_until_its_draft_pool_has_a_replica(pair, stack):
+    """A coordinator started while its draft pool is empty (scaled to zero, crashing) serves the target's
+    output, drafting nothing, once --draft-wait has passed; a draft replica listed later makes it draft."""
+    draft, target = pair
+    alone = LocalStack(draft, target, discovery_files=True, coordinator_args=["--draft-wait", "0"])
+    alone.discovery["draft"].write_text("")  # the draft service runs, unlisted
+    alone.start()
+    try:
+        expected = generate_all(stack.addr, prompts=PROMPTS[:2])
+        with grpc.insecure_channel(alone.addr) as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            assert not stub.GetInfo(pb.GetInfoRequest()).HasField("draft")
+            replies = [stub.Generate(pb.GenerateRequest(prompt_token_ids=p, max_new_tokens=24, temperature=0.0,
+                                                        num_speculative_tokens=3), timeout=120) for p in PROMPTS[:2]]
+            assert [list(r.token_ids) for r in replies] == expected
+            assert all(r.stats.draft_tokens == 0 for r in replies)
+            alone.discovery["draft"].write_text(alone.draft_addr + "\n")
+            deadline = time.monotonic() + 60
+            while not stub.GetInfo(pb.GetInfoRequest()).HasField("draft"):
+                assert time.monotonic() < deadline, "the listed draft replica was not taken up"
+                time.sleep(0.2)
+            replies = [stub.Generate(pb.GenerateRequest(prompt_token_ids=p, max_new_tokens=24, temperature=0.0,
+                                                        num_speculative_tokens=3), timeout=120) for p in PROMPTS[:2]]
+            assert [list(r.token_ids) for r in replies] == expected
+            assert all(r.stats.draft_tokens > 0 for r in replies)
+    finally:
+        alone.stop()
+
+
 def test_a_replica_of_another_model_is_refused(cluster, stack, other_tokenizer_model):
     name = cluster.add_replica("draft", model=other_tokenizer_model)
     odd = cluster.addresses[name]
