@@ -22,7 +22,9 @@ committed. Nothing is lost and nothing repeated.
   `patient`) waits up to PATIENT_BOUND instead: a round that went on without its draft would draw
   other random numbers, and the seed would give another output under load than without it. An
   answer past the bound still counts as late for the replica (and as the bound in its latency
-  record), so a replica grown slow is taken out for patient requests as for the others.
+  record), so a replica grown slow is taken out for new requests by patient requests as by the
+  others; a patient request itself keeps its session there (one started again, or none, would draw
+  other numbers too), unless a call of its passes PATIENT_BOUND.
 - The target: with no target replica left the request fails with UNAVAILABLE. A target
   session started again draws from a generator seeded from the request's seed and the position
   it starts at (round._start_params: not the numbers that drew the output so far), so a sampled
@@ -251,12 +253,10 @@ class FailoverDraft(_Failover):
                 replica.missed = 0
             else:  # a patient call past the bound was late all the same: the replica's record as any request's
                 replica.missed += 1
-                if replica.missed >= MISSES:  # taken out: the request's next call drafts elsewhere or not at all
+                if replica.missed >= MISSES:  # taken out for new requests; this one keeps its session there
+                    # (drafting elsewhere or not at all, it would draw other numbers: its seed another output)
                     self.pool.failed(replica, PeerError(replica.peer, grpc.StatusCode.DEADLINE_EXCEEDED,
                                                         f"late {replica.missed} calls in a row"))
-                    self.pool.release(replica)
-                    self.replica = None
-                    self._in_background(self._forget(replica, session))
             return answer
         raise SessionLost(call.session_id)
 

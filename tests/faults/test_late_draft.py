@@ -7,7 +7,9 @@ draft alone; a request started while the draft still hangs is not held up either
 from __future__ import annotations
 
 import signal
+import time
 
+from coordinator import failover
 from specdec.v1 import specdec_pb2 as pb
 
 from .conftest import PROMPT, FaultStack
@@ -50,5 +52,40 @@ def test_a_hung_lone_draft_costs_no_more_than_the_target_alone(pair):
         draft.send_signal(signal.SIGCONT)
     try:
         fs.settle()  # the late answers dropped, their sessions released
+    finally:
+        fs.close()
+
+
+HOLD_S = 1.5  # each held call's extra time: past its bound (~50 ms here; 1 s before a replica has 8 calls),
+#               within a seeded request's patience (failover.PATIENT_BOUND, 10 s)
+
+
+def test_a_seeded_request_keeps_its_output_through_a_draft_grown_slow(pair):
+    """A draft late MISSES calls in a row (each answered, past its bound) is taken out for new requests;
+    a seeded sampled request waiting on it keeps its session there, and so its output: one drafted
+    elsewhere, or not at all, would draw other numbers."""
+    fs = FaultStack(pair, 1, "stream", call_timeout=60.0)
+    try:
+        request = pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=NEW_TOKENS, temperature=1.0,
+                                     seed=11, num_speculative_tokens=2, min_tokens=NEW_TOKENS)
+        calm = fs.stream(request)
+        assert calm.error is None and len(calm.tokens) == NEW_TOKENS
+        held = []
+
+        def hold(address: str) -> None:  # the hook answers this call's `read` moment HOLD_S late
+            held.append(address)
+            if len(held) < failover.MISSES:
+                fs.hook.arm("draft", "read", False, 1, hold)
+            time.sleep(HOLD_S)
+
+        fs.hook.arm("draft", "read", False, 2, hold)
+        slowed = fs.stream(request)
+        assert len(held) == failover.MISSES
+        assert slowed.error is None and slowed.tokens == calm.tokens
+        assert slowed.last.stats.draft_tokens == calm.last.stats.draft_tokens  # it drafted every round, as before
+    finally:
+        fs.hook.disarm()
+    try:
+        fs.settle()
     finally:
         fs.close()
