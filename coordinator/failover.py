@@ -25,7 +25,10 @@ committed. Nothing is lost and nothing repeated.
   record), so a replica grown slow is taken out for new requests by patient requests as by the
   others; a patient request itself keeps its session there (one started again, or none, would draw
   other numbers too), unless a call of its passes PATIENT_BOUND.
-- The target: with no target replica left the request fails with UNAVAILABLE. A target
+- The target: with no target replica left the request fails with UNAVAILABLE. A start refused
+  for want of room (RESOURCE_EXHAUSTED: the replica's sessions, queue or tokens at their caps, as
+  another coordinator's requests may fill them) is made on another replica where one is left, the
+  full one left alone by the request for FULL_WAIT; where none is, the refusal is the request's. A target
   session started again draws from a generator seeded from the request's seed and the position
   it starts at (round._start_params: not the numbers that drew the output so far), so a sampled
   request stays exactly target-distributed but is no longer token-for-token the run without the
@@ -75,7 +78,7 @@ TRIES = 3
 MISSES = 3  # late draft calls in a row that take a replica out
 FORGET_WAIT = 120.0  # s: how long a release that failed waits for its hung replica to serve again
 FORGET_POLL = 0.5    # s: how often it looks
-FULL_WAIT = 1.0  # s: how long a request leaves a draft replica that had no room for its session
+FULL_WAIT = 1.0  # s: how long a request leaves a replica that had no room for its session
 ROOM_WAIT = 60.0  # s: how long a request that gave its target session's room back waits to start it again
 ROOM_POLL = 0.02, 0.5  # s: its first wait before trying again, and the longest (doubling in between)
 RELEASE_WAIT = 1.0  # s: how long it waits for its session's release first (then that goes on in the background)
@@ -360,6 +363,19 @@ class FailoverTarget(_Failover):
             for replica in tried:
                 self.full.pop(replica, None)
 
+    def _elsewhere(self, replica: Replica, error: PeerError) -> bool:
+        """A start refused for want of room (its sessions, its queue, its tokens) goes to another replica
+        where there is one: `replica` is left alone by the request for FULL_WAIT (not so while the request
+        waits for room: that loop goes round the replicas itself). False: none other, the refusal stands."""
+        if self.gave_room or not [r for r in self._candidates() if r is not replica]:
+            return False
+        self.error = error
+        self.full[replica] = time.monotonic() + FULL_WAIT
+        self.pool.release(replica)
+        self.replica = None
+        log.info("target replica %s has no room for a session (%s): starting it on another", replica.address, error)
+        return True
+
     async def _give_room(self, error: PeerError) -> None:
         """Release the session on its replica, which has no room for its next tokens (the release runs on
         should the request be cancelled meanwhile: its room is what the others wait for)."""
@@ -374,8 +390,8 @@ class FailoverTarget(_Failover):
         await asyncio.wait([self._in_background(self._forget(replica, self.session or ""))], timeout=RELEASE_WAIT)
 
     async def _verify(self, call: VerifyCall, turn: tuple[int, int]) -> tuple[Verdict, Cost]:
-        start = call.start
-        for _ in range(TRIES if start else 1):
+        start, tries = call.start, 0
+        while tries < (TRIES if start else 1):
             replica = await self._take(wait=True)
             if replica is None:
                 break
@@ -383,9 +399,12 @@ class FailoverTarget(_Failover):
             try:
                 return await replica.peer.verify(replace(call, session_id=session), turn=turn)
             except PeerError as e:
+                if start and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and self._elsewhere(replica, e):
+                    continue
                 if e.code not in RESTART:
                     raise
                 self._lost(e, session)
+            tries += 1
         if not start:
             raise SessionLost(call.session_id)
         detail = f" (last error: {self.error})" if self.error else ""

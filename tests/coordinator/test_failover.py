@@ -415,6 +415,60 @@ def test_a_draft_with_no_room_is_left_alone_not_the_request_failed(pair, monkeyp
     asyncio.run(go())
 
 
+def test_a_target_with_no_room_for_a_start_passes_it_to_another(pair):
+    """A target replica whose sessions are all in use (another coordinator's, say) refuses a start
+    RESOURCE_EXHAUSTED: the start goes to a replica with room, and the request's output is what a faultless
+    run decodes; the refusal stands (429 over HTTP) only where no replica has room. (It failed the request.)"""
+    import asyncio
+
+    from coordinator.failover import FailoverDraft, FailoverTarget
+    from coordinator.peers import PeerError
+    from model_service.engines import DraftEngine, TargetEngine
+    from model_service.local import LocalDraft, LocalTarget
+    from model_service.model_runner import ModelRunner
+    from speculative.protocol import SamplingParams
+    from speculative.round import generate
+
+    draft_dir, target_dir = pair
+    draft = LocalDraft(DraftEngine(ModelRunner(draft_dir)))
+    draft.address, draft.name = "d0", "draft"
+
+    class Target(LocalTarget):
+        def __init__(self, address: str, full: bool):
+            super().__init__(TargetEngine(ModelRunner(target_dir)))
+            self.address, self.name, self.full, self.starts = address, "target", full, 0
+
+        async def verify(self, call, *, turn=(0, 0)):
+            self.starts += call.start
+            if self.full and call.start:
+                raise PeerError(self, grpc.StatusCode.RESOURCE_EXHAUSTED, "all 2 sessions are in use; retry later")
+            return await super().verify(call)
+
+    async def run(*targets: Target) -> list[int]:
+        out, failover_draft = [], FailoverDraft(local_pool("draft", [draft]))
+        failover_target = FailoverTarget(local_pool("target", targets))
+        try:
+            async for new in generate(failover_draft, failover_target, PROMPT, max_new_tokens=24, k=3,
+                                      params=SamplingParams(0.0), max_context=512):
+                out += new
+        finally:
+            for failover in (failover_draft, failover_target):
+                failover.close()
+        return out
+
+    async def go():
+        expected = await run(Target("t0", False))
+        full, room = Target("t1", True), Target("t2", False)
+        for _ in range(3):  # whichever the pool leases first
+            assert await run(full, room) == expected
+        assert full.starts <= 3 and room.starts == 3
+        with pytest.raises(PeerError) as refused:
+            await run(Target("t3", True))
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "sessions are in use" in refused.value.details
+
+    asyncio.run(go())
+
+
 def test_the_late_bound_follows_the_replica():
     """A draft call is late past 4 x the 99th percentile of the replica's recent calls of its kind, at
     least 50 ms; a start's bound grows with the prefix it carries; with no history yet, 1 s."""
