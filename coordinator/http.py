@@ -264,6 +264,9 @@ async def parse(request: Request, kind: type[B], limit: int, raw: bytes | None =
     except ValidationError as e:
         error = e.errors()[0]
         if error["type"] == "json_invalid":
+            if "recursion limit" in error["msg"]:  # (pydantic-core's parser: a valid body, nested too deep for it)
+                raise ApiError(400, "the body nests arrays and objects more than 200 deep, past what this server"
+                                    f" parses ({error['msg'].removeprefix('Invalid JSON: ')})") from None
             raise ApiError(400, f"the body is not valid JSON: {error['msg']}") from None
         path = ".".join(map(str, error["loc"]))
         if error["loc"] and error["loc"][0] == "prompt":  # (pydantic names the union's first branch's fault)

@@ -835,6 +835,15 @@ def test_malformed_requests_are_400_naming_the_field(api, path, body, param):
     assert reply["error"]["message"]
 
 
+def test_a_body_nested_past_the_parsers_depth_is_400_saying_so(api):
+    """Valid JSON nested past pydantic-core's 200 levels: the refusal says how deep, not that it is invalid."""
+    deep = b'{"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": ' \
+        + b'{"type": "array", "items": ' * 220 + b'{}' + b'}' * 220 + b'}}}'
+    status, reply = post(api, "/v1/completions", deep)
+    assert status == 400 and "more than 200 deep" in reply["error"]["message"], reply
+    assert "not valid JSON" not in reply["error"]["message"]
+
+
 def test_a_body_past_max_request_bytes_is_413(api):
     status, reply = post(api, "/v1/completions", json.dumps({"prompt": "x" * MAX_BYTES}).encode())
     assert status == 413 and "--max-request-bytes" in reply["error"]["message"]
