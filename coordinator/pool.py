@@ -119,6 +119,7 @@ class Replica:
         self.outstanding = 0  # requests leased now
         self.served = 0       # requests leased ever
         self.refused = ""     # why it may not serve (another model), if so
+        self.why = ""         # why its last health check failed (a refused connection, a TLS handshake), if it did
         self.removed = False  # no longer discovered: drains, then closes
         self.recent = RecentLatency()
         self.missed = 0       # late calls in a row (see failover.FailoverDraft)
@@ -262,7 +263,7 @@ class Pool:
                 await replica.peer.close()
 
     async def _check(self, replica: Replica) -> None:
-        was = replica.healthy
+        was, error = replica.healthy, ""
         try:
             # wait_for_ready: a replica just back is dialled within the check (not failed for the backoff left)
             reply = await health_pb2_grpc.HealthStub(replica.peer.channel).Check(
@@ -284,11 +285,30 @@ class Pool:
                     log.info("%s replica %s serves the pool's model again", self.name, replica.address)
                     replica.refused = ""
                 replica.peer.info = info
-        except Exception:  # noqa: BLE001 - no answer, however it failed
-            healthy = False
+            else:
+                error = f"{health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)} (starting or stopping)"
+        except Exception as e:  # noqa: BLE001 - no answer, however it failed
+            healthy, error = False, await self._why(replica, e)
         replica.healthy = healthy
-        if healthy != was:
-            log.info("%s replica %s is %s", self.name, replica.address, "healthy" if healthy else "unhealthy")
+        why, replica.why = replica.why, error
+        if healthy != was or error != why:  # (a replica that never answered: why it does not, once a reason)
+            log.info("%s replica %s is %s", self.name, replica.address, f"unhealthy: {error}" if error else "healthy")
+
+    @staticmethod
+    async def _why(replica: Replica, error: Exception) -> str:
+        """A failed health check's reason. One that waited for the channel (wait_for_ready) and ran out of
+        time says nothing of the connection: a call that does not wait says the channel's last error (a
+        connection refused, a TLS handshake that failed: the peer TLS flags), or answers, late."""
+        if isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            try:
+                await health_pb2_grpc.HealthStub(replica.peer.channel).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=0.5)
+                return "its health check took more than 2 s"
+            except Exception as e:  # noqa: BLE001 - the reason wanted
+                error = e
+        if isinstance(error, grpc.aio.AioRpcError):
+            return f"{error.code().name}: {error.details()}"
+        return str(error) or type(error).__name__
 
     async def start(self, timeout: float) -> pb.ModelInfo:
         """Wait until one replica is healthy (its model becomes the pool's), then keep watching. It looks
@@ -301,7 +321,8 @@ class Pool:
             if any(r.healthy for r in self.replicas.values()):
                 break
             if loop.time() > deadline:
-                found = ", ".join(self.replicas) or "none found"
+                found = ", ".join(f"{a} ({r.refused or r.why or r.state})" for a, r in self.replicas.items()) \
+                    or "none found"
                 raise self.unavailable(f"no replica SERVING after {timeout:.0f} s (addresses: {found})")
             await asyncio.sleep(pause)
             pause = min(pause * 1.25, self.resolve_every)
@@ -397,7 +418,7 @@ class Pool:
     def describe(self) -> list[pb.ReplicaInfo]:
         return [pb.ReplicaInfo(role=self.name, address=r.address, state=r.state, outstanding=r.outstanding,
                                served=r.served, model_name=r.peer.info.model_name if r.peer.info else "",
-                               detail=r.refused) for r in self.replicas.values()]
+                               detail=r.refused or r.why) for r in self.replicas.values()]
 
     async def close(self, wait: float = CLOSE_WAIT) -> None:
         """Stop looking at the replicas and close their channels, once the releases under way have been

@@ -181,6 +181,41 @@ def test_a_replica_resolved_from_a_name_must_present_a_certificate_for_that_name
         server.stop(0)
 
 
+def test_a_pool_says_why_a_replica_fails_its_tls_handshake(pki):
+    """Peer TLS set up wrong (a CA that did not sign the service's certificate; TLS to a plaintext port):
+    the start-up error and the replica's detail (and the log) say the handshake failed, not only that no
+    replica serves."""
+    secure = grpc.server(ThreadPoolExecutor(2))
+    plain = grpc.server(ThreadPoolExecutor(2))
+    for server in (secure, plain):
+        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    secure_port = secure.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials(
+        [((pki / "key.pem").read_bytes(), (pki / "cert.pem").read_bytes())]))
+    plain_port = plain.add_insecure_port("127.0.0.1:0")
+    for server in (secure, plain):
+        server.start()
+
+    async def start(port: int, ca: str) -> tuple[str, str]:
+        creds = credentials(pki, ca)
+        pool = Pool("target", f"127.0.0.1:{port}", lambda address, name: GrpcTarget(address, credentials=creds,
+                                                                                  server_name=name))
+        try:
+            with pytest.raises(Exception) as failed:
+                await pool.start(timeout=3.0)
+            return str(failed.value), pool.describe()[0].detail
+        finally:
+            await pool.close(0)
+
+    try:
+        for port, ca in ((secure_port, "rogue-ca.pem"), (plain_port, "ca.pem")):
+            error, detail = asyncio.run(start(port, ca))
+            assert "no replica SERVING" in error and "handshake" in error.lower(), error
+            assert "handshake" in detail.lower(), detail
+    finally:
+        for server in (secure, plain):
+            server.stop(0)
+
+
 def test_client_cli_over_mutual_tls(mtls_stack, pki, client):
     def cli(*flags: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "coordinator.client", "--addr", mtls_stack.addr, "--json",
