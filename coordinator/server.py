@@ -146,7 +146,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except NotReady as e:
             await context.abort(status_code(e), status_details(str(e)))
         return pb.ServerInfo(
-            draft=coordinator.draft.reference, target=coordinator.target.reference, max_context=models.max_context,
+            draft=coordinator.draft.reference if models.drafts else None, target=coordinator.target.reference,
+            max_context=models.max_context,
             default_max_new_tokens=coordinator.limits.default_max_new_tokens,
             max_speculative_tokens=models.max_k,
             default_speculative_tokens=models.default_k,
