@@ -20,7 +20,7 @@ vLLM's typical_p, allowed_token_ids, bad_words and use_beam_search are refused (
 Structured output (model_service/grammar.py): `response_format` (OpenAI's json_object and json_schema,
 which the official client's `chat.completions.parse` sends for a pydantic model) and vLLM's
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` and `structured_outputs`; one of
-them, else 400; one that does not compile is 400 with the compiler's reason. `tools` and `tool_choice`
+them, else 400 (vLLM's JSON whitespace settings too: json_layout); one that does not compile is 400 with the compiler's reason. `tools` and `tool_choice`
 (tools.py): any model's tool calls, by structured output; a JSON schema beside them shapes the
 direct answer. `n` (at most MAX_CHOICES) runs that many generations side by side (a seeded request's
 choices seeded seed, seed + 1, ...; streamed, their rounds' events interleave, each choice with its
@@ -186,6 +186,7 @@ class Body(Lenient):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None  # (vLLM's: the whitespace a JSON constraint allows between tokens)
     structured_outputs: dict[str, Any] | None = None
     n: int | None = None  # choices (MAX_CHOICES)
     # the target's logits before sampling (SamplingParams: OpenAI's ranges)
@@ -376,8 +377,14 @@ def constraint_of(body: Body) -> Constraint | None:
             text = json.dumps(value) if kind == "choice" else _schema_text(value, name) if kind == "json_schema" else value
             found.append((name, Constraint(kind, text)))
     for key, value in (body.structured_outputs or {}).items():
-        kind = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}.get(key)
-        if value is None:
+        kind = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                "json_object": "json_object"}.get(key)
+        if value is None or key in JSON_LAYOUT or (key == "json_object" and value is False):
+            continue
+        if kind == "json_object":
+            if value is not True:
+                raise ApiError(400, "structured_outputs.json_object: true or false", "structured_outputs")
+            found.append(("structured_outputs.json_object", Constraint("json_object")))
             continue
         if kind is None:
             raise ApiError(400, f"structured_outputs.{key} is not supported (json, regex, choice or grammar)",
@@ -392,7 +399,40 @@ def constraint_of(body: Body) -> Constraint | None:
     if len(found) > 1:
         raise ApiError(400, f"give one structured-output constraint, not {' and '.join(n for n, _ in found)}",
                        found[1][0])
-    return found[0][1] if found else None
+    return json_layout(body, found[0][1] if found else None)
+
+
+# vLLM's structured_outputs keys that set a JSON constraint's whitespace, as llguidance's x-guidance options
+JSON_LAYOUT = {"whitespace_pattern": "whitespace_pattern", "disable_any_whitespace": "whitespace_flexible"}
+
+
+def json_layout(body: Body, constraint: Constraint | None) -> Constraint | None:
+    """`constraint` with the whitespace the body allows its JSON (vLLM's guided_whitespace_pattern, and
+    structured_outputs' whitespace_pattern and disable_any_whitespace: JSON without free whitespace, the
+    remedy for a small model that pads its JSON with newlines to max_tokens), as llguidance reads it in
+    the schema (x-guidance)."""
+    given = dict(body.structured_outputs or {})
+    if body.guided_whitespace_pattern is not None:
+        given["whitespace_pattern"] = body.guided_whitespace_pattern
+    options = {}
+    for key, option in JSON_LAYOUT.items():
+        value = given.get(key)
+        if value is None or value is False:
+            continue
+        if not isinstance(value, str if key == "whitespace_pattern" else bool):
+            raise ApiError(400, f"{key} must be a {'string' if key == 'whitespace_pattern' else 'boolean'}",
+                           "structured_outputs")
+        options[option] = value if key == "whitespace_pattern" else False
+    if not options or constraint is None:  # (nothing to shape: a tool call's JSON has no free whitespace anyway)
+        return constraint
+    if constraint.kind not in ("json_schema", "json_object"):
+        raise ApiError(400, f"guided_whitespace_pattern, whitespace_pattern and disable_any_whitespace shape a JSON"
+                            f" constraint, not a {constraint.kind} one", constraint_field(body))
+    schema = json.loads(constraint.text) if constraint.kind == "json_schema" else {"type": "object"}
+    if isinstance(schema, bool):  # (true: any JSON value; false: none)
+        schema = {} if schema else {"not": {}}
+    schema["x-guidance"] = {**schema.get("x-guidance", {}), **options}
+    return Constraint("json_schema", json.dumps(schema))
 
 
 def constraint_field(body: Body) -> str | None:

@@ -358,6 +358,39 @@ def test_http_structured_output_fields(api, field, value, check):
     assert check(choice["message"]["content"]) is not False, choice["message"]["content"]
 
 
+NUMBERS = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array", "items": {"type": "integer"}}},
+           "required": ["a", "b"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("layout", [
+    {"structured_outputs": {"json": NUMBERS, "disable_any_whitespace": True}},
+    {"guided_json": NUMBERS, "guided_whitespace_pattern": ""},
+    {"response_format": {"type": "json_object"}, "structured_outputs": {"disable_any_whitespace": True}},
+], ids=["disable_any_whitespace", "guided_whitespace_pattern", "json_object"])
+def test_http_json_without_free_whitespace(api, layout):
+    """vLLM's whitespace settings: JSON with none between its tokens (a random model at a high temperature
+    pads it with whitespace where it may: each of these requests did without them)."""
+    texts = []
+    for seed in range(4):
+        status, body = post(api, {"messages": MESSAGES, "max_tokens": 40, "temperature": 1.5, "seed": seed, **layout})
+        assert status == 200, body
+        texts.append(body["choices"][0]["message"]["content"])
+    assert not any(map(free_whitespace, texts)), texts
+
+
+def free_whitespace(text: str) -> bool:
+    """Whether JSON text (whole or cut short) has whitespace outside its strings."""
+    in_string = escaped = False
+    for c in text:
+        if in_string:
+            in_string, escaped = (escaped or c != '"'), (not escaped and c == "\\")
+        elif c == '"':
+            in_string = True
+        elif c.isspace():
+            return True
+    return False
+
+
 @pytest.mark.parametrize("body,reason,param", [
     ({"response_format": {"type": "xml"}}, "response_format.type", "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "needs its schema", "response_format"),
@@ -371,6 +404,9 @@ def test_http_structured_output_fields(api, field, value, check):
     ({"structured_outputs": {"regex": "(("}}, "does not compile", "structured_outputs"),
     ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs.xml", "structured_outputs"),
     ({"guided_regex": "[0-9]+", "ignore_eos": True}, "ignore_eos cannot go with", "ignore_eos"),
+    ({"guided_regex": "[0-9]+", "guided_whitespace_pattern": " "}, "not a regex one", "guided_regex"),
+    ({"structured_outputs": {"json_object": True, "disable_any_whitespace": "yes"}}, "must be a boolean",
+     "structured_outputs"),
     # (compiles, but the target's matcher stops: the services' refusal, without a service's address)
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
      "cannot be followed", "response_format"),
