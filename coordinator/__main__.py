@@ -86,7 +86,8 @@ def parse_args(argv=None, prog: str = "python -m coordinator"):
                         help="seconds to wait at start-up for the target service to be SERVING")
     parser.add_argument("--draft-wait", type=float, default=DRAFT_WAIT,
                         help="seconds to wait at start-up for a draft replica once the target is SERVING; past"
-                             " them the coordinator serves without drafting, and drafts once one is ready")
+                             " them the coordinator serves without drafting, and drafts once one is ready (inf:"
+                             " it serves only once one is)")
     parser.add_argument("--call-timeout", type=float, default=60.0,
                         help="deadline of each call to a model service, and 0.02 s more for each token a call feeds"
                              " (a long prompt's prefill)")
@@ -191,8 +192,8 @@ def main(argv=None, prog: str = "python -m coordinator") -> None:
 
         async def load() -> None:
             await coordinator.connect(args.peer_timeout, args.draft_wait)
-            drafting = "no draft" if draft.reference is None else \
-                f"draft {draft.reference.model_name} at {', '.join(draft.replicas)}"
+            drafting = f"draft {draft.reference.model_name} at {', '.join(draft.replicas)}" \
+                if coordinator.ready().drafts else "no draft yet"
             log.info("%s, target %s at %s", drafting, target.reference.model_name, ", ".join(target.replicas))
 
         def add(server) -> list[str]:

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import replace
 
@@ -365,12 +366,13 @@ class FailoverTarget(_Failover):
 
     def _elsewhere(self, replica: Replica, error: PeerError) -> bool:
         """A start refused for want of room (its sessions, its queue, its tokens) goes to another replica
-        where there is one: `replica` is left alone by the request for FULL_WAIT (not so while the request
-        waits for room: that loop goes round the replicas itself). False: none other, the refusal stands."""
+        where there is one: `replica` is not asked again for this start, then left alone by the request for
+        FULL_WAIT (not so while the request waits for room: that loop goes round the replicas itself). False:
+        none other, the refusal stands."""
         if self.gave_room or not [r for r in self._candidates() if r is not replica]:
             return False
         self.error = error
-        self.full[replica] = time.monotonic() + FULL_WAIT
+        self.full[replica] = math.inf  # (until the start is made: then for FULL_WAIT, _verify)
         self.pool.release(replica)
         self.replica = None
         log.info("target replica %s has no room for a session (%s): starting it on another", replica.address, error)
@@ -390,21 +392,26 @@ class FailoverTarget(_Failover):
         await asyncio.wait([self._in_background(self._forget(replica, self.session or ""))], timeout=RELEASE_WAIT)
 
     async def _verify(self, call: VerifyCall, turn: tuple[int, int]) -> tuple[Verdict, Cost]:
-        start, tries = call.start, 0
-        while tries < (TRIES if start else 1):
-            replica = await self._take(wait=True)
-            if replica is None:
-                break
-            session = self._name(call.session_id, start)
-            try:
-                return await replica.peer.verify(replace(call, session_id=session), turn=turn)
-            except PeerError as e:
-                if start and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and self._elsewhere(replica, e):
-                    continue
-                if e.code not in RESTART:
-                    raise
-                self._lost(e, session)
-            tries += 1
+        start, tries, refused = call.start, 0, []
+        try:
+            while tries < (TRIES if start else 1):
+                replica = await self._take(wait=True)
+                if replica is None:
+                    break
+                session = self._name(call.session_id, start)
+                try:
+                    return await replica.peer.verify(replace(call, session_id=session), turn=turn)
+                except PeerError as e:
+                    if start and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and self._elsewhere(replica, e):
+                        refused.append(replica)
+                        continue
+                    if e.code not in RESTART:
+                        raise
+                    self._lost(e, session)
+                tries += 1
+        finally:
+            for replica in refused:  # (each refused this start once at most: then left alone FULL_WAIT)
+                self.full[replica] = time.monotonic() + FULL_WAIT
         if not start:
             raise SessionLost(call.session_id)
         detail = f" (last error: {self.error})" if self.error else ""

@@ -52,7 +52,7 @@ from .adaptive import DEFAULT_ALPHA, AcceptanceK, AdaptiveK, CostModel
 from .failover import FailoverDraft, FailoverTarget
 from .lockstep import GatedDraft, GatedTarget, PhaseGate
 from .metrics import CoordinatorMetrics, TokenClock
-from .peers import PeerError, check_compatible, share_cpus
+from .peers import PeerError, check_compatible, pairing_problem, share_cpus
 from .pool import DRAFT_WAIT, Pool
 from .text import TextStream
 
@@ -396,9 +396,9 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}", "stop")
     steps = 1 if limits.lockstep_ms > 0 else models.decode_steps  # a lockstep turn is one pass
     lookup = limits.target_lookup  # (a constrained session copies what its grammar forces: TargetEngine)
-    if not models.drafts:  # (K as asked all the same: a request is refused alike with or without a draft)
-        policy = FixedK(0, models.costs.decode_steps(steps))
-    elif not adaptive:
+    if not models.drafts:  # no draft yet: K 0, under the policy the request would have (patient or not alike)
+        k = 0
+    if not adaptive:
         policy = FixedK(k, models.costs.decode_steps(steps))
     elif params.temperature > 0 and seeded:
         # its K reads no timings: the seed reproduces the output under any load (a K = 0 round's steps are
@@ -476,9 +476,11 @@ class Coordinator:
         drafting = asyncio.ensure_future(self.draft.start(math.inf))
         try:
             target_info = await self.target.start(timeout)
+            # a draft replica found from now on pairs with this target, or is refused (not the pool's model)
+            self.draft.accept = lambda info: pairing_problem(info, target_info)
             tokenizer_dir = await self.target.healthy()[0].peer.fetch_tokenizer()
             tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, tokenizer_dir, local_files_only=True)
-            await asyncio.wait([drafting], timeout=draft_wait)
+            await asyncio.wait([drafting], timeout=None if math.isinf(draft_wait) else draft_wait)
         except BaseException:
             drafting.cancel()
             raise
@@ -492,10 +494,13 @@ class Coordinator:
         else:
             draft_info = None
             self._drafting = drafting
+            self.draft.backoff = True  # (it looks less often from now on)
             drafting.add_done_callback(self._drafted)
             log.warning("no draft replica is ready %.0f s after the target (%s): serving without drafting until one"
                         " is", draft_wait, self.draft.address)
         self.models = self._models(draft_info, target_info, tokenizer)
+        if self.metrics is not None:
+            self.metrics.drafting.set(self.models.drafts)
 
     def _drafted(self, drafting: asyncio.Future) -> None:
         """A draft replica came after `connect`: requests from now on draft (those under way go on without)."""
@@ -512,6 +517,8 @@ class Coordinator:
             log.error("%s: serving without drafting", e)
             return
         self.models = self._models(draft_info, target_info, self.models.tokenizer)
+        if self.metrics is not None:
+            self.metrics.drafting.set(1)
         log.info("draft %s at %s is ready: requests draft from now on", draft_info.model_name,
                  ", ".join(self.draft.replicas))
 

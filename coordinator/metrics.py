@@ -38,6 +38,8 @@ class CoordinatorMetrics:
                                    " replica's latency bound ran out: failover.py); their answers are dropped",
                                    registry=r)
         self.active = Gauge("specdec_active_requests", "requests in progress", registry=r)
+        self.drafting = Gauge("specdec_drafting", "1 where requests draft; 0 while the coordinator serves without a"
+                              " draft (none was ready at start-up, --draft-wait)", registry=r)
         # the Responses API's kept responses (coordinator/responses.py's Store: it sets their functions)
         self.kept_responses = Gauge("specdec_kept_responses", "Responses API responses kept (store)", registry=r)
         self.kept_response_bytes = Gauge("specdec_kept_response_bytes", "bytes of the kept responses' JSON, as"

@@ -413,6 +413,15 @@ def check_compatible(draft: pb.ModelInfo, target: pb.ModelInfo) -> None:
         )
 
 
+def pairing_problem(draft: pb.ModelInfo, target: pb.ModelInfo) -> str:
+    """Why `draft` cannot pair with `target` (check_compatible's words), or "" where it can."""
+    try:
+        check_compatible(draft, target)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 def share_cpus(draft: pb.ModelInfo, target: pb.ModelInfo) -> bool:
     """Whether the two services compute on the same cores: one machine (host_id), both on CPU, CPUs
     in common. Then the draft's work takes CPU time from the target's, whatever the pipelining."""

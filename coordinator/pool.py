@@ -201,6 +201,10 @@ class Pool:
         self.check_every = check_every
         self.replicas: dict[str, Replica] = {}
         self.reference: pb.ModelInfo | None = None  # the model every replica must serve
+        # why a replica's model may not become the pool's ("": it may), until one has (the draft pool: it
+        # must pair with the target)
+        self.accept: Callable[[pb.ModelInfo], str] = lambda info: ""
+        self.backoff = False  # start looks less often (see start)
         self.latency = None  # a prometheus Histogram handed to every replica's peer
         self.late = None  # a prometheus Counter of calls the round stopped waiting for (draft pool: failover.py)
         self.room_waiters = 0  # requests waiting for a target replica's room to go on (failover.py)
@@ -273,6 +277,12 @@ class Pool:
                 # at every check, not once: what answers at an address may have been restarted with
                 # another model (and a refused one with the pool's)
                 info = await replica.peer.call(replica.peer.stub.GetModelInfo, pb.ModelInfoRequest(), timeout=5.0)
+                if self.reference is None and (refused := self.accept(info)):
+                    if replica.refused != refused:
+                        log.error("%s replica %s refused: %s", self.name, replica.address, refused)
+                    replica.refused = refused
+                    replica.healthy = False
+                    return
                 if self.reference is None:
                     self.reference = info
                 elif refused := unlike(info, self.reference):
@@ -311,8 +321,9 @@ class Pool:
         return str(error) or type(error).__name__
 
     async def start(self, timeout: float) -> pb.ModelInfo:
-        """Wait until one replica is healthy (its model becomes the pool's), then keep watching. It looks
-        every 0.25 s at first, then less often, up to every resolve_every s (a pool left empty for long)."""
+        """Wait until one replica is healthy (its model becomes the pool's, where `accept` takes it), then
+        keep watching. It looks every 0.25 s; once `backoff` is set (a draft pool the coordinator went on
+        without), less and less often, up to every resolve_every s."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         pause = 0.25
@@ -325,7 +336,8 @@ class Pool:
                     or "none found"
                 raise self.unavailable(f"no replica SERVING after {timeout:.0f} s (addresses: {found})")
             await asyncio.sleep(pause)
-            pause = min(pause * 1.25, self.resolve_every)
+            if self.backoff:
+                pause = min(pause * 1.25, self.resolve_every)
         self._task = asyncio.ensure_future(self._watch())
         return self.reference
 

@@ -415,12 +415,13 @@ def test_a_draft_with_no_room_is_left_alone_not_the_request_failed(pair, monkeyp
     asyncio.run(go())
 
 
-def test_a_target_with_no_room_for_a_start_passes_it_to_another(pair):
+def test_a_target_with_no_room_for_a_start_passes_it_to_another(pair, monkeypatch):
     """A target replica whose sessions are all in use (another coordinator's, say) refuses a start
     RESOURCE_EXHAUSTED: the start goes to a replica with room, and the request's output is what a faultless
     run decodes; the refusal stands (429 over HTTP) only where no replica has room. (It failed the request.)"""
     import asyncio
 
+    from coordinator import failover
     from coordinator.failover import FailoverDraft, FailoverTarget
     from coordinator.peers import PeerError
     from model_service.engines import DraftEngine, TargetEngine
@@ -465,6 +466,12 @@ def test_a_target_with_no_room_for_a_start_passes_it_to_another(pair):
         with pytest.raises(PeerError) as refused:
             await run(Target("t3", True))
         assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "sessions are in use" in refused.value.details
+        # each full replica is asked once a start, however long its refusal takes (past FULL_WAIT here)
+        monkeypatch.setattr(failover, "FULL_WAIT", 0.0)
+        both = Target("t4", True), Target("t5", True)
+        with pytest.raises(PeerError) as refused:
+            await asyncio.wait_for(run(*both), 60)
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and [t.starts for t in both] == [1, 1]
 
     asyncio.run(go())
 

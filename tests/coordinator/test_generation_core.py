@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -105,6 +106,19 @@ def test_a_target_kv_cap_under_its_context_bounds_a_request_and_is_named(bpe):
     assert check(GenerationRequest(prompt_token_ids=[5] * 90), capped).max_new_tokens == 10  # the room left
     with pytest.raises(InvalidRequest, match="the context holds 512, leaving"):  # uncapped: the context's words
         check(GenerationRequest(prompt_token_ids=[5] * 512), bpe)
+
+
+def test_without_a_draft_requests_run_at_k_0_under_the_policy_they_would_have(bpe):
+    """A coordinator serving without a draft (none ready at start-up): each request's K is 0, its policy the
+    one it would have had, so an unseeded sampled request is not taken for one replaying its seed (which
+    would forgo waiting for a full target's room and the target's lookup)."""
+    undrafted = replace(bpe, drafts=False)
+    for request, kind in ((GenerationRequest(prompt="a"), AdaptiveK),
+                          (GenerationRequest(prompt="a", seed=7), AcceptanceK),
+                          (GenerationRequest(prompt="a", num_speculative_tokens=3), FixedK)):
+        plan = check(request, undrafted)
+        assert isinstance(plan.policy, kind) and plan.policy.k == 0, plan.policy
+    assert not check(GenerationRequest(prompt="a"), undrafted).policy.replays
 
 
 def test_messages_without_a_chat_template_are_not_possible(chars):

@@ -165,8 +165,9 @@ def test_a_coordinator_serves_without_drafting_until_its_draft_pool_has_a_replic
 
 def test_a_draft_that_comes_late_and_cannot_pair_leaves_the_coordinator_serving_without(pair, stack,
                                                                                       other_tokenizer_model):
-    """A draft replica of another tokenizer, the first ready after start-up: the coordinator logs why it
-    cannot pair and goes on serving the target's output without drafting (at start-up the pair is refused)."""
+    """A draft replica of another tokenizer, the first ready after start-up: the pool refuses it, saying why,
+    and the coordinator goes on serving the target's output without drafting (at start-up the pair is
+    refused); a draft replica that pairs, listed after it, is taken up."""
     draft, target = pair
     alone = LocalStack(draft, target, discovery_files=True, coordinator_args=["--draft-wait", "0"])
     alone.discovery["draft"].write_text("")
@@ -174,17 +175,31 @@ def test_a_draft_that_comes_late_and_cannot_pair_leaves_the_coordinator_serving_
     try:
         expected = generate_all(stack.addr, prompts=PROMPTS[:2])
         odd = alone.addresses[alone.add_replica("draft", model=other_tokenizer_model)]
-        wait_for(alone.addr, lambda seen: odd in seen and seen[odd].state == "serving")
+        seen = wait_for(alone.addr, lambda seen: odd in seen and seen[odd].state == "refused")
+        assert "cannot be paired" in seen[odd].detail, seen[odd].detail
         with grpc.insecure_channel(alone.addr) as channel:
             stub = pb_grpc.GenerationStub(channel)
-            replies = [stub.Generate(pb.GenerateRequest(prompt_token_ids=p, max_new_tokens=24, temperature=0.0,
-                                                        num_speculative_tokens=3), timeout=120) for p in PROMPTS[:2]]
+
+            def generate() -> list[pb.GenerateResponse]:
+                return [stub.Generate(pb.GenerateRequest(prompt_token_ids=p, max_new_tokens=24, temperature=0.0,
+                                                         num_speculative_tokens=3), timeout=120) for p in PROMPTS[:2]]
+            replies = generate()
             assert [list(r.token_ids) for r in replies] == expected
             assert all(r.stats.draft_tokens == 0 for r in replies)
             assert not stub.GetInfo(pb.GetInfoRequest()).HasField("draft")
+            with alone.discovery["draft"].open("a") as f:
+                f.write(alone.draft_addr + "\n")
+            wait_for(alone.addr, lambda seen: seen[odd].state == "refused"
+                     and seen.get(alone.draft_addr, seen[odd]).state == "serving")
+            deadline = time.monotonic() + 60
+            while not stub.GetInfo(pb.GetInfoRequest()).HasField("draft"):
+                assert time.monotonic() < deadline, "the draft that pairs was not taken up"
+                time.sleep(0.2)
+            replies = generate()
+            assert [list(r.token_ids) for r in replies] == expected
+            assert all(r.stats.draft_tokens > 0 for r in replies)
     finally:
         alone.stop()
-    assert "cannot be paired" in alone.logs["coordinator"].read_text()
 
 
 def test_a_replica_of_another_model_is_refused(cluster, stack, other_tokenizer_model):

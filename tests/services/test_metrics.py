@@ -82,6 +82,7 @@ def test_metrics_count_what_requests_report(metered_stack):
         assert value(c, "specdec_verify_seconds_count") == rounds
         assert value(c, "specdec_request_seconds_count") == 4
         assert value(c, "specdec_active_requests") == 0
+        assert value(c, "specdec_drafting") == 1
 
         t = scrape(ports["target"])
         assert value(t, "specdec_model_calls_total", method="verify", status="OK") == rounds
@@ -138,6 +139,7 @@ def test_a_request_ended_early_counts_its_rounds_and_why(metered_stack):
         assert value(c, "specdec_requests_total", method="GenerateStream", status="CANCELLED") == 1
         assert value(c, "specdec_requests_total", method="Generate", status="DEADLINE_EXCEEDED") == 1
         assert value(c, "specdec_active_requests") == 0
+        assert value(c, "specdec_drafting") == 1
         tokens = delta["specdec_generated_tokens_total"]
         assert tokens >= received > 0
         assert tokens == delta["specdec_time_to_first_token_seconds_count"] + delta["specdec_inter_token_seconds_count"]
