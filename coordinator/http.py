@@ -20,10 +20,10 @@ vLLM's typical_p, allowed_token_ids, bad_words and use_beam_search are refused (
 Structured output (model_service/grammar.py): `response_format` (OpenAI's json_object and json_schema,
 which the official client's `chat.completions.parse` sends for a pydantic model) and vLLM's
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` and `structured_outputs`; one of
-them, else 400 (vLLM's JSON whitespace settings too: json_layout); one that does not compile is 400 with the compiler's reason. `tools` and `tool_choice`
-(tools.py): any model's tool calls, by structured output; a JSON schema beside them shapes the
-direct answer. `n` (at most MAX_CHOICES) runs that many generations side by side (a seeded request's
-choices seeded seed, seed + 1, ...; streamed, their rounds' events interleave, each choice with its
+them, else 400 (vLLM's JSON whitespace settings too: json_layout); one that does not compile is 400
+with the compiler's reason. `tools` and `tool_choice` (tools.py): any model's tool calls, by
+structured output; a JSON schema beside them shapes the direct answer. `n` (at most MAX_CHOICES)
+runs that many generations side by side (a seeded request's choices seeded seed, seed + 1, ...; streamed, their rounds' events interleave, each choice with its
 index); completions' `prompt` may be a batch (a list of texts or of token-id lists), each prompt's n
 choices in turn (index prompt x n + choice; each prompt's seeded as the prompt alone would be), at
 most MAX_GENERATIONS in all. Completions' `echo` puts the prompt before the completion, with its
@@ -387,7 +387,8 @@ def constraint_of(body: Body) -> Constraint | None:
             found.append(("structured_outputs.json_object", Constraint("json_object")))
             continue
         if kind is None:
-            raise ApiError(400, f"structured_outputs.{key} is not supported (json, regex, choice or grammar)",
+            raise ApiError(400, f"structured_outputs.{key} is not supported (json, regex, choice, grammar,"
+                                f" json_object, whitespace_pattern or disable_any_whitespace)",
                            "structured_outputs", "unsupported_parameter")
         if kind == "choice" and not (isinstance(value, list) and all(isinstance(c, str) for c in value)):
             raise ApiError(400, "structured_outputs.choice: a list of strings", "structured_outputs")
