@@ -23,9 +23,9 @@ which the official client's `chat.completions.parse` sends for a pydantic model)
 them, else 400 (vLLM's JSON whitespace settings too: json_layout); one that does not compile is 400
 with the compiler's reason. `tools` and `tool_choice` (tools.py): any model's tool calls, by
 structured output; a JSON schema beside them shapes the direct answer. `n` (at most MAX_CHOICES)
-runs that many generations side by side (a seeded request's choices seeded seed, seed + 1, ...; streamed, their rounds' events interleave, each choice with its
-index); completions' `prompt` may be a batch (a list of texts or of token-id lists), each prompt's n
-choices in turn (index prompt x n + choice; each prompt's seeded as the prompt alone would be), at
+runs that many generations side by side (a seeded request's choices seeded seed, seed + 1, ...;
+streamed, their rounds' events interleave, each choice with its index); completions' `prompt` may
+be a batch (a list of texts or of token-id lists), each prompt's n choices in turn (index prompt x n + choice; each prompt's seeded as the prompt alone would be), at
 most MAX_GENERATIONS in all. Completions' `echo` puts the prompt before the completion, with its
 tokens' logprobs where `logprobs` is asked (the target scores the prompt: then max_tokens may be 0).
 A field specdec cannot honour (best_of, suffix, the older functions API) is refused, naming it; a

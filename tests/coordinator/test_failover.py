@@ -465,7 +465,8 @@ def test_a_target_with_no_room_for_a_start_passes_it_to_another(pair, monkeypatc
         assert full.starts <= 3 and room.starts == 3
         with pytest.raises(PeerError) as refused:
             await run(Target("t3", True))
-        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "sessions are in use" in refused.value.details
+        assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "sessions are in use" in refused.value.details
         # each full replica is asked once a start, however long its refusal takes (past FULL_WAIT here)
         monkeypatch.setattr(failover, "FULL_WAIT", 0.0)
         both = Target("t4", True), Target("t5", True)

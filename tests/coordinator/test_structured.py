@@ -358,8 +358,8 @@ def test_http_structured_output_fields(api, field, value, check):
     assert check(choice["message"]["content"]) is not False, choice["message"]["content"]
 
 
-NUMBERS = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array", "items": {"type": "integer"}}},
-           "required": ["a", "b"], "additionalProperties": False}
+NUMBERS = {"type": "object", "required": ["a", "b"], "additionalProperties": False,
+           "properties": {"a": {"type": "integer"}, "b": {"type": "array", "items": {"type": "integer"}}}}
 
 
 @pytest.mark.parametrize("layout", [
