@@ -20,14 +20,15 @@ vLLM's typical_p, allowed_token_ids, bad_words and use_beam_search are refused (
 Structured output (model_service/grammar.py): `response_format` (OpenAI's json_object and json_schema,
 which the official client's `chat.completions.parse` sends for a pydantic model) and vLLM's
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` and `structured_outputs`; one of
-them, else 400 (vLLM's JSON whitespace settings too: json_layout); one that does not compile is 400
-with the compiler's reason. `tools` and `tool_choice` (tools.py): any model's tool calls, by
-structured output; a JSON schema beside them shapes the direct answer. `n` (at most MAX_CHOICES)
-runs that many generations side by side (a seeded request's choices seeded seed, seed + 1, ...;
-streamed, their rounds' events interleave, each choice with its index); completions' `prompt` may
-be a batch (a list of texts or of token-id lists), each prompt's n choices in turn (index prompt x n + choice; each prompt's seeded as the prompt alone would be), at
-most MAX_GENERATIONS in all. Completions' `echo` puts the prompt before the completion, with its
-tokens' logprobs where `logprobs` is asked (the target scores the prompt: then max_tokens may be 0).
+them, else 400 (vLLM's JSON whitespace settings too: json_layout); one that does not compile is 400 with
+the compiler's reason. `tools` and `tool_choice` (tools.py): any model's tool calls, by structured
+output; a JSON schema beside them shapes the direct answer. `n` (at most MAX_CHOICES) runs that many
+generations side by side (a seeded request's choices seeded seed, seed + 1, ...; streamed, their rounds'
+events interleave, each choice with its index); completions' `prompt` may be a batch (a list of texts or
+of token-id lists), each prompt's n choices in turn (index prompt x n + choice; each prompt's seeded as
+the prompt alone would be), at most MAX_GENERATIONS in all. Completions' `echo` puts the prompt before
+the completion, with its tokens' logprobs where `logprobs` is asked (the target scores the prompt: then
+max_tokens may be 0).
 A field specdec cannot honour (best_of, suffix, the older functions API) is refused, naming it; a
 field it does not know is ignored. /v1/completions generates 16 tokens where max_tokens is not
 given, as OpenAI's does.
