@@ -476,8 +476,6 @@ class Coordinator:
         drafting = asyncio.ensure_future(self.draft.start(math.inf))
         try:
             target_info = await self.target.start(timeout)
-            # a draft replica found from now on pairs with this target, or is refused (not the pool's model)
-            self.draft.accept = lambda info: pairing_problem(info, target_info)
             tokenizer_dir = await self.target.healthy()[0].peer.fetch_tokenizer()
             tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, tokenizer_dir, local_files_only=True)
             await asyncio.wait([drafting], timeout=None if math.isinf(draft_wait) else draft_wait)
@@ -490,11 +488,14 @@ class Coordinator:
             backend.no_padding()
         if drafting.done():
             draft_info = drafting.result()
-            check_compatible(draft_info, target_info)
+            check_compatible(draft_info, target_info)  # (a pair that cannot be is refused at start-up)
         else:
             draft_info = None
             self._drafting = drafting
-            self.draft.backoff = True  # (it looks less often from now on)
+            # a draft replica found from now on pairs with this target, or is refused (not made the pool's
+            # model, which would refuse one that pairs), and the coordinator serves on; it looks less often
+            self.draft.accept = lambda info: pairing_problem(info, target_info)
+            self.draft.backoff = True
             drafting.add_done_callback(self._drafted)
             log.warning("no draft replica is ready %.0f s after the target (%s): serving without drafting until one"
                         " is", draft_wait, self.draft.address)

@@ -182,8 +182,10 @@ class LocalStack:
                 self.discovery[role].write_text("\n".join(addrs) + "\n")
                 pools[role] = f"file:{self.discovery[role]}"
             coordinator_args = ["--resolve-every", "0.5", *coordinator_args]
+        # (its draft is started beside it: the coordinator waits for it, as start waits for every service)
         self.commands["coordinator"] = [py, "-m", "coordinator", "--draft", pools["draft"], "--target",
-                                        pools["target"], "--port", self.addr.split(":")[1], *coordinator_args]
+                                        pools["target"], "--port", self.addr.split(":")[1], "--draft-wait", "inf",
+                                        *coordinator_args]
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs = {name: self.log_dir / f"{name}.log" for name in self.commands}
         self.addresses = {**{("target" if i == 0 else f"target-{i}"): a for i, a in enumerate(self.target_addrs)},
