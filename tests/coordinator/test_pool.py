@@ -13,6 +13,7 @@ from coordinator.launch import LocalStack
 from coordinator.pool import unlike
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from tests.faults.hook import wait_until
 
 PROMPTS = [[5 + i, 17, 42 + 3 * i, 9] for i in range(8)]
 
@@ -151,10 +152,8 @@ def test_a_coordinator_serves_without_drafting_until_its_draft_pool_has_a_replic
             assert [list(r.token_ids) for r in replies] == expected
             assert all(r.stats.draft_tokens == 0 for r in replies)
             alone.discovery["draft"].write_text(alone.draft_addr + "\n")
-            deadline = time.monotonic() + 60
-            while not stub.GetInfo(pb.GetInfoRequest()).HasField("draft"):
-                assert time.monotonic() < deadline, "the listed draft replica was not taken up"
-                time.sleep(0.2)
+            wait_until("the listed draft replica taken up", lambda: stub.GetInfo(pb.GetInfoRequest()).HasField("draft"),
+                       timeout=60)
             replies = [stub.Generate(pb.GenerateRequest(prompt_token_ids=p, max_new_tokens=24, temperature=0.0,
                                                         num_speculative_tokens=3), timeout=120) for p in PROMPTS[:2]]
             assert [list(r.token_ids) for r in replies] == expected
@@ -191,10 +190,8 @@ def test_a_draft_that_comes_late_and_cannot_pair_leaves_the_coordinator_serving_
                 f.write(alone.draft_addr + "\n")
             wait_for(alone.addr, lambda seen: seen[odd].state == "refused"
                      and seen.get(alone.draft_addr, seen[odd]).state == "serving")
-            deadline = time.monotonic() + 60
-            while not stub.GetInfo(pb.GetInfoRequest()).HasField("draft"):
-                assert time.monotonic() < deadline, "the draft that pairs was not taken up"
-                time.sleep(0.2)
+            wait_until("the draft that pairs taken up", lambda: stub.GetInfo(pb.GetInfoRequest()).HasField("draft"),
+                       timeout=60)
             replies = generate()
             assert [list(r.token_ids) for r in replies] == expected
             assert all(r.stats.draft_tokens > 0 for r in replies)
