@@ -143,7 +143,13 @@ class Batcher:
         return futures
 
     def ready(self, now: float) -> list | float | None:
-        """Under the thread's lock: the calls of the next pass, or when to look again (None: no calls)."""
+        """Under the thread's lock: the calls of the next pass (never none), or when to look again (None: no calls)."""
+        while True:
+            taken = self._ready(now)
+            if taken != []:  # (none: the callers of those it would take gave up as it took them)
+                return taken
+
+    def _ready(self, now: float) -> list | float | None:
         while self.waiting and self.waiting[0].future.done():  # its caller gave up before it ran
             self.waiting.popleft()
         if not self.waiting:

@@ -230,7 +230,7 @@ def run_model_service(name: str, args: argparse.Namespace, make_servicer: Callab
                      args.batched_threads, runner.pass_cost, servicer.batcher.wait * 1e3)
             return runner
 
-        async def load() -> asyncio.Future | None:
+        async def load() -> asyncio.Future:
             nonlocal sweeper
             engine = await servicer.thread.run(lambda: make_engine(load_model))
             servicer.engine = engine
@@ -241,13 +241,19 @@ def run_model_service(name: str, args: argparse.Namespace, make_servicer: Callab
                 log.info("%s serves %s (no model)", name, engine.info().get("draft_method") or "its engine")
             sweeper = asyncio.ensure_future(sweep_idle_sessions(engine, servicer.thread,
                                                                 min(30.0, args.session_idle_timeout)))
-            if runner is None or runner.tp is None:
-                return None
-            from .tensor_parallel import watch
-
             loop = asyncio.get_running_loop()
-            broken = loop.create_future()
-            watch(runner.tp, lambda message: loop.call_soon_threadsafe(broken.set_result, message))
+            broken = loop.create_future()  # NOT_SERVING for good: a tensor-parallel rank died, the model thread stopped
+
+            def breaks(message: str) -> None:  # (from another thread)
+                loop.call_soon_threadsafe(lambda: broken.done() or broken.set_result(message))
+
+            servicer.thread.on_failure = breaks
+            if servicer.thread.failed is not None:  # (before it was told)
+                breaks(f"its model thread stopped ({servicer.thread.failed})")
+            if runner is not None and runner.tp is not None:
+                from .tensor_parallel import watch
+
+                watch(runner.tp, breaks)
             return broken
 
         def add(server: grpc.aio.Server) -> list[str]:

@@ -22,7 +22,7 @@ from speculative.errors import (CapacityExceeded, InvalidRequest, SessionExists,
 
 from .batcher import Batcher, Batching
 from .metrics import ModelMetrics
-from .threads import ModelThread
+from .threads import ModelThread, ModelThreadStopped
 
 log = logging.getLogger("specdec")
 
@@ -41,6 +41,7 @@ STATUS_OF = {
     SessionExists: grpc.StatusCode.ALREADY_EXISTS,
     CapacityExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     WorkerLost: grpc.StatusCode.UNAVAILABLE,
+    ModelThreadStopped: grpc.StatusCode.UNAVAILABLE,
 }
 
 

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sized
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -83,11 +83,15 @@ def set_threads(threads: int) -> None:
 class PassSource(Protocol):
     """What the model thread takes its passes from (batcher.Batcher)."""
 
-    waiting: Sized  # the calls queued for a pass
+    waiting: deque  # the calls queued for a pass (each with the .loop and the .future its caller waits on)
 
     def ready(self, now: float) -> list | float | None: ...
 
     def pass_for(self, batch: list) -> tuple[Callable[[], Any], asyncio.AbstractEventLoop, Callable]: ...
+
+
+class ModelThreadStopped(RuntimeError):
+    """The model thread stopped (ModelThread.failed): the service cannot run its model any more (UNAVAILABLE)."""
 
 
 class ModelThread:
@@ -106,6 +110,10 @@ class ModelThread:
         self.batchers: list[PassSource] = []  # (batcher.Batcher)
         self.thread: threading.Thread | None = None
         self.pending: tuple | None = None  # an outcome held back until the next forward starts
+        # what stopped the thread: a fault of its own (a job's or a pass's error is its callers'); then
+        # whatever is queued or comes fails at once (UNAVAILABLE), and on_failure(message) is told, once
+        self.failed: BaseException | None = None
+        self.on_failure: Callable[[str], None] | None = None
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         loop = asyncio.get_running_loop()
@@ -128,6 +136,9 @@ class ModelThread:
 
     def wake(self) -> None:
         """Under self.cond: there is new work (the thread starts with the first)."""
+        if self.failed is not None:
+            self._fail_queued()
+            return
         if self.thread is None:
             self.thread = threading.Thread(target=self._main, name="model", daemon=True)
             self.thread.start()
@@ -138,22 +149,26 @@ class ModelThread:
         found at once is taken first, and its Python runs before the event loop wakes to take
         the GIL for the outcome. -> (fn, loop, future or deliver callback)"""
         with self.cond:
-            while True:
-                if self.jobs:
-                    work = self.jobs.popleft()
-                    break
-                now, timeout, work = time.monotonic(), None, None
-                for batcher in self.batchers:
-                    ready = batcher.ready(now)
-                    if isinstance(ready, list):
-                        work = batcher.pass_for(ready)
+            try:
+                while True:
+                    if self.jobs:
+                        work = self.jobs.popleft()
                         break
-                    if ready is not None:
-                        timeout = ready - now if timeout is None else min(timeout, ready - now)
-                if work is not None:
-                    break
-                done = self._post(done)
-                self.cond.wait(timeout)
+                    now, timeout, work = time.monotonic(), None, None
+                    for batcher in self.batchers:
+                        ready = batcher.ready(now)
+                        if isinstance(ready, list):
+                            work = batcher.pass_for(ready)
+                            break
+                        if ready is not None:
+                            timeout = ready - now if timeout is None else min(timeout, ready - now)
+                    if work is not None:
+                        break
+                    done = self._post(done)
+                    self.cond.wait(timeout)
+            except BaseException:
+                self._post(done)  # (not posted yet, its caller waits for it)
+                raise
         if callable(work[2]) and done is not None:
             # a pass: post the last outcome when its forward starts (flush). Posted now, the
             # loop would wake and take the GIL while this thread still runs the pass's Python
@@ -188,14 +203,34 @@ class ModelThread:
 
     def _main(self) -> None:
         done = None
-        while True:
-            fn, loop, future = self._next(done)
-            try:
-                result, error = fn(), None
-            except BaseException as exc:  # handed to the caller
-                result, error = None, exc
-            self.flush()  # if the pass never reached its forward
-            done = (loop, future, result, error)
+        try:
+            while True:
+                fn, loop, future = self._next(done)
+                try:
+                    result, error = fn(), None
+                except BaseException as exc:  # handed to the caller
+                    result, error = None, exc
+                self.flush()  # if the pass never reached its forward
+                done = (loop, future, result, error)
+        except BaseException as exc:  # a fault in the thread's own work (taking the next pass): it runs nothing more
+            log.critical("the model thread stopped: %s: %s", type(exc).__name__, exc, exc_info=exc)
+            with self.cond:
+                self.failed = exc
+                self._fail_queued()
+            if self.on_failure is not None:
+                self.on_failure(f"its model thread stopped ({type(exc).__name__}: {exc})")
+
+    def _fail_queued(self) -> None:
+        """Under self.cond, the thread stopped: every job and call waiting fails (ModelThreadStopped)."""
+        error = ModelThreadStopped(f"the service's model thread stopped ({type(self.failed).__name__}: "
+                                   f"{self.failed}); it runs no more calls")
+        while self.jobs:
+            _, loop, future = self.jobs.popleft()
+            self._post((loop, future, None, error))
+        for batcher in self.batchers:
+            while batcher.waiting:
+                item = batcher.waiting.popleft()
+                self._post((item.loop, item.future, None, error))
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

@@ -9,6 +9,7 @@ import random
 import threading
 import time
 
+import grpc
 import pytest
 
 from model_service.engines import DraftEngine, TargetEngine
@@ -17,9 +18,10 @@ from model_service.model_runner import ModelRunner
 from speculative.protocol import PassCost, Proposal, ProposeCall, VerifyCall
 from speculative.protocol import SamplingParams
 from model_service import threads
-from model_service.batcher import Batcher, Batching
+from model_service.batcher import Batcher, Batching, Waiting
 from model_service.service import auto_wait_ms, wait_ms
-from model_service.threads import ModelThread
+from model_service.servicer import status_of
+from model_service.threads import ModelThread, ModelThreadStopped
 
 
 def engines(pair):
@@ -331,3 +333,62 @@ def test_auto_wait_is_half_the_calibrated_one_token_pass_up_to_8_ms():
     assert wait_ms("auto") == "auto" and wait_ms("2.5") == 2.5
     with pytest.raises(argparse.ArgumentTypeError, match="a number of ms or auto"):
         wait_ms("soon")
+
+
+class GivesUpWhenTaken:
+    """A queued call's future whose caller gives up (a cancel, on the event loop's thread) just as the
+    model thread takes it: not done when `ready` first looks, done from then on."""
+
+    def __init__(self) -> None:
+        self.looks = 0
+
+    def done(self) -> bool:
+        self.looks += 1
+        return self.looks > 1
+
+
+def test_a_call_given_up_as_its_pass_is_taken_is_left_out_not_an_empty_pass():
+    """Seen in a make test: a draft's caller cancelled as the model thread took its pass, which then held no call;
+    the thread stopped on it, and the service answered nothing more."""
+    batcher = Batcher(ModelThread(), lambda calls: calls, Batching())
+    batcher.waiting.append(Waiting("a", "a1", GivesUpWhenTaken(), None))
+    assert batcher.ready(now=0.0) is None  # nothing left to run, not a pass of nothing
+    pending = type("Pending", (), {"done": lambda self: False})()
+    batcher.waiting.extend([Waiting("a", "a1", GivesUpWhenTaken(), None, 5, 1),
+                            Waiting("b", "b1", pending, None)])
+    assert [item.call for item in batcher.ready(now=0.0)] == ["b1"]  # the next call's pass (of another turn)
+
+
+def test_a_model_thread_that_stops_fails_what_waits_and_what_comes_and_says_so():
+    """A fault in the model thread's own work (here: taking a pass) stops it: every call queued and every
+    later job or call fails at once with ModelThreadStopped (UNAVAILABLE), not waits for ever, and
+    on_failure hears why (the service turns NOT_SERVING: tests/services)."""
+    passes, run_many = recording_run_many()
+    started, release, held = held_first_pass(run_many)
+    told = []
+
+    async def main():
+        thread = ModelThread()
+        thread.on_failure = told.append
+        batcher = Batcher(thread, held, Batching())
+        first = asyncio.ensure_future(batcher.submit("a", "a1"))
+        await until(started.is_set)
+        queued = [asyncio.ensure_future(batcher.submit(s, f"{s}1")) for s in "bc"]
+        await until(lambda: len(batcher.waiting) == 2)
+
+        def broken(now):
+            raise RuntimeError("taking a pass broke")
+
+        batcher.ready = broken
+        release.set()
+        outcomes = await asyncio.gather(first, *queued, return_exceptions=True)
+        later = await asyncio.gather(batcher.submit("d", "d1"), thread.run(lambda: 1), return_exceptions=True)
+        return outcomes, later
+
+    outcomes, later = asyncio.run(asyncio.wait_for(main(), 60))
+    assert outcomes[0] == ("a1", None)  # the pass that ran is answered
+    for outcome in [*outcomes[1:], *later]:
+        assert isinstance(outcome, ModelThreadStopped) and "taking a pass broke" in str(outcome)
+    assert passes == [["a1"]]
+    assert told == ["its model thread stopped (RuntimeError: taking a pass broke)"]
+    assert status_of(ModelThreadStopped("")) == grpc.StatusCode.UNAVAILABLE

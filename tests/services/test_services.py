@@ -26,6 +26,7 @@ from runtime.ports import free_port
 from runtime.server import serve
 from speculative.protocol import PassCost
 from target_service.servicer import SERVICE_NAME, TargetServicer
+from tests.faults.hook import wait_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -176,3 +177,51 @@ def test_a_long_error_message_is_cut_to_fit_a_grpc_status():
         server.stop(None)
     long = InvalidRequest("x" * 100_000)
     assert call_status(long).message == translate(long)[1] and translate(InvalidRequest("short"))[1] == "short"
+
+
+# a draft service whose model thread breaks taking its first pass (a stand-in for a fault of its own)
+BREAKS_ON_A_PASS = """
+import sys
+from model_service.batcher import Batcher
+ready = Batcher.ready
+def broken(self, now):
+    if self.waiting:
+        raise RuntimeError("taking a pass broke")
+    return ready(self, now)
+Batcher.ready = broken
+from draft_service.__main__ import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_service_whose_model_thread_stops_says_so_and_fails_its_calls(pair, tmp_path):
+    """Not SERVING (the coordinator's pool takes the replica out; Kubernetes' gRPC probes restart it), and
+    a call fails at once with UNAVAILABLE rather than hang until its deadline."""
+    port, log = free_port(), tmp_path / "draft.log"
+    with log.open("w") as out:
+        service = subprocess.Popen([sys.executable, "-c", BREAKS_ON_A_PASS, "--model", pair[0], "--port", str(port)],
+                                   cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        health = health_pb2_grpc.HealthStub(channel)
+
+        def status():
+            try:
+                return health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            except grpc.RpcError:
+                return None
+
+        wait_until("SERVING", lambda: status() == SERVING or service.poll() is not None, timeout=120)
+        assert service.poll() is None, log.read_text()[-2000:]
+        greedy = pb.SamplingParams(temperature=0.0, top_p=1.0)
+        with pytest.raises(grpc.RpcError) as failed:
+            pb_grpc.DraftStub(channel).Propose(pb.ProposeRequest(session_id="s", start=True, append=[5, 6, 7],
+                                                                 num_tokens=2, sampling=greedy), timeout=30)
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
+        assert "model thread stopped (RuntimeError: taking a pass broke)" in failed.value.details()
+        wait_until("NOT_SERVING", lambda: status() == NOT_SERVING)
+        assert "NOT_SERVING: its model thread stopped (RuntimeError: taking a pass broke)" in log.read_text()
+        channel.close()
+    finally:
+        service.terminate()
+        service.wait(timeout=60)
