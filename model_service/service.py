@@ -22,7 +22,7 @@ from speculative.protocol import PassCost
 from .batcher import Batching
 from .metrics import ModelMetrics
 from .servicer import ModelServicer
-from .threads import ModelThread, resolve_threads, set_threads
+from .threads import ModelThread, ModelThreadStopped, resolve_threads, set_threads
 
 log = logging.getLogger("specdec")
 
@@ -133,10 +133,17 @@ def add_model_flags(parser: EnvArgumentParser, role: str, model_required: bool =
 
 
 async def sweep_idle_sessions(engine, thread: ModelThread, every: float = 30.0) -> None:
-    """Evict abandoned sessions in the background (on the model thread, which owns them)."""
+    """Evict abandoned sessions in the background (on the model thread, which owns them); a sweep that
+    fails is logged, and the next one comes all the same (until the model thread has stopped)."""
     while True:
         await asyncio.sleep(every)
-        evicted = await thread.run(engine.evict_idle)
+        try:
+            evicted = await thread.run(engine.evict_idle)
+        except ModelThreadStopped:
+            return
+        except Exception:  # noqa: BLE001 - a bug of the engine's: sessions would never be evicted again
+            log.exception("evicting idle sessions failed")
+            continue
         if evicted:
             log.info("evicted %d idle sessions", evicted)
 

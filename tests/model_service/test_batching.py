@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import random
 import threading
 import time
@@ -19,7 +20,7 @@ from speculative.protocol import PassCost, Proposal, ProposeCall, VerifyCall
 from speculative.protocol import SamplingParams
 from model_service import threads
 from model_service.batcher import Batcher, Batching, Waiting
-from model_service.service import auto_wait_ms, wait_ms
+from model_service.service import auto_wait_ms, sweep_idle_sessions, wait_ms
 from model_service.servicer import status_of
 from model_service.threads import ModelThread, ModelThreadStopped
 
@@ -392,3 +393,27 @@ def test_a_model_thread_that_stops_fails_what_waits_and_what_comes_and_says_so()
     assert passes == [["a1"]]
     assert told == ["its model thread stopped (RuntimeError: taking a pass broke)"]
     assert status_of(ModelThreadStopped("")) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_idle_sweep_goes_on_after_a_sweep_that_fails(caplog):
+    """One failed eviction (an engine's bug) is logged; the sweeps go on, until the model thread stops."""
+    caplog.set_level(logging.INFO, logger="specdec")
+    outcomes = [RuntimeError("evicting broke"), 2, 0]
+
+    class Engine:
+        def evict_idle(self):
+            outcome = outcomes.pop(0) if outcomes else 0
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+
+    async def main():
+        thread = ModelThread()
+        sweeper = asyncio.ensure_future(sweep_idle_sessions(Engine(), thread, every=0.0))
+        await until(lambda: not outcomes)
+        with thread.cond:
+            thread.failed = RuntimeError("stopped")
+        return await asyncio.wait_for(sweeper, 30)
+
+    assert asyncio.run(main()) is None  # ended by the stopped thread
+    assert "evicting idle sessions failed" in caplog.text and "evicted 2 idle sessions" in caplog.text
