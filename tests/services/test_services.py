@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from coordinator.launch import ROOT
+from coordinator.launch import ROOT, LocalStack
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from model_service.engines import TargetEngine
@@ -179,28 +180,12 @@ def test_a_long_error_message_is_cut_to_fit_a_grpc_status():
     assert call_status(long).message == translate(long)[1] and translate(InvalidRequest("short"))[1] == "short"
 
 
-# a draft service whose model thread breaks taking its first pass (a stand-in for a fault of its own)
-BREAKS_ON_A_PASS = """
-import sys
-from model_service.batcher import Batcher
-ready = Batcher.ready
-def broken(self, now):
-    if self.waiting:
-        raise RuntimeError("taking a pass broke")
-    return ready(self, now)
-Batcher.ready = broken
-from draft_service.__main__ import main
-main(sys.argv[1:])
-"""
-
-
 def test_a_service_whose_model_thread_stops_says_so_and_fails_its_calls(pair, tmp_path):
     """Not SERVING (the coordinator's pool takes the replica out; Kubernetes' gRPC probes restart it), and
     a call fails at once with UNAVAILABLE rather than hang until its deadline."""
     port, log = free_port(), tmp_path / "draft.log"
-    with log.open("w") as out:
-        service = subprocess.Popen([sys.executable, "-c", BREAKS_ON_A_PASS, "--model", pair[0], "--port", str(port)],
-                                   cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    service = LocalStack.launcher([sys.executable, "-m", "tests.services.broken_draft", "--model", str(pair[0]),
+                                   "--port", str(port)], ROOT, dict(os.environ), log, "w")
     try:
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         health = health_pb2_grpc.HealthStub(channel)
