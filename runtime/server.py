@@ -128,7 +128,7 @@ async def serve(
     try:
         await asyncio.wait_for(drained(drain, quiet), grace)
     except TimeoutError:
-        log.warning("%s: %d calls still in flight after the %.0f s grace%s: cancelled", name, drain.active, grace,
+        log.warning("%s: %d calls still in flight after the %g s grace%s: cancelled", name, drain.active, grace,
                     "" if quiet is None or quiet() else ", sessions still held")
     await server.stop(max(0.0, grace - (asyncio.get_running_loop().time() - began)))
     if on_stop is not None:
