@@ -255,8 +255,9 @@ def run_model_service(name: str, args: argparse.Namespace, make_servicer: Callab
                 loop.call_soon_threadsafe(lambda: broken.done() or broken.set_result(message))
 
             servicer.thread.on_failure = breaks
-            if servicer.thread.failed is not None:  # (before it was told)
-                breaks(f"its model thread stopped ({servicer.thread.failed})")
+            failed = servicer.thread.failed
+            if failed is not None:  # (before it was told)
+                breaks(f"its model thread stopped ({type(failed).__name__}: {failed})")
             if runner is not None and runner.tp is not None:
                 from .tensor_parallel import watch
 
