@@ -158,7 +158,11 @@ class ModelThread:
                     for batcher in self.batchers:
                         ready = batcher.ready(now)
                         if isinstance(ready, list):
-                            work = batcher.pass_for(ready)
+                            try:
+                                work = batcher.pass_for(ready)
+                            except BaseException:
+                                batcher.waiting.extendleft(reversed(ready))  # (failed with the rest: _fail_queued)
+                                raise
                             break
                         if ready is not None:
                             timeout = ready - now if timeout is None else min(timeout, ready - now)
@@ -216,9 +220,10 @@ class ModelThread:
             log.critical("the model thread stopped: %s: %s", type(exc).__name__, exc, exc_info=exc)
             with self.cond:
                 self.failed = exc
-                self._fail_queued()
-            if self.on_failure is not None:
+            if self.on_failure is not None:  # (told first: NOT_SERVING before its callers hear UNAVAILABLE)
                 self.on_failure(f"its model thread stopped ({type(exc).__name__}: {exc})")
+            with self.cond:
+                self._fail_queued()
 
     def _fail_queued(self) -> None:
         """Under self.cond, the thread stopped: every job and call waiting fails (ModelThreadStopped)."""
@@ -226,7 +231,8 @@ class ModelThread:
                                    f"{self.failed}); it runs no more calls")
         while self.jobs:
             _, loop, future = self.jobs.popleft()
-            self._post((loop, future, None, error))
+            if loop is not None:  # (a job nobody waits for, a release: nothing to tell)
+                self._post((loop, future, None, error))
         for batcher in self.batchers:
             while batcher.waiting:
                 item = batcher.waiting.popleft()

@@ -65,8 +65,9 @@ async def serve(
     SIGINT (or when `stop` is set, if given).
 
     add_servicers registers the servicers and returns their full service names. `load` may return
-    a future that resolves (with a message) if the service breaks later, e.g. a tensor-parallel
-    rank dies: health then turns NOT_SERVING for good, and the server stays up to say why.
+    a future that resolves (with a message) if the service breaks later (a tensor-parallel rank
+    dies, a model service's model thread stops): health then turns NOT_SERVING for good, and the
+    server stays up to say why.
     `credentials` (server_credentials) make it serve TLS; a message larger than `max_request_bytes`
     is refused with RESOURCE_EXHAUSTED. `interceptors` run before the server's own (auth.RequireApiKey).
     Stopping, new calls are refused but those `admits(method, request)` lets through (interceptors.Drain),

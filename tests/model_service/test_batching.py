@@ -360,10 +360,12 @@ def test_a_call_given_up_as_its_pass_is_taken_is_left_out_not_an_empty_pass():
     assert [item.call for item in batcher.ready(now=0.0)] == ["b1"]  # the next call's pass (of another turn)
 
 
-def test_a_model_thread_that_stops_fails_what_waits_and_what_comes_and_says_so():
-    """A fault in the model thread's own work (here: taking a pass) stops it: every call queued and every
-    later job or call fails at once with ModelThreadStopped (UNAVAILABLE), not waits for ever, and
-    on_failure hears why (the service turns NOT_SERVING: tests/services)."""
+@pytest.mark.parametrize("breaking", ["ready", "pass_for"])
+def test_a_model_thread_that_stops_fails_what_waits_and_what_comes_and_says_so(breaking):
+    """A fault in the model thread's own work (taking a pass: choosing its calls, or making it of those
+    taken) stops it: every call queued, taken ones too, and every later job or call fails at once with
+    ModelThreadStopped (UNAVAILABLE), not waits for ever, and on_failure hears why (the service turns
+    NOT_SERVING: tests/services)."""
     passes, run_many = recording_run_many()
     started, release, held = held_first_pass(run_many)
     told = []
@@ -377,10 +379,10 @@ def test_a_model_thread_that_stops_fails_what_waits_and_what_comes_and_says_so()
         queued = [asyncio.ensure_future(batcher.submit(s, f"{s}1")) for s in "bc"]
         await until(lambda: len(batcher.waiting) == 2)
 
-        def broken(now):
+        def broken(*args):
             raise RuntimeError("taking a pass broke")
 
-        batcher.ready = broken
+        setattr(batcher, breaking, broken)
         release.set()
         outcomes = await asyncio.gather(first, *queued, return_exceptions=True)
         later = await asyncio.gather(batcher.submit("d", "d1"), thread.run(lambda: 1), return_exceptions=True)
