@@ -378,8 +378,7 @@ def constraint_of(body: Body) -> Constraint | None:
             text = json.dumps(value) if kind == "choice" else _schema_text(value, name) if kind == "json_schema" else value
             found.append((name, Constraint(kind, text)))
     for key, value in (body.structured_outputs or {}).items():
-        kind = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
-                "json_object": "json_object"}.get(key)
+        kind = STRUCTURED_OUTPUTS.get(key)
         if value is None or key in JSON_LAYOUT or (key == "json_object" and value is False):
             continue
         if kind == "json_object":
@@ -388,8 +387,8 @@ def constraint_of(body: Body) -> Constraint | None:
             found.append(("structured_outputs.json_object", Constraint("json_object")))
             continue
         if kind is None:
-            raise ApiError(400, f"structured_outputs.{key} is not supported (json, regex, choice, grammar,"
-                                f" json_object, whitespace_pattern or disable_any_whitespace)",
+            *known, last = [*STRUCTURED_OUTPUTS, *JSON_LAYOUT]
+            raise ApiError(400, f"structured_outputs.{key} is not supported ({', '.join(known)} or {last})",
                            "structured_outputs", "unsupported_parameter")
         if kind == "choice" and not (isinstance(value, list) and all(isinstance(c, str) for c in value)):
             raise ApiError(400, "structured_outputs.choice: a list of strings", "structured_outputs")
@@ -404,6 +403,9 @@ def constraint_of(body: Body) -> Constraint | None:
     return json_layout(body, found[0][1] if found else None)
 
 
+# vLLM's structured_outputs keys that name a constraint, and its kind
+STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                      "json_object": "json_object"}
 # vLLM's structured_outputs keys that set a JSON constraint's whitespace, as llguidance's x-guidance options
 JSON_LAYOUT = {"whitespace_pattern": "whitespace_pattern", "disable_any_whitespace": "whitespace_flexible"}
 

@@ -75,6 +75,7 @@ class RecentLatency:
 
 DRAFT_WAIT = 30.0  # s: how long a starting coordinator waits for a draft replica once the target is ready
 CLOSE_WAIT = 5.0  # s: how long a stopping coordinator waits for its generations' session releases
+CHECK_TIMEOUT = 2.0  # s: a health check's deadline (the channel's (re)connection included)
 AFFINITY_BLOCK = 32  # tokens a prompt is hashed in (each block's hash covers the blocks before it too)
 AFFINITY_ENTRIES = 1 << 16  # block hashes noted at most, the least recently noted dropped first
 AFFINITY_SLACK = 2  # requests in flight a replica holding a prompt's prefix may have beyond the least busy one's
@@ -271,26 +272,23 @@ class Pool:
         try:
             # wait_for_ready: a replica just back is dialled within the check (not failed for the backoff left)
             reply = await health_pb2_grpc.HealthStub(replica.peer.channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=2.0, wait_for_ready=True)
+                health_pb2.HealthCheckRequest(service=""), timeout=CHECK_TIMEOUT, wait_for_ready=True)
             healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
             if healthy:
                 # at every check, not once: what answers at an address may have been restarted with
                 # another model (and a refused one with the pool's)
                 info = await replica.peer.call(replica.peer.stub.GetModelInfo, pb.ModelInfoRequest(), timeout=5.0)
-                if self.reference is None and (refused := self.accept(info)):
+                # (before the pool has a model: `accept`'s reason, else how it differs from the pool's)
+                refused, said = (self.accept(info), "") if self.reference is None else \
+                    (unlike(info, self.reference), "it ")
+                if refused:
                     if replica.refused != refused:
-                        log.error("%s replica %s refused: %s", self.name, replica.address, refused)
+                        log.error("%s replica %s refused: %s%s", self.name, replica.address, said, refused)
                     replica.refused = refused
                     replica.healthy = False
                     return
                 if self.reference is None:
                     self.reference = info
-                elif refused := unlike(info, self.reference):
-                    if replica.refused != refused:
-                        log.error("%s replica %s refused: it %s", self.name, replica.address, refused)
-                    replica.refused = refused
-                    replica.healthy = False
-                    return
                 if replica.refused:
                     log.info("%s replica %s serves the pool's model again", self.name, replica.address)
                     replica.refused = ""
@@ -313,7 +311,7 @@ class Pool:
             try:
                 await health_pb2_grpc.HealthStub(replica.peer.channel).Check(
                     health_pb2.HealthCheckRequest(service=""), timeout=0.5)
-                return "its health check took more than 2 s"
+                return f"its health check took more than {CHECK_TIMEOUT:g} s"
             except Exception as e:  # noqa: BLE001 - the reason wanted
                 error = e
         if isinstance(error, grpc.aio.AioRpcError):
