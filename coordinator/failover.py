@@ -186,13 +186,16 @@ class _Failover:
     async def release(self, session_id: str) -> None:
         """Release the request's session on its replica; a release that fails (a replica too slow to
         answer it in time, or hung) is made again in the background (`_forget`), not left to the
-        replica's idle timeout."""
+        replica's idle timeout. The request waits for it RELEASE_WAIT at most (a hung replica does not
+        hold a cancel, or a reply, for the release's timeout); then it goes on in the background."""
         if self.replica is not None:
             replica, self.replica = self.replica, None
             task = asyncio.ensure_future(self._release(replica, self.session or session_id))
             self.pool.releasing.add(task)  # (a stopping coordinator closes the channel after it: Pool.close)
             task.add_done_callback(self.pool.releasing.discard)
-            await asyncio.shield(task)
+            done, _ = await asyncio.wait([task], timeout=RELEASE_WAIT)
+            if done:
+                task.result()  # (a fault of its own, raised to the caller)
 
     async def _release(self, replica: Replica, session: str) -> None:
         try:

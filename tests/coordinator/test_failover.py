@@ -598,6 +598,44 @@ def test_a_release_that_fails_at_the_end_of_a_request_is_made_again(monkeypatch)
     assert peer.released == ["s.1"] and peer.refusals == 0
 
 
+def test_a_request_ends_without_waiting_out_a_release_its_replica_does_not_answer(monkeypatch):
+    """A request's release on a replica that does not answer (stopped: the call would wait its 10 s timeout) holds
+    the request's end RELEASE_WAIT at most, not the call's timeout (a cancelled background response answered its
+    cancel after 10 s); the release goes on in the background, where a stopping coordinator waits for it."""
+    import asyncio
+
+    import coordinator.failover as failover
+    from coordinator.failover import FailoverTarget
+
+    monkeypatch.setattr(failover, "RELEASE_WAIT", 0.01)
+
+    class Peer:
+        address, name = "t0", "target"
+
+        def __init__(self):
+            self.answer, self.released = asyncio.Event(), []
+
+        async def release(self, session):
+            await self.answer.wait()  # (hung until the test lets it answer)
+            self.released.append(session)
+
+    async def go():
+        peer = Peer()
+        pool = Pool("target", "t0", lambda address, server_name: peer)
+        replica = pool.replicas["t0"] = Replica(peer)
+        replica.healthy, replica.outstanding = True, 1
+        target = FailoverTarget(pool)
+        target.replica, target.session = replica, "s.1"
+        await asyncio.wait_for(target.release("s"), 30)  # (before: it waited for the answer, which never came)
+        [releasing] = pool.releasing
+        assert target.replica is None and not peer.released and replica.outstanding == 1
+        peer.answer.set()
+        await asyncio.wait_for(releasing, 30)
+        assert peer.released == ["s.1"] and replica.outstanding == 0
+
+    asyncio.run(go())
+
+
 def test_requests_that_fill_the_target_give_its_room_back_and_finish_as_alone(pair):
     """Two greedy requests (K = 2) on a target whose --max-kv-tokens holds either alone, not both: the
     one refused mid-request (RESOURCE_EXHAUSTED) gives its session's room back and starts it again
