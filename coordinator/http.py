@@ -47,6 +47,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import re
 import socket
 import ssl
@@ -80,6 +81,8 @@ from .peers import PeerError
 from .tools import ToolUse, call_of, conversation
 
 T = TypeVar("T")
+log = logging.getLogger("specdec.coordinator")
+CUT = "specdec.cut"  # the scope's key for a stream's `cut` (EventStream): how it ends where the server cuts it
 CORE_ERRORS = (InvalidRequest, NotPossible, NotReady, PeerError)
 # the HTTP status of a canonical code, as grpc-gateway maps them; any other: 500
 HTTP_STATUS = {"INVALID_ARGUMENT": 400, "FAILED_PRECONDITION": 400, "OUT_OF_RANGE": 400, "UNAUTHENTICATED": 401,
@@ -687,14 +690,21 @@ COMPLETIONS = Endpoint("/completions", CompletionBody, completion_request, "text
 
 class EventStream(StreamingResponse):
     """Server-sent events whose source is closed however the response ends, the client hanging up
-    included: the generation behind it stops then."""
+    included: the generation behind it stops then. `cut`: the events that end it with an error where the
+    server cuts it (AnswerPastGrace); by default a chat's or a completion's, an error event and [DONE]."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, content, headers: dict[str, str] | None = None, **kwargs) -> None:
+    def __init__(self, content, headers: dict[str, str] | None = None, cut: Callable[[ApiError], str] | None = None,
+                 **kwargs) -> None:
         # (every event as it comes: not cached, not held back by a buffering proxy such as nginx)
         super().__init__(content, headers={"cache-control": "no-cache", "x-accel-buffering": "no", **(headers or {})},
                          **kwargs)
+        self.cut = cut or (lambda error: event(error.body()) + event("[DONE]"))
+
+    async def __call__(self, scope, receive, send) -> None:
+        scope[CUT] = self.cut
+        await super().__call__(scope, receive, send)
 
     async def stream_response(self, send) -> None:
         async with contextlib.aclosing(self.body_iterator):
@@ -979,27 +989,32 @@ class RequireApiKey:
 class AnswerPastGrace:
     """ASGI middleware: a request the server cancels because its stop's grace ran out (uvicorn cancels what is
     left) gets OpenAI's error object, 503, where no response has started (uvicorn would send a bare 500); a
-    stream already under way is cut (operations.md, Shutdown)."""
+    stream already under way ends with its error event (EventStream's `cut`), not a connection closed mid-body
+    and a traceback logged for each (operations.md, Shutdown)."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        started = False
+        started = ended = False
 
         async def sending(message) -> None:
-            nonlocal started
+            nonlocal started, ended
             started = started or message["type"] == "http.response.start"
+            ended = ended or message["type"] == "http.response.body" and not message.get("more_body", False)
             await send(message)
 
         try:
             await self.app(scope, receive, sending)
         except asyncio.CancelledError:
-            if scope["type"] != "http" or started:
+            if scope["type"] != "http" or ended or started and CUT not in scope:
                 raise
             refused = ApiError(503, "the server is stopping (its shutdown grace ran out): retry on another replica",
                                code="unavailable")
-            await refused.response()(scope, receive, send)
+            if not started:
+                return await refused.response()(scope, receive, send)
+            log.warning("%s %s: a stream cut, the shutdown grace having run out", scope["method"], scope["path"])
+            await send({"type": "http.response.body", "body": scope[CUT](refused).encode(), "more_body": False})
 
 
 def app(coordinator: Coordinator, api_key: str | None = None, max_request_bytes: int = MAX_REQUEST_BYTES,

@@ -42,7 +42,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -648,12 +648,18 @@ def sse_event(kind: str, number: int, **data: Any) -> str:
     return f"event: {kind}\ndata: {payload}\n\n"
 
 
+def cut_at(number: Callable[[], int]) -> Callable[[ApiError], str]:
+    """A Responses stream's `cut` (EventStream): its error event, numbered number()."""
+    return lambda error: sse_event("error", number(), code=error.code, message=str(error), param=None)
+
+
 async def events(first: Chunk | None, chunks: AsyncIterator[Chunk], reply: Reply, answer: Answer,
-                 body: ResponsesBody, scorer: ChoiceLogprobs | None = None) -> AsyncIterator[str]:
-    """The Responses API's events, numbered: the items as the rounds bring them (Items). first: the generation's
-    first chunk, taken already (None: taken here, after response.created: a background stream's, whose
-    refusal is an error event)."""
-    number = itertools.count()
+                 body: ResponsesBody, scorer: ChoiceLogprobs | None = None,
+                 number: Iterator[int] | None = None) -> AsyncIterator[str]:
+    """The Responses API's events, numbered (by `number`, given where the stream's cut numbers its error event
+    after them): the items as the rounds bring them (Items). first: the generation's first chunk, taken already
+    (None: taken here, after response.created: a background stream's, whose refusal is an error event)."""
+    number = number or itertools.count()
 
     def sse(kind: str, **data: Any) -> str:
         return sse_event(kind, next(number), **data)
@@ -741,7 +747,8 @@ def routes(api: OpenAIApi, most: int, most_bytes: int = STORE_BYTES) -> list[Rou
                                           traceparent=request.headers.get("traceparent", ""))
         if body.background:  # (checked with the body: stored)
             if body.stream:
-                return EventStream(follow(begin_stream(chunks, reply, answer, body, scorer), -1))
+                kept = begin_stream(chunks, reply, answer, body, scorer)
+                return EventStream(follow(kept, -1), cut=cut_at(lambda: len(kept.events)))
             kept = answer.keep("queued")
             kept.task = asyncio.create_task(background(chunks, reply, answer, kept, scorer))
             return JSONResponse(kept.response)
@@ -755,7 +762,9 @@ def routes(api: OpenAIApi, most: int, most_bytes: int = STORE_BYTES) -> list[Rou
                 raise
         except CORE_ERRORS as e:
             raise refused(e, body) from e
-        return EventStream(events(first, chunks, reply, answer, body, scorer))
+        number = itertools.count()
+        return EventStream(events(first, chunks, reply, answer, body, scorer, number),
+                           cut=cut_at(lambda: next(number)))
 
     async def retrieve(request: Request) -> Response:
         """The kept response; `stream=true`: a background stream's events after sequence number `starting_after`
@@ -774,7 +783,7 @@ def routes(api: OpenAIApi, most: int, most_bytes: int = STORE_BYTES) -> list[Rou
         if not re.fullmatch(r"-?[0-9]+", after) or int(after) < -1:
             raise ApiError(400, f"starting_after must be an event's sequence number (a whole number from 0), not"
                                 f" {after!r}", "starting_after")
-        return EventStream(follow(kept, int(after)))
+        return EventStream(follow(kept, int(after)), cut=cut_at(lambda: len(kept.events)))
 
     async def cancel(request: Request) -> Response:
         """A background response's generation stopped (status cancelled); one that has ended is as it ended."""

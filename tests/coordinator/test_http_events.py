@@ -85,7 +85,8 @@ def test_the_usage_says_the_prompt_tokens_taken_cached_once_a_prompt():
 @pytest.mark.parametrize("started", [False, True])
 def test_a_request_cancelled_past_the_shutdown_grace_is_a_503_where_nothing_was_sent(started):
     """uvicorn cancels the requests left when a stop's grace runs out: one that has sent nothing gets OpenAI's
-    error object, 503 (uvicorn would send a bare 500); a stream under way is cut (the cancel goes on)."""
+    error object, 503 (uvicorn would send a bare 500); a response under way that is not a stream is cut (the
+    cancel goes on)."""
     from coordinator.http import AnswerPastGrace
 
     async def application(scope, receive, send):
@@ -116,3 +117,53 @@ def test_a_request_cancelled_past_the_shutdown_grace_is_a_503_where_nothing_was_
     assert sent[0]["status"] == 503
     body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
     assert body["error"]["code"] == "unavailable" and "stopping" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("kind", ["chat", "responses"])
+def test_a_stream_cut_past_the_shutdown_grace_ends_with_its_error_event(kind):
+    """A stream under way when the grace runs out ends with its own error event (a chat's or a completion's then
+    [DONE]; a Responses stream's numbered after the events it sent) and a complete body, instead of a connection
+    closed mid-body and a traceback logged (uvicorn's, for the cancel the middleware let through)."""
+    import itertools
+
+    from coordinator.http import AnswerPastGrace, EventStream, event
+    from coordinator.responses import cut_at, sse_event
+
+    number = itertools.count()
+
+    async def source():
+        yield event({"choices": []}) if kind == "chat" else sse_event("response.created", next(number))
+        await asyncio.Event().wait()  # (a generation that goes on until the server cuts it)
+
+    cut = None if kind == "chat" else cut_at(lambda: next(number))
+
+    async def go():
+        sent, first = [], asyncio.Event()
+
+        async def send(message):
+            sent.append(message)
+            if message.get("body"):
+                first.set()
+
+        async def receive():
+            await asyncio.Event().wait()  # (the client reads on)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/x", "headers": [], "asgi": {"spec_version": "2.4"}}
+        serving = asyncio.ensure_future(AnswerPastGrace(EventStream(source(), cut=cut))(scope, receive, send))
+        await first.wait()
+        serving.cancel()  # (as uvicorn does when the grace runs out)
+        await serving  # (answered: not raised to uvicorn)
+        return sent
+
+    sent = asyncio.run(go())
+    assert sent[-1]["more_body"] is False
+    body = b"".join(m.get("body", b"") for m in sent[1:]).decode()
+    if kind == "chat":
+        error = json.loads(body.split("data: ")[-2])["error"]
+        assert body.endswith("data: [DONE]\n\n")
+    else:
+        last = body.split("\n\n")[-2]
+        assert last.startswith("event: error\n")
+        error = json.loads(last.split("data: ")[1])
+        assert error["sequence_number"] == 1 and error["type"] == "error"
+    assert error["code"] == "unavailable" and "shutdown grace" in error["message"]

@@ -8,9 +8,12 @@ waits at its first verification until the test continues the target, after SIGTE
 
 from __future__ import annotations
 
+import http.client
+import json
 import signal
 import threading
 import time
+import urllib.parse
 
 import grpc
 import pytest
@@ -128,16 +131,27 @@ def test_a_stopping_target_serves_its_sessions_rounds_however_they_come(pair, re
 def test_a_coordinator_stopped_past_its_grace_releases_its_generations_sessions(pair):
     """--shutdown-grace 0 cuts the generations in flight at once; before the coordinator exits, their sessions'
     releases are answered (unary Release calls under --peer-calls unary), not dropped with its channels: the
-    services hold no session of theirs after it (they held them until their idle timeout)."""
+    services hold no session of theirs after it (they held them until their idle timeout). An HTTP stream cut
+    ends with its error event and [DONE], its body whole (it was closed mid-body, a traceback logged)."""
     draft, target = pair
-    with LocalStack(draft, target, coordinator_args=["--peer-calls", "unary", "--shutdown-grace", "0"]) as stack:
+    with LocalStack(draft, target, http_port=0,
+                    coordinator_args=["--peer-calls", "unary", "--shutdown-grace", "0"]) as stack:
         stub = pb_grpc.GenerationStub(grpc.insecure_channel(stack.addr))
         streams = [stub.GenerateStream(pb.GenerateRequest(prompt=f"def f{i}(x):", max_new_tokens=400, temperature=0.0,
                                                           num_speculative_tokens=1), timeout=60) for i in range(3)]
         for stream in streams:
             next(stream)  # each under way: its sessions held on both services
+        address = urllib.parse.urlsplit(stack.http_url)
+        connection = http.client.HTTPConnection(address.hostname, address.port, timeout=60)
+        asked = {"model": "target", "prompt": "def g(x):", "stream": True, "max_tokens": 400, "ignore_eos": True,
+                 "temperature": 0}
+        connection.request("POST", "/v1/completions", json.dumps(asked))
+        events = connection.getresponse()
+        assert events.status == 200 and events.readline().startswith(b"data: ")  # under way
         coordinator = stack.procs["coordinator"]
         coordinator.send_signal(signal.SIGTERM)
+        last = events.read().decode().split("\n\n")[-3:]  # (IncompleteRead, before)
+        assert last[1] == "data: [DONE]" and json.loads(last[0][len("data: "):])["error"]["code"] == "unavailable"
         cut = 0
         for stream in streams:
             try:
@@ -149,6 +163,7 @@ def test_a_coordinator_stopped_past_its_grace_releases_its_generations_sessions(
         assert cut >= 1  # (generations were cut: their releases are what is checked)
         assert active_sessions(stack.target_addr, pb_grpc.TargetStub) == 0
         assert active_sessions(stack.draft_addr, pb_grpc.DraftStub) == 0
+        assert "Exception in ASGI application" not in (stack.log_dir / "coordinator.log").read_text()
 
 
 def test_a_stopping_target_refuses_new_sessions_one_by_one_and_stops_once_released(pair):
