@@ -558,6 +558,16 @@ def test_a_release_on_a_hung_replica_is_made_again_once_it_serves(monkeypatch):
     asyncio.run(go())
 
 
+def holding(kind, peer) -> tuple[Replica, object]:
+    """(a replica of `peer`, healthy, and a FailoverDraft or FailoverTarget (`kind`) holding session s.1 there)."""
+    pool = Pool(peer.name, peer.address, lambda address, server_name: peer)
+    replica = pool.replicas[peer.address] = Replica(peer)
+    replica.healthy, replica.outstanding = True, 1
+    made = kind(pool)
+    made.replica, made.session = replica, "s.1"
+    return replica, made
+
+
 def test_a_release_that_fails_at_the_end_of_a_request_is_made_again(monkeypatch):
     """A request's own release at its end that fails (the replica too loaded to answer within the
     call's timeout) is made again in the background until it is answered, not left to the
@@ -584,11 +594,7 @@ def test_a_release_that_fails_at_the_end_of_a_request_is_made_again(monkeypatch)
 
     async def go():
         peer = Peer()
-        pool = Pool("draft", "d0", lambda address, server_name: peer)
-        replica = pool.replicas["d0"] = Replica(peer)
-        replica.healthy, replica.outstanding = True, 1
-        draft = FailoverDraft(pool)
-        draft.replica, draft.session = replica, "s.1"
+        replica, draft = holding(FailoverDraft, peer)
         await draft.release("s")  # the first try fails: the request ends all the same
         assert replica.outstanding == 0 and draft.replica is None
         await asyncio.wait_for(asyncio.gather(*FORGETTING), 30)
@@ -621,11 +627,8 @@ def test_a_request_ends_without_waiting_out_a_release_its_replica_does_not_answe
 
     async def go():
         peer = Peer()
-        pool = Pool("target", "t0", lambda address, server_name: peer)
-        replica = pool.replicas["t0"] = Replica(peer)
-        replica.healthy, replica.outstanding = True, 1
-        target = FailoverTarget(pool)
-        target.replica, target.session = replica, "s.1"
+        replica, target = holding(FailoverTarget, peer)
+        pool = target.pool
         await asyncio.wait_for(target.release("s"), 30)  # (before: it waited for the answer, which never came)
         [releasing] = pool.releasing
         assert target.replica is None and not peer.released and replica.outstanding == 1
