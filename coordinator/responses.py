@@ -608,9 +608,12 @@ class Items:
                                                                         "delta": function["arguments"]}))
         return out
 
-    def end(self, status: str) -> list[tuple[str, dict]]:
-        """The last item closed with the answer's status (an answer with none: an empty message)."""
+    def end(self, status: str, scored: list[dict] = ()) -> list[tuple[str, dict]]:
+        """The last item closed with the answer's status (an answer with none: an empty message); `scored`: the
+        entries of its last tokens, which brought no text (as the unary answer lists them)."""
         out = [] if self.output else self._begin(message_item("", "in_progress"))
+        if scored and self.open is not None and self.open["type"] == "message":
+            self.open["content"][0]["logprobs"] += scored
         return out + self._close(status)
 
     def _at(self, item: dict) -> dict:
@@ -676,18 +679,20 @@ async def events(first: Chunk | None, chunks: AsyncIterator[Chunk], reply: Reply
                 yield sse("response.queued", response=answer.at("queued", []))
             yield sse("response.in_progress", response=answer.at("in_progress", []))
             chunk, opened = first if first is not None else await anext(chunks), False
+            held: list[dict] = []  # the entries of tokens whose text is held back (TextStream): sent with its text
             while True:
                 finish = None if chunk.finish is None else FINISH[chunk.finish]
-                scored = entries(scorer, chunk)
+                scored = held + entries(scorer, chunk)
                 for choice in reply(chunk.text, finish, True, not opened):
                     for kind, data in items.feed(choice["delta"], scored):
                         yield sse(kind, **data)
+                held = [] if chunk.text else scored
                 opened = True
                 if chunk.summary is not None:
                     break
                 chunk = await anext(chunks)
             status = status_of(finish)
-            for kind, data in items.end(status):
+            for kind, data in items.end(status, held):
                 yield sse(kind, **data)
             yield sse(f"response.{status}", response=answer.end(status, items.output, chunk.summary))
         except (ApiError, *CORE_ERRORS) as e:

@@ -237,6 +237,20 @@ def test_responses_logprobs_are_the_chats(client):
     assert [(e.token, e.logprob) for e in included.output[0].content[0].logprobs] == [
         (token, value) for token, value, _ in want]
     assert client.responses.create(**{**asked, "top_logprobs": None}).output[0].content[0].logprobs == []
+    # rounds whose text is held back (a character's bytes not all come, a stop string's start) send their tokens'
+    # entries with the text that comes, and the last ones with the part's end: as many as the unary answer has
+    for k in (0, 4):
+        held = dict(model="target", input="Hello", max_output_tokens=20, temperature=0, top_logprobs=1,
+                    extra_body={"num_speculative_tokens": k})
+        unary = [(e.token, e.logprob) for e in client.responses.create(**held).output[0].content[0].logprobs]
+        with client.responses.create(**held, stream=True) as stream:
+            events = list(stream)
+        deltas = [(e.token, e.logprob) for event in events if event.type == "response.output_text.delta"
+                  for e in event.logprobs]
+        [done] = [event for event in events if event.type == "response.output_text.done"]
+        last = events[-1].response.output[0].content[0].logprobs
+        assert len(unary) == 20 and deltas == unary[:len(deltas)], k
+        assert [(e.token, e.logprob) for e in done.logprobs] == [(e.token, e.logprob) for e in last] == unary, k
 
 
 def test_responses_text_format_is_the_chats_response_format(client):
