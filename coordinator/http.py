@@ -837,6 +837,9 @@ class OpenAIApi:
                            for chunks, (generation, _) in zip(streams, choices)]
             replies = [reply for _, reply in choices]
             scorers = self.scorers(endpoint, len(choices)) if logprobs_asked(body) is not None else None
+            if scorers and endpoint is COMPLETIONS and body.echo:
+                for scorer, (generation, _) in zip(scorers, choices):
+                    scorer.said = generation.prompt  # (echoed as sent: None where it was token ids)
             head = {"id": f"{endpoint.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
             try:
                 if not body.stream:

@@ -87,6 +87,7 @@ class ChoiceLogprobs:
     def __init__(self, texts: TokenText, chat: bool):
         self.texts, self.chat = texts, chat
         self.offset = 0  # characters of completion before the next token (completions)
+        self.said: str | None = None  # an echoed prompt's text as sent, where it was sent as text
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")  # the tokens' bytes, as the text decodes
 
     def __call__(self, tokens: list[int], scores: Logprobs | None, prompt: Any = None) -> dict | None:
@@ -97,7 +98,7 @@ class ChoiceLogprobs:
         parts = []
         if prompt is not None:
             parts.append(self._completion(prompt.token_ids, [None, *prompt.logprobs.values],
-                                          [None, *map(prompt.logprobs.tops, range(len(prompt.logprobs)))]))
+                                          [None, *map(prompt.logprobs.tops, range(len(prompt.logprobs)))], self.said))
             # the echoed text is the prompt's decoded apart from the completion's: a character the prompt's
             # last tokens leave unfinished is its own U+FFFD there
             self.offset += len(self.decoder.decode(b"", final=True))
@@ -119,7 +120,9 @@ class ChoiceLogprobs:
         return {"content": content, "refusal": None}
 
     def _completion(self, tokens: list[int], values: list[float | None],
-                    likeliest: list[list[tuple[int, float]] | None]) -> dict:
+                    likeliest: list[list[tuple[int, float]] | None], said: str | None = None) -> dict:
+        """`said`: the text these tokens are echoed as (a prompt as sent), where a special token's text that it
+        spells out takes its room (a completion's text has none of theirs)."""
         texts, offsets, tops = [], [], []
         for token, value, best in zip(tokens, values, likeliest):
             text, raw = self.texts(token)
@@ -132,6 +135,8 @@ class ChoiceLogprobs:
             offsets.append(self.offset)
             if not special:
                 self.offset += len(self.decoder.decode(bytes(raw)))
+            elif said is not None and said.startswith(text, self.offset):
+                self.offset += len(text)
             if value is None:  # (a prompt's first token: nothing before it to score it)
                 tops.append(None)
                 continue

@@ -250,6 +250,19 @@ def test_completions_echo_the_prompt_with_its_logprobs(client, pair, grpc_scored
         assert [at - len(PROMPT) for at in lp.text_offset[len(ids) :]] == alone.choices[0].logprobs.text_offset
 
 
+def test_echo_offsets_count_the_text_of_a_special_token_the_prompt_spells_out(client, pair):
+    """A text prompt that spells out a special token's text is echoed as sent, that text included: the offsets
+    after it count it (they pointed that many characters early: a completion's own text has no special's)."""
+    special = AutoTokenizer.from_pretrained(pair[1]).eos_token
+    prompt = f"a{special}b c"
+    reply = client.completions.create(model="target", prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                      logprobs=0)
+    text, lp, read = reply.choices[0].text, reply.choices[0].logprobs, reply.usage.prompt_tokens
+    assert text.startswith(prompt) and special in lp.tokens[:read]  # (read as the special token, not its letters)
+    assert [text[at : at + len(token)] for token, at in zip(lp.tokens[:read], lp.text_offset)] == lp.tokens[:read]
+    assert lp.text_offset[read] == len(prompt)  # (the completion's first token right after it)
+
+
 def test_echo_without_logprobs_and_from_token_ids(client, grpc_scored):
     ids = list(grpc_scored.prompt_token_ids)
     plain = client.completions.create(model="target", prompt=PROMPT, max_tokens=3, temperature=0, echo=True)
