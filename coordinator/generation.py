@@ -702,4 +702,7 @@ class Coordinator:
                 failover.close()
         wall_ms = (time.perf_counter() - start) * 1e3
         summary = Summary(stats, plan.policy.k, plan.policy.adaptive, plan.params.seed, len(plan.prompt), wall_ms)
-        yield Chunk(token_ids=[], text=text.take(final=True), finish=finish, summary=summary, prompt=prompt())
+        last = text.take(final=True)
+        if text.stopped and finish is Finish.LENGTH:  # (a stop string that the last, unfinished character completes)
+            finish = Finish.STOP
+        yield Chunk(token_ids=[], text=last, finish=finish, summary=summary, prompt=prompt())

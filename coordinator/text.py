@@ -42,24 +42,29 @@ class TextStream:
         before = self._decode(self.ids[self._prefix : self._read])
         after = self._decode(self.ids[self._prefix :])
         if len(after) > len(before) and not after.endswith("\ufffd"):  # \ufffd: a character still incomplete
-            old = len(self.text)
-            self.text += after[len(before) :]
             self._prefix, self._read = self._read, len(self.ids)
-            if self.stop and self.added > self.min_tokens:
-                # each stop string where it would end in the new text (one that ended before it was looked
-                # for then, or came within min_tokens: not a stop)
-                hits = [i for i in (self.text.find(s, max(0, old - len(s) + 1)) for s in self.stop) if i >= 0]
-                if hits:
-                    self.text = self.text[: min(hits)]
-                    self.stopped = True
+            self._grow(after[len(before) :])
+
+    def _grow(self, new: str) -> None:
+        """Append `new` text, ended before a stop string it completes (then `stopped`)."""
+        old = len(self.text)
+        self.text += new
+        if self.stop and self.added > self.min_tokens:
+            # each stop string where it would end in the new text (one that ended before it was looked
+            # for then, or came within min_tokens: not a stop)
+            hits = [i for i in (self.text.find(s, max(0, old - len(s) + 1)) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.stopped = True
 
     def take(self, final: bool = False) -> str:
-        """Text not yet released that is final (all of it when `final` or stopped)."""
+        """Text not yet released that is final (all of it when `final` or stopped). A trailing incomplete
+        character released by `final` may complete a stop string too (one with U+FFFD in it)."""
         if final and not self.stopped:  # release a trailing incomplete character as decoded
             before = self._decode(self.ids[self._prefix : self._read])
             after = self._decode(self.ids[self._prefix :])
-            self.text += after[len(before) :]
             self._prefix = self._read = len(self.ids)
+            self._grow(after[len(before) :])
         end = len(self.text)
         if not (final or self.stopped):
             end -= self._held_back()

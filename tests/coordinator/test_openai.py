@@ -662,6 +662,16 @@ def test_stop_string_ends_the_text_as_grpc_does(client, stub):
     assert reply.choices[0].finish_reason == "stop"
 
 
+def test_a_stop_string_the_last_unfinished_character_completes_ends_the_text(client, stub):
+    """An output that ends inside a character (max_tokens) ends its text with U+FFFD: a stop string that it
+    completes ends the text there too, finish "stop" (it was sent, finish "length")."""
+    ends = [n for n in range(2, 16) if grpc_text(stub, prompt="hello", max_new_tokens=n).text.endswith("\ufffd")]
+    assert ends  # (the test can fail: an output that ends so)
+    full = grpc_text(stub, prompt="hello", max_new_tokens=ends[0]).text
+    reply = client.completions.create(model="target", prompt="hello", max_tokens=ends[0], temperature=0, stop="\ufffd")
+    assert reply.choices[0].text == full[: full.index("\ufffd")] and reply.choices[0].finish_reason == "stop"
+
+
 def test_stop_token_ids_end_the_completion_as_grpc_does(client, stub):
     full = grpc_text(stub, prompt=PROMPT, max_new_tokens=30)
     stop = list(full.token_ids)[4]

@@ -103,3 +103,16 @@ def test_a_prompt_that_ends_inside_a_character_is_no_context(tokenizer):
     for t in euro[1:]:
         s.add(t)
     assert s.take(final=True) == tokenizer.decode(euro[1:])
+
+
+@pytest.mark.parametrize("stop", ["\ufffd", "t\ufffd"])
+def test_a_stop_string_the_last_unfinished_character_completes_ends_the_text(tokenizer, stop):
+    """The output's end releases a character left unfinished as U+FFFD: a stop string it completes is looked for
+    there too (it was released past the stop string, the finish "length")."""
+    euro = tokenizer("\u20ac", add_special_tokens=False)["input_ids"]  # three bytes
+    s = TextStream(tokenizer, [stop])
+    for t in tokenizer("set", add_special_tokens=False)["input_ids"] + euro[:1]:
+        s.add(t)
+    streamed = s.take()
+    assert not s.stopped and streamed + s.take(final=True) == "se" + ("t" if stop == "\ufffd" else "")
+    assert s.stopped
