@@ -126,8 +126,9 @@ def core_error(error: Exception, max_tokens: str = "max_tokens") -> ApiError:
     request gave the output's bound, a chat's max_completion_tokens where it did)."""
     code = outcome(error)
     message, param = str(error), getattr(error, "param", None)
-    if param == "max_new_tokens":  # (its messages name it: this API's clients know it as max_tokens)
-        message, param = message.replace(param, max_tokens), max_tokens
+    message = message.replace("max_new_tokens", max_tokens)  # (the core's name: this API's clients know its own)
+    if param == "max_new_tokens":
+        param = max_tokens
     param = HTTP_FIELDS.get(param, param)
     return ApiError(HTTP_STATUS.get(code, 500), message, param, code.lower())
 

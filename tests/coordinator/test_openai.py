@@ -708,6 +708,10 @@ def test_min_tokens_goes_past_the_end_as_grpc_does_and_bad_ones_are_400(client, 
         with pytest.raises(openai.BadRequestError) as caught:
             client.completions.create(model="target", prompt=PROMPT, max_tokens=300, extra_body=extra)
         assert caught.value.body["param"] == "min_tokens", extra
+        assert "max_new_tokens" not in caught.value.body["message"], extra  # (the core's name, not this API's)
+    with pytest.raises(openai.BadRequestError, match=r"max_completion_tokens = 8\b"):
+        client.chat.completions.create(model="target", messages=chat(QUESTION), max_completion_tokens=8,
+                                       extra_body={"min_tokens": 9})
 
 
 def test_tokenize_gives_the_ids_a_generation_is_given_and_detokenize_their_text(api, stub, pair):
