@@ -193,9 +193,7 @@ class _Failover:
             task = asyncio.ensure_future(self._release(replica, self.session or session_id))
             self.pool.releasing.add(task)  # (a stopping coordinator closes the channel after it: Pool.close)
             task.add_done_callback(self.pool.releasing.discard)
-            done, _ = await asyncio.wait([task], timeout=RELEASE_WAIT)
-            if done:
-                task.result()  # (a fault of its own, raised to the caller)
+            await asyncio.wait([task], timeout=RELEASE_WAIT)
 
     async def _release(self, replica: Replica, session: str) -> None:
         try:
@@ -204,6 +202,8 @@ class _Failover:
             log.info("%s: releasing %s on %s failed (%s): trying again in the background", self.pool.name,
                      session, replica.address, e)
             self._in_background(self._forget(replica, session))
+        except Exception:  # (a fault of its own: logged, the request having ended)
+            log.exception("%s: releasing %s on %s failed", self.pool.name, session, replica.address)
         finally:
             self.pool.release(replica)
 

@@ -703,6 +703,6 @@ class Coordinator:
         wall_ms = (time.perf_counter() - start) * 1e3
         summary = Summary(stats, plan.policy.k, plan.policy.adaptive, plan.params.seed, len(plan.prompt), wall_ms)
         last = text.take(final=True)
-        if text.stopped and finish is Finish.LENGTH:  # (a stop string that the last, unfinished character completes)
+        if text.stopped:  # (a stop string that the last, unfinished character completes: it ends the text)
             finish = Finish.STOP
         yield Chunk(token_ids=[], text=last, finish=finish, summary=summary, prompt=prompt())

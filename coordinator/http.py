@@ -1011,8 +1011,9 @@ class AnswerPastGrace:
         try:
             await self.app(scope, receive, sending)
         except asyncio.CancelledError:
-            if scope["type"] != "http" or ended or started and CUT not in scope:
-                raise
+            if scope["type"] != "http" or ended or started and (CUT not in scope
+                                                                 or not asyncio.current_task().cancelling()):
+                raise  # (a stream ends with its cut only where the server cancels it, not for a cancel from below)
             refused = ApiError(503, "the server is stopping (its shutdown grace ran out): retry on another replica",
                                code="unavailable")
             if not started:

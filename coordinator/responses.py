@@ -96,7 +96,7 @@ class ResponsesBody(Body):
 
 def refused(error: Exception, body: ResponsesBody) -> ApiError:
     """A chat path's refusal in this API's terms: the field as this API names it."""
-    made = error if isinstance(error, ApiError) else core_error(error)
+    made = error if isinstance(error, ApiError) else core_error(error, "max_output_tokens")
     param, message = made.param, str(made)
     if made.status == 400 and param is None and "constraint" in message:  # (its structured output's or tools')
         param = "tools" if body.tools else "text" if format_of(body) is not None else None

@@ -712,6 +712,8 @@ def test_min_tokens_goes_past_the_end_as_grpc_does_and_bad_ones_are_400(client, 
     with pytest.raises(openai.BadRequestError, match=r"max_completion_tokens = 8\b"):
         client.chat.completions.create(model="target", messages=chat(QUESTION), max_completion_tokens=8,
                                        extra_body={"min_tokens": 9})
+    with pytest.raises(openai.BadRequestError, match=r"max_output_tokens = 8\b"):
+        client.responses.create(model="target", input="x", max_output_tokens=8, extra_body={"min_tokens": 9})
 
 
 def test_tokenize_gives_the_ids_a_generation_is_given_and_detokenize_their_text(api, stub, pair):
