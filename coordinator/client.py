@@ -8,7 +8,8 @@
 
 Prints the text (as it arrives with --stream), or with --json one JSON object
 with text, token_ids, finish_reason and stats. --stats adds the acceptance
-statistics on stderr. Exits 1 with the gRPC status on an error.
+statistics on stderr. Exits 1 with the gRPC status on an error; 2 on a flag refused (a value past
+its field's range included).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from runtime.auth import bearer
 from runtime.transport import add_dial_flags, channel_credentials, open_channel
 
 
+MAX_TIMEOUT = 1e8  # s (about 3 years)
+
+
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     if args.chat or args.system is not None:
         messages = [pb.ChatMessage(role="system", content=args.system)] if args.system is not None else []
@@ -38,8 +42,19 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
                   "draft_p_min"):
         value = getattr(args, field)
         if value is not None:
-            setattr(request, field, value)
+            try:
+                setattr(request, field, value)
+            except ValueError as e:  # (past the field's range: the server would never see it)
+                raise ValueError(f"--{field.replace('_', '-')} {value}: {e}") from None
     return request
+
+
+def seconds(text: str) -> float:
+    """A deadline in seconds: above 0, at most MAX_TIMEOUT (grpc fails one past ~1e10 s at once, as exceeded)."""
+    value = float(text)
+    if not 0 < value <= MAX_TIMEOUT:
+        raise argparse.ArgumentTypeError(f"a deadline is more than 0 s and at most {MAX_TIMEOUT:g} s, not {text}")
+    return value
 
 
 def format_stats(stats: pb.GenerationStats) -> str:
@@ -81,7 +96,7 @@ def main(argv=None, prog: str = "python -m coordinator.client") -> int:
     parser.add_argument("--num-speculative-tokens", "-k", type=int,
                         help="a fixed K, draft tokens per round (default: the server's, adaptive unless set)")
     parser.add_argument("--draft-p-min", type=float, help="the draft stops at a token it is less sure of than this")
-    parser.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
+    parser.add_argument("--timeout", type=seconds, default=300.0, help="deadline in seconds")
     add_dial_flags(parser, "tls", "the coordinator")
     parser.add_argument("--tls", action="store_true",
                         help="TLS, verifying the coordinator against the system's root certificates (for a"
@@ -91,7 +106,10 @@ def main(argv=None, prog: str = "python -m coordinator.client") -> int:
                              " (default: $SPECDEC_API_KEY)")
     args = parser.parse_args(argv)
 
-    request = build_request(args)
+    try:
+        request = build_request(args)
+    except ValueError as e:
+        parser.error(str(e))  # (exits 2, as argparse's own refusals)
     metadata = bearer(args.api_key)
     credentials = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)
     if credentials is None and args.tls:

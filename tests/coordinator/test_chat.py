@@ -90,3 +90,10 @@ def test_client_chat_flags_build_messages(stack, capsys):
     assert client_main(["--addr", stack.addr, "--chat", "-k", "2", "--temperature", "0", "--max-new-tokens", "8",
                         "hello"]) == 0
     assert capsys.readouterr().out.strip() != ""
+    # a value past its field's range, or a deadline grpc would fail at once: refused as argparse refuses (exit 2,
+    # the flag named), not a traceback, not DEADLINE_EXCEEDED
+    for flags, named in ((["--seed", "-1"], "--seed -1"), (["--max-new-tokens", str(2**31)], "--max-new-tokens"),
+                         (["--timeout", "inf"], "--timeout"), (["--timeout", "0"], "--timeout")):
+        with pytest.raises(SystemExit) as refused:
+            client_main(["--addr", stack.addr, *flags, "hello"])
+        assert refused.value.code == 2 and named in capsys.readouterr().err, flags
