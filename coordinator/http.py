@@ -840,7 +840,7 @@ class OpenAIApi:
             scorers = self.scorers(endpoint, len(choices)) if logprobs_asked(body) is not None else None
             if scorers and endpoint is COMPLETIONS and body.echo:
                 for scorer, (generation, _) in zip(scorers, choices):
-                    scorer.said = generation.prompt  # (echoed as sent: None where it was token ids)
+                    scorer.said = prompt_text(self.coordinator.ready().tokenizer, generation)
             head = {"id": f"{endpoint.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
             try:
                 if not body.stream:

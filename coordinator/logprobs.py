@@ -87,7 +87,7 @@ class ChoiceLogprobs:
     def __init__(self, texts: TokenText, chat: bool):
         self.texts, self.chat = texts, chat
         self.offset = 0  # characters of completion before the next token (completions)
-        self.said: str | None = None  # an echoed prompt's text as sent, where it was sent as text
+        self.said: str | None = None  # an echoed prompt's text
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")  # the tokens' bytes, as the text decodes
 
     def __call__(self, tokens: list[int], scores: Logprobs | None, prompt: Any = None) -> dict | None:
@@ -121,8 +121,9 @@ class ChoiceLogprobs:
 
     def _completion(self, tokens: list[int], values: list[float | None],
                     likeliest: list[list[tuple[int, float]] | None], said: str | None = None) -> dict:
-        """`said`: the text these tokens are echoed as (a prompt as sent), where a special token's text that it
-        spells out takes its room (a completion's text has none of theirs)."""
+        """`said`: the text these tokens are echoed as (the prompt), where a special token's text that it spells
+        out takes its room (a completion's text has none of theirs) and a word's space that it leaves out (a
+        SentencePiece decoder drops the first's) takes none."""
         texts, offsets, tops = [], [], []
         for token, value, best in zip(tokens, values, likeliest):
             text, raw = self.texts(token)
@@ -134,7 +135,11 @@ class ChoiceLogprobs:
                 self.decoder.reset()
             offsets.append(self.offset)
             if not special:
-                self.offset += len(self.decoder.decode(bytes(raw)))
+                piece = self.decoder.decode(bytes(raw))
+                if said is not None and piece.startswith(" ") and not said.startswith(piece, self.offset) \
+                        and said.startswith(piece[1:], self.offset):
+                    piece = piece[1:]  # (a SentencePiece word's mark where the echoed text has no space: its first)
+                self.offset += len(piece)
             elif said is not None and said.startswith(text, self.offset):
                 self.offset += len(text)
             if value is None:  # (a prompt's first token: nothing before it to score it)

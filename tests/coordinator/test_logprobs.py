@@ -196,6 +196,15 @@ def test_a_sentencepiece_tokens_text_keeps_the_space_it_starts_with():
     assert view["tokens"] == [" world", "!"] and view["text_offset"] == [0, 6]
 
 
+def test_an_echoed_sentencepiece_prompt_offsets_its_words_where_the_echo_has_them():
+    """Echoed, a SentencePiece prompt reads as its decoder gives it, without its first word's space ("world!"):
+    the first token takes no room for it, so "!" and the completion after are not one character late."""
+    view = ChoiceLogprobs(TokenText(Spaced()), chat=False)
+    view.said = "world!"
+    both = view([0], Logprobs(0, [-2.0]), ScoredPrompt([0, 1], Logprobs(0, [-1.0])))
+    assert both["tokens"] == [" world", "!", " world"] and both["text_offset"] == [0, 5, 6]  # "world! world"
+
+
 @pytest.fixture(scope="module")
 def api(pair, request):
     stack = LocalStack(*pair, http_port=0).start()
