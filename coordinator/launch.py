@@ -38,6 +38,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from assets.models import DRAFT, EAGLE, TARGET
+from runtime.cli import MAX_THREADS, PORT, number
 from runtime.ports import free_port
 from runtime.transport import channel_credentials, open_channel
 
@@ -292,24 +293,26 @@ def main(argv=None, prog: str = "python -m coordinator.launch") -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--draft-model", help="draft model directory (default: the default pair)")
     parser.add_argument("--target-model", help="target model directory (default: the default pair)")
-    parser.add_argument("--port", type=int, default=50050, help="coordinator port (another free one if taken)")
-    parser.add_argument("--http-port", type=int, default=8000,
+    parser.add_argument("--port", type=PORT, default=50050, help="coordinator port (another free one if taken)")
+    parser.add_argument("--http-port", type=PORT, default=8000,
                         help="the coordinator's OpenAI-compatible HTTP API (another free one if taken; 0: off)")
-    parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1),
+    parser.add_argument("--threads", type=number(int, 1, MAX_THREADS), default=min(2, os.cpu_count() or 1),
                         help="torch threads of the target service")
-    parser.add_argument("--batched-threads", type=int, default=0,
+    parser.add_argument("--batched-threads", type=number(int, 0, MAX_THREADS), default=0,
                         help="torch threads of the target for passes over several sessions (0: the target's"
                              " default, model_service.threads.default_threads: as many as --threads)")
-    parser.add_argument("--draft-threads", type=int, default=1,
+    parser.add_argument("--draft-threads", type=number(int, 1, MAX_THREADS), default=1,
                         help="torch threads of the draft service (its small matrices gain little from more)")
     parser.add_argument("--draft-method", default="auto", choices=["auto", "model", "ngram", "eagle"],
                         help="the drafts' drafting method: model (--draft-model), ngram (prompt lookup, no model),"
                              " eagle (--draft-model is an EAGLE-3 head, default models/eagle); auto: eagle where"
                              " models/eagle holds a head whose card's acceptance beats the distilled draft's and no"
                              " --draft-model is named, else model")
-    parser.add_argument("--draft-replicas", type=int, default=1, help="draft services behind the coordinator")
-    parser.add_argument("--target-replicas", type=int, default=1, help="target services behind the coordinator")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+    parser.add_argument("--draft-replicas", type=number(int, 1), default=1,
+                        help="draft services behind the coordinator")
+    parser.add_argument("--target-replicas", type=number(int, 1), default=1,
+                        help="target services behind the coordinator")
+    parser.add_argument("--tensor-parallel-size", type=number(int, 1), default=1,
                         help="shard each target over this many ranks (a local Ray instance places them)")
     parser.add_argument("--quantize", default="none",
                         help="both model services' --quantize: none (the weights as converted) or int4 (weight-only"
@@ -350,6 +353,9 @@ def main(argv=None, prog: str = "python -m coordinator.launch") -> int:
     before = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         return _serve(stack, args)
+    except RuntimeError as e:  # (a service that failed to start: its log's tail says why; none is left running)
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
     except KeyboardInterrupt:
         print(f"services stopped (exit codes {stack.stop()})", flush=True)
         return 0

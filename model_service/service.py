@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 
 from assets.models import MODELS
-from runtime.cli import EnvArgumentParser, setup_logging
+from runtime.cli import MAX_THREADS, EnvArgumentParser, number, setup_logging
 from runtime.metrics import add_metrics_flag, start as start_metrics
 from runtime.server import serve
 from runtime.transport import server_credentials
@@ -78,32 +78,33 @@ def add_model_flags(parser: EnvArgumentParser, role: str, model_required: bool =
     parser.add_argument("--forward", default="auto", choices=["auto", "transformers"],
                         help="auto: the lean forward for Llama/Mistral/Qwen2 models, transformers' own for others;"
                              " transformers: always transformers' own")
-    parser.add_argument("--threads", type=int, default=0,
+    parser.add_argument("--threads", type=number(int, 0, MAX_THREADS), default=0,
                         help="torch intra-op threads for this process (0: by role: " + (
                             "the target takes every CPU this process may use" if role == "target" else
                             "1, the draft's small matrices gain little from more and leave the rest to the target")
                         + "; see default_threads)")
-    parser.add_argument("--max-sessions", type=int, default=256, help="sessions held at once")
-    parser.add_argument("--session-idle-timeout", type=float, default=600.0,
+    parser.add_argument("--max-sessions", type=number(int, 1), default=256, help="sessions held at once")
+    parser.add_argument("--session-idle-timeout", type=number(float, above=0), default=600.0,
                         help="seconds after which an idle (abandoned) session is evicted")
-    parser.add_argument("--max-kv-tokens", type=int, default=0,
+    parser.add_argument("--max-kv-tokens", type=number(int, 0), default=0,
                         help="cap on tokens held by all sessions together, beyond which calls get RESOURCE_EXHAUSTED"
                              " (0: only --max-sessions x the context)")
-    parser.add_argument("--prefix-cache-mb", type=float, default=256.0,
+    parser.add_argument("--prefix-cache-mb", type=number(float, 0), default=256.0,
                         help="memory for the KV caches of finished requests' sessions, kept so that a later prompt"
                              " beginning with one's tokens (a chat's next turn: the last prompt, its answer and a new"
                              " message) takes that cache and computes only what is new; the least recently finished"
                              " dropped first, and first when --max-kv-tokens needs the room. 0: off. A target or a"
                              " draft model of one rank; the EAGLE head keeps its rows; the n-gram draft nothing")
-    parser.add_argument("--max-context", type=int, default=0,
+    parser.add_argument("--max-context", type=number(int, 0), default=0,
                         help="cap on tokens per session (0: the model's max_position_embeddings)")
-    parser.add_argument("--max-tokens-per-call", type=int, default=16, help="most draft tokens per round (K)")
+    parser.add_argument("--max-tokens-per-call", type=number(int, 1), default=16,
+                        help="most draft tokens per round (K)")
     parser.add_argument("--kv-pool-capacity", type=int, default=None,
                         help="the lean forward keeps sessions' KV caches as slots of one tensor, so a pass over"
                              " several sessions runs attention once per layer; the tensor holds slots x the longest"
                              " pooled session, at most this many positions (default 1024, kv_cache.POOL_CAPACITY);"
                              " a longer session moves to a cache of its own. 0: every session's cache on its own")
-    parser.add_argument("--batched-threads", type=int, default=0,
+    parser.add_argument("--batched-threads", type=number(int, 0, MAX_THREADS), default=0,
                         help="torch threads for passes over several sessions (0: --threads; see"
                              " model_service.threads.default_threads)")
     parser.set_defaults(role=role)

@@ -33,7 +33,10 @@ def api_key(args: argparse.Namespace) -> str | None:
     if args.api_key and args.api_key_file:
         raise SystemExit("give --api-key or --api-key-file, not both")
     if args.api_key_file:
-        lines = Path(args.api_key_file).read_text().splitlines()
+        try:
+            lines = Path(args.api_key_file).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as e:  # (missing, a directory, unreadable)
+            raise SystemExit(f"--api-key-file {args.api_key_file}: cannot read it: {e}") from None
         key = lines[0].strip() if lines else ""
         if not key:
             raise SystemExit(f"--api-key-file {args.api_key_file} holds no key")

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import atexit
 import logging
+import math
 import os
 import sys
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from .transport import add_tls_flags
@@ -28,6 +30,10 @@ class EnvArgumentParser(argparse.ArgumentParser):
                 value = os.environ[env]
                 if kwargs.get("action") == "store_true":
                     value = value.lower() in ("1", "true", "yes", "on")
+                elif "choices" in kwargs and kwargs.get("type", str)(value) not in kwargs["choices"]:
+                    # (argparse checks a flag's choices, not a default's)
+                    self.error(f"{env}: invalid choice {value!r} (choose from"
+                               f" {', '.join(map(str, kwargs['choices']))})")
                 kwargs["default"] = value
                 kwargs["required"] = False
             default = kwargs.get("default")
@@ -36,11 +42,33 @@ class EnvArgumentParser(argparse.ArgumentParser):
         return super().add_argument(*names, **kwargs)
 
 
+def number(kind: type = int, least: float | None = None, most: float | None = None,
+           above: float | None = None) -> Callable[[str], Any]:
+    """An argparse type: a finite `kind` (int or float) >= least, <= most and > above (None: no such bound);
+    refused as argparse refuses, the flag named (from the environment too: argparse parses a string default)."""
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not (math.isfinite(value) and (least is None or value >= least) and (most is None or value <= most)
+                and (above is None or value > above)):
+            bounds = [f"{sign} {bound:g}" for sign, bound in ((">=", least), (">", above), ("<=", most))
+                      if bound is not None]
+            raise argparse.ArgumentTypeError(f"must be {' and '.join(bounds)}, not {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # (argparse's "invalid int value" for what is no number)
+    return parse
+
+
+PORT = number(int, 0, 65535)
+MAX_THREADS = 1024  # a process's torch threads: past some such number it fails to make them (a crash, not an error)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def add_common_flags(parser: EnvArgumentParser, port: int) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
-    parser.add_argument("--port", type=int, default=port, help="port to serve on (0: pick a free one)")
-    parser.add_argument("--log-level", default="INFO", help="logging level")
-    parser.add_argument("--shutdown-grace", type=float, default=20.0,
+    parser.add_argument("--port", type=PORT, default=port, help="port to serve on (0: pick a free one)")
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO", help="logging level")
+    parser.add_argument("--shutdown-grace", type=number(float, 0), default=20.0,
                         help="seconds in-flight calls get to finish after SIGTERM (health turns NOT_SERVING at once)")
     add_tls_flags(parser)
 

@@ -15,10 +15,15 @@ LATENCY = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.
 
 
 def add_metrics_flag(parser) -> None:
-    parser.add_argument("--metrics-port", type=int, default=0,
+    from .cli import PORT
+
+    parser.add_argument("--metrics-port", type=PORT, default=0,
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: off)")
 
 
 def start(registry: CollectorRegistry, host: str, port: int) -> None:
     if port:
-        start_http_server(port, addr=host, registry=registry)
+        try:
+            start_http_server(port, addr=host, registry=registry)
+        except OSError as e:  # (taken, or a host it cannot bind)
+            raise SystemExit(f"--metrics-port: cannot serve metrics on {host}:{port}: {e.strerror or e}") from None

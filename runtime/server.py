@@ -77,17 +77,22 @@ async def serve(
     if tracing.configure(name):
         log.info("%s: tracing on (OTEL_* variables)", name)
     drain = Drain(admits)
+    # (no SO_REUSEPORT: a second server started on a port one serves is refused, not given half its calls)
     server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.max_receive_message_length", max_request_bytes)],
+                                      ("grpc.max_receive_message_length", max_request_bytes), ("grpc.so_reuseport", 0)],
                              interceptors=[drain, *interceptors, UndecodableRequests()])
     service_names = add_servicers(server)
     checks = Health(service_names)
     health_pb2_grpc.add_HealthServicer_to_server(checks.servicer, server)
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    if credentials is None:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    else:
-        bound = server.add_secure_port(f"{host}:{port}", credentials)
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = server.add_secure_port(f"{host}:{port}", credentials)
+    except RuntimeError as e:  # (grpc's "Failed to bind to address")
+        why = "taken, or not this machine's" + (", or --tls-cert and --tls-key unusable" if credentials else "")
+        raise SystemExit(f"{name}: cannot listen on {host}:{port} ({why}): {e}") from None
     await checks.set(False)
     await server.start()
     log.info("%s listening on %s:%d, %s (NOT_SERVING until ready)", name, host, bound,

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 
 from runtime.cli import EnvArgumentParser, add_common_flags
@@ -96,3 +98,73 @@ exit_process(3)
     assert out.stdout == "buffered, no newline"
     assert "the last log line" in out.stderr
     assert marker.read_text() == "ran"
+
+
+@pytest.mark.parametrize("module, flags, named", [
+    ("target_service", ["--port", "-1"], "--port: must be >= 0 and <= 65535, not -1"),
+    ("coordinator", ["--port", "70000"], "--port: must be >= 0 and <= 65535, not 70000"),
+    ("target_service", ["--metrics-port", "-3"], "--metrics-port: must be >= 0"),
+    ("target_service", ["--log-level", "bogus"], "--log-level: invalid choice: 'BOGUS'"),
+    ("target_service", ["--threads", "100000"], "--threads: must be >= 0 and <= 1024"),
+    ("target_service", ["--max-context", "-1"], "--max-context: must be >= 0, not -1"),
+    ("draft_service", ["--session-idle-timeout", "-1"], "--session-idle-timeout: must be > 0, not -1"),
+    ("target_service", ["--max-sessions", "0"], "--max-sessions: must be >= 1, not 0"),
+    ("draft_service", ["--max-tokens-per-call", "0"], "--max-tokens-per-call: must be >= 1, not 0"),
+    ("coordinator", ["--shutdown-grace", "nan"], "--shutdown-grace: must be >= 0, not nan"),
+    ("coordinator.launch", ["--target-replicas", "0"], "--target-replicas: must be >= 1, not 0"),
+    ("coordinator.launch", ["--http-port", "-5"], "--http-port: must be >= 0 and <= 65535, not -5"),
+])
+def test_a_number_out_of_its_flags_range_is_refused_naming_it(module, flags, named, capsys):
+    """Each served on (a negative port as 65535, 70000 as 4464), spun a core (a negative idle timeout), served and
+    refused every request (0 sessions, 0 tokens a call), crashed (100,000 threads) or raised a traceback."""
+    import importlib
+
+    main = importlib.import_module(f"{module}.__main__" if module != "coordinator.launch" else module)
+    parse = main.parse_args if hasattr(main, "parse_args") else main.main
+    with pytest.raises(SystemExit) as refused:
+        parse(["--model", "m", *flags] if module.endswith("service") else flags)
+    assert refused.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_a_choice_from_the_environment_is_checked_as_the_flags_are(monkeypatch, capsys):
+    """argparse checks a flag's choices, not a default's: SPECDEC_DRAFT_METHOD=bogus served the model method."""
+    from draft_service.__main__ import parse_args
+
+    monkeypatch.setenv("SPECDEC_DRAFT_METHOD", "bogus")
+    with pytest.raises(SystemExit) as refused:
+        parse_args(["--model", "m"])
+    assert refused.value.code == 2 and "SPECDEC_DRAFT_METHOD: invalid choice 'bogus'" in capsys.readouterr().err
+    monkeypatch.setenv("SPECDEC_DRAFT_METHOD", "ngram")
+    assert parse_args(["--model", "m"]).method == "ngram"
+
+
+def test_a_port_taken_or_an_unreadable_key_file_is_one_line_not_a_traceback(tmp_path):
+    """A port another server listens on (gRPC's SO_REUSEPORT let a second service bind it too and take half its
+    calls; a plain socket's port raised grpc's RuntimeError), and an --api-key-file that is not there."""
+    import asyncio
+    import socket
+    from argparse import Namespace
+
+    from runtime.auth import api_key
+    from runtime.server import serve
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+
+        async def start():  # (one that binds serves until stopped: the wait fails the test)
+            await asyncio.wait_for(serve("target", "127.0.0.1", port, lambda server: [], lambda: asyncio.sleep(0)), 30)
+
+        with pytest.raises(SystemExit, match=f"target: cannot listen on 127.0.0.1:{port} \\(taken"):
+            asyncio.run(start())
+    first = grpc.server(ThreadPoolExecutor(1))  # (a service already there: grpc's default SO_REUSEPORT)
+    port = first.add_insecure_port("127.0.0.1:0")
+    first.start()
+    try:
+        with pytest.raises(SystemExit, match=f"target: cannot listen on 127.0.0.1:{port} \\(taken"):
+            asyncio.run(start())
+    finally:
+        first.stop(0)
+    with pytest.raises(SystemExit, match="--api-key-file .*nope: cannot read it"):
+        api_key(Namespace(api_key=None, api_key_file=str(tmp_path / "nope")))
