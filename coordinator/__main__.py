@@ -28,7 +28,7 @@ import signal
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 from runtime.auth import RequireApiKey, add_api_key_flags, api_key
 from runtime.metrics import add_metrics_flag, start as start_metrics
-from runtime.cli import EnvArgumentParser, add_common_flags, exit_process, setup_logging
+from runtime.cli import PORT, EnvArgumentParser, add_common_flags, exit_process, number, setup_logging
 from runtime.server import serve
 from runtime.transport import MAX_REQUEST_BYTES, add_dial_flags, channel_credentials, server_credentials
 
@@ -66,13 +66,13 @@ def parse_args(argv=None, prog: str = "python -m coordinator"):
     parser.add_argument("--lockstep-calls", choices=["batch", "each"], default="batch",
                         help="with --lockstep, a turn's calls to a service go as one batch RPC, or each as its own"
                              " call (as --peer-calls says)")
-    parser.add_argument("--lockstep-hold-ms", type=float, default=5.0,
+    parser.add_argument("--lockstep-hold-ms", type=number(float, most=1000, above=0), default=5.0,
                         help="with --lockstep, the longest a call waits for the generations not yet waiting")
-    parser.add_argument("--decode-steps", type=int, default=8,
+    parser.add_argument("--decode-steps", type=number(int, 1), default=8,
                         help="a round that drafts nothing (K = 0) asks the target for up to this many tokens in one"
                              " call, a pass each, as many as ~100 ms of passes hold under adaptive K: the round trip is"
                              " paid once per call (1: a token per call; at most the target's tokens per call)")
-    parser.add_argument("--target-lookup", type=int, default=4,
+    parser.add_argument("--target-lookup", type=number(int, 0), default=4,
                         help="each pass of such a call also verifies up to this many tokens the target copies from the"
                              " context, where its last 2-4 tokens occurred before (prompt lookup in the target; exact:"
                              " the tokens are still drawn from the target's p), so that a pass may commit several"
@@ -84,7 +84,7 @@ def parse_args(argv=None, prog: str = "python -m coordinator"):
                         help="new tokens per request when a request does not say")
     parser.add_argument("--peer-timeout", type=float, default=300.0,
                         help="seconds to wait at start-up for the target service to be SERVING")
-    parser.add_argument("--draft-wait", type=float, default=DRAFT_WAIT,
+    parser.add_argument("--draft-wait", type=number(float, 0, infinite=True), default=DRAFT_WAIT,
                         help="seconds to wait at start-up for a draft replica once the target is SERVING; past"
                              " them the coordinator serves without drafting, and drafts once one is ready (inf:"
                              " it serves only once one is)")
@@ -94,18 +94,18 @@ def parse_args(argv=None, prog: str = "python -m coordinator"):
     parser.add_argument("--peer-calls", choices=["stream", "unary"], default="stream",
                         help="per-round calls to the model services: one stream per generation, or unary calls")
     add_dial_flags(parser, "peer-tls", "the draft and target services")
-    parser.add_argument("--max-request-bytes", type=int, default=MAX_REQUEST_BYTES,
+    parser.add_argument("--max-request-bytes", type=number(int, 1), default=MAX_REQUEST_BYTES,
                         help="largest request a client may send; gRPC refuses a larger one with RESOURCE_EXHAUSTED,"
                              " HTTP with 413")
     add_metrics_flag(parser)
-    parser.add_argument("--http-port", type=int, default=0,
+    parser.add_argument("--http-port", type=PORT, default=0,
                         help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models;"
                              " /health, /metrics) on this port, beside gRPC (0: off)")
-    parser.add_argument("--store-responses", type=int, default=None,
+    parser.add_argument("--store-responses", type=number(int, 0), default=None,
                         help="the most /v1/responses answers kept in this process's memory (`store`), for GET"
                              " /v1/responses/{id} and previous_response_id; the oldest are dropped first (0: none;"
                              " default 1000)")
-    parser.add_argument("--store-responses-mb", type=float, default=None,
+    parser.add_argument("--store-responses-mb", type=number(float, above=0), default=None,
                         help="about the most MB of /v1/responses answers kept (their JSON: input items, output); the"
                              " oldest are dropped first (default 256)")
     add_api_key_flags(parser)
@@ -114,10 +114,6 @@ def parse_args(argv=None, prog: str = "python -m coordinator"):
         parser.error(f"--num-speculative-tokens must be a number >= 0 or auto, not {args.num_speculative_tokens!r}")
     if args.adaptive_max_k is not None and not 0 <= args.adaptive_max_k <= args.max_speculative_tokens:
         parser.error(f"--adaptive-max-k must lie in [0, --max-speculative-tokens={args.max_speculative_tokens}]")
-    if args.target_lookup < 0:
-        parser.error(f"--target-lookup must be >= 0, not {args.target_lookup}")
-    if args.decode_steps < 1:
-        parser.error(f"--decode-steps must be >= 1, not {args.decode_steps}")
     if not 0.0 <= args.draft_p_min <= 1.0:
         parser.error(f"--draft-p-min must lie in [0, 1], not {args.draft_p_min}")
     if args.lockstep and args.num_speculative_tokens == "auto":
@@ -125,18 +121,6 @@ def parse_args(argv=None, prog: str = "python -m coordinator"):
                      " cost model assumes pipelined services and picks K ~0.4-2.4 in lockstep, 0.65-0.75x of K = 4")
     if args.lockstep and args.predraft:
         parser.error("--lockstep and --predraft exclude each other: pre-drafting overlaps the two models")
-    if not 0 < args.lockstep_hold_ms <= 1000:  # also NaN
-        parser.error(f"--lockstep-hold-ms must lie in (0, 1000], not {args.lockstep_hold_ms}")
-    if not args.draft_wait >= 0:  # (also NaN)
-        parser.error(f"--draft-wait must be >= 0, not {args.draft_wait}")
-    if args.max_request_bytes <= 0:
-        parser.error(f"--max-request-bytes must be > 0, not {args.max_request_bytes}")
-    if args.store_responses is not None and args.store_responses < 0:
-        parser.error(f"--store-responses must be >= 0, not {args.store_responses}")
-    if args.store_responses_mb is not None and not args.store_responses_mb > 0:  # (also NaN)
-        parser.error(f"--store-responses-mb must be > 0, not {args.store_responses_mb}")
-    if not 0 <= args.http_port < 65536:
-        parser.error(f"--http-port must lie in [0, 65535], not {args.http_port}")
     return args
 
 

@@ -99,7 +99,7 @@ def add_model_flags(parser: EnvArgumentParser, role: str, model_required: bool =
                         help="cap on tokens per session (0: the model's max_position_embeddings)")
     parser.add_argument("--max-tokens-per-call", type=number(int, 1), default=16,
                         help="most draft tokens per round (K)")
-    parser.add_argument("--kv-pool-capacity", type=int, default=None,
+    parser.add_argument("--kv-pool-capacity", type=number(int, 0), default=None,
                         help="the lean forward keeps sessions' KV caches as slots of one tensor, so a pass over"
                              " several sessions runs attention once per layer; the tensor holds slots x the longest"
                              " pooled session, at most this many positions (default 1024, kv_cache.POOL_CAPACITY);"
@@ -206,8 +206,6 @@ def run_model_service(name: str, args: argparse.Namespace, make_servicer: Callab
     # the flags first: a bad one fails before torch loads (~3 s)
     credentials = server_credentials(args)  # before the weights: a bad certificate path fails at once
     batching = batching_from_args(args)
-    if args.kv_pool_capacity is not None and args.kv_pool_capacity < 0:
-        raise SystemExit(f"--kv-pool-capacity must be >= 0, not {args.kv_pool_capacity}")
     from .model_runner import ModelRunner
 
     resolve_threads(args)

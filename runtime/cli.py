@@ -43,12 +43,13 @@ class EnvArgumentParser(argparse.ArgumentParser):
 
 
 def number(kind: type = int, least: float | None = None, most: float | None = None,
-           above: float | None = None) -> Callable[[str], Any]:
-    """An argparse type: a finite `kind` (int or float) >= least, <= most and > above (None: no such bound);
-    refused as argparse refuses, the flag named (from the environment too: argparse parses a string default)."""
+           above: float | None = None, infinite: bool = False) -> Callable[[str], Any]:
+    """An argparse type: a `kind` (int or float) >= least, <= most and > above (None: no such bound), finite unless
+    `infinite`; refused as argparse refuses, the flag named (from the environment too: argparse parses a string
+    default)."""
     def parse(text: str) -> Any:
         value = kind(text)
-        if not (math.isfinite(value) and (least is None or value >= least) and (most is None or value <= most)
+        if not ((infinite and not math.isnan(value) or math.isfinite(value)) and (least is None or value >= least) and (most is None or value <= most)
                 and (above is None or value > above)):
             bounds = [f"{sign} {bound:g}" for sign, bound in ((">=", least), (">", above), ("<=", most))
                       if bound is not None]

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, start_http_server
 
+from .cli import PORT
+
 # seconds: sub-millisecond calls on a GPU up to long generations
 LATENCY = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 
 def add_metrics_flag(parser) -> None:
-    from .cli import PORT
-
     parser.add_argument("--metrics-port", type=PORT, default=0,
                         help="serve Prometheus metrics at http://HOST:PORT/metrics (0: off)")
 
