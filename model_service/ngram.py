@@ -40,7 +40,7 @@ from pathlib import Path
 
 from speculative.errors import InvalidRequest
 from speculative.lookup import NgramIndex
-from speculative.protocol import Cost, Proposal, ProposeCall
+from speculative.protocol import Cost, PassCost, Proposal, ProposeCall
 from speculative.sampling import one_hot_supports
 
 from .drafting import MethodSessions, advance
@@ -152,11 +152,7 @@ class NgramDraft:
             "logits_size": self.logits_size,
             "active_sessions": len(self.sessions),
             "max_sessions": self.sessions.max_sessions,
-            "pass_ms_fixed": 0.0,
-            "pass_ms_per_token": 0.0,
-            "pass_ms_per_session": 0.0,
-            "pass_ms_multi_row": 0.0,
-            "pass_ms_free_rows": 0.0,
+            **PassCost().info(),
             "tensor_parallel_size": 1,
         }
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Protocol
 
 import numpy as np
@@ -431,6 +431,10 @@ class PassCost:
         return (self.fixed + self.per_token * max(0.0, tokens - self.free_rows) + self.per_session * sessions
                 + (self.multi_row if tokens > 1 else 0.0))
 
+    def info(self) -> dict[str, float]:
+        """As ModelInfo's pass_ms_* fields (pass_cost_from_info reads them back)."""
+        return {f"pass_ms_{f.name}": getattr(self, f.name) for f in fields(self)}
+
     @property
     def costs_nothing(self) -> bool:
         """A method with no model (the n-gram draft): it reports no pass costs."""
@@ -580,5 +584,4 @@ def verdict_from_proto(msg: pb.VerifyResponse) -> Verdict:
 
 
 def pass_cost_from_info(info: pb.ModelInfo) -> PassCost:
-    return PassCost(info.pass_ms_fixed, info.pass_ms_per_token, info.pass_ms_per_session, info.pass_ms_multi_row,
-                    info.pass_ms_free_rows)
+    return PassCost(**{f.name: getattr(info, f"pass_ms_{f.name}") for f in fields(PassCost)})
