@@ -315,7 +315,8 @@ def main(argv=None, prog: str = "python -m coordinator.launch") -> int:
     parser.add_argument("--tensor-parallel-size", type=number(int, 1), default=1,
                         help="shard each target over this many ranks (a local Ray instance places them)")
     parser.add_argument("--quantize", default="none",
-                        help="both model services' --quantize: none (the weights as converted) or int4 (weight-only"
+                        help="the target's --quantize, and the draft model's under --draft-method model: none (the"
+                             " weights as converted) or int4 (weight-only"
                              " int4, CPU only, through specdec's int4 kernel where make setup built it, else torch's;"
                              " faster where passes are memory-bound: docs/performance.md). The output is then exactly"
                              " that int4 model's")

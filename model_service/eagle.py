@@ -476,6 +476,7 @@ class EagleDraft:
             "eos_token_ids": [] if eos is None else [eos],
             "device": str(self.device),
             "dtype": str(self.head.dtype).removeprefix("torch."),
+            "kv_dtype": str(self.head.dtype).removeprefix("torch."),  # (the head layer's keys and values: HeadCache)
             "num_parameters": self.num_parameters,
             "quantization": self.quantization,
             "logits_size": self.logits_size,

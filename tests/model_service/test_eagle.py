@@ -628,6 +628,7 @@ def test_a_head_with_a_shorter_context_drafts_until_it_is_full_then_asks_for_no_
     _, target_dir = small_vocab_pair
     eagle = EagleDraft.load(make_head(target_dir, tmp_path / "head", std=0.5), target_dir, "cpu", max_context=24)
     assert eagle.info()["max_context"] == 24
+    assert eagle.info()["kv_dtype"] == "float32"  # (the head's own cache, as its weights: GetModelInfo says so)
     runner = ModelRunner(target_dir)
     target = TargetEngine(runner)
 
