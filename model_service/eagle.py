@@ -40,8 +40,8 @@ Lookup (prompt lookup beside the head, on by default: `lookup`). Where the conte
 the k tokens that followed them there instead of drafting (ngram.py's copy, from its NgramIndex of
 the session's tokens): input-grounded work (editing code, answering from a document) repeats its
 context, and a copy costs no head step. In specdec's round (training.acceptance, greedy, K = 4,
-the float32 target) the shipped head accepted 0.264 of its tokens on the bench's chat prompts
-and 0.301 on the grounded ones; with the lookup (n >= 3) 0.281 and 0.545. A copied token's q is
+the float32 target) the shipped head accepted 0.295 of its tokens on the bench's chat prompts
+and 0.323 on the grounded ones; with the lookup (n >= 3) 0.303 and 0.558. A copied token's q is
 one-hot (the choice is a function of the context): exact as ngram.py says.
 
 q and exactness (speculative/sampling.py's terms): the head scores its draft vocabulary only
