@@ -245,8 +245,10 @@ def run_model_service(name: str, args: argparse.Namespace, make_servicer: Callab
                                    engine if hasattr(engine, "kept_positions") else None)  # (the EAGLE draft's rows)
             if runner is None:  # (a method that loads its own model, if any: an EAGLE head)
                 info = engine.info()
-                what = f"{info['model_name']} ({info['num_parameters']} parameters) on {info['device']}, quantization" \
-                    f" {info.get('quantization') or 'none'}" if info.get("num_parameters") else "no model"
+                what = "no model"
+                if info.get("num_parameters"):
+                    what = (f"{info['model_name']} ({info['num_parameters']:,} parameters) on {info['device']},"
+                            f" quantization {info.get('quantization') or 'none'}")
                 log.info("%s serves %s: %s", name, info.get("draft_method") or "its engine", what)
             sweeper = asyncio.ensure_future(sweep_idle_sessions(engine, servicer.thread,
                                                                 min(30.0, args.session_idle_timeout)))
