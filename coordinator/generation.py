@@ -27,6 +27,7 @@ import enum
 import logging
 import math
 import random
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -476,8 +477,10 @@ class Coordinator:
         drafting = asyncio.ensure_future(self.draft.start(math.inf))
         try:
             target_info = await self.target.start(timeout)
-            tokenizer_dir = await self.target.healthy()[0].peer.fetch_tokenizer()
-            tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, tokenizer_dir, local_files_only=True)
+            # (the files only while they load: a coordinator started again and again leaves no copies behind)
+            with tempfile.TemporaryDirectory(prefix="specdec-target-tokenizer-") as tokenizer_dir:
+                await self.target.healthy()[0].peer.fetch_tokenizer(tokenizer_dir)
+                tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, tokenizer_dir, local_files_only=True)
             await asyncio.wait([drafting], timeout=None if math.isinf(draft_wait) else draft_wait)
         except BaseException:
             drafting.cancel()

@@ -315,7 +315,8 @@ class Peer:
                 else answer for answer, status in zip(reply.replies, reply.statuses)]
 
     async def fetch_tokenizer(self, directory: str | Path | None = None) -> Path:
-        """Copy the service's tokenizer files into a local directory (AutoTokenizer-loadable)."""
+        """Copy the service's tokenizer files into a local directory (AutoTokenizer-loadable; None: a new
+        one, the caller's to remove)."""
         out = Path(directory or tempfile.mkdtemp(prefix=f"specdec-{self.name}-tokenizer-"))
         files: dict[str, bytearray] = {}
         try:

@@ -110,13 +110,14 @@ def _gone(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def serving_launcher(pair, code: list[str]):
-    """A launcher (`python` + `code`) of the pair, serving until stopped. -> (its process, its three services'
-    pids); whatever is left of them is killed after"""
+def serving_launcher(pair, code: list[str], tmp: Path | None = None):
+    """A launcher (`python` + `code`) of the pair, serving until stopped (`tmp`: its and its services' TMPDIR).
+    -> (its process, its three services' pids); whatever is left of them is killed after"""
     draft, target = pair
+    env = None if tmp is None else {**os.environ, "TMPDIR": str(tmp)}
     proc = subprocess.Popen([sys.executable, *code, "--draft-model", str(draft), "--target-model", str(target),
                              "--port", str(free_port()), "--http-port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=launch.ROOT)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=launch.ROOT, env=env)
     try:
         for line in proc.stdout:
             if "SERVING" in line:
@@ -143,10 +144,12 @@ def test_the_launcher_stops_its_services_on_sigterm_and_ctrl_c(pair, sig):
         assert all(_gone(pid) for pid in services), [pid for pid in services if not _gone(pid)]
 
 
-def test_the_launcher_stops_its_services_when_its_coordinator_ends(pair):
+def test_the_launcher_stops_its_services_when_its_coordinator_ends(pair, tmp_path):
     """A coordinator that ends (stopped by itself, killed) leaves nothing serving: the launcher stops the draft
-    and the target and exits, instead of running on with them."""
-    with serving_launcher(pair, ["-m", "coordinator.launch"]) as (proc, services):
+    and the target and exits, instead of running on with them. Serving, the coordinator keeps no copy of the
+    target's tokenizer files (each start's would stay behind in the temporary directory)."""
+    with serving_launcher(pair, ["-m", "coordinator.launch"], tmp_path) as (proc, services):
+        assert list(tmp_path.glob("specdec-logs-*")) and not list(tmp_path.glob("specdec-*-tokenizer-*"))
         [coordinator] = [pid for pid in services if b"-m\0coordinator\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         os.kill(coordinator, signal.SIGTERM)
         assert proc.wait(timeout=60) == 0  # (it stopped cleanly: code 0)
