@@ -104,6 +104,8 @@ class NgramDraft:
         from transformers import AutoConfig, AutoTokenizer
 
         path = Path(directory)
+        if not path.is_dir():  # (HF would read it as a hub repo id, and say that is malformed)
+            raise FileNotFoundError(f"{path} is not a tokenizer or model directory")
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         logits_size, context = None, None
         if (path / "config.json").is_file():

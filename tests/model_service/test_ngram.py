@@ -135,6 +135,13 @@ def test_refused_calls_leave_the_session_alone(ngram):
     ngram.release("v")
 
 
+def test_a_tokenizer_path_that_is_no_directory_is_named(tmp_path):
+    """--tokenizer naming no directory says so (HF's message read the path as a malformed hub repo id)."""
+    for missing in (tmp_path / "nonexistent", "/nonexistent"):
+        with pytest.raises(FileNotFoundError, match=f"{missing} is not a tokenizer or model directory"):
+            NgramDraft.load(missing)
+
+
 def test_capacity_and_idle_eviction(pair):
     draft = NgramDraft.load(pair[1], max_sessions=1, idle_timeout=60.0, max_context=8)
     proposed(draft, "a", True, 0, [1, 2], 1)
