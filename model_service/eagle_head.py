@@ -491,7 +491,11 @@ class Eagle3Head(nn.Module):
     @classmethod
     def load(cls, directory, target_dir=None, device="cpu", dtype=torch.float32) -> Eagle3Head:
         directory = Path(directory)
+        if not (directory / "config.json").is_file():
+            raise FileNotFoundError(f"{directory} is not an EAGLE head's directory (no config.json)")
         config = Eagle3Config.from_dict(json.loads((directory / "config.json").read_text()))
+        if target_dir and not Path(target_dir).is_dir():  # (else the head's missing embedding is what it would name)
+            raise FileNotFoundError(f"the target's directory {target_dir} is not a directory")
         target_dir = Path(target_dir) if target_dir else (Path(config.verifier) if config.verifier else None)
         if config.aux_layer_ids is None:
             if target_dir is None or not (target_dir / "config.json").exists():

@@ -176,6 +176,11 @@ def test_vllms_older_flat_config_with_midlayer_names(tmp_path):
     torch.testing.assert_close(loaded.layer.self_attn["q_proj"].weight, head.layer.self_attn["q_proj"].weight)
     with pytest.raises(ValueError, match="target"):  # neither aux ids nor embeddings without it
         Eagle3Head.load(tmp_path / "old")
+    # paths that name no directory are named as such (a missing target's read as the head's missing embedding)
+    with pytest.raises(FileNotFoundError, match="the target's directory .*nowhere is not a directory"):
+        Eagle3Head.load(tmp_path / "old", target_dir=tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="nowhere is not an EAGLE head's directory"):
+        Eagle3Head.load(tmp_path / "nowhere", target_dir=target)
 
 
 def test_heads_this_module_cannot_run_are_refused():
