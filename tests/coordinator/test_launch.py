@@ -126,9 +126,11 @@ def serving_launcher(pair, code: list[str], tmp: Path | None = None):
         assert len(services) == 3, services
         yield proc, services
     finally:
+        left = _children(proc.pid)  # (before the kill: the launcher's orphans are no longer its children)
         proc.kill()
-        for pid in _children(proc.pid):
-            os.kill(pid, signal.SIGKILL)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
