@@ -47,6 +47,25 @@ SUPPORTED = {"llama", "mistral", "qwen2"}
 PACK_MIN_ELEMENTS = 1 << 18
 
 
+def unsupported(config, max_context: int) -> str | None:
+    """What of a model's config the fast forward does not compute as transformers does (FastForward.build:
+    then None), None where nothing."""
+    if config.model_type not in SUPPORTED:
+        return f"its architecture is {config.model_type} (the lean forward's: {', '.join(sorted(SUPPORTED))})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"its activation is {config.hidden_act} (the lean forward's: silu)"
+    if getattr(config, "attention_bias", False) and config.model_type != "qwen2":
+        return "its attention projections have biases"
+    if getattr(config, "mlp_bias", False):
+        return "its MLP projections have biases"
+    if getattr(config, "pretraining_tp", 1) > 1:
+        return f"its pretraining_tp is {config.pretraining_tp}"
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and window < max_context:
+        return f"it attends over a sliding window of {window} tokens, less than its context of {max_context}"
+    return None
+
+
 class FastForward:
     """The forward pass of one loaded HF Llama/Mistral/Qwen2 causal LM.
 
@@ -131,15 +150,7 @@ class FastForward:
               float_kernel: str = "auto") -> FastForward | None:
         """The fast forward for `model`, or None where it would not compute the same thing.
         float_kernel: whose products run its float32 weights on CPU (auto, specdec or onednn; pack)."""
-        config = model.config
-        if config.model_type not in SUPPORTED or getattr(config, "hidden_act", "silu") != "silu":
-            return None
-        if getattr(config, "attention_bias", False) and config.model_type != "qwen2":
-            return None
-        if getattr(config, "mlp_bias", False) or getattr(config, "pretraining_tp", 1) > 1:
-            return None
-        window = getattr(config, "sliding_window", None)
-        if window is not None and getattr(config, "use_sliding_window", True) and window < max_context:
+        if unsupported(model.config, max_context) is not None:
             return None
         return cls(model, max_context, pool_capacity, float_kernel)
 

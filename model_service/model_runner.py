@@ -25,7 +25,7 @@ from transformers import AutoTokenizer, DynamicCache
 
 from speculative.protocol import PassCost
 from speculative.errors import InvalidRequest
-from .fast_forward import DTYPES, FastForward
+from .fast_forward import DTYPES, FastForward, unsupported
 from . import int4, q4_kernel
 from .kv_cache import POOL_CAPACITY
 from .loading import LoadMeter, describe, import_model_code, load_model, release_checkpoint_maps, return_freed_memory
@@ -232,7 +232,8 @@ class ModelRunner:
         self.quantization = "none"
         if quantize == "int4":
             if self.fast is None:
-                raise ValueError(f"--quantize int4 needs the lean forward, which {self.name} has not")
+                raise ValueError(f"--quantize int4 needs the lean forward, which {self.name} has not:"
+                                 f" {unsupported(self.model.config, self.max_context)}")
             linears = 4 * len(self.fast.layers)
             from_blocks = int4.quantize(self.fast, quant_group, int4.read_q4_1_blocks(path), int4_kernel)
             kernel = (f"specdec's kernel ({q4_kernel.path()}), float16 d and m, int8 activation blocks"
@@ -308,7 +309,8 @@ class ModelRunner:
         self.loads = [meter.record()]  # each rank's load: time and peak resident memory
         if placement is not None:
             if self.fast is None:
-                raise placement.give_up(f"tensor parallelism needs the lean forward, which {config.model_type} lacks")
+                raise placement.give_up(f"tensor parallelism needs the lean forward, which {config.model_type} lacks:"
+                                        f" {unsupported(config, self.max_context)}")
             self.tp = placement.start(self.fast, path, dtype, self.max_context, torch.get_num_threads())
             self.fast = self.tp
             self.forward_kind = f"fast, tensor-parallel x{self.tensor_parallel}"

@@ -6,12 +6,13 @@ import json
 import random
 import threading
 from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from model_service import fast_forward, q4_kernel, scripted
-from model_service.fast_forward import FastForward
+from model_service.fast_forward import FastForward, unsupported
 from model_service.kv_cache import KVCache, KVPool
 from model_service.model_runner import ModelRunner
 from speculative.tiny import make_model, make_tokenizer
@@ -103,6 +104,20 @@ def test_falls_back_where_it_would_differ(tmp_path, tokenizer):
     model.config.sliding_window = 64
     assert FastForward.build(model, max_context=512) is None
     assert FastForward.build(model, max_context=64) is not None
+    # what it does not run is named (ModelRunner's refusals of --quantize int4 and tensor parallelism say it)
+    assert unsupported(model.config, 512) == ("it attends over a sliding window of 64 tokens, less than its context"
+                                              " of 512")
+    assert unsupported(model.config, 64) is None
+    for change, said in (({"model_type": "gemma"}, "its architecture is gemma (the lean forward's: llama, mistral,"
+                                                   " qwen2)"),
+                         ({"hidden_act": "gelu"}, "its activation is gelu"), ({"mlp_bias": True}, "MLP projections"),
+                         ({"attention_bias": True}, "attention projections have biases")):
+        config = SimpleNamespace(**{**model.config.to_dict(), "sliding_window": None, **change})
+        assert said in unsupported(config, 512)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "sliding_window": 64, "use_sliding_window": True}))
+    with pytest.raises(ValueError, match="int4 needs the lean forward, which m has not: it attends over a sliding"):
+        ModelRunner(model_dir, quantize="int4")
 
 
 def test_kv_cache_crop():
