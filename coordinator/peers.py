@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -314,10 +313,9 @@ class Peer:
         return [PeerError(self, CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message) if status.code
                 else answer for answer, status in zip(reply.replies, reply.statuses)]
 
-    async def fetch_tokenizer(self, directory: str | Path | None = None) -> Path:
-        """Copy the service's tokenizer files into a local directory (AutoTokenizer-loadable; None: a new
-        one, the caller's to remove)."""
-        out = Path(directory or tempfile.mkdtemp(prefix=f"specdec-{self.name}-tokenizer-"))
+    async def fetch_tokenizer(self, directory: str | Path) -> Path:
+        """Copy the service's tokenizer files into a local directory (AutoTokenizer-loadable)."""
+        out = Path(directory)
         files: dict[str, bytearray] = {}
         try:
             async for piece in self.stub.GetTokenizer(pb.TokenizerRequest(), timeout=self.timeout):
