@@ -27,6 +27,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -38,6 +39,9 @@
 
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #endif
 
 namespace {
@@ -480,6 +484,19 @@ void panel(const float* P, const float* x, int64_t K, int64_t r0, float* out) {
 // for two multiply-adds, not one; SmolLM2's 540 MB of products on 2 Xeon cores, 5 rows 24.2-25.1 ->
 // 22.1-22.7 ms, 1 row 19.5-20.1 -> 19.0-19.9, 9 rows (two groups) level, so more rows keep panel<R>)
 constexpr int PAIR_ROWS = 6;  // 24 accumulators of 32 registers
+// Whether calls of up to PAIR_ROWS rows take panels in pairs: on Intel's cores, not on AMD's. On 2 cores
+// of an AMD EPYC (Zen 4) one panel at a time ran the float32 passes faster (one process alternating the
+// two, 1 session on 128 cached tokens, two processes, ms at 1 / 2 / 5 tokens: pairs 17.71 / 17.57 /
+// 20.07 and 12.69 / 13.83 / 18.09, one at a time 17.15 / 16.89 / 17.78 and 11.93 / 12.03 / 14.69):
+// each thread then streams one panel, not two 4 kB-aligned ones side by side. f32_pairs() sets it.
+bool pairs_by_default() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return ebx != 0x68747541;  // "Auth" of "AuthenticAMD"
+#endif
+  return true;
+}
+std::atomic<bool> pairs{pairs_by_default()};
 template <int R>
 void panel_pair(const float* P0, const float* x, int64_t K, int64_t r0, float* out0, float* out1) {
   const float* P1 = P0 + K * PANEL;
@@ -522,7 +539,7 @@ void panel_pair(const float* P0, const float* x, int64_t K, int64_t r0, float* o
 void panels(const float* W, const float* x, int64_t M, int64_t K, float* Y, int64_t N, int64_t p0, int64_t p1) {
   float out[PANEL_ROWS * PANEL];
 #if defined(Q4_AVX512)
-  if (M <= PAIR_ROWS) {  // two panels at a time, the odd one left below
+  if (M <= PAIR_ROWS && pairs.load(std::memory_order_relaxed)) {  // two panels at a time, the odd one left below
     float out1[PAIR_ROWS * PANEL];
     for (; p0 + 2 <= p1; p0 += 2) {
       const float* w = W + p0 * K * PANEL;
@@ -2005,6 +2022,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> q4_eagle_
 
 std::string q4_path() { return kPath; }
 
+// float32 calls of a few rows: panels in pairs (1), one at a time (0), or as they are (-1) -> the
+// setting now; the same numbers either way (tests run both). Only AVX-512 builds have pairs.
+bool f32_pairs(int64_t mode) {
+#if defined(Q4_AVX512)
+  if (mode >= 0) pairs.store(mode > 0);
+  return pairs.load();
+#else
+  (void)mode;
+  return false;
+#endif
+}
+
 // whether at::parallel_for splits work across torch's threads here: it is a header template that
 // runs the whole range on the calling thread unless this file is compiled with OpenMP
 bool q4_threaded() {
@@ -2022,6 +2051,7 @@ bool q4_threaded() {
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("q4_path() -> str", &q4_path);
   m.def("q4_threaded() -> bool", &q4_threaded);
+  m.def("f32_pairs(int mode) -> bool", &f32_pairs);
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {

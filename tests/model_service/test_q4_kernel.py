@@ -45,17 +45,40 @@ def test_the_kernel_computes_its_reference(n, k, rows):
     assert (y.double() - full).abs().max() <= 0.02 * full.abs().max() + 1e-9
 
 
-@pytest.mark.parametrize("weights_kind", ["int4", "float32"])
-def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(weights_kind):
+def test_float32_pairs_can_be_set():
+    before = torch.ops.specdec.f32_pairs(-1)
+    try:
+        avx512 = q4_kernel.path().startswith("avx512")
+        assert torch.ops.specdec.f32_pairs(1) is avx512  # only AVX-512 builds have pairs
+        assert torch.ops.specdec.f32_pairs(-1) is avx512
+        assert torch.ops.specdec.f32_pairs(0) is False
+    finally:
+        torch.ops.specdec.f32_pairs(int(before))
+
+
+@pytest.mark.parametrize("weights_kind, pairs", [("int4", -1), ("float32", 1), ("float32", 0)],
+                         ids=["int4", "float32 panel pairs", "float32 one panel at a time"])
+def test_a_rows_result_does_not_depend_on_its_batch_or_the_threads(weights_kind, pairs):
     """Bit for bit, for int4 tiles and float32 panels alike: a verify pass scores each of its
-    tokens as a one-token pass would, whatever rows share its call and however many threads."""
+    tokens as a one-token pass would, whatever rows share its call and however many threads. Both
+    ways an AVX-512 build takes the panels of a call of a few rows (f32_pairs: the CPU's vendor picks
+    one) are tested, whichever this machine would pick."""
+    before = torch.ops.specdec.f32_pairs(-1)
+    torch.ops.specdec.f32_pairs(pairs)
+    try:
+        rows_do_not_depend_on_their_batch(weights_kind)
+    finally:
+        torch.ops.specdec.f32_pairs(int(before))
+
+
+def rows_do_not_depend_on_their_batch(weights_kind: str) -> None:
     g = torch.Generator().manual_seed(4)
     if weights_kind == "int4":
         packed, mm = q4_kernel.tile(*weights(1000, 576)), torch.ops.specdec.q4_mm
     else:
         packed, mm = q4_kernel.panel(torch.randn(576, 1000, generator=g)).tiles, torch.ops.specdec.f32_mm
     x = torch.randn(29, 576, generator=g)
-    together = mm(x, packed, 1000)
+    together = mm(x, packed, 1000)  # 29 rows: one panel at a time, either way
     for i in range(29):
         assert torch.equal(mm(x[i:i + 1], packed, 1000)[0], together[i]), i
     for a, b in [(3, 9), (0, 12), (5, 18)]:
