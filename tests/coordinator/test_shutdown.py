@@ -148,10 +148,18 @@ def test_a_coordinator_stopped_past_its_grace_releases_its_generations_sessions(
         connection.request("POST", "/v1/completions", json.dumps(asked))
         events = connection.getresponse()
         assert events.status == 200 and events.readline().startswith(b"data: ")  # under way
-        coordinator = stack.procs["coordinator"]
-        coordinator.send_signal(signal.SIGTERM)
-        last = events.read().decode().split("\n\n")[-3:]  # (IncompleteRead, before)
-        assert last[1] == "data: [DONE]" and json.loads(last[0][len("data: "):])["error"]["code"] == "unavailable"
+        coordinator, target_service = stack.procs["coordinator"], stack.procs["target"]
+        # The target stopped first, no generation can end before the SIGTERM is taken (a 400-token stream of this
+        # tiny model could, on a loaded machine: CI saw its last event a plain chunk); continued once the HTTP
+        # stream is cut, it answers the releases the coordinator waits for
+        target_service.send_signal(signal.SIGSTOP)
+        try:
+            coordinator.send_signal(signal.SIGTERM)
+            sent = [line.strip() for line in iter(events.readline, b"") if line.startswith(b"data: ")]
+        finally:
+            target_service.send_signal(signal.SIGCONT)
+        assert sent[-1] == b"data: [DONE]"  # the body whole (IncompleteRead, before)
+        assert json.loads(sent[-2][len(b"data: "):])["error"]["code"] == "unavailable"
         cut = 0
         for stream in streams:
             try:
