@@ -1062,9 +1062,13 @@ def test_a_coordinator_stopped_under_background_responses_releases_their_session
                        draft_args=["--metrics-port", str(ports["draft"])],
                        target_args=["--metrics-port", str(ports["target"])]).start()
     stack.metrics_ports = ports
+    target_service = stack.procs["target"]
     try:
         with openai_client(stack) as client:
             room = client.models.list().data[0].model_extra["max_model_len"] - 64
+            # the target stopped, neither response can end before the SIGTERM (continued right after it,
+            # it answers the releases the coordinator waits for)
+            target_service.send_signal(signal.SIGSTOP)
             held = [client.responses.create(model="target", input=QUESTION[1][1], max_output_tokens=room,
                                             temperature=0, background=True,
                                             extra_body={"ignore_eos": True, "num_speculative_tokens": 2})
@@ -1073,10 +1077,12 @@ def test_a_coordinator_stopped_under_background_responses_releases_their_session
             assert [client.responses.retrieve(made.id).status for made in held] == ["in_progress"] * 2
         coordinator = stack.procs["coordinator"]
         coordinator.send_signal(signal.SIGTERM)
+        target_service.send_signal(signal.SIGCONT)
         assert coordinator.wait(60) == 0
         # released before it exited, not left to the services' idle timeout (600 s)
         until("released on both services", lambda: sessions(stack) == (0, 0), timeout=20)
     finally:
+        target_service.send_signal(signal.SIGCONT)
         stack.stop()
 
 
