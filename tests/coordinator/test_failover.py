@@ -4,11 +4,7 @@ is token for token what a stack that lost nothing produces."""
 
 from __future__ import annotations
 
-import contextlib
-import shutil
 import signal
-import tempfile
-from pathlib import Path
 
 import grpc
 import pytest
@@ -17,29 +13,13 @@ from coordinator.launch import LocalStack
 from coordinator.pool import Pool, Replica
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from tests.faults.hook import FaultHook, wait_until
+from tests.faults.hook import FaultHook, hooked_stack, wait_until
 
 PROMPT = [5, 17, 42, 9, 100, 3]
 REQUEST = dict(prompt_token_ids=PROMPT, max_new_tokens=120, temperature=0.0, num_speculative_tokens=1)
 # the request's call to its victim that meets the kill: the 5th after the session's start, of the
 # 60 or more a 120-token request makes at K = 1 (one draft and one target call a round)
 STRUCK_CALL = 5
-
-
-@contextlib.contextmanager
-def hooked_stack(pair, **replicas):
-    """A LocalStack whose coordinator tells a fault hook (tests/faults/hook.py) every moment of
-    every per-round call, and the hook: (stack, hook)."""
-    draft, target = pair
-    workdir = Path(tempfile.mkdtemp(prefix="specdec-failover-"))
-    hook = FaultHook(workdir / "hook.sock")
-    stack = LocalStack(draft, target, log_dir=workdir, coordinator_env={"SPECDEC_FAULT_HOOK": hook.path}, **replicas)
-    try:
-        yield stack.start(), hook
-    finally:
-        stack.stop()
-        hook.close()
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

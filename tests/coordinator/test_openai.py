@@ -29,6 +29,7 @@ from coordinator.launch import ROOT, LocalStack
 from runtime.ports import free_port
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from tests.faults.hook import freezer, hooked_stack
 from tests.services.test_metrics import eventually, scrape, value
 
 KEY = "test-key-5e1f"
@@ -40,16 +41,17 @@ PROMPT = "def fibonacci(n):"
 
 
 @pytest.fixture(scope="module")
-def api(pair, request):
-    """One stack behind an API key, HTTP on, the services' session gauges on metrics ports."""
+def api(pair):
+    """One stack behind an API key, HTTP on, the services' session gauges on metrics ports, its coordinator
+    telling a fault hook (stack.hook) every moment of its per-round calls."""
     ports = {role: free_port() for role in ("draft", "target")}
-    stack = LocalStack(*pair, http_port=0, coordinator_args=["--api-key", KEY, "--max-request-bytes", str(MAX_BYTES),
-                                                          "--store-responses", "64"],
-                       draft_args=["--metrics-port", str(ports["draft"])],
-                       target_args=["--metrics-port", str(ports["target"]), "--max-kv-tokens", str(KV_CAP)]).start()
-    request.addfinalizer(stack.stop)
-    stack.metrics_ports = ports
-    return stack
+    with hooked_stack(pair, http_port=0, coordinator_args=["--api-key", KEY, "--max-request-bytes", str(MAX_BYTES),
+                                                           "--store-responses", "64"],
+                      draft_args=["--metrics-port", str(ports["draft"])],
+                      target_args=["--metrics-port", str(ports["target"]), "--max-kv-tokens", str(KV_CAP)]) as (
+            stack, hook):
+        stack.metrics_ports, stack.hook = ports, hook
+        yield stack
 
 
 def openai_client(api, key: str = "none", timeout: float = 120) -> openai.OpenAI:
@@ -1281,24 +1283,31 @@ def test_a_streamed_response_is_kept_from_its_first_event_and_cancelled_with_its
     """Stored and streamed: GET reads it in progress while it generates, with its output so far (the text the
     stream has brought, at least what its client has read); its client gone, it reads cancelled."""
     until("free of sessions", lambda: sessions(api) == (0, 0))
-    stream = client.responses.create(model="target", input=QUESTION[1][1], max_output_tokens=300, temperature=0,
-                                     stream=True, extra_body={"ignore_eos": True})
-    events = iter(stream)
-    created = next(events)
-    assert created.type == "response.created"
-    read = ""
-    for event in events:  # (to its first text)
-        if event.type == "response.output_text.delta":
-            read += event.delta
-            break
-    assert read
-    with target_stopped(api, stub):  # (held: it cannot end meanwhile)
+    target = api.procs["target"]
+    api.hook.arm("target", "write", False, 8, freezer(target))  # (held at its ninth round: it cannot end)
+    try:
+        stream = client.responses.create(model="target", input=QUESTION[1][1], max_output_tokens=300, temperature=0,
+                                         stream=True, extra_body={"ignore_eos": True})
+        events = iter(stream)
+        created = next(events)
+        assert created.type == "response.created"
+        read = ""
+        for event in events:  # (to its first text)
+            if event.type == "response.output_text.delta":
+                read += event.delta
+                break
+        assert read
+        assert api.hook.done.wait(60) and not api.hook.errors, api.hook.errors
         now = client.responses.retrieve(created.response.id)
         assert now.status == "in_progress"
         [item] = now.output
         assert item.type == "message" and item.status == "in_progress" and now.output_text.startswith(read)
         stream.close()
         until("released on the draft", lambda: draft_sessions(api) == 0)
+    finally:
+        api.hook.disarm()
+        target.send_signal(signal.SIGCONT)
+    until("serving again", lambda: targets(stub) == [("serving", 0)])
     assert client.responses.retrieve(created.response.id).status == "cancelled"
     until("free of sessions", lambda: sessions(api) == (0, 0))
 

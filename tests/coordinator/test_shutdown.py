@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from coordinator.launch import LocalStack
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from tests.faults.hook import freezer, hooked_stack
 
 
 def until(what: str, condition, timeout: float = 30.0) -> None:
@@ -133,30 +134,33 @@ def test_a_coordinator_stopped_past_its_grace_releases_its_generations_sessions(
     releases are answered (unary Release calls under --peer-calls unary), not dropped with its channels: the
     services hold no session of theirs after it (they held them until their idle timeout). An HTTP stream cut
     ends with its error event and [DONE], its body whole (it was closed mid-body, a traceback logged)."""
-    draft, target = pair
-    with LocalStack(draft, target, http_port=0,
-                    coordinator_args=["--peer-calls", "unary", "--shutdown-grace", "0"]) as stack:
+    with hooked_stack(pair, http_port=0, coordinator_args=["--peer-calls", "unary", "--shutdown-grace", "0"]) as (
+            stack, hook):
         stub = pb_grpc.GenerationStub(grpc.insecure_channel(stack.addr))
-        streams = [stub.GenerateStream(pb.GenerateRequest(prompt=f"def f{i}(x):", max_new_tokens=400, temperature=0.0,
-                                                          num_speculative_tokens=1), timeout=60) for i in range(3)]
-        for stream in streams:
-            next(stream)  # each under way: its sessions held on both services
-        address = urllib.parse.urlsplit(stack.http_url)
-        connection = http.client.HTTPConnection(address.hostname, address.port, timeout=60)
-        asked = {"model": "target", "prompt": "def g(x):", "stream": True, "max_tokens": 400, "ignore_eos": True,
-                 "temperature": 0}
-        connection.request("POST", "/v1/completions", json.dumps(asked))
-        events = connection.getresponse()
-        assert events.status == 200 and events.readline().startswith(b"data: ")  # under way
         coordinator, target_service = stack.procs["coordinator"], stack.procs["target"]
-        # The target stopped first, no generation can end before the SIGTERM is taken (a 400-token stream of this
-        # tiny model could, on a loaded machine: CI saw its last event a plain chunk); continued once the HTTP
-        # stream is cut, it answers the releases the coordinator waits for
-        target_service.send_signal(signal.SIGSTOP)
+        # The target stopped once the fourth generation's first verification is answered: every generation is
+        # under way and none can end before the SIGTERM is taken (a 400-token stream of this tiny model could, on
+        # a loaded machine: CI saw its last event a plain chunk); continued once the HTTP stream is cut, it
+        # answers the releases the coordinator waits for
+        hook.arm("target", "done", True, 4, freezer(target_service))
         try:
+            streams = [stub.GenerateStream(pb.GenerateRequest(prompt=f"def f{i}(x):", max_new_tokens=400,
+                                                              temperature=0.0, num_speculative_tokens=1), timeout=60)
+                       for i in range(3)]
+            for stream in streams:
+                next(stream)  # each under way: its sessions held on both services
+            address = urllib.parse.urlsplit(stack.http_url)
+            connection = http.client.HTTPConnection(address.hostname, address.port, timeout=60)
+            asked = {"model": "target", "prompt": "def g(x):", "stream": True, "max_tokens": 400, "ignore_eos": True,
+                     "temperature": 0}
+            connection.request("POST", "/v1/completions", json.dumps(asked))
+            events = connection.getresponse()
+            assert events.status == 200 and events.readline().startswith(b"data: ")  # under way
+            assert hook.done.wait(60) and not hook.errors, hook.errors  # (the target stopped)
             coordinator.send_signal(signal.SIGTERM)
             sent = [line.strip() for line in iter(events.readline, b"") if line.startswith(b"data: ")]
         finally:
+            hook.disarm()
             target_service.send_signal(signal.SIGCONT)
         assert sent[-1] == b"data: [DONE]"  # the body whole (IncompleteRead, before)
         assert json.loads(sent[-2][len(b"data: "):])["error"]["code"] == "unavailable"
@@ -168,7 +172,7 @@ def test_a_coordinator_stopped_past_its_grace_releases_its_generations_sessions(
             except grpc.RpcError:
                 cut += 1
         assert coordinator.wait(30) == 0
-        assert cut >= 1  # (generations were cut: their releases are what is checked)
+        assert cut == len(streams)  # (every generation was cut: their releases are what is checked)
         assert active_sessions(stack.target_addr, pb_grpc.TargetStub) == 0
         assert active_sessions(stack.draft_addr, pb_grpc.DraftStub) == 0
         assert "Exception in ASGI application" not in (stack.log_dir / "coordinator.log").read_text()

@@ -1,15 +1,24 @@
 """The coordinator's fault hook's other end (coordinator/peers.py, SPECDEC_FAULT_HOOK): a test
 strikes a service at an exact moment of a round (a call about to be sent, sent and awaited, or
 answered), not after a sleep or a race the request may win. Used by the fault matrix and by
-tests/coordinator/test_failover.py."""
+tests/coordinator (failover, shutdown, the OpenAI API, metrics): a stack whose coordinator tells
+the hook (`hooked_stack`), and a strike that freezes a service (`freezer`) to hold a request in
+flight however fast the machine is."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import signal
 import socket
+import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
+
+from coordinator.launch import LocalStack
 
 
 def wait_until(what: str, done, timeout: float = 30.0, every: float = 0.05):
@@ -28,6 +37,17 @@ def stopped(pid: int) -> bool:
     """Whether the process is stopped (SIGSTOP has landed): its state in /proc is T."""
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+def freezer(process: subprocess.Popen):
+    """A strike that stops `process` (SIGSTOP) and returns once it has: the coordinator's call goes
+    on to a service that cannot answer, so the request is held at that call until SIGCONT."""
+
+    def strike(address: str) -> None:
+        process.send_signal(signal.SIGSTOP)
+        wait_until("stopped", lambda: stopped(process.pid))
+
+    return strike
 
 
 class FaultHook:
@@ -95,3 +115,20 @@ class FaultHook:
     def close(self) -> None:
         self.server.close()
         os.unlink(self.path)
+
+
+@contextlib.contextmanager
+def hooked_stack(pair, **stack_args):
+    """A started LocalStack (`stack_args` its keywords) whose coordinator tells a fault hook every
+    moment of every per-round call, and the hook: (stack, hook); both closed after the block."""
+    draft, target = pair
+    workdir = Path(tempfile.mkdtemp(prefix="specdec-hooked-"))  # (short: a Unix socket's path is at most 107 bytes)
+    hook = FaultHook(workdir / "hook.sock")
+    env = {**stack_args.pop("coordinator_env", {}), "SPECDEC_FAULT_HOOK": hook.path}
+    stack = LocalStack(draft, target, log_dir=workdir, coordinator_env=env, **stack_args)
+    try:
+        yield stack.start(), hook
+    finally:
+        stack.stop()
+        hook.close()
+        shutil.rmtree(workdir, ignore_errors=True)

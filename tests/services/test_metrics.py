@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 import urllib.request
 
@@ -9,10 +10,10 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.launch import LocalStack
 from runtime.ports import free_port
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
+from tests.faults.hook import freezer, hooked_stack
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
@@ -44,13 +45,15 @@ def eventually(check, timeout: float = 30.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def metered_stack(pair, request):
+def metered_stack(pair):
+    """A stack with the three services' metrics on ports of their own, its coordinator telling a fault hook
+    (stack.hook) every moment of its per-round calls: (stack, {role: metrics port})."""
     ports = {role: free_port() for role in ("draft", "target", "coordinator")}
-    stack = LocalStack(*pair, draft_args=["--metrics-port", str(ports["draft"])],
-                       target_args=["--metrics-port", str(ports["target"])],
-                       coordinator_args=["--metrics-port", str(ports["coordinator"])]).start()
-    request.addfinalizer(stack.stop)
-    return stack, ports
+    with hooked_stack(pair, draft_args=["--metrics-port", str(ports["draft"])],
+                      target_args=["--metrics-port", str(ports["target"])],
+                      coordinator_args=["--metrics-port", str(ports["coordinator"])]) as (stack, hook):
+        stack.hook = hook
+        yield stack, ports
 
 
 def test_metrics_count_what_requests_report(metered_stack):
@@ -124,14 +127,23 @@ def test_a_request_ended_early_counts_its_rounds_and_why(metered_stack):
     names = ("specdec_generated_tokens_total", "specdec_rounds_total", "specdec_time_to_first_token_seconds_count",
              "specdec_inter_token_seconds_count", "specdec_verify_seconds_count")
     before = scrape(ports["coordinator"])
-    stream = stub.GenerateStream(pb.GenerateRequest(prompt_token_ids=[5] * 8, max_new_tokens=400, temperature=0.0,
-                                                    num_speculative_tokens=1))
-    received = sum(len(next(stream).token_ids) for _ in range(3))
-    stream.cancel()
-    with pytest.raises(grpc.RpcError) as late:
-        stub.Generate(pb.GenerateRequest(prompt_token_ids=[5] * 8, max_new_tokens=400, temperature=0.0,
-                                         num_speculative_tokens=1), timeout=0.2)
-    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    target = stack.procs["target"]
+    # the target stopped at the stream's fifth verification: it cannot end before its client cancels it, and the
+    # request after it cannot end before its deadline
+    stack.hook.arm("target", "write", False, 4, freezer(target))
+    try:
+        stream = stub.GenerateStream(pb.GenerateRequest(prompt_token_ids=[5] * 8, max_new_tokens=400,
+                                                        temperature=0.0, num_speculative_tokens=1))
+        received = sum(len(next(stream).token_ids) for _ in range(3))
+        assert stack.hook.done.wait(60) and not stack.hook.errors, stack.hook.errors
+        stream.cancel()
+        with pytest.raises(grpc.RpcError) as late:
+            stub.Generate(pb.GenerateRequest(prompt_token_ids=[5] * 8, max_new_tokens=400, temperature=0.0,
+                                             num_speculative_tokens=1), timeout=0.2)
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        stack.hook.disarm()
+        target.send_signal(signal.SIGCONT)
 
     def check() -> None:
         c = scrape(ports["coordinator"])
