@@ -52,10 +52,11 @@ def wait_for(addr: str, check, timeout: float = 30.0) -> dict[str, pb.ReplicaInf
 def test_requests_spread_and_outputs_match_one_replica(cluster, stack):
     wait_for(cluster.addr, lambda seen: len(seen) == 4 and all(r.state == "serving" for r in seen.values()))
     assert generate_all(cluster.addr) == generate_all(stack.addr)
-    seen = replicas(cluster.addr)
+    # each lease is given back once its session is released: after the answer where a release outlasts RELEASE_WAIT
+    seen = wait_for(cluster.addr, lambda seen: all(r.outstanding == 0 for r in seen.values()))
     assert {r.role for r in seen.values()} == {"draft", "target"} and len(seen) == 4
     for r in seen.values():
-        assert r.state == "serving" and r.served >= 2 and r.outstanding == 0, r  # 8 requests over 2 replicas
+        assert r.state == "serving" and r.served >= 2, r  # 8 requests over 2 replicas
 
 
 def target_served(addr: str) -> dict[str, int]:
