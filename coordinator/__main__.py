@@ -17,6 +17,9 @@ it presents where they require mutual TLS).
 event loop, over the same pools, limits and metrics; TLS flags apply to it too. --api-key (or
 SPECDEC_COORDINATOR_API_KEY, or --api-key-file) makes both front doors ask for
 `Authorization: Bearer KEY` (runtime/auth.py); health checks stay open.
+
+Health (grpc.health.v1): "" is SERVING from start-up until SIGTERM (liveness); specdec.v1.Generation only
+while a request would be served, a target replica healthy (readiness; HTTP GET /health the same, 200 or 503).
 """
 
 from __future__ import annotations
@@ -191,7 +194,7 @@ def main(argv=None, prog: str = "python -m coordinator") -> None:
 
         await serve("coordinator", args.host, args.port, add, load, on_stop, grace=args.shutdown_grace,
                     stop=stop, credentials=credentials, max_request_bytes=args.max_request_bytes,
-                    interceptors=[RequireApiKey(key)] if key else [])
+                    interceptors=[RequireApiKey(key)] if key else [], readiness=coordinator.readiness)
 
     asyncio.run(run())
 

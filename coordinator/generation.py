@@ -571,6 +571,25 @@ class Coordinator:
             raise NotReady("the coordinator is still connecting to its model services")
         return self.models
 
+    def serving(self) -> str:
+        """Why a request would be refused now ("" if it would not): connecting, or no target replica healthy (a
+        coordinator whose draft pool is down serves without drafting)."""
+        if self.models is None:
+            return "the coordinator is still connecting to its model services"
+        return "" if self.target.healthy() else f"target pool: {self.target.none_serving()}"
+
+    async def readiness(self) -> AsyncIterator[bool]:
+        """Whether a request would be served (`serving`), now and at each change: the readiness its front doors
+        report (the gRPC health of its named services, HTTP /health), apart from whether the process is alive."""
+        last = None
+        while True:
+            self.target.changed.clear()
+            now = not self.serving()
+            if now != last:
+                yield now
+                last = now
+            await self.target.changed.wait()
+
     async def close(self, wait: float) -> None:
         """Close the pools once every generation has ended (up to `wait` s: a stopping server's cancelled
         ones end at once, having begun their sessions' releases) and those releases are answered (Pool.close)."""

@@ -8,8 +8,9 @@ Endpoints: GET /v1/models and /v1/models/{model}; POST /v1/chat/completions and 
 /v1/completions, unary or with `stream: true` (one event per speculative round, then `data:
 [DONE]`; `stream_options.include_usage` adds a last event with the usage); POST /v1/responses (OpenAI's
 Responses API over the chat path: responses.py); POST /tokenize and
-/detokenize (vLLM's: a chat's or a prompt's token ids, tokens' text). GET /health (200 once
-the coordinator has found its services, else 503) and GET /metrics (the coordinator's Prometheus
+/detokenize (vLLM's: a chat's or a prompt's token ids, tokens' text). GET /health (200 while
+a request would be served: the coordinator has found its services and a target replica is healthy; else 503
+saying why) and GET /metrics (the coordinator's Prometheus
 metrics) need no API key.
 
 What OpenAI's API has no word for goes in an extra field, `specdec` (rounds, acceptance, K, seed;
@@ -774,7 +775,10 @@ class OpenAIApi:
         return JSONResponse(self.model_card())
 
     async def health(self, request: Request) -> Response:
-        self.coordinator.ready()
+        """200 while a request would be served; else 503 saying why (connecting, no healthy target replica)."""
+        why = self.coordinator.serving()
+        if why:
+            raise ApiError(503, why, code="unavailable")
         return JSONResponse({"status": "ok"})
 
     def keyed(self, request: Request) -> None:

@@ -215,6 +215,9 @@ class Pool:
         self._task: asyncio.Task | None = None
         self._rechecked = float("-inf")
         self._rechecking: asyncio.Task | None = None
+        # set whenever a replica's state may have turned (a health check, a failed call, discovery): `serving` may
+        # have changed (the coordinator's readiness follows it)
+        self.changed = asyncio.Event()
 
     # ------------------------------------------------------------ discovery
 
@@ -266,6 +269,7 @@ class Pool:
             # (pop: a failover's recheck may refresh beside the watch)
             if replica.removed and replica.outstanding == 0 and self.replicas.pop(address, None) is replica:
                 await replica.peer.close()
+        self.changed.set()
 
     async def _check(self, replica: Replica) -> None:
         was, error = replica.healthy, ""
@@ -286,6 +290,7 @@ class Pool:
                         log.error("%s replica %s refused: %s%s", self.name, replica.address, said, refused)
                     replica.refused = refused
                     replica.healthy = False
+                    self.changed.set()
                     return
                 if self.reference is None:
                     self.reference = info
@@ -298,6 +303,8 @@ class Pool:
         except Exception as e:  # noqa: BLE001 - no answer, however it failed
             healthy, error = False, await self._why(replica, e)
         replica.healthy = healthy
+        if healthy != was:
+            self.changed.set()
         why, replica.why = replica.why, error
         if healthy != was or error != why:  # (a replica that never answered: why it does not, once a reason)
             log.info("%s replica %s is %s", self.name, replica.address, f"unhealthy: {error}" if error else "healthy")
@@ -388,14 +395,18 @@ class Pool:
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.healthy and not r.removed and not r.refused]
 
+    def none_serving(self) -> str:
+        """Why no request can be leased a replica now: each known replica's state."""
+        known = ", ".join(f"{a} {r.state}" for a, r in self.replicas.items()) or "none"
+        return f"no healthy replica (known: {known})"
+
     def acquire(self, exclude: Collection[Replica] = (), prompt: list[int] | None = None) -> Replica:
         """The healthy replica with the least work in flight (ties in turn), for one request, or the one
         that held most of its `prompt` (the module docstring); give it back with `release`. `exclude`:
         replicas the request will not use now."""
         candidates = [r for r in self.healthy() if r not in exclude]
         if not candidates:
-            known = ", ".join(f"{a} {r.state}" for a, r in self.replicas.items()) or "none"
-            raise self.unavailable(f"no healthy replica (known: {known})")
+            raise self.unavailable(self.none_serving())
         turn = next(self._turn)
         replica = min(candidates, key=lambda r: (r.outstanding, (candidates.index(r) - turn) % len(candidates)))
         held = self.affinity.find(prompt) if prompt and len(candidates) > 1 else None
@@ -415,6 +426,7 @@ class Pool:
         if replica.healthy:
             log.warning("%s replica %s failed a call (%s): taken out until its health check passes",
                         self.name, replica.address, error)
+            self.changed.set()
         replica.healthy = False
 
     @property

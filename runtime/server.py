@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -23,16 +23,24 @@ log = logging.getLogger("specdec")
 
 
 class Health:
-    """grpc.health.v1 for the whole server and each named service."""
+    """grpc.health.v1 for the whole server ("": whether it is up, a liveness probe's) and each named service
+    (whether it would serve a call now, a readiness probe's: see `serve`'s `readiness`)."""
 
     def __init__(self, services: Iterable[str]):
         self.servicer = health.aio.HealthServicer()
         self.services = ["", *services]
 
-    async def set(self, serving: bool) -> None:
+    async def set(self, serving: bool, named_only: bool = False) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in self.services:
+        for name in self.services[1:] if named_only else self.services:
             await self.servicer.set(name, status)
+
+    async def follow(self, readiness: Callable[[], AsyncIterator[bool]], name: str) -> None:
+        """The named services' status as `readiness` says, until cancelled (the server stopping)."""
+        async for ready in readiness():
+            await self.set(ready, named_only=True)
+            log.info("%s %s", name, "ready: its services SERVING" if ready else
+                     "not ready: its services NOT_SERVING (the server itself SERVING)")
 
 
 QUIET_POLL_S = 0.05  # how often a stopping server looks again whether its service holds sessions
@@ -60,6 +68,7 @@ async def serve(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     admits: Callable[[str, Any], bool] | None = None,
     quiet: Callable[[], bool] | None = None,
+    readiness: Callable[[], AsyncIterator[bool]] | None = None,
 ) -> None:
     """Start the server NOT_SERVING, run `load`, turn SERVING, and stop cleanly on SIGTERM /
     SIGINT (or when `stop` is set, if given).
@@ -73,6 +82,8 @@ async def serve(
     Stopping, new calls are refused but those `admits(method, request)` lets through (interceptors.Drain),
     and the server waits up to `grace` for the calls in flight to end and, where given, for `quiet()` (a
     model service: no session held, so that a generation calling once per round may finish).
+    Once loaded, `readiness` (where given: whether a call would be served, at once and at each change; the
+    coordinator's, a healthy target replica) sets the named services' status; "" stays SERVING until the stop.
     """
     if tracing.configure(name):
         log.info("%s: tracing on (OTEL_* variables)", name)
@@ -111,14 +122,21 @@ async def serve(
         await checks.set(True)
         log.info("%s SERVING", name)
         print(f"{name} ready", flush=True)
+        following = None if readiness is None else asyncio.ensure_future(checks.follow(readiness, name))
         broken = loader.result()
-        if broken is not None:
-            await asyncio.wait({stopper, broken}, return_when=asyncio.FIRST_COMPLETED)
-            if broken.done() and not stopper.done():
-                await checks.set(False)
-                log.error("%s NOT_SERVING: %s", name, broken.result())
-                print(f"{name} NOT_SERVING: {broken.result()}", flush=True)
-        await stopper
+        try:
+            if broken is not None:
+                await asyncio.wait({stopper, broken}, return_when=asyncio.FIRST_COMPLETED)
+                if broken.done() and not stopper.done():
+                    if following is not None:
+                        following.cancel()
+                    await checks.set(False)
+                    log.error("%s NOT_SERVING: %s", name, broken.result())
+                    print(f"{name} NOT_SERVING: {broken.result()}", flush=True)
+            await stopper
+        finally:
+            if following is not None:
+                following.cancel()
     elif loader in done:
         log.error("%s failed to start: %s", name, loader.exception())
         stopper.cancel()

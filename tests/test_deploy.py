@@ -204,6 +204,18 @@ def test_the_coordinator_serves_http_on_its_service_with_the_key_from_a_secret(o
     assert container["readinessProbe"]["grpc"]["port"] == int(flags[flags.index("--port") + 1])
 
 
+def test_the_coordinator_is_ready_while_it_would_serve_and_live_while_it_is_up(objects):
+    """Its readiness probe asks the Generation service's health (NOT_SERVING while no target replica is healthy:
+    traffic goes to a coordinator that reaches a target), its liveness and start-up probes the server's (a
+    coordinator whose targets are down is not restarted for it)."""
+    from coordinator.server import SERVICE_NAME
+
+    container = by_kind(objects, "Deployment")["specdec-coordinator"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["grpc"].get("service") == SERVICE_NAME
+    assert container["livenessProbe"]["grpc"].get("service", "") == ""
+    assert container["startupProbe"]["grpc"].get("service", "") == ""
+
+
 def test_the_cpu_overlay_drafts_as_make_run_does_from_models_the_image_holds():
     """The cpu overlay serves the shipped models from the image with the draft `make run` picks for them
     (the launcher's --draft-method auto: the EAGLE-3 head where its card beats the distilled draft's),

@@ -29,7 +29,7 @@ from coordinator.launch import ROOT, LocalStack
 from runtime.ports import free_port
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from tests.faults.hook import freezer, hooked_stack
+from tests.faults.hook import freezer, hooked_stack, stopped
 from tests.services.test_metrics import eventually, scrape, value
 
 KEY = "test-key-5e1f"
@@ -1129,12 +1129,6 @@ def test_grpc_without_the_key_is_unauthenticated_but_health_is_open(api, stub):
 HELD = {"prompt": PROMPT, "max_tokens": 64, "temperature": 0, "num_speculative_tokens": 2}  # K > 0: the draft first
 
 
-def stopped(pid: int) -> bool:
-    """Whether SIGSTOP has landed: the process's state in /proc is T."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-
-
 def draft_sessions(api) -> float:
     return value(scrape(api.metrics_ports["draft"]), "specdec_active_sessions")
 
@@ -1165,6 +1159,33 @@ def target_stopped(api, stub):
     finally:
         target.send_signal(signal.SIGCONT)
         until("serving again", lambda: targets(stub) == [("serving", 0)])
+
+
+def readiness(api) -> tuple[int, str, str]:
+    """(GET /health's status, the gRPC health of the server (""), of its Generation service)."""
+    try:
+        status = urllib.request.urlopen(f"{api.http_url}/health", timeout=10).status
+    except urllib.error.HTTPError as e:
+        status, reply = e.code, json.loads(e.read())
+        error = reply["error"]
+        assert error["code"] == "unavailable" and "target pool: no healthy replica" in error["message"], error
+    with grpc.insecure_channel(api.addr) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        states = [health_pb2.HealthCheckResponse.ServingStatus.Name(
+            health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10).status)
+            for name in ("", "specdec.v1.Generation")]
+    return status, *states
+
+
+def test_health_says_whether_a_request_would_be_served(api, stub):
+    """Ready (HTTP /health 200, the Generation service SERVING) while a target replica is healthy; with the
+    target stopped and taken out by its health checks, 503 naming the target pool and NOT_SERVING, while the
+    server itself ("", what a liveness probe asks) stays SERVING; ready again once the target is back."""
+    assert readiness(api) == (200, "SERVING", "SERVING")
+    with target_stopped(api, stub):
+        until("taken out", lambda: targets(stub) == [("unhealthy", 0)])
+        until("not ready", lambda: readiness(api) == (503, "SERVING", "NOT_SERVING"))
+    until("ready again", lambda: readiness(api) == (200, "SERVING", "SERVING"))
 
 
 def cancelled_and_released(api, before: float, n: int = 1) -> None:
