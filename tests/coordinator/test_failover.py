@@ -187,7 +187,7 @@ def local_pool(name: str, peers) -> Pool:
     return made
 
 
-def test_a_late_draft_gives_way(pair):
+def test_a_late_draft_gives_way(pair, monkeypatch):
     """In one process: the lone draft replica stops answering mid-generation (its call never
     returns). The round goes on at the replica's bound with a plain target step and the output is
     what a faultless run decodes, without waiting for the call; the request leaves the replica
@@ -196,6 +196,7 @@ def test_a_late_draft_gives_way(pair):
     import asyncio
 
     from coordinator.failover import FORGETTING, MISSES, FailoverDraft, FailoverTarget
+    from coordinator.pool import RecentLatency
     from model_service.engines import DraftEngine, TargetEngine
     from model_service.local import LocalDraft, LocalTarget
     from model_service.model_runner import ModelRunner
@@ -220,6 +221,9 @@ def test_a_late_draft_gives_way(pair):
 
     target = LocalTarget(TargetEngine(ModelRunner(target_dir)))
     target.address, target.name = "t0", "target"
+    # only the hung calls late: a tiny model's answered call is ~1-3 ms, but one caught by a loaded machine's
+    # stall could pass the 50 ms floor and count as a miss of its own
+    monkeypatch.setattr(RecentLatency, "FLOOR", 0.5)
 
     async def run(draft: Hanging, pools=None) -> tuple[list[int], Stats]:
         draft_pool, target_pool = pools or (local_pool("draft", [draft]), local_pool("target", [target]))
@@ -233,7 +237,7 @@ def test_a_late_draft_gives_way(pair):
 
     async def go():
         expected, _ = await run(Hanging(None))
-        # 12 calls answered: the replica's bound is now its own (4 x p99, at least 50 ms), not the first 1 s
+        # 12 calls answered: the replica's bound is now its own (4 x p99, at least the floor), not the first 1 s
         hung = Hanging(12)
         pools = local_pool("draft", [hung]), local_pool("target", [target])
         # (the 13th call's answer never comes before `wake`: a run that waited for it would not end)
@@ -251,7 +255,7 @@ def test_a_late_draft_gives_way(pair):
         stuck = Hanging(0)
         pools = local_pool("draft", [stuck]), local_pool("target", [target])
         replica = pools[0].replicas["d0"]
-        replica.recent.starts.extend([1e-4] * replica.recent.MIN_CALLS)  # a history: bound 50 ms
+        replica.recent.starts.extend([1e-4] * replica.recent.MIN_CALLS)  # a history: bound the floor
         for i in range(MISSES):
             assert replica.healthy
             tokens, stats = await asyncio.wait_for(run(stuck, pools), 120)
