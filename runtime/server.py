@@ -36,11 +36,16 @@ class Health:
             await self.servicer.set(name, status)
 
     async def follow(self, readiness: Callable[[], AsyncIterator[bool]], name: str) -> None:
-        """The named services' status as `readiness` says, until cancelled (the server stopping)."""
+        """The named services' status as `readiness` says, until cancelled (the server stopping); a change
+        after the first is logged."""
+        first = True
         async for ready in readiness():
             await self.set(ready, named_only=True)
-            log.info("%s %s", name, "ready: its services SERVING" if ready else
-                     "not ready: its services NOT_SERVING (the server itself SERVING)")
+            if not (first and ready):
+                log.log(logging.INFO if ready else logging.WARNING, "%s %s", name,
+                        "ready again: its services SERVING" if ready else
+                        "not ready: its services NOT_SERVING (the server itself SERVING)")
+            first = False
 
 
 QUIET_POLL_S = 0.05  # how often a stopping server looks again whether its service holds sessions
