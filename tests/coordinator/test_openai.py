@@ -43,7 +43,7 @@ PROMPT = "def fibonacci(n):"
 @pytest.fixture(scope="module")
 def api(pair):
     """One stack behind an API key, HTTP on, the services' session gauges on metrics ports, its coordinator
-    telling a fault hook (stack.hook) every moment of its per-round calls."""
+    telling a fault hook (stack.hook) every moment of its per-round calls while a test has armed it."""
     ports = {role: free_port() for role in ("draft", "target")}
     with hooked_stack(pair, http_port=0, coordinator_args=["--api-key", KEY, "--max-request-bytes", str(MAX_BYTES),
                                                            "--store-responses", "64"],

@@ -53,13 +53,16 @@ def freezer(process: subprocess.Popen):
 class FaultHook:
     """The other end of SPECDEC_FAULT_HOOK: hears `<role> <address> <point> <start>` for every
     moment of every per-round call, answers at once, except the `nth` time the armed moment
-    comes: then it strikes the service the call is to first, and answers after."""
+    comes: then it strikes the service the call is to first, and answers after.
 
-    def __init__(self, path: Path):
+    `always`: it listens from the start (every moment heard); else only from `arm` to `disarm`, and the
+    coordinator's other calls find no hook and go on at once (peers.moment), their time as a stack's
+    without the hook: a draft call's round trips to the hook count in the time it may take before the
+    round goes on without it, which in a stack serving other tests would make lost rounds likelier."""
+
+    def __init__(self, path: Path, always: bool = True):
         self.path = str(path)
-        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.server.bind(self.path)
-        self.server.listen(64)
+        self.server: socket.socket | None = None
         self.lock = threading.Lock()
         self.armed = None  # (role, point, start, nth, strike)
         self.seen = 0
@@ -68,21 +71,39 @@ class FaultHook:
         self.struck_at: int | None = None  # the index in `heard` of the moment struck
         self.done = threading.Event()  # the strike is over (a late draft call's request may have finished first)
         self.errors: list[BaseException] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.always = always
+        if always:
+            self._listen()
+
+    def _listen(self) -> None:
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(self.path)
+        self.server.listen(64)
+        threading.Thread(target=self._accept, args=(self.server,), daemon=True).start()
+
+    def _stop_listening(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+            os.unlink(self.path)
 
     def arm(self, role: str, point: str, start: bool, nth: int, strike) -> None:
         with self.lock:
             self.armed, self.seen, self.struck = (role, point, start, nth, strike), 0, None
             self.done.clear()
+            if self.server is None:
+                self._listen()
 
     def disarm(self) -> None:
         with self.lock:
             self.armed = None
+            if not self.always:
+                self._stop_listening()
 
-    def _accept(self) -> None:
+    def _accept(self, server: socket.socket) -> None:
         while True:
             try:
-                connection, _ = self.server.accept()
+                connection, _ = server.accept()
             except OSError:  # closed
                 return
             threading.Thread(target=self._answer, args=(connection,), daemon=True).start()
@@ -113,8 +134,8 @@ class FaultHook:
                 pass
 
     def close(self) -> None:
-        self.server.close()
-        os.unlink(self.path)
+        with self.lock:
+            self._stop_listening()
 
 
 @contextlib.contextmanager
@@ -123,7 +144,7 @@ def hooked_stack(pair, **stack_args):
     moment of every per-round call, and the hook: (stack, hook); both closed after the block."""
     draft, target = pair
     workdir = Path(tempfile.mkdtemp(prefix="specdec-hooked-"))  # (short: a Unix socket's path is at most 107 bytes)
-    hook = FaultHook(workdir / "hook.sock")
+    hook = FaultHook(workdir / "hook.sock", always=False)  # (heard while armed only)
     env = {**stack_args.pop("coordinator_env", {}), "SPECDEC_FAULT_HOOK": hook.path}
     stack = LocalStack(draft, target, log_dir=workdir, coordinator_env=env, **stack_args)
     try:

@@ -47,7 +47,7 @@ def eventually(check, timeout: float = 30.0) -> None:
 @pytest.fixture(scope="module")
 def metered_stack(pair):
     """A stack with the three services' metrics on ports of their own, its coordinator telling a fault hook
-    (stack.hook) every moment of its per-round calls: (stack, {role: metrics port})."""
+    (stack.hook) every moment of its per-round calls while a test has armed it: (stack, {role: metrics port})."""
     ports = {role: free_port() for role in ("draft", "target", "coordinator")}
     with hooked_stack(pair, draft_args=["--metrics-port", str(ports["draft"])],
                       target_args=["--metrics-port", str(ports["target"])],
