@@ -37,7 +37,7 @@ from runtime.transport import MAX_REQUEST_BYTES, add_dial_flags, channel_credent
 
 from .metrics import CoordinatorMetrics
 from .peers import GrpcDraft, GrpcTarget
-from .pool import CLOSE_WAIT, DRAFT_WAIT, Pool
+from .pool import CLOSE_WAIT, DRAFT_WAIT, Pool, RecentLatency
 
 log = logging.getLogger("specdec.coordinator")
 DEFAULT_PORT = 50050
@@ -58,6 +58,10 @@ def parse_args(argv=None, prog: str = "python -m coordinator"):
     parser.add_argument("--adaptive-max-k", type=int,
                         help="the most draft tokens adaptive K uses (default: 8 for a draft model; for a draft"
                              " that costs nothing per token, as the n-gram method, --max-speculative-tokens)")
+    parser.add_argument("--draft-late-floor", type=number(float, above=0), default=RecentLatency.FLOOR,
+                        help="seconds: the least a draft call is given before its round goes on without it (a"
+                             " replica's bound is 4x its recent calls' 99th percentile, at least this): raise it"
+                             " where a network's or a machine's stalls would make on-time calls late")
     parser.add_argument("--predraft", action="store_true",
                         help="while the target verifies a round, let the draft draft the next as if all were"
                              " accepted (PEARL's post-verify); kept when its guess holds, else rolled back")
@@ -147,7 +151,7 @@ def main(argv=None, prog: str = "python -m coordinator") -> None:
             made.batch_turns = args.lockstep_calls == "batch"
             return made
 
-        return Pool(name, spec, peer, args.resolve_every)
+        return Pool(name, spec, peer, args.resolve_every, late_floor=args.draft_late_floor if name == "draft" else None)
 
     async def run() -> None:
         draft, target = pool("draft", args.draft, GrpcDraft), pool("target", args.target, GrpcTarget)

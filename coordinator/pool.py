@@ -44,9 +44,10 @@ log = logging.getLogger("specdec.pool")
 
 class RecentLatency:
     """A replica's recent per-round call times, and how long a call may take before it is late:
-    TIMES x their 99th percentile, at least FLOOR s. A call that starts a session carries the
-    whole prefix, and its prefill grows with it: starts are timed per prefix token, and their
-    bound is for the prefix at hand. Until a kind has MIN_CALLS calls, its bound is FIRST s."""
+    TIMES x their 99th percentile, at least `floor` s (FLOOR: the coordinator's --draft-late-floor). A call
+    that starts a session carries the whole prefix, and its prefill grows with it: starts are timed per
+    prefix token, and their bound is for the prefix at hand. Until a kind has MIN_CALLS calls, its bound
+    is FIRST s (or the floor, where that is longer)."""
 
     WINDOW = 100
     MIN_CALLS = 8
@@ -54,7 +55,8 @@ class RecentLatency:
     FLOOR = 0.05
     FIRST = 1.0
 
-    def __init__(self):
+    def __init__(self, floor: float | None = None):
+        self.floor = self.FLOOR if floor is None else floor
         self.starts: deque[float] = deque(maxlen=self.WINDOW)  # seconds per prefix token
         self.steps: deque[float] = deque(maxlen=self.WINDOW)   # seconds
 
@@ -68,9 +70,9 @@ class RecentLatency:
         """Seconds past which a call (of a session start with `prefix` tokens) is late."""
         times = self.starts if start else self.steps
         if len(times) < self.MIN_CALLS:
-            return self.FIRST
+            return max(self.FIRST, self.floor)
         p99 = sorted(times)[int(0.99 * (len(times) - 1))]
-        return max(self.FLOOR, self.TIMES * p99 * (max(prefix, 1) if start else 1))
+        return max(self.floor, self.TIMES * p99 * (max(prefix, 1) if start else 1))
 
 
 DRAFT_WAIT = 30.0  # s: how long a starting coordinator waits for a draft replica once the target is ready
@@ -114,7 +116,7 @@ class PrefixAffinity:
 
 
 class Replica:
-    def __init__(self, peer: Peer):
+    def __init__(self, peer: Peer, late_floor: float | None = None):
         self.peer = peer
         self.healthy = False
         self.outstanding = 0  # requests leased now
@@ -122,7 +124,7 @@ class Replica:
         self.refused = ""     # why it may not serve (another model), if so
         self.why = ""         # why its last health check failed (a refused connection, a TLS handshake), if it did
         self.removed = False  # no longer discovered: drains, then closes
-        self.recent = RecentLatency()
+        self.recent = RecentLatency(late_floor)
         self.missed = 0       # late calls in a row (see failover.FailoverDraft)
 
     @property
@@ -192,8 +194,9 @@ def unlike(info: pb.ModelInfo, pool: pb.ModelInfo) -> str:
 
 class Pool:
     def __init__(self, name: str, spec: str, make_peer: Callable[[str, str | None], Peer], resolve_every: float = 10.0,
-                 check_every: float = 2.0):
+                 check_every: float = 2.0, late_floor: float | None = None):
         self.name = name
+        self.late_floor = late_floor  # the least a replica's late bound is (RecentLatency; None: its FLOOR)
         self.entries = [e.strip() for e in spec.split(",") if e.strip()]
         if not self.entries:
             raise ValueError(f"no {name} address given")
@@ -260,7 +263,7 @@ class Pool:
                 if replica is None:
                     peer = self.make_peer(address, server_name)
                     peer.latency = self.latency
-                    self.replicas[address] = Replica(peer)
+                    self.replicas[address] = Replica(peer, self.late_floor)
                     log.info("%s replica %s found", self.name, address)
                 elif replica.removed:
                     replica.removed = False

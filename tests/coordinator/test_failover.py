@@ -469,7 +469,8 @@ def test_a_target_with_no_room_for_a_start_passes_it_to_another(pair, monkeypatc
 
 def test_the_late_bound_follows_the_replica():
     """A draft call is late past 4 x the 99th percentile of the replica's recent calls of its kind, at
-    least 50 ms; a start's bound grows with the prefix it carries; with no history yet, 1 s."""
+    least 50 ms (the floor, --draft-late-floor); a start's bound grows with the prefix it carries; with no
+    history yet, 1 s (or the floor where it is longer)."""
     from coordinator.pool import RecentLatency
 
     recent = RecentLatency()
@@ -481,6 +482,12 @@ def test_the_late_bound_follows_the_replica():
     recent.add(0.100, False, 0)
     assert recent.bound(False, 0) == pytest.approx(0.4)  # two stalls in a hundred: they are the 99th percentile
     assert recent.bound(True, 500) == pytest.approx(4 * 0.002 * 500)
+    raised = RecentLatency(floor=2.0)  # (--draft-late-floor 2: the pool's replicas')
+    assert raised.bound(False, 0) == 2.0
+    for _ in range(100):
+        raised.add(0.010, False, 0)
+    assert raised.bound(False, 0) == 2.0 and RecentLatency(floor=0.01).bound(False, 0) == 1.0
+    assert Replica(object(), late_floor=2.0).recent.bound(False, 0) == 2.0  # (a pool's late_floor, its replicas')
 
 
 def test_a_release_on_a_hung_replica_is_made_again_once_it_serves(monkeypatch):
