@@ -177,17 +177,17 @@ class LocalPool(Pool):
         pass
 
 
-def local_pool(name: str, peers) -> Pool:
-    """A pool of in-process peers, every one healthy."""
-    made = LocalPool(name, "127.0.0.1:1", lambda address, server_name: None)
+def local_pool(name: str, peers, late_floor: float | None = None) -> Pool:
+    """A pool of in-process peers, every one healthy (`late_floor`: the pool's, as --draft-late-floor sets it)."""
+    made = LocalPool(name, "127.0.0.1:1", lambda address, server_name: None, late_floor=late_floor)
     for peer in peers:
         peer.info = None
-        made.replicas[peer.address] = Replica(peer)
+        made.replicas[peer.address] = Replica(peer, made.late_floor)
         made.replicas[peer.address].healthy = True
     return made
 
 
-def test_a_late_draft_gives_way(pair, monkeypatch):
+def test_a_late_draft_gives_way(pair):
     """In one process: the lone draft replica stops answering mid-generation (its call never
     returns). The round goes on at the replica's bound with a plain target step and the output is
     what a faultless run decodes, without waiting for the call; the request leaves the replica
@@ -196,7 +196,6 @@ def test_a_late_draft_gives_way(pair, monkeypatch):
     import asyncio
 
     from coordinator.failover import FORGETTING, MISSES, FailoverDraft, FailoverTarget
-    from coordinator.pool import RecentLatency
     from model_service.engines import DraftEngine, TargetEngine
     from model_service.local import LocalDraft, LocalTarget
     from model_service.model_runner import ModelRunner
@@ -223,10 +222,10 @@ def test_a_late_draft_gives_way(pair, monkeypatch):
     target.address, target.name = "t0", "target"
     # only the hung calls late: a tiny model's answered call is ~1-3 ms, but one caught by a loaded machine's
     # stall could pass the 50 ms floor and count as a miss of its own
-    monkeypatch.setattr(RecentLatency, "FLOOR", 0.5)
+    floor = 0.5
 
     async def run(draft: Hanging, pools=None) -> tuple[list[int], Stats]:
-        draft_pool, target_pool = pools or (local_pool("draft", [draft]), local_pool("target", [target]))
+        draft_pool, target_pool = pools or (local_pool("draft", [draft], floor), local_pool("target", [target]))
         out, stats = [], Stats()
         failover = FailoverDraft(draft_pool)
         async for new in generate(failover, FailoverTarget(target_pool), PROMPT, max_new_tokens=60, k=3,
@@ -239,7 +238,7 @@ def test_a_late_draft_gives_way(pair, monkeypatch):
         expected, _ = await run(Hanging(None))
         # 12 calls answered: the replica's bound is now its own (4 x p99, at least the floor), not the first 1 s
         hung = Hanging(12)
-        pools = local_pool("draft", [hung]), local_pool("target", [target])
+        pools = local_pool("draft", [hung], floor), local_pool("target", [target])
         # (the 13th call's answer never comes before `wake`: a run that waited for it would not end)
         tokens, stats = await asyncio.wait_for(run(hung, pools), 120)
         assert tokens == expected and len(expected) == 60
@@ -253,7 +252,7 @@ def test_a_late_draft_gives_way(pair, monkeypatch):
 
         # late at every start: three requests in a row take the replica out; the next goes without it
         stuck = Hanging(0)
-        pools = local_pool("draft", [stuck]), local_pool("target", [target])
+        pools = local_pool("draft", [stuck], floor), local_pool("target", [target])
         replica = pools[0].replicas["d0"]
         replica.recent.starts.extend([1e-4] * replica.recent.MIN_CALLS)  # a history: bound the floor
         for i in range(MISSES):

@@ -29,7 +29,7 @@ from coordinator.launch import ROOT, LocalStack
 from runtime.ports import free_port
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
-from tests.faults.hook import freezer, hooked_stack, stopped
+from tests.faults.hook import freezer, hooked_stack
 from tests.services.test_metrics import eventually, scrape, value
 
 KEY = "test-key-5e1f"
@@ -1156,9 +1156,8 @@ def target_stopped(api, stub):
     """The target stopped for the block; then continued, and serving in the coordinator's pool again
     (its health checks may have failed meanwhile) before the next test."""
     target = api.procs["target"]
-    target.send_signal(signal.SIGSTOP)
     try:
-        until("stopped", lambda: stopped(target.pid))
+        freezer(target)(api.target_addr)
         yield
     finally:
         target.send_signal(signal.SIGCONT)

@@ -24,7 +24,7 @@ from coordinator.launch import LocalStack
 from specdec.v1 import specdec_pb2 as pb
 from specdec.v1 import specdec_pb2_grpc as pb_grpc
 
-from .hook import FaultHook, stopped, wait_until
+from .hook import FaultHook, freezer, wait_until
 
 PROMPT = [5, 17, 42, 9, 100, 3]
 NEW_TOKENS = 40
@@ -107,8 +107,7 @@ class FaultStack:
             proc.send_signal(signal.SIGKILL)
             proc.wait(30)
         elif fault == "stop":
-            proc.send_signal(signal.SIGSTOP)
-            wait_until("stopped", lambda: stopped(proc.pid))
+            freezer(proc)(address)
         else:  # restart: the call goes on against a new process at the old address
             self.stack.restart_replica(self.name_of(address), sig=signal.SIGKILL)
 
