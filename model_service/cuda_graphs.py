@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import scripted
 from .fast_forward import _rotate_half
 from .kv_cache import KVCache
 
@@ -128,6 +129,7 @@ class GraphedPasses:
             h = fast._norm(x, layer["in_norm"])
             qkv = fast._mm(h, layer["qkv"], None, layer["qkv_bias"])
             qk = qkv[:, : (heads + kv_heads) * head_dim].view(n, heads + kv_heads, head_dim)
+            qk = scripted.qk_norm(qk, layer["qk_norm"], heads, fast.eps)
             qk = qk * cos + _rotate_half(qk) * sin
             v = qkv[:, (heads + kv_heads) * head_dim :].view(n, kv_heads, head_dim)
             keys, values = data[i, 0], data[i, 1]  # [1, H_kv, capacity, hd]

@@ -1,4 +1,4 @@
-"""A lean decoder forward for Llama-family models, over a preallocated KV cache.
+"""A lean decoder forward for Llama-family models (Llama, Mistral, Qwen2, Qwen3), over a preallocated KV cache.
 
     fast = FastForward.build(model, max_context)     # None: the model keeps transformers' forward
     cache = fast.new_cache()
@@ -41,7 +41,7 @@ from .slot_attention import SlotBatch, slot_attention, slot_batch
 KERNEL_LAYOUTS = (Int4, Q4Tiles, Panels)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # --dtype
 
-SUPPORTED = {"llama", "mistral", "qwen2"}
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 # weights with fewer elements stay unpacked (see FastForward.pack): oneDNN's fixed cost per call
 # (tens of us) outweighs what packing gains on them (docs/performance.md)
 PACK_MIN_ELEMENTS = 1 << 18
@@ -67,7 +67,7 @@ def unsupported(config, max_context: int) -> str | None:
 
 
 class FastForward:
-    """The forward pass of one loaded HF Llama/Mistral/Qwen2 causal LM.
+    """The forward pass of one loaded HF Llama/Mistral/Qwen2/Qwen3 causal LM.
 
     Weights are kept as [in, out] (transposed) and applied as `x @ w`: for the few rows a
     decode or verify step multiplies, that runs faster than `F.linear` on the [out, in]
@@ -291,7 +291,7 @@ class FastForward:
             for name in ("qkv", "o", "gate_up", "down"):
                 packed = layer.get(f"{name}_packed")
                 total += size(packed if isinstance(packed, KERNEL_LAYOUTS) else layer[name])
-            total += size(layer["in_norm"]) + size(layer["post_norm"]) + size(layer["qkv_bias"])
+            total += sum(size(layer[name]) for name in ("in_norm", "post_norm", "qkv_bias", "qk_norm"))
         return total + size(self.lm_head_packed if isinstance(self.lm_head_packed, KERNEL_LAYOUTS)
                             else self.lm_head)
 
@@ -358,6 +358,9 @@ class FastForward:
             "gate_up": cls._transposed([layer.get_submodule(name) for name in cls.PARTS["gate_up"]]),
             "half": mlp.gate_proj.weight.shape[0], "down": cls._transposed([mlp.down_proj]),
             "scaling": getattr(attn, "scaling", None),
+            # (Qwen3) each q and k head's RMSNorm weight over head_dim, before RoPE: [2, head_dim], q's then k's
+            "qk_norm": (torch.stack([attn.q_norm.weight.data, attn.k_norm.weight.data])
+                        if getattr(attn, "q_norm", None) is not None else None),
         }
 
     def __call__(self, input_ids: list[int], cache: KVCache, num_logits: int) -> torch.Tensor:
@@ -466,6 +469,7 @@ class FastForward:
             qkv = self._mm(h, layer["qkv"], layer["qkv_packed"], layer["qkv_bias"], rows)  # [T, (H + 2 H_kv) head_dim]
             # RoPE on q and k at once: they are the first H + H_kv heads of qkv
             qk = qkv[:, : (heads + kv_heads) * head_dim].view(total, heads + kv_heads, head_dim)
+            qk = scripted.qk_norm(qk, layer["qk_norm"], heads, self.eps)
             qk = qk * cos + _rotate_half(qk) * sin
             v = qkv[:, (heads + kv_heads) * head_dim :].view(total, kv_heads, head_dim)  # [T, H_kv, head_dim]
             if slots is not None:
@@ -522,9 +526,9 @@ class FastForward:
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         args = self._scripted_args()
         if lo or hi < len(self.layers):
-            args = tuple(a[lo:hi] if n < 5 else a[4 * lo : 4 * hi] for n, a in enumerate(args[:-2])) + args[-2:]
+            args = tuple(a[lo:hi] if n < 6 else a[4 * lo : 4 * hi] for n, a in enumerate(args[:-2])) + args[-2:]
         if self._runs_q4_layers():  # every sequence's rows through each linear at once, in specdec's C++ loop
-            scaling, in_norm, post_norm, half, qkv_bias, _, _, tiles, _, outs, _, _ = args
+            scaling, in_norm, post_norm, half, qkv_bias, qk_norm, _, _, tiles, _, outs, _, _ = args
             lengths = [b - a for a, b, _, _ in spans]
             kept = [n for _, _, n in feeds] if final else lengths  # the rows each carries through its last layer
             common = (x, cos, sin, [cache.data[lo:hi] for _, cache, _ in feeds], [start for _, _, start, _ in spans],
@@ -532,9 +536,10 @@ class FastForward:
                       tiles, outs)
             output = (self.final_norm.weight, self.lm_head_packed.tiles, self.lm_head_packed.out) if head \
                 else (None, None, 0)
+            norms = None if qk_norm[0] is None else torch.stack(qk_norm)  # (every layer has them or none)
             if capture:
-                return torch.ops.specdec.q4_layers_capturing(*common, list(capture), *output, ids)
-            return torch.ops.specdec.q4_layers(*common, *output, ids)
+                return torch.ops.specdec.q4_layers_capturing(*common, list(capture), *output, ids, norms)
+            return torch.ops.specdec.q4_layers(*common, *output, ids, norms)
         if len(feeds) == 1:
             return scripted.LAYERS(x, cos, sin, feeds[0][1].data[lo:hi], spans[0][2], masks[0],
                                    feeds[0][2] if final else 0, heads, kv_heads, head_dim, self.eps, *args)
@@ -570,7 +575,7 @@ class FastForward:
                 [self.head_dim ** -0.5 if layer["scaling"] is None else float(layer["scaling"]) for layer in self.layers],
                 [layer["in_norm"] for layer in self.layers], [layer["post_norm"] for layer in self.layers],
                 [layer["half"] for layer in self.layers], [layer["qkv_bias"] for layer in self.layers],
-                [w for w, _ in linears],
+                [layer["qk_norm"] for layer in self.layers], [w for w, _ in linears],
                 [None if isinstance(p, KERNEL_LAYOUTS) else p for _, p in linears],
                 [p.weight if isinstance(p, Int4) else p.tiles if isinstance(p, (Q4Tiles, Panels)) else None
                  for _, p in linears],
@@ -590,7 +595,7 @@ class FastForward:
         if self.head_ids is not None:
             self.head_ids = self.head_ids.to(device)
         for layer in self.layers:
-            for key in ("qkv", "qkv_bias", "o", "gate_up", "down"):
+            for key in ("qkv", "qkv_bias", "qk_norm", "o", "gate_up", "down"):
                 if layer[key] is not None:
                     layer[key] = layer[key].to(device)
         if self.rope_table is not None:

@@ -68,8 +68,18 @@ def mm(x: torch.Tensor, w: torch.Tensor, packed: Optional[torch.Tensor], q4: Opt
     return torch.addmm(bias, x, w)
 
 
+def qk_norm(qk: torch.Tensor, weight: Optional[torch.Tensor], heads: int, eps: float) -> torch.Tensor:
+    """(Qwen3) each head's RMSNorm over head_dim before RoPE: qk [T, H + H_kv, head_dim], its first `heads`
+    heads q's, the rest k's; weight [2, head_dim] (q's, k's) or None (the model has none: qk as it is)."""
+    if weight is None:
+        return qk
+    y = F.rms_norm(qk if qk.dtype == torch.float32 else qk.float(), [qk.shape[-1]], None, eps).to(qk.dtype)
+    return torch.cat((y[:, :heads] * weight[0], y[:, heads:] * weight[1]), dim=1)
+
+
 def _qkv(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, i: int, heads: int, kv_heads: int, head_dim: int,
-         eps: float, in_norm: list[torch.Tensor], qkv_bias: list[Optional[torch.Tensor]], w: list[torch.Tensor],
+         eps: float, in_norm: list[torch.Tensor], qkv_bias: list[Optional[torch.Tensor]],
+         norms: list[Optional[torch.Tensor]], w: list[torch.Tensor],
          packed: list[Optional[torch.Tensor]], q4: list[Optional[torch.Tensor]],
          q4_scales: list[Optional[torch.Tensor]], outs: list[int], group: int,
          packed_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +88,7 @@ def _qkv(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, i: int, heads: i
     j = 4 * i
     qkv = mm(rms_norm(x, in_norm[i], eps), w[j], packed[j], q4[j], q4_scales[j], group, outs[j], qkv_bias[i],
              packed_rows)
-    qk = qkv[:, :split].view(total, heads + kv_heads, head_dim)
+    qk = qk_norm(qkv[:, :split].view(total, heads + kv_heads, head_dim), norms[i], heads, eps)
     qk = qk * cos + torch.cat((-qk[..., rotate:], qk[..., :rotate]), dim=-1) * sin
     return qk, qkv[:, split:].view(total, kv_heads, head_dim)
 
@@ -100,20 +110,22 @@ def _rest(x: torch.Tensor, att: torch.Tensor, i: int, eps: float, post_norm: lis
 def _layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, start: int,
             mask: Optional[torch.Tensor], keep: int, heads: int, kv_heads: int, head_dim: int, eps: float, scaling: list[float],
             in_norm: list[torch.Tensor], post_norm: list[torch.Tensor], half: list[int],
-            qkv_bias: list[Optional[torch.Tensor]], w: list[torch.Tensor], packed: list[Optional[torch.Tensor]],
+            qkv_bias: list[Optional[torch.Tensor]], norms: list[Optional[torch.Tensor]], w: list[torch.Tensor],
+            packed: list[Optional[torch.Tensor]],
             q4: list[Optional[torch.Tensor]], q4_scales: list[Optional[torch.Tensor]], outs: list[int],
             group: int, packed_rows: int) -> torch.Tensor:
     """Every layer of FastForward.many for one sequence of T new tokens at positions start..start+T-1:
     x [T, D] (embedded), cos/sin [T, 1, head_dim], kv the sequence's cache [L, 2, 1, H_kv, capacity,
     head_dim] (its positions past start are written), mask [T, start+T] (query i sees keys
     0..start+i; None for one token), keep: how many of the last rows the last layer's attention
-    output and MLP are computed for (0: all). Linear j of layer i (q/k/v, o,
+    output and MLP are computed for (0: all); norms[i]: layer i's q and k heads' RMSNorm weights [2,
+    head_dim] or None (qk_norm). Linear j of layer i (q/k/v, o,
     gate/up, down) is entry 4 i + j of w, packed, q4, q4_scales, outs. -> x after the last layer."""
     total = x.shape[0]
     end = start + total
     last = len(in_norm) - 1
     for i in range(len(in_norm)):
-        qk, v = _qkv(x, cos, sin, i, heads, kv_heads, head_dim, eps, in_norm, qkv_bias, w, packed, q4, q4_scales,
+        qk, v = _qkv(x, cos, sin, i, heads, kv_heads, head_dim, eps, in_norm, qkv_bias, norms, w, packed, q4, q4_scales,
                      outs, group, packed_rows)
         keys, values = kv[i, 0], kv[i, 1]  # [1, H_kv, capacity, head_dim]
         keys[:, :, start:end] = qk[:, heads:].transpose(0, 1).unsqueeze(0)
@@ -133,7 +145,7 @@ def _layers_batched(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kvs: 
                     slot: list[int], slot_index: list[torch.Tensor], keep: Optional[torch.Tensor],
                     heads: int, kv_heads: int, head_dim: int, eps: float, scaling: list[float],
                     in_norm: list[torch.Tensor], post_norm: list[torch.Tensor], half: list[int],
-                    qkv_bias: list[Optional[torch.Tensor]], w: list[torch.Tensor],
+                    qkv_bias: list[Optional[torch.Tensor]], norms: list[Optional[torch.Tensor]], w: list[torch.Tensor],
                     packed: list[Optional[torch.Tensor]], q4: list[Optional[torch.Tensor]],
                     q4_scales: list[Optional[torch.Tensor]], outs: list[int], group: int,
                     packed_rows: int) -> torch.Tensor:
@@ -147,7 +159,7 @@ def _layers_batched(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kvs: 
     total = x.shape[0]
     last = len(in_norm) - 1
     for i in range(len(in_norm)):
-        qk, v = _qkv(x, cos, sin, i, heads, kv_heads, head_dim, eps, in_norm, qkv_bias, w, packed, q4, q4_scales,
+        qk, v = _qkv(x, cos, sin, i, heads, kv_heads, head_dim, eps, in_norm, qkv_bias, norms, w, packed, q4, q4_scales,
                      outs, group, packed_rows)
         if pool is not None:
             lo, hi, width, reach = slot[0], slot[1], slot[2], slot[3]

@@ -102,6 +102,10 @@ def make_model(
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config.pad_token_id = tokenizer.eos_token_id
+    with torch.no_grad():  # (Qwen3) the q and k heads' norms start at ones: give them weight
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.add_(torch.randn_like(param) * 0.3)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
@@ -121,7 +125,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="directory to write draft/ and target/ into")
     parser.add_argument("--vocab", choices=["bpe", "chars"], default="bpe", help="tokenizer kind (default bpe)")
-    parser.add_argument("--arch", default="llama", help="model family: llama, qwen2, mistral (default llama)")
+    parser.add_argument("--arch", default="llama", help="model family: llama, qwen2, qwen3, mistral (default llama)")
     args = parser.parse_args()
     draft, target = make_pair(args.out, args.vocab, arch=args.arch)
     print(f"draft: {draft}\ntarget: {target}")

@@ -1166,7 +1166,8 @@ at::Tensor layers_loop(const at::Tensor& x_in, const at::Tensor& cos_in, const a
                        at::IntArrayRef starts, at::IntArrayRef lengths, at::IntArrayRef keeps, int64_t H, int64_t Hkv,
                        int64_t hd, double eps_in, at::ArrayRef<double> scaling, at::TensorList in_norm,
                        at::TensorList post_norm, at::IntArrayRef half, const c10::List<std::optional<at::Tensor>>& qkv_bias,
-                       at::TensorList weights, at::IntArrayRef outs, at::IntArrayRef capture, at::Tensor* states) {
+                       at::TensorList weights, at::IntArrayRef outs, at::IntArrayRef capture, at::Tensor* states,
+                       const std::optional<at::Tensor>& qk_norm) {
   const int64_t L = static_cast<int64_t>(in_norm.size()), S = static_cast<int64_t>(kv.size());
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "q4_layers: float32 x [T, D]");
   TORCH_CHECK(S > 0 && static_cast<int64_t>(starts.size()) == S && static_cast<int64_t>(lengths.size()) == S &&
@@ -1177,6 +1178,10 @@ at::Tensor layers_loop(const at::Tensor& x_in, const at::Tensor& cos_in, const a
               "q4_layers: per-layer lists must match the layers");
   TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0 && hd > 0 && hd % 2 == 0,
               "q4_layers: heads a multiple of kv heads, an even head_dim");
+  const bool qk_normed = qk_norm.has_value() && qk_norm->defined();
+  TORCH_CHECK(!qk_normed || (qk_norm->dim() == 3 && qk_norm->size(0) == L && qk_norm->size(1) == 2 &&
+                             qk_norm->size(2) == hd), "q4_layers: qk_norm must be [layers, 2, head_dim]");
+  const at::Tensor qk_w_all = qk_normed ? qk_norm->to(at::kFloat).contiguous() : at::Tensor();
   const int64_t T = x_in.size(0), D = x_in.size(1);
   std::vector<int64_t> seq(T), pos(T);  // each row's sequence and position
   int64_t row = 0;
@@ -1243,9 +1248,15 @@ at::Tensor layers_loop(const at::Tensor& x_in, const at::Tensor& cos_in, const a
       for (int64_t t = 0; t < T; ++t)
         for (int64_t j = 0; j < qkv_n; ++j) qkv[t * qkv_n + j] += bp[j];
     }
+    // (Qwen3) each q and k head's RMSNorm over head_dim, before RoPE
+    const float* qk_w = qk_normed ? qk_w_all.data_ptr<float>() + i * 2 * hd : nullptr;
     // RoPE on the q and k heads, then k and v into the row's cache
     for (int64_t t = 0; t < T; ++t) {
       float* row = qkv.data() + t * qkv_n;
+      if (qk_w != nullptr) {
+        for (int64_t head = 0; head < H + Hkv; ++head)
+          rms_norm(row + head * hd, qk_w + (head < H ? 0 : hd), row + head * hd, 1, hd, eps);
+      }
       rope_row(row, cp + t * hd, sp + t * hd, H + Hkv, hd);
       const at::Tensor& cache = kv[seq[t]];
       E* keys = cache_ptr<E>(cache) + i * cache.stride(0) + pos[t] * cache.stride(4);
@@ -1309,16 +1320,17 @@ at::Tensor layers_loop_any(const at::Tensor& x_in, const at::Tensor& cos_in, con
                            at::IntArrayRef starts, at::IntArrayRef lengths, at::IntArrayRef keeps, int64_t H, int64_t Hkv,
                            int64_t hd, double eps, at::ArrayRef<double> scaling, at::TensorList in_norm,
                            at::TensorList post_norm, at::IntArrayRef half, const c10::List<std::optional<at::Tensor>>& qkv_bias,
-                           at::TensorList weights, at::IntArrayRef outs, at::IntArrayRef capture, at::Tensor* states) {
+                           at::TensorList weights, at::IntArrayRef outs, at::IntArrayRef capture, at::Tensor* states,
+                           const std::optional<at::Tensor>& qk_norm) {
   const at::ScalarType kind = kv.empty() ? at::kFloat : kv[0].scalar_type();
   for (const at::Tensor& c : kv)
     TORCH_CHECK(c.scalar_type() == kind, "q4_layers: every cache of a pass must have the same dtype");
   TORCH_CHECK(kind == at::kFloat || kind == at::kHalf, "q4_layers: a cache must be float32 or float16");
   if (kind == at::kHalf)
     return layers_loop<half_bits>(x_in, cos_in, sin_in, kv, starts, lengths, keeps, H, Hkv, hd, eps, scaling, in_norm,
-                                  post_norm, half, qkv_bias, weights, outs, capture, states);
+                                  post_norm, half, qkv_bias, weights, outs, capture, states, qk_norm);
   return layers_loop<float>(x_in, cos_in, sin_in, kv, starts, lengths, keeps, H, Hkv, hd, eps, scaling, in_norm,
-                            post_norm, half, qkv_bias, weights, outs, capture, states);
+                            post_norm, half, qkv_bias, weights, outs, capture, states, qk_norm);
 }
 
 // The output layer where the caller hands it to the loop: the kept rows x [R, D] -> RMSNorm (final_norm)
@@ -1394,10 +1406,11 @@ at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at:
                      int64_t hd, double eps, at::ArrayRef<double> scaling, at::TensorList in_norm,
                      at::TensorList post_norm, at::IntArrayRef half, const c10::List<std::optional<at::Tensor>>& qkv_bias,
                      at::TensorList weights, at::IntArrayRef outs, const std::optional<at::Tensor>& final_norm,
-                     const std::optional<at::Tensor>& head, int64_t head_out, at::OptionalIntArrayRef ids) {
+                     const std::optional<at::Tensor>& head, int64_t head_out, at::OptionalIntArrayRef ids,
+                     const std::optional<at::Tensor>& qk_norm) {
   const auto [x0, cos, sin] = looked_up(x_in, cos_in, sin_in, starts, lengths, ids);
   const at::Tensor x = layers_loop_any(x0, cos, sin, kv, starts, lengths, keeps, H, Hkv, hd, eps, scaling, in_norm,
-                                       post_norm, half, qkv_bias, weights, outs, {}, nullptr);
+                                       post_norm, half, qkv_bias, weights, outs, {}, nullptr, qk_norm);
   return output_layer(x, final_norm, head, head_out, eps);
 }
 
@@ -1409,11 +1422,11 @@ std::tuple<at::Tensor, at::Tensor> q4_layers_capturing(
     at::ArrayRef<double> scaling, at::TensorList in_norm, at::TensorList post_norm, at::IntArrayRef half,
     const c10::List<std::optional<at::Tensor>>& qkv_bias, at::TensorList weights, at::IntArrayRef outs,
     at::IntArrayRef capture, const std::optional<at::Tensor>& final_norm, const std::optional<at::Tensor>& head,
-    int64_t head_out, at::OptionalIntArrayRef ids) {
+    int64_t head_out, at::OptionalIntArrayRef ids, const std::optional<at::Tensor>& qk_norm) {
   at::Tensor states;
   const auto [x0, cos, sin] = looked_up(x_in, cos_in, sin_in, starts, lengths, ids);
   const at::Tensor x = layers_loop_any(x0, cos, sin, kv, starts, lengths, keeps, H, Hkv, hd, eps, scaling, in_norm,
-                                       post_norm, half, qkv_bias, weights, outs, capture, &states);
+                                       post_norm, half, qkv_bias, weights, outs, capture, &states, qk_norm);
   return {output_layer(x, final_norm, head, head_out, eps), states};
 }
 

@@ -22,7 +22,8 @@ from speculative.tiny import make_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
-LAYER_KEYS = ("in_norm", "post_norm", "qkv", "qkv_bias", "sizes", "o", "gate_up", "half", "down", "scaling")
+LAYER_KEYS = ("in_norm", "post_norm", "qkv", "qkv_bias", "qk_norm", "sizes", "o", "gate_up", "half", "down",
+              "scaling")
 
 
 def save_model(out: Path, arch: str = "llama", *, tied: bool = False, hidden: int = 64, heads: int = 4,
@@ -79,6 +80,7 @@ def assert_same_shard(a: FastForward, b: FastForward) -> None:
     ("llama", False, 2, 2, 101, {}),  # GQA; a vocabulary the ranks split unevenly (the last block padded)
     ("qwen2", True, 2, 2, 100, {}),  # q/k/v biases; lm_head tied to the embedding
     ("mistral", False, 4, 4, 103, {"max_shard_size": "40KB"}),  # a checkpoint in several files (an index)
+    ("qwen3", False, 2, 2, 100, {}),  # each q and k head's norm (whole on every rank)
 ])
 def test_a_rank_loads_exactly_the_shard_of_the_whole_model(tmp_path, arch, tied, world, kv_heads, vocab, save):
     path = save_model(tmp_path / arch, arch, tied=tied, kv_heads=kv_heads, vocab=vocab, **save)
