@@ -419,11 +419,12 @@ def test_kv_pool_does_not_halve_and_double_back_at_each_take(monkeypatch):
 @pytest.mark.skipif(scripted.LAYERS is None, reason="this torch has no TorchScript")
 @pytest.mark.parametrize("arch,weights", [("llama", "float"), ("llama", "packed"), ("llama", "panels"),
                                           ("llama", "int4"), ("qwen2", "packed"), ("qwen2", "panels"),
-                                          ("qwen2", "int4")])
+                                          ("qwen2", "int4"), ("qwen3", "float"), ("qwen3", "int4")])
 def test_scripted_layers_compute_the_eager_loop(tmp_path, tokenizer, monkeypatch, arch, weights):
     """One sequence's layers run by TorchScript (scripted.LAYERS) give the eager loop's logits, through
     random feeds of 1..9 tokens, partial logits and rollbacks: float weights as x @ w, oneDNN-packed
-    (every weight packed: pack_min 0), in specdec's panels, int4; with q/k/v biases (qwen2)."""
+    (every weight packed: pack_min 0), in specdec's panels, int4; with q/k/v biases (qwen2), with each q and k
+    head's norm (qwen3)."""
     model_dir = make_model(tmp_path / arch, tokenizer, arch=arch, hidden=64, layers=2, heads=4, kv_heads=2,
                            max_context=512, init_std=0.1)
     runner = ModelRunner(model_dir, "cpu", quantize="int4" if weights == "int4" else "none",
@@ -460,11 +461,12 @@ def test_scripted_layers_compute_the_eager_loop(tmp_path, tokenizer, monkeypatch
 @pytest.mark.skipif(scripted.LAYERS is None, reason="this torch has no TorchScript")
 @pytest.mark.parametrize("weights", ["float", "packed", "panels", "int4"])
 @pytest.mark.parametrize("pooled", [True, False], ids=["pool slots", "caches of their own"])
-def test_scripted_batched_layers_compute_the_eager_loop(tmp_path, tokenizer, monkeypatch, weights, pooled):
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_scripted_batched_layers_compute_the_eager_loop(tmp_path, tokenizer, monkeypatch, weights, pooled, arch):
     """Passes over several sequences (ragged, partial logits, rollbacks) through TorchScript
     (scripted.LAYERS_BATCHED) give the eager loop's logits: attention as one call over pool slots,
     or per sequence over caches of their own."""
-    model_dir = make_model(tmp_path / "m", tokenizer, arch="qwen2", hidden=64, layers=2, heads=4, kv_heads=2,
+    model_dir = make_model(tmp_path / "m", tokenizer, arch=arch, hidden=64, layers=2, heads=4, kv_heads=2,
                            init_std=0.1)
     runner = ModelRunner(model_dir, "cpu", quantize="int4" if weights == "int4" else "none",
                          float_kernel="specdec" if weights == "panels" else "onednn", kv_dtype="float32")
