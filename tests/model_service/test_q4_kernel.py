@@ -204,8 +204,8 @@ except ValueError as error:
     assert done.stdout.startswith("not built:"), done.stdout
 
 
-# qwen2: q/k/v biases; qwen3: each q and k head's RMSNorm before RoPE; head_dim 32 (attention a key at a time), 64 and 128 (8 keys at a time; AVX-512
-# float32 caches 16)
+# qwen2: q/k/v biases; qwen3: each q and k head's RMSNorm before RoPE; head_dim 32 (attention a key at a time),
+# 64 and 128 (8 keys at a time; AVX-512 float32 caches 16)
 @pytest.mark.parametrize("arch, hidden, heads, kv_heads",
                          [("llama", 128, 4, 2), ("qwen2", 128, 4, 2), ("llama", 256, 4, 2), ("qwen2", 256, 2, 1),
                           ("qwen3", 128, 4, 2)])
