@@ -19,11 +19,12 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model_dir(tmp_path_factory, request):
+    """A tiny model of each family whose layers differ in the graphed body (qwen3: each q and k head's norm)."""
     out = tmp_path_factory.mktemp("graphs")
-    return make_model(out / "m", make_tokenizer(out / "tok"), hidden=64, layers=3, heads=4, kv_heads=2,
-                      max_context=1024, init_std=0.1)
+    return make_model(out / "m", make_tokenizer(out / "tok"), arch=request.param, hidden=64, layers=3, heads=4,
+                      kv_heads=2, max_context=1024, init_std=0.1)
 
 
 @pytest.mark.parametrize("pool", [None, 0], ids=["pool slots", "caches of their own"])
