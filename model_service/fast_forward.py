@@ -1,4 +1,4 @@
-"""A lean decoder forward for Llama-family models (Llama, Mistral, Qwen2, Qwen3), over a preallocated KV cache.
+"""A lean decoder forward for Llama-family models (Llama, Mistral, Qwen2, Qwen3, Phi-3), over a preallocated KV cache.
 
     fast = FastForward.build(model, max_context)     # None: the model keeps transformers' forward
     cache = fast.new_cache()
@@ -41,7 +41,9 @@ from .slot_attention import SlotBatch, slot_attention, slot_batch
 KERNEL_LAYOUTS = (Int4, Q4Tiles, Panels)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # --dtype
 
-SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "phi3"}
+# families whose checkpoints hold q/k/v in one qkv_proj and gate/up in one gate_up_proj (FastForward.FUSED_PARTS)
+FUSED_FAMILIES = {"phi3"}
 # weights with fewer elements stay unpacked (see FastForward.pack): oneDNN's fixed cost per call
 # (tens of us) outweighs what packing gains on them (docs/performance.md)
 PACK_MIN_ELEMENTS = 1 << 18
@@ -52,6 +54,11 @@ def unsupported(config, max_context: int) -> str | None:
     then None), None where nothing."""
     if config.model_type not in SUPPORTED:
         return f"its architecture is {config.model_type} (the lean forward's: {', '.join(sorted(SUPPORTED))})"
+    rope = getattr(config, "rope_parameters", None) or {}
+    partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) if isinstance(
+        rope, dict) else 1.0
+    if partial is not None and partial != 1.0:
+        return f"it rotates {partial:g} of each head's dimensions (the lean forward's RoPE: all of them)"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"its activation is {config.hidden_act} (the lean forward's: silu)"
     if getattr(config, "attention_bias", False) and config.model_type != "qwen2":
@@ -67,7 +74,7 @@ def unsupported(config, max_context: int) -> str | None:
 
 
 class FastForward:
-    """The forward pass of one loaded HF Llama/Mistral/Qwen2/Qwen3 causal LM.
+    """The forward pass of one loaded HF Llama/Mistral/Qwen2/Qwen3/Phi-3 causal LM.
 
     Weights are kept as [in, out] (transposed) and applied as `x @ w`: for the few rows a
     decode or verify step multiplies, that runs faster than `F.linear` on the [out, in]
@@ -89,6 +96,7 @@ class FastForward:
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.PARTS = self.FUSED_PARTS if config.model_type in FUSED_FAMILIES else type(self).PARTS
         self.layers = [self._fuse(layer) for layer in model.model.layers]
         # tensor parallelism (sharding.py): the ranks the weights are split over, the sum of the ranks'
         # partial products, the ranks' logits side by side
@@ -246,10 +254,14 @@ class FastForward:
             packed += times * ms(lambda: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
         return 1 if packed and packed < plain else 2
 
-    # the transformers weights each fused linear of layer i is made of (_fuse), in order
+    # the transformers weights each fused linear of layer i is made of (_fuse), in order; an instance's
+    # are FUSED_PARTS where its family's checkpoints hold q/k/v and gate/up fused already (Phi-3)
     PARTS: ClassVar[dict[str, tuple[str, ...]]] = {
         "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
         "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+    FUSED_PARTS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "qkv": ("self_attn.qkv_proj",), "o": ("self_attn.o_proj",), "gate_up": ("mlp.gate_up_proj",),
+        "down": ("mlp.down_proj",)}
 
     def use_graphs(self, capture: bool = True):
         """Run one session's passes of up to cuda_graphs.MAX_TOKENS tokens (decode steps, verify
@@ -340,23 +352,27 @@ class FastForward:
             m.weight.data = block.t()
         return fused
 
-    @classmethod
-    def _fuse(cls, layer) -> dict:
-        """Fuse q/k/v and gate/up, transpose every weight (see the class docstring)."""
+    def _fuse(self, layer) -> dict:
+        """Fuse q/k/v and gate/up (where the checkpoint has them apart), transpose every weight (see the
+        class docstring)."""
         attn, mlp = layer.self_attn, layer.mlp
-        parts = [layer.get_submodule(name) for name in cls.PARTS["qkv"]]
+        parts = [layer.get_submodule(name) for name in self.PARTS["qkv"]]
         sizes = [p.weight.shape[0] for p in parts]
+        if len(parts) == 1:  # one qkv_proj: q's heads, then k's and v's (as many rows as its checkpoint holds:
+            # all of them, or a tensor-parallel rank's share of each, loading.py)
+            kv = sizes[0] * self.kv_heads // (self.heads + 2 * self.kv_heads)
+            sizes = [sizes[0] - 2 * kv, kv, kv]
         qkv_bias = None
-        if attn.q_proj.bias is not None:
+        if parts[0].bias is not None:
             qkv_bias = torch.cat([p.bias.data for p in parts])
-            for p, view in zip(parts, qkv_bias.split(sizes)):
+            for p, view in zip(parts, qkv_bias.split([p.weight.shape[0] for p in parts])):
                 p.bias.data = view
         return {
             "in_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
-            "qkv": cls._transposed(parts), "qkv_bias": qkv_bias, "sizes": sizes,
-            "o": cls._transposed([attn.o_proj]),
-            "gate_up": cls._transposed([layer.get_submodule(name) for name in cls.PARTS["gate_up"]]),
-            "half": mlp.gate_proj.weight.shape[0], "down": cls._transposed([mlp.down_proj]),
+            "qkv": self._transposed(parts), "qkv_bias": qkv_bias, "sizes": sizes,
+            "o": self._transposed([attn.o_proj]),
+            "gate_up": self._transposed([layer.get_submodule(name) for name in self.PARTS["gate_up"]]),
+            "half": mlp.down_proj.weight.shape[1], "down": self._transposed([mlp.down_proj]),
             "scaling": getattr(attn, "scaling", None),
             # (Qwen3) each q and k head's RMSNorm weight over head_dim, before RoPE: [2, head_dim], q's then k's
             "qk_norm": (torch.stack([attn.q_norm.weight.data, attn.k_norm.weight.data])

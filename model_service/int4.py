@@ -257,9 +257,9 @@ def quantize(fast: FastForward, group_size: int = 32, blocks: Mapping | None = N
         for name in fast.PARTS:
             layer[name] = empty
     for layer in fast.model.model.layers:
-        for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                       layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-            linear.weight.data = empty
+        for parts in fast.PARTS.values():
+            for part in parts:
+                layer.get_submodule(part).weight.data = empty
     head = fast.model.get_output_embeddings()
     if head.weight.data_ptr() != fast.embed.data_ptr():
         head.weight.data = empty

@@ -15,6 +15,7 @@ The split is Megatron's, as `sharding.shard` makes it from a whole model, writte
 checkpoint's names (a weight is [out, in]):
 
     q_proj, k_proj, v_proj, gate_proj, up_proj   rows (output features): 1/world each
+    qkv_proj, gate_up_proj (Phi-3)               rows: 1/world of each section (q, k, v; gate, up)
     o_proj, down_proj                            columns (input features): 1/world each
     lm_head                                      rows (vocabulary): ceil(V / world), the last rank's
                                                  block padded with zero rows
@@ -38,7 +39,21 @@ import torch
 
 log = logging.getLogger("specdec.load")
 
-SPLIT = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0, "o_proj": 1, "down_proj": 1}
+SPLIT = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0, "o_proj": 1, "down_proj": 1,
+         "qkv_proj": 0, "gate_up_proj": 0}
+
+
+def sections(owner: str, config) -> list[int]:
+    """The row sections of a weight whose rows are several weights' (Phi-3's qkv_proj: q, k, v;
+    gate_up_proj: gate, up), each split over the ranks as its own weight is; [] for any other weight."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if owner == "qkv_proj":
+        return [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    if owner == "gate_up_proj":
+        return [config.intermediate_size] * 2
+    return []
 
 
 @dataclass
@@ -187,11 +202,16 @@ def _load_slices(path: Path, files: dict[str, Path], dtype: torch.dtype, device:
             continue
         owner = name.rsplit(".", 2)[-2]
         dim = SPLIT.get(owner)
-        start = stop = 0
-        if dim is not None:  # this rank's 1/world of the split dimension
-            size = param.shape[dim] // world
-            start, stop = rank * size, (rank + 1) * size
-        place(name, read_slice(source(name), name, dim, start, stop, dtype, device))
+        if dim is None:
+            place(name, read_slice(source(name), name, None, 0, 0, dtype, device))
+            continue
+        parts, offset = [], 0  # this rank's 1/world of the split dimension (of each section's rows)
+        for whole in sections(owner, config) or [param.shape[dim]]:
+            size = whole // world
+            start = offset + rank * size
+            parts.append(read_slice(source(name), name, dim, start, start + size, dtype, device))
+            offset += whole
+        place(name, parts[0] if len(parts) == 1 else torch.cat(parts))
     for name, buffer in model.named_buffers():
         if buffer.is_meta and name in files:  # a persistent buffer the checkpoint holds
             place(name, read_slice(files[name], name, None, 0, 0, dtype, device), buffer=True)

@@ -125,7 +125,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="directory to write draft/ and target/ into")
     parser.add_argument("--vocab", choices=["bpe", "chars"], default="bpe", help="tokenizer kind (default bpe)")
-    parser.add_argument("--arch", default="llama", help="model family: llama, qwen2, qwen3, mistral (default llama)")
+    parser.add_argument("--arch", default="llama",
+                        help="model family: llama, qwen2, qwen3, mistral, phi3 (default llama)")
     args = parser.parse_args()
     draft, target = make_pair(args.out, args.vocab, arch=args.arch)
     print(f"draft: {draft}\ntarget: {target}")

@@ -24,7 +24,7 @@ def tokenizer(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kernel", ["specdec", "onednn"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3"])  # phi3: qkv_proj, gate_up_proj
 def test_matches_transformers_through_feeds_and_rollbacks(tmp_path, tokenizer, arch, kernel):
     """Random feeds of 1..9 tokens, rollbacks of 0..5, past the cache's first capacity (256); the
     float32 products through specdec's panels (and its C++ layer loop) or oneDNN's packed weights."""
@@ -109,9 +109,11 @@ def test_falls_back_where_it_would_differ(tmp_path, tokenizer):
                                               " of 512")
     assert unsupported(model.config, 64) is None
     for change, said in (({"model_type": "gemma"}, "its architecture is gemma (the lean forward's: llama, mistral,"
-                                                   " qwen2, qwen3)"),
+                                                   " phi3, qwen2, qwen3)"),
                          ({"hidden_act": "gelu"}, "its activation is gelu"), ({"mlp_bias": True}, "MLP projections"),
-                         ({"attention_bias": True}, "attention projections have biases")):
+                         ({"attention_bias": True}, "attention projections have biases"),
+                         ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
+                          "it rotates 0.75 of each head's dimensions")):
         config = SimpleNamespace(**{**model.config.to_dict(), "sliding_window": None, **change})
         assert said in unsupported(config, 512)
     config = json.loads((model_dir / "config.json").read_text())

@@ -204,11 +204,12 @@ except ValueError as error:
     assert done.stdout.startswith("not built:"), done.stdout
 
 
-# qwen2: q/k/v biases; qwen3: each q and k head's RMSNorm before RoPE; head_dim 32 (attention a key at a time),
-# 64 and 128 (8 keys at a time; AVX-512 float32 caches 16)
+# qwen2: q/k/v biases; qwen3: each q and k head's RMSNorm before RoPE; phi3: its fused checkpoint linears, and
+# head_dim 96 as Phi-3-mini's; head_dim 32 (attention a key at a time), 64 and 128 (8 keys at a time; AVX-512
+# float32 caches 16)
 @pytest.mark.parametrize("arch, hidden, heads, kv_heads",
                          [("llama", 128, 4, 2), ("qwen2", 128, 4, 2), ("llama", 256, 4, 2), ("qwen2", 256, 2, 1),
-                          ("qwen3", 128, 4, 2)])
+                          ("qwen3", 128, 4, 2), ("phi3", 192, 2, 1)])
 def test_the_c_layer_loop_computes_what_the_torchscript_loop_does(tmp_path, arch, hidden, heads, kv_heads):
     """One sequence's pass through q4_layers (the C++ loop) against TorchScript's loop over the same
     int4 products: a prompt (keeping 2 rows' logits), decode steps, a verify pass of 4, over the
@@ -228,9 +229,12 @@ def test_the_c_layer_loop_computes_what_the_torchscript_loop_does(tmp_path, arch
                        kv_heads=kv_heads, intermediate=160, max_context=128)
     loaded = AutoModelForCausalLM.from_pretrained(model)
     g = torch.Generator().manual_seed(0)
-    for layer in loaded.model.layers:
-        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):  # peaked attention: a wrong score shows
-            proj.weight.data *= 8
+    for layer in loaded.model.layers:  # peaked attention: a wrong score shows
+        if arch == "phi3":  # one qkv_proj: q's and k's rows, then v's
+            layer.self_attn.qkv_proj.weight.data[: -kv_heads * (hidden // heads)] *= 8
+        else:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                proj.weight.data *= 8
         if arch == "qwen2":  # its biases start at zero: give them weight
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.data = torch.randn(proj.bias.shape, generator=g) * 0.5

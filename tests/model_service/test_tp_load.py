@@ -32,7 +32,8 @@ def save_model(out: Path, arch: str = "llama", *, tied: bool = False, hidden: in
     """A random-weight model saved with save_pretrained (bin: as a pytorch_model.bin instead)."""
     config = AutoConfig.for_model(arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                                  max_position_embeddings=256, tie_word_embeddings=tied)
+                                  max_position_embeddings=256, tie_word_embeddings=tied, pad_token_id=0,
+                                  bos_token_id=0, eos_token_id=0)  # (Phi-3's defaults lie past a small vocabulary)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # norms of ones would not tell a norm from another
@@ -81,6 +82,7 @@ def assert_same_shard(a: FastForward, b: FastForward) -> None:
     ("qwen2", True, 2, 2, 100, {}),  # q/k/v biases; lm_head tied to the embedding
     ("mistral", False, 4, 4, 103, {"max_shard_size": "40KB"}),  # a checkpoint in several files (an index)
     ("qwen3", False, 2, 2, 100, {}),  # each q and k head's norm (whole on every rank)
+    ("phi3", False, 2, 2, 100, {}),  # one qkv_proj and one gate_up_proj: each section's rows split
 ])
 def test_a_rank_loads_exactly_the_shard_of_the_whole_model(tmp_path, arch, tied, world, kv_heads, vocab, save):
     path = save_model(tmp_path / arch, arch, tied=tied, kv_heads=kv_heads, vocab=vocab, **save)
