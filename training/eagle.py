@@ -67,6 +67,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from model_service.eagle_head import Eagle3Config, Eagle3Head, default_aux_layer_ids, read_target_tensor
+from model_service.loading import sections
 
 from . import distill, loop
 from .distill import log
@@ -293,15 +294,31 @@ def build_head(cfg: Config, vocab_ids: list[int], init: bool) -> Eagle3Head:
         layer = head.layer
         with torch.no_grad():
             for name, linear in layer.self_attn.items():
-                w = read_target_tensor(cfg.target, f"{last}self_attn.{name}.weight")
+                w = target_linear(cfg.target, t, f"{last}self_attn.", name)
                 linear.weight[:, -w.shape[1] :].copy_(w)  # q/k/v: the hidden half [.., H:2H]
-            widen(layer.mlp, {name: read_target_tensor(cfg.target, f"{last}mlp.{name}.weight") for name in layer.mlp})
+            widen(layer.mlp, {name: target_linear(cfg.target, t, f"{last}mlp.", name) for name in layer.mlp})
             layer.hidden_norm.weight.copy_(read_target_tensor(cfg.target, f"{last}input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(
                 read_target_tensor(cfg.target, f"{last}post_attention_layernorm.weight"))
             head.norm.weight.copy_(read_target_tensor(cfg.target, "model.norm.weight"))
             head.lm_head.weight.copy_(read_target_tensor(cfg.target, "lm_head.weight")[ids])
     return head
+
+
+FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # part: (the fused weight, its section)
+
+
+def target_linear(target: Path, config, prefix: str, name: str) -> torch.Tensor:
+    """The weight of the target's linear prefix + name; where the checkpoint fuses it with others
+    (Phi-3's qkv_proj and gate_up_proj) its rows of the fused weight."""
+    try:
+        return read_target_tensor(target, f"{prefix}{name}.weight")
+    except KeyError:
+        if name not in FUSED:
+            raise
+    owner, part = FUSED[name]
+    return read_target_tensor(target, f"{prefix}{owner}.weight").split(sections(owner, config))[part]
 
 
 def init_width(cfg: Config) -> int:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from model_service.eagle import EagleDraft
 from model_service.eagle_head import Eagle3Head
@@ -338,3 +338,28 @@ def test_the_held_out_round_walk_is_what_specdec_s_rounds_accept(tmp_path):
     assert len(compared) >= 4 and any(s > 0 for _, s in compared)  # the head drafts something right
     for walked, served in compared:
         assert walked == pytest.approx(served, abs=1e-9)
+
+
+def test_a_head_starts_from_a_fused_checkpoint_s_parts(target, tmp_path):
+    """A Phi-3 target keeps q, k, v in one qkv_proj and gate, up in one gate_up_proj: the head's
+    init takes each part's rows, so it starts as it would from the same layer stored unfused."""
+    llama = AutoModelForCausalLM.from_pretrained(target)
+    config = llama.config.to_dict()
+    config.update(model_type="phi3", architectures=["Phi3ForCausalLM"])
+    config.pop("head_dim", None)
+    fused = AutoModelForCausalLM.from_config(type(AutoConfig.for_model("phi3")).from_dict(config))
+    state = llama.state_dict()
+    for i in range(llama.config.num_hidden_layers):
+        at = f"model.layers.{i}."
+        state[f"{at}self_attn.qkv_proj.weight"] = torch.cat(
+            [state.pop(f"{at}self_attn.{n}_proj.weight") for n in "qkv"])
+        state[f"{at}mlp.gate_up_proj.weight"] = torch.cat([state.pop(f"{at}mlp.{n}_proj.weight") for n in ("gate", "up")])
+    fused.load_state_dict(state, strict=True)
+    fused.save_pretrained(tmp_path / "phi3")
+    ids = list(range(0, 2048, 2))
+    heads = [eagle.build_head(eagle.Config(t, tmp_path, tmp_path), ids, init=True).state_dict()
+             for t in (target, tmp_path / "phi3")]
+    assert heads[0].keys() == heads[1].keys()
+    for name, weight in heads[0].items():
+        assert torch.equal(weight, heads[1][name]), name
+    assert all(heads[1][f"layers.0.self_attn.{n}_proj.weight"].abs().sum() > 0 for n in "qkv")
