@@ -353,7 +353,8 @@ def test_a_head_starts_from_a_fused_checkpoint_s_parts(target, tmp_path):
         at = f"model.layers.{i}."
         state[f"{at}self_attn.qkv_proj.weight"] = torch.cat(
             [state.pop(f"{at}self_attn.{n}_proj.weight") for n in "qkv"])
-        state[f"{at}mlp.gate_up_proj.weight"] = torch.cat([state.pop(f"{at}mlp.{n}_proj.weight") for n in ("gate", "up")])
+        state[f"{at}mlp.gate_up_proj.weight"] = torch.cat(
+            [state.pop(f"{at}mlp.{n}_proj.weight") for n in ("gate", "up")])
     fused.load_state_dict(state, strict=True)
     fused.save_pretrained(tmp_path / "phi3")
     ids = list(range(0, 2048, 2))
