@@ -13,9 +13,11 @@ as one `F.rms_norm`, attention as one `scaled_dot_product_attention` over a KV c
 place and rolls back by moving an index; on CPU the layer loop runs in TorchScript (scripted.py).
 
 It takes the rotary embedding from the HF model itself, so every RoPE variant transformers
-implements is computed the same way. Architectures it does not know, or features it does not
-implement (a sliding window shorter than the context, attention soft-capping...), keep the
-transformers forward: `FastForward.build` returns None for them and `ModelRunner` falls back.
+implements is computed the same way; where it rotates part of each head (Phi-4-mini), q's and k's
+dimensions are kept in an order in which rotating the whole head computes it (head_order).
+Architectures it does not know, or features it does not implement (a sliding window shorter than
+the context, attention soft-capping...), keep the transformers forward: `FastForward.build`
+returns None for them and `ModelRunner` falls back.
 
 Beside it: int4.py quantizes its weights (--quantize int4), sharding.py splits them over
 tensor-parallel ranks, slot_attention.py runs a pass's attention over a KV pool's slots,
@@ -42,6 +44,8 @@ KERNEL_LAYOUTS = (Int4, Q4Tiles, Panels)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # --dtype
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "phi3"}
+# families whose transformers forward rotates part of each head where the config says so (partial_rotary_factor)
+PARTIAL_ROTARY = {"phi3"}
 # families whose checkpoints hold q/k/v in one qkv_proj and gate/up in one gate_up_proj (FastForward.FUSED_PARTS)
 FUSED_FAMILIES = {"phi3"}
 # weights with fewer elements stay unpacked (see FastForward.pack): oneDNN's fixed cost per call
@@ -49,16 +53,41 @@ FUSED_FAMILIES = {"phi3"}
 PACK_MIN_ELEMENTS = 1 << 18
 
 
+def rotary_dims(config, head_dim: int) -> int:
+    """How many of each head's dimensions RoPE rotates (partial_rotary_factor, as transformers reads it)."""
+    rope = getattr(config, "rope_parameters", None)
+    partial = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    if partial is None:
+        partial = getattr(config, "partial_rotary_factor", None)
+    return head_dim if partial is None else int(head_dim * partial)
+
+
+def head_order(head_dim: int, rotated: int) -> torch.Tensor | None:
+    """Where RoPE rotates only the first `rotated` of a head's dimensions (Phi-4-mini: 96 of 128), the
+    order in which the lean forward keeps a q or k head's dimensions: position j holds dimension
+    order[j]. transformers pairs dimension i with i + rotated/2; the lean forward rotates every
+    position j with j + head_dim/2, so the rotated pairs move there and the others fill the gaps,
+    where the RoPE table holds cos 1 and sin 0 (they pass unrotated). q and k are both kept in
+    this order, so their dot products are the same sums; None where RoPE rotates the whole head."""
+    if rotated == head_dim:
+        return None
+    r, p = rotated // 2, (head_dim - rotated) // 2
+    dims = torch.arange(head_dim)
+    return torch.cat([dims[:r], dims[rotated : rotated + p], dims[r:rotated], dims[rotated + p :]])
+
+
 def unsupported(config, max_context: int) -> str | None:
     """What of a model's config the fast forward does not compute as transformers does (FastForward.build:
     then None), None where nothing."""
     if config.model_type not in SUPPORTED:
         return f"its architecture is {config.model_type} (the lean forward's: {', '.join(sorted(SUPPORTED))})"
-    rope = getattr(config, "rope_parameters", None) or {}
-    partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) if isinstance(
-        rope, dict) else 1.0
-    if partial is not None and partial != 1.0:
-        return f"it rotates {partial:g} of each head's dimensions (the lean forward's RoPE: all of them)"
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rotated = rotary_dims(config, head_dim)
+    if rotated != head_dim and config.model_type not in PARTIAL_ROTARY:
+        return (f"it rotates {rotated} of each head's {head_dim} dimensions, which transformers' {config.model_type}"
+                " does not")
+    if rotated % 2 or (head_dim - rotated) % 2:
+        return f"it rotates {rotated} of each head's {head_dim} dimensions (the lean forward's RoPE: an even split)"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"its activation is {config.hidden_act} (the lean forward's: silu)"
     if getattr(config, "attention_bias", False) and config.model_type != "qwen2":
@@ -97,6 +126,8 @@ class FastForward:
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.PARTS = self.FUSED_PARTS if config.model_type in FUSED_FAMILIES else type(self).PARTS
+        # each q and k head's dimensions in this order, where RoPE rotates part of a head (head_order)
+        self.head_order = head_order(self.head_dim, rotary_dims(config, self.head_dim))
         self.layers = [self._fuse(layer) for layer in model.model.layers]
         # tensor parallelism (sharding.py): the ranks the weights are split over, the sum of the ranks'
         # partial products, the ranks' logits side by side
@@ -151,7 +182,17 @@ class FastForward:
         x = torch.zeros(1, 1, self.head_dim, dtype=self.embed.dtype, device=device)
         with torch.inference_mode():
             cos, sin = self.rotary(x, torch.arange(max_context, device=device)[None])
-        return cos[0], sin[0]
+        return self._whole_heads(cos[0], sin[0])
+
+    def _whole_heads(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary module's cos and sin [T, rotated] as [T, head_dim] in head_order: cos 1 and sin 0
+        at the dimensions it does not rotate (as they are where it rotates the whole head)."""
+        if self.head_order is None:
+            return cos, sin
+        pad = self.head_dim - cos.shape[-1]
+        order = self.head_order.to(cos.device)
+        return (torch.cat([cos, cos.new_ones(*cos.shape[:-1], pad)], -1)[..., order],
+                torch.cat([sin, sin.new_zeros(*sin.shape[:-1], pad)], -1)[..., order])
 
     @classmethod
     def build(cls, model, max_context: int, pool_capacity: int = POOL_CAPACITY,
@@ -367,17 +408,34 @@ class FastForward:
             qkv_bias = torch.cat([p.bias.data for p in parts])
             for p, view in zip(parts, qkv_bias.split([p.weight.shape[0] for p in parts])):
                 p.bias.data = view
+        qkv = self._transposed(parts)
+        order = self.qkv_order(sizes)
+        if order is not None:  # q's and k's heads in head_order (so the HF modules' views hold them so too)
+            with torch.no_grad():
+                qkv.copy_(qkv[:, order])
+                if qkv_bias is not None:
+                    qkv_bias.copy_(qkv_bias[order])
         return {
             "in_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
-            "qkv": self._transposed(parts), "qkv_bias": qkv_bias, "sizes": sizes,
+            "qkv": qkv, "qkv_bias": qkv_bias, "sizes": sizes,
             "o": self._transposed([attn.o_proj]),
             "gate_up": self._transposed([layer.get_submodule(name) for name in self.PARTS["gate_up"]]),
             "half": mlp.down_proj.weight.shape[1], "down": self._transposed([mlp.down_proj]),
             "scaling": getattr(attn, "scaling", None),
             # (Qwen3) each q and k head's RMSNorm weight over head_dim, before RoPE: [2, head_dim], q's then k's
-            "qk_norm": (torch.stack([attn.q_norm.weight.data, attn.k_norm.weight.data])
+            "qk_norm": (torch.stack([attn.q_norm.weight.data, attn.k_norm.weight.data])[
+                            :, slice(None) if self.head_order is None else self.head_order]
                         if getattr(attn, "q_norm", None) is not None else None),
         }
+
+    def qkv_order(self, sizes: list[int]) -> torch.Tensor | None:
+        """The fused q/k/v outputs (`sizes`: q's, k's, v's) in the order the lean forward keeps them:
+        each q and k head in head_order, v as it is; None where that is the checkpoint's own."""
+        if self.head_order is None:
+            return None
+        heads = (sizes[0] + sizes[1]) // self.head_dim
+        qk = (torch.arange(heads)[:, None] * self.head_dim + self.head_order).flatten()
+        return torch.cat([qk, torch.arange(qk.numel(), sum(sizes))])
 
     def __call__(self, input_ids: list[int], cache: KVCache, num_logits: int) -> torch.Tensor:
         """Append `input_ids` to `cache`; -> logits of the last `num_logits` of them, [num_logits, V]."""
@@ -444,7 +502,7 @@ class FastForward:
                 cos, sin = self.rope_table[0][position], self.rope_table[1][position]  # [T, head_dim]
             else:  # each sequence's own call: these variants pick their frequencies from the call's longest position
                 tables = [self.rotary(x[None], p[None]) for p in positions]
-                cos, sin = (torch.cat([t[i][0] for t in tables]) for i in (0, 1))
+                cos, sin = self._whole_heads(*(torch.cat([t[i][0] for t in tables]) for i in (0, 1)))
             cos, sin = cos[:, None], sin[:, None]  # [T, 1, head_dim]: broadcast over heads
         # the rows whose logits are asked for (each feed's last num_logits), where fewer than all: the
         # last layer needs every row's keys and values but only these rows' attention output and MLP

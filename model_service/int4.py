@@ -246,6 +246,9 @@ def quantize(fast: FastForward, group_size: int = 32, blocks: Mapping | None = N
                 found = [blocks.get(f"model.layers.{i}.{part}.weight") for part in parts]
                 if all(b is not None for b in found):
                     q, d, m = (torch.cat(t) for t in zip(*found))  # outputs of the parts, in _fuse's order
+                    order = fast.qkv_order(layer["sizes"]) if name == "qkv" else None
+                    if order is not None:  # (as _fuse keeps q's and k's heads: head_order)
+                        q, d, m = q[order], d[order], m[order]
                     if tuple(q.shape) != tuple(layer[name].shape[::-1]):
                         raise ValueError(f"Q4_1 blocks of layer {i}'s {name} are {tuple(q.shape)},"
                                          f" its weight {tuple(layer[name].shape[::-1])}")

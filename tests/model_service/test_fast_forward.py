@@ -83,6 +83,41 @@ def test_scaled_rope_matches_transformers(tmp_path, tokenizer, rope):
         torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("rope, kernel", [("default", "specdec"), ("default", "onednn"), ("longrope", "specdec")])
+def test_heads_rotated_in_part_match_transformers(tmp_path, tokenizer, rope, kernel):
+    """Phi-3's partial_rotary_factor (Phi-4-mini: 96 of 128 dimensions): the lean forward keeps q's
+    and k's heads in head_order, its RoPE table 1 and 0 where nothing rotates, and computes
+    transformers' logits, the RoPE table indexed (default) or the module called each pass (longrope,
+    whose frequencies change past its original context of 64)."""
+    if kernel == "specdec" and not q4_kernel.available():
+        pytest.skip(f"specdec's kernel is not built here: {q4_kernel.path()}")
+    model_dir = make_model(tmp_path / "m", tokenizer, arch="phi3", hidden=64, layers=2, heads=4, kv_heads=2,
+                           max_context=256, init_std=0.1)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": rope, "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+    if rope == "longrope":  # a factor per rotated pair: 12 of the 16 dimensions rotate
+        config["original_max_position_embeddings"] = 64
+        config["rope_parameters"].update(short_factor=[1 + 0.2 * i for i in range(6)],
+                                         long_factor=[2 + 0.5 * i for i in range(6)])
+    (model_dir / "config.json").write_text(json.dumps(config))
+    fast, slow = ModelRunner(model_dir, float_kernel=kernel), ModelRunner(model_dir, forward="transformers")
+    assert fast.forward_kind.startswith("fast") and fast.fast.head_order.tolist() == [
+        0, 1, 2, 3, 4, 5, 12, 13, 6, 7, 8, 9, 10, 11, 14, 15]
+    assert (fast.fast.rope_table is None) == (rope == "longrope")
+    rng = random.Random(3)
+    sessions = [r.start_session("s", 0) for r in (fast, slow)]
+    while len(sessions[0].tokens) < 150:
+        new = [rng.randrange(fast.vocab_size) for _ in range(rng.choice([1, 2, 5, 9, 20]))]
+        outs = []
+        for runner, session in zip((fast, slow), sessions):
+            session.tokens.extend(new)
+            outs.append(runner.forward(session, len(new)))
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+        back = rng.randint(0, 3)
+        for session in sessions:
+            session.truncate(len(session.tokens) - back)
+
+
 def test_refits_rows_already_cached(tmp_path, tokenizer):
     """Scoring more rows than were fed steps the cache back and re-feeds them, as the target does."""
     model_dir = make_model(tmp_path / "m", tokenizer, init_std=0.1)
@@ -113,7 +148,9 @@ def test_falls_back_where_it_would_differ(tmp_path, tokenizer):
                          ({"hidden_act": "gelu"}, "its activation is gelu"), ({"mlp_bias": True}, "MLP projections"),
                          ({"attention_bias": True}, "attention projections have biases"),
                          ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
-                          "it rotates 0.75 of each head's dimensions")):
+                          "it rotates 12 of each head's 16 dimensions, which transformers' mistral does not"),
+                         ({"model_type": "phi3", "partial_rotary_factor": 0.3125},
+                          "it rotates 5 of each head's 16 dimensions (the lean forward's RoPE: an even split)")):
         config = SimpleNamespace(**{**model.config.to_dict(), "sliding_window": None, **change})
         assert said in unsupported(config, 512)
     config = json.loads((model_dir / "config.json").read_text())

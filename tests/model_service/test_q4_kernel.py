@@ -205,11 +205,11 @@ except ValueError as error:
 
 
 # qwen2: q/k/v biases; qwen3: each q and k head's RMSNorm before RoPE; phi3: its fused checkpoint linears, and
-# head_dim 96 as Phi-3-mini's; head_dim 32 (attention a key at a time), 64 and 128 (8 keys at a time; AVX-512
-# float32 caches 16)
+# head_dim 96 as Phi-3-mini's (phi3+partial: RoPE over 72 of them, as Phi-4-mini's 96 of 128); head_dim 32
+# (attention a key at a time), 64 and 128 (8 keys at a time; AVX-512 float32 caches 16)
 @pytest.mark.parametrize("arch, hidden, heads, kv_heads",
                          [("llama", 128, 4, 2), ("qwen2", 128, 4, 2), ("llama", 256, 4, 2), ("qwen2", 256, 2, 1),
-                          ("qwen3", 128, 4, 2), ("phi3", 192, 2, 1)])
+                          ("qwen3", 128, 4, 2), ("phi3", 192, 2, 1), ("phi3+partial", 192, 2, 1)])
 def test_the_c_layer_loop_computes_what_the_torchscript_loop_does(tmp_path, arch, hidden, heads, kv_heads):
     """One sequence's pass through q4_layers (the C++ loop) against TorchScript's loop over the same
     int4 products: a prompt (keeping 2 rows' logits), decode steps, a verify pass of 4, over the
@@ -225,9 +225,12 @@ def test_the_c_layer_loop_computes_what_the_torchscript_loop_does(tmp_path, arch
     from model_service.model_runner import ModelRunner
     from speculative.tiny import make_model, make_tokenizer
 
+    arch, _, partial = arch.partition("+")
     model = make_model(tmp_path / "m", make_tokenizer(tmp_path / "t"), arch=arch, hidden=hidden, layers=3, heads=heads,
                        kv_heads=kv_heads, intermediate=160, max_context=128)
     loaded = AutoModelForCausalLM.from_pretrained(model)
+    if partial:
+        loaded.config.rope_parameters["partial_rotary_factor"] = 0.75
     g = torch.Generator().manual_seed(0)
     for layer in loaded.model.layers:  # peaked attention: a wrong score shows
         if arch == "phi3":  # one qkv_proj: q's and k's rows, then v's
@@ -240,7 +243,7 @@ def test_the_c_layer_loop_computes_what_the_torchscript_loop_does(tmp_path, arch
                 proj.bias.data = torch.randn(proj.bias.shape, generator=g) * 0.5
     loaded.save_pretrained(model)
     fast = ModelRunner(model, "cpu", quantize="int4", int4_kernel="specdec", kv_dtype="float32").fast  # (TorchScript's)
-    assert fast._runs_q4_layers()
+    assert fast._runs_q4_layers() and (fast.head_order is not None) == bool(partial)
     feeds = [(list(range(3, 104)), 2), ([141], 1), ([142], 1), ([143, 144, 145, 146], 4), ([150], 1)]
     logits = {}
     for fused in (True, False):

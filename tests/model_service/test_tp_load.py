@@ -29,11 +29,15 @@ LAYER_KEYS = ("in_norm", "post_norm", "qkv", "qkv_bias", "qk_norm", "sizes", "o"
 def save_model(out: Path, arch: str = "llama", *, tied: bool = False, hidden: int = 64, heads: int = 4,
                kv_heads: int = 2, intermediate: int = 96, layers: int = 2, vocab: int = 101, seed: int = 0,
                bin: bool = False, **save) -> Path:
-    """A random-weight model saved with save_pretrained (bin: as a pytorch_model.bin instead)."""
+    """A random-weight model saved with save_pretrained (bin: as a pytorch_model.bin instead); arch
+    "phi3+partial": RoPE over 3/4 of each head's dimensions."""
+    arch, _, partial = arch.partition("+")
     config = AutoConfig.for_model(arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                                   max_position_embeddings=256, tie_word_embeddings=tied, pad_token_id=0,
                                   bos_token_id=0, eos_token_id=0)  # (Phi-3's defaults lie past a small vocabulary)
+    if partial:
+        config.rope_parameters["partial_rotary_factor"] = 0.75
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # norms of ones would not tell a norm from another
@@ -83,6 +87,7 @@ def assert_same_shard(a: FastForward, b: FastForward) -> None:
     ("mistral", False, 4, 4, 103, {"max_shard_size": "40KB"}),  # a checkpoint in several files (an index)
     ("qwen3", False, 2, 2, 100, {}),  # each q and k head's norm (whole on every rank)
     ("phi3", False, 2, 2, 100, {}),  # one qkv_proj and one gate_up_proj: each section's rows split
+    ("phi3+partial", False, 2, 2, 100, {}),  # RoPE over part of each head: q's and k's heads in head_order
 ])
 def test_a_rank_loads_exactly_the_shard_of_the_whole_model(tmp_path, arch, tied, world, kv_heads, vocab, save):
     path = save_model(tmp_path / arch, arch, tied=tied, kv_heads=kv_heads, vocab=vocab, **save)
