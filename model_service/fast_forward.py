@@ -1,4 +1,5 @@
-"""A lean decoder forward for Llama-family models (Llama, Mistral, Qwen2, Qwen3, Phi-3), over a preallocated KV cache.
+"""A lean decoder forward for Llama-family models (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite), over a
+preallocated KV cache.
 
     fast = FastForward.build(model, max_context)     # None: the model keeps transformers' forward
     cache = fast.new_cache()
@@ -43,7 +44,7 @@ from .slot_attention import SlotBatch, slot_attention, slot_batch
 KERNEL_LAYOUTS = (Int4, Q4Tiles, Panels)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # --dtype
 
-SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "phi3"}
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "phi3", "granite"}
 # families whose transformers forward rotates part of each head where the config says so (partial_rotary_factor)
 PARTIAL_ROTARY = {"phi3"}
 # families whose checkpoints hold q/k/v in one qkv_proj and gate/up in one gate_up_proj (FastForward.FUSED_PARTS)
@@ -102,8 +103,37 @@ def unsupported(config, max_context: int) -> str | None:
     return None
 
 
+def fold_multipliers(model) -> dict[str, float]:
+    """Granite's multipliers, taken into its weights: the embedding's into the embedding table, the
+    residual's (each attention's and MLP's output, before it joins the residual stream) into o_proj
+    and down_proj, the logits' divisor into the final norm's weight (with the embedding's undone
+    there where the output layer is the embedding table). The hidden states are then Llama's
+    computation of the same values, and the HF model's own multipliers are set to 1 so that its
+    forward computes what it did. -> the factor each fused linear's weights took ("o", "down"),
+    for weights that come in another form (int4.quantize's Q4_1 blocks); {} for other families."""
+    if model.config.model_type != "granite":
+        return {}
+    inner, head = model.model, model.get_output_embeddings()
+    embedding, logits = float(inner.embedding_multiplier), float(model.config.logits_scaling)
+    residual = {float(layer.residual_multiplier) for layer in inner.layers}
+    if len(residual) != 1:
+        raise ValueError(f"residual multipliers differ by layer: {sorted(residual)}")
+    (residual,) = residual
+    tied = head.weight.data_ptr() == inner.embed_tokens.weight.data_ptr()
+    with torch.no_grad():
+        inner.embed_tokens.weight.mul_(embedding)
+        for layer in inner.layers:
+            layer.self_attn.o_proj.weight.mul_(residual)
+            layer.mlp.down_proj.weight.mul_(residual)
+            layer.residual_multiplier = 1.0
+        inner.norm.weight.div_(logits * (embedding if tied else 1.0))
+    inner.embedding_multiplier = 1.0
+    model.config.logits_scaling = 1.0
+    return {"o": residual, "down": residual}
+
+
 class FastForward:
-    """The forward pass of one loaded HF Llama/Mistral/Qwen2/Qwen3/Phi-3 causal LM.
+    """The forward pass of one loaded HF Llama/Mistral/Qwen2/Qwen3/Phi-3/Granite causal LM.
 
     Weights are kept as [in, out] (transposed) and applied as `x @ w`: for the few rows a
     decode or verify step multiplies, that runs faster than `F.linear` on the [out, in]
@@ -114,6 +144,7 @@ class FastForward:
     def __init__(self, model, max_context: int, pool_capacity: int = POOL_CAPACITY, float_kernel: str = "auto"):
         config = model.config
         self.model = model
+        self.folded = fold_multipliers(model)  # Granite's multipliers, in the weights
         self.rotary = model.model.rotary_emb
         embed, head = model.model.embed_tokens, model.get_output_embeddings()
         self.lm_head = head.weight.data.t().contiguous()  # [D, V]

@@ -249,6 +249,8 @@ def quantize(fast: FastForward, group_size: int = 32, blocks: Mapping | None = N
                     order = fast.qkv_order(layer["sizes"]) if name == "qkv" else None
                     if order is not None:  # (as _fuse keeps q's and k's heads: head_order)
                         q, d, m = q[order], d[order], m[order]
+                    if name in fast.folded:  # w = d q + m times the factor its float weights took
+                        d, m = d * fast.folded[name], m * fast.folded[name]
                     if tuple(q.shape) != tuple(layer[name].shape[::-1]):
                         raise ValueError(f"Q4_1 blocks of layer {i}'s {name} are {tuple(q.shape)},"
                                          f" its weight {tuple(layer[name].shape[::-1])}")

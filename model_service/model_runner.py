@@ -2,8 +2,8 @@
 
 Shared by the draft and the target services. Any transformers causal LM that
 works with `DynamicCache` is accepted; it is loaded from a local directory only
-(nothing is downloaded). Llama, Mistral, Qwen2, Qwen3 and Phi-3 models run on the lean forward of
-`fast_forward` (same weights, same results, a fraction of the Python overhead);
+(nothing is downloaded). Llama, Mistral, Qwen2, Qwen3, Phi-3 and Granite models run on the lean
+forward of `fast_forward` (same weights, same results, a fraction of the Python overhead);
 others, or `forward="transformers"`, run on the model's own forward.
 """
 

@@ -148,7 +148,7 @@ def test_engines_refuse_bad_input_and_leave_no_trace(runners):
         draft.propose(ProposeCall("x", False, 3, [], 2, GREEDY))  # more than was proposed
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "phi3", "granite"])
 def test_other_model_families_decode_exactly(tmp_path, arch):
     import asyncio
 

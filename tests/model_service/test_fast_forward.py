@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from model_service import fast_forward, q4_kernel, scripted
 from model_service.fast_forward import FastForward, unsupported
@@ -113,9 +114,48 @@ def test_heads_rotated_in_part_match_transformers(tmp_path, tokenizer, rope, ker
             session.tokens.extend(new)
             outs.append(runner.forward(session, len(new)))
         torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
-        back = rng.randint(0, 3)
+        back = rng.randint(0, min(3, len(sessions[0].tokens) - 1))
         for session in sessions:
             session.truncate(len(session.tokens) - back)
+
+
+GRANITE = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.2,
+           "logits_scaling": 8.0}  # (Granite 3.3's, but attention's: 1/128 is for its head_dim of 128)
+
+
+@pytest.mark.parametrize("tied, kernel", [(False, "specdec"), (True, "specdec"), (True, "onednn")])
+def test_granite_s_multipliers_match_transformers(tmp_path, tokenizer, tied, kernel):
+    """Granite: the embedding's, residual's and logits' multipliers taken into the weights
+    (fold_multipliers; tied: the output layer is the scaled embedding table), the attention's as its
+    scale; transformers' logits through feeds and rollbacks, and the HF model's own forward unchanged."""
+    if kernel == "specdec" and not q4_kernel.available():
+        pytest.skip(f"specdec's kernel is not built here: {q4_kernel.path()}")
+    model_dir = make_model(tmp_path / "m", tokenizer, arch="granite", hidden=64, layers=2, heads=4, kv_heads=2,
+                           max_context=256, init_std=0.1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.config.update({**GRANITE, "tie_word_embeddings": tied})
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.save_pretrained(model_dir)
+    fast, slow = ModelRunner(model_dir, float_kernel=kernel), ModelRunner(model_dir, forward="transformers")
+    assert fast.forward_kind.startswith("fast") and fast.fast.folded == {"o": 0.22, "down": 0.22}
+    assert (fast.model.get_output_embeddings().weight.data_ptr() == fast.fast.embed.data_ptr()) == tied
+    rng = random.Random(4)
+    sessions = [r.start_session("s", 0) for r in (fast, slow)]
+    while len(sessions[0].tokens) < 120:
+        new = [rng.randrange(fast.vocab_size) for _ in range(rng.choice([1, 2, 5, 9, 20]))]
+        outs = []
+        for runner, session in zip((fast, slow), sessions):
+            session.tokens.extend(new)
+            outs.append(runner.forward(session, len(new)))
+        assert outs[1].abs().max() > 1e-2  # (logits the multipliers shape, not ~0)
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+        back = rng.randint(0, min(3, len(sessions[0].tokens) - 1))
+        for session in sessions:
+            session.truncate(len(session.tokens) - back)
+    ids = torch.tensor([sessions[0].tokens[:30]])
+    with torch.inference_mode():
+        torch.testing.assert_close(fast.model(ids).logits, slow.model(ids).logits, atol=1e-4, rtol=1e-4)
 
 
 def test_refits_rows_already_cached(tmp_path, tokenizer):
@@ -143,8 +183,8 @@ def test_falls_back_where_it_would_differ(tmp_path, tokenizer):
     assert unsupported(model.config, 512) == ("it attends over a sliding window of 64 tokens, less than its context"
                                               " of 512")
     assert unsupported(model.config, 64) is None
-    for change, said in (({"model_type": "gemma"}, "its architecture is gemma (the lean forward's: llama, mistral,"
-                                                   " phi3, qwen2, qwen3)"),
+    for change, said in (({"model_type": "gemma"}, "its architecture is gemma (the lean forward's: granite, llama,"
+                                                   " mistral, phi3, qwen2, qwen3)"),
                          ({"hidden_act": "gelu"}, "its activation is gelu"), ({"mlp_bias": True}, "MLP projections"),
                          ({"attention_bias": True}, "attention projections have biases"),
                          ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},

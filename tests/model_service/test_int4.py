@@ -98,36 +98,40 @@ def test_sampled_tokens_follow_the_int4_targets_distribution(small_vocab_pair):
     assert fits(counts, p), chi2_stat(counts, p)
 
 
-def test_q4_1_blocks_of_heads_rotated_in_part_follow_head_order(tmp_path):
-    """A GGUF's Q4_1 blocks run as shipped (int4.quantize) for a model whose RoPE rotates part of each
-    head (Phi-4-mini): the lean forward keeps q's and k's dimensions in head_order, so the blocks'
-    rows go in that order too; the product from the blocks is then the float weights' (their blocks
-    decoded) to within the activations' int8 rounding."""
+@pytest.mark.parametrize("arch, linear, fused", [("phi3", "self_attn.qkv_proj", "qkv"),
+                                                  ("granite", "self_attn.o_proj", "o")])
+def test_q4_1_blocks_follow_what_the_lean_forward_made_of_the_weights(tmp_path, arch, linear, fused):
+    """A GGUF's Q4_1 blocks run as shipped (int4.quantize) where the lean forward keeps a linear's
+    float weights otherwise than the checkpoint: phi3 whose RoPE rotates part of each head (Phi-4-mini),
+    q's and k's rows in head_order; granite, o_proj times the residual multiplier (fold_multipliers).
+    The product from the blocks is then the float weights' (their blocks decoded) to within the
+    activations' int8 rounding."""
     from transformers import AutoModelForCausalLM
 
     from model_service.int4 import quantize
     from speculative.tiny import make_model, make_tokenizer
 
-    model_dir = make_model(tmp_path / "m", make_tokenizer(tmp_path / "t"), arch="phi3", hidden=128, layers=2,
+    model_dir = make_model(tmp_path / "m", make_tokenizer(tmp_path / "t"), arch=arch, hidden=128, layers=2,
                            heads=2, kv_heads=1, max_context=64)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    model.config.rope_parameters["partial_rotary_factor"] = 0.75  # 48 of 64 dimensions
+    model.config.rope_parameters["partial_rotary_factor"] = 0.75 if arch == "phi3" else 1.0  # 48 of 64
+    model.config.update({"residual_multiplier": 0.22, "embedding_multiplier": 12.0} if arch == "granite" else {})
     g = torch.Generator().manual_seed(0)
     blocks = {}
     for i, layer in enumerate(model.model.layers):
-        weight = layer.self_attn.qkv_proj.weight  # [out, in]
+        weight = layer.get_submodule(linear).weight  # [out, in]
         out, inp = weight.shape
         q = torch.randint(0, 16, (out, inp), generator=g)
         d = (0.01 + 0.02 * torch.rand(out, inp // 32, generator=g)).half().float()
         m = (-8 * d + 0.01 * torch.randn(out, inp // 32, generator=g)).half().float()
-        blocks[f"model.layers.{i}.self_attn.qkv_proj.weight"] = (q, d, m)
+        blocks[f"model.layers.{i}.{linear}.weight"] = (q, d, m)
         weight.data = (q.float().view(out, -1, 32) * d[..., None] + m[..., None]).view(out, inp)
     model.save_pretrained(model_dir)
     floats = FastForward.build(AutoModelForCausalLM.from_pretrained(model_dir).eval(), 64)
     shipped = FastForward.build(AutoModelForCausalLM.from_pretrained(model_dir).eval(), 64)
-    assert floats.head_order is not None
-    assert quantize(shipped, 32, blocks) == 2  # each layer's qkv
+    assert (floats.head_order is not None) == (arch == "phi3") and bool(floats.folded) == (arch == "granite")
+    assert quantize(shipped, 32, blocks) == 2  # the linear, each layer
     x = torch.randn(5, 128, generator=g)
     for ours, theirs in zip(shipped.layers, floats.layers):
-        y, expected = FastForward._mm(x, torch.empty(0), ours["qkv_packed"]), x @ theirs["qkv"]
+        y, expected = FastForward._mm(x, torch.empty(0), ours[f"{fused}_packed"]), x @ theirs[fused]
         assert (y - expected).norm() < 0.02 * expected.norm(), (y - expected).norm() / expected.norm()

@@ -205,11 +205,13 @@ except ValueError as error:
 
 
 # qwen2: q/k/v biases; qwen3: each q and k head's RMSNorm before RoPE; phi3: its fused checkpoint linears, and
-# head_dim 96 as Phi-3-mini's (phi3+partial: RoPE over 72 of them, as Phi-4-mini's 96 of 128); head_dim 32
-# (attention a key at a time), 64 and 128 (8 keys at a time; AVX-512 float32 caches 16)
+# head_dim 96 as Phi-3-mini's (phi3+partial: RoPE over 72 of them, as Phi-4-mini's 96 of 128); granite: its
+# multipliers in the weights; head_dim 32 (attention a key at a time), 64 and 128 (8 keys at a time; AVX-512
+# float32 caches 16)
 @pytest.mark.parametrize("arch, hidden, heads, kv_heads",
                          [("llama", 128, 4, 2), ("qwen2", 128, 4, 2), ("llama", 256, 4, 2), ("qwen2", 256, 2, 1),
-                          ("qwen3", 128, 4, 2), ("phi3", 192, 2, 1), ("phi3+partial", 192, 2, 1)])
+                          ("qwen3", 128, 4, 2), ("phi3", 192, 2, 1), ("phi3+partial", 192, 2, 1),
+                          ("granite", 128, 4, 2)])
 def test_the_c_layer_loop_computes_what_the_torchscript_loop_does(tmp_path, arch, hidden, heads, kv_heads):
     """One sequence's pass through q4_layers (the C++ loop) against TorchScript's loop over the same
     int4 products: a prompt (keeping 2 rows' logits), decode steps, a verify pass of 4, over the
@@ -231,6 +233,9 @@ def test_the_c_layer_loop_computes_what_the_torchscript_loop_does(tmp_path, arch
     loaded = AutoModelForCausalLM.from_pretrained(model)
     if partial:
         loaded.config.rope_parameters["partial_rotary_factor"] = 0.75
+    if arch == "granite":  # Granite 3.3's multipliers (the attention's for head_dim 32)
+        loaded.config.update({"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.18,
+                              "logits_scaling": 8.0})
     g = torch.Generator().manual_seed(0)
     for layer in loaded.model.layers:  # peaked attention: a wrong score shows
         if arch == "phi3":  # one qkv_proj: q's and k's rows, then v's

@@ -38,6 +38,9 @@ def save_model(out: Path, arch: str = "llama", *, tied: bool = False, hidden: in
                                   bos_token_id=0, eos_token_id=0)  # (Phi-3's defaults lie past a small vocabulary)
     if partial:
         config.rope_parameters["partial_rotary_factor"] = 0.75
+    if arch == "granite":
+        config.update({"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.2,
+                       "logits_scaling": 8.0})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # norms of ones would not tell a norm from another
@@ -88,6 +91,7 @@ def assert_same_shard(a: FastForward, b: FastForward) -> None:
     ("qwen3", False, 2, 2, 100, {}),  # each q and k head's norm (whole on every rank)
     ("phi3", False, 2, 2, 100, {}),  # one qkv_proj and one gate_up_proj: each section's rows split
     ("phi3+partial", False, 2, 2, 100, {}),  # RoPE over part of each head: q's and k's heads in head_order
+    ("granite", False, 2, 2, 100, {}),  # its multipliers in the weights, as the whole model's
 ])
 def test_a_rank_loads_exactly_the_shard_of_the_whole_model(tmp_path, arch, tied, world, kv_heads, vocab, save):
     path = save_model(tmp_path / arch, arch, tied=tied, kv_heads=kv_heads, vocab=vocab, **save)
