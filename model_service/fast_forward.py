@@ -103,6 +103,27 @@ def unsupported(config, max_context: int) -> str | None:
     return None
 
 
+class WholeHeadRotary(torch.nn.Module):
+    """A partial-RoPE model's rotary module, its cos and sin [..., rotated] given as [..., head_dim]
+    in head_order: cos 1 and sin 0 at the dimensions it does not rotate (as they are where it rotates
+    the whole head). FastForward puts it in the HF model's place once it keeps q's and k's heads in
+    head_order (_fuse, whose weights the HF modules' are views of): the HF forward then rotates those
+    heads whole, computing what it did, and the lean forward reads its tables from the same module.
+    Its presence also says that the weights are in that order already (a second FastForward.build)."""
+
+    def __init__(self, inner: torch.nn.Module, order: torch.Tensor):
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("order", order, persistent=False)
+        self.rope_type = getattr(inner, "rope_type", "default")
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.inner(x, position_ids)
+        pad = self.order.numel() - cos.shape[-1]
+        return (torch.cat([cos, cos.new_ones(*cos.shape[:-1], pad)], -1)[..., self.order],
+                torch.cat([sin, sin.new_zeros(*sin.shape[:-1], pad)], -1)[..., self.order])
+
+
 def fold_multipliers(model) -> dict[str, float]:
     """Granite's multipliers, taken into its weights: the embedding's into the embedding table, the
     residual's (each attention's and MLP's output, before it joins the residual stream) into o_proj
@@ -110,9 +131,12 @@ def fold_multipliers(model) -> dict[str, float]:
     there where the output layer is the embedding table). The hidden states are then Llama's
     computation of the same values, and the HF model's own multipliers are set to 1 so that its
     forward computes what it did. -> the factor each fused linear's weights took ("o", "down"),
-    for weights that come in another form (int4.quantize's Q4_1 blocks); {} for other families."""
+    for weights that come in another form (int4.quantize's Q4_1 blocks); {} for other families.
+    Once per model: a second call returns the first's factors (kept on the model)."""
     if model.config.model_type != "granite":
         return {}
+    if hasattr(model, "specdec_folded"):
+        return dict(model.specdec_folded)
     inner, head = model.model, model.get_output_embeddings()
     embedding, logits = float(inner.embedding_multiplier), float(model.config.logits_scaling)
     residual = {float(layer.residual_multiplier) for layer in inner.layers}
@@ -129,7 +153,8 @@ def fold_multipliers(model) -> dict[str, float]:
         inner.norm.weight.div_(logits * (embedding if tied else 1.0))
     inner.embedding_multiplier = 1.0
     model.config.logits_scaling = 1.0
-    return {"o": residual, "down": residual}
+    model.specdec_folded = {"o": residual, "down": residual}
+    return dict(model.specdec_folded)
 
 
 class FastForward:
@@ -145,7 +170,6 @@ class FastForward:
         config = model.config
         self.model = model
         self.folded = fold_multipliers(model)  # Granite's multipliers, in the weights
-        self.rotary = model.model.rotary_emb
         embed, head = model.model.embed_tokens, model.get_output_embeddings()
         self.lm_head = head.weight.data.t().contiguous()  # [D, V]
         head.weight.data = self.lm_head.t()
@@ -159,6 +183,11 @@ class FastForward:
         self.PARTS = self.FUSED_PARTS if config.model_type in FUSED_FAMILIES else type(self).PARTS
         # each q and k head's dimensions in this order, where RoPE rotates part of a head (head_order)
         self.head_order = head_order(self.head_dim, rotary_dims(config, self.head_dim))
+        self.rotary = model.model.rotary_emb
+        # whether to put the weights in head_order (not where an earlier build of this model did: WholeHeadRotary)
+        self._reorder = self.head_order is not None and not isinstance(self.rotary, WholeHeadRotary)
+        if self._reorder:
+            self.rotary = model.model.rotary_emb = WholeHeadRotary(self.rotary, self.head_order.to(self.embed.device))
         self.layers = [self._fuse(layer) for layer in model.model.layers]
         # tensor parallelism (sharding.py): the ranks the weights are split over, the sum of the ranks'
         # partial products, the ranks' logits side by side
@@ -213,17 +242,7 @@ class FastForward:
         x = torch.zeros(1, 1, self.head_dim, dtype=self.embed.dtype, device=device)
         with torch.inference_mode():
             cos, sin = self.rotary(x, torch.arange(max_context, device=device)[None])
-        return self._whole_heads(cos[0], sin[0])
-
-    def _whole_heads(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary module's cos and sin [T, rotated] as [T, head_dim] in head_order: cos 1 and sin 0
-        at the dimensions it does not rotate (as they are where it rotates the whole head)."""
-        if self.head_order is None:
-            return cos, sin
-        pad = self.head_dim - cos.shape[-1]
-        order = self.head_order.to(cos.device)
-        return (torch.cat([cos, cos.new_ones(*cos.shape[:-1], pad)], -1)[..., order],
-                torch.cat([sin, sin.new_zeros(*sin.shape[:-1], pad)], -1)[..., order])
+        return cos[0], sin[0]
 
     @classmethod
     def build(cls, model, max_context: int, pool_capacity: int = POOL_CAPACITY,
@@ -440,8 +459,9 @@ class FastForward:
             for p, view in zip(parts, qkv_bias.split([p.weight.shape[0] for p in parts])):
                 p.bias.data = view
         qkv = self._transposed(parts)
-        order = self.qkv_order(sizes)
-        if order is not None:  # q's and k's heads in head_order (so the HF modules' views hold them so too)
+        order = self.qkv_order(sizes) if self._reorder else None
+        if order is not None:  # q's and k's heads in head_order (so the HF modules' views hold them so too:
+            # the HF forward rotates them as the lean one does, WholeHeadRotary)
             with torch.no_grad():
                 qkv.copy_(qkv[:, order])
                 if qkv_bias is not None:
@@ -533,7 +553,7 @@ class FastForward:
                 cos, sin = self.rope_table[0][position], self.rope_table[1][position]  # [T, head_dim]
             else:  # each sequence's own call: these variants pick their frequencies from the call's longest position
                 tables = [self.rotary(x[None], p[None]) for p in positions]
-                cos, sin = self._whole_heads(*(torch.cat([t[i][0] for t in tables]) for i in (0, 1)))
+                cos, sin = (torch.cat([t[i][0] for t in tables]) for i in (0, 1))
             cos, sin = cos[:, None], sin[:, None]  # [T, 1, head_dim]: broadcast over heads
         # the rows whose logits are asked for (each feed's last num_logits), where fewer than all: the
         # last layer needs every row's keys and values but only these rows' attention output and MLP

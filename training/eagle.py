@@ -173,7 +173,8 @@ def featurize(model, rows: list[dict], aux: list[int], top_k: int, batch_tokens:
         hidden = torch.cat([result.hidden_states[i] for i in aux], dim=-1).half().cpu()  # [B, T, len(aux) * H]
         for b, i in enumerate(picks):
             n, p = len(seqs[i]), len(rows[i]["prompt"])
-            logp = model.lm_head(result.last_hidden_state[b, p - 1 : n - 1]).float().log_softmax(-1)  # [A, V]
+            logits = model.lm_head(result.last_hidden_state[b, p - 1 : n - 1]).float()  # [A, V]
+            logp = (logits / getattr(model.config, "logits_scaling", 1.0)).log_softmax(-1)  # (Granite's divisor)
             top_logp, top_ids = logp.topk(top_k, dim=-1)
             out[i] = {"ids": torch.tensor(seqs[i]), "prompt": p, "hidden": hidden[b, :n].clone(),
                       "top_ids": top_ids.int().cpu(), "top_logp": top_logp.half().cpu()}
@@ -273,11 +274,18 @@ def build_head(cfg: Config, vocab_ids: list[int], init: bool) -> Eagle3Head:
     t = AutoConfig.from_pretrained(cfg.target)
     rope = dict(t.rope_parameters or {})
     theta = rope.pop("rope_theta", 10000.0)
+    head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
+    if rope.pop("partial_rotary_factor", 1.0) != 1.0 or getattr(t, "partial_rotary_factor", 1.0) != 1.0:
+        # (Phi-4-mini) the head, a Llama layer, rotates its whole heads: the target's theta, and no factors
+        # made for the part of a head it rotates (longrope's per pair)
+        scaled = rope.get("rope_type", "default") != "default"
+        log(f"the target rotates part of each head; the head rotates its whole heads (theta {theta}"
+            f"{', not its ' + rope['rope_type'] + ' factors' if scaled else ''})")
+        rope = {}
     config = Eagle3Config(
         hidden_size=t.hidden_size, intermediate_size=cfg.intermediate_size or init_width(cfg) or t.intermediate_size,
         num_attention_heads=t.num_attention_heads,
-        num_key_value_heads=t.num_key_value_heads, head_dim=getattr(t, "head_dim", None)
-        or t.hidden_size // t.num_attention_heads, vocab_size=t.vocab_size, draft_vocab_size=len(vocab_ids),
+        num_key_value_heads=t.num_key_value_heads, head_dim=head_dim, vocab_size=t.vocab_size, draft_vocab_size=len(vocab_ids),
         aux_layer_ids=aux_layer_ids(cfg, t), target_hidden_size=t.hidden_size, rms_norm_eps=t.rms_norm_eps,
         rope_theta=theta, rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
         max_position_embeddings=t.max_position_embeddings, hidden_act=t.hidden_act,

@@ -24,6 +24,43 @@ def tokenizer(tmp_path_factory):
     return make_tokenizer(tmp_path_factory.mktemp("tok") / "tok")
 
 
+def feeds_and_rollbacks(fast, slow, seed: int, until: int, sizes, rollback: int, some_logits: bool = False):
+    """Random feeds (`sizes` tokens each) into a session of each runner, each followed by a rollback of
+    0..`rollback` tokens, until `fast`'s holds `until`: every pass's logits equal. -> (the sessions, the
+    passes checked). some_logits: each pass asks for the last 1..len(feed) logits, else all of the feed's."""
+    rng = random.Random(seed)
+    sessions = [r.start_session("s", 0) for r in (fast, slow)]
+    checked = 0
+    while len(sessions[0].tokens) < until:
+        new = [rng.randrange(fast.vocab_size) for _ in range(rng.choice(sizes))]
+        num_logits = rng.randint(1, len(new)) if some_logits else len(new)
+        outs = []
+        for runner, session in zip((fast, slow), sessions):
+            session.tokens.extend(new)
+            outs.append(runner.forward(session, num_logits))
+        assert outs[1].abs().max() > 1e-2  # (logits the weights shape, not ~0)
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+        checked += 1
+        back = rng.randint(0, min(rollback, len(sessions[0].tokens) - 1))
+        for session in sessions:
+            session.truncate(len(session.tokens) - back)
+        assert sessions[0].cache.get_seq_length() == sessions[1].cache.get_seq_length()
+    return sessions, checked
+
+
+def hf_forward_unchanged(fast, slow, tokens: list[int], max_context: int) -> None:
+    """After the lean forward is built on it, the HF model's own forward computes what a fresh one does,
+    and so does a second lean forward built on the same model (nothing reordered or folded twice)."""
+    ids = torch.tensor([tokens])
+    with torch.inference_mode():
+        reference = slow.model(ids).logits[0]
+        torch.testing.assert_close(fast.model(ids).logits[0], reference, atol=1e-4, rtol=1e-4)
+        again = FastForward.build(fast.model, max_context)
+        assert again.folded == fast.fast.folded
+        torch.testing.assert_close(again(tokens, again.new_cache(), len(tokens)), reference, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(fast.model(ids).logits[0], reference, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("kernel", ["specdec", "onednn"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3"])  # phi3: qkv_proj, gate_up_proj
 def test_matches_transformers_through_feeds_and_rollbacks(tmp_path, tokenizer, arch, kernel):
@@ -36,23 +73,8 @@ def test_matches_transformers_through_feeds_and_rollbacks(tmp_path, tokenizer, a
     fast, slow = ModelRunner(model_dir, float_kernel=kernel), ModelRunner(model_dir, forward="transformers")
     assert fast.forward_kind.startswith("fast") and slow.forward_kind == "transformers"
     assert fast.fast.float_kernel == kernel and fast.fast._runs_q4_layers() == (kernel == "specdec")
-    rng = random.Random(0)
-    sessions = [r.start_session("s", 0) for r in (fast, slow)]
+    sessions, checked = feeds_and_rollbacks(fast, slow, 0, 300, range(1, 10), 5, some_logits=True)
     assert isinstance(sessions[0].cache, KVCache)
-    checked = 0
-    while len(sessions[0].tokens) < 300:
-        new = [rng.randrange(fast.vocab_size) for _ in range(rng.randint(1, 9))]
-        num_logits = rng.randint(1, len(new))
-        outs = []
-        for runner, session in zip((fast, slow), sessions):
-            session.tokens.extend(new)
-            outs.append(runner.forward(session, num_logits))
-        torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
-        checked += 1
-        back = rng.randint(0, 5)
-        for session in sessions:
-            session.truncate(len(session.tokens) - back)
-        assert sessions[0].cache.get_seq_length() == sessions[1].cache.get_seq_length()
     assert checked > 40 and sessions[0].cache.data.shape[4] >= 512  # grown once at least
 
 
@@ -73,15 +95,7 @@ def test_scaled_rope_matches_transformers(tmp_path, tokenizer, rope):
     fast.fast.pack()  # every wide weight packed, to test that path
     if torch.backends.mkldnn.is_available():
         assert fast.fast.lm_head_packed is not None and fast.fast.layers[0]["qkv_packed"] is not None
-    rng = random.Random(2)
-    sessions = [r.start_session("s", 0) for r in (fast, slow)]
-    while len(sessions[0].tokens) < 200:
-        new = [rng.randrange(fast.vocab_size) for _ in range(rng.choice([1, 1, 4, 9, 30]))]
-        outs = []
-        for runner, session in zip((fast, slow), sessions):
-            session.tokens.extend(new)
-            outs.append(runner.forward(session, len(new)))
-        torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+    feeds_and_rollbacks(fast, slow, 2, 200, [1, 1, 4, 9, 30], 0)
 
 
 @pytest.mark.parametrize("rope, kernel", [("default", "specdec"), ("default", "onednn"), ("longrope", "specdec")])
@@ -105,18 +119,8 @@ def test_heads_rotated_in_part_match_transformers(tmp_path, tokenizer, rope, ker
     assert fast.forward_kind.startswith("fast") and fast.fast.head_order.tolist() == [
         0, 1, 2, 3, 4, 5, 12, 13, 6, 7, 8, 9, 10, 11, 14, 15]
     assert (fast.fast.rope_table is None) == (rope == "longrope")
-    rng = random.Random(3)
-    sessions = [r.start_session("s", 0) for r in (fast, slow)]
-    while len(sessions[0].tokens) < 150:
-        new = [rng.randrange(fast.vocab_size) for _ in range(rng.choice([1, 2, 5, 9, 20]))]
-        outs = []
-        for runner, session in zip((fast, slow), sessions):
-            session.tokens.extend(new)
-            outs.append(runner.forward(session, len(new)))
-        torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
-        back = rng.randint(0, min(3, len(sessions[0].tokens) - 1))
-        for session in sessions:
-            session.truncate(len(session.tokens) - back)
+    sessions, _ = feeds_and_rollbacks(fast, slow, 3, 150, [1, 2, 5, 9, 20], 3)
+    hf_forward_unchanged(fast, slow, sessions[0].tokens[:80], 256)  # (past longrope's original context)
 
 
 GRANITE = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.2,
@@ -140,22 +144,8 @@ def test_granite_s_multipliers_match_transformers(tmp_path, tokenizer, tied, ker
     fast, slow = ModelRunner(model_dir, float_kernel=kernel), ModelRunner(model_dir, forward="transformers")
     assert fast.forward_kind.startswith("fast") and fast.fast.folded == {"o": 0.22, "down": 0.22}
     assert (fast.model.get_output_embeddings().weight.data_ptr() == fast.fast.embed.data_ptr()) == tied
-    rng = random.Random(4)
-    sessions = [r.start_session("s", 0) for r in (fast, slow)]
-    while len(sessions[0].tokens) < 120:
-        new = [rng.randrange(fast.vocab_size) for _ in range(rng.choice([1, 2, 5, 9, 20]))]
-        outs = []
-        for runner, session in zip((fast, slow), sessions):
-            session.tokens.extend(new)
-            outs.append(runner.forward(session, len(new)))
-        assert outs[1].abs().max() > 1e-2  # (logits the multipliers shape, not ~0)
-        torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
-        back = rng.randint(0, min(3, len(sessions[0].tokens) - 1))
-        for session in sessions:
-            session.truncate(len(session.tokens) - back)
-    ids = torch.tensor([sessions[0].tokens[:30]])
-    with torch.inference_mode():
-        torch.testing.assert_close(fast.model(ids).logits, slow.model(ids).logits, atol=1e-4, rtol=1e-4)
+    sessions, _ = feeds_and_rollbacks(fast, slow, 4, 120, [1, 2, 5, 9, 20], 3)
+    hf_forward_unchanged(fast, slow, sessions[0].tokens[:30], 256)
 
 
 def test_refits_rows_already_cached(tmp_path, tokenizer):

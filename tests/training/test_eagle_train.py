@@ -364,3 +364,45 @@ def test_a_head_starts_from_a_fused_checkpoint_s_parts(target, tmp_path):
     for name, weight in heads[0].items():
         assert torch.equal(weight, heads[1][name]), name
     assert all(heads[1][f"layers.0.self_attn.{n}_proj.weight"].abs().sum() > 0 for n in "qkv")
+
+
+def test_labels_are_the_targets_own_probabilities_whatever_its_logits_divisor(tmp_path):
+    """Granite divides its logits by logits_scaling: the labels are the probabilities its forward gives."""
+    tokenizer = make_tokenizer(tmp_path / "tok", "bpe")
+    model_dir = make_model(tmp_path / "granite", tokenizer, arch="granite", hidden=32, layers=4, heads=4, kv_heads=2,
+                           vocab_size=VOCAB, init_std=0.1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model.config.update({"logits_scaling": 8.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22})
+    for layer in model.model.layers:
+        layer.residual_multiplier = 0.22
+    model.model.embedding_multiplier = 12.0
+    ids = list(range(3, 20))
+    (row,) = eagle.featurize(model, [{"prompt": ids[:5], "answer": ids[5:]}], [1, 2, 3], 4, 4096)
+    with torch.inference_mode():
+        logp = model(torch.tensor([ids])).logits[0, 4:-1].float().log_softmax(-1)  # positions 4.. predict 5..
+    top_logp, top_ids = logp.topk(4, dim=-1)
+    assert torch.equal(row["top_ids"], top_ids.int())
+    torch.testing.assert_close(row["top_logp"].float(), top_logp, atol=2e-3, rtol=2e-3)
+    assert (top_logp[:, 0] - (logp * 8).log_softmax(-1).max(-1).values).abs().max() > 1e-2  # the divisor matters
+
+
+def test_a_head_for_a_target_rotating_part_of_each_head_rotates_its_whole_heads(tmp_path):
+    """Phi-4-mini rotates 96 of each head's 128 dimensions under longrope: the head (a Llama layer)
+    rotates its whole heads, so it takes the target's theta but not its factors, made for the part;
+    it drafts, and goes through its export and load."""
+    tokenizer = make_tokenizer(tmp_path / "tok", "bpe")
+    model_dir = make_model(tmp_path / "phi3", tokenizer, arch="phi3", hidden=64, layers=4, heads=4, kv_heads=2,
+                           vocab_size=VOCAB, init_std=0.1)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["original_max_position_embeddings"] = 64
+    config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 5000.0, "partial_rotary_factor": 0.75,
+                                 "short_factor": [1.0] * 6, "long_factor": [2.0] * 6}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    head = eagle.build_head(eagle.Config(model_dir, tmp_path, tmp_path), list(range(0, 1024)), init=True)
+    assert head.config.rope_theta == 5000.0 and head.config.rope_scaling is None
+    head.save(tmp_path / "head")
+    loaded = Eagle3Head.load(tmp_path / "head", target_dir=model_dir)
+    hidden = loaded.fc(torch.randn(6, loaded.config.fused_size))
+    cache = loaded.new_cache()
+    out, logits = loaded.step(torch.tensor(list(range(10, 16))), hidden, torch.arange(60, 66), cache)
+    assert logits.shape == (6, 1024) and torch.isfinite(logits).all()
