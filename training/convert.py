@@ -55,10 +55,12 @@ def serializable(model):
     return fresh.eval()
 
 
-# a Llama-family GGUF's linear weights (blk.N.KIND.weight) -> the transformers module of layer N
-GGUF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj"}
+# a Llama-family GGUF's linear weights (blk.N.KIND.weight) -> the transformers modules of layer N it may be, the
+# first the converted model has: Phi-3's GGUFs hold q/k/v in one attn_qkv, gate/up in one ffn_up
+GGUF_LINEARS = {"attn_q": ("self_attn.q_proj",), "attn_k": ("self_attn.k_proj",), "attn_v": ("self_attn.v_proj",),
+                "attn_qkv": ("self_attn.qkv_proj",), "attn_output": ("self_attn.o_proj",),
+                "ffn_gate": ("mlp.gate_proj",), "ffn_up": ("mlp.up_proj", "mlp.gate_up_proj"),
+                "ffn_down": ("mlp.down_proj",)}
 
 
 def q4_1_cells(raw):
@@ -97,7 +99,8 @@ def q4_1_blocks(gguf_path: Path, model) -> dict:
         if (tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1 or len(parts) != 4 or parts[0] != "blk"
                 or parts[2] not in GGUF_LINEARS):
             continue
-        name = f"model.layers.{parts[1]}.{GGUF_LINEARS[parts[2]]}.weight"
+        name = next((f"model.layers.{parts[1]}.{module}.weight" for module in GGUF_LINEARS[parts[2]]
+                     if f"model.layers.{parts[1]}.{module}.weight" in weights), None)
         weight = weights.get(name)
         raw = np.asarray(tensor.data)  # [out, in / 32 x 20 bytes]: fp16 d, fp16 m, 16 bytes of nibbles
         rows = raw.shape[0]

@@ -30,15 +30,16 @@ def narrow_q4_1(data: np.ndarray, rng) -> np.ndarray:
     return np.concatenate([d.view(np.uint8), m.view(np.uint8), nibbles], axis=-1).reshape(rows, -1)
 
 
-def write_gguf(path, tokenizer_dir, narrow: bool = False) -> dict[str, np.ndarray]:
-    """A tiny Llama GGUF; returns the float weights each tensor decodes to (Q4_1 ones after rounding).
-    narrow: the linears' blocks as narrow_q4_1 makes them, not from min/max."""
+def write_gguf(path, tokenizer_dir, narrow: bool = False, arch: str = "llama") -> dict[str, np.ndarray]:
+    """A tiny Llama GGUF (arch "phi3": Phi-3's, q/k/v in one attn_qkv and gate/up in one ffn_up); returns
+    the float weights each tensor decodes to (Q4_1 ones after rounding). narrow: the linears' blocks as
+    narrow_q4_1 makes them, not from min/max."""
     spec = json.loads((tokenizer_dir / "tokenizer.json").read_text())
     vocab = spec["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.get)
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
     eos = vocab["<|endoftext|>"]
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(256)
     writer.add_embedding_length(HIDDEN)
     writer.add_block_count(LAYERS)
@@ -58,14 +59,24 @@ def write_gguf(path, tokenizer_dir, narrow: bool = False) -> dict[str, np.ndarra
     rng = np.random.default_rng(0)
     head_dim = HIDDEN // HEADS
     shapes = {"token_embd.weight": (len(tokens), HIDDEN), "output_norm.weight": (HIDDEN,)}
+    if arch == "phi3":
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_pad_token_id(eos)  # (Phi3Config's own, 32000, is past this vocabulary)
+        shapes["output.weight"] = (len(tokens), HIDDEN)
     for i in range(LAYERS):
         shapes |= {
             f"blk.{i}.attn_norm.weight": (HIDDEN,), f"blk.{i}.ffn_norm.weight": (HIDDEN,),
-            f"blk.{i}.attn_q.weight": (HIDDEN, HIDDEN), f"blk.{i}.attn_k.weight": (KV_HEADS * head_dim, HIDDEN),
-            f"blk.{i}.attn_v.weight": (KV_HEADS * head_dim, HIDDEN), f"blk.{i}.attn_output.weight": (HIDDEN, HIDDEN),
-            f"blk.{i}.ffn_gate.weight": (FFN, HIDDEN), f"blk.{i}.ffn_up.weight": (FFN, HIDDEN),
-            f"blk.{i}.ffn_down.weight": (HIDDEN, FFN),
+            f"blk.{i}.attn_output.weight": (HIDDEN, HIDDEN), f"blk.{i}.ffn_down.weight": (HIDDEN, FFN),
         }
+        if arch == "phi3":
+            shapes |= {f"blk.{i}.attn_qkv.weight": (HIDDEN + 2 * KV_HEADS * head_dim, HIDDEN),
+                       f"blk.{i}.ffn_up.weight": (2 * FFN, HIDDEN)}
+        else:
+            shapes |= {
+                f"blk.{i}.attn_q.weight": (HIDDEN, HIDDEN), f"blk.{i}.attn_k.weight": (KV_HEADS * head_dim, HIDDEN),
+                f"blk.{i}.attn_v.weight": (KV_HEADS * head_dim, HIDDEN),
+                f"blk.{i}.ffn_gate.weight": (FFN, HIDDEN), f"blk.{i}.ffn_up.weight": (FFN, HIDDEN),
+            }
     decoded = {}
     for name, shape in shapes.items():
         data = (1.0 + 0.1 * rng.standard_normal(shape) if len(shape) == 1 else 0.05 * rng.standard_normal(shape))
@@ -222,5 +233,38 @@ def test_int4_runs_the_gguf_blocks_as_shipped(narrow_gguf, kernel):
             weight = module.weight.detach().t()  # [in, out]: the first outputs of the fused gate_up
             ours = FastForward._mm(eye, torch.empty(0), shipped.fast.layers[i][f"{name}_packed"])[:, :weight.shape[1]]
             other = FastForward._mm(eye, torch.empty(0), rederived.layers[i][f"{name}_packed"])[:, :weight.shape[1]]
+            error, other_error = (ours - weight).abs().max().item(), (other - weight).abs().max().item()
+            assert error < 2e-3 and 2 * error < other_error, (i, name, error, other_error)
+
+
+def test_a_phi3_gguf_s_fused_blocks_are_kept_and_run_as_shipped(tmp_path):
+    """Phi-3's GGUFs hold q/k/v in one attn_qkv and gate/up in one ffn_up, as its checkpoints do
+    (qkv_proj, gate_up_proj): their Q4_1 blocks are kept too, and --quantize int4 runs all four
+    linears of each layer from them, each within rounding of the float model's weight where groups
+    re-derived from the floats are not."""
+    from model_service import q4_kernel
+    from model_service.fast_forward import FastForward
+    from model_service.int4 import quantize, read_q4_1_blocks
+    from model_service.model_runner import ModelRunner
+
+    make_tokenizer(tmp_path / "tok")
+    write_gguf(tmp_path / "phi3.Q4_1.gguf", tmp_path / "tok", narrow=True, arch="phi3")
+    info = convert(tmp_path / "phi3.Q4_1.gguf", tmp_path / "model")
+    assert info["architecture"] == "Phi3ForCausalLM" and info["q4_1_blocks"] == 4 * LAYERS
+    assert {name.split(".", 3)[3] for name in read_q4_1_blocks(tmp_path / "model")} == {
+        "self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight"}
+    if not q4_kernel.available():
+        pytest.skip(f"specdec's int4 kernel: {q4_kernel.path()}")
+    shipped = ModelRunner(tmp_path / "model", "cpu", quantize="int4", int4_kernel="specdec")
+    assert f"{4 * LAYERS} of {4 * LAYERS} layer linears from the GGUF's Q4_1 blocks" in shipped.info()["quantization"]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
+    rederived = FastForward.build(AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval(), 64)
+    assert quantize(rederived, 32, kernel="specdec") == 0
+    eye = torch.eye(HIDDEN)
+    for i, layer in enumerate(model.model.layers):
+        for name, module in (("qkv", layer.self_attn.qkv_proj), ("gate_up", layer.mlp.gate_up_proj)):
+            weight = module.weight.detach().t()  # [in, out]
+            ours = FastForward._mm(eye, torch.empty(0), shipped.fast.layers[i][f"{name}_packed"])
+            other = FastForward._mm(eye, torch.empty(0), rederived.layers[i][f"{name}_packed"])
             error, other_error = (ours - weight).abs().max().item(), (other - weight).abs().max().item()
             assert error < 2e-3 and 2 * error < other_error, (i, name, error, other_error)
