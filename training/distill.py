@@ -319,6 +319,23 @@ def load_generations(cfg: Config) -> list[dict]:
 # ------------------------------------------------------------------ the draft
 
 
+def llama_rope(target_config, head_dim: int) -> dict:
+    """The target's RoPE for a Llama layer of `head_dim` that rotates its whole heads (a draft, an EAGLE
+    head): its rope_parameters, theta and scaling; only the theta (default RoPE) where the target rotates
+    part of each head (Phi-4-mini) or its per-pair factors (longrope's) are for another number of pairs."""
+    rope = dict(getattr(target_config, "rope_parameters", None) or {})
+    rope.setdefault("rope_theta", getattr(target_config, "rope_theta", None) or 10000.0)
+    partial = rope.pop("partial_rotary_factor", None) or getattr(target_config, "partial_rotary_factor", None) or 1.0
+    pairs = {len(rope[k]) for k in ("short_factor", "long_factor") if rope.get(k) is not None}
+    if partial != 1.0 or pairs - {head_dim // 2}:
+        kind = rope.get("rope_type", "default")
+        log(f"the target rotates {'part of each head' if partial != 1.0 else f'{sorted(pairs)} pairs a head'}: a"
+            f" layer of head_dim {head_dim} rotates its whole heads with its theta {rope['rope_theta']}"
+            f"{f', not its {kind} factors' if kind != 'default' else ''}")
+        return {"rope_type": "default", "rope_theta": rope["rope_theta"]}
+    return rope
+
+
 def draft_config(cfg: Config, target_config) -> LlamaConfig:
     return LlamaConfig(
         vocab_size=target_config.vocab_size,
@@ -329,7 +346,7 @@ def draft_config(cfg: Config, target_config) -> LlamaConfig:
         num_key_value_heads=cfg.kv_heads,
         head_dim=cfg.hidden // cfg.heads,
         max_position_embeddings=target_config.max_position_embeddings,
-        rope_parameters=getattr(target_config, "rope_parameters", None),
+        rope_parameters=llama_rope(target_config, cfg.hidden // cfg.heads),
         rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-5),
         tie_word_embeddings=True,
         bos_token_id=target_config.bos_token_id,

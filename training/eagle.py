@@ -15,7 +15,8 @@ resumes the run, and a stage already done is skipped:
              hidden states at the aux layers (the INPUTS of decoder layers --aux-layers, vLLM's
              convention; default 2, L // 2, L - 3), float16 [T, len(aux) * H]; at every position
              predicting an answer token, the target's --top-k next-token log-probabilities (the soft
-             labels). One shard per generation shard (features/*.pt, index.json); bounded by
+             labels, as its forward makes its logits: output_logits; a target that makes them otherwise
+             is refused, check_output_logits). One shard per generation shard (features/*.pt, index.json); bounded by
              --feature-minutes and --max-tokens over all runs.
   vocab      the draft vocabulary: the most frequent answer ids covering --vocab-coverage of the
              answer tokens (a multiple of 1024; d2t / t2d), held-out answers excluded; with --init,
@@ -28,7 +29,8 @@ resumes the run, and a stage already done is skipped:
              were computed after) or its own proposal (own); step k's loss is weighted --ttt-decay ** k. The soft
              labels are restricted to the draft vocabulary and renormalised. The decoder layer starts as
              the target's last layer (q/k/v's hidden half; the embedding half is random), norm as the
-             target's final norm, lm_head as the target's output rows of the draft vocabulary; the
+             target's final norm (times the scale its logits take after the output layer: Granite's,
+             Cohere's; output_logits), lm_head as the target's output rows of the draft vocabulary; the
              embedding is the target's, frozen; or, with --init HEAD_DIR (a head this module exported
              for the same target and draft vocabulary), that head's weights: a run of one session
              goes on in the next without the checkpoint (fresh optimizer and schedule). A head wider
@@ -151,6 +153,35 @@ def aux_layer_ids(cfg: Config, target_config) -> list[int]:
     return ids
 
 
+def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The target's logits for final hidden states [.., D], float32, as its forward makes them: the output
+    layer, then what some families do to it (Granite's logits_scaling, Cohere's logit_scale, Gemma 2's
+    final_logit_softcapping). check_output_logits says whether that is all a target does."""
+    config = model.config
+    logits = model.lm_head(hidden).float()
+    if getattr(config, "logits_scaling", None):
+        logits = logits / config.logits_scaling
+    if getattr(config, "logit_scale", None):
+        logits = logits * config.logit_scale
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+@torch.inference_mode()
+def check_output_logits(model, ids: list[int]) -> None:
+    """Refuse a target whose forward makes its logits otherwise than output_logits does (its labels would
+    not be its distribution): both ways, on `ids`."""
+    input_ids = torch.tensor([ids], device=model.device)
+    own = model(input_ids=input_ids).logits[0].float()
+    ours = output_logits(model, model.model(input_ids=input_ids).last_hidden_state[0])
+    if not torch.allclose(own, ours, atol=1e-3, rtol=1e-3):
+        raise SystemExit(f"the target's forward ({type(model).__name__}) makes its logits otherwise than its output"
+                         f" layer and the scalings training.eagle knows (max difference"
+                         f" {(own - ours).abs().max().item():.3g}): its labels would not be its distribution")
+
+
 @torch.inference_mode()
 def featurize(model, rows: list[dict], aux: list[int], top_k: int, batch_tokens: int) -> list[dict]:
     """Per row: ids [T], prompt (its length), hidden float16 [T, len(aux) * H] (the inputs of the aux
@@ -173,8 +204,7 @@ def featurize(model, rows: list[dict], aux: list[int], top_k: int, batch_tokens:
         hidden = torch.cat([result.hidden_states[i] for i in aux], dim=-1).half().cpu()  # [B, T, len(aux) * H]
         for b, i in enumerate(picks):
             n, p = len(seqs[i]), len(rows[i]["prompt"])
-            logits = model.lm_head(result.last_hidden_state[b, p - 1 : n - 1]).float()  # [A, V]
-            logp = (logits / getattr(model.config, "logits_scaling", 1.0)).log_softmax(-1)  # (Granite's divisor)
+            logp = output_logits(model, result.last_hidden_state[b, p - 1 : n - 1]).log_softmax(-1)  # [A, V]
             top_logp, top_ids = logp.topk(top_k, dim=-1)
             out[i] = {"ids": torch.tensor(seqs[i]), "prompt": p, "hidden": hidden[b, :n].clone(),
                       "top_ids": top_ids.int().cpu(), "top_logp": top_logp.half().cpu()}
@@ -192,6 +222,7 @@ def stage_features(cfg: Config) -> dict:
     index_path = root / "index.json"
     index = json.loads(index_path.read_text()) if index_path.exists() else {}
     model = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=torch.float32).eval().to(cfg.device)
+    check_output_logits(model, list(range(1, min(33, model.config.vocab_size))))
     aux = aux_layer_ids(cfg, model.config)
     shards = sorted((cfg.work / "generations").glob("*.pt"))
     log(f"features: {len(shards)} generation shards ({len(index)} done), aux layers {aux}, top-{cfg.top_k}")
@@ -272,20 +303,14 @@ def stage_vocab(cfg: Config, vocab_size: int) -> dict:
 def build_head(cfg: Config, vocab_ids: list[int], init: bool) -> Eagle3Head:
     """A head shaped as the target's layers; with init, started from the target (see the module's docstring)."""
     t = AutoConfig.from_pretrained(cfg.target)
-    rope = dict(t.rope_parameters or {})
-    theta = rope.pop("rope_theta", 10000.0)
     head_dim = getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads
-    if rope.pop("partial_rotary_factor", 1.0) != 1.0 or getattr(t, "partial_rotary_factor", 1.0) != 1.0:
-        # (Phi-4-mini) the head, a Llama layer, rotates its whole heads: the target's theta, and no factors
-        # made for the part of a head it rotates (longrope's per pair)
-        scaled = rope.get("rope_type", "default") != "default"
-        log(f"the target rotates part of each head; the head rotates its whole heads (theta {theta}"
-            f"{', not its ' + rope['rope_type'] + ' factors' if scaled else ''})")
-        rope = {}
+    rope = distill.llama_rope(t, head_dim)  # (the head, a Llama layer, rotates its whole heads)
+    theta = rope.pop("rope_theta")
     config = Eagle3Config(
         hidden_size=t.hidden_size, intermediate_size=cfg.intermediate_size or init_width(cfg) or t.intermediate_size,
         num_attention_heads=t.num_attention_heads,
-        num_key_value_heads=t.num_key_value_heads, head_dim=head_dim, vocab_size=t.vocab_size, draft_vocab_size=len(vocab_ids),
+        num_key_value_heads=t.num_key_value_heads, head_dim=head_dim, vocab_size=t.vocab_size,
+        draft_vocab_size=len(vocab_ids),
         aux_layer_ids=aux_layer_ids(cfg, t), target_hidden_size=t.hidden_size, rms_norm_eps=t.rms_norm_eps,
         rope_theta=theta, rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
         max_position_embeddings=t.max_position_embeddings, hidden_act=t.hidden_act,
@@ -308,7 +333,9 @@ def build_head(cfg: Config, vocab_ids: list[int], init: bool) -> Eagle3Head:
             layer.hidden_norm.weight.copy_(read_target_tensor(cfg.target, f"{last}input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(
                 read_target_tensor(cfg.target, f"{last}post_attention_layernorm.weight"))
-            head.norm.weight.copy_(read_target_tensor(cfg.target, "model.norm.weight"))
+            # (the logits' scale some families apply after the output layer, output_logits, in the norm)
+            scale = getattr(t, "logit_scale", None) or 1.0 / (getattr(t, "logits_scaling", None) or 1.0)
+            head.norm.weight.copy_(read_target_tensor(cfg.target, "model.norm.weight") * scale)
             head.lm_head.weight.copy_(read_target_tensor(cfg.target, "lm_head.weight")[ids])
     return head
 

@@ -4,8 +4,10 @@ the soft labels line up with the positions that predict them, held-out prompts s
 from __future__ import annotations
 
 import json
+
+import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from assets.prompts import CHAT
 from training import distill
@@ -94,3 +96,26 @@ def test_build_draft_starts_in_the_targets_embedding_space(pair):
     fresh = distill.LlamaForCausalLM(distill.draft_config(cfg, target.config)).get_input_embeddings().weight.detach()
     assert (t @ torch.linalg.lstsq(t, fresh).solution - fresh).norm() > 0.3 * fresh.norm()
     assert torch.allclose(draft.lm_head.weight, draft.get_input_embeddings().weight)  # tied
+
+
+@pytest.mark.parametrize("rope, kept", [
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 64}, True),  # (made per frequency: any head size)
+    ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+      "original_max_position_embeddings": 64}, False),  # 8 pairs: the target's head of 16, not the draft's 8
+    ({"rope_type": "default", "partial_rotary_factor": 0.75}, False)])  # (Phi-4-mini) part of each head
+def test_a_draft_takes_the_targets_rope_where_it_fits_its_heads(rope, kept):
+    """The draft (head_dim 8 here) rotates its whole heads: the target's theta always, its scaling only
+    where that does not depend on the target's head (longrope's factors per pair, partial rotation); it
+    runs either way (before, a shape error)."""
+    family = "phi3" if rope["rope_type"] != "llama3" else "llama"
+    config = AutoConfig.for_model(family, vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                                  pad_token_id=0, rope_parameters={**rope, "rope_theta": 5000.0})
+    cfg = distill.Config(target=None, out=None, work=None, hidden=16, layers=1, heads=2, kv_heads=1, ffn=32)
+    draft = distill.LlamaForCausalLM(distill.draft_config(cfg, config))
+    got = draft.config.rope_parameters
+    assert got["rope_theta"] == 5000.0 and "partial_rotary_factor" not in got
+    assert got["rope_type"] == (rope["rope_type"] if kept else "default")
+    with torch.inference_mode():
+        assert draft(torch.arange(1, 100)[None]).logits.shape == (1, 99, 256)  # past 64 positions: scaled

@@ -366,24 +366,33 @@ def test_a_head_starts_from_a_fused_checkpoint_s_parts(target, tmp_path):
     assert all(heads[1][f"layers.0.self_attn.{n}_proj.weight"].abs().sum() > 0 for n in "qkv")
 
 
-def test_labels_are_the_targets_own_probabilities_whatever_its_logits_divisor(tmp_path):
-    """Granite divides its logits by logits_scaling: the labels are the probabilities its forward gives."""
-    tokenizer = make_tokenizer(tmp_path / "tok", "bpe")
-    model_dir = make_model(tmp_path / "granite", tokenizer, arch="granite", hidden=32, layers=4, heads=4, kv_heads=2,
-                           vocab_size=VOCAB, init_std=0.1)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    model.config.update({"logits_scaling": 8.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22})
-    for layer in model.model.layers:
-        layer.residual_multiplier = 0.22
-    model.model.embedding_multiplier = 12.0
+SMALL = {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "pad_token_id": 0}
+SCALED = {"granite": {"logits_scaling": 8.0, "embedding_multiplier": 12.0, "residual_multiplier": 0.22},
+          "cohere": {"logit_scale": 0.0625}, "gemma2": {"final_logit_softcapping": 2.0}}
+
+
+@pytest.mark.parametrize("arch", sorted(SCALED))
+def test_labels_are_the_targets_own_probabilities_whatever_it_does_to_its_logits(arch):
+    """Granite divides its logits, Cohere scales them, Gemma 2 soft-caps them: the labels are the
+    probabilities its own forward gives, and a target doing something else is refused by name."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **SMALL, **SCALED[arch])).eval()
+    for p in model.parameters():  # (logits far enough from uniform that the scaling shows)
+        p.data.normal_(0, 0.3) if p.dim() > 1 else None
     ids = list(range(3, 20))
-    (row,) = eagle.featurize(model, [{"prompt": ids[:5], "answer": ids[5:]}], [1, 2, 3], 4, 4096)
+    eagle.check_output_logits(model, ids)
+    (row,) = eagle.featurize(model, [{"prompt": ids[:5], "answer": ids[5:]}], [1], 4, 4096)
     with torch.inference_mode():
         logp = model(torch.tensor([ids])).logits[0, 4:-1].float().log_softmax(-1)  # positions 4.. predict 5..
+        plain = model.lm_head(model.model(torch.tensor([ids])).last_hidden_state[0, 4:-1]).float().log_softmax(-1)
     top_logp, top_ids = logp.topk(4, dim=-1)
     assert torch.equal(row["top_ids"], top_ids.int())
     torch.testing.assert_close(row["top_logp"].float(), top_logp, atol=2e-3, rtol=2e-3)
-    assert (top_logp[:, 0] - (logp * 8).log_softmax(-1).max(-1).values).abs().max() > 1e-2  # the divisor matters
+    assert (top_logp[:, 0] - plain.max(-1).values).abs().max() > 1e-2  # (what it does to them matters)
+    model.config.update({"logit_scale": 3.0} if arch != "cohere" else {"final_logit_softcapping": 0.5})
+    with pytest.raises(SystemExit, match="makes its logits otherwise"):
+        eagle.check_output_logits(model, ids)
 
 
 def test_a_head_for_a_target_rotating_part_of_each_head_rotates_its_whole_heads(tmp_path):
@@ -406,3 +415,16 @@ def test_a_head_for_a_target_rotating_part_of_each_head_rotates_its_whole_heads(
     cache = loaded.new_cache()
     out, logits = loaded.step(torch.tensor(list(range(10, 16))), hidden, torch.arange(60, 66), cache)
     assert logits.shape == (6, 1024) and torch.isfinite(logits).all()
+
+
+def test_a_head_started_from_granite_scales_its_logits_as_the_target(tmp_path):
+    """Granite divides its logits by logits_scaling after the output layer: a head started from it
+    (--init) takes that into its final norm, so that it starts as sharp as the target, not 8x sharper."""
+    tokenizer = make_tokenizer(tmp_path / "tok", "bpe")
+    model_dir = make_model(tmp_path / "granite", tokenizer, arch="granite", hidden=32, layers=4, heads=4, kv_heads=2,
+                           vocab_size=VOCAB, init_std=0.1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.config.logits_scaling = 8.0
+    model.save_pretrained(model_dir)
+    head = eagle.build_head(eagle.Config(model_dir, tmp_path, tmp_path), list(range(1024)), init=True)
+    torch.testing.assert_close(head.norm.weight.detach(), model.model.norm.weight.detach() / 8.0)
