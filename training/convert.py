@@ -6,7 +6,10 @@
 transformers reads a GGUF file (with the `gguf` package) and dequantizes its weights, but
 refuses to save such a model (`save_pretrained`: "quantized with gguf ... not
 serializable"). The weights are plain tensors once loaded, so they are copied into a fresh
-model of the same config, which saves like any other. The directory is written under a
+model of the same config, which saves like any other. transformers' reading keeps only RoPE's
+theta: the rest (the rotated part of each head, llama.cpp's per-frequency factors for Llama 3.1's
+and longrope's scaling, linear scaling) is taken from the file into that config (gguf_rope). The
+directory is written under a
 temporary name and renamed when complete: an interrupted run leaves no half-written model,
 and a finished one is never redone (`ensure`).
 
@@ -53,6 +56,81 @@ def serializable(model):
         raise ValueError(f"weights do not match the config: missing {missing}, unexpected {unexpected}")
     fresh.generation_config = model.generation_config
     return fresh.eval()
+
+
+def field(reader, key: str, default=None):
+    """A GGUF metadata value: a number, a string, or a list of them; `default` where the file has none."""
+    found = reader.fields.get(key)
+    return default if found is None else found.contents()
+
+
+def gguf_rope(path: Path, config) -> dict | None:
+    """The RoPE a GGUF's metadata and tensors say its model computes, as transformers' rope_parameters, where
+    transformers' reading leaves it out (it keeps only the theta, and llama.cpp's per-frequency factors are
+    tensors): how many of each head's dimensions rotate (rope.dimension_count: Phi-4-mini's 96 of 128, as
+    partial_rotary_factor), the divisor of each frequency (rope_freqs: Llama 3.1's scaling, as llama3's
+    parameters where they make exactly those divisors, else longrope with those factors at either length
+    and no attention factor: the same frequencies), longrope's two lists and attention factor (Phi-3.5's
+    rope_factors_long / _short), linear scaling. None where the config already computes what the file says.
+    Raises ValueError for a scaling it cannot represent."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(path))
+    arch = field(reader, "general.architecture")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    theta = float(field(reader, f"{arch}.rope.freq_base", rope.get("rope_theta", 10000.0)))
+    rope["rope_theta"] = theta
+    before = dict(rope)
+    rotated = int(field(reader, f"{arch}.rope.dimension_count", head_dim))
+    if rotated != head_dim:
+        rope["partial_rotary_factor"] = rotated / head_dim
+    tensors = {t.name: np.asarray(t.data, dtype=np.float32).reshape(-1).tolist() for t in reader.tensors
+               if t.name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")}
+    original = field(reader, f"{arch}.rope.scaling.original_context_length")
+    kind, factor = field(reader, f"{arch}.rope.scaling.type"), field(reader, f"{arch}.rope.scaling.factor")
+    if "rope_factors_long.weight" in tensors:
+        rope.update(rope_type="longrope", long_factor=tensors["rope_factors_long.weight"],
+                    short_factor=tensors.get("rope_factors_short.weight", tensors["rope_factors_long.weight"]),
+                    original_max_position_embeddings=int(original or config.max_position_embeddings))
+        attention = field(reader, f"{arch}.rope.scaling.attn_factor")
+        if attention is not None:
+            rope["attention_factor"] = float(attention)
+    elif "rope_freqs.weight" in tensors:
+        rope.update(llama3_rope(tensors["rope_freqs.weight"], theta, rotated)
+                    or {"rope_type": "longrope", "long_factor": tensors["rope_freqs.weight"],
+                        "short_factor": tensors["rope_freqs.weight"], "attention_factor": 1.0,
+                        "original_max_position_embeddings": config.max_position_embeddings})
+    elif kind == "linear" and factor:
+        rope.update(rope_type="linear", factor=float(factor))
+    elif kind not in (None, "none") and factor not in (None, 1.0):
+        raise ValueError(f"the GGUF's RoPE scaling {kind!r} (factor {factor}) is not one this conversion represents")
+    return None if rope == before else rope
+
+
+def llama3_rope(divisors: list[float], theta: float, rotated: int) -> dict | None:
+    """Llama 3.1's RoPE parameters whose frequencies are base's divided by `divisors` (what llama.cpp's
+    convert writes as rope_freqs), or None where none of the usual ones make them."""
+    import math
+
+    factor = max(divisors)
+    for original in (8192, 4096, 2048, 16384, 32768, 131072):
+        for low, high in ((1.0, 4.0),):
+            made = []
+            for i in range(len(divisors)):
+                wavelength = 2 * math.pi * theta ** (2 * i / rotated)
+                if wavelength < original / high:
+                    made.append(1.0)
+                elif wavelength > original / low:
+                    made.append(factor)
+                else:
+                    smooth = (original / wavelength - low) / (high - low)
+                    made.append(1 / ((1 - smooth) / factor + smooth))
+            if all(abs(a - b) <= 1e-5 * b for a, b in zip(made, divisors)):
+                return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                        "original_max_position_embeddings": original}
+    return None
 
 
 # a Llama-family GGUF's linear weights (blk.N.KIND.weight) -> the transformers modules of layer N it may be, the
@@ -125,6 +203,11 @@ def convert(gguf: Path, out: Path) -> dict:
     """Write the transformers directory for `gguf` at `out` (replacing it); returns its card's figures."""
     start = time.monotonic()
     model, tokenizer = load_gguf(gguf)
+    rope = gguf_rope(gguf, model.config)
+    if rope is not None:  # (transformers' reading leaves it out: serializable's fresh model computes it)
+        model.config.rope_parameters = rope
+        if hasattr(model.config, "original_max_position_embeddings") and "original_max_position_embeddings" in rope:
+            model.config.original_max_position_embeddings = rope["original_max_position_embeddings"]  # (Phi-3's own)
     model = serializable(model)
     out = Path(out)
     tmp = out.with_name(out.name + ".partial")

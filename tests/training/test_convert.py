@@ -30,10 +30,12 @@ def narrow_q4_1(data: np.ndarray, rng) -> np.ndarray:
     return np.concatenate([d.view(np.uint8), m.view(np.uint8), nibbles], axis=-1).reshape(rows, -1)
 
 
-def write_gguf(path, tokenizer_dir, narrow: bool = False, arch: str = "llama") -> dict[str, np.ndarray]:
+def write_gguf(path, tokenizer_dir, narrow: bool = False, arch: str = "llama", rope: dict | None = None,
+               ) -> dict[str, np.ndarray]:
     """A tiny Llama GGUF (arch "phi3": Phi-3's, q/k/v in one attn_qkv and gate/up in one ffn_up); returns
     the float weights each tensor decodes to (Q4_1 ones after rounding). narrow: the linears' blocks as
-    narrow_q4_1 makes them, not from min/max."""
+    narrow_q4_1 makes them, not from min/max. rope: RoPE metadata (dimension_count, original, attn_factor,
+    scaling: (type, factor)) and per-frequency tensors (rope_freqs, rope_factors_long, rope_factors_short)."""
     spec = json.loads((tokenizer_dir / "tokenizer.json").read_text())
     vocab = spec["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.get)
@@ -56,11 +58,25 @@ def write_gguf(path, tokenizer_dir, narrow: bool = False, arch: str = "llama") -
     writer.add_bos_token_id(eos)
     writer.add_eos_token_id(eos)
     writer.add_chat_template(CHAT_TEMPLATE)
+    rope = rope or {}
+    if "dimension_count" in rope:
+        writer.add_rope_dimension_count(rope["dimension_count"])
+    if "original" in rope:
+        writer.add_rope_scaling_orig_ctx_len(rope["original"])
+    if "attn_factor" in rope:
+        writer.add_rope_scaling_attn_factors(rope["attn_factor"])
+    if "scaling" in rope:
+        writer.add_rope_scaling_type(gguf.RopeScalingType(rope["scaling"][0]))
+        writer.add_rope_scaling_factor(rope["scaling"][1])
+    for name in ("rope_freqs", "rope_factors_long", "rope_factors_short"):
+        if name in rope:
+            writer.add_tensor(f"{name}.weight", np.asarray(rope[name], dtype=np.float32))
     rng = np.random.default_rng(0)
     head_dim = HIDDEN // HEADS
     shapes = {"token_embd.weight": (len(tokens), HIDDEN), "output_norm.weight": (HIDDEN,)}
     if arch == "phi3":
-        writer.add_rope_dimension_count(head_dim)
+        if "dimension_count" not in rope:
+            writer.add_rope_dimension_count(head_dim)
         writer.add_pad_token_id(eos)  # (Phi3Config's own, 32000, is past this vocabulary)
         shapes["output.weight"] = (len(tokens), HIDDEN)
     for i in range(LAYERS):
@@ -268,3 +284,75 @@ def test_a_phi3_gguf_s_fused_blocks_are_kept_and_run_as_shipped(tmp_path):
             other = FastForward._mm(eye, torch.empty(0), rederived.layers[i][f"{name}_packed"])
             error, other_error = (ours - weight).abs().max().item(), (other - weight).abs().max().item()
             assert error < 2e-3 and 2 * error < other_error, (i, name, error, other_error)
+
+
+def llama3_divisors(theta: float, rotated: int, factor: float, original: int, low=1.0, high=4.0) -> list[float]:
+    """What llama.cpp's convert writes as rope_freqs for Llama 3.1's scaling (each frequency's divisor)."""
+    out = []
+    for i in range(rotated // 2):
+        wavelength = 2 * np.pi * theta ** (2 * i / rotated)
+        if wavelength < original / high:
+            out.append(1.0)
+        elif wavelength > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+HEAD = HIDDEN // HEADS
+
+
+@pytest.mark.parametrize("case", ["llama3", "other divisors", "linear", "phi3 partial longrope"])
+def test_the_gguf_s_rope_is_the_converted_model_s(tmp_path, case):
+    """transformers' GGUF reading keeps only RoPE's theta; the conversion takes the rest from the file
+    (llama.cpp's per-frequency divisors, rope_freqs; Phi-3.5's longrope lists and attention factor;
+    the rotated dimensions; linear scaling), so the converted rotary makes the frequencies the file's
+    model runs at: cos and sin at positions past the original context, against those computed here."""
+    make_tokenizer(tmp_path / "tok")
+    arch, rotated, attention, theta = "llama", HEAD, 1.0, 10000.0
+    if case == "llama3":
+        divisors = llama3_divisors(theta, HEAD, 8.0, 8192)
+        rope, expect = {"rope_freqs": divisors}, {"rope_type": "llama3", "factor": 8.0}
+    elif case == "other divisors":
+        divisors = [1.0 + 0.37 * i for i in range(HEAD // 2)]
+        rope, expect = {"rope_freqs": divisors}, {"rope_type": "longrope", "attention_factor": 1.0}
+    elif case == "linear":
+        divisors = [2.0] * (HEAD // 2)
+        rope, expect = {"scaling": ("linear", 2.0)}, {"rope_type": "linear", "factor": 2.0}
+    else:
+        arch, rotated, attention = "phi3", 12, 1.25
+        divisors = [2.0 + 0.5 * i for i in range(6)]  # (the long factors: positions past the original context)
+        rope = {"dimension_count": 12, "original": 64, "attn_factor": attention, "rope_factors_long": divisors,
+                "rope_factors_short": [1.0] * 6}
+        expect = {"rope_type": "longrope", "partial_rotary_factor": 0.75, "attention_factor": attention}
+    write_gguf(tmp_path / "m.gguf", tmp_path / "tok", arch=arch, rope=rope)
+    convert(tmp_path / "m.gguf", tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
+    got = model.config.rope_parameters
+    assert {k: got.get(k) for k in expect} == expect and got["rope_theta"] == theta
+    positions = torch.arange(200, 232)[None]  # (past the original context of 64: longrope's long factors)
+    cos, sin = model.model.rotary_emb(torch.zeros(1, 1, dtype=torch.float32), positions)
+    inverse = 1 / (theta ** (torch.arange(0, rotated, 2, dtype=torch.float64) / rotated)
+                   * torch.tensor(divisors, dtype=torch.float64))
+    angles = positions[0, :, None].double() * inverse
+    torch.testing.assert_close(cos[0].double(), angles.cos().repeat(1, 2) * attention, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sin[0].double(), angles.sin().repeat(1, 2) * attention, atol=1e-5, rtol=1e-5)
+    from model_service.model_runner import ModelRunner
+
+    fast, slow = ModelRunner(tmp_path / "model"), ModelRunner(tmp_path / "model", forward="transformers")
+    assert fast.forward_kind.startswith("fast")  # the lean forward runs it, as transformers does
+    outs = []
+    for runner in (fast, slow):
+        session = runner.start_session("s", 0)
+        session.tokens.extend(range(3, 103))  # (past the original context)
+        outs.append(runner.forward(session, 5))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+
+
+def test_a_rope_scaling_the_conversion_cannot_represent_is_refused(tmp_path):
+    make_tokenizer(tmp_path / "tok")
+    write_gguf(tmp_path / "m.gguf", tmp_path / "tok", rope={"scaling": ("yarn", 4.0)})
+    with pytest.raises(ValueError, match="RoPE scaling 'yarn'"):
+        convert(tmp_path / "m.gguf", tmp_path / "model")
