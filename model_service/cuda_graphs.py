@@ -120,8 +120,12 @@ class GraphedPasses:
         capacity = data.shape[4]
         x = F.embedding(tokens, fast.embed)  # [n, D]
         cos, sin = fast.rope_table[0][position][:, None], fast.rope_table[1][position][:, None]  # [n, 1, hd]
-        # query i sees the keys at positions up to its own
-        mask = (torch.arange(capacity, device=data.device)[None] <= position[:, None])[None, None]  # [1, 1, n, cap]
+        # query i sees the keys at positions up to its own (the last fast.window of them, under a sliding window)
+        key = torch.arange(capacity, device=data.device)[None]
+        mask = key <= position[:, None]
+        if fast.window is not None:
+            mask &= key > position[:, None] - fast.window
+        mask = mask[None, None]  # [1, 1, n, cap]
         states = {}
         for i, layer in enumerate(fast.layers):
             if i in capture:

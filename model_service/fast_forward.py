@@ -15,9 +15,10 @@ place and rolls back by moving an index; on CPU the layer loop runs in TorchScri
 
 It takes the rotary embedding from the HF model itself, so every RoPE variant transformers
 implements is computed the same way; where it rotates part of each head (Phi-4-mini), q's and k's
-dimensions are kept in an order in which rotating the whole head computes it (head_order).
-Architectures it does not know, or features it does not implement (a sliding window shorter than
-the context, attention soft-capping...), keep the transformers forward: `FastForward.build`
+dimensions are kept in an order in which rotating the whole head computes it (head_order). Under a
+sliding window (Mistral, Phi-3: every layer's) each query sees the last `window` keys up to its own.
+Architectures it does not know, or features it does not implement (sliding windows on some layers
+only, attention soft-capping...), keep the transformers forward: `FastForward.build`
 returns None for them and `ModelRunner` falls back.
 
 Beside it: int4.py quantizes its weights (--quantize int4), sharding.py splits them over
@@ -47,6 +48,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "phi3", "granite"}
 # families whose transformers forward rotates part of each head where the config says so (partial_rotary_factor)
 PARTIAL_ROTARY = {"phi3"}
+# families whose transformers forward attends over config.sliding_window keys in every layer (FastForward.window)
+SLIDING = {"mistral", "phi3"}
 # families whose checkpoints hold q/k/v in one qkv_proj and gate/up in one gate_up_proj (FastForward.FUSED_PARTS)
 FUSED_FAMILIES = {"phi3"}
 # weights with fewer elements stay unpacked (see FastForward.pack): oneDNN's fixed cost per call
@@ -97,10 +100,31 @@ def unsupported(config, max_context: int) -> str | None:
         return "its MLP projections have biases"
     if getattr(config, "pretraining_tp", 1) > 1:
         return f"its pretraining_tp is {config.pretraining_tp}"
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) and window < max_context:
-        return f"it attends over a sliding window of {window} tokens, less than its context of {max_context}"
+    if sliding_window(config, max_context) is not None and config.model_type not in SLIDING:
+        return (f"it attends over a sliding window of {config.sliding_window} tokens, less than its context of"
+                f" {max_context} (the lean forward's sliding windows: {', '.join(sorted(SLIDING))}'s)")
     return None
+
+
+def sliding_window(config, max_context: int) -> int | None:
+    """The keys each query sees, the last ones up to its own (config.sliding_window), where fewer than the
+    context; None where it sees them all."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or not getattr(config, "use_sliding_window", True) or window >= max_context:
+        return None
+    return int(window)
+
+
+def causal_mask(start: int, end: int, window: int | None, device) -> torch.Tensor | None:
+    """[end - start, end] bool: query i (position start + i) sees keys 0 .. start + i, the last `window` of
+    them under a sliding window (transformers': key j where j > position - window); None for one query
+    that sees every key up to its own (attention's default)."""
+    if end - start == 1 and (window is None or end <= window):
+        return None
+    mask = torch.ones(end - start, end, dtype=torch.bool, device=device).tril(diagonal=start)
+    if window is not None and end > window:
+        mask &= torch.ones(end - start, end, dtype=torch.bool, device=device).triu(diagonal=start - window + 1)
+    return mask
 
 
 class WholeHeadRotary(torch.nn.Module):
@@ -180,6 +204,7 @@ class FastForward:
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.window = sliding_window(config, max_context)  # (Mistral, Phi-3) the keys a query sees, the last ones
         self.PARTS = self.FUSED_PARTS if config.model_type in FUSED_FAMILIES else type(self).PARTS
         # each q and k head's dimensions in this order, where RoPE rotates part of a head (head_order)
         self.head_order = head_order(self.head_dim, rotary_dims(config, self.head_dim))
@@ -539,11 +564,10 @@ class FastForward:
         total = offset
         if self.kv_dtype is not None and not c_loop:
             raise RuntimeError("float16 keys and values are read by specdec's C++ layer loop alone (set_kv_dtype)")
-        slots = None if c_loop else slot_batch(self.pool, feeds, spans)
+        slots = None if c_loop else slot_batch(self.pool, feeds, spans, self.window)
         masks = []
         if slots is None and not c_loop:  # query i of a sequence sits at position start+i and sees keys 0..start+i
-            masks = [torch.ones(b - a, end, dtype=torch.bool, device=device).tril(diagonal=start) if b - a > 1 else None
-                     for a, b, start, end in spans]
+            masks = [causal_mask(start, end, self.window, device) for _, _, start, end in spans]
         if lookup:  # the tables themselves: the call indexes them by the ids and the rows' positions
             x, (cos, sin) = self.embed, self.rope_table
         else:
@@ -663,8 +687,9 @@ class FastForward:
                 else (None, None, 0)
             norms = None if qk_norm[0] is None else torch.stack(qk_norm)  # (every layer has them or none)
             if capture:
-                return torch.ops.specdec.q4_layers_capturing(*common, list(capture), *output, ids, norms)
-            return torch.ops.specdec.q4_layers(*common, *output, ids, norms)
+                return torch.ops.specdec.q4_layers_capturing(*common, list(capture), *output, ids, norms,
+                                                             self.window or 0)
+            return torch.ops.specdec.q4_layers(*common, *output, ids, norms, self.window or 0)
         if len(feeds) == 1:
             return scripted.LAYERS(x, cos, sin, feeds[0][1].data[lo:hi], spans[0][2], masks[0],
                                    feeds[0][2] if final else 0, heads, kv_heads, head_dim, self.eps, *args)

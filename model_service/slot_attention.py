@@ -41,13 +41,13 @@ class SlotBatch:
     mask: torch.Tensor  # [B, 1, width, keys]: 0 where a query sees a key, -inf elsewhere
 
 
-def slot_batch(pool: KVPool | None, feeds, spans) -> SlotBatch | None:
+def slot_batch(pool: KVPool | None, feeds, spans, window: int | None = None) -> SlotBatch | None:
     """How one attention call per layer covers these feeds (input_ids, cache, num_logits), or None
     where it would not pay or they are not all slots of `pool`. spans: each feed's [a, b) rows of
     the pass and [start, end) positions.
 
-    Query j of a feed that starts at position `start` sees keys 0..start+j; padding queries see
-    what their row's last query sees, or key 0 in a slot no feed has.
+    Query j of a feed that starts at position `start` sees keys 0..start+j (the last `window` of them,
+    where given); padding queries see what their row's last query sees, or key 0 in a slot no feed has.
     """
     if len(feeds) < 2 or pool is None or not all(c.pooled and c.pool is pool for _, c, _ in feeds):
         return None
@@ -72,7 +72,11 @@ def slot_batch(pool: KVPool | None, feeds, spans) -> SlotBatch | None:
     # the position each padded query sits at: start + j, at most its row's last
     at = torch.minimum(per_row[0][:, None] + torch.arange(width, device=device)[None], per_row[1][:, None])
     mask = torch.zeros(hi - lo, 1, width, keys, dtype=pool.data.dtype, device=device)
-    mask.masked_fill_((torch.arange(keys, device=device)[None, None] > at[:, :, None])[:, None], float("-inf"))
+    key = torch.arange(keys, device=device)[None, None]
+    unseen = key > at[:, :, None]
+    if window is not None:  # (a sliding window: keys j > position - window)
+        unseen |= key <= at[:, :, None] - window
+    mask.masked_fill_(unseen[:, None], float("-inf"))
     return SlotBatch(lo, hi, width, keys, *tokens, mask)
 
 

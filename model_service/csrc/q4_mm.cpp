@@ -876,11 +876,13 @@ void attend(const float* q, const float* keys, const float* values, int64_t stri
 // attend_shared and attend_rows: every build's attention over float16 caches, and the AVX2 and plain
 // C++ builds' over float32 ones (the AVX-512 build's float32 attention is attend's, above).
 
-// One query of attend_shared: hd floats of q and of out, and how many keys it sees (0 .. seen - 1)
+// One query of attend_shared: hd floats of q and of out, and the keys it sees (first .. seen - 1: 0 .. its
+// position, or the last `window` of them under a sliding window)
 struct Query {
   const float* q;
   float* out;
   int64_t seen;
+  int64_t first;
 };
 
 // One kv head of a sequence's cache: its keys and values (float or half_bits), positions `stride` apart
@@ -970,8 +972,12 @@ void attend_shared(const Query* qs, int64_t n, const KvHead<C>& kv, int64_t hd, 
                    int64_t width) {
   constexpr bool converts = !std::is_same<C, float>::value;
   const int64_t block = std::max<int64_t>(8, 4096 / hd);  // keys a block: 16 kB of floats, in L1 for every query
-  int64_t most = 0;
-  for (int64_t i = 0; i < n; ++i) most = std::max(most, qs[i].seen);
+  int64_t most = 0, least = INT64_MAX;
+  for (int64_t i = 0; i < n; ++i) {
+    most = std::max(most, qs[i].seen);
+    least = std::min(least, qs[i].first);
+  }
+  const int64_t from = least / block * block;  // (blocks at multiples of `block` whatever the batch)
   std::vector<float> inv(n), buffer(converts ? block * hd : 0);
   // positions j0 .. j1 - 1 of `base` (the keys or the values) as floats, `stride` apart
   int64_t stride = kv.stride;
@@ -985,72 +991,77 @@ void attend_shared(const Query* qs, int64_t n, const KvHead<C>& kv, int64_t hd, 
       return base + j0 * kv.stride;
     }
   };
-  for (int64_t j0 = 0; j0 < most; j0 += block) {
+  for (int64_t j0 = from; j0 < most; j0 += block) {
     const int64_t j1 = std::min(most, j0 + block);
-    const float* keys = floats(kv.keys, j0, j1);  // key j at keys + (j - j0) * stride
+    const float* block_keys = floats(kv.keys, j0, j1);  // key j at block_keys + (j - j0) * stride
     for (int64_t i = 0; i < n; ++i) {
       float* s = scores + i * width;
-      const int64_t end = std::min(j1, qs[i].seen);
+      const int64_t begin = std::max(j0, qs[i].first), end = std::min(j1, qs[i].seen);
+      if (end <= begin) continue;
+      const float* keys = block_keys + (begin - j0) * stride;  // key j at keys + (j - begin) * stride
 #if defined(Q4_AVX512)
       if (hd == 64 || hd == 128) {
-        if (end > j0) (hd == 64 ? scores16<4> : scores16<8>)(qs[i].q, keys, stride, j0, end, scale, s);
+        (hd == 64 ? scores16<4> : scores16<8>)(qs[i].q, keys, stride, begin, end, scale, s);
         continue;
       }
 #endif
-      int64_t j = j0;
+      int64_t j = begin;
 #if defined(Q4_V8)
       const __m256 sv = _mm256_set1_ps(scale);
       for (; j + 8 <= end && (hd == 64 || hd == 128); j += 8) {
-        const float* k = keys + (j - j0) * stride;
+        const float* k = keys + (j - begin) * stride;
         const __m256 d = hd == 64 ? dots8<8>(qs[i].q, k, stride) : dots8<16>(qs[i].q, k, stride);
         _mm256_storeu_ps(s + j, _mm256_mul_ps(d, sv));
       }
 #endif
-      for (; j < end; ++j) s[j] = dot(qs[i].q, keys + (j - j0) * stride, hd) * scale;
+      for (; j < end; ++j) s[j] = dot(qs[i].q, keys + (j - begin) * stride, hd) * scale;
     }
   }
   for (int64_t i = 0; i < n; ++i) {
-    float* s = scores + i * width;
-    inv[i] = 1.f / exp_sum(s, qs[i].seen, max_of(s, qs[i].seen));
+    float* s = scores + i * width + qs[i].first;
+    const int64_t count = qs[i].seen - qs[i].first;
+    inv[i] = 1.f / exp_sum(s, count, max_of(s, count));
     std::fill(qs[i].out, qs[i].out + hd, 0.f);
   }
-  for (int64_t j0 = 0; j0 < most; j0 += block) {
+  for (int64_t j0 = from; j0 < most; j0 += block) {
     const int64_t j1 = std::min(most, j0 + block);
-    const float* values = floats(kv.values, j0, j1);  // value j at values + (j - j0) * stride
+    const float* block_values = floats(kv.values, j0, j1);  // value j at block_values + (j - j0) * stride
     for (int64_t i = 0; i < n; ++i) {
       const float* s = scores + i * width;
-      const int64_t end = std::min(j1, qs[i].seen);
-      if (end <= j0) continue;
+      const int64_t begin = std::max(j0, qs[i].first), end = std::min(j1, qs[i].seen);
+      if (end <= begin) continue;
+      const float* values = block_values + (begin - j0) * stride;  // value j at values + (j - begin) * stride
 #if defined(Q4_AVX512)
       if (hd == 64 || hd == 128) {
-        (hd == 64 ? accumulate16<4> : accumulate16<8>)(s, inv[i], values, stride, j0, end, qs[i].out);
+        (hd == 64 ? accumulate16<4> : accumulate16<8>)(s, inv[i], values, stride, begin, end, qs[i].out);
         continue;
       }
 #endif
 #if defined(Q4_V8)
       if (hd == 64) {
-        accumulate<8>(s, inv[i], values, stride, j0, end, qs[i].out);
+        accumulate<8>(s, inv[i], values, stride, begin, end, qs[i].out);
         continue;
       }
       if (hd == 128) {
-        accumulate<16>(s, inv[i], values, stride, j0, end, qs[i].out);
+        accumulate<16>(s, inv[i], values, stride, begin, end, qs[i].out);
         continue;
       }
 #endif
-      for (int64_t j = j0; j < end; ++j) axpy(s[j] * inv[i], values + (j - j0) * stride, qs[i].out, hd);
+      for (int64_t j = begin; j < end; ++j) axpy(s[j] * inv[i], values + (j - begin) * stride, qs[i].out, hd);
     }
   }
 }
 
 // Causal attention of a pass's rows through attend_shared: output row r is q row rows[r] (its
-// sequence seq[t], position pos[t]: it sees keys 0 .. pos[t]), its H heads' results into att row r.
+// sequence seq[t], position pos[t]: it sees keys 0 .. pos[t], the last `window` of them where window > 0),
+// its H heads' results into att row r.
 // A task is one (sequence, kv head) and its queries (the sequence's rows x the group's heads), split
 // into parts only so that every thread has work and a part's scores stay small (each part reads the
 // keys again); threads split the tasks where their scores hold >= ~128 k multiply-adds.
 template <class Heads>  // Heads(s, g) -> KvHead<C>: sequence s's kv head g
 void attend_rows(const float* qkv, int64_t qkv_n, float* att, int64_t qdim, const std::vector<int64_t>& rows,
                  const std::vector<int64_t>& seq, const std::vector<int64_t>& pos, int64_t S, int64_t H, int64_t Hkv,
-                 int64_t hd, float scale, const Heads& heads) {
+                 int64_t hd, float scale, int64_t window, const Heads& heads) {
   const int64_t group = H / Hkv, R = static_cast<int64_t>(rows.size());
   std::vector<std::vector<int64_t>> of(S);  // each sequence's output rows
   for (int64_t r = 0; r < R; ++r) of[seq[rows[r]]].push_back(r);
@@ -1077,7 +1088,8 @@ void attend_rows(const float* qkv, int64_t qkv_n, float* att, int64_t qdim, cons
       for (const int64_t r : of[s]) {
         const int64_t t = rows[r];
         for (int64_t head = g * group; head < (g + 1) * group; ++head) {
-          queries.push_back({qkv + t * qkv_n + head * hd, att + r * qdim + head * hd, pos[t] + 1});
+          queries.push_back({qkv + t * qkv_n + head * hd, att + r * qdim + head * hd, pos[t] + 1,
+                             window > 0 ? std::max<int64_t>(0, pos[t] + 1 - window) : 0});
           work += (pos[t] + 1) * hd;
         }
       }
@@ -1167,8 +1179,9 @@ at::Tensor layers_loop(const at::Tensor& x_in, const at::Tensor& cos_in, const a
                        int64_t hd, double eps_in, at::ArrayRef<double> scaling, at::TensorList in_norm,
                        at::TensorList post_norm, at::IntArrayRef half, const c10::List<std::optional<at::Tensor>>& qkv_bias,
                        at::TensorList weights, at::IntArrayRef outs, at::IntArrayRef capture, at::Tensor* states,
-                       const std::optional<at::Tensor>& qk_norm) {
+                       const std::optional<at::Tensor>& qk_norm, int64_t window) {
   const int64_t L = static_cast<int64_t>(in_norm.size()), S = static_cast<int64_t>(kv.size());
+  TORCH_CHECK(window >= 0, "q4_layers: a sliding window of ", window, " keys");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "q4_layers: float32 x [T, D]");
   TORCH_CHECK(S > 0 && static_cast<int64_t>(starts.size()) == S && static_cast<int64_t>(lengths.size()) == S &&
               static_cast<int64_t>(keeps.size()) == S, "q4_layers: one cache, start, length and keep per sequence");
@@ -1283,15 +1296,18 @@ at::Tensor layers_loop(const at::Tensor& x_in, const at::Tensor& cos_in, const a
         for (int64_t k = k0; k < k1; ++k) {
           const int64_t out_row = k / H, t = last ? kept[out_row] : out_row, head = k % H;
           const KvHead<float> h = kv_head(seq[t], head / group);
-          attend(qkv.data() + t * qkv_n + head * hd, h.keys, h.values, h.stride, pos[t] + 1, hd, scale, scores.data(),
-                 att.data() + out_row * qdim + head * hd);
+          const int64_t first = window > 0 ? std::max<int64_t>(0, pos[t] + 1 - window) : 0;  // (a sliding window's)
+          attend(qkv.data() + t * qkv_n + head * hd, h.keys + first * h.stride, h.values + first * h.stride, h.stride,
+                 pos[t] + 1 - first, hd, scale, scores.data(), att.data() + out_row * qdim + head * hd);
         }
       });
     } else {
-      attend_rows(qkv.data(), qkv_n, att.data(), qdim, last ? kept : all_rows, seq, pos, S, H, Hkv, hd, scale, kv_head);
+      attend_rows(qkv.data(), qkv_n, att.data(), qdim, last ? kept : all_rows, seq, pos, S, H, Hkv, hd, scale, window,
+                  kv_head);
     }
 #else
-    attend_rows(qkv.data(), qkv_n, att.data(), qdim, last ? kept : all_rows, seq, pos, S, H, Hkv, hd, scale, kv_head);
+    attend_rows(qkv.data(), qkv_n, att.data(), qdim, last ? kept : all_rows, seq, pos, S, H, Hkv, hd, scale, window,
+                kv_head);
 #endif
     if (last) x = x.index_select(0, at::tensor(kept, at::kLong));
     xp = x.data_ptr<float>();
@@ -1321,16 +1337,16 @@ at::Tensor layers_loop_any(const at::Tensor& x_in, const at::Tensor& cos_in, con
                            int64_t hd, double eps, at::ArrayRef<double> scaling, at::TensorList in_norm,
                            at::TensorList post_norm, at::IntArrayRef half, const c10::List<std::optional<at::Tensor>>& qkv_bias,
                            at::TensorList weights, at::IntArrayRef outs, at::IntArrayRef capture, at::Tensor* states,
-                           const std::optional<at::Tensor>& qk_norm) {
+                           const std::optional<at::Tensor>& qk_norm, int64_t window) {
   const at::ScalarType kind = kv.empty() ? at::kFloat : kv[0].scalar_type();
   for (const at::Tensor& c : kv)
     TORCH_CHECK(c.scalar_type() == kind, "q4_layers: every cache of a pass must have the same dtype");
   TORCH_CHECK(kind == at::kFloat || kind == at::kHalf, "q4_layers: a cache must be float32 or float16");
   if (kind == at::kHalf)
     return layers_loop<half_bits>(x_in, cos_in, sin_in, kv, starts, lengths, keeps, H, Hkv, hd, eps, scaling, in_norm,
-                                  post_norm, half, qkv_bias, weights, outs, capture, states, qk_norm);
+                                  post_norm, half, qkv_bias, weights, outs, capture, states, qk_norm, window);
   return layers_loop<float>(x_in, cos_in, sin_in, kv, starts, lengths, keeps, H, Hkv, hd, eps, scaling, in_norm,
-                            post_norm, half, qkv_bias, weights, outs, capture, states, qk_norm);
+                            post_norm, half, qkv_bias, weights, outs, capture, states, qk_norm, window);
 }
 
 // The output layer where the caller hands it to the loop: the kept rows x [R, D] -> RMSNorm (final_norm)
@@ -1407,10 +1423,10 @@ at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at:
                      at::TensorList post_norm, at::IntArrayRef half, const c10::List<std::optional<at::Tensor>>& qkv_bias,
                      at::TensorList weights, at::IntArrayRef outs, const std::optional<at::Tensor>& final_norm,
                      const std::optional<at::Tensor>& head, int64_t head_out, at::OptionalIntArrayRef ids,
-                     const std::optional<at::Tensor>& qk_norm) {
+                     const std::optional<at::Tensor>& qk_norm, int64_t window) {
   const auto [x0, cos, sin] = looked_up(x_in, cos_in, sin_in, starts, lengths, ids);
   const at::Tensor x = layers_loop_any(x0, cos, sin, kv, starts, lengths, keeps, H, Hkv, hd, eps, scaling, in_norm,
-                                       post_norm, half, qkv_bias, weights, outs, {}, nullptr, qk_norm);
+                                       post_norm, half, qkv_bias, weights, outs, {}, nullptr, qk_norm, window);
   return output_layer(x, final_norm, head, head_out, eps);
 }
 
@@ -1422,11 +1438,11 @@ std::tuple<at::Tensor, at::Tensor> q4_layers_capturing(
     at::ArrayRef<double> scaling, at::TensorList in_norm, at::TensorList post_norm, at::IntArrayRef half,
     const c10::List<std::optional<at::Tensor>>& qkv_bias, at::TensorList weights, at::IntArrayRef outs,
     at::IntArrayRef capture, const std::optional<at::Tensor>& final_norm, const std::optional<at::Tensor>& head,
-    int64_t head_out, at::OptionalIntArrayRef ids, const std::optional<at::Tensor>& qk_norm) {
+    int64_t head_out, at::OptionalIntArrayRef ids, const std::optional<at::Tensor>& qk_norm, int64_t window) {
   at::Tensor states;
   const auto [x0, cos, sin] = looked_up(x_in, cos_in, sin_in, starts, lengths, ids);
   const at::Tensor x = layers_loop_any(x0, cos, sin, kv, starts, lengths, keeps, H, Hkv, hd, eps, scaling, in_norm,
-                                       post_norm, half, qkv_bias, weights, outs, capture, &states, qk_norm);
+                                       post_norm, half, qkv_bias, weights, outs, capture, &states, qk_norm, window);
   return {output_layer(x, final_norm, head, head_out, eps), states};
 }
 

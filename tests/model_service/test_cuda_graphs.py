@@ -6,6 +6,7 @@ body runs eagerly (capture=False); with one (the device machine) it is captured 
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -19,12 +20,17 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "mistral"])
 def model_dir(tmp_path_factory, request):
-    """A tiny model of each family whose layers differ in the graphed body (qwen3: each q and k head's norm)."""
+    """A tiny model of each family whose layers differ in the graphed body (qwen3: each q and k head's norm;
+    mistral: a sliding window of 40 keys, the mask's)."""
     out = tmp_path_factory.mktemp("graphs")
-    return make_model(out / "m", make_tokenizer(out / "tok"), arch=request.param, hidden=64, layers=3, heads=4,
+    made = make_model(out / "m", make_tokenizer(out / "tok"), arch=request.param, hidden=64, layers=3, heads=4,
                       kv_heads=2, max_context=1024, init_std=0.1)
+    if request.param == "mistral":
+        config = json.loads((made / "config.json").read_text())
+        (made / "config.json").write_text(json.dumps({**config, "sliding_window": 40}))
+    return made
 
 
 @pytest.mark.parametrize("pool", [None, 0], ids=["pool slots", "caches of their own"])

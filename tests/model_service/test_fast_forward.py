@@ -148,6 +148,48 @@ def test_granite_s_multipliers_match_transformers(tmp_path, tokenizer, tied, ker
     hf_forward_unchanged(fast, slow, sessions[0].tokens[:30], 256)
 
 
+@pytest.mark.parametrize("arch, kernel, kv_dtype", [("mistral", "specdec", "auto"), ("mistral", "onednn", "auto"),
+                                                   ("phi3", "specdec", "auto"), ("mistral", "specdec", "float16")])
+def test_a_sliding_window_matches_transformers(tmp_path, tokenizer, arch, kernel, kv_dtype):
+    """Mistral's and Phi-3's sliding window (a query sees the last `sliding_window` keys up to its own)
+    in every loop (the C++ loop's float32 and float16 attention, TorchScript's with its mask, the KV
+    pool's slots): two sessions fed together and apart, 1..20 tokens a feed, rollbacks, far past the
+    window, against transformers' forward over each whole sequence."""
+    if kernel == "specdec" and not q4_kernel.available():
+        pytest.skip(f"specdec's kernel is not built here: {q4_kernel.path()}")
+    model_dir = make_model(tmp_path / arch, tokenizer, arch=arch, hidden=64, layers=2, heads=4, kv_heads=2,
+                           max_context=256, init_std=0.1)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "sliding_window": 24, "use_sliding_window": True}))
+    fast = ModelRunner(model_dir, float_kernel=kernel, kv_dtype=kv_dtype)
+    assert fast.forward_kind.startswith("fast") and fast.fast.window == 24
+    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    atol = 5e-3 if kv_dtype == "float16" else 1e-4  # (keys and values rounded to float16)
+    rng = random.Random(5)
+    sessions = [fast.start_session(f"s{i}", 0) for i in range(2)]
+    checked = 0
+    while len(sessions[0].tokens) < 160:
+        feeds = []
+        for session in sessions[: rng.choice([1, 2])]:
+            new = [rng.randrange(fast.vocab_size) for _ in range(rng.choice([1, 1, 2, 5, 9, 20]))]
+            session.tokens.extend(new)
+            feeds.append((session, len(new)))
+        outs = fast.forward_many(feeds)
+        for (session, n), out in zip(feeds, outs):
+            with torch.inference_mode():
+                want = reference(torch.tensor([session.tokens])).logits[0, -n:]
+            torch.testing.assert_close(out, want, atol=atol, rtol=atol)
+            checked += 1
+            back = rng.randint(0, min(3, len(session.tokens) - 1))
+            session.truncate(len(session.tokens) - back)
+    assert checked > 20
+    with torch.inference_mode():  # (the window matters here: transformers without it differs)
+        ids = torch.tensor([sessions[0].tokens])
+        windowed = reference(ids).logits[0, -1]
+        reference.config.sliding_window = None
+        assert (reference(ids).logits[0, -1] - windowed).abs().max() > 1e-2
+
+
 def test_refits_rows_already_cached(tmp_path, tokenizer):
     """Scoring more rows than were fed steps the cache back and re-feeds them, as the target does."""
     model_dir = make_model(tmp_path / "m", tokenizer, init_std=0.1)
@@ -163,22 +205,23 @@ def test_refits_rows_already_cached(tmp_path, tokenizer):
 
 
 def test_falls_back_where_it_would_differ(tmp_path, tokenizer):
-    """A sliding window shorter than the context keeps the transformers forward."""
-    model_dir = make_model(tmp_path / "m", tokenizer, arch="mistral", max_context=512)
+    """A sliding window shorter than the context, where transformers' forward keeps it to some layers (Qwen2's
+    max_window_layers), keeps the transformers forward."""
+    model_dir = make_model(tmp_path / "m", tokenizer, arch="qwen2", max_context=512)
     model = ModelRunner(model_dir).model
-    model.config.sliding_window = 64
+    model.config.sliding_window, model.config.use_sliding_window = 64, True
     assert FastForward.build(model, max_context=512) is None
     assert FastForward.build(model, max_context=64) is not None
     # what it does not run is named (ModelRunner's refusals of --quantize int4 and tensor parallelism say it)
     assert unsupported(model.config, 512) == ("it attends over a sliding window of 64 tokens, less than its context"
-                                              " of 512")
+                                              " of 512 (the lean forward's sliding windows: mistral, phi3's)")
     assert unsupported(model.config, 64) is None
     for change, said in (({"model_type": "gemma"}, "its architecture is gemma (the lean forward's: granite, llama,"
                                                    " mistral, phi3, qwen2, qwen3)"),
                          ({"hidden_act": "gelu"}, "its activation is gelu"), ({"mlp_bias": True}, "MLP projections"),
-                         ({"attention_bias": True}, "attention projections have biases"),
+                         ({"attention_bias": True, "model_type": "llama"}, "attention projections have biases"),
                          ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
-                          "it rotates 12 of each head's 16 dimensions, which transformers' mistral does not"),
+                          "it rotates 12 of each head's 16 dimensions, which transformers' qwen2 does not"),
                          ({"model_type": "phi3", "partial_rotary_factor": 0.3125},
                           "it rotates 5 of each head's 16 dimensions (the lean forward's RoPE: an even split)")):
         config = SimpleNamespace(**{**model.config.to_dict(), "sliding_window": None, **change})
