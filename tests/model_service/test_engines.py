@@ -148,16 +148,23 @@ def test_engines_refuse_bad_input_and_leave_no_trace(runners):
         draft.propose(ProposeCall("x", False, 3, [], 2, GREEDY))  # more than was proposed
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "phi3", "granite"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "mistral+window", "phi3", "granite"])
 def test_other_model_families_decode_exactly(tmp_path, arch):
+    """(mistral+window: a sliding window of 8 keys, shorter than prompt and answer)"""
     import asyncio
+    import json
 
     from model_service.local import LocalDraft, LocalTarget
     from speculative.round import generate
     from speculative.tiny import make_pair
 
+    arch, _, window = arch.partition("+")
     draft_dir, target_dir = make_pair(tmp_path, arch=arch)
+    if window:
+        for path in (draft_dir / "config.json", target_dir / "config.json"):
+            path.write_text(json.dumps({**json.loads(path.read_text()), "sliding_window": 8}))
     draft, target = ModelRunner(draft_dir), ModelRunner(target_dir)
+    assert target.forward_kind.startswith("fast") and target.fast.window == (8 if window else None)
     prompt = target.tokenizer("def f(x): return")["input_ids"]
     with torch.inference_mode():
         expected = target.model.generate(torch.tensor([prompt], device=target.device), max_new_tokens=24,
