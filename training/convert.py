@@ -71,8 +71,9 @@ def gguf_rope(path: Path, config) -> dict | None:
     partial_rotary_factor), the divisor of each frequency (rope_freqs: Llama 3.1's scaling, as llama3's
     parameters where they make exactly those divisors, else longrope with those factors at either length
     and no attention factor: the same frequencies), longrope's two lists and attention factor (Phi-3.5's
-    rope_factors_long / _short), linear scaling. None where the config already computes what the file says.
-    Raises ValueError for a scaling it cannot represent."""
+    rope_factors_long / _short), linear and YaRN scaling (a config whose RoPE is per layer type, as Gemma 3's:
+    linear scaling of its full-attention layers, as llama.cpp applies it). None where the config already
+    computes what the file says. Raises ValueError for what it cannot represent."""
     import gguf
     import numpy as np
 
@@ -80,16 +81,25 @@ def gguf_rope(path: Path, config) -> dict | None:
     arch = field(reader, "general.architecture")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rope = dict(getattr(config, "rope_parameters", None) or {})
-    theta = float(field(reader, f"{arch}.rope.freq_base", rope.get("rope_theta", 10000.0)))
-    rope["rope_theta"] = theta
-    before = dict(rope)
-    rotated = int(field(reader, f"{arch}.rope.dimension_count", head_dim))
-    if rotated != head_dim:
-        rope["partial_rotary_factor"] = rotated / head_dim
     tensors = {t.name: np.asarray(t.data, dtype=np.float32).reshape(-1).tolist() for t in reader.tensors
                if t.name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")}
     original = field(reader, f"{arch}.rope.scaling.original_context_length")
     kind, factor = field(reader, f"{arch}.rope.scaling.type"), field(reader, f"{arch}.rope.scaling.factor")
+    scaled = kind not in (None, "none") and factor is not None and float(factor) > 1.0
+    rotated = int(field(reader, f"{arch}.rope.dimension_count", head_dim))
+    if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type (Gemma 3's)
+        if tensors or rotated != head_dim or (scaled and (kind != "linear" or "full_attention" not in rope)):
+            raise ValueError(f"the GGUF's RoPE ({kind} scaling, {sorted(tensors)}) on a model whose RoPE is per"
+                             " layer type is not one this conversion represents")
+        if not scaled or rope["full_attention"].get("rope_type") == "linear":
+            return None
+        rope["full_attention"] = {**rope["full_attention"], "rope_type": "linear", "factor": float(factor)}
+        return rope
+    theta = float(field(reader, f"{arch}.rope.freq_base", rope.get("rope_theta", 10000.0)))
+    rope["rope_theta"] = theta
+    before = dict(rope)
+    if rotated != head_dim:
+        rope["partial_rotary_factor"] = rotated / head_dim
     if "rope_factors_long.weight" in tensors:
         rope.update(rope_type="longrope", long_factor=tensors["rope_factors_long.weight"],
                     short_factor=tensors.get("rope_factors_short.weight", tensors["rope_factors_long.weight"]),
@@ -102,9 +112,21 @@ def gguf_rope(path: Path, config) -> dict | None:
                     or {"rope_type": "longrope", "long_factor": tensors["rope_freqs.weight"],
                         "short_factor": tensors["rope_freqs.weight"], "attention_factor": 1.0,
                         "original_max_position_embeddings": config.max_position_embeddings})
-    elif kind == "linear" and factor:
+    elif scaled and kind == "linear":
         rope.update(rope_type="linear", factor=float(factor))
-    elif kind not in (None, "none") and factor not in (None, 1.0):
+    elif scaled and kind == "yarn":  # (llama.cpp's and transformers' YaRN: the same static frequencies and scale)
+        if field(reader, f"{arch}.rope.scaling.yarn_log_multiplier") not in (None, 0.0):
+            raise ValueError("the GGUF's YaRN has a log multiplier (DeepSeek's), which this conversion does not"
+                             " represent")
+        yarn = {"rope_type": "yarn", "factor": float(factor)}
+        if original is not None:
+            yarn["original_max_position_embeddings"] = int(original)
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if field(reader, f"{arch}.rope.scaling.{key}") is not None:
+                yarn[name] = float(field(reader, f"{arch}.rope.scaling.{key}"))
+        if {k: rope.get(k) for k in yarn} != yarn:  # (as transformers read it already, for some families)
+            rope.update(yarn)
+    elif scaled:
         raise ValueError(f"the GGUF's RoPE scaling {kind!r} (factor {factor}) is not one this conversion represents")
     return None if rope == before else rope
 

@@ -321,17 +321,21 @@ def load_generations(cfg: Config) -> list[dict]:
 
 def llama_rope(target_config, head_dim: int) -> dict:
     """The target's RoPE for a Llama layer of `head_dim` that rotates its whole heads (a draft, an EAGLE
-    head): its rope_parameters, theta and scaling; only the theta (default RoPE) where the target rotates
-    part of each head (Phi-4-mini) or its per-pair factors (longrope's) are for another number of pairs."""
+    head): its rope_parameters, theta and scaling, less the part of each head it rotates (Phi-4-mini's
+    partial_rotary_factor); only the theta (default RoPE) where its per-pair factors (longrope's) are for
+    another number of pairs, or its RoPE is per layer type (Gemma 3's: the full-attention layers')."""
     rope = dict(getattr(target_config, "rope_parameters", None) or {})
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        rope = dict(rope.get("full_attention") or next(iter(rope.values())))
+        log(f"the target's RoPE is per layer type: a layer of head_dim {head_dim} takes its full-attention"
+            f" layers' theta {rope.get('rope_theta')}, no scaling")
+        return {"rope_type": "default", "rope_theta": rope.get("rope_theta", 10000.0)}
     rope.setdefault("rope_theta", getattr(target_config, "rope_theta", None) or 10000.0)
-    partial = rope.pop("partial_rotary_factor", None) or getattr(target_config, "partial_rotary_factor", None) or 1.0
+    rope.pop("partial_rotary_factor", None)
     pairs = {len(rope[k]) for k in ("short_factor", "long_factor") if rope.get(k) is not None}
-    if partial != 1.0 or pairs - {head_dim // 2}:
-        kind = rope.get("rope_type", "default")
-        log(f"the target rotates {'part of each head' if partial != 1.0 else f'{sorted(pairs)} pairs a head'}: a"
-            f" layer of head_dim {head_dim} rotates its whole heads with its theta {rope['rope_theta']}"
-            f"{f', not its {kind} factors' if kind != 'default' else ''}")
+    if pairs - {head_dim // 2}:
+        log(f"the target's {rope.get('rope_type')} factors are for {sorted(pairs)} pairs a head: a layer of head_dim"
+            f" {head_dim} rotates with its theta {rope['rope_theta']} alone")
         return {"rope_type": "default", "rope_theta": rope["rope_theta"]}
     return rope
 

@@ -304,17 +304,26 @@ def llama3_divisors(theta: float, rotated: int, factor: float, original: int, lo
 HEAD = HIDDEN // HEADS
 
 
-@pytest.mark.parametrize("case", ["llama3", "other divisors", "linear", "phi3 partial longrope"])
+CASES = ["llama3", "llama3 but one", "other divisors", "linear", "phi3 partial longrope", "phi3 within the original"]
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_the_gguf_s_rope_is_the_converted_model_s(tmp_path, case):
     """transformers' GGUF reading keeps only RoPE's theta; the conversion takes the rest from the file
-    (llama.cpp's per-frequency divisors, rope_freqs; Phi-3.5's longrope lists and attention factor;
-    the rotated dimensions; linear scaling), so the converted rotary makes the frequencies the file's
-    model runs at: cos and sin at positions past the original context, against those computed here."""
+    (llama.cpp's per-frequency divisors, rope_freqs, as llama3's parameters where they make exactly those;
+    Phi-3.5's longrope lists and attention factor; the rotated dimensions; linear scaling), so the
+    converted rotary makes the frequencies the file's model runs at: cos and sin against those computed
+    here, past the original context (longrope's long factors) and within it (its short ones)."""
     make_tokenizer(tmp_path / "tok")
     arch, rotated, attention, theta = "llama", HEAD, 1.0, 10000.0
-    if case == "llama3":
+    positions = torch.arange(200, 232)[None]  # (past the original context of 64)
+    if case.startswith("llama3"):
         divisors = llama3_divisors(theta, HEAD, 8.0, 8192)
-        rope, expect = {"rope_freqs": divisors}, {"rope_type": "llama3", "factor": 8.0}
+        expect = {"rope_type": "llama3", "factor": 8.0}
+        if case == "llama3 but one":  # (not llama3's: the same frequencies through longrope's explicit factors)
+            divisors[5] *= 1.01
+            expect = {"rope_type": "longrope", "attention_factor": 1.0}
+        rope = {"rope_freqs": divisors}
     elif case == "other divisors":
         divisors = [1.0 + 0.37 * i for i in range(HEAD // 2)]
         rope, expect = {"rope_freqs": divisors}, {"rope_type": "longrope", "attention_factor": 1.0}
@@ -323,16 +332,18 @@ def test_the_gguf_s_rope_is_the_converted_model_s(tmp_path, case):
         rope, expect = {"scaling": ("linear", 2.0)}, {"rope_type": "linear", "factor": 2.0}
     else:
         arch, rotated, attention = "phi3", 12, 1.25
-        divisors = [2.0 + 0.5 * i for i in range(6)]  # (the long factors: positions past the original context)
-        rope = {"dimension_count": 12, "original": 64, "attn_factor": attention, "rope_factors_long": divisors,
-                "rope_factors_short": [1.0] * 6}
+        long, short = [2.0 + 0.5 * i for i in range(6)], [1.0 + 0.25 * i for i in range(6)]
+        rope = {"dimension_count": 12, "original": 64, "attn_factor": attention, "rope_factors_long": long,
+                "rope_factors_short": short}
         expect = {"rope_type": "longrope", "partial_rotary_factor": 0.75, "attention_factor": attention}
+        divisors = long
+        if case == "phi3 within the original":
+            divisors, positions = short, torch.arange(10, 42)[None]
     write_gguf(tmp_path / "m.gguf", tmp_path / "tok", arch=arch, rope=rope)
     convert(tmp_path / "m.gguf", tmp_path / "model")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
     got = model.config.rope_parameters
     assert {k: got.get(k) for k in expect} == expect and got["rope_theta"] == theta
-    positions = torch.arange(200, 232)[None]  # (past the original context of 64: longrope's long factors)
     cos, sin = model.model.rotary_emb(torch.zeros(1, 1, dtype=torch.float32), positions)
     inverse = 1 / (theta ** (torch.arange(0, rotated, 2, dtype=torch.float64) / rotated)
                    * torch.tensor(divisors, dtype=torch.float64))
@@ -351,8 +362,49 @@ def test_the_gguf_s_rope_is_the_converted_model_s(tmp_path, case):
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
 
 
+def test_yarn_is_taken_and_no_scaling_left_as_read(tmp_path):
+    """YaRN (Qwen2.5's long context: factor 4 over 32,768) as transformers' yarn; a linear factor of 1 (as
+    some files write for none) changes nothing."""
+    make_tokenizer(tmp_path / "tok")
+    write_gguf(tmp_path / "yarn.gguf", tmp_path / "tok", rope={"scaling": ("yarn", 4.0), "original": 64})
+    convert(tmp_path / "yarn.gguf", tmp_path / "yarn")
+    got = AutoModelForCausalLM.from_pretrained(tmp_path / "yarn").config.rope_parameters
+    assert (got["rope_type"], got["factor"], got["original_max_position_embeddings"]) == ("yarn", 4.0, 64)
+    write_gguf(tmp_path / "one.gguf", tmp_path / "tok", rope={"scaling": ("linear", 1.0)})
+    convert(tmp_path / "one.gguf", tmp_path / "one")
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "one").config.rope_parameters["rope_type"] == "default"
+
+
 def test_a_rope_scaling_the_conversion_cannot_represent_is_refused(tmp_path):
     make_tokenizer(tmp_path / "tok")
-    write_gguf(tmp_path / "m.gguf", tmp_path / "tok", rope={"scaling": ("yarn", 4.0)})
-    with pytest.raises(ValueError, match="RoPE scaling 'yarn'"):
+    write_gguf(tmp_path / "m.gguf", tmp_path / "tok", rope={"scaling": ("longrope", 4.0)})  # (with no factors)
+    with pytest.raises(ValueError, match="RoPE scaling 'longrope'"):
         convert(tmp_path / "m.gguf", tmp_path / "model")
+
+
+def test_linear_scaling_of_a_rope_per_layer_type_scales_the_full_attention_layers(tmp_path):
+    """Gemma 3's RoPE is per layer type: llama.cpp's linear factor scales its full-attention layers only,
+    and the conversion puts it there (at the top of the dict transformers would ignore it)."""
+    from transformers import AutoConfig
+
+    from training.convert import gguf_rope
+
+    make_tokenizer(tmp_path / "tok")
+    write_gguf(tmp_path / "m.gguf", tmp_path / "tok", rope={"scaling": ("linear", 8.0)})
+    config = AutoConfig.for_model("gemma3_text", vocab_size=100, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                                  num_key_value_heads=KV_HEADS, head_dim=HEAD, num_hidden_layers=6,
+                                  intermediate_size=FFN)
+    rope = gguf_rope(tmp_path / "m.gguf", config)
+    assert rope["full_attention"]["rope_type"] == "linear" and rope["full_attention"]["factor"] == 8.0
+    assert rope["sliding_attention"] == config.rope_parameters["sliding_attention"] and set(rope) == {
+        "full_attention", "sliding_attention"}
+    config.rope_parameters = rope
+    model = AutoModelForCausalLM.from_config(config)
+    plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "gemma3_text", vocab_size=100, hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        head_dim=HEAD, num_hidden_layers=6, intermediate_size=FFN))
+    x, at = torch.zeros(1, 1), torch.arange(8, 16)[None]
+    cos, _ = model.model.rotary_emb(x, at, "full_attention")
+    torch.testing.assert_close(cos, plain.model.rotary_emb(x, at / 8.0, "full_attention")[0])
+    torch.testing.assert_close(model.model.rotary_emb(x, at, "sliding_attention")[0],
+                               plain.model.rotary_emb(x, at, "sliding_attention")[0])

@@ -103,12 +103,13 @@ def test_build_draft_starts_in_the_targets_embedding_space(pair):
       "original_max_position_embeddings": 64}, True),  # (made per frequency: any head size)
     ({"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
       "original_max_position_embeddings": 64}, False),  # 8 pairs: the target's head of 16, not the draft's 8
-    ({"rope_type": "default", "partial_rotary_factor": 0.75}, False)])  # (Phi-4-mini) part of each head
+    ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.75}, True)])  # part of each head: the
+    # draft rotates all of its own, scaled as the target
 def test_a_draft_takes_the_targets_rope_where_it_fits_its_heads(rope, kept):
     """The draft (head_dim 8 here) rotates its whole heads: the target's theta always, its scaling only
     where that does not depend on the target's head (longrope's factors per pair, partial rotation); it
     runs either way (before, a shape error)."""
-    family = "phi3" if rope["rope_type"] != "llama3" else "llama"
+    family = "phi3" if rope["rope_type"] == "longrope" else "llama"
     config = AutoConfig.for_model(family, vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
                                   pad_token_id=0, rope_parameters={**rope, "rope_theta": 5000.0})
