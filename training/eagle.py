@@ -313,7 +313,8 @@ def build_head(cfg: Config, vocab_ids: list[int], init: bool) -> Eagle3Head:
         draft_vocab_size=len(vocab_ids),
         aux_layer_ids=aux_layer_ids(cfg, t), target_hidden_size=t.hidden_size, rms_norm_eps=t.rms_norm_eps,
         rope_theta=theta, rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,
-        max_position_embeddings=t.max_position_embeddings, hidden_act=t.hidden_act,
+        max_position_embeddings=t.max_position_embeddings,
+        hidden_act=getattr(t, "hidden_act", None) or getattr(t, "hidden_activation", None) or "silu",  # (Gemma's name)
         attention_bias=getattr(t, "attention_bias", False), verifier=str(cfg.target), speculative_tokens=cfg.ttt_steps,
         extra={k: getattr(t, k) for k in ("bos_token_id", "eos_token_id") if getattr(t, k, None) is not None})
     torch.manual_seed(cfg.seed)
@@ -330,15 +331,22 @@ def build_head(cfg: Config, vocab_ids: list[int], init: bool) -> Eagle3Head:
                 w = target_linear(cfg.target, t, f"{last}self_attn.", name)
                 linear.weight[:, -w.shape[1] :].copy_(w)  # q/k/v: the hidden half [.., H:2H]
             widen(layer.mlp, {name: target_linear(cfg.target, t, f"{last}mlp.", name) for name in layer.mlp})
-            layer.hidden_norm.weight.copy_(read_target_tensor(cfg.target, f"{last}input_layernorm.weight"))
+            # an RMSNorm's weight as the head's multiplies by it (Gemma's stores it less 1: x * (1 + w))
+            offset = 1.0 if t.model_type in OFFSET_NORMS else 0.0
+            layer.hidden_norm.weight.copy_(read_target_tensor(cfg.target, f"{last}input_layernorm.weight") + offset)
+            # the norm before the MLP (Gemma 2's and 3's post_attention_layernorm norms the attention's output)
+            before_mlp = "pre_feedforward_layernorm" if t.model_type in SANDWICH_NORMS else "post_attention_layernorm"
             layer.post_attention_layernorm.weight.copy_(
-                read_target_tensor(cfg.target, f"{last}post_attention_layernorm.weight"))
+                read_target_tensor(cfg.target, f"{last}{before_mlp}.weight") + offset)
             # (the logits' scale some families apply after the output layer, output_logits, in the norm)
             scale = getattr(t, "logit_scale", None) or 1.0 / (getattr(t, "logits_scaling", None) or 1.0)
-            head.norm.weight.copy_(read_target_tensor(cfg.target, "model.norm.weight") * scale)
+            head.norm.weight.copy_((read_target_tensor(cfg.target, "model.norm.weight") + offset) * scale)
             head.lm_head.weight.copy_(read_target_tensor(cfg.target, "lm_head.weight")[ids])
     return head
 
+
+OFFSET_NORMS = {"gemma", "gemma2", "gemma3", "gemma3_text"}  # families whose RMSNorm multiplies by 1 + weight
+SANDWICH_NORMS = {"gemma2", "gemma3", "gemma3_text"}  # ... whose MLP's input norm is pre_feedforward_layernorm
 
 FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # part: (the fused weight, its section)

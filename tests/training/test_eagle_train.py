@@ -428,3 +428,22 @@ def test_a_head_started_from_granite_scales_its_logits_as_the_target(tmp_path):
     model.save_pretrained(model_dir)
     head = eagle.build_head(eagle.Config(model_dir, tmp_path, tmp_path), list(range(1024)), init=True)
     torch.testing.assert_close(head.norm.weight.detach(), model.model.norm.weight.detach() / 8.0)
+
+
+def test_a_head_started_from_gemma_takes_its_norms_as_they_multiply(tmp_path):
+    """Gemma's RMSNorm multiplies by 1 + weight, and Gemma 2's MLP input norm is pre_feedforward_layernorm
+    (its post_attention_layernorm norms the attention's output): a head started from it (--init) takes
+    each norm as the factor it is."""
+    config = AutoConfig.for_model("gemma2", **{**SMALL, "vocab_size": 1200, "num_hidden_layers": 6})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.data.uniform_(-0.5, 0.5)
+    model.save_pretrained(tmp_path / "gemma2")
+    head = eagle.build_head(eagle.Config(tmp_path / "gemma2", tmp_path, tmp_path), list(range(1024)), init=True)
+    last = model.model.layers[-1]
+    torch.testing.assert_close(head.layer.hidden_norm.weight.detach(), last.input_layernorm.weight.detach() + 1)
+    torch.testing.assert_close(head.layer.post_attention_layernorm.weight.detach(),
+                               last.pre_feedforward_layernorm.weight.detach() + 1)
+    torch.testing.assert_close(head.norm.weight.detach(), model.model.norm.weight.detach() + 1)
