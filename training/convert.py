@@ -8,7 +8,8 @@ refuses to save such a model (`save_pretrained`: "quantized with gguf ... not
 serializable"). The weights are plain tensors once loaded, so they are copied into a fresh
 model of the same config, which saves like any other. transformers' reading keeps only RoPE's
 theta: the rest (the rotated part of each head, llama.cpp's per-frequency factors for Llama 3.1's
-and longrope's scaling, linear scaling) is taken from the file into that config (gguf_rope). The
+and longrope's scaling, linear and YaRN scaling) is taken from the file into that config
+(gguf_rope), as is Phi-3's sliding window (gguf_window). The
 directory is written under a
 temporary name and renamed when complete: an interrupted run leaves no half-written model,
 and a finished one is never redone (`ensure`).
@@ -62,6 +63,21 @@ def field(reader, key: str, default=None):
     """A GGUF metadata value: a number, a string, or a list of them; `default` where the file has none."""
     found = reader.fields.get(key)
     return default if found is None else found.contents()
+
+
+def gguf_window(path: Path, config) -> int | None:
+    """The sliding window a GGUF says its model attends over (attention.sliding_window: Phi-3-mini-4k's 2,047
+    keys), for a family whose transformers forward applies config.sliding_window to every layer, where the
+    config read from it says otherwise; else None."""
+    import gguf
+
+    from model_service.fast_forward import SLIDING
+
+    reader = gguf.GGUFReader(str(path))
+    window = field(reader, f"{field(reader, 'general.architecture')}.attention.sliding_window")
+    if not window or config.model_type not in SLIDING or getattr(config, "sliding_window", None) == int(window):
+        return None
+    return int(window)
 
 
 def gguf_rope(path: Path, config) -> dict | None:
@@ -225,6 +241,9 @@ def convert(gguf: Path, out: Path) -> dict:
     """Write the transformers directory for `gguf` at `out` (replacing it); returns its card's figures."""
     start = time.monotonic()
     model, tokenizer = load_gguf(gguf)
+    window = gguf_window(gguf, model.config)
+    if window is not None:  # (as for RoPE: transformers' reading leaves Phi-3's out)
+        model.config.sliding_window = window
     rope = gguf_rope(gguf, model.config)
     if rope is not None:  # (transformers' reading leaves it out: serializable's fresh model computes it)
         model.config.rope_parameters = rope

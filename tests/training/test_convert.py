@@ -35,7 +35,8 @@ def write_gguf(path, tokenizer_dir, narrow: bool = False, arch: str = "llama", r
     """A tiny Llama GGUF (arch "phi3": Phi-3's, q/k/v in one attn_qkv and gate/up in one ffn_up); returns
     the float weights each tensor decodes to (Q4_1 ones after rounding). narrow: the linears' blocks as
     narrow_q4_1 makes them, not from min/max. rope: RoPE metadata (dimension_count, original, attn_factor,
-    scaling: (type, factor)) and per-frequency tensors (rope_freqs, rope_factors_long, rope_factors_short)."""
+    scaling: (type, factor)), per-frequency tensors (rope_freqs, rope_factors_long, rope_factors_short) and
+    the attention's sliding window (window)."""
     spec = json.loads((tokenizer_dir / "tokenizer.json").read_text())
     vocab = spec["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.get)
@@ -65,6 +66,8 @@ def write_gguf(path, tokenizer_dir, narrow: bool = False, arch: str = "llama", r
         writer.add_rope_scaling_orig_ctx_len(rope["original"])
     if "attn_factor" in rope:
         writer.add_rope_scaling_attn_factors(rope["attn_factor"])
+    if "window" in rope:
+        writer.add_sliding_window(rope["window"])
     if "scaling" in rope:
         writer.add_rope_scaling_type(gguf.RopeScalingType(rope["scaling"][0]))
         writer.add_rope_scaling_factor(rope["scaling"][1])
@@ -408,3 +411,15 @@ def test_linear_scaling_of_a_rope_per_layer_type_scales_the_full_attention_layer
     torch.testing.assert_close(cos, plain.model.rotary_emb(x, at / 8.0, "full_attention")[0])
     torch.testing.assert_close(model.model.rotary_emb(x, at, "sliding_attention")[0],
                                plain.model.rotary_emb(x, at, "sliding_attention")[0])
+
+
+def test_a_phi3_gguf_s_sliding_window_is_the_converted_model_s(tmp_path):
+    """Phi-3-mini-4k's GGUF says it attends over 2,047 keys (attention.sliding_window), which transformers'
+    reading leaves out: the converted config has it, and the lean forward runs it."""
+    from model_service.model_runner import ModelRunner
+
+    make_tokenizer(tmp_path / "tok")
+    write_gguf(tmp_path / "m.gguf", tmp_path / "tok", arch="phi3", rope={"window": 24})
+    convert(tmp_path / "m.gguf", tmp_path / "model")
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "model").config.sliding_window == 24
+    assert ModelRunner(tmp_path / "model").fast.window == 24
