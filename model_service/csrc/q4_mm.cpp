@@ -1545,7 +1545,7 @@ std::tuple<at::Tensor, at::Tensor> q4_eagle_step(const at::Tensor& embeds_in, co
 #else
   std::vector<int64_t> all_rows(T);
   for (int64_t r = 0; r < T; ++r) all_rows[r] = r;
-  attend_rows(qkv.data(), qkv_n, att.data(), qdim, all_rows, seq, pos, S, H, Hkv, hd, scale, [&](int64_t s, int64_t g) {
+  attend_rows(qkv.data(), qkv_n, att.data(), qdim, all_rows, seq, pos, S, H, Hkv, hd, scale, 0, [&](int64_t s, int64_t g) {
     const at::Tensor &k_cache = keys[s], &v_cache = values[s];
     return KvHead<float>{k_cache.data_ptr<float>() + g * k_cache.stride(0), v_cache.data_ptr<float>() + g * v_cache.stride(0),
                          k_cache.stride(1)};
