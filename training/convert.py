@@ -150,25 +150,32 @@ def gguf_rope(path: Path, config) -> dict | None:
 def llama3_rope(divisors: list[float], theta: float, rotated: int) -> dict | None:
     """Llama 3.1's RoPE parameters whose frequencies are base's divided by `divisors` (what llama.cpp's
     convert writes as rope_freqs), or None where none of the usual ones make them."""
-    import math
-
     factor = max(divisors)
     for original in (8192, 4096, 2048, 16384, 32768, 131072):
         for low, high in ((1.0, 4.0),):
-            made = []
-            for i in range(len(divisors)):
-                wavelength = 2 * math.pi * theta ** (2 * i / rotated)
-                if wavelength < original / high:
-                    made.append(1.0)
-                elif wavelength > original / low:
-                    made.append(factor)
-                else:
-                    smooth = (original / wavelength - low) / (high - low)
-                    made.append(1 / ((1 - smooth) / factor + smooth))
-            if all(abs(a - b) <= 1e-5 * b for a, b in zip(made, divisors)):
+            made = llama3_divisors(theta, rotated, factor, original, low, high)
+            if len(made) == len(divisors) and all(abs(a - b) <= 1e-5 * b for a, b in zip(made, divisors)):
                 return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
                         "original_max_position_embeddings": original}
     return None
+
+
+def llama3_divisors(theta: float, rotated: int, factor: float, original: int, low: float, high: float) -> list[float]:
+    """Each frequency's divisor under Llama 3.1's scaling: 1 for wavelengths under original / high, `factor`
+    over original / low, between them the smooth blend."""
+    import math
+
+    out = []
+    for i in range(rotated // 2):
+        wavelength = 2 * math.pi * theta ** (2 * i / rotated)
+        if wavelength < original / high:
+            out.append(1.0)
+        elif wavelength > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
 
 
 # a Llama-family GGUF's linear weights (blk.N.KIND.weight) -> the transformers modules of layer N it may be, the
