@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from . import scripted
 from .fast_forward import _rotate_half
 from .kv_cache import KVCache
+from .slot_attention import visible
 
 MAX_GRAPHS = 128
 MAX_TOKENS = 17  # the longest pass graphed: a verify of 16 draft tokens (the services' most per call)
@@ -121,11 +122,7 @@ class GraphedPasses:
         x = F.embedding(tokens, fast.embed)  # [n, D]
         cos, sin = fast.rope_table[0][position][:, None], fast.rope_table[1][position][:, None]  # [n, 1, hd]
         # query i sees the keys at positions up to its own (the last fast.window of them, under a sliding window)
-        key = torch.arange(capacity, device=data.device)[None]
-        mask = key <= position[:, None]
-        if fast.window is not None:
-            mask &= key > position[:, None] - fast.window
-        mask = mask[None, None]  # [1, 1, n, cap]
+        mask = visible(torch.arange(capacity, device=data.device)[None], position[:, None], fast.window)[None, None]
         states = {}
         for i, layer in enumerate(fast.layers):
             if i in capture:

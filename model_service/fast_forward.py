@@ -39,7 +39,7 @@ from . import scripted
 from .int4 import Int4, Q4Tiles, pack_int4
 from .kv_cache import POOL_CAPACITY, KVCache, KVPool
 from .q4_kernel import Panels
-from .slot_attention import SlotBatch, slot_attention, slot_batch
+from .slot_attention import SlotBatch, slot_attention, slot_batch, visible
 
 # weights kept in a kernel's own layout, which scripted.mm runs for every row (int4.quantize, pack)
 KERNEL_LAYOUTS = (Int4, Q4Tiles, Panels)
@@ -121,10 +121,7 @@ def causal_mask(start: int, end: int, window: int | None, device) -> torch.Tenso
     that sees every key up to its own (attention's default)."""
     if end - start == 1 and (window is None or end <= window):
         return None
-    mask = torch.ones(end - start, end, dtype=torch.bool, device=device).tril(diagonal=start)
-    if window is not None and end > window:
-        mask &= torch.ones(end - start, end, dtype=torch.bool, device=device).triu(diagonal=start - window + 1)
-    return mask
+    return visible(torch.arange(end, device=device)[None], torch.arange(start, end, device=device)[:, None], window)
 
 
 class WholeHeadRotary(torch.nn.Module):

@@ -28,6 +28,13 @@ from .kv_cache import KVPool
 POOL_PADDING = 2.0
 
 
+def visible(key: torch.Tensor, position: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Whether a query at `position` sees the key at `key` (broadcast): keys up to its own position, and
+    under a sliding window only the last `window` of them (transformers': key > position - window)."""
+    seen = key <= position
+    return seen if window is None else seen & (key > position - window)
+
+
 @dataclass
 class SlotBatch:
     """One attention call over a pool's slots lo..hi-1 (see slot_batch)."""
@@ -72,10 +79,7 @@ def slot_batch(pool: KVPool | None, feeds, spans, window: int | None = None) -> 
     # the position each padded query sits at: start + j, at most its row's last
     at = torch.minimum(per_row[0][:, None] + torch.arange(width, device=device)[None], per_row[1][:, None])
     mask = torch.zeros(hi - lo, 1, width, keys, dtype=pool.data.dtype, device=device)
-    key = torch.arange(keys, device=device)[None, None]
-    unseen = key > at[:, :, None]
-    if window is not None:  # (a sliding window: keys j > position - window)
-        unseen |= key <= at[:, :, None] - window
+    unseen = ~visible(torch.arange(keys, device=device)[None, None], at[:, :, None], window)
     mask.masked_fill_(unseen[:, None], float("-inf"))
     return SlotBatch(lo, hi, width, keys, *tokens, mask)
 

@@ -16,8 +16,8 @@ resumes the run, and a stage already done is skipped:
              convention; default 2, L // 2, L - 3), float16 [T, len(aux) * H]; at every position
              predicting an answer token, the target's --top-k next-token log-probabilities (the soft
              labels, as its forward makes its logits: output_logits; a target that makes them otherwise
-             is refused, check_output_logits). One shard per generation shard (features/*.pt, index.json); bounded by
-             --feature-minutes and --max-tokens over all runs.
+             is refused, check_output_logits). One shard per generation shard (features/*.pt,
+             index.json); bounded by --feature-minutes and --max-tokens over all runs.
   vocab      the draft vocabulary: the most frequent answer ids covering --vocab-coverage of the
              answer tokens (a multiple of 1024; d2t / t2d), held-out answers excluded; with --init,
              that head's (answers added since, training/more_answers.py, do not change it).

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from speculative.tiny import CHAT_TEMPLATE, make_tokenizer
-from training.convert import convert, ensure, load_gguf, q4_1_cells
+from training.convert import convert, ensure, llama3_divisors, load_gguf, q4_1_cells
 
 gguf = pytest.importorskip("gguf")
 
@@ -289,21 +289,6 @@ def test_a_phi3_gguf_s_fused_blocks_are_kept_and_run_as_shipped(tmp_path):
             assert error < 2e-3 and 2 * error < other_error, (i, name, error, other_error)
 
 
-def llama3_divisors(theta: float, rotated: int, factor: float, original: int, low=1.0, high=4.0) -> list[float]:
-    """What llama.cpp's convert writes as rope_freqs for Llama 3.1's scaling (each frequency's divisor)."""
-    out = []
-    for i in range(rotated // 2):
-        wavelength = 2 * np.pi * theta ** (2 * i / rotated)
-        if wavelength < original / high:
-            out.append(1.0)
-        elif wavelength > original / low:
-            out.append(factor)
-        else:
-            smooth = (original / wavelength - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return out
-
-
 HEAD = HIDDEN // HEADS
 
 
@@ -321,7 +306,7 @@ def test_the_gguf_s_rope_is_the_converted_model_s(tmp_path, case):
     arch, rotated, attention, theta = "llama", HEAD, 1.0, 10000.0
     positions = torch.arange(200, 232)[None]  # (past the original context of 64)
     if case.startswith("llama3"):
-        divisors = llama3_divisors(theta, HEAD, 8.0, 8192)
+        divisors = llama3_divisors(theta, HEAD, 8.0, 8192, 1.0, 4.0)  # (rotary_emb checks them)
         expect = {"rope_type": "llama3", "factor": 8.0}
         if case == "llama3 but one":  # (not llama3's: the same frequencies through longrope's explicit factors)
             divisors[5] *= 1.01
