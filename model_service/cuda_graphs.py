@@ -131,7 +131,8 @@ class GraphedPasses:
             qkv = fast._mm(h, layer["qkv"], None, layer["qkv_bias"])
             qk = qkv[:, : (heads + kv_heads) * head_dim].view(n, heads + kv_heads, head_dim)
             qk = scripted.qk_norm(qk, layer["qk_norm"], heads, fast.eps)
-            qk = qk * cos + _rotate_half(qk) * sin
+            if layer["rope"]:
+                qk = qk * cos + _rotate_half(qk) * sin
             v = qkv[:, (heads + kv_heads) * head_dim :].view(n, kv_heads, head_dim)
             keys, values = data[i, 0], data[i, 1]  # [1, H_kv, capacity, hd]
             keys.index_copy_(2, position, qk[:, heads:].transpose(0, 1)[None])

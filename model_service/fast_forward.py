@@ -1,4 +1,4 @@
-"""A lean decoder forward for Llama-family models (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite), over a
+"""A lean decoder forward for Llama-family models (Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, SmolLM3), over a
 preallocated KV cache.
 
     fast = FastForward.build(model, max_context)     # None: the model keeps transformers' forward
@@ -15,7 +15,8 @@ place and rolls back by moving an index; on CPU the layer loop runs in TorchScri
 
 It takes the rotary embedding from the HF model itself, so every RoPE variant transformers
 implements is computed the same way; where it rotates part of each head (Phi-4-mini), q's and k's
-dimensions are kept in an order in which rotating the whole head computes it (head_order). Under a
+dimensions are kept in an order in which rotating the whole head computes it (head_order); a layer
+without RoPE (SmolLM3's every fourth: its attention's use_rope) rotates nothing. Under a
 sliding window (Mistral, Phi-3: every layer's) each query sees the last `window` keys up to its own.
 Architectures it does not know, or features it does not implement (sliding windows on some layers
 only, attention soft-capping...), keep the transformers forward: `FastForward.build`
@@ -45,7 +46,7 @@ from .slot_attention import SlotBatch, slot_attention, slot_batch, visible
 KERNEL_LAYOUTS = (Int4, Q4Tiles, Panels)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # --dtype
 
-SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "phi3", "granite"}
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3"}
 # families whose transformers forward rotates part of each head where the config says so (partial_rotary_factor)
 PARTIAL_ROTARY = {"phi3"}
 # families whose transformers forward attends over config.sliding_window keys in every layer (FastForward.window)
@@ -179,7 +180,7 @@ def fold_multipliers(model) -> dict[str, float]:
 
 
 class FastForward:
-    """The forward pass of one loaded HF Llama/Mistral/Qwen2/Qwen3/Phi-3/Granite causal LM.
+    """The forward pass of one loaded HF Llama/Mistral/Qwen2/Qwen3/Phi-3/Granite/SmolLM3 causal LM.
 
     Weights are kept as [in, out] (transposed) and applied as `x @ w`: for the few rows a
     decode or verify step multiplies, that runs faster than `F.linear` on the [out, in]
@@ -495,6 +496,7 @@ class FastForward:
             "gate_up": self._transposed([layer.get_submodule(name) for name in self.PARTS["gate_up"]]),
             "half": mlp.down_proj.weight.shape[1], "down": self._transposed([mlp.down_proj]),
             "scaling": getattr(attn, "scaling", None),
+            "rope": bool(getattr(attn, "use_rope", True)),  # (SmolLM3) False where the layer has no RoPE
             # (Qwen3) each q and k head's RMSNorm weight over head_dim, before RoPE: [2, head_dim], q's then k's
             "qk_norm": (torch.stack([attn.q_norm.weight.data, attn.k_norm.weight.data])[
                             :, slice(None) if self.head_order is None else self.head_order]
@@ -616,7 +618,8 @@ class FastForward:
             # RoPE on q and k at once: they are the first H + H_kv heads of qkv
             qk = qkv[:, : (heads + kv_heads) * head_dim].view(total, heads + kv_heads, head_dim)
             qk = scripted.qk_norm(qk, layer["qk_norm"], heads, self.eps)
-            qk = qk * cos + _rotate_half(qk) * sin
+            if layer["rope"]:
+                qk = qk * cos + _rotate_half(qk) * sin
             v = qkv[:, (heads + kv_heads) * head_dim :].view(total, kv_heads, head_dim)  # [T, H_kv, head_dim]
             if slots is not None:
                 att = slot_attention(self.pool.data[i], slots, qk, v, heads, layer["scaling"])
@@ -672,9 +675,9 @@ class FastForward:
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         args = self._scripted_args()
         if lo or hi < len(self.layers):
-            args = tuple(a[lo:hi] if n < 6 else a[4 * lo : 4 * hi] for n, a in enumerate(args[:-2])) + args[-2:]
+            args = tuple(a[lo:hi] if n < 7 else a[4 * lo : 4 * hi] for n, a in enumerate(args[:-2])) + args[-2:]
         if self._runs_q4_layers():  # every sequence's rows through each linear at once, in specdec's C++ loop
-            scaling, in_norm, post_norm, half, qkv_bias, qk_norm, _, _, tiles, _, outs, _, _ = args
+            scaling, in_norm, post_norm, half, qkv_bias, qk_norm, rope, _, _, tiles, _, outs, _, _ = args
             lengths = [b - a for a, b, _, _ in spans]
             kept = [n for _, _, n in feeds] if final else lengths  # the rows each carries through its last layer
             common = (x, cos, sin, [cache.data[lo:hi] for _, cache, _ in feeds], [start for _, _, start, _ in spans],
@@ -683,10 +686,11 @@ class FastForward:
             output = (self.final_norm.weight, self.lm_head_packed.tiles, self.lm_head_packed.out) if head \
                 else (None, None, 0)
             norms = None if qk_norm[0] is None else torch.stack(qk_norm)  # (every layer has them or none)
+            rotated = None if all(rope) else [int(r) for r in rope]
             if capture:
                 return torch.ops.specdec.q4_layers_capturing(*common, list(capture), *output, ids, norms,
-                                                             self.window or 0)
-            return torch.ops.specdec.q4_layers(*common, *output, ids, norms, self.window or 0)
+                                                             self.window or 0, rotated)
+            return torch.ops.specdec.q4_layers(*common, *output, ids, norms, self.window or 0, rotated)
         if len(feeds) == 1:
             return scripted.LAYERS(x, cos, sin, feeds[0][1].data[lo:hi], spans[0][2], masks[0],
                                    feeds[0][2] if final else 0, heads, kv_heads, head_dim, self.eps, *args)
@@ -722,7 +726,8 @@ class FastForward:
                 [self.head_dim ** -0.5 if layer["scaling"] is None else float(layer["scaling"]) for layer in self.layers],
                 [layer["in_norm"] for layer in self.layers], [layer["post_norm"] for layer in self.layers],
                 [layer["half"] for layer in self.layers], [layer["qkv_bias"] for layer in self.layers],
-                [layer["qk_norm"] for layer in self.layers], [w for w, _ in linears],
+                [layer["qk_norm"] for layer in self.layers], [layer["rope"] for layer in self.layers],
+                [w for w, _ in linears],
                 [None if isinstance(p, KERNEL_LAYOUTS) else p for _, p in linears],
                 [p.weight if isinstance(p, Int4) else p.tiles if isinstance(p, (Q4Tiles, Panels)) else None
                  for _, p in linears],

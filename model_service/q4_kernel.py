@@ -61,17 +61,18 @@ _library.define("q4_layers(Tensor x, Tensor cos, Tensor sin, Tensor(a!)[] kv, in
                 " int heads, int kv_heads,"
                 " int head_dim, float eps, float[] scaling, Tensor[] in_norm, Tensor[] post_norm, int[] half,"
                 " Tensor?[] qkv_bias, Tensor[] tiles, int[] outs, Tensor? final_norm=None, Tensor? head=None,"
-                " int head_out=0, int[]? ids=None, Tensor? qk_norm=None, int window=0) -> Tensor")
+                " int head_out=0, int[]? ids=None, Tensor? qk_norm=None, int window=0, int[]? rope=None) -> Tensor")
 # (with a head, its tiles or panels, and final_norm: the kept rows' logits [R, head_out], not their states;
 # with ids, the rows' token ids: x is the embedding table and cos and sin the RoPE tables they index;
 # qk_norm [L, 2, head_dim] where the model norms each q and k head before RoPE (Qwen3): each layer's q's, k's;
-# window > 0: each row sees only the last `window` keys up to its own, a sliding window (Mistral, Phi-3))
+# window > 0: each row sees only the last `window` keys up to its own, a sliding window (Mistral, Phi-3);
+# rope: per layer, 1 where RoPE rotates its q and k, 0 where not (SmolLM3's NoPE layers); None: every layer)
 # the same, and the inputs of the `capture` layers for every row ([T, len(capture), D]: an EAGLE head's features)
 _library.define("q4_layers_capturing(Tensor x, Tensor cos, Tensor sin, Tensor(a!)[] kv, int[] starts, int[] lengths,"
                 " int[] keeps, int heads, int kv_heads, int head_dim, float eps, float[] scaling, Tensor[] in_norm,"
                 " Tensor[] post_norm, int[] half, Tensor?[] qkv_bias, Tensor[] tiles, int[] outs, int[] capture,"
                 " Tensor? final_norm=None, Tensor? head=None, int head_out=0, int[]? ids=None, Tensor? qk_norm=None,"
-                " int window=0) -> (Tensor, Tensor)")
+                " int window=0, int[]? rope=None) -> (Tensor, Tensor)")
 # the loop's output layer on its own: rows -> RMSNorm -> head (tiles or panels) -> logits (csrc/q4_mm.cpp)
 _library.define("q4_output(Tensor x, Tensor final_norm, Tensor head, int head_out, float eps) -> Tensor")
 # an EAGLE-3 head's step (Eagle3Head.step / step_many) with every linear in tiles (csrc/q4_mm.cpp)

@@ -79,17 +79,19 @@ def qk_norm(qk: torch.Tensor, weight: Optional[torch.Tensor], heads: int, eps: f
 
 def _qkv(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, i: int, heads: int, kv_heads: int, head_dim: int,
          eps: float, in_norm: list[torch.Tensor], qkv_bias: list[Optional[torch.Tensor]],
-         norms: list[Optional[torch.Tensor]], w: list[torch.Tensor],
+         norms: list[Optional[torch.Tensor]], rope: list[bool], w: list[torch.Tensor],
          packed: list[Optional[torch.Tensor]], q4: list[Optional[torch.Tensor]],
          q4_scales: list[Optional[torch.Tensor]], outs: list[int], group: int,
          packed_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer i's RMSNorm, q/k/v and RoPE: -> qk [T, H + H_kv, head_dim] (rotated), v [T, H_kv, head_dim]."""
+    """Layer i's RMSNorm, q/k/v and RoPE (where rope[i]): -> qk [T, H + H_kv, head_dim] (rotated), v [T, H_kv,
+    head_dim]."""
     total, split, rotate = x.shape[0], (heads + kv_heads) * head_dim, head_dim // 2
     j = 4 * i
     qkv = mm(rms_norm(x, in_norm[i], eps), w[j], packed[j], q4[j], q4_scales[j], group, outs[j], qkv_bias[i],
              packed_rows)
     qk = qk_norm(qkv[:, :split].view(total, heads + kv_heads, head_dim), norms[i], heads, eps)
-    qk = qk * cos + torch.cat((-qk[..., rotate:], qk[..., :rotate]), dim=-1) * sin
+    if rope[i]:
+        qk = qk * cos + torch.cat((-qk[..., rotate:], qk[..., :rotate]), dim=-1) * sin
     return qk, qkv[:, split:].view(total, kv_heads, head_dim)
 
 
@@ -110,7 +112,8 @@ def _rest(x: torch.Tensor, att: torch.Tensor, i: int, eps: float, post_norm: lis
 def _layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, start: int,
             mask: Optional[torch.Tensor], keep: int, heads: int, kv_heads: int, head_dim: int, eps: float, scaling: list[float],
             in_norm: list[torch.Tensor], post_norm: list[torch.Tensor], half: list[int],
-            qkv_bias: list[Optional[torch.Tensor]], norms: list[Optional[torch.Tensor]], w: list[torch.Tensor],
+            qkv_bias: list[Optional[torch.Tensor]], norms: list[Optional[torch.Tensor]], rope: list[bool],
+            w: list[torch.Tensor],
             packed: list[Optional[torch.Tensor]],
             q4: list[Optional[torch.Tensor]], q4_scales: list[Optional[torch.Tensor]], outs: list[int],
             group: int, packed_rows: int) -> torch.Tensor:
@@ -119,14 +122,14 @@ def _layers(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Ten
     head_dim] (its positions past start are written), mask [T, start+T] (query i sees keys
     0..start+i; None for one token), keep: how many of the last rows the last layer's attention
     output and MLP are computed for (0: all); norms[i]: layer i's q and k heads' RMSNorm weights [2,
-    head_dim] or None (qk_norm). Linear j of layer i (q/k/v, o,
+    head_dim] or None (qk_norm); rope[i]: whether layer i rotates q and k. Linear j of layer i (q/k/v, o,
     gate/up, down) is entry 4 i + j of w, packed, q4, q4_scales, outs. -> x after the last layer."""
     total = x.shape[0]
     end = start + total
     last = len(in_norm) - 1
     for i in range(len(in_norm)):
-        qk, v = _qkv(x, cos, sin, i, heads, kv_heads, head_dim, eps, in_norm, qkv_bias, norms, w, packed, q4, q4_scales,
-                     outs, group, packed_rows)
+        qk, v = _qkv(x, cos, sin, i, heads, kv_heads, head_dim, eps, in_norm, qkv_bias, norms, rope, w, packed, q4,
+                     q4_scales, outs, group, packed_rows)
         keys, values = kv[i, 0], kv[i, 1]  # [1, H_kv, capacity, head_dim]
         keys[:, :, start:end] = qk[:, heads:].transpose(0, 1).unsqueeze(0)
         values[:, :, start:end] = v.transpose(0, 1).unsqueeze(0)
@@ -145,7 +148,8 @@ def _layers_batched(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kvs: 
                     slot: list[int], slot_index: list[torch.Tensor], keep: Optional[torch.Tensor],
                     heads: int, kv_heads: int, head_dim: int, eps: float, scaling: list[float],
                     in_norm: list[torch.Tensor], post_norm: list[torch.Tensor], half: list[int],
-                    qkv_bias: list[Optional[torch.Tensor]], norms: list[Optional[torch.Tensor]], w: list[torch.Tensor],
+                    qkv_bias: list[Optional[torch.Tensor]], norms: list[Optional[torch.Tensor]], rope: list[bool],
+                    w: list[torch.Tensor],
                     packed: list[Optional[torch.Tensor]], q4: list[Optional[torch.Tensor]],
                     q4_scales: list[Optional[torch.Tensor]], outs: list[int], group: int,
                     packed_rows: int) -> torch.Tensor:
@@ -159,8 +163,8 @@ def _layers_batched(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kvs: 
     total = x.shape[0]
     last = len(in_norm) - 1
     for i in range(len(in_norm)):
-        qk, v = _qkv(x, cos, sin, i, heads, kv_heads, head_dim, eps, in_norm, qkv_bias, norms, w, packed, q4, q4_scales,
-                     outs, group, packed_rows)
+        qk, v = _qkv(x, cos, sin, i, heads, kv_heads, head_dim, eps, in_norm, qkv_bias, norms, rope, w, packed, q4,
+                     q4_scales, outs, group, packed_rows)
         if pool is not None:
             lo, hi, width, reach = slot[0], slot[1], slot[2], slot[3]
             rows, cols, pos, mask = slot_index[0], slot_index[1], slot_index[2], slot_index[3]

@@ -78,7 +78,8 @@ def make_model(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
 ) -> Path:
-    """A random-weight causal LM of the given family, saved with its tokenizer.
+    """A random-weight causal LM of the given family, saved with its tokenizer (smollm3: every second
+    layer without RoPE, so that a 2-layer model has one; its checkpoints have every fourth).
 
     intermediate: the MLP width (default 2 x hidden); vocab_size: the embedding rows (default the
     tokenizer's; more leaves ids no text maps to); device: where to initialise (a GPU is much
@@ -97,6 +98,7 @@ def make_model(
         bos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
+        **({"no_rope_layer_interval": 2} if arch == "smollm3" else {}),
     )
     torch.manual_seed(seed)
     with torch.device(device):
@@ -126,7 +128,7 @@ def main() -> None:
     parser.add_argument("out", type=Path, help="directory to write draft/ and target/ into")
     parser.add_argument("--vocab", choices=["bpe", "chars"], default="bpe", help="tokenizer kind (default bpe)")
     parser.add_argument("--arch", default="llama",
-                        help="model family: llama, qwen2, qwen3, mistral, phi3 (default llama)")
+                        help="model family: llama, qwen2, qwen3, mistral, phi3, granite, smollm3 (default llama)")
     args = parser.parse_args()
     draft, target = make_pair(args.out, args.vocab, arch=args.arch)
     print(f"draft: {draft}\ntarget: {target}")

@@ -1179,9 +1179,11 @@ at::Tensor layers_loop(const at::Tensor& x_in, const at::Tensor& cos_in, const a
                        int64_t hd, double eps_in, at::ArrayRef<double> scaling, at::TensorList in_norm,
                        at::TensorList post_norm, at::IntArrayRef half, const c10::List<std::optional<at::Tensor>>& qkv_bias,
                        at::TensorList weights, at::IntArrayRef outs, at::IntArrayRef capture, at::Tensor* states,
-                       const std::optional<at::Tensor>& qk_norm, int64_t window) {
+                       const std::optional<at::Tensor>& qk_norm, int64_t window, at::OptionalIntArrayRef rope) {
   const int64_t L = static_cast<int64_t>(in_norm.size()), S = static_cast<int64_t>(kv.size());
   TORCH_CHECK(window >= 0, "q4_layers: a sliding window of ", window, " keys");
+  TORCH_CHECK(!rope.has_value() || static_cast<int64_t>(rope->size()) == L,
+              "q4_layers: rope must say for each layer whether RoPE rotates its q and k");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "q4_layers: float32 x [T, D]");
   TORCH_CHECK(S > 0 && static_cast<int64_t>(starts.size()) == S && static_cast<int64_t>(lengths.size()) == S &&
               static_cast<int64_t>(keeps.size()) == S, "q4_layers: one cache, start, length and keep per sequence");
@@ -1263,14 +1265,15 @@ at::Tensor layers_loop(const at::Tensor& x_in, const at::Tensor& cos_in, const a
     }
     // (Qwen3) each q and k head's RMSNorm over head_dim, before RoPE
     const float* qk_w = qk_normed ? qk_w_all.data_ptr<float>() + i * 2 * hd : nullptr;
-    // RoPE on the q and k heads, then k and v into the row's cache
+    // RoPE on the q and k heads (not in a layer without it: SmolLM3's every fourth), then k and v into the row's cache
+    const bool rotates = !rope.has_value() || (*rope)[i] != 0;
     for (int64_t t = 0; t < T; ++t) {
       float* row = qkv.data() + t * qkv_n;
       if (qk_w != nullptr) {
         for (int64_t head = 0; head < H + Hkv; ++head)
           rms_norm(row + head * hd, qk_w + (head < H ? 0 : hd), row + head * hd, 1, hd, eps);
       }
-      rope_row(row, cp + t * hd, sp + t * hd, H + Hkv, hd);
+      if (rotates) rope_row(row, cp + t * hd, sp + t * hd, H + Hkv, hd);
       const at::Tensor& cache = kv[seq[t]];
       E* keys = cache_ptr<E>(cache) + i * cache.stride(0) + pos[t] * cache.stride(4);
       store_kv(row + qdim, row + qdim + kdim, keys, keys + cache.stride(1), cache.stride(3), Hkv, hd);
@@ -1337,16 +1340,16 @@ at::Tensor layers_loop_any(const at::Tensor& x_in, const at::Tensor& cos_in, con
                            int64_t hd, double eps, at::ArrayRef<double> scaling, at::TensorList in_norm,
                            at::TensorList post_norm, at::IntArrayRef half, const c10::List<std::optional<at::Tensor>>& qkv_bias,
                            at::TensorList weights, at::IntArrayRef outs, at::IntArrayRef capture, at::Tensor* states,
-                           const std::optional<at::Tensor>& qk_norm, int64_t window) {
+                           const std::optional<at::Tensor>& qk_norm, int64_t window, at::OptionalIntArrayRef rope) {
   const at::ScalarType kind = kv.empty() ? at::kFloat : kv[0].scalar_type();
   for (const at::Tensor& c : kv)
     TORCH_CHECK(c.scalar_type() == kind, "q4_layers: every cache of a pass must have the same dtype");
   TORCH_CHECK(kind == at::kFloat || kind == at::kHalf, "q4_layers: a cache must be float32 or float16");
   if (kind == at::kHalf)
     return layers_loop<half_bits>(x_in, cos_in, sin_in, kv, starts, lengths, keeps, H, Hkv, hd, eps, scaling, in_norm,
-                                  post_norm, half, qkv_bias, weights, outs, capture, states, qk_norm, window);
+                                  post_norm, half, qkv_bias, weights, outs, capture, states, qk_norm, window, rope);
   return layers_loop<float>(x_in, cos_in, sin_in, kv, starts, lengths, keeps, H, Hkv, hd, eps, scaling, in_norm,
-                            post_norm, half, qkv_bias, weights, outs, capture, states, qk_norm, window);
+                            post_norm, half, qkv_bias, weights, outs, capture, states, qk_norm, window, rope);
 }
 
 // The output layer where the caller hands it to the loop: the kept rows x [R, D] -> RMSNorm (final_norm)
@@ -1423,10 +1426,10 @@ at::Tensor q4_layers(const at::Tensor& x_in, const at::Tensor& cos_in, const at:
                      at::TensorList post_norm, at::IntArrayRef half, const c10::List<std::optional<at::Tensor>>& qkv_bias,
                      at::TensorList weights, at::IntArrayRef outs, const std::optional<at::Tensor>& final_norm,
                      const std::optional<at::Tensor>& head, int64_t head_out, at::OptionalIntArrayRef ids,
-                     const std::optional<at::Tensor>& qk_norm, int64_t window) {
+                     const std::optional<at::Tensor>& qk_norm, int64_t window, at::OptionalIntArrayRef rope) {
   const auto [x0, cos, sin] = looked_up(x_in, cos_in, sin_in, starts, lengths, ids);
   const at::Tensor x = layers_loop_any(x0, cos, sin, kv, starts, lengths, keeps, H, Hkv, hd, eps, scaling, in_norm,
-                                       post_norm, half, qkv_bias, weights, outs, {}, nullptr, qk_norm, window);
+                                       post_norm, half, qkv_bias, weights, outs, {}, nullptr, qk_norm, window, rope);
   return output_layer(x, final_norm, head, head_out, eps);
 }
 
@@ -1438,11 +1441,12 @@ std::tuple<at::Tensor, at::Tensor> q4_layers_capturing(
     at::ArrayRef<double> scaling, at::TensorList in_norm, at::TensorList post_norm, at::IntArrayRef half,
     const c10::List<std::optional<at::Tensor>>& qkv_bias, at::TensorList weights, at::IntArrayRef outs,
     at::IntArrayRef capture, const std::optional<at::Tensor>& final_norm, const std::optional<at::Tensor>& head,
-    int64_t head_out, at::OptionalIntArrayRef ids, const std::optional<at::Tensor>& qk_norm, int64_t window) {
+    int64_t head_out, at::OptionalIntArrayRef ids, const std::optional<at::Tensor>& qk_norm, int64_t window,
+    at::OptionalIntArrayRef rope) {
   at::Tensor states;
   const auto [x0, cos, sin] = looked_up(x_in, cos_in, sin_in, starts, lengths, ids);
   const at::Tensor x = layers_loop_any(x0, cos, sin, kv, starts, lengths, keeps, H, Hkv, hd, eps, scaling, in_norm,
-                                       post_norm, half, qkv_bias, weights, outs, capture, &states, qk_norm, window);
+                                       post_norm, half, qkv_bias, weights, outs, capture, &states, qk_norm, window, rope);
   return {output_layer(x, final_norm, head, head_out, eps), states};
 }
 

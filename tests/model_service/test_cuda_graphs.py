@@ -20,10 +20,10 @@ CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "mistral"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "mistral", "smollm3"])
 def model_dir(tmp_path_factory, request):
     """A tiny model of each family whose layers differ in the graphed body (qwen3: each q and k head's norm;
-    mistral: a sliding window of 40 keys, the mask's)."""
+    mistral: a sliding window of 40 keys, the mask's; smollm3: a layer without RoPE)."""
     out = tmp_path_factory.mktemp("graphs")
     made = make_model(out / "m", make_tokenizer(out / "tok"), arch=request.param, hidden=64, layers=3, heads=4,
                       kv_heads=2, max_context=1024, init_std=0.1)

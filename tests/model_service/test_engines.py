@@ -148,7 +148,7 @@ def test_engines_refuse_bad_input_and_leave_no_trace(runners):
         draft.propose(ProposeCall("x", False, 3, [], 2, GREEDY))  # more than was proposed
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "mistral+window", "phi3", "granite"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "mistral+window", "phi3", "granite", "smollm3"])
 def test_other_model_families_decode_exactly(tmp_path, arch):
     """(mistral+window: a sliding window of 8 keys, shorter than prompt and answer)"""
     import asyncio

@@ -62,10 +62,12 @@ def hf_forward_unchanged(fast, slow, tokens: list[int], max_context: int) -> Non
 
 
 @pytest.mark.parametrize("kernel", ["specdec", "onednn"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3"])  # phi3: qkv_proj, gate_up_proj
+# phi3: qkv_proj, gate_up_proj; smollm3: a layer without RoPE
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3", "smollm3"])
 def test_matches_transformers_through_feeds_and_rollbacks(tmp_path, tokenizer, arch, kernel):
     """Random feeds of 1..9 tokens, rollbacks of 0..5, past the cache's first capacity (256); the
-    float32 products through specdec's panels (and its C++ layer loop) or oneDNN's packed weights."""
+    float32 products through specdec's panels (and its C++ layer loop) or oneDNN's packed weights
+    (and TorchScript's loop)."""
     if kernel == "specdec" and not q4_kernel.available():
         pytest.skip(f"specdec's kernel is not built here: {q4_kernel.path()}")
     model_dir = make_model(tmp_path / arch, tokenizer, arch=arch, hidden=64, layers=2, heads=4, kv_heads=2,
@@ -73,6 +75,7 @@ def test_matches_transformers_through_feeds_and_rollbacks(tmp_path, tokenizer, a
     fast, slow = ModelRunner(model_dir, float_kernel=kernel), ModelRunner(model_dir, forward="transformers")
     assert fast.forward_kind.startswith("fast") and slow.forward_kind == "transformers"
     assert fast.fast.float_kernel == kernel and fast.fast._runs_q4_layers() == (kernel == "specdec")
+    assert [layer["rope"] for layer in fast.fast.layers] == [True, arch != "smollm3"]
     sessions, checked = feeds_and_rollbacks(fast, slow, 0, 300, range(1, 10), 5, some_logits=True)
     assert isinstance(sessions[0].cache, KVCache)
     assert checked > 40 and sessions[0].cache.data.shape[4] >= 512  # grown once at least
@@ -217,7 +220,7 @@ def test_falls_back_where_it_would_differ(tmp_path, tokenizer):
                                               " of 512 (the lean forward's sliding windows: mistral, phi3's)")
     assert unsupported(model.config, 64) is None
     for change, said in (({"model_type": "gemma"}, "its architecture is gemma (the lean forward's: granite, llama,"
-                                                   " mistral, phi3, qwen2, qwen3)"),
+                                                   " mistral, phi3, qwen2, qwen3, smollm3)"),
                          ({"hidden_act": "gelu"}, "its activation is gelu"), ({"mlp_bias": True}, "MLP projections"),
                          ({"attention_bias": True, "model_type": "llama"}, "attention projections have biases"),
                          ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.75}},
@@ -531,12 +534,13 @@ def test_kv_pool_does_not_halve_and_double_back_at_each_take(monkeypatch):
 @pytest.mark.skipif(scripted.LAYERS is None, reason="this torch has no TorchScript")
 @pytest.mark.parametrize("arch,weights", [("llama", "float"), ("llama", "packed"), ("llama", "panels"),
                                           ("llama", "int4"), ("qwen2", "packed"), ("qwen2", "panels"),
-                                          ("qwen2", "int4"), ("qwen3", "float"), ("qwen3", "int4")])
+                                          ("qwen2", "int4"), ("qwen3", "float"), ("qwen3", "int4"),
+                                          ("smollm3", "int4")])
 def test_scripted_layers_compute_the_eager_loop(tmp_path, tokenizer, monkeypatch, arch, weights):
     """One sequence's layers run by TorchScript (scripted.LAYERS) give the eager loop's logits, through
     random feeds of 1..9 tokens, partial logits and rollbacks: float weights as x @ w, oneDNN-packed
     (every weight packed: pack_min 0), in specdec's panels, int4; with q/k/v biases (qwen2), with each q and k
-    head's norm (qwen3)."""
+    head's norm (qwen3), with a layer without RoPE (smollm3)."""
     model_dir = make_model(tmp_path / arch, tokenizer, arch=arch, hidden=64, layers=2, heads=4, kv_heads=2,
                            max_context=512, init_std=0.1)
     runner = ModelRunner(model_dir, "cpu", quantize="int4" if weights == "int4" else "none",

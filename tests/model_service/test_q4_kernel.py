@@ -211,7 +211,7 @@ except ValueError as error:
 @pytest.mark.parametrize("arch, hidden, heads, kv_heads",
                          [("llama", 128, 4, 2), ("qwen2", 128, 4, 2), ("llama", 256, 4, 2), ("qwen2", 256, 2, 1),
                           ("qwen3", 128, 4, 2), ("phi3", 192, 2, 1), ("phi3+partial", 192, 2, 1),
-                          ("granite", 128, 4, 2)])
+                          ("granite", 128, 4, 2), ("smollm3", 128, 4, 2)])
 def test_the_c_layer_loop_computes_what_the_torchscript_loop_does(tmp_path, arch, hidden, heads, kv_heads):
     """One sequence's pass through q4_layers (the C++ loop) against TorchScript's loop over the same
     int4 products: a prompt (keeping 2 rows' logits), decode steps, a verify pass of 4, over the
@@ -890,7 +890,7 @@ def test_the_c_loop_looks_the_rows_up_from_their_ids(tmp_path, weights, monkeypa
     for key in [(False, True), (True, True)]:
         assert all(torch.equal(a, b) for a, b in zip(results[key], results[False, False]))
     cos, sin = fast.rope_table
-    scaling, in_norm, post_norm, half, qkv_bias, _, _, _, tiles, _, outs, _, _ = fast._scripted_args()
+    scaling, in_norm, post_norm, half, qkv_bias, _, _, _, _, tiles, _, outs, _, _ = fast._scripted_args()
     cache = fast.new_cache()
 
     def args(start: int, ids: list[int]) -> tuple:
@@ -903,3 +903,5 @@ def test_the_c_loop_looks_the_rows_up_from_their_ids(tmp_path, weights, monkeypa
         torch.ops.specdec.q4_layers(*args(cos.shape[0] - 1, [3, 4]))
     with pytest.raises(RuntimeError, match=r"qk_norm must be \[layers, 2, head_dim\]"):  # one layer too many
         torch.ops.specdec.q4_layers(*args(0, [3, 4]), qk_norm=torch.ones(len(fast.layers) + 1, 2, fast.head_dim))
+    with pytest.raises(RuntimeError, match="rope must say for each layer"):
+        torch.ops.specdec.q4_layers(*args(0, [3, 4]), rope=[1] * (len(fast.layers) + 1))

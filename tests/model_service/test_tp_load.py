@@ -23,7 +23,7 @@ from speculative.tiny import make_tokenizer
 ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
 LAYER_KEYS = ("in_norm", "post_norm", "qkv", "qkv_bias", "qk_norm", "sizes", "o", "gate_up", "half", "down",
-              "scaling")
+              "scaling", "rope")
 
 
 def save_model(out: Path, arch: str = "llama", *, tied: bool = False, hidden: int = 64, heads: int = 4,
@@ -35,7 +35,8 @@ def save_model(out: Path, arch: str = "llama", *, tied: bool = False, hidden: in
     config = AutoConfig.for_model(arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                                   max_position_embeddings=256, tie_word_embeddings=tied, pad_token_id=0,
-                                  bos_token_id=0, eos_token_id=0)  # (Phi-3's defaults lie past a small vocabulary)
+                                  bos_token_id=0, eos_token_id=0,  # (Phi-3's defaults lie past a small vocabulary)
+                                  **({"no_rope_layer_interval": 2} if arch == "smollm3" else {}))
     if partial:
         config.rope_parameters["partial_rotary_factor"] = 0.75
     if arch == "granite":
@@ -92,6 +93,7 @@ def assert_same_shard(a: FastForward, b: FastForward) -> None:
     ("phi3", False, 2, 2, 100, {}),  # one qkv_proj and one gate_up_proj: each section's rows split
     ("phi3+partial", False, 2, 2, 100, {}),  # RoPE over part of each head: q's and k's heads in head_order
     ("granite", False, 2, 2, 100, {}),  # its multipliers in the weights, as the whole model's
+    ("smollm3", True, 2, 2, 100, {}),  # a layer without RoPE (the second, here)
 ])
 def test_a_rank_loads_exactly_the_shard_of_the_whole_model(tmp_path, arch, tied, world, kv_heads, vocab, save):
     path = save_model(tmp_path / arch, arch, tied=tied, kv_heads=kv_heads, vocab=vocab, **save)
