@@ -109,9 +109,13 @@ def unsupported(config, max_context: int) -> str | None:
 
 def sliding_window(config, max_context: int) -> int | None:
     """The keys each query sees, the last ones up to its own (config.sliding_window), where fewer than the
-    context; None where it sees them all."""
+    context; None where it sees them all. A layer slides where use_sliding_window is on (Qwen2's, Qwen3's,
+    SmolLM3's; Mistral and Phi-3 have no such flag) or where layer_types says "sliding_attention" (those
+    families' transformers forward reads only that)."""
     window = getattr(config, "sliding_window", None)
-    if window is None or not getattr(config, "use_sliding_window", True) or window >= max_context:
+    slides = getattr(config, "use_sliding_window", True) or "sliding_attention" in (getattr(config, "layer_types",
+                                                                                             None) or ())
+    if window is None or not slides or window >= max_context:
         return None
     return int(window)
 

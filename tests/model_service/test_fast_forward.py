@@ -229,6 +229,12 @@ def test_falls_back_where_it_would_differ(tmp_path, tokenizer):
                           "it rotates 5 of each head's 16 dimensions (the lean forward's RoPE: an even split)")):
         config = SimpleNamespace(**{**model.config.to_dict(), "sliding_window": None, **change})
         assert said in unsupported(config, 512)
+    # transformers' Qwen2, Qwen3 and SmolLM3 slide the layers their layer_types say, whatever use_sliding_window says
+    for arch in ("qwen2", "smollm3"):
+        config = SimpleNamespace(**{**model.config.to_dict(), "model_type": arch, "sliding_window": 64,
+                                    "use_sliding_window": False, "layer_types": ["full_attention", "sliding_attention"]})
+        assert "it attends over a sliding window of 64 tokens" in unsupported(config, 512)
+        assert unsupported(SimpleNamespace(**{**vars(config), "layer_types": ["full_attention"] * 2}), 512) is None
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "sliding_window": 64, "use_sliding_window": True}))
     with pytest.raises(ValueError, match="int4 needs the lean forward, which m has not: it attends over a sliding"):
