@@ -121,7 +121,8 @@ class GenerationRequest:
     prompt: str = ""
     prompt_token_ids: list[int] = field(default_factory=list)
     messages: list[Message] = field(default_factory=list)
-    max_new_tokens: int | None = None
+    max_new_tokens: int | None = None  # default: Limits.default_max_new_tokens (to_context: up to the context)
+    to_context: bool = False  # without max_new_tokens, generate up to the context's end (OpenAI's chat), not 256
     temperature: float | None = None   # 0 = greedy; default 1
     top_p: float | None = None         # default 1 (off)
     top_k: int | None = None           # default 0 (off)
@@ -336,7 +337,7 @@ async def resolve(request: GenerationRequest, models: Models, limits: Limits) ->
             "messages" if request.messages else "prompt_token_ids" if request.prompt_token_ids else "prompt")
     max_new = request.max_new_tokens
     if max_new is None:
-        max_new = min(limits.default_max_new_tokens, room)
+        max_new = room if request.to_context else min(limits.default_max_new_tokens, room)
     if max_new < 0 or max_new == 0 and not scoring:
         raise InvalidRequest(f"max_new_tokens must be > 0 (0 only where the prompt is scored: gRPC's prompt_logprobs,"
                              f" completions' echo), not {max_new}", "max_new_tokens")

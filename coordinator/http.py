@@ -31,8 +31,8 @@ the prompt alone would be), at most MAX_GENERATIONS in all. Completions' `echo` 
 the completion, with its tokens' logprobs where `logprobs` is asked (the target scores the prompt: then
 max_tokens may be 0).
 A field specdec cannot honour (best_of, suffix, the older functions API) is refused, naming it; a
-field it does not know is ignored. /v1/completions generates 16 tokens where max_tokens is not
-given, as OpenAI's does.
+field it does not know is ignored. Where max_tokens is not given, /v1/completions generates 16 tokens
+and /v1/chat/completions up to the end of the context, as OpenAI's do.
 
 Errors are OpenAI's error object, with the HTTP status of the core's canonical code
 (generation.outcome): 400 a bad request, 401 no API key, 404 an unknown model, 413 a body past
@@ -482,6 +482,7 @@ def chat_request(body: ChatBody) -> list[tuple[GenerationRequest, Reply]]:
     messages = [Message(role, text) for role, text in conversation(body.messages, use)]
     most = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     request = generation_request(body, most, messages=messages)
+    request.to_context = most is None  # (OpenAI's chat: without a limit, up to the end of the context)
     if use is None:
         return [(request, chat_choice)]
     if request.constraint is not None:  # (the direct answer's shape: an agent's final output)

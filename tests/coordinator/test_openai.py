@@ -95,6 +95,25 @@ def post(api, path: str, body: bytes, key: str | None = KEY) -> tuple[int, dict]
         return e.code, json.load(e)
 
 
+def test_without_max_tokens_a_chat_runs_to_the_context_and_a_completion_to_16_tokens(client, stub):
+    """OpenAI's defaults: a chat (and a response) without max_tokens or max_completion_tokens ends only at the
+    end of the context (here the target's --max-kv-tokens, KV_CAP), a completion after 16 tokens; gRPC's
+    default stays 256 (GenerationRequest.to_context)."""
+    chat_reply = client.chat.completions.create(model="target", messages=chat(QUESTION), temperature=0,
+                                                extra_body={"ignore_eos": True})
+    usage = chat_reply.usage
+    assert chat_reply.choices[0].finish_reason == "length"
+    assert usage.prompt_tokens + usage.completion_tokens == KV_CAP and usage.completion_tokens > 256, usage
+    response = client.responses.create(model="target", input=QUESTION[1][1], temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert response.status == "incomplete"
+    assert response.usage.input_tokens + response.usage.output_tokens == KV_CAP, response.usage
+    text = client.completions.create(model="target", prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
+    assert text.usage.completion_tokens == 16 and text.choices[0].finish_reason == "length"
+    grpc_reply = grpc_text(stub, prompt=PROMPT, min_tokens=256)  # (no end before 256: what stops it is the default)
+    assert (len(grpc_reply.token_ids), grpc_reply.finish_reason) == (256, pb.FINISH_REASON_LENGTH), grpc_reply
+
+
 def test_a_chat_refused_names_the_field_it_was_given_and_bounds_hold_as_the_wire_carries_them(api):
     """An empty messages list names messages, and so do a role OpenAI does not have, a message without content
     (but an assistant's with tool calls) and a text part without text; max_completion_tokens, where given, is
