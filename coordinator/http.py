@@ -321,11 +321,20 @@ def logprobs_asked(body: Body) -> int | None:
     return body.logprobs if isinstance(body, CompletionBody) else None
 
 
+def seed_of(seed: int | None) -> int | None:
+    """A request's seed as the core takes it, in [0, 2^64): -1 none (a random one), any other signed 64-bit one
+    its two's complement (what lies outside both is left for the core to refuse)."""
+    if seed == -1:
+        return None
+    return seed + 2**64 if seed is not None and -(2**63) <= seed < 0 else seed
+
+
 def generation_request(body: Body, max_new_tokens: int | None, **prompt) -> GenerationRequest:
-    """(seed -1: a random one, as llama.cpp's clients mean it; top_k -1: off, as vLLM reads it)"""
+    """(seed -1: a random one, as llama.cpp's clients mean it; another negative one, which OpenAI's signed 64-bit
+    seed allows, as its two's complement; top_k -1: off, as vLLM reads it)"""
     return GenerationRequest(
         **prompt, max_new_tokens=max_new_tokens, temperature=body.temperature, top_p=body.top_p,
-        top_k=0 if body.top_k == -1 else body.top_k, min_p=body.min_p, seed=None if body.seed == -1 else body.seed,
+        top_k=0 if body.top_k == -1 else body.top_k, min_p=body.min_p, seed=seed_of(body.seed),
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
         num_speculative_tokens=body.num_speculative_tokens, draft_p_min=body.draft_p_min,
         ignore_eos=bool(body.ignore_eos), stop_token_ids=list(body.stop_token_ids or []), min_tokens=body.min_tokens,

@@ -923,7 +923,7 @@ def test_a_body_past_max_request_bytes_is_413(api):
     ({"extra_body": {"num_speculative_tokens": 99}}, "num_speculative_tokens"),
     # what the wire's fields cannot carry (uint64 seed, int32 top_k, 32-bit floats): refused here, in these
     # terms, not by a service (a seed of -1 was a 500)
-    ({"seed": -2}, "seed"),  # (-1: a random seed, as llama.cpp's clients mean it)
+    ({"seed": -(2**63) - 1}, "seed"),  # (-1: a random seed, as llama.cpp's clients mean it; down to -2^63: int64's)
     ({"seed": 2**64}, "seed"),
     ({"extra_body": {"top_k": 2**31}}, "top_k"),
     ({"temperature": 1e39}, "temperature"),
@@ -978,6 +978,15 @@ def test_null_stream_and_ignore_eos_are_their_defaults_and_minus_one_seed_and_to
         assert status == 200, reply
         seeds.add(reply["specdec"]["seed"])
     assert len(seeds) == 2
+    # another negative seed (OpenAI's is a signed 64-bit integer) is its two's complement; past int64, refused
+    sampled = {"prompt": PROMPT, "max_tokens": 8, "temperature": 1.0}
+    replies = [post(api, "/v1/completions", json.dumps({**sampled, "seed": seed}).encode())
+               for seed in (-5, 2**64 - 5, -(2**63))]
+    assert [status for status, _ in replies] == [200, 200, 200], replies
+    assert replies[0][1]["choices"][0]["text"] == replies[1][1]["choices"][0]["text"]
+    assert [reply["specdec"]["seed"] for _, reply in replies] == [2**64 - 5, 2**64 - 5, 2**63]
+    status, reply = post(api, "/v1/completions", json.dumps({**sampled, "seed": -(2**63) - 1}).encode())
+    assert status == 400 and reply["error"]["param"] == "seed", reply
 
 
 def test_a_predicted_output_is_verified_as_draft_tokens_and_reported(client, api, stub):
