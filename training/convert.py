@@ -150,13 +150,12 @@ def gguf_rope(path: Path, config) -> dict | None:
 def llama3_rope(divisors: list[float], theta: float, rotated: int) -> dict | None:
     """Llama 3.1's RoPE parameters whose frequencies are base's divided by `divisors` (what llama.cpp's
     convert writes as rope_freqs), or None where none of the usual ones make them."""
-    factor = max(divisors)
+    factor, low, high = max(divisors), 1.0, 4.0  # (Llama 3.1's and 3.2's low and high frequency factors)
     for original in (8192, 4096, 2048, 16384, 32768, 131072):
-        for low, high in ((1.0, 4.0),):
-            made = llama3_divisors(theta, rotated, factor, original, low, high)
-            if len(made) == len(divisors) and all(abs(a - b) <= 1e-5 * b for a, b in zip(made, divisors)):
-                return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
-                        "original_max_position_embeddings": original}
+        made = llama3_divisors(theta, rotated, factor, original, low, high)
+        if len(made) == len(divisors) and all(abs(a - b) <= 1e-5 * b for a, b in zip(made, divisors)):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                    "original_max_position_embeddings": original}
     return None
 
 

@@ -876,8 +876,14 @@ void attend(const float* q, const float* keys, const float* values, int64_t stri
 // attend_shared and attend_rows: every build's attention over float16 caches, and the AVX2 and plain
 // C++ builds' over float32 ones (the AVX-512 build's float32 attention is attend's, above).
 
+// The first key a query at `position` sees: 0, or under a sliding window (window > 0) the first of the last
+// `window` keys up to its own (transformers': key > position - window)
+inline int64_t first_key(int64_t position, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, position + 1 - window) : 0;
+}
+
 // One query of attend_shared: hd floats of q and of out, and the keys it sees (first .. seen - 1: 0 .. its
-// position, or the last `window` of them under a sliding window)
+// position, or the last `window` of them under a sliding window: first_key)
 struct Query {
   const float* q;
   float* out;
@@ -1089,7 +1095,7 @@ void attend_rows(const float* qkv, int64_t qkv_n, float* att, int64_t qdim, cons
         const int64_t t = rows[r];
         for (int64_t head = g * group; head < (g + 1) * group; ++head) {
           queries.push_back({qkv + t * qkv_n + head * hd, att + r * qdim + head * hd, pos[t] + 1,
-                             window > 0 ? std::max<int64_t>(0, pos[t] + 1 - window) : 0});
+                             first_key(pos[t], window)});
           work += (pos[t] + 1) * hd;
         }
       }
@@ -1299,7 +1305,7 @@ at::Tensor layers_loop(const at::Tensor& x_in, const at::Tensor& cos_in, const a
         for (int64_t k = k0; k < k1; ++k) {
           const int64_t out_row = k / H, t = last ? kept[out_row] : out_row, head = k % H;
           const KvHead<float> h = kv_head(seq[t], head / group);
-          const int64_t first = window > 0 ? std::max<int64_t>(0, pos[t] + 1 - window) : 0;  // (a sliding window's)
+          const int64_t first = first_key(pos[t], window);
           attend(qkv.data() + t * qkv_n + head * hd, h.keys + first * h.stride, h.values + first * h.stride, h.stride,
                  pos[t] + 1 - first, hd, scale, scores.data(), att.data() + out_row * qdim + head * hd);
         }
